@@ -1,0 +1,31 @@
+# Two commands do everything: `make serve` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Without CUDA we take the CPU build of torch; pass TORCH_PIP_ARGS to point pip elsewhere.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast clean-venv
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+serve: install
+	$(VENV)/bin/hybridserve serve
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""The Ray Serve application and the command line (DESIGN §6)."""

@@ -1,0 +1,160 @@
+"""The configuration schema: DESIGN §3, field names are public surface.
+
+Every model is frozen and rejects unknown keys (pydantic ``extra="forbid"``), so a typo
+in YAML or ``--set`` fails loudly with the key named. ``load_config`` merges, in order:
+defaults, a YAML file, a dict of overrides (nested or dotted keys).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_ROOT = Path(__file__).resolve().parent
+DEFAULT_MODEL_DIR = "configs/models/tiny-hybrid"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CacheConfig(_Frozen):
+    enable_prefix_cache: bool = True
+    page_size: int = Field(16, ge=1)
+    mamba_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"] = "extra_buffer_lazy"
+    mamba_track_interval: int = Field(256, ge=1)
+    max_mamba_slots: int | None = Field(None, ge=1)  # usable slots (slot 0 is extra)
+    max_kv_tokens: int | None = Field(None, ge=1)    # usable KV tokens (page 0 is extra)
+
+
+class SchedulerConfig(_Frozen):
+    max_running_requests: int = Field(64, ge=1)
+    max_batch_tokens: int = Field(4096, ge=1)
+    chunked_prefill_size: int = Field(512, ge=1)
+    overlap: bool = True
+
+
+class SpecConfig(_Frozen):
+    method: Literal["none", "mtp", "draft"] = "none"
+    num_draft_tokens: int = Field(3, ge=1)
+
+
+class ParallelConfig(_Frozen):
+    tensor_parallel_size: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1)
+
+
+class RouterConfig(_Frozen):
+    policy: Literal["hybrid_prefix", "pow2", "round_robin"] = "hybrid_prefix"
+
+
+class ServerConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+
+
+class MetricsConfig(_Frozen):
+    port: int = Field(9464, ge=0, le=65535)
+
+
+class DebugConfig(_Frozen):
+    check_invariants: bool = False
+    fail_pending_alloc_prob: float = Field(0.0, ge=0.0, le=1.0)
+    disable_alias_guard: bool = False
+
+
+class HybridServeConfig(_Frozen):
+    model: str = DEFAULT_MODEL_DIR
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    spec: SpecConfig = SpecConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    router: RouterConfig = RouterConfig()
+    server: ServerConfig = ServerConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    debug: DebugConfig = DebugConfig()
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> HybridServeConfig:
+        sched = self.scheduler
+        if sched.chunked_prefill_size > sched.max_batch_tokens:
+            raise ValueError(
+                f"scheduler.chunked_prefill_size ({sched.chunked_prefill_size}) must be <= "
+                f"scheduler.max_batch_tokens ({sched.max_batch_tokens})")
+        return self
+
+    def model_dir(self) -> Path:
+        """The model path, resolved against the project root when relative and absent here."""
+        path = Path(self.model)
+        if path.is_absolute() or path.exists():
+            return path
+        return _ROOT.parent / path
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.replace("-", "_").split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"cannot set {dotted!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if "." in key:
+            tmp: dict[str, Any] = {}
+            _set_dotted(tmp, key, value)
+            out = _deep_merge(out, tmp)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_set_items(items: list[str]) -> dict[str, Any]:
+    """``["cache.page_size=8", ...]`` -> nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def load_config(path: str | Path | None = None,
+                overrides: dict[str, Any] | None = None) -> HybridServeConfig:
+    """Defaults <- YAML file <- overrides. Raises ValueError naming unknown or bad keys."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
+        data = loaded
+    data = _deep_merge(data, overrides or {})
+    try:
+        return HybridServeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown config key {where!r}")
+        else:
+            lines.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid config: " + "; ".join(lines)

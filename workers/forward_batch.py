@@ -1,0 +1,52 @@
+"""The one contract between the engine and a model: what a forward step is given.
+
+A forward step runs one flat, variable-length batch: B sequences, T new tokens in all.
+Sequence b owns tokens ``cu_seqlens[b]:cu_seqlens[b+1]`` of every ``[T, ...]`` tensor.
+A sequence may be a prefill chunk (many tokens, maybe continuing from an earlier chunk)
+or a decode (one token); both kinds mix freely in one batch.
+
+Shapes use one vocabulary: B sequences, T new tokens, S pool slots / KV locations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Device tensors for one forward step (built once by the model runner).
+
+    Invariants:
+    - ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``, non-decreasing, int32.
+    - ``seq_lens[b]`` is the context length after this step (cached prefix + new
+      tokens); ``positions`` of sequence b run ``seq_lens[b] - q_len_b .. seq_lens[b]-1``.
+    - ``out_loc[t]`` is the flat KV location (``page * page_size + offset``) where token t's
+      K/V is written; ``page_table[b, i]`` is the page holding context tokens
+      ``i * page_size .. (i+1) * page_size - 1`` of sequence b (unused entries are 0).
+    - ``mamba_slot_ids[b]`` is sequence b's live slot in the Mamba pool; the recurrent
+      layers read the initial state from it when ``has_initial_state[b]`` (zeros
+      otherwise) and write the state after the last new token back into it.
+    - ``logits_indices`` are the rows of the flat batch whose logits are needed
+      (the last token of every sequence that samples this step).
+    """
+
+    input_ids: torch.Tensor          # int64 [T]
+    positions: torch.Tensor          # int64 [T]
+    cu_seqlens: torch.Tensor         # int32 [B + 1]
+    seq_lens: torch.Tensor           # int32 [B]
+    out_loc: torch.Tensor            # int64 [T]
+    page_table: torch.Tensor         # int32 [B, max_pages]
+    mamba_slot_ids: torch.Tensor     # int32 [B]
+    has_initial_state: torch.Tensor  # bool  [B]
+    logits_indices: torch.Tensor     # int64 [N]
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

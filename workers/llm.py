@@ -1,0 +1,92 @@
+"""The offline Python API, shaped like vLLM's ``LLM`` (DESIGN §4)."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from configs.schema import HybridServeConfig, load_config
+from workers.engine import Engine
+from workers.outputs import RequestOutput
+from workers.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """``LLM(model=DIR, cache={...}, scheduler={...}, ...)``: config fields as overrides.
+
+    The engine (and, once enabled, its prefix cache) persists across ``generate`` calls.
+    """
+
+    def __init__(self, model: str | None = None, config: HybridServeConfig | None = None,
+                 **overrides: Any) -> None:
+        if config is None:
+            if model is not None:
+                overrides["model"] = model
+            config = load_config(overrides=overrides)
+        elif model is not None or overrides:
+            raise ValueError("pass either config= or model=/overrides, not both")
+        self.config = config
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if not all(isinstance(t, int) for t in prompt):
+            raise ValueError("a token-id prompt must be a list of ints")
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A bad prompt raises ValueError before anything is queued.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]
+        outputs = self.generate_ids(encoded, plist)
+        return [_with_prompt(o, p) for o, p in zip(outputs, prompts)]
+
+    def generate_ids(self, encoded: list[list[int]],
+                     plist: list[SamplingParams]) -> list[RequestOutput]:
+        """Token-id prompts, one SamplingParams each; all run together, in input order."""
+        order: dict[str, int] = {}
+        added: list[str] = []
+        try:
+            for i, (ids, p) in enumerate(zip(encoded, plist)):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, ids, p)
+                order[rid] = i
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        results: list[RequestOutput | None] = [None] * len(encoded)
+        while any(r is None for r in results):
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+        return [r for r in results if r is not None]
+
+    def stats(self) -> dict[str, object]:
+        return self.engine.stats.snapshot()
+
+
+def _with_prompt(out: RequestOutput, prompt: Prompt) -> RequestOutput:
+    from dataclasses import replace
+
+    return replace(out, prompt=prompt if isinstance(prompt, str) else None)

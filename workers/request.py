@@ -1,0 +1,80 @@
+"""A request in the ``num_tokens`` / ``num_computed_tokens`` form (DESIGN §4).
+
+Each step the scheduler gives a request tokens to catch up: ``all_token_ids[
+num_computed_tokens : num_computed_tokens + n]``. A prefill chunk, a decode token and a
+recompute after preemption are all that one rule. The request holds ids of pool
+entries (KV pages, its live Mamba slot) but never tensors.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from workers.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS, a stop string or a stop token
+    LENGTH = "length"    # max_tokens or the model's context length
+    ABORT = "abort"      # cancelled by the caller
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    page_ids: list[int] = field(default_factory=list)
+    mamba_slot: int | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        head = self.prompt_token_ids[start:n] if start < n else []
+        return head + self.output_token_ids[max(start - n, 0):end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

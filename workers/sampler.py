@@ -1,0 +1,84 @@
+"""Sampling from logits rows: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Rows with a seed draw from their own ``torch.Generator`` so a seeded request's tokens do
+not depend on what else is in the batch. No device sync happens here: results stay
+tensors until the engine's one read per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: torch.Tensor                 # int64 [N]
+    logprobs: torch.Tensor | None           # float32 [N] chosen-token logprob (if any row asked)
+    top_ids: torch.Tensor | None            # int64 [N, max_k]
+    top_logprobs: torch.Tensor | None       # float32 [N, max_k]
+
+
+class GeneratorBank:
+    """One generator per seeded request, keyed by request id; one shared for the rest."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.shared = torch.Generator(device=device)
+        self.shared.manual_seed(seed)
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def get(self, request_id: str, seed: int | None) -> torch.Generator:
+        if seed is None:
+            return self.shared
+        gen = self._per_request.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._per_request[request_id] = gen
+        return gen
+
+    def drop(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask one row [V] to -inf outside top-k and the top-p nucleus."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token if the mass before it is < top_p (the first token is always kept).
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def _sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    if params.is_greedy:
+        return torch.argmax(logits).view(1)
+    scaled = logits / params.temperature
+    scaled = _filter_top_k_top_p(scaled, params.effective_top_k, params.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    return torch.multinomial(probs, 1, generator=gen)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator]) -> SampleResult:
+    """logits: float32 [N, V]; one params / generator per row."""
+    if all(p.is_greedy for p in params):
+        token_ids = torch.argmax(logits, dim=-1)
+    else:
+        token_ids = torch.cat([_sample_row(logits[i], p, generators[i]) for i, p in enumerate(params)])
+    max_k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+    if max_k is None:
+        return SampleResult(token_ids, None, None, None)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.view(-1, 1)).view(-1)
+    top = torch.topk(logprobs, max(max_k, 1), dim=-1)
+    return SampleResult(token_ids, chosen, top.indices, top.values)

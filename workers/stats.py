@@ -1,0 +1,83 @@
+"""Engine counters as plain data (DESIGN §4). Only cluster/ turns them into Prometheus.
+
+Keys are the Prometheus names. A labelled counter maps label value -> count; a histogram
+keeps every observation since the last ``drain_observations`` (the cluster drains them
+into real histograms) plus running count and sum.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+COUNTERS = (
+    "hybridserve_mamba_donations_total",
+    "hybridserve_mamba_pending_alloc_failures_total",
+    "hybridserve_mamba_inplace_track_writes_total",
+    "hybridserve_mamba_checkpoints_evicted_total",
+    "hybridserve_mamba_duplicate_inserts_total",
+    "hybridserve_prefix_query_tokens_total",
+    "hybridserve_prefix_hit_tokens_total",
+    "hybridserve_spec_draft_tokens_total",
+    "hybridserve_spec_accepted_tokens_total",
+    "hybridserve_preemptions_total",
+    "hybridserve_prompt_tokens_total",
+    "hybridserve_generation_tokens_total",
+)
+LABELLED_COUNTERS = {
+    "hybridserve_mamba_donations_skipped_total": "path",
+    "hybridserve_mamba_checkpoints_inserted_total": "phase",
+    "hybridserve_invariant_violations_total": "invariant",
+    "hybridserve_requests_total": "finish_reason",
+}
+HISTOGRAMS = (
+    "hybridserve_time_to_first_token_seconds",
+    "hybridserve_time_per_output_token_seconds",
+    "hybridserve_e2e_request_latency_seconds",
+    "hybridserve_step_duration_seconds",
+    "hybridserve_step_gap_seconds",
+)
+GAUGES = (
+    "hybridserve_num_running_requests",
+    "hybridserve_num_waiting_requests",
+    "hybridserve_kv_pool_usage_ratio",
+    "hybridserve_mamba_pool_usage_ratio",
+)
+
+
+@dataclass
+class EngineStats:
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    labelled: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {name: defaultdict(int) for name in LABELLED_COUNTERS})
+    observations: dict[str, list[float]] = field(
+        default_factory=lambda: {name: [] for name in HISTOGRAMS})
+    totals: dict[str, tuple[int, float]] = field(
+        default_factory=lambda: dict.fromkeys(HISTOGRAMS, (0, 0.0)))
+    gauges: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GAUGES, 0.0))
+
+    def inc(self, name: str, amount: int = 1, label: str | None = None) -> None:
+        if label is None:
+            self.counters[name] += amount
+        else:
+            self.labelled[name][label] += amount
+
+    def observe(self, name: str, value: float) -> None:
+        obs = self.observations[name]
+        obs.append(value)
+        if len(obs) > 100_000:          # bounded if nobody drains
+            del obs[: len(obs) // 2]
+        count, total = self.totals[name]
+        self.totals[name] = (count + 1, total + value)
+
+    def drain_observations(self) -> dict[str, list[float]]:
+        out = {k: v for k, v in self.observations.items()}
+        self.observations = {name: [] for name in HISTOGRAMS}
+        return out
+
+    def snapshot(self) -> dict[str, object]:
+        """The dict ``LLM.stats()`` returns."""
+        out: dict[str, object] = dict(self.counters)
+        out.update({k: dict(v) for k, v in self.labelled.items()})
+        out.update({k: {"count": c, "sum": s} for k, (c, s) in self.totals.items()})
+        out.update(self.gauges)
+        return out
