@@ -1,0 +1,121 @@
+"""Serving-path overhead: decode tokens/s of the engine against a bare forward loop and
+against transformers ``generate``, same model, same prompts, same batch, one process.
+
+    python -m cluster.bench.engine_overhead --batch 1 32 --out-tokens 64
+
+Builds a ~10M-parameter random Qwen3-Next (tiny factory), prompts of 32 random tokens.
+Decode rate = batch * (out_tokens - 1) / (time(out_tokens) - time(1)), so prefill and
+first-token time cancel out. Reports a JSON line per batch size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from workers.forward_batch import ForwardBatch
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+MODEL_10M = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+                 linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=256, shared_expert_intermediate_size=256, intermediate_size=512)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def engine_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> float:
+    def run(n: int) -> None:
+        llm.generate_ids(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)] * len(prompts))
+
+    run(2)  # warm-up
+    t_full, t_one = _timed(lambda: run(out_tokens)), _timed(lambda: run(1))
+    return len(prompts) * (out_tokens - 1) / (t_full - t_one)
+
+
+def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> float:
+    """The model's forward in a tight loop on pre-built decode batches (no scheduler)."""
+    engine = llm.engine
+    model, pools, ps = engine.model, engine.pools, engine.config.cache.page_size
+    b, plen = len(prompts), len(prompts[0])
+    total = plen + out_tokens
+    pages_per = -(-total // ps)
+    page_table = torch.arange(1, 1 + b * pages_per, dtype=torch.int32).view(b, pages_per)
+    slots = torch.arange(1, b + 1, dtype=torch.int32)
+
+    def batch(ids: torch.Tensor, start: int, q: int) -> ForwardBatch:
+        pos = torch.arange(start, start + q).repeat(b)
+        rows = torch.arange(b).repeat_interleave(q)
+        out_loc = page_table[rows, pos // ps].long() * ps + pos % ps
+        return ForwardBatch(ids.reshape(-1), pos, torch.arange(0, b * q + 1, q, dtype=torch.int32),
+                            torch.full((b,), start + q, dtype=torch.int32), out_loc, page_table, slots,
+                            torch.full((b,), start > 0), torch.arange(q - 1, b * q, q), ps)
+
+    @torch.inference_mode()
+    def run(n: int) -> None:
+        fb = batch(torch.tensor(prompts), 0, plen)
+        tok = model.compute_logits(model.forward(fb, pools)[fb.logits_indices]).argmax(-1)
+        for step in range(n - 1):
+            fb = batch(tok, plen + step, 1)
+            tok = model.compute_logits(model.forward(fb, pools)[fb.logits_indices]).argmax(-1)
+        tok.tolist()
+
+    run(2)
+    t_full, t_one = _timed(lambda: run(out_tokens)), _timed(lambda: run(1))
+    return b * (out_tokens - 1) / (t_full - t_one)
+
+
+def hf_decode_rate(model_dir: Path, prompts: list[list[int]], out_tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+
+    @torch.inference_mode()
+    def run(n: int) -> None:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+
+    run(2)
+    t_full, t_one = _timed(lambda: run(out_tokens)), _timed(lambda: run(1))
+    return len(prompts) * (out_tokens - 1) / (t_full - t_one)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from workers.models.tiny import make_tiny_checkpoint
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--out-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_checkpoint("qwen3_next", Path(tmp) / "m", seed=0, **MODEL_10M)
+        llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
+                  cache={"page_size": 16, "max_kv_tokens": 65536})
+        params = sum(p.numel() for p in llm.engine.model.parameters())
+        rng = random.Random(0)
+        for b in args.batch:
+            prompts = [[rng.randrange(3, llm.engine.vocab_size - 8) for _ in range(args.prompt_len)]
+                       for _ in range(b)]
+            eng = engine_decode_rate(llm, prompts, args.out_tokens)
+            bare = bare_decode_rate(llm, prompts, args.out_tokens)
+            hf = hf_decode_rate(model_dir, prompts, args.out_tokens)
+            print(json.dumps({"params": params, "batch": b, "engine_tok_s": round(eng, 1),
+                              "bare_loop_tok_s": round(bare, 1), "hf_generate_tok_s": round(hf, 1),
+                              "engine_over_bare": round(eng / bare, 3), "engine_over_hf": round(eng / hf, 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Causal attention over the paged KV pool.
+
+Pool layout (``workers/device_pools.py``): ``k_pool`` / ``v_pool`` [L_total, Hkv, D] with
+flat location ``page * page_size + offset``. Context position ``pos`` of sequence b lives at
+``page_table[b, pos // page_size] * page_size + pos % page_size``.
+
+Sequence b brings ``q_len = cu[b+1] - cu[b]`` new tokens and has ``seq_lens[b]`` context
+tokens after this step, so its query i sits at absolute position ``seq_lens[b] - q_len + i``
+and attends to context positions ``0 ..`` that position (the new tokens included).
+
+Files: ``reference`` (torch SDPA over gathered pages: the CPU path and the oracle) and
+``flashinfer_backend`` (FlashInfer's paged prefill/decode wrappers over the same pool, viewed
+as NHD pages; imported only on CUDA). ``kernels.backend.use_flashinfer`` picks one.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from kernels import backend
+from kernels.attention.reference import paged_attention_torch, write_kv
+
+__all__ = ["paged_attention", "write_kv"]
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
+                    out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor,
+                    page_size: int, scale: float) -> Tensor:
+    """q [T, Hq, D]; k, v [T, Hkv, D]; pools [L_total, Hkv, D]; out_loc int64 [T];
+    page_table int32 [B, max_pages]; cu_seqlens int32 [B+1]; seq_lens int32 [B] -> [T, Hq, D].
+
+    Writes k, v into the pools at ``out_loc`` first, then attends (GQA: Hkv divides Hq).
+    """
+    if backend.use_flashinfer(q):
+        from kernels.attention.flashinfer_backend import paged_attention_flashinfer
+        return paged_attention_flashinfer(q, k, v, k_pool, v_pool, out_loc, page_table,
+                                          cu_seqlens, seq_lens, page_size, scale)
+    return paged_attention_torch(q, k, v, k_pool, v_pool, out_loc, page_table, cu_seqlens,
+                                 seq_lens, page_size, scale)

@@ -1,0 +1,76 @@
+"""Causal attention over the paged KV pool, torch reference (the CPU path).
+
+Pool layout (``workers/device_pools.py``): ``k_pool`` / ``v_pool`` [L_total, Hkv, D] with
+flat location ``page * page_size + offset``. Context position ``pos`` of sequence b lives at
+``page_table[b, pos // page_size] * page_size + pos % page_size``.
+
+Sequence b brings ``q_len = cu[b+1] - cu[b]`` new tokens and has ``seq_lens[b]`` context
+tokens after this step, so its query i sits at absolute position ``seq_lens[b] - q_len + i``
+and attends to context positions ``0 ..`` that position (the new tokens included).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def write_kv(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, out_loc: Tensor) -> None:
+    loc = out_loc.long()
+    k_pool[loc] = k.to(k_pool.dtype)
+    v_pool[loc] = v.to(v_pool.dtype)
+
+
+def paged_attention_torch(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
+                           out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor,
+                           seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
+    if q.shape[1] % k.shape[1] != 0 or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (GQA needs "
+                         "Hkv to divide Hq and equal head dims)")
+    write_kv(k, v, k_pool, v_pool, out_loc)
+    cu, ctx = cu_seqlens.tolist(), seq_lens.tolist()
+    q_lens = [cu[b + 1] - cu[b] for b in range(len(ctx))]
+    bad = [b for b in range(len(ctx)) if ctx[b] < q_lens[b]]
+    if bad:
+        raise ValueError(f"seq_lens < new tokens for sequences {bad}: {ctx} vs {q_lens}")
+    out = torch.zeros_like(q)
+    # Decodes share one padded call; each prefill gets its own (no q_len x padding blow-up).
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    if decodes:
+        _attend(q, k_pool, v_pool, page_table, cu, ctx, q_lens, decodes, page_size, scale, out)
+    for b in (b for b, n in enumerate(q_lens) if n > 1):
+        _attend(q, k_pool, v_pool, page_table, cu, ctx, q_lens, [b], page_size, scale, out)
+    return out
+
+
+def _attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, cu: list[int],
+            ctx: list[int], q_lens: list[int], seqs: list[int], page_size: int, scale: float,
+            out: Tensor) -> None:
+    """SDPA for ``seqs`` padded to their longest query and context; writes rows of ``out``."""
+    device = q.device
+    n_q = torch.tensor([q_lens[b] for b in seqs], device=device)           # [n]
+    n_ctx = torch.tensor([ctx[b] for b in seqs], device=device)            # [n]
+    starts = torch.tensor([cu[b] for b in seqs], device=device)
+    q_pos = torch.arange(max(q_lens[b] for b in seqs), device=device)      # [Q]
+    k_pos = torch.arange(max(ctx[b] for b in seqs), device=device)         # [L]
+    q_valid = q_pos[None, :] < n_q[:, None]                                # [n, Q]
+    q_rows = starts[:, None] + torch.minimum(q_pos[None, :], n_q[:, None] - 1)
+    locs = _context_locations(page_table, seqs, n_ctx, k_pos, page_size)   # [n, L]
+    keys = k_pool[locs].to(q.dtype).transpose(1, 2)                        # [n, Hkv, L, D]
+    values = v_pool[locs].to(q.dtype).transpose(1, 2)
+    queries = q[q_rows].transpose(1, 2)                                    # [n, Hq, Q, D]
+    abs_q = (n_ctx - n_q)[:, None] + q_pos[None, :]                        # [n, Q]
+    keys_pos = k_pos[None, None, :]
+    mask = (keys_pos <= abs_q[:, :, None]) & (keys_pos < n_ctx[:, None, None])   # [n, Q, L]
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
+                                       scale=scale, enable_gqa=True)       # [n, Hq, Q, D]
+    out[q_rows[q_valid]] = o.transpose(1, 2)[q_valid]
+
+
+def _context_locations(page_table: Tensor, seqs: list[int], n_ctx: Tensor, k_pos: Tensor,
+                       page_size: int) -> Tensor:
+    """Flat pool locations of context positions ``k_pos`` (clamped to each length): [n, L]."""
+    pos = torch.minimum(k_pos[None, :], (n_ctx - 1).clamp(min=0)[:, None])  # [n, L]
+    table = page_table[torch.tensor(seqs, device=page_table.device)].long()  # [n, max_pages]
+    pages = torch.gather(table, 1, pos // page_size)
+    return pages * page_size + pos % page_size

@@ -1,0 +1,86 @@
+"""Host-side planning shared by the Triton launchers of the recurrent ops (no triton import).
+
+A varlen batch is split by sequence length: sequences of ``1..recurrent_max_len`` tokens
+(decodes, speculative verifies, short chunks) go to one per-token recurrent kernel launch,
+which writes a snapshot after any token; longer ones go to the chunked kernels.
+
+The chunked kernels work on a chunk table rather than on fixed chunk multiples: a long
+sequence is cut into chunks of at most ``block_t`` tokens, and additionally *after every
+token with a snapshot slot* (the chunking restarts there, like the reference's segments).
+So a snapshot always falls on a chunk end, where the sequential state pass holds exactly the
+state to write. Without snapshots a sequence of L tokens has ceil(L / block_t) chunks.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from kernels import SeqPlan
+
+
+class LengthSplit(NamedTuple):
+    short: list[int]    # sequences with 1..recurrent_max_len tokens
+    long: list[int]     # sequences with more
+
+
+class ChunkTable(NamedTuple):
+    """Chunks of the long sequences, in order; all int32 device tensors.
+
+    Sequence ``seq_ids[i]`` owns chunks ``seq_chunk_offsets[i] : seq_chunk_offsets[i + 1]``;
+    chunk c covers rows ``chunk_starts[c] : chunk_starts[c] + chunk_lens[c]`` and, when
+    ``chunk_dst[c] != 0``, the state after its last token is also written to that slot.
+    """
+
+    seq_ids: Tensor             # [n]
+    seq_chunk_offsets: Tensor   # [n + 1]
+    chunk_starts: Tensor        # [num_chunks]
+    chunk_lens: Tensor          # [num_chunks]
+    chunk_dst: Tensor           # [num_chunks]
+    num_chunks: int
+
+
+def split_by_length(plan: SeqPlan, recurrent_max_len: int) -> LengthSplit:
+    short = [b for b, n in enumerate(plan.lens) if 0 < n <= recurrent_max_len]
+    long = [b for b, n in enumerate(plan.lens) if n > recurrent_max_len]
+    return LengthSplit(short, long)
+
+
+def build_chunk_table(plan: SeqPlan, seqs: list[int], block_t: int,
+                      device: torch.device) -> ChunkTable:
+    starts: list[int] = []
+    lens: list[int] = []
+    dsts: list[int] = []
+    offsets = [0]
+    for b in seqs:
+        seg_start, end = plan.starts[b], plan.starts[b] + plan.lens[b]
+        cuts = [t + 1 for t in range(seg_start, end) if plan.dst is not None and plan.dst[t]]
+        for seg_end in cuts + ([end] if not cuts or cuts[-1] != end else []):
+            for c0 in range(seg_start, seg_end, block_t):
+                c1 = min(c0 + block_t, seg_end)
+                starts.append(c0)
+                lens.append(c1 - c0)
+                dsts.append(plan.dst[c1 - 1] if plan.dst is not None else 0)
+            seg_start = seg_end
+        offsets.append(len(starts))
+
+    def as_tensor(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return ChunkTable(as_tensor(seqs), as_tensor(offsets), as_tensor(starts), as_tensor(lens),
+                      as_tensor(dsts), len(starts))
+
+
+def index_tensor(values: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_size(n: int, lo: int = 16, hi: int | None = None) -> int:
+    """next_pow2(n) clamped to [lo, hi]: tl.dot needs every tile dim >= 16 on GPU."""
+    size = max(lo, next_pow2(n))
+    return size if hi is None else min(size, hi)

@@ -1,0 +1,46 @@
+"""Depthwise causal conv1d over a flat varlen batch, with conv states in a slot pool.
+
+Sequence b is convolved over ``initial W-1 inputs ++ x_b`` (the initial inputs come from
+``conv_states[slot_ids[b]]`` when ``has_initial_state[b]``, else zeros). Afterwards the live
+slot holds the last W-1 *pre-activation inputs*, oldest first; snapshot slots
+(``state_dst_slots``) get the W-1 inputs ending at their token.
+
+Files: ``reference`` (torch: the ground truth and the CPU path), ``triton_conv`` (varlen
+prefill/verify, state writes, and the one-token update). ``kernels.backend`` picks one.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from kernels import backend
+from kernels.conv1d.reference import causal_conv1d_update_torch, causal_conv1d_varlen_torch
+
+__all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
+
+
+def causal_conv1d_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                         cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
+                         activation: str | None = "silu",
+                         state_dst_slots: Tensor | None = None) -> Tensor:
+    """x [T, D], weight [D, W], bias [D] | None, conv_states [S, D, W-1] -> [T, D] (x.dtype).
+
+    Updates ``conv_states`` in place (see module docstring).
+    """
+    if backend.use_triton(x):
+        from kernels.conv1d.triton_conv import causal_conv1d_varlen_triton
+        return causal_conv1d_varlen_triton(x, weight, bias, conv_states, cu_seqlens, slot_ids,
+                                           has_initial_state, activation, state_dst_slots)
+    return causal_conv1d_varlen_torch(x, weight, bias, conv_states, cu_seqlens, slot_ids,
+                                      has_initial_state, activation, state_dst_slots)
+
+
+def causal_conv1d_update(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                         slot_ids: Tensor, activation: str | None = "silu") -> Tensor:
+    """Decode fast path, one token per sequence: x [B, D] -> [B, D] (x.dtype).
+
+    Equals ``causal_conv1d_varlen`` with every length 1 and every initial state present.
+    """
+    if backend.use_triton(x):
+        from kernels.conv1d.triton_conv import causal_conv1d_update_triton
+        return causal_conv1d_update_triton(x, weight, bias, conv_states, slot_ids, activation)
+    return causal_conv1d_update_torch(x, weight, bias, conv_states, slot_ids, activation)

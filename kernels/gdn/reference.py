@@ -1,0 +1,136 @@
+"""Gated DeltaNet (Qwen3-Next linear attention), torch reference: the ground truth and CPU path.
+
+Per value head, with state S [K, V] (HF/FLA layout), q/k l2-normalised over K and q scaled:
+
+    S'    = exp(g_t) * S_{t-1}                  (decay; g_t <= 0 is a log decay)
+    u_t   = beta_t * (v_t - S'^T k_t)           (delta rule: write only what S' mispredicts)
+    S_t   = S' + k_t u_t^T
+    o_t   = S_t^T q_t
+
+q/k may have fewer heads than v (Hk divides Hv): key head j serves value heads
+``j*r .. j*r + r-1`` with r = Hv / Hk, as ``repeat_interleave`` in transformers.
+
+Two algorithms, chosen per segment by length, give the same result: a per-token recurrence
+(decode, speculative verify, short chunks) and a chunked WY form (long prefill segments).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from kernels import OnStep, scan_varlen
+
+# Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
+RECURRENT_MAX_LEN = 16
+L2NORM_EPS = 1e-6   # x * rsqrt(sum(x^2) + eps), as FLA and transformers
+
+
+def l2norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor) -> None:
+    num_tokens, num_heads, v_dim = v.shape
+    k_heads, k_dim = k.shape[1], k.shape[2]
+    ok = (q.shape == k.shape and k.shape[0] == num_tokens and num_heads % k_heads == 0
+          and g.shape == (num_tokens, num_heads) and beta.shape == g.shape
+          and states.shape[1:] == (num_heads, k_dim, v_dim))
+    if not ok:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}, "
+                         f"states {tuple(states.shape)}")
+
+
+def gated_delta_rule_varlen_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                   states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
+                                   has_initial_state: Tensor, scale: float | None,
+                                   use_qk_l2norm: bool, chunk_size: int,
+                                   state_dst_slots: Tensor | None) -> Tensor:
+    check_shapes(q, k, v, g, beta, states)
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    qf = qf * (scale if scale is not None else q.shape[-1] ** -0.5)
+    out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    inputs = (qf, kf, v.float(), g.float(), beta.float())
+    scan_varlen(inputs, out, states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots,
+                gdn_recurrent, partial(gdn_chunked, chunk_size=chunk_size), RECURRENT_MAX_LEN)
+    return out.to(v.dtype)
+
+
+def _expand_heads(x: Tensor, num_heads: int, dim: int) -> Tensor:
+    """Repeat key heads so each value head has its own copy (no-op when counts match)."""
+    rep = num_heads // x.shape[dim]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=dim)
+
+
+def gdn_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
+                  on_step: OnStep | None = None) -> tuple[Tensor, Tensor]:
+    """Per-token recurrence on padded rows; updates ``s`` in place and returns it.
+
+    inputs: q, k [n, L, Hk, K] (normalised, scaled); v [n, L, H, V]; g, beta [n, L, H].
+    valid [n, L]: padded steps get g = beta = 0, which leaves S exactly unchanged.
+    s [n, H, K, V] fp32 contiguous -> (o [n, L, H, V], S [n, H, K, V]).
+    """
+    q, k, v, g, beta = inputs
+    n, num_steps, num_heads, v_dim = v.shape
+    k_dim = k.shape[-1]
+    decay = torch.where(valid[..., None], g, 0.0).exp()                # [n, L, H]
+    beta = torch.where(valid[..., None], beta, 0.0)
+    q, k = _expand_heads(q, num_heads, 2), _expand_heads(k, num_heads, 2)
+    flat = s.view(n * num_heads, k_dim, v_dim)                          # shares storage with s
+    outs = []
+    for i in range(num_steps):
+        s.mul_(decay[:, i, :, None, None])
+        k_i = k[:, i].reshape(n * num_heads, k_dim, 1)
+        predicted = (k_i.transpose(1, 2) @ flat).view(n, num_heads, v_dim)   # S^T k
+        u = beta[:, i, :, None] * (v[:, i] - predicted)                 # [n, H, V]
+        flat.baddbmm_(k_i, u.reshape(n * num_heads, 1, v_dim))          # S += k u^T
+        q_i = q[:, i].reshape(n * num_heads, 1, k_dim)
+        outs.append((q_i @ flat).view(n, num_heads, v_dim))             # S^T q
+        if on_step is not None:
+            on_step(i, s)
+    return torch.stack(outs, dim=1), s
+
+
+def gdn_chunked(inputs: tuple[Tensor, ...], s: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Chunked form of one segment: q, k [L, Hk, K]; v [L, H, V]; g, beta [L, H]; s [H, K, V]."""
+    q, k, v, g, beta = inputs
+    outs = []
+    for c0 in range(0, v.shape[0], chunk_size):
+        sl = slice(c0, c0 + chunk_size)
+        o, s = _gdn_chunk(q[sl], k[sl], v[sl], g[sl], beta[sl], s)
+        outs.append(o)
+    return torch.cat(outs, dim=0), s
+
+
+def _gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+               s: Tensor) -> tuple[Tensor, Tensor]:
+    """One chunk of c tokens from state s [H, K, V] -> (o [c, H, V], state after the chunk).
+
+    With b_i = exp(sum_{m<=i} g_m) (decay from chunk start through token i), unrolling gives
+        u_i = beta_i v_i - beta_i b_i S0^T k_i - sum_{j<i} beta_i (b_i/b_j) (k_i.k_j) u_j,
+    i.e. (I + A) U = beta*V - (beta*b*K) S0 with A strictly lower triangular: two unit
+    triangular solves. Then o_i = b_i S0^T q_i + sum_{j<=i} (b_i/b_j) (q_i.k_j) u_j and
+    S_c = b_c S0 + sum_j (b_c/b_j) k_j u_j^T.
+    """
+    num_heads, c = v.shape[1], v.shape[0]
+    q, k = _expand_heads(q, num_heads, 1), _expand_heads(k, num_heads, 1)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [H, c, *]
+    log_b = g.transpose(0, 1).cumsum(-1)                                # [H, c]
+    beta = beta.transpose(0, 1)[..., None]                              # [H, c, 1]
+    lower = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
+    # decay[h, i, j] = b_i / b_j for j <= i, else 0 (masked before exp: no overflow)
+    decay = (log_b[:, :, None] - log_b[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+    a = (beta * (k @ k.transpose(1, 2)) * decay).tril(-1)
+    system = a + torch.eye(c, dtype=a.dtype, device=a.device)
+    w_v = torch.linalg.solve_triangular(system, beta * v, upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(system, beta * log_b.exp()[..., None] * k,
+                                        upper=False, unitriangular=True)
+    u = w_v - w_k @ s                                                   # [H, c, V]
+    o = log_b.exp()[..., None] * (q @ s) + ((q @ k.transpose(1, 2)) * decay) @ u
+    to_end = (log_b[:, -1:] - log_b).exp()[..., None]                   # b_c / b_j  [H, c, 1]
+    s_new = log_b[:, -1].exp()[:, None, None] * s + (k * to_end).transpose(1, 2) @ u
+    return o.transpose(0, 1), s_new

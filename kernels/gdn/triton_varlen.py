@@ -1,0 +1,90 @@
+"""Launcher of the Triton Gated DeltaNet path: same contract as ``reference.gated_delta_rule_varlen_torch``.
+
+Short sequences (``<= recurrent_max_len`` tokens) take one fused recurrent launch; long ones
+the three chunked kernels, over a chunk table cut at snapshot tokens (``kernels.chunking``).
+The two groups touch disjoint slots (live slots are distinct, snapshot slots are nobody's
+live slot), so every initial state is read before it is overwritten whatever the order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from kernels import SeqPlan, make_plan
+from kernels.chunking import block_size, build_chunk_table, index_tensor, split_by_length
+from kernels.gdn.reference import check_shapes
+from kernels.gdn.triton_chunk import (gdn_chunk_output_kernel, gdn_chunk_prep_kernel,
+                                      gdn_chunk_state_kernel)
+from kernels.gdn.triton_recurrent import gdn_recurrent_kernel
+
+RECURRENT_MAX_LEN = 16      # as the reference: longer sequences take the chunked kernels
+MAX_BLOCK_T = 64
+
+
+def gated_delta_rule_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                   states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
+                                   has_initial_state: Tensor, scale: float | None = None,
+                                   use_qk_l2norm: bool = True, chunk_size: int = 64,
+                                   state_dst_slots: Tensor | None = None,
+                                   recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
+    """Contract of ``kernels.gdn.gated_delta_rule_varlen``. ``chunk_size`` picks the chunk
+    tile, clamped to a power of two in [16, 64] (the result does not depend on it)."""
+    check_shapes(q, k, v, g, beta, states)
+    if not states.is_contiguous():
+        raise ValueError("the state pool must be contiguous (it is updated in place)")
+    num_heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
+    plan = make_plan(cu_seqlens, state_dst_slots)
+    split = split_by_length(plan, recurrent_max_len)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    out = torch.empty_like(v)
+    scale = float(scale if scale is not None else k_dim ** -0.5)
+    meta = dict(H=num_heads, HK=k.shape[1], K=k_dim, V=v_dim, BK=block_size(k_dim),
+                USE_L2NORM=bool(use_qk_l2norm))
+    cu = cu_seqlens.to(device=v.device, dtype=torch.int32)
+    slots = slot_ids.to(device=v.device, dtype=torch.int32)
+    has_init = has_initial_state.to(device=v.device, dtype=torch.int32)
+    if split.short:
+        _launch_recurrent(q, k, v, g, beta, out, states, cu, slots, has_init, split.short,
+                          state_dst_slots, scale, meta)
+    if split.long:
+        _launch_chunked(q, k, v, g, beta, out, states, slots, has_init, plan, split.long,
+                        block_size(chunk_size, hi=MAX_BLOCK_T), scale, meta)
+    return out
+
+
+def _launch_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,
+                      states: Tensor, cu: Tensor, slots: Tensor, has_init: Tensor,
+                      seqs: list[int], state_dst_slots: Tensor | None, scale: float,
+                      meta: dict) -> None:
+    block_v = block_size(meta["V"], hi=32)
+    dst = state_dst_slots.to(device=v.device, dtype=torch.int32) if state_dst_slots is not None \
+        else cu    # dummy pointer, never read (HAS_DST=False)
+    grid = (triton.cdiv(meta["V"], block_v), len(seqs) * meta["H"])
+    gdn_recurrent_kernel[grid](q, k, v, g, beta, out, states, cu, slots, has_init,
+                               index_tensor(seqs, v.device), dst, scale, BV=block_v,
+                               HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
+
+
+def _launch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,
+                    states: Tensor, slots: Tensor, has_init: Tensor, plan: SeqPlan, seqs: list[int],
+                    block_t: int, scale: float, meta: dict) -> None:
+    table = build_chunk_table(plan, seqs, block_t, v.device)
+    num_tokens, num_heads, k_dim, v_dim = v.shape[0], meta["H"], meta["K"], meta["V"]
+    f32 = dict(dtype=torch.float32, device=v.device)
+    lb = torch.empty(num_tokens, num_heads, **f32)
+    w = torch.empty(num_tokens, num_heads, k_dim, **f32)
+    u = torch.empty(num_tokens, num_heads, v_dim, **f32)
+    chunk_states = torch.empty(table.num_chunks, num_heads, k_dim, v_dim, **f32)
+    block_v = block_size(v_dim, hi=64)
+    gdn_chunk_prep_kernel[(table.num_chunks, num_heads)](
+        k, v, g, beta, lb, w, u, table.chunk_starts, table.chunk_lens, BT=block_t, BV=block_v,
+        num_warps=8, **meta)
+    state_block_v = block_size(v_dim, hi=32)
+    gdn_chunk_state_kernel[(triton.cdiv(v_dim, state_block_v), len(seqs) * num_heads)](
+        k, lb, w, u, chunk_states, states, slots, has_init, table.seq_ids,
+        table.seq_chunk_offsets, table.chunk_starts, table.chunk_lens, table.chunk_dst,
+        BT=block_t, BV=state_block_v, num_warps=8, **meta)
+    gdn_chunk_output_kernel[(table.num_chunks, num_heads, triton.cdiv(v_dim, block_v))](
+        q, k, lb, u, chunk_states, out, table.chunk_starts, table.chunk_lens, scale,
+        BT=block_t, BV=block_v, num_warps=8, **meta)

@@ -1,0 +1,39 @@
+"""Mamba2 SSD (Granite-4.0-H, Nemotron-H, Bamba) over a flat varlen batch with a state pool.
+
+Per head h, state S [P, N], group of the head ``h // (H // G)``:
+
+    dt'_t = clamp(softplus(dt_t + dt_bias), *dt_limit)     (softplus only if dt_softplus)
+    S_t   = exp(dt'_t * A) * S_{t-1} + dt'_t * x_t B_t^T
+    y_t   = S_t C_t + D * x_t
+
+Files: ``reference`` (torch: the ground truth and the CPU path), ``triton_recurrent``
+(selective state update over short sequences: decode and speculative verify, snapshot after
+any token), ``triton_chunk`` (chunked prefill), ``triton_varlen`` (the launcher).
+``kernels.backend`` picks one per call.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from kernels import backend
+from kernels.ssd.reference import discretize_dt, ssd_varlen_torch
+
+__all__ = ["discretize_dt", "ssd_varlen"]
+
+
+def ssd_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+               dt_bias: Tensor, states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
+               has_initial_state: Tensor, dt_softplus: bool = True,
+               dt_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = 256,
+               state_dst_slots: Tensor | None = None) -> Tensor:
+    """x [T, H, P]; dt [T, H] raw; A, D, dt_bias [H]; B, C [T, G, N]; states [S, H, P, N].
+
+    Returns y [T, H, P] in x.dtype; updates ``states`` in place (live and snapshot slots).
+    """
+    if backend.use_triton(x):
+        from kernels.ssd.triton_varlen import ssd_varlen_triton
+        return ssd_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
+                                 has_initial_state, dt_softplus, dt_limit, chunk_size,
+                                 state_dst_slots)
+    return ssd_varlen_torch(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
+                            has_initial_state, dt_softplus, dt_limit, chunk_size, state_dst_slots)

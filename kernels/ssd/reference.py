@@ -1,0 +1,128 @@
+"""Mamba2 SSD (Granite-4.0-H, Nemotron-H, Bamba), torch reference: the ground truth and CPU path.
+
+Per head h, state S [P, N], group of the head ``h // (H // G)``:
+
+    dt'_t = clamp(softplus(dt_t + dt_bias), *dt_limit)     (softplus only if dt_softplus)
+    S_t   = exp(dt'_t * A) * S_{t-1} + dt'_t * x_t B_t^T
+    y_t   = S_t C_t + D * x_t
+
+dt' is computed once for all tokens before any path runs, so the chunked and the per-token
+paths use the same clamp rule (transformers clamps only in its chunked path).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels import OnStep, scan_varlen
+
+# Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
+RECURRENT_MAX_LEN = 16
+
+
+def discretize_dt(dt: Tensor, dt_bias: Tensor, dt_softplus: bool,
+                  dt_limit: tuple[float, float]) -> Tensor:
+    """The one dt rule of every path: [T, H] raw -> [T, H] fp32 step sizes."""
+    dt = dt.float() + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    return dt.clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def check_shapes(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, states: Tensor) -> None:
+    num_tokens, num_heads, head_dim = x.shape
+    groups, state_dim = B.shape[1], B.shape[2]
+    ok = (dt.shape == (num_tokens, num_heads) and B.shape[0] == num_tokens and C.shape == B.shape
+          and num_heads % groups == 0 and states.shape[1:] == (num_heads, head_dim, state_dim))
+    if not ok:
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)}, states {tuple(states.shape)}")
+
+
+def ssd_varlen_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                      dt_bias: Tensor, states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
+                      has_initial_state: Tensor, dt_softplus: bool,
+                      dt_limit: tuple[float, float], chunk_size: int,
+                      state_dst_slots: Tensor | None) -> Tensor:
+    check_shapes(x, dt, B, C, states)
+    xf = x.float()
+    step = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inputs = (xf, step, B.float(), C.float())
+    a = A.float()
+    scan_varlen(inputs, out, states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots,
+                partial(ssd_recurrent, A=a), partial(ssd_chunked, A=a, chunk_size=chunk_size),
+                RECURRENT_MAX_LEN)
+    out = out + D.float()[:, None] * xf
+    return out.to(x.dtype)
+
+
+def _expand_groups(x: Tensor, num_heads: int, dim: int) -> Tensor:
+    """[..., G, N] -> [..., H, N]: head h reads group h // (H // G)."""
+    rep = num_heads // x.shape[dim]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=dim)
+
+
+def ssd_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
+                  on_step: OnStep | None = None, *,
+                  A: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token recurrence on padded rows (without the D skip); updates ``s`` in place.
+
+    inputs: x [n, L, H, P]; dt' [n, L, H]; B, C [n, L, G, N]. valid [n, L]: padded steps get
+    dt' = 0, which leaves S exactly unchanged. s [n, H, P, N] fp32 contiguous
+    -> (y [n, L, H, P], S).
+    """
+    x, step, b, c = inputs
+    n, num_steps, num_heads, p_dim = x.shape
+    n_dim = b.shape[-1]
+    step = torch.where(valid[..., None], step, 0.0)
+    decay = (step * A).exp()                                            # [n, L, H]
+    xdt = x * step[..., None]                                           # [n, L, H, P]
+    flat = s.view(n * num_heads, p_dim, n_dim)                          # shares storage with s
+    outs = []
+    for i in range(num_steps):
+        b_i = _expand_groups(b[:, i], num_heads, 1).reshape(n * num_heads, 1, n_dim)
+        c_i = _expand_groups(c[:, i], num_heads, 1).reshape(n * num_heads, n_dim, 1)
+        s.mul_(decay[:, i, :, None, None])
+        flat.baddbmm_(xdt[:, i].reshape(n * num_heads, p_dim, 1), b_i)  # S += dt' x B^T
+        outs.append((flat @ c_i).view(n, num_heads, p_dim))             # S C
+        if on_step is not None:
+            on_step(i, s)
+    return torch.stack(outs, dim=1), s
+
+
+def ssd_chunked(inputs: tuple[Tensor, ...], s: Tensor, *, A: Tensor,
+                chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Chunked form of one segment (without D): x [L, H, P]; dt' [L, H]; B, C [L, G, N]."""
+    x, step, b, c = inputs
+    outs = []
+    for c0 in range(0, x.shape[0], chunk_size):
+        sl = slice(c0, c0 + chunk_size)
+        y, s = _ssd_chunk(x[sl], step[sl], b[sl], c[sl], A, s)
+        outs.append(y)
+    return torch.cat(outs, dim=0), s
+
+
+def _ssd_chunk(x: Tensor, step: Tensor, b: Tensor, c: Tensor, A: Tensor,
+               s: Tensor) -> tuple[Tensor, Tensor]:
+    """One chunk of n tokens from state s [H, P, N] -> (y [n, H, P], state after the chunk).
+
+    With a_i = sum_{m<=i} dt'_m A (log decay from chunk start through token i):
+        y_i = exp(a_i) S0 C_i + sum_{j<=i} exp(a_i - a_j) (C_i.B_j) dt'_j x_j
+        S_n = exp(a_n) S0 + sum_j exp(a_n - a_j) dt'_j x_j B_j^T
+    """
+    num_heads, n = x.shape[1], x.shape[0]
+    b = _expand_groups(b, num_heads, 1).transpose(0, 1)                # [H, n, N]
+    c = _expand_groups(c, num_heads, 1).transpose(0, 1)                # [H, n, N]
+    xdt = (x * step[..., None]).transpose(0, 1)                         # [H, n, P]
+    log_a = (step * A).transpose(0, 1).cumsum(-1)                       # [H, n]
+    lower = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+    decay = (log_a[:, :, None] - log_a[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+    y = ((c @ b.transpose(1, 2)) * decay) @ xdt                         # [H, n, P]
+    y = y + log_a.exp()[..., None] * (c @ s.transpose(1, 2))           # S0 C_i: [H, n, P]
+    to_end = (log_a[:, -1:] - log_a).exp()[..., None]                   # [H, n, 1]
+    s_new = log_a[:, -1].exp()[:, None, None] * s + (xdt * to_end).transpose(1, 2) @ b
+    return y.transpose(0, 1), s_new

@@ -1,0 +1,133 @@
+"""Chunked Mamba2 SSD prefill in two Triton kernels (the form of ``reference._ssd_chunk``).
+
+Chunks come from a ``kernels.chunking.ChunkTable`` (at most BT tokens, cut at snapshot
+tokens). Within a chunk of head h, with la_i = sum_{m<=i} dt'_m A (log decay from the chunk
+start through token i):
+
+1. ``ssd_chunk_state_kernel`` (sequential over a sequence's chunks, parallel over heads x P
+   blocks): saves the state S0 at each chunk start, advances
+   S <- exp(la_last) S0 + sum_j exp(la_last - la_j) dt'_j x_j B_j^T, and writes snapshot and
+   live slots.
+2. ``ssd_chunk_output_kernel`` (parallel over chunks x heads x P blocks):
+   y_i = exp(la_i) S0 C_i + sum_{j<=i} exp(la_i - la_j) (C_i.B_j) dt'_j x_j + D x_i.
+
+Scratch (fp32): S0 per chunk [NC, H, P, N]. dt' and la are recomputed in both kernels.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.ssd.triton_recurrent import discretize
+
+
+@triton.jit
+def _chunk_decay(dt, A, dt_bias, rows, m_t, i_h, dt_min, dt_max,
+                 H: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_MAX: tl.constexpr):
+    """dt' [BT] (0 on padding rows) and la = cumsum(dt' A) [BT] of one chunk of head i_h."""
+    b_dt = tl.load(dt + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_dt = discretize(b_dt, tl.load(dt_bias + i_h).to(tl.float32), DT_SOFTPLUS, dt_min, dt_max,
+                      HAS_DT_MAX)
+    b_dt = tl.where(m_t, b_dt, 0.0)
+    b_la = tl.cumsum(b_dt * tl.load(A + i_h).to(tl.float32), axis=0)
+    return b_dt, b_la
+
+
+@triton.jit
+def ssd_chunk_state_kernel(
+    x, dt, A, B, dt_bias, chunk_states, states,
+    slot_ids, has_init, seq_ids, seq_chunk_offsets, chunk_starts, chunk_lens, chunk_dst,
+    dt_min, dt_max,
+    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, HAS_DT_MAX: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    i_g = i_h // (H // G)
+    seq = tl.load(seq_ids + i_n)
+    slot = tl.load(slot_ids + seq).to(tl.int64)
+    c_begin = tl.load(seq_chunk_offsets + i_n)
+    c_end = tl.load(seq_chunk_offsets + i_n + 1)
+
+    o_t = tl.arange(0, BT)
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = tl.arange(0, BN)
+    m_p = o_p < P
+    m_n = o_n < N
+    m_pn = m_p[:, None] & m_n[None, :]
+    s_off = (i_h * P + o_p[:, None]) * N + o_n[None, :]
+
+    s = tl.zeros([BP, BN], dtype=tl.float32)
+    if tl.load(has_init + seq) != 0:
+        s = tl.load(states + slot * (H * P * N) + s_off, mask=m_pn, other=0.0).to(tl.float32)
+
+    for c in range(c_begin, c_end):
+        c64 = tl.cast(c, tl.int64)
+        tl.store(chunk_states + c64 * (H * P * N) + s_off, s, mask=m_pn)
+        start = tl.load(chunk_starts + c).to(tl.int64)
+        length = tl.load(chunk_lens + c)
+        m_t = o_t < length
+        rows = start + o_t
+        b_dt, b_la = _chunk_decay(dt, A, dt_bias, rows, m_t, i_h, dt_min, dt_max, H,
+                                  DT_SOFTPLUS, HAS_DT_MAX)
+        la_last = tl.sum(tl.where(o_t == length - 1, b_la, 0.0), axis=0)
+        b_x = tl.load(x + (rows[:, None] * H + i_h) * P + o_p[None, :],
+                      mask=m_t[:, None] & m_p[None, :], other=0.0).to(tl.float32)
+        b_b = tl.load(B + (rows[:, None] * G + i_g) * N + o_n[None, :],
+                      mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+        weight = tl.where(m_t, b_dt * tl.exp(la_last - b_la), 0.0)
+        s = s * tl.exp(la_last) + tl.dot(tl.trans(b_x * weight[:, None]), b_b)
+        dst = tl.load(chunk_dst + c).to(tl.int64)
+        if dst != 0:
+            tl.store(states + dst * (H * P * N) + s_off, s.to(states.dtype.element_ty),
+                     mask=m_pn)
+
+    tl.store(states + slot * (H * P * N) + s_off, s.to(states.dtype.element_ty), mask=m_pn)
+
+
+@triton.jit
+def ssd_chunk_output_kernel(
+    x, dt, A, B, C, D, dt_bias, chunk_states, y,
+    chunk_starts, chunk_lens, dt_min, dt_max,
+    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, HAS_DT_MAX: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_p = tl.program_id(2)
+    i_g = i_h // (H // G)
+    start = tl.load(chunk_starts + i_c).to(tl.int64)
+    length = tl.load(chunk_lens + i_c)
+    o_t = tl.arange(0, BT)
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = tl.arange(0, BN)
+    m_t = o_t < length
+    m_p = o_p < P
+    m_n = o_n < N
+    rows = start + o_t
+    m_tp = m_t[:, None] & m_p[None, :]
+    m_tn = m_t[:, None] & m_n[None, :]
+
+    b_dt, b_la = _chunk_decay(dt, A, dt_bias, rows, m_t, i_h, dt_min, dt_max, H,
+                              DT_SOFTPLUS, HAS_DT_MAX)
+    b_x = tl.load(x + (rows[:, None] * H + i_h) * P + o_p[None, :], mask=m_tp,
+                  other=0.0).to(tl.float32)
+    b_b = tl.load(B + (rows[:, None] * G + i_g) * N + o_n[None, :], mask=m_tn,
+                  other=0.0).to(tl.float32)
+    b_c = tl.load(C + (rows[:, None] * G + i_g) * N + o_n[None, :], mask=m_tn,
+                  other=0.0).to(tl.float32)
+    c64 = tl.cast(i_c, tl.int64)
+    b_s = tl.load(chunk_states + c64 * (H * P * N) + (i_h * P + o_p[:, None]) * N + o_n[None, :],
+                  mask=m_p[:, None] & m_n[None, :], other=0.0)            # [BP, BN]
+
+    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    diff = tl.where(causal, b_la[:, None] - b_la[None, :], 0.0)
+    b_cb = tl.where(causal, tl.dot(b_c, tl.trans(b_b)) * tl.exp(diff), 0.0) * b_dt[None, :]
+    b_y = tl.dot(b_c, tl.trans(b_s)) * tl.exp(b_la)[:, None] + tl.dot(b_cb, b_x)
+    b_y += tl.load(D + i_h).to(tl.float32) * b_x
+    tl.store(y + (rows[:, None] * H + i_h) * P + o_p[None, :], b_y.to(y.dtype.element_ty),
+             mask=m_tp)

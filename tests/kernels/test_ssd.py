@@ -1,0 +1,150 @@
+"""Mamba2 SSD varlen op against a naive per-token loop, transformers, and itself."""
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.ssd import reference as ssd
+from kernels.ssd import ssd_varlen
+
+H, P, G, N = 4, 3, 2, 5     # two heads per group
+TOL = 1e-4
+
+
+def make_inputs(num_tokens: int, num_slots: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        x=torch.randn(num_tokens, H, P, generator=gen),
+        dt=torch.randn(num_tokens, H, generator=gen) - 1.0,
+        A=-torch.rand(H, generator=gen) * 2 - 0.1,
+        B=torch.randn(num_tokens, G, N, generator=gen),
+        C=torch.randn(num_tokens, G, N, generator=gen),
+        D=torch.randn(H, generator=gen),
+        dt_bias=torch.randn(H, generator=gen) * 0.5,
+        states=torch.randn(num_slots, H, P, N, generator=gen),
+    )
+
+
+def naive_ssd(inp: dict[str, torch.Tensor], case, dt_limit=(0.0, math.inf)):
+    """Token by token, head by head; returns (y [T, H, P], final pool)."""
+    pool = inp["states"].clone()
+    out = torch.zeros(inp["x"].shape)
+    dst = case.state_dst_slots
+    for b, (start, end) in enumerate(case.bounds()):
+        slot = int(case.slot_ids[b])
+        s = pool[slot].clone() if case.has_initial_state[b] else torch.zeros(H, P, N)
+        for t in range(start, end):
+            for h in range(H):
+                grp = h // (H // G)
+                step = F.softplus(inp["dt"][t, h] + inp["dt_bias"][h]).clamp(*dt_limit)
+                update = step * torch.outer(inp["x"][t, h], inp["B"][t, grp])
+                s[h] = torch.exp(step * inp["A"][h]) * s[h] + update
+                out[t, h] = s[h] @ inp["C"][t, grp] + inp["D"][h] * inp["x"][t, h]
+            if dst is not None and dst[t] != 0:
+                pool[int(dst[t])] = s
+        if end > start:
+            pool[slot] = s
+    return out, pool
+
+
+def run_op(inp, case, chunk_size: int, **kw):
+    states = inp["states"].clone()
+    y = ssd_varlen(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"],
+                   states, case.cu_seqlens, case.slot_ids, case.has_initial_state,
+                   chunk_size=chunk_size, state_dst_slots=case.state_dst_slots, **kw)
+    return y, states
+
+
+LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(2, 12), st.integers(17, 40)),
+                min_size=1, max_size=5)
+
+
+@pytest.mark.parametrize("recurrent_max_len", [0, 16, 10**6])
+@settings(max_examples=12, deadline=None)
+@given(lens=LENS, seed=st.integers(0, 2**16), snap=st.sampled_from([0.0, 0.15, 0.4]))
+def test_matches_naive(recurrent_max_len, lens, seed, snap, varlen_case, max_abs_diff):
+    case = varlen_case(lens, seed, snapshot_prob=snap)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed)
+    ref_y, ref_pool = naive_ssd(inp, case)
+    with mock.patch.object(ssd, "RECURRENT_MAX_LEN", recurrent_max_len):
+        y, pool = run_op(inp, case, chunk_size=8)
+    assert max_abs_diff(y, ref_y) <= TOL
+    assert max_abs_diff(pool, ref_pool) <= TOL   # live, snapshot, dummy and spare slots
+
+
+def test_fixed_mixed_batch_with_dt_limit(varlen_case, max_abs_diff):
+    """Lengths 0/1/short/long with snapshots and a binding dt clamp on every path."""
+    case = varlen_case([0, 1, 5, 37, 1, 20, 16, 17], seed=4, snapshot_prob=0.2)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=4)
+    no_init = next(b for b, n in enumerate(case.lens) if n > 0 and not case.has_initial_state[b])
+    inp["states"][int(case.slot_ids[no_init])] = float("nan")
+    limit = (0.2, 0.9)
+    ref_y, ref_pool = naive_ssd(inp, case, dt_limit=limit)
+    unclamped, _ = naive_ssd(inp, case)
+    assert max_abs_diff(unclamped, ref_y) > 1e-2          # the clamp matters in this case
+    for recurrent_max_len in (0, 16, 10**6):
+        with mock.patch.object(ssd, "RECURRENT_MAX_LEN", recurrent_max_len):
+            y, pool = run_op(inp, case, chunk_size=16, dt_limit=limit)
+        assert max_abs_diff(y, ref_y) <= TOL
+        assert max_abs_diff(pool, ref_pool) <= TOL
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
+def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
+    inp = make_inputs(50, 1, seed=9)
+    step = ssd.discretize_dt(inp["dt"], inp["dt_bias"], True, (0.0, math.inf))
+    seq = (inp["x"], step, inp["B"], inp["C"])
+    s0 = inp["states"][0]
+    y_c, s_c = ssd.ssd_chunked(seq, s0, A=inp["A"], chunk_size=chunk_size)
+    y_r, s_r = ssd.ssd_recurrent(tuple(x[None] for x in seq), torch.ones(1, 50, dtype=torch.bool),
+                                 s0[None].clone(), A=inp["A"])
+    assert max_abs_diff(y_c, y_r[0]) <= TOL
+    assert max_abs_diff(s_c, s_r[0]) <= TOL
+
+
+def test_matches_transformers(max_abs_diff):
+    """Pins the dt rule, group mapping, D skip and the [H, P, N] layout to Granite's torch SSD."""
+    hf = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+    inp = make_inputs(41, 2, seed=12)
+    states = inp["states"].clone()
+    slot, has_init = torch.tensor([1], dtype=torch.int32), torch.tensor([True])
+    y = ssd_varlen(inp["x"][:40], inp["dt"][:40], inp["A"], inp["B"][:40], inp["C"][:40], inp["D"],
+                   inp["dt_bias"], states, torch.tensor([0, 40], dtype=torch.int32), slot, has_init,
+                   chunk_size=16)
+    pre = {n: inp[n][None, :40] for n in ("x", "dt", "B", "C")}
+    ref_y, ref_s = hf.mamba2_chunk_scan(
+        pre["x"], pre["dt"], inp["A"], pre["B"], pre["C"], chunk_size=16, D=inp["D"],
+        dt_bias=inp["dt_bias"], initial_states=inp["states"][1:2].clone(), dt_softplus=True,
+        return_final_states=True)
+    assert max_abs_diff(y, ref_y[0]) <= TOL
+    assert max_abs_diff(states[1], ref_s[0]) <= TOL
+    # one decode token from the state just written, against HF's selective_state_update
+    hf_state = ref_s.clone()
+    ref_dec = hf.mamba2_selective_state_update(
+        hf_state, inp["x"][40:41], inp["dt"][40:41, :, None].expand(1, H, P),
+        inp["A"][:, None, None].expand(H, P, N), inp["B"][40:41], inp["C"][40:41],
+        inp["D"][:, None].expand(H, P), dt_bias=inp["dt_bias"][:, None].expand(H, P),
+        dt_softplus=True)
+    dec = ssd_varlen(inp["x"][40:], inp["dt"][40:], inp["A"], inp["B"][40:], inp["C"][40:],
+                     inp["D"], inp["dt_bias"], states, torch.tensor([0, 1], dtype=torch.int32),
+                     slot, has_init)
+    assert max_abs_diff(dec, ref_dec) <= TOL
+    assert max_abs_diff(states[1], hf_state[0]) <= TOL
+
+
+def test_dtypes_bf16_inputs_fp32_pool(varlen_case):
+    """Math in fp32: bf16 inputs give the fp32 result on the same values, rounded once."""
+    case = varlen_case([3, 30, 1], seed=6, snapshot_prob=0.1)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=6)
+    low = {n: (x.bfloat16() if n in ("x", "dt", "B", "C") else x) for n, x in inp.items()}
+    y_low, pool_low = run_op(low, case, chunk_size=8)
+    y_ref, pool_ref = run_op({n: x.float() for n, x in low.items()}, case, chunk_size=8)
+    assert y_low.dtype == torch.bfloat16 and pool_low.dtype == torch.float32
+    assert torch.equal(y_low, y_ref.bfloat16())
+    assert torch.equal(pool_low, pool_ref)

@@ -1,0 +1,37 @@
+"""transformers as the reference: one prompt at a time, positions and cache passed explicitly."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class HFOracle:
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Uncached forward over a whole sequence -> [L, V] float32."""
+        x = torch.tensor([ids])
+        out = self.model(input_ids=x, position_ids=torch.arange(len(ids))[None], use_cache=False)
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> tuple[object, torch.Tensor]:
+        """Cached prefill -> (cache, logits [L, V])."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
+                         cache=cache, use_cache=True)
+        return cache, out.logits[0].float()
+
+    @torch.inference_mode()
+    def decode(self, cache: object, token: int, position: int) -> torch.Tensor:
+        """One cached step at ``position`` -> logits [V]."""
+        out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
+                         cache=cache, use_cache=True)
+        return out.logits[0, -1].float()

@@ -1,0 +1,28 @@
+"""Model registry: HF ``architectures[0]`` name -> model class.
+
+Every class implements the interface described in ``workers/models/base.py``:
+``cls(hf_config, dtype, device)``, ``cache_spec()``, ``forward(batch, pools)``,
+``compute_logits(hidden)``, ``load_weights(weights)`` and ``mtp_weights``.
+"""
+from __future__ import annotations
+
+from workers.models.base import HybridForCausalLM
+from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from workers.models.qwen3_next import Qwen3NextForCausalLM
+
+SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+}
+
+
+def get_model_class(name: str) -> type[HybridForCausalLM]:
+    cls = SUPPORTED_ARCHITECTURES.get(name)
+    if cls is None:
+        raise ValueError(f"unsupported architecture {name!r}; supported: "
+                         f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    return cls
+
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "HybridForCausalLM", "get_model_class",
+           "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM"]

@@ -1,0 +1,107 @@
+"""The Gated DeltaNet mixer of Qwen3-Next (``linear_attn``).
+
+Checkpoint layout (kept as is in the parameters): ``in_proj_qkvz`` rows are grouped per key
+head g = 0..Hk-1 as ``[q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)]`` and ``in_proj_ba``
+as ``[b_g (r) | a_g (r)]``, with r = Hv / Hk value heads per key head. Value head
+``g*r + j`` belongs to key head g (HF's ``fix_query_key_value_ordering``). Grouping by key
+head is also the natural tensor-parallel shard.
+
+Per token: conv+SiLU over ``cat(q, k, v)``; ``beta = sigmoid(b)``;
+``g = -exp(A_log) * softplus(a + dt_bias)`` (log decay); q, k repeat-interleaved to Hv heads,
+L2-normalised and q scaled by 1/sqrt(Dk) inside the kernel; the recurrent state per slot is
+``[Hv, Dk, Dv]`` fp32. Output: per-head RMSNorm (plain weight) times ``silu(z)``, then
+``out_proj``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.gdn import gated_delta_rule_varlen
+from workers.device_pools import DevicePools
+from workers.forward_batch import ForwardBatch
+from workers.models.layers import CausalConv1d, GatedRMSNorm, linear, param
+
+
+@dataclass(frozen=True)
+class GdnDims:
+    hidden_size: int
+    num_k_heads: int        # Hk
+    num_v_heads: int        # Hv
+    k_head_dim: int         # Dk
+    v_head_dim: int         # Dv
+    conv_kernel: int        # W
+    eps: float
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_v_heads // self.num_k_heads
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.num_v_heads, self.k_head_dim, self.v_head_dim)
+
+    def validate(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_k_heads}")
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, dims: GdnDims, dtype: torch.dtype) -> None:
+        super().__init__()
+        dims.validate()
+        self.dims = dims
+        key_dim = dims.num_k_heads * dims.k_head_dim
+        value_dim = dims.num_v_heads * dims.v_head_dim
+        self.in_proj_qkvz = linear(dims.hidden_size, 2 * key_dim + 2 * value_dim, False, dtype)
+        self.in_proj_ba = linear(dims.hidden_size, 2 * dims.num_v_heads, False, dtype)
+        self.conv1d = CausalConv1d(dims.conv_dim, dims.conv_kernel, False, dtype)
+        self.dt_bias = param(dims.num_v_heads, dtype=dtype)
+        self.A_log = param(dims.num_v_heads, dtype=dtype)
+        self.norm = GatedRMSNorm(dims.v_head_dim, dims.eps, dtype, group_size=None,
+                                 norm_before_gate=True)
+        self.out_proj = linear(value_dim, dims.hidden_size, False, dtype)
+
+    def split_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv] (see module doc)."""
+        d = self.dims
+        num_tokens, r = hidden.shape[0], d.heads_per_group
+        qkvz = self.in_proj_qkvz(hidden).view(num_tokens, d.num_k_heads, -1)
+        q, k, v, z = qkvz.split([d.k_head_dim, d.k_head_dim, r * d.v_head_dim,
+                                 r * d.v_head_dim], dim=-1)
+        ba = self.in_proj_ba(hidden).view(num_tokens, d.num_k_heads, 2 * r)
+        b, a = ba.split([r, r], dim=-1)
+        mixed_qkv = torch.cat([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
+                               v.reshape(num_tokens, -1)], dim=-1)
+        return (mixed_qkv, z.reshape(num_tokens, d.num_v_heads, d.v_head_dim),
+                b.reshape(num_tokens, d.num_v_heads), a.reshape(num_tokens, d.num_v_heads))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, pools: DevicePools,
+                mamba_idx: int) -> torch.Tensor:
+        d = self.dims
+        num_tokens, r = hidden.shape[0], d.heads_per_group
+        mixed_qkv, z, b, a = self.split_projections(hidden)
+        mixed_qkv = self.conv1d(mixed_qkv, pools.mamba.conv[mamba_idx], batch)
+        key_dim = d.num_k_heads * d.k_head_dim
+        q, k, v = mixed_qkv.split([key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
+        q = q.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
+        k = k.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
+        if r > 1:
+            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        o = gated_delta_rule_varlen(
+            q.contiguous(), k.contiguous(),
+            v.reshape(num_tokens, d.num_v_heads, d.v_head_dim).contiguous(),
+            g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx],
+            batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
+            use_qk_l2norm=True)
+        o = self.norm(o.reshape(-1, d.v_head_dim), z.reshape(-1, d.v_head_dim))
+        return self.out_proj(o.reshape(num_tokens, -1).to(hidden.dtype))

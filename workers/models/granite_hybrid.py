@@ -1,0 +1,106 @@
+"""Granite-4.0-H (``GraniteMoeHybridForCausalLM``): Mamba2 / attention, shared MLP + MoE.
+
+Layer i is ``linear_attention`` (Mamba2 mixer, ``mamba``) or ``full_attention``
+(``self_attn``, plain GQA, softmax scale = ``attention_multiplier``, RoPE only when
+``position_embedding_type == "rope"``, else NoPE). The feed-forward is
+``block_sparse_moe(x) + shared_mlp(x)`` (just ``shared_mlp`` without experts). Both residual
+branches are scaled by ``residual_multiplier``; embeddings by ``embedding_multiplier``;
+logits divided by ``logits_scaling``. RMSNorms are plain (weight, not 1 + weight).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.device_pools import CacheSpec
+from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCausalLM,
+                                 default_rope, state_indices)
+from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
+from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from workers.models.moe import MoeDims, SparseMoE
+
+_POSITION_TYPES = (None, "nope", "rope")
+
+
+def mamba_dims(cfg: Any) -> Mamba2Dims:
+    limit = tuple(cfg.time_step_limit) if cfg.time_step_limit is not None else (0.0, float("inf"))
+    return Mamba2Dims(hidden_size=cfg.hidden_size, num_heads=cfg.mamba_n_heads,
+                      head_dim=cfg.mamba_d_head, state_size=cfg.mamba_d_state,
+                      num_groups=cfg.mamba_n_groups, conv_kernel=cfg.mamba_d_conv,
+                      conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
+                      chunk_size=cfg.mamba_chunk_size, dt_limit=(float(limit[0]), float(limit[1])),
+                      eps=cfg.rms_norm_eps, norm_before_gate=False)
+
+
+def head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def attention_dims(cfg: Any) -> AttentionDims:
+    return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                         num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim(cfg),
+                         bias=bool(cfg.attention_bias), scale=float(cfg.attention_multiplier))
+
+
+def build_ffns(cfg: Any, dtype: torch.dtype) -> dict[str, nn.Module]:
+    shared = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size, dtype,
+                      fused_names=("input_linear", "output_linear"))
+    if not cfg.num_local_experts:
+        return {"shared_mlp": shared}
+    dims = MoeDims(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                   num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+                   style="granite")
+    return {"block_sparse_moe": SparseMoE(dims, dtype), "shared_mlp": shared}
+
+
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(hf_config, dtype, device)
+        self.embedding_multiplier = float(hf_config.embedding_multiplier)
+        self.logits_scaling = float(hf_config.logits_scaling)
+
+    @classmethod
+    def validate_config(cls, cfg: Any) -> None:
+        super().validate_config(cfg)
+        if cfg.position_embedding_type not in _POSITION_TYPES:
+            raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r} is not "
+                             f"supported; expected one of {_POSITION_TYPES}")
+        dims = mamba_dims(cfg)
+        if dims.d_inner != cfg.mamba_expand * cfg.hidden_size:
+            raise ValueError(f"mamba_n_heads * mamba_d_head = {dims.d_inner} != mamba_expand * "
+                             f"hidden_size = {cfg.mamba_expand * cfg.hidden_size}")
+        dims.validate()
+        if not cfg.logits_scaling:
+            raise ValueError("logits_scaling must be non-zero")
+        if cfg.position_embedding_type == "rope":
+            default_rope(cfg, head_dim(cfg), partial_factor=1.0)
+
+    def _build_layers(self, cfg: Any, dtype: torch.dtype) -> tuple[list[HybridDecoderLayer], RMSNorm]:
+        kinds = list(cfg.layer_types)
+        layers = []
+        for kind, idx in zip(kinds, state_indices(kinds)):
+            if kind == FULL_ATTENTION:
+                name, mixer, is_attn = "self_attn", Attention(attention_dims(cfg), dtype), True
+            else:
+                name, mixer, is_attn = "mamba", Mamba2Mixer(mamba_dims(cfg), dtype), False
+            layers.append(HybridDecoderLayer(
+                name, mixer, is_attn, idx, build_ffns(cfg, dtype),
+                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                residual_multiplier=float(cfg.residual_multiplier)))
+        return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
+        if cfg.position_embedding_type != "rope":
+            return None
+        return default_rope(cfg, head_dim(cfg), partial_factor=1.0)
+
+    def cache_spec(self) -> CacheSpec:
+        num_attn, num_mamba = self.layer_counts()
+        dims = mamba_dims(self.config)
+        return CacheSpec(num_attn_layers=num_attn, num_kv_heads=self.config.num_key_value_heads,
+                         head_dim=head_dim(self.config), num_mamba_layers=num_mamba,
+                         conv_dim=dims.conv_dim, conv_width=dims.conv_kernel,
+                         ssm_shape=dims.ssm_shape)

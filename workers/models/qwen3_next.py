@@ -1,0 +1,98 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): Gated DeltaNet + gated attention, MoE, MTP weights.
+
+Layer i is ``linear_attention`` (GDN, ``linear_attn``) or ``full_attention`` (``self_attn``:
+q_proj emits query and a sigmoid output gate per head, zero-centred per-head q/k norms,
+partial RoPE), then an MoE (``mlp``: softmax top-k experts + sigmoid-gated shared expert) or,
+for ``mlp_only_layers`` / off the ``decoder_sparse_step`` grid, a dense SwiGLU MLP. Every
+model RMSNorm is zero-centred (``1 + weight``). The checkpoint's ``mtp.*`` tensors are not
+part of this model; ``load_weights`` keeps them in ``mtp_weights``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.device_pools import CacheSpec
+from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCausalLM,
+                                 default_rope, state_indices)
+from workers.models.gated_deltanet import GatedDeltaNet, GdnDims
+from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
+from workers.models.moe import MoeDims, SparseMoE
+
+
+def gdn_dims(cfg: Any) -> GdnDims:
+    return GdnDims(hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_key_heads,
+                   num_v_heads=cfg.linear_num_value_heads, k_head_dim=cfg.linear_key_head_dim,
+                   v_head_dim=cfg.linear_value_head_dim, conv_kernel=cfg.linear_conv_kernel_dim,
+                   eps=cfg.rms_norm_eps)
+
+
+def head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def attention_dims(cfg: Any) -> AttentionDims:
+    hd = head_dim(cfg)
+    return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                         num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
+                         bias=bool(cfg.attention_bias), scale=hd ** -0.5, output_gate=True,
+                         qk_norm_eps=cfg.rms_norm_eps)
+
+
+def is_moe_layer(cfg: Any, layer_idx: int) -> bool:
+    return (layer_idx not in (cfg.mlp_only_layers or []) and cfg.num_experts > 0
+            and (layer_idx + 1) % cfg.decoder_sparse_step == 0)
+
+
+def build_ffn(cfg: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+    if not is_moe_layer(cfg, layer_idx):
+        return DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+    dims = MoeDims(hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+                   num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, style="qwen",
+                   norm_topk_prob=bool(cfg.norm_topk_prob),
+                   shared_intermediate_size=cfg.shared_expert_intermediate_size)
+    return SparseMoE(dims, dtype)
+
+
+def build_decoder_layer(cfg: Any, layer_idx: int, kind: str, state_idx: int,
+                        dtype: torch.dtype) -> HybridDecoderLayer:
+    """One Qwen3-Next decoder layer (also the shape of the MTP head's layer)."""
+    def norm() -> RMSNorm:
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, zero_centered=True)
+
+    if kind == FULL_ATTENTION:
+        name, mixer, is_attn = "self_attn", Attention(attention_dims(cfg), dtype), True
+    else:
+        name, mixer, is_attn = "linear_attn", GatedDeltaNet(gdn_dims(cfg), dtype), False
+    return HybridDecoderLayer(name, mixer, is_attn, state_idx,
+                              {"mlp": build_ffn(cfg, layer_idx, dtype)}, norm(), norm())
+
+
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    @classmethod
+    def validate_config(cls, cfg: Any) -> None:
+        super().validate_config(cfg)
+        gdn_dims(cfg).validate()
+        if FULL_ATTENTION in cfg.layer_types and cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={cfg.num_key_value_heads}")
+        default_rope(cfg, head_dim(cfg))
+
+    def _build_layers(self, cfg: Any, dtype: torch.dtype) -> tuple[list[HybridDecoderLayer], RMSNorm]:
+        kinds = list(cfg.layer_types)
+        layers = [build_decoder_layer(cfg, i, kind, idx, dtype)
+                  for i, (kind, idx) in enumerate(zip(kinds, state_indices(kinds)))]
+        return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, zero_centered=True)
+
+    def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
+        return default_rope(cfg, head_dim(cfg))
+
+    def cache_spec(self) -> CacheSpec:
+        num_attn, num_mamba = self.layer_counts()
+        gdn = gdn_dims(self.config)
+        return CacheSpec(num_attn_layers=num_attn, num_kv_heads=self.config.num_key_value_heads,
+                         head_dim=head_dim(self.config), num_mamba_layers=num_mamba,
+                         conv_dim=gdn.conv_dim, conv_width=gdn.conv_kernel,
+                         ssm_shape=gdn.ssm_shape)

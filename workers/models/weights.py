@@ -1,0 +1,98 @@
+"""Mapping checkpoint tensor names onto model parameters, strictly.
+
+A model describes where every checkpoint tensor goes as a ``{hf_name: WeightTarget}`` dict.
+A target usually is one whole parameter; a fused checkpoint tensor (Granite's expert
+``input_linear`` = gate ++ up) is split along one dim into several parameters, and a
+per-expert tensor lands in one row of a stacked ``[E, ...]`` parameter.
+
+``load_named_weights`` enforces the rules of ``model.load_weights``: every required target
+loaded (else ValueError naming the missing ones), shapes equal (else ValueError naming the
+tensor and both shapes), no unknown tensor (else ValueError naming it) except ``mtp.*``,
+which is returned aside for the MTP head.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+MTP_PREFIX = "mtp."
+
+
+class WeightTarget(NamedTuple):
+    """Where one checkpoint tensor goes.
+
+    ``parts[i] = (dst, dim)``: consecutive slices of the source along ``dim`` are copied into
+    each ``dst`` in order (one part = the whole tensor). ``required=False`` marks an alias
+    that may be absent (a tied ``lm_head.weight``).
+    """
+
+    shape: tuple[int, ...]
+    parts: tuple[tuple[torch.Tensor, int], ...]
+    required: bool = True
+
+
+def whole(dst: torch.Tensor, required: bool = True) -> WeightTarget:
+    return WeightTarget(tuple(dst.shape), ((dst, 0),), required)
+
+
+def split(dim: int, *dsts: torch.Tensor) -> WeightTarget:
+    """One source tensor = ``cat(dsts, dim)``."""
+    shape = list(dsts[0].shape)
+    shape[dim] = sum(d.shape[dim] for d in dsts)
+    return WeightTarget(tuple(shape), tuple((d, dim) for d in dsts))
+
+
+def module_targets(module: nn.Module, prefix: str = "") -> dict[str, WeightTarget]:
+    """Targets of a module tree: each parameter under its own dotted name.
+
+    A submodule with a ``weight_targets(prefix)`` method describes itself (used where the
+    checkpoint layout differs from the parameter layout, e.g. stacked experts).
+    """
+    custom = getattr(module, "weight_targets", None)
+    if custom is not None:
+        return custom(prefix)
+    targets = {prefix + name: whole(p) for name, p in module.named_parameters(recurse=False)}
+    for name, child in module.named_children():
+        targets.update(module_targets(child, f"{prefix}{name}."))
+    return targets
+
+
+def _copy_into(name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != target.shape:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"the model expects {target.shape}")
+    offsets = [0] * len(target.shape)
+    for dst, dim in target.parts:
+        if len(target.parts) == 1:
+            src = tensor
+        else:
+            src = tensor.narrow(dim, offsets[dim], dst.shape[dim])
+            offsets[dim] += dst.shape[dim]
+        with torch.no_grad():
+            dst.copy_(src)
+
+
+def load_named_weights(targets: Mapping[str, WeightTarget],
+                       weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Copy ``weights`` into ``targets``; returns the ``mtp.*`` tensors kept aside."""
+    loaded: set[str] = set()
+    mtp: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.startswith(MTP_PREFIX):
+            mtp[name] = tensor
+            continue
+        target = targets.get(name)
+        if target is None:
+            raise ValueError(f"unexpected tensor {name!r} in the checkpoint "
+                             f"(shape {tuple(tensor.shape)}); the model has no such weight")
+        _copy_into(name, target, tensor)
+        loaded.add(name)
+    missing = sorted(n for n, t in targets.items() if t.required and n not in loaded)
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}{more}")
+    return mtp
