@@ -30,6 +30,9 @@ class ForwardBatch:
       otherwise) and write the state after the last new token back into it.
     - ``logits_indices`` are the rows of the flat batch whose logits are needed
       (the last token of every sequence that samples this step).
+    - ``state_dst_slots[t]``, when given and non-zero, is a Mamba slot that receives the
+      recurrent and conv state after token t (a prefix-cache checkpoint or a per-draft
+      state); 0 means no snapshot. The live slot still receives the final state.
     """
 
     input_ids: torch.Tensor          # int64 [T]
@@ -42,6 +45,7 @@ class ForwardBatch:
     has_initial_state: torch.Tensor  # bool  [B]
     logits_indices: torch.Tensor     # int64 [N]
     page_size: int
+    state_dst_slots: torch.Tensor | None = None  # int32 [T]
 
     @property
     def num_seqs(self) -> int:

@@ -102,6 +102,6 @@ class GatedDeltaNet(nn.Module):
             v.reshape(num_tokens, d.num_v_heads, d.v_head_dim).contiguous(),
             g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx],
             batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-            use_qk_l2norm=True)
+            use_qk_l2norm=True, state_dst_slots=batch.state_dst_slots)
         o = self.norm(o.reshape(-1, d.v_head_dim), z.reshape(-1, d.v_head_dim))
         return self.out_proj(o.reshape(num_tokens, -1).to(hidden.dtype))

@@ -190,4 +190,5 @@ class CausalConv1d(nn.Module):
         # (causal_conv1d_update) needs a host flag that every sequence has an initial state.
         return causal_conv1d_varlen(x, self.weight[:, 0, :], self.bias, conv_state,
                                     batch.cu_seqlens, batch.mamba_slot_ids,
-                                    batch.has_initial_state, activation="silu")
+                                    batch.has_initial_state, activation="silu",
+                                    state_dst_slots=batch.state_dst_slots)

@@ -91,6 +91,7 @@ class Mamba2Mixer(nn.Module):
             c.reshape(num_tokens, d.num_groups, d.state_size),
             self.D, self.dt_bias, pools.mamba.ssm[mamba_idx],
             batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-            dt_softplus=True, dt_limit=d.dt_limit, chunk_size=d.chunk_size)
+            dt_softplus=True, dt_limit=d.dt_limit, chunk_size=d.chunk_size,
+            state_dst_slots=batch.state_dst_slots)
         y = self.norm(y.reshape(num_tokens, d.d_inner), z)
         return self.out_proj(y.to(hidden.dtype))

@@ -1,0 +1,297 @@
+"""The Mamba slot ownership ledger: one owner per slot, plus the batches that will write it.
+
+State, at every point between calls:
+- I2: each slot 1 .. num_slots - 1 is exactly one of: free (in the free list), owned by a
+  request (``RequestOwner``: live / keep / pending), or owned by one tree node as its
+  checkpoint (``TreeOwner``). Slot 0 is the dummy write target: never handed out, never
+  owned, never registered as written. free + request-owned + tree-owned == num_slots - 1.
+- I3: ``writers_of(slot)`` are launched batches whose results are not processed yet and
+  that will write the slot. While a slot has one, its holder may not change: ``free``
+  raises, ``transfer`` refuses (returns False) and ``may_move`` is False. A role change
+  inside one request (``relabel``, e.g. pending -> keep) is not a change of holder and is
+  allowed. A batch may only be registered on a request-owned slot.
+
+``guard_writers=False`` turns the I3 refusals off (writers are still recorded, and
+``check`` reports every writer whose slot changed holder). It exists only so that a test
+can show the keep-slot aliasing bug coming back (``debug.disable_alias_guard``).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+from workers.allocators import IdAllocator
+from workers.cache.records import Violation
+
+
+class SlotRole(enum.Enum):
+    LIVE = "live"  # the slot the kernels read and advance for a running request
+    KEEP = "keep"  # the request's last committed checkpoint, not yet published
+    PENDING = "pending"  # a borrowed track slot the next boundary state is written to
+
+
+@dataclass(frozen=True)
+class RequestOwner:
+    request_id: str
+    role: SlotRole
+
+
+@dataclass(frozen=True)
+class TreeOwner:
+    node_id: int
+
+
+Owner = Union[RequestOwner, TreeOwner]
+
+
+class SlotCounts(NamedTuple):
+    num_free: int
+    num_live: int
+    num_keep: int
+    num_pending: int
+    num_tree: int
+
+    @property
+    def num_request_owned(self) -> int:
+        return self.num_live + self.num_keep + self.num_pending
+
+
+class OwnershipError(RuntimeError):
+    """An ownership rule was broken by the caller (double free, free with a pending writer...)."""
+
+
+def _kind(owner: Owner) -> str:
+    return owner.role.value if isinstance(owner, RequestOwner) else "tree"
+
+
+def same_holder(a: Owner, b: Owner) -> bool:
+    """True when ``a`` and ``b`` are the same request (any roles) or the same tree node."""
+    if isinstance(a, RequestOwner) and isinstance(b, RequestOwner):
+        return a.request_id == b.request_id
+    return a == b
+
+
+class SlotLedger:
+    """Allocator and owner map for Mamba slots; see the module docstring for the rules.
+
+    Mutators: ``alloc``/``alloc_many`` (free -> owned; return None on exhaustion, never
+    raise), ``free``/``free_request`` (owned -> free; raise OwnershipError on a double free
+    or a pending writer), ``transfer`` (holder change; False when refused for a writer),
+    ``relabel`` (role change inside one request), ``add_writer``/``complete_batch``.
+    Slot numbers outside 1 .. num_slots - 1 raise ValueError everywhere.
+    """
+
+    def __init__(self, num_slots: int, *, guard_writers: bool = True) -> None:
+        self._free = IdAllocator(num_slots, "mamba")
+        self.guard_writers = guard_writers
+        self._owner: dict[int, Owner] = {}
+        self._by_request: dict[str, dict[int, SlotRole]] = {}
+        self._num_by_kind = {"live": 0, "keep": 0, "pending": 0, "tree": 0}
+        # slot -> {batch_id: holder when the batch was registered}; batch_id -> slots.
+        self._writers: dict[int, dict[int, Owner]] = {}
+        self._batch_slots: dict[int, set[int]] = {}
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self._free.size
+
+    @property
+    def num_usable(self) -> int:
+        return self._free.num_usable
+
+    @property
+    def num_free(self) -> int:
+        return self._free.num_free
+
+    @property
+    def num_tree_owned(self) -> int:
+        return self._num_by_kind["tree"]
+
+    @property
+    def num_request_owned(self) -> int:
+        return len(self._owner) - self._num_by_kind["tree"]
+
+    def counts(self) -> SlotCounts:
+        k = self._num_by_kind
+        return SlotCounts(self.num_free, k["live"], k["keep"], k["pending"], k["tree"])
+
+    def usage_ratio(self) -> float:
+        return self._free.usage_ratio()
+
+    # ---- queries -----------------------------------------------------------------------
+    def owner_of(self, slot: int) -> Owner | None:
+        """The slot's owner, or None when it is free."""
+        self._check_range(slot)
+        return self._owner.get(slot)
+
+    def is_free(self, slot: int) -> bool:
+        return self.owner_of(slot) is None
+
+    def slots_of(self, request_id: str) -> dict[int, SlotRole]:
+        """The slots a request owns, with their roles (a copy)."""
+        return dict(self._by_request.get(request_id, {}))
+
+    def writers_of(self, slot: int) -> frozenset[int]:
+        self._check_range(slot)
+        return frozenset(self._writers.get(slot, ()))
+
+    def has_writers(self, slot: int) -> bool:
+        self._check_range(slot)
+        return slot in self._writers
+
+    def may_move(self, slot: int) -> bool:
+        """Whether the slot's holder may change now (free, transfer, donate, insert)."""
+        return not self.guard_writers or not self.has_writers(slot)
+
+    def is_batch_pending(self, batch_id: int) -> bool:
+        return batch_id in self._batch_slots
+
+    # ---- ownership ---------------------------------------------------------------------
+    def alloc(self, owner: Owner) -> int | None:
+        """A free slot now owned by ``owner``; None when none is free (never evicts)."""
+        slot = self._free.alloc_one()
+        if slot is not None:
+            self._set_owner(slot, owner)
+        return slot
+
+    def alloc_many(self, owners: Sequence[Owner]) -> list[int] | None:
+        """One slot per owner, all or nothing (atomic admission); None when short."""
+        slots = self._free.alloc(len(owners))
+        if slots is not None:
+            for slot, owner in zip(slots, owners):
+                self._set_owner(slot, owner)
+        return slots
+
+    def free(self, slot: int) -> None:
+        owner = self._owned(slot, "free")
+        if not self.may_move(slot):
+            raise OwnershipError(
+                f"free of slot {slot} ({owner}) with pending writer batches {sorted(self._writers[slot])}")
+        self._clear_owner(slot)
+        self._free.free([slot])
+
+    def free_request(self, request_id: str) -> list[int]:
+        """Free every slot the request owns; raises before freeing any if one has a writer."""
+        slots = sorted(self._by_request.get(request_id, {}))
+        busy = [s for s in slots if not self.may_move(s)]
+        if busy:
+            raise OwnershipError(f"request {request_id!r}: slots {busy} have pending writers")
+        for slot in slots:
+            self.free(slot)
+        return slots
+
+    def transfer(self, slot: int, new_owner: Owner) -> bool:
+        """Give the slot to ``new_owner``; False (nothing changes) while a writer is pending."""
+        owner = self._owned(slot, "transfer")
+        if owner == new_owner:
+            return True
+        if not same_holder(owner, new_owner) and not self.may_move(slot):
+            return False
+        self._clear_owner(slot)
+        self._set_owner(slot, new_owner)
+        return True
+
+    def relabel(self, slot: int, role: SlotRole) -> None:
+        """Change the role of a request-owned slot within its request (allowed with writers)."""
+        owner = self._owned(slot, "relabel")
+        if not isinstance(owner, RequestOwner):
+            raise OwnershipError(f"relabel of slot {slot}: owned by {owner}, not a request")
+        self.transfer(slot, RequestOwner(owner.request_id, role))
+
+    # ---- pending writers ---------------------------------------------------------------
+    def add_writer(self, slot: int, batch_id: int) -> None:
+        """Record that launched batch ``batch_id`` will write ``slot`` (request-owned only)."""
+        owner = self._owned(slot, "add_writer")
+        if isinstance(owner, TreeOwner) and self.guard_writers:
+            raise OwnershipError(f"batch {batch_id} may not write slot {slot}: it is tree node "
+                                 f"{owner.node_id}'s checkpoint")
+        self._writers.setdefault(slot, {})[batch_id] = owner
+        self._batch_slots.setdefault(batch_id, set()).add(slot)
+
+    def complete_batch(self, batch_id: int) -> list[int]:
+        """The batch's result is processed: drop it from every slot's writers.
+
+        Returns the slots it was registered on (sorted); an unknown batch is a no-op.
+        """
+        slots = self._batch_slots.pop(batch_id, set())
+        for slot in slots:
+            writers = self._writers[slot]
+            del writers[batch_id]
+            if not writers:
+                del self._writers[slot]
+        return sorted(slots)
+
+    # ---- invariants --------------------------------------------------------------------
+    def check(self) -> list[Violation]:
+        """I2 (exclusive ownership, conservation) and I3 (no holder change under a writer)."""
+        return _check_ownership(self) + _check_writers(self)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _check_range(self, slot: int) -> None:
+        if not 0 < slot < self.num_slots:
+            raise ValueError(f"mamba slot {slot} out of range 1..{self.num_slots - 1}")
+
+    def _owned(self, slot: int, action: str) -> Owner:
+        owner = self.owner_of(slot)
+        if owner is None:
+            raise OwnershipError(f"{action} of slot {slot}, which is free")
+        return owner
+
+    def _set_owner(self, slot: int, owner: Owner) -> None:
+        if not isinstance(owner, (RequestOwner, TreeOwner)):
+            raise TypeError(f"owner must be RequestOwner or TreeOwner, got {owner!r}")
+        self._owner[slot] = owner
+        self._num_by_kind[_kind(owner)] += 1
+        if isinstance(owner, RequestOwner):
+            self._by_request.setdefault(owner.request_id, {})[slot] = owner.role
+
+    def _clear_owner(self, slot: int) -> None:
+        owner = self._owner.pop(slot)
+        self._num_by_kind[_kind(owner)] -= 1
+        if isinstance(owner, RequestOwner):
+            slots = self._by_request[owner.request_id]
+            del slots[slot]
+            if not slots:
+                del self._by_request[owner.request_id]
+
+
+def _check_ownership(ledger: SlotLedger) -> list[Violation]:
+    out: list[Violation] = []
+    for slot in range(1, ledger.num_slots):
+        is_free, owner = ledger._free.is_free(slot), ledger._owner.get(slot)
+        if is_free == (owner is not None):
+            out.append(Violation("I2", f"slot {slot}: free list says free={is_free}, owner map says {owner}"))
+    total = ledger.num_free + ledger.num_request_owned + ledger.num_tree_owned
+    if total != ledger.num_usable:
+        out.append(Violation("I2", f"free {ledger.num_free} + request {ledger.num_request_owned} + tree "
+                                   f"{ledger.num_tree_owned} = {total} != {ledger.num_usable} usable slots"))
+    kinds = {"live": 0, "keep": 0, "pending": 0, "tree": 0}
+    for owner in ledger._owner.values():
+        kinds[_kind(owner)] += 1
+    if kinds != ledger._num_by_kind:
+        out.append(Violation("I2", f"per-kind counts {ledger._num_by_kind} != recount {kinds}"))
+    indexed = {(rid, s, role) for rid, slots in ledger._by_request.items() for s, role in slots.items()}
+    actual = {(o.request_id, s, o.role) for s, o in ledger._owner.items() if isinstance(o, RequestOwner)}
+    if indexed != actual:
+        out.append(Violation("I2", f"request index disagrees with owner map: {sorted(indexed ^ actual, key=str)}"))
+    return out
+
+
+def _check_writers(ledger: SlotLedger) -> list[Violation]:
+    out: list[Violation] = []
+    by_batch: dict[int, set[int]] = {}
+    for slot, writers in ledger._writers.items():
+        if not writers:
+            out.append(Violation("I3", f"slot {slot}: empty writer entry"))
+        owner = ledger._owner.get(slot)
+        for batch_id, registered in writers.items():
+            by_batch.setdefault(batch_id, set()).add(slot)
+            if owner is None or not same_holder(registered, owner):
+                out.append(Violation("I3", f"slot {slot} changed holder from {registered} to {owner} while "
+                                           f"batch {batch_id} is pending"))
+    if by_batch != ledger._batch_slots:
+        out.append(Violation("I3", f"batch index {ledger._batch_slots} != writer map {by_batch}"))
+    return out
