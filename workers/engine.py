@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from configs.schema import HybridServeConfig
-from workers.allocators import IdAllocator
+from workers.cache import CacheEvent, Violation
+from workers.cache_manager import CacheManager
 from workers.detokenizer import IncrementalDetokenizer
 from workers.device_pools import DevicePools, KVPool, MambaPool
 from workers.loader import load_model
@@ -55,13 +56,14 @@ class Engine:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_token_id = self._find_eos()
         self.vocab_size = int(self.hf_config.vocab_size)
+        self.stats = EngineStats()
         self._build_pools()
         self.generators = GeneratorBank(config.seed, self.device)
         self.runner = ModelRunner(self.model, self.pools, config.cache.page_size,
                                   self.device, self.generators)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self.stats = EngineStats()
+        self.raise_on_violation = False   # tests turn this on: violations raise, not just count
         self._last_step_end: float | None = None
 
     def _find_eos(self) -> int | None:
@@ -81,10 +83,11 @@ class Engine:
         self.pools = DevicePools(
             kv=KVPool(spec, sizes.num_pages, page_size, self.dtype, self.device),
             mamba=MambaPool(spec, sizes.num_slots, self.dtype, torch.float32, self.device))
-        self.page_allocator = IdAllocator(sizes.num_pages, "KV page")
-        self.slot_allocator = IdAllocator(sizes.num_slots, "Mamba slot")
-        self.scheduler = Scheduler(self.config.scheduler, page_size, self.page_allocator,
-                                   self.slot_allocator, self.max_model_len)
+        self.cache = CacheManager(self.config.cache, self.config.debug, sizes.num_pages,
+                                  sizes.num_slots, self.stats, seed=self.config.seed)
+        self.page_allocator = self.cache.pages
+        self.slot_ledger = self.cache.ledger
+        self.scheduler = Scheduler(self.config.scheduler, self.cache, self.max_model_len)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -129,12 +132,44 @@ class Engine:
         start = time.monotonic()
         if self._last_step_end is not None:
             self.stats.observe("hybridserve_step_gap_seconds", start - self._last_step_end)
-        result = self.runner.execute(batch)
+        plan = self.cache.plan_step(batch)
+        result = self.runner.execute(plan)
         self._last_step_end = time.monotonic()
         self.stats.observe("hybridserve_step_duration_seconds", self._last_step_end - start)
+        self.cache.complete_step(batch, plan)
         outputs = self._process(batch, result)
+        self.cache.donate_unfinished(batch)
         self._update_gauges()
+        if self.config.debug.check_invariants:
+            self._check_invariants()
         return outputs
+
+    def _check_invariants(self) -> None:
+        violations = self.check_invariants()
+        for v in violations:
+            self.stats.inc("hybridserve_invariant_violations_total", label=v.invariant)
+        if violations and self.raise_on_violation:
+            raise AssertionError("invariant violations: " + "; ".join(f"{v.invariant}: {v.message}" for v in violations))
+
+    def check_invariants(self) -> list[Violation]:
+        return self.cache.check_invariants(self.scheduler.running)
+
+    # -- cache control ---------------------------------------------------------------------
+    def flush_cache(self) -> int:
+        """Empty the prefix cache (what running requests lock stays). Returns checkpoints freed."""
+        return self.cache.flush()
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        return self.cache.drain_events()
+
+    def pool_counts(self) -> dict[str, int]:
+        tree = self.cache.tree
+        return {"kv_pages_free": self.page_allocator.num_free,
+                "kv_pages_usable": self.page_allocator.num_usable,
+                "kv_pages_cached": tree.num_cached_pages if tree else 0,
+                "mamba_slots_free": self.slot_ledger.num_free,
+                "mamba_slots_usable": self.slot_ledger.num_usable,
+                "mamba_slots_cached": self.slot_ledger.num_tree_owned}
 
     def _process(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))
@@ -184,7 +219,7 @@ class Engine:
         return None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.scheduler.release(req)
+        self.scheduler.release(req, finished=reason is not FinishReason.ABORT)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finished_time = time.monotonic()
@@ -217,4 +252,4 @@ class Engine:
         g["hybridserve_num_running_requests"] = len(self.scheduler.running)
         g["hybridserve_num_waiting_requests"] = len(self.scheduler.waiting)
         g["hybridserve_kv_pool_usage_ratio"] = self.page_allocator.usage_ratio()
-        g["hybridserve_mamba_pool_usage_ratio"] = self.slot_allocator.usage_ratio()
+        g["hybridserve_mamba_pool_usage_ratio"] = self.slot_ledger.usage_ratio()

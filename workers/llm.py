@@ -85,6 +85,10 @@ class LLM:
     def stats(self) -> dict[str, object]:
         return self.engine.stats.snapshot()
 
+    def flush_cache(self) -> None:
+        """Empty the prefix cache; later prompts start cold."""
+        self.engine.flush_cache()
+
 
 def _with_prompt(out: RequestOutput, prompt: Prompt) -> RequestOutput:
     from dataclasses import replace

@@ -13,7 +13,7 @@ from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.request import TokenLogprob
 from workers.sampler import GeneratorBank, sample
-from workers.scheduler import ScheduledBatch
+from workers.checkpoints import StepPlan
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,14 @@ class StepResult:
     logprobs: list[TokenLogprob | None]
 
 
-def build_forward_batch(batch: ScheduledBatch, page_size: int, device: torch.device) -> ForwardBatch:
+def build_forward_batch(plan: StepPlan, page_size: int, device: torch.device) -> ForwardBatch:
+    batch = plan.batch
     input_ids: list[int] = []
     positions: list[int] = []
     out_loc: list[int] = []
     cu = [0]
     logits_rows: list[int] = []
+    dst_slots: list[int] = []
     max_pages = max(len(s.request.page_ids) for s in batch.seqs)
     page_table = [[0] * max_pages for _ in batch.seqs]
     for b, seq in enumerate(batch.seqs):
@@ -40,6 +42,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: torch.dev
             out_loc.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
         page_table[b][: len(req.page_ids)] = req.page_ids
         cu.append(cu[-1] + seq.num_new_tokens)
+        dst_slots.extend([0] * (seq.num_new_tokens - 1) + [plan.track_slot(b)])
         if seq.samples:
             logits_rows.append(cu[-1] - 1)
 
@@ -57,6 +60,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: torch.dev
         has_initial_state=t([s.start > 0 for s in batch.seqs], torch.bool),
         logits_indices=t(logits_rows, torch.int64),
         page_size=page_size,
+        state_dst_slots=t(dst_slots, torch.int32) if plan.tracks else None,
     )
 
 
@@ -70,8 +74,13 @@ class ModelRunner:
         self.generators = generators
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        fb = build_forward_batch(batch, self.page_size, self.device)
+    def execute(self, plan: StepPlan) -> StepResult:
+        batch = plan.batch
+        if plan.cow:
+            src = torch.tensor([s for s, _ in plan.cow], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([d for _, d in plan.cow], dtype=torch.int64, device=self.device)
+            self.pools.mamba.copy_slot(src, dst)
+        fb = build_forward_batch(plan, self.page_size, self.device)
         hidden = self.model.forward(fb, self.pools)
         sampling = [s for s in batch.seqs if s.samples]
         if not sampling:

@@ -33,6 +33,32 @@ class TokenLogprob:
 
 
 @dataclass
+class RequestCacheState:
+    """A request's share of the prefix cache (ints and a tree node; no tensors).
+
+    - ``page_ids[:num_tree_pages]`` (on the Request) belong to the tree and are protected
+      by the lock on ``locked_node``; the rest are the request's own.
+    - ``keep_slot`` holds H(``keep_depth``) when ``keep_depth`` is set (I4: the label is the
+      depth of the state actually in the slot; None = nothing unpublished).
+    - ``next_slot`` (extra_buffer) / ``pending_slot`` (extra_buffer_lazy) is where the next
+      checkpoint is written; ``targets`` are prefill checkpoint depths still to reach.
+    - ``cow_src`` is a tree checkpoint slot to copy into the live slot before the next
+      forward (a prefix hit); the lock on ``locked_node`` keeps it alive until then.
+    """
+
+    num_tree_pages: int = 0
+    locked_node: object | None = None
+    keep_slot: int | None = None
+    keep_depth: int | None = None
+    keep_phase: str = "prefill"
+    keep_batch: int = -1
+    next_slot: int | None = None
+    pending_slot: int | None = None
+    targets: list[int] = field(default_factory=list)
+    cow_src: int | None = None
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -43,11 +69,13 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    lookup_counted: bool = False        # the first prefix lookup has been counted
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     page_ids: list[int] = field(default_factory=list)
     mamba_slot: int | None = None
+    cache: RequestCacheState = field(default_factory=lambda: RequestCacheState())
     num_preemptions: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -63,6 +91,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)

@@ -4,49 +4,28 @@ Pure bookkeeping: ints and lists, no tensors. One call to ``schedule`` decides o
 
 1. Running requests, oldest first, each get the tokens they lack (one for a decode, a
    chunk of at most ``chunked_prefill_size`` for a prefill), within ``max_batch_tokens``.
-   KV pages for those tokens are allocated now; when the page pool is empty the youngest
-   running request is preempted (its pages and slot freed, ``num_computed_tokens`` reset
-   to 0, back to the front of the queue) until the allocation fits.
-2. Waiting requests are admitted in FIFO order while a Mamba slot, pages and budget exist
-   and fewer than ``max_running_requests`` run. Admission never preempts.
+   A prefill chunk ends exactly at the request's next checkpoint target, so the state at
+   that depth exists at the end of a forward. KV pages for the new tokens are allocated
+   now (evicting unlocked cached prefixes first); when that still fails, the youngest
+   running request is preempted (resources freed, ``num_computed_tokens`` reset to 0,
+   back to the front of the queue) until the allocation fits.
+2. Waiting requests are admitted in FIFO order while a live Mamba slot, pages and budget
+   exist and fewer than ``max_running_requests`` run. Admission may reuse a cached prefix
+   and never preempts.
 
-Invariant: after ``schedule``, every running request holds a live slot and exactly
-``ceil((num_computed_tokens + num_new_tokens) / page_size)`` pages (pages for tokens it
-is about to compute included).
+Invariant: after ``schedule``, every running request holds a live slot and at least
+``ceil((num_computed_tokens + num_new_tokens) / page_size)`` pages.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from configs.schema import SchedulerConfig
-from workers.allocators import IdAllocator
+from workers.cache_manager import CacheManager
 from workers.request import Request, RequestStatus
+from workers.scheduler_types import ScheduledBatch, ScheduledSeq
 
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step: compute tokens ``[start, start + num_new_tokens)``."""
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    samples: bool          # the chunk reaches the end of the known tokens: sample after it
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    batch_id: int
-    seqs: tuple[ScheduledSeq, ...]
-    preempted: tuple[Request, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+__all__ = ["Scheduler", "ScheduledBatch", "ScheduledSeq", "pages_needed"]
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -54,12 +33,10 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, page_size: int, pages: IdAllocator,
-                 slots: IdAllocator, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, max_model_len: int) -> None:
         self.config = config
-        self.page_size = page_size
-        self.pages = pages
-        self.slots = slots
+        self.cache = cache
+        self.page_size = cache.page_size
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -73,27 +50,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def release(self, request: Request) -> None:
-        """Free a request's pages and slot and drop it from the queues."""
+    def release(self, request: Request, finished: bool = False) -> None:
+        """Free a request's resources (publishing its checkpoint on a normal finish)."""
         if request in self.running:
             self.running.remove(request)
+            self.cache.release(request, finished)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._free_resources(request)
-
-    def _free_resources(self, request: Request) -> None:
-        if request.page_ids:
-            self.pages.free(request.page_ids)
-            request.page_ids = []
-        if request.mamba_slot is not None:
-            self.slots.free([request.mamba_slot])
-            request.mamba_slot = None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._free_resources(request)
+        self.cache.release(request, finished=False)
         request.num_computed_tokens = 0
-        request.num_cached_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -108,9 +76,7 @@ class Scheduler:
             if request not in self.running:      # preempted earlier in this loop
                 continue
             n = self._num_to_compute(request, budget)
-            if n == 0:
-                continue
-            if not self._grow_pages(request, n, preempted):
+            if n == 0 or not self._grow_pages(request, n, preempted):
                 continue
             seqs.append(self._scheduled(request, n))
             budget -= n
@@ -123,39 +89,49 @@ class Scheduler:
 
     def _num_to_compute(self, request: Request, budget: int) -> int:
         missing = request.num_tokens - request.num_computed_tokens
-        return max(0, min(missing, self.config.chunked_prefill_size, budget))
+        n = min(missing, self.config.chunked_prefill_size, budget)
+        target = self.cache.tracker.next_target(request)
+        if target is not None:
+            n = min(n, target - request.num_computed_tokens)
+        return max(0, n)
 
     def _scheduled(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         return ScheduledSeq(request, start, n, samples=start + n == request.num_tokens)
+
+    def _pages_short(self, request: Request, n: int) -> int:
+        return max(0, pages_needed(request.num_computed_tokens + n, self.page_size) - len(request.page_ids))
 
     def _grow_pages(self, request: Request, n: int, preempted: list[Request]) -> bool:
         """Give ``request`` pages for ``n`` more tokens, preempting the youngest if needed.
 
         Returns False when ``request`` itself had to be preempted.
         """
-        need = pages_needed(request.num_computed_tokens + n, self.page_size) - len(request.page_ids)
-        while not self.pages.can_alloc(need):
+        need = self._pages_short(request, n)
+        while True:
+            new = self.cache.alloc_pages(need)
+            if new is not None:
+                request.page_ids.extend(new)
+                return True
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
-        new = self.pages.alloc(need)
-        assert new is not None
-        request.page_ids.extend(new)
-        return True
 
     def _admit(self, budget: int, seqs: list[ScheduledSeq]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
+            if not self.cache.admit(request):
+                break
             n = self._num_to_compute(request, budget)
-            need = pages_needed(request.num_computed_tokens + n, self.page_size) - len(request.page_ids)
-            if not self.pages.can_alloc(need) or not self.slots.can_alloc(1):
+            new = self.cache.alloc_pages(self._pages_short(request, n)) if n > 0 else None
+            if new is None:
+                self.cache.release(request, finished=False)
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            request.page_ids.extend(self.pages.alloc(need) or [])
-            request.mamba_slot = self.slots.alloc_one()
+            request.page_ids.extend(new)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             seqs.append(self._scheduled(request, n))

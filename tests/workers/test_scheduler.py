@@ -1,8 +1,9 @@
 """The scheduler alone: budgets, chunking, admission and preemption, exact counts."""
 from __future__ import annotations
 
-from configs.schema import SchedulerConfig
-from workers.allocators import IdAllocator
+from configs.schema import CacheConfig, DebugConfig, SchedulerConfig
+from workers.cache_manager import CacheManager
+from workers.stats import EngineStats
 from workers.request import Request, RequestStatus
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, pages_needed
@@ -10,8 +11,9 @@ from workers.scheduler import Scheduler, pages_needed
 
 def make(num_pages=64, num_slots=8, page_size=4, **cfg):
     config = SchedulerConfig(**{"max_batch_tokens": 64, "chunked_prefill_size": 16, **cfg})
-    pages, slots = IdAllocator(num_pages, "page"), IdAllocator(num_slots, "slot")
-    return Scheduler(config, page_size, pages, slots, max_model_len=1024), pages, slots
+    cache = CacheManager(CacheConfig(page_size=page_size, enable_prefix_cache=False), DebugConfig(),
+                         num_pages, num_slots, EngineStats())
+    return Scheduler(config, cache, max_model_len=1024), cache.pages, cache.ledger
 
 
 def req(rid, n, max_tokens=8):

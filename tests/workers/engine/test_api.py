@@ -14,9 +14,15 @@ def llm(tiny_qwen_dir):
 
 def assert_no_leaks(llm):
     e = llm.engine
-    assert e.page_allocator.num_free == e.page_allocator.num_usable
-    assert e.slot_allocator.num_free == e.slot_allocator.num_usable
     assert not e.requests and not e.scheduler.has_work()
+    counts = e.pool_counts()
+    assert counts["kv_pages_free"] + counts["kv_pages_cached"] == counts["kv_pages_usable"]
+    assert counts["mamba_slots_free"] + counts["mamba_slots_cached"] == counts["mamba_slots_usable"]
+    assert e.check_invariants() == []
+    e.flush_cache()
+    counts = e.pool_counts()
+    assert counts["kv_pages_free"] == counts["kv_pages_usable"]
+    assert counts["mamba_slots_free"] == counts["mamba_slots_usable"]
 
 
 def test_output_fields_and_text(llm):

@@ -1,0 +1,159 @@
+"""Prefix caching of recurrent state, end to end on real tiny models.
+
+Every run checks the cache invariants after every step (violations raise), compares
+greedy tokens with a cache-off control, and checks ``cached_tokens`` against what the
+tree held when the request arrived.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.workers.engine.helpers import make_llm, random_prompts
+from workers.sampling_params import SamplingParams
+
+STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
+P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def cached_llm(model_dir, strategy, page_size=4, interval=8, **extra):
+    cache = {"mamba_strategy": strategy, "page_size": page_size, "mamba_track_interval": interval,
+             **extra.pop("cache", {})}
+    llm = make_llm(model_dir, cache=cache, debug={"check_invariants": True}, **extra)
+    llm.engine.raise_on_violation = True
+    return llm
+
+
+def shared_prefix_workload(vocab: int, num_systems=8, num_questions=8, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    systems = random_prompts(vocab, [rng.randrange(9, 30) for _ in range(num_systems)], seed=seed)
+    return [s + random_prompts(vocab, [rng.randrange(2, 12)], seed=1000 * i + j)[0]
+            for i, s in enumerate(systems) for j in range(num_questions)]
+
+
+def expected_hit(llm, prompt: list[int]) -> int:
+    return llm.engine.cache.tree.peek(prompt[: len(prompt) - 1]).depth
+
+
+def run_one_by_one(llm, prompts):
+    """Generate sequentially, returning (outputs, depth the tree offered each prompt)."""
+    outs, offered = [], []
+    for p in prompts:
+        offered.append(expected_hit(llm, p))
+        outs.append(llm.generate_ids([p], [P])[0])
+    return outs, offered
+
+
+@pytest.fixture(scope="module")
+def control(tiny_model_dir):
+    off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
+    prompts = shared_prefix_workload(off.engine.vocab_size)
+    return prompts, [o.token_ids for o in off.generate_ids(prompts, [P] * len(prompts))]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_shared_prefix_differential(tiny_model_dir, control, strategy):
+    prompts, expected = control
+    # 40 usable slots and 600 KV tokens for 64 prompts: evictions are forced.
+    llm = cached_llm(tiny_model_dir, strategy, cache={"max_mamba_slots": 40, "max_kv_tokens": 600})
+    first = llm.generate_ids(prompts, [P] * len(prompts))
+    assert [o.token_ids for o in first] == expected
+    second, offered = run_one_by_one(llm, prompts)
+    assert [o.token_ids for o in second] == expected
+    assert [o.cached_tokens for o in second] == offered
+    stats = llm.stats()
+    assert stats["hybridserve_mamba_checkpoints_evicted_total"] > 0 or strategy == "no_buffer"
+    if strategy != "no_buffer":
+        # Every prompt whose checkpoint survived is served from it, at the prefill target.
+        assert sum(o > 0 for o in offered) >= len(prompts) // 2
+        for p, o in zip(prompts, second):
+            assert o.cached_tokens in (0, ((len(p) - 1) // 4) * 4) or o.cached_tokens % 4 == 0
+    assert stats["hybridserve_invariant_violations_total"] == {}
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_repeat_hits_exact_prefill_target(tiny_model_dir, strategy):
+    llm = cached_llm(tiny_model_dir, strategy)
+    prompts = random_prompts(llm.engine.vocab_size, [5, 8, 9, 16, 17, 23])
+    first = llm.generate_ids(prompts, [P] * len(prompts))
+    second = llm.generate_ids(prompts, [P] * len(prompts))
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert [o.cached_tokens for o in first] == [0] * len(prompts)
+    assert [o.cached_tokens for o in second] == [((len(p) - 1) // 4) * 4 for p in prompts]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy):
+    page = 1 if strategy == "no_buffer" else 4
+    llm = cached_llm(tiny_model_dir, strategy, page_size=page)
+    off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
+    vocab = llm.engine.vocab_size
+    turn1 = random_prompts(vocab, [11, 19, 26], seed=5)
+    outs1 = llm.generate_ids(turn1, [P] * 3)
+    turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, random_prompts(vocab, [4, 6, 3], seed=6))]
+    outs2 = llm.generate_ids(turn2, [P] * 3)
+    assert [o.token_ids for o in outs2] == [o.token_ids for o in off.generate_ids(turn2, [P] * 3)]
+    for p, o1, o2 in zip(turn1, outs1, outs2):
+        # The turn-1 request published its last checkpoint at finish: at least the prompt's.
+        assert o2.cached_tokens >= ((len(p) - 1) // page) * page > 0
+        assert o2.cached_tokens <= len(p) + len(o1.token_ids)
+
+
+def test_branch_point_becomes_reusable(tiny_model_dir):
+    llm = cached_llm(tiny_model_dir, "extra_buffer_lazy")
+    vocab = llm.engine.vocab_size
+    system = random_prompts(vocab, [14], seed=9)[0]        # 3 whole pages + 2 tokens
+    a, b, c = (system + q for q in random_prompts(vocab, [7, 5, 9], seed=10))
+    assert llm.generate_ids([a], [P])[0].cached_tokens == 0
+    # b shares 14 tokens with a: no checkpoint there yet, but the KV path does match.
+    assert llm.generate_ids([b], [P])[0].cached_tokens == 0
+    assert llm.generate_ids([c], [P])[0].cached_tokens == 12   # the branch point of b
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("chunk", [5, 13, 64])
+def test_boundary_sweep(tiny_qwen_dir, page_size, chunk):
+    interval = 32
+    grid = 32
+    lengths = [grid + d for d in (-3, -1, 1, 3)] + [2 * grid + d for d in (-3, -1, 1, 3)]
+    llm = cached_llm(tiny_qwen_dir, "extra_buffer_lazy", page_size=page_size, interval=interval,
+                     scheduler={"chunked_prefill_size": chunk, "max_batch_tokens": 64})
+    off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
+    prompts = random_prompts(llm.engine.vocab_size, lengths, seed=page_size + chunk)
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * len(prompts)
+    expected = [o.token_ids for o in off.generate_ids(prompts, params)]
+    assert [o.token_ids for o in llm.generate_ids(prompts, params)] == expected
+    second = llm.generate_ids(prompts, params)
+    assert [o.token_ids for o in second] == expected
+    assert [o.cached_tokens for o in second] == [((n - 1) // page_size) * page_size for n in lengths]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_exhausted_pool_serves_everything(tiny_model_dir, strategy):
+    # Exactly one slot per running request: no room for any checkpoint.
+    llm = cached_llm(tiny_model_dir, strategy, cache={"max_mamba_slots": 4},
+                     scheduler={"max_running_requests": 4})
+    off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
+    prompts = shared_prefix_workload(llm.engine.vocab_size, num_systems=3, num_questions=4)
+    expected = [o.token_ids for o in off.generate_ids(prompts, [P] * len(prompts))]
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))] == expected
+    counts = llm.engine.pool_counts()
+    assert counts["mamba_slots_free"] + counts["mamba_slots_cached"] == counts["mamba_slots_usable"] == 4
+
+
+def test_cache_counters_and_flush(tiny_qwen_dir):
+    llm = cached_llm(tiny_qwen_dir, "extra_buffer_lazy")
+    prompts = random_prompts(llm.engine.vocab_size, [10, 18])
+    llm.generate_ids(prompts, [P] * 2)
+    llm.generate_ids(prompts, [P] * 2)
+    stats = llm.stats()
+    assert stats["hybridserve_prefix_query_tokens_total"] == 2 * sum(map(len, prompts))
+    assert stats["hybridserve_prefix_hit_tokens_total"] == 8 + 16
+    assert stats["hybridserve_mamba_donations_total"] > 0
+    assert stats["hybridserve_mamba_checkpoints_inserted_total"]["prefill"] >= 2
+    events = llm.engine.drain_cache_events()
+    assert events and all(e.depth % 4 == 0 for e in events)
+    llm.flush_cache()
+    assert llm.generate_ids(prompts, [P] * 2)[0].cached_tokens == 0

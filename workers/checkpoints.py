@@ -1,0 +1,214 @@
+"""Mamba checkpoints during a request: where each is written, when it is published.
+
+Strategies (``cache.mamba_strategy``, DESIGN §4):
+- ``no_buffer``: only the live slot; at a normal finish the live state is published when
+  its depth is page aligned.
+- ``extra_buffer``: two owned track slots, ``keep`` (last committed checkpoint) and
+  ``next`` (where the next one is written); they swap when a write completes.
+- ``extra_buffer_lazy``: one owned track slot (``keep``); a second (``pending``) is
+  borrowed per write without eviction; when that fails, the write goes in place into keep.
+
+Checkpoint depths: prefill targets (the last page-aligned position a later match can
+reach, ``((L - 1) // page) * page``, and the branching point of a partial match; the
+scheduler ends a forward exactly there) and decode-time multiples of the track grid
+``lcm(mamba_track_interval, page_size)``.
+
+Safety (DESIGN §4 ledger rules): every slot a launched batch writes is registered as a
+pending writer; ``donate`` never moves a slot with a pending writer: it skips, counts
+``donations_skipped{path}`` and keeps the label, so the checkpoint is published later at
+its true depth. Decisions about a batch read its frozen ``StepPlan`` only.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from configs.schema import CacheConfig, DebugConfig
+from workers.cache import Checkpoint, RequestOwner, SlotRole
+from workers.request import Request
+from workers.scheduler_types import ScheduledBatch
+
+if TYPE_CHECKING:
+    from workers.cache_manager import CacheManager
+
+
+@dataclass(frozen=True)
+class TrackWrite:
+    """Batch ``batch_id`` writes H(``depth``) of ``request`` into ``slot``."""
+
+    seq_index: int
+    request: Request
+    slot: int
+    depth: int
+    phase: str          # "prefill" | "decode"
+    inplace: bool       # lazy fallback: written into the keep slot itself
+    batch_id: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything a launched batch will write besides KV, frozen at launch."""
+
+    batch: ScheduledBatch
+    cow: tuple[tuple[int, int], ...]          # (tree checkpoint slot, live slot) copies
+    tracks: tuple[TrackWrite, ...]
+
+    def written_slots(self) -> set[int]:
+        slots = {s.request.mamba_slot for s in self.batch.seqs if s.request.mamba_slot}
+        return slots | {w.slot for w in self.tracks} | {dst for _, dst in self.cow}
+
+    def track_slot(self, seq_index: int) -> int:
+        for w in self.tracks:
+            if w.seq_index == seq_index:
+                return w.slot
+        return 0
+
+
+class CheckpointTracker:
+    def __init__(self, manager: CacheManager, cache: CacheConfig, debug: DebugConfig,
+                 rng: random.Random) -> None:
+        self.m = manager
+        self.page_size = cache.page_size
+        self.strategy = cache.mamba_strategy if manager.tree is not None else None
+        self.grid = math.lcm(cache.mamba_track_interval, cache.page_size)
+        self.fail_prob = debug.fail_pending_alloc_prob
+        self.rng = rng
+
+    @property
+    def tracks(self) -> bool:
+        return self.strategy in ("extra_buffer", "extra_buffer_lazy")
+
+    # -- admission -------------------------------------------------------------------------
+    def on_admit(self, req: Request, kv_depth: int) -> None:
+        if not self.tracks:
+            return
+        ps, c = self.page_size, req.cache
+        last_reachable = ((req.num_tokens - 1) // ps) * ps
+        c.targets = sorted({t for t in (kv_depth, last_reachable) if t > req.num_computed_tokens and t >= ps})
+        c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
+        if self.strategy == "extra_buffer":
+            c.next_slot = self._alloc(req, SlotRole.PENDING, evict=True)
+
+    def _alloc(self, req: Request, role: SlotRole, evict: bool) -> int | None:
+        return self.m._alloc_slot(RequestOwner(req.request_id, role), evict=evict)
+
+    def next_target(self, req: Request) -> int | None:
+        return next((t for t in req.cache.targets if t > req.num_computed_tokens), None)
+
+    # -- launch ------------------------------------------------------------------------------
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        cow, tracks = [], []
+        for i, seq in enumerate(batch.seqs):
+            req, c = seq.request, seq.request.cache
+            if c.cow_src is not None:
+                cow.append((c.cow_src, req.mamba_slot))
+                c.cow_src = None
+            if self.tracks and (seq.end in c.targets or seq.end % self.grid == 0):
+                dest = self._destination(req)
+                if dest is not None:
+                    phase = "prefill" if seq.start < req.num_prompt_tokens else "decode"
+                    tracks.append(TrackWrite(i, req, dest[0], seq.end, phase, dest[1], batch.batch_id))
+        return StepPlan(batch, tuple(cow), tuple(tracks))
+
+    def _destination(self, req: Request) -> tuple[int, bool] | None:
+        c = req.cache
+        if self.strategy == "extra_buffer":
+            return (c.next_slot, False) if c.next_slot is not None else None
+        if c.pending_slot is None:
+            failed = self.fail_prob > 0 and self.rng.random() < self.fail_prob
+            c.pending_slot = None if failed else self._alloc(req, SlotRole.PENDING, evict=False)
+            if c.pending_slot is None:
+                self.m.stats.inc("hybridserve_mamba_pending_alloc_failures_total")
+        if c.pending_slot is not None:
+            return c.pending_slot, False
+        if c.keep_slot is not None:
+            self.m.stats.inc("hybridserve_mamba_inplace_track_writes_total")
+            return c.keep_slot, True
+        return None
+
+    # -- results ------------------------------------------------------------------------------
+    def on_complete(self, plan: StepPlan) -> None:
+        """The batch's writes happened: the written slot now holds H(depth) (I4)."""
+        for w in plan.tracks:
+            req, c = w.request, w.request.cache
+            if req.mamba_slot is None:          # released meanwhile; its slots are gone
+                continue
+            if not w.inplace:
+                self._promote(req, w.slot)
+            c.keep_depth, c.keep_phase, c.keep_batch = w.depth, w.phase, w.batch_id
+            c.targets = [t for t in c.targets if t > w.depth]
+
+    def _promote(self, req: Request, written: int) -> None:
+        c, ledger = req.cache, self.m.ledger
+        old_keep = c.keep_slot
+        c.keep_slot = written
+        ledger.relabel(written, SlotRole.KEEP)
+        if self.strategy == "extra_buffer":
+            c.next_slot = old_keep
+            if old_keep is not None:
+                ledger.relabel(old_keep, SlotRole.PENDING)
+            else:
+                c.next_slot = self._alloc(req, SlotRole.PENDING, evict=True)
+            return
+        c.pending_slot = None
+        if old_keep is not None:
+            if ledger.may_move(old_keep):
+                ledger.free(old_keep)
+            else:                               # an in-flight batch still writes it: reuse later
+                c.pending_slot = old_keep
+                ledger.relabel(old_keep, SlotRole.PENDING)
+
+    # -- publication ----------------------------------------------------------------------------
+    def donate(self, req: Request, finished: bool) -> None:
+        """Publish the keep slot's checkpoint into the tree (no copy), if allowed now."""
+        c, tree = req.cache, self.m.tree
+        if tree is None:
+            return
+        if finished and self.strategy == "no_buffer":
+            self._live_as_keep(req)
+        if c.keep_slot is None or c.keep_depth is None:
+            return
+        path = f"{c.keep_phase}_finished" if finished else (
+            "prefill_unfinished" if c.keep_phase == "prefill" else "decode")
+        if not self.m.ledger.may_move(c.keep_slot):
+            self.m.stats.inc("hybridserve_mamba_donations_skipped_total", label=path)
+            return
+        if c.keep_depth <= c.num_tree_pages * self.page_size:
+            c.keep_depth = None
+            return
+        self._insert(req, finished)
+
+    def _live_as_keep(self, req: Request) -> None:
+        depth = req.num_computed_tokens
+        if depth % self.page_size == 0 and depth > 0 and req.mamba_slot is not None:
+            req.cache.keep_slot, req.cache.keep_depth = req.mamba_slot, depth
+            req.cache.keep_phase = "decode" if depth > req.num_prompt_tokens else "prefill"
+
+    def _insert(self, req: Request, finished: bool) -> None:
+        c, tree, stats = req.cache, self.m.tree, self.m.stats
+        assert tree is not None and c.keep_slot is not None and c.keep_depth is not None
+        depth, slot = c.keep_depth, c.keep_slot
+        tokens = req.all_token_ids[:depth]
+        num_pages = depth // self.page_size
+        result = tree.insert(tokens, req.page_ids[:num_pages],
+                             Checkpoint.for_tokens(slot, tokens, self.page_size, c.keep_batch))
+        self.m.free_pages(result.duplicate_page_ids)
+        req.page_ids[:num_pages] = result.page_ids
+        c.num_tree_pages = num_pages
+        tree.lock(result.node)
+        if c.locked_node is not None:
+            tree.unlock(c.locked_node)  # type: ignore[arg-type]
+        c.locked_node = result.node
+        c.keep_depth = None
+        if result.duplicate_checkpoint:
+            stats.inc("hybridserve_mamba_duplicate_inserts_total")
+            return
+        stats.inc("hybridserve_mamba_donations_total")
+        stats.inc("hybridserve_mamba_checkpoints_inserted_total", label="finish" if finished else c.keep_phase)
+        if slot == req.mamba_slot:              # no_buffer gave away the live slot itself
+            req.mamba_slot = None
+        c.keep_slot = None
+        if not finished and self.strategy == "extra_buffer_lazy":
+            c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)

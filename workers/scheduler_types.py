@@ -1,0 +1,31 @@
+"""What the scheduler decides for one step (frozen; read by the runner and the caches)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: compute tokens ``[start, start + num_new_tokens)``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    samples: bool          # the chunk reaches the end of the known tokens: sample after it
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    batch_id: int
+    seqs: tuple[ScheduledSeq, ...]
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
