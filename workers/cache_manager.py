@@ -40,6 +40,7 @@ class CacheManager:
             self.tree = RadixCache(self.page_size, self.pages, self.ledger, on_event=self._on_event)
         self.tracker = CheckpointTracker(self, cache, debug, random.Random(seed))
         self._deferred_pages: list[tuple[int, list[int]]] = []   # (free after batch id, pages)
+        self._deferred_releases: list[tuple[Request, bool]] = []  # (request, finished)
         self._inflight: set[int] = set()
 
     # -- events, sizes ----------------------------------------------------------------------
@@ -128,8 +129,11 @@ class CacheManager:
         """The batch's result is in: writers cleared, labels updated (no donation yet)."""
         self.ledger.complete_batch(batch.batch_id)
         self._inflight.discard(batch.batch_id)
-        self._release_deferred()
         self.tracker.on_complete(plan)
+        pending, self._deferred_releases = self._deferred_releases, []
+        for req, finished in pending:
+            self.release(req, finished)
+        self._release_deferred()
 
     def donate_unfinished(self, batch: ScheduledBatch) -> None:
         for seq in batch.seqs:
@@ -148,7 +152,14 @@ class CacheManager:
 
     # -- release ----------------------------------------------------------------------------------
     def release(self, req: Request, finished: bool) -> None:
-        """Return a request's resources; a normal finish first publishes its checkpoint."""
+        """Return a request's resources; a normal finish first publishes its checkpoint.
+
+        A request that a launched, unprocessed batch still writes (the overlap lag) is
+        released when that batch completes: its slots may not change owner before (I3).
+        """
+        if any(self.ledger.has_writers(s) for s in self.ledger.slots_of(req.request_id)):
+            self._deferred_releases.append((req, finished))
+            return
         if finished and self.tree is not None:
             self.tracker.donate(req, finished=True)
         self.free_pages(req.page_ids[req.cache.num_tree_pages:])
@@ -170,7 +181,8 @@ class CacheManager:
         out = list(self.ledger.check())
         if self.tree is not None:
             out += [v for v in self.tree.check_invariants() if v.invariant not in ("I2",) or v not in out]
-        own = sum(len(r.page_ids) - r.cache.num_tree_pages for r in running)
+        held = list(running) + [r for r, _ in self._deferred_releases]
+        own = sum(len(r.page_ids) - r.cache.num_tree_pages for r in held)
         tree_pages = self.tree.num_cached_pages if self.tree is not None else 0
         deferred = sum(len(p) for _, p in self._deferred_pages)
         if self.pages.num_free + tree_pages + own + deferred != self.pages.num_usable:

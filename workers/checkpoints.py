@@ -97,6 +97,31 @@ class CheckpointTracker:
     def next_target(self, req: Request) -> int | None:
         return next((t for t in req.cache.targets if t > req.num_computed_tokens), None)
 
+    def may_write_target(self, req: Request) -> bool:
+        """Whether a prefill chunk may end at its checkpoint target now.
+
+        Under the overlap lag the previous checkpoint's write may still be in flight. A
+        second write into the same slot would make that checkpoint unpublishable (its
+        donation is refused while the slot has a writer), and prefill checkpoints are the
+        reusable ones, so the chunk waits one step unless a free destination exists.
+        """
+        if not self.tracks:
+            return True
+        c = req.cache
+        if self.strategy == "extra_buffer_lazy" and c.pending_slot is None:
+            c.pending_slot = self._alloc(req, SlotRole.PENDING, evict=False)
+        second = c.next_slot if self.strategy == "extra_buffer" else c.pending_slot
+        if second is None and c.keep_slot is None:
+            return True                         # nowhere to write: the checkpoint is skipped anyway
+        return self._idle(second) or self._idle_keep(req)
+
+    def _idle(self, slot: int | None) -> bool:
+        return slot is not None and not self.m.ledger.has_writers(slot)
+
+    def _idle_keep(self, req: Request) -> bool:
+        """The keep slot may take a new write: no writer and nothing unpublished in it."""
+        return self._idle(req.cache.keep_slot) and req.cache.keep_depth is None
+
     # -- launch ------------------------------------------------------------------------------
     def plan(self, batch: ScheduledBatch) -> StepPlan:
         cow, tracks = [], []
@@ -113,20 +138,30 @@ class CheckpointTracker:
         return StepPlan(batch, tuple(cow), tuple(tracks))
 
     def _destination(self, req: Request) -> tuple[int, bool] | None:
+        """Where this batch writes the request's checkpoint: (slot, in place into keep).
+
+        The second slot (``next`` / ``pending``) when no in-flight batch writes it; else
+        the keep slot when it is idle and holds nothing unpublished (the two alternate
+        under the overlap lag); else the same slot again (stream order makes the newer
+        write win; the older checkpoint's donation is then refused and counted); lazy
+        with no second slot writes in place into keep.
+        """
         c = req.cache
         if self.strategy == "extra_buffer":
-            return (c.next_slot, False) if c.next_slot is not None else None
-        if c.pending_slot is None:
-            failed = self.fail_prob > 0 and self.rng.random() < self.fail_prob
-            c.pending_slot = None if failed else self._alloc(req, SlotRole.PENDING, evict=False)
+            second = c.next_slot
+        else:
             if c.pending_slot is None:
-                self.m.stats.inc("hybridserve_mamba_pending_alloc_failures_total")
-        if c.pending_slot is not None:
-            return c.pending_slot, False
-        if c.keep_slot is not None:
+                failed = self.fail_prob > 0 and self.rng.random() < self.fail_prob
+                c.pending_slot = None if failed else self._alloc(req, SlotRole.PENDING, evict=False)
+                if c.pending_slot is None:
+                    self.m.stats.inc("hybridserve_mamba_pending_alloc_failures_total")
+            second = c.pending_slot
+        if self._idle(second):
+            return second, False  # type: ignore[return-value]
+        if self._idle_keep(req) or (second is None and c.keep_slot is not None):
             self.m.stats.inc("hybridserve_mamba_inplace_track_writes_total")
-            return c.keep_slot, True
-        return None
+            return c.keep_slot, True  # type: ignore[return-value]
+        return (second, False) if second is not None else None
 
     # -- results ------------------------------------------------------------------------------
     def on_complete(self, plan: StepPlan) -> None:
@@ -135,7 +170,11 @@ class CheckpointTracker:
             req, c = w.request, w.request.cache
             if req.mamba_slot is None:          # released meanwhile; its slots are gone
                 continue
-            if not w.inplace:
+            if req.is_finished:                 # this batch's tokens for it are discarded
+                if w.slot == c.keep_slot:       # ...and it overwrote the keep slot's state
+                    c.keep_depth = None
+                continue
+            if w.slot != c.keep_slot:
                 self._promote(req, w.slot)
             c.keep_depth, c.keep_phase, c.keep_batch = w.depth, w.phase, w.batch_id
             c.targets = [t for t in c.targets if t > w.depth]

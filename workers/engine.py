@@ -8,6 +8,7 @@ request.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -15,12 +16,13 @@ import torch
 from configs.schema import HybridServeConfig
 from workers.cache import CacheEvent, Violation
 from workers.cache_manager import CacheManager
-from workers.detokenizer import IncrementalDetokenizer
 from workers.device_pools import DevicePools, KVPool, MambaPool
 from workers.loader import load_model
 from workers.model_runner import ModelRunner, StepResult
+from workers.checkpoints import StepPlan
+from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
-from workers.request import FinishReason, Request, RequestStatus, TokenLogprob
+from workers.request import FinishReason, Request
 from workers.sampler import GeneratorBank
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
@@ -59,12 +61,15 @@ class Engine:
         self.stats = EngineStats()
         self._build_pools()
         self.generators = GeneratorBank(config.seed, self.device)
+        self.lag = 1 if config.scheduler.overlap else 0
         self.runner = ModelRunner(self.model, self.pools, config.cache.page_size,
-                                  self.device, self.generators)
-        self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+                                  self.device, self.generators, overlap=self.lag > 0)
+        self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
+                                       release=self.scheduler.release,
+                                       on_finish=lambda r: self.generators.drop(r.request_id))
+        self._inflight: list[tuple[ScheduledBatch, StepPlan, Future]] = []
+        self.num_overlapped_launches = 0
         self.raise_on_violation = False   # tests turn this on: violations raise, not just count
-        self._last_step_end: float | None = None
 
     def _find_eos(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -95,10 +100,12 @@ class Engine:
         self._validate(request_id, prompt_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic(),
                       eos_token_id=self.eos_token_id)
-        self.requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self.outputs.add(req)
         self.scheduler.add(req)
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.outputs.requests
 
     def _validate(self, request_id: str, prompt: list[int]) -> None:
         if request_id in self.requests:
@@ -117,31 +124,65 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        self._finish(req, FinishReason.ABORT)
-        return self._output(req, [])
+        self.outputs.finish(req, FinishReason.ABORT)
+        return self.outputs.output(req, [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._inflight)
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch is None:
-            assert not self.scheduler.waiting, "waiting requests but nothing could be scheduled"
-            return []
-        start = time.monotonic()
-        if self._last_step_end is not None:
-            self.stats.observe("hybridserve_step_gap_seconds", start - self._last_step_end)
-        plan = self.cache.plan_step(batch)
-        result = self.runner.execute(plan)
-        self._last_step_end = time.monotonic()
-        self.stats.observe("hybridserve_step_duration_seconds", self._last_step_end - start)
-        self.cache.complete_step(batch, plan)
-        outputs = self._process(batch, result)
-        self.cache.donate_unfinished(batch)
+        """Schedule and launch the next batch, then process the oldest unprocessed one.
+
+        With ``scheduler.overlap`` the batch launched here runs on the forward thread while
+        the previous batch's result is processed (a lag of one step); without it the same
+        code processes the batch it just launched (lag zero).
+        """
+        previous = self._inflight.pop() if self._inflight else None
+        launched = self._launch_next()
+        if launched is not None and previous is not None:
+            self.num_overlapped_launches += 1      # N+1 launched before N's result is processed
+        outputs = self._process(*previous) if previous is not None else []
+        if launched is not None:
+            if self.lag == 0:
+                outputs += self._process(*launched)
+            else:
+                self._inflight.append(launched)
         self._update_gauges()
         if self.config.debug.check_invariants:
             self._check_invariants()
+        return outputs
+
+    def _launch_next(self) -> tuple[ScheduledBatch, StepPlan, Future] | None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            assert self._inflight or not self.scheduler.waiting or self.lag, \
+                "waiting requests but nothing could be scheduled"
+            return None
+        plan = self.cache.plan_step(batch)
+        self.scheduler.on_launch(batch)
+        return batch, plan, self.runner.launch(plan)
+
+    def _process(self, batch: ScheduledBatch, plan: StepPlan, future: Future) -> list[RequestOutput]:
+        result: StepResult = future.result()
+        self.stats.observe("hybridserve_step_duration_seconds", result.forward_seconds)
+        if result.gap_seconds is not None:
+            self.stats.observe("hybridserve_step_gap_seconds", result.gap_seconds)
+        self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))
+        self.cache.complete_step(batch, plan)
+        self.scheduler.on_complete(batch)
+        sampled = iter(zip(result.token_ids, result.logprobs))
+        outputs = []
+        for seq in batch.seqs:
+            req = seq.request
+            if seq.start == 0 and req.num_preemptions == 0 and not req.is_finished:
+                self.stats.inc("hybridserve_prompt_tokens_total", req.num_prompt_tokens)
+            if not seq.samples:
+                continue
+            token_id, logprob = next(sampled)
+            if not req.is_finished:          # finished while this batch was in flight: discard
+                outputs.append(self.outputs.append(req, [token_id], [logprob]))
+        self.cache.donate_unfinished(batch)
         return outputs
 
     def _check_invariants(self) -> None:
@@ -170,82 +211,6 @@ class Engine:
                 "mamba_slots_free": self.slot_ledger.num_free,
                 "mamba_slots_usable": self.slot_ledger.num_usable,
                 "mamba_slots_cached": self.slot_ledger.num_tree_owned}
-
-    def _process(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
-        self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))
-        sampled = iter(zip(result.token_ids, result.logprobs))
-        outputs = []
-        for seq in batch.seqs:
-            req = seq.request
-            if req.is_finished:
-                continue
-            req.num_computed_tokens = seq.end
-            if seq.start == 0 and req.num_preemptions == 0:
-                self.stats.inc("hybridserve_prompt_tokens_total", req.num_prompt_tokens)
-            if not seq.samples:
-                continue
-            token_id, logprob = next(sampled)
-            self._append_token(req, token_id, logprob)
-            outputs.append(self._output(req, [token_id]))
-        return outputs
-
-    def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
-        now = time.monotonic()
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.stats.observe("hybridserve_time_to_first_token_seconds", now - req.arrival_time)
-        req.output_token_ids.append(token_id)
-        if logprob is not None:
-            req.output_logprobs.append(logprob)
-        self.stats.inc("hybridserve_generation_tokens_total")
-        stop_str = self._detok[req.request_id].append(token_id)
-        reason = self._check_stop(req, token_id, stop_str)
-        if reason is not None:
-            self._finish(req, reason)
-
-    def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
-        p = req.params
-        if req.num_output_tokens >= p.min_tokens:
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                return FinishReason.STOP
-            if token_id == req.eos_token_id and not p.ignore_eos:
-                return FinishReason.STOP
-            if token_id in p.stop_token_ids:
-                req.stop_reason = token_id
-                return FinishReason.STOP
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.scheduler.release(req, finished=reason is not FinishReason.ABORT)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.finished_time = time.monotonic()
-        self._detok[req.request_id].flush()
-        self.generators.drop(req.request_id)
-        self.stats.inc("hybridserve_requests_total", label=reason.value)
-        self.stats.observe("hybridserve_e2e_request_latency_seconds", req.finished_time - req.arrival_time)
-        if req.first_token_time is not None and req.num_output_tokens > 1:
-            tpot = (req.finished_time - req.first_token_time) / (req.num_output_tokens - 1)
-            self.stats.observe("hybridserve_time_per_output_token_seconds", tpot)
-
-    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
-        detok = self._detok[req.request_id]
-        finished = req.is_finished
-        out = RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=detok.text,
-            cached_tokens=req.num_cached_tokens, finished=finished,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            stop_reason=req.stop_reason, new_token_ids=new_ids,
-            delta_text=detok.stream_delta(finished),
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None)
-        if finished:
-            self.requests.pop(req.request_id, None)
-            self._detok.pop(req.request_id, None)
-        return out
 
     def _update_gauges(self) -> None:
         g = self.stats.gauges

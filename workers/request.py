@@ -75,6 +75,8 @@ class Request:
     stop_reason: str | int | None = None
     page_ids: list[int] = field(default_factory=list)
     mamba_slot: int | None = None
+    num_pending_tokens: int = 0          # tokens that launched, unprocessed batches will append
+    inflight_batch: int | None = None    # newest launched, unprocessed batch holding this request
     cache: RequestCacheState = field(default_factory=lambda: RequestCacheState())
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -87,6 +89,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_expected_tokens(self) -> int:
+        """Known tokens plus those in-flight batches are sampling (what scheduling sees)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

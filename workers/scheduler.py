@@ -13,6 +13,12 @@ Pure bookkeeping: ints and lists, no tensors. One call to ``schedule`` decides o
    exist and fewer than ``max_running_requests`` run. Admission may reuse a cached prefix
    and never preempts.
 
+Overlap (one-step lag): ``on_launch`` commits a launched batch's computed tokens at once
+and counts each token it samples as pending, so the next batch can be scheduled before
+this one's result is processed: a decode's next input is the token being sampled (a
+placeholder filled on the forward thread). A request in flight is never preempted; a
+request about to reach ``max_tokens`` is not scheduled past it.
+
 Invariant: after ``schedule``, every running request holds a live slot and at least
 ``ceil((num_computed_tokens + num_new_tokens) / page_size)`` pages.
 """
@@ -58,6 +64,22 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def on_launch(self, batch: ScheduledBatch) -> None:
+        for seq in batch.seqs:
+            req = seq.request
+            req.inflight_batch = batch.batch_id
+            req.num_computed_tokens = seq.end
+            if seq.samples:
+                req.num_pending_tokens += 1
+
+    def on_complete(self, batch: ScheduledBatch) -> None:
+        for seq in batch.seqs:
+            req = seq.request
+            if req.inflight_batch == batch.batch_id:
+                req.inflight_batch = None
+            if seq.samples:
+                req.num_pending_tokens -= 1
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.cache.release(request, finished=False)
@@ -88,16 +110,25 @@ class Scheduler:
         return batch
 
     def _num_to_compute(self, request: Request, budget: int) -> int:
-        missing = request.num_tokens - request.num_computed_tokens
+        if request.num_pending_tokens and self._reaches_limit(request):
+            return 0
+        missing = request.num_expected_tokens - request.num_computed_tokens
         n = min(missing, self.config.chunked_prefill_size, budget)
         target = self.cache.tracker.next_target(request)
-        if target is not None:
-            n = min(n, target - request.num_computed_tokens)
+        if target is not None and n >= target - request.num_computed_tokens:
+            n = target - request.num_computed_tokens
+            if not self.cache.tracker.may_write_target(request):
+                return 0
         return max(0, n)
+
+    def _reaches_limit(self, request: Request) -> bool:
+        """The in-flight tokens already take the request to max_tokens / max_model_len."""
+        outputs = request.num_output_tokens + request.num_pending_tokens
+        return outputs >= request.params.max_tokens or request.num_expected_tokens >= self.max_model_len
 
     def _scheduled(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
-        return ScheduledSeq(request, start, n, samples=start + n == request.num_tokens)
+        return ScheduledSeq(request, start, n, samples=start + n == request.num_expected_tokens)
 
     def _pages_short(self, request: Request, n: int) -> int:
         return max(0, pages_needed(request.num_computed_tokens + n, self.page_size) - len(request.page_ids))
@@ -113,7 +144,9 @@ class Scheduler:
             if new is not None:
                 request.page_ids.extend(new)
                 return True
-            victim = self.running[-1]
+            victim = next((r for r in reversed(self.running) if r.inflight_batch is None), None)
+            if victim is None:                  # everyone is in flight: retry next step
+                return False
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:

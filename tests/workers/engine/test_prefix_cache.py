@@ -56,7 +56,8 @@ def control(tiny_model_dir):
 def test_shared_prefix_differential(tiny_model_dir, control, strategy):
     prompts, expected = control
     # 40 usable slots and 600 KV tokens for 64 prompts: evictions are forced.
-    llm = cached_llm(tiny_model_dir, strategy, cache={"max_mamba_slots": 40, "max_kv_tokens": 600})
+    llm = cached_llm(tiny_model_dir, strategy, interval=64,
+                     cache={"max_mamba_slots": 40, "max_kv_tokens": 600})
     first = llm.generate_ids(prompts, [P] * len(prompts))
     assert [o.token_ids for o in first] == expected
     second, offered = run_one_by_one(llm, prompts)

@@ -1,0 +1,47 @@
+"""The overlap scheduler: a real one-step lag, and greedy output identical to lag zero."""
+from __future__ import annotations
+
+import pytest
+
+from tests.workers.engine.helpers import make_llm, random_prompts
+from workers.sampling_params import SamplingParams
+
+P = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def mixed_prompts(vocab: int) -> list[list[int]]:
+    prompts = random_prompts(vocab, [3, 9, 14, 22, 31, 40, 6, 17, 27, 12], seed=21)
+    shared = random_prompts(vocab, [18], seed=22)[0]
+    return prompts + [shared + p[:5] for p in prompts[:6]]
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_overlap_on_off_identical(tiny_model_dir, strategy):
+    runs = {}
+    for overlap in (False, True):
+        llm = make_llm(tiny_model_dir, scheduler={"overlap": overlap, "chunked_prefill_size": 8},
+                       cache={"mamba_strategy": strategy, "mamba_track_interval": 8,
+                              "max_mamba_slots": 24}, debug={"check_invariants": True})
+        llm.engine.raise_on_violation = True
+        prompts = mixed_prompts(llm.engine.vocab_size)
+        first = [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))]
+        second = llm.generate_ids(prompts, [P] * len(prompts))
+        assert [o.token_ids for o in second] == first
+        assert any(o.cached_tokens > 0 for o in second)
+        runs[overlap] = (first, llm.engine.num_overlapped_launches)
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 0 and runs[True][1] > 10
+
+
+def test_overlap_stops_exactly_and_frees_everything(tiny_qwen_dir):
+    llm = make_llm(tiny_qwen_dir, scheduler={"overlap": True})
+    base = llm.generate([7, 8, 9], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    stop_tok = base.token_ids[6]
+    out = llm.generate([7, 8, 9], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_tok]))[0]
+    # The batch already launched for the token after the stop is discarded, not emitted.
+    assert out.token_ids == base.token_ids[: base.token_ids.index(stop_tok) + 1]
+    e = llm.engine
+    assert not e.has_unfinished()
+    counts = e.pool_counts()
+    assert counts["kv_pages_free"] + counts["kv_pages_cached"] == counts["kv_pages_usable"]
+    assert counts["mamba_slots_free"] + counts["mamba_slots_cached"] == counts["mamba_slots_usable"]

@@ -1,0 +1,1 @@
+"""Training the shipped default model (``python -m workers.training.train_default``)."""
