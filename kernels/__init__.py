@@ -1,4 +1,11 @@
-"""Kernels of hybridserve: torch references (the CPU path) with a seam for Triton/CUDA.
+"""Kernels of hybridserve: torch references (the CPU path and the ground truth), Triton
+kernels for the recurrent ops and norms, FlashInfer for attention on CUDA.
+
+Every op is a package (``gdn``, ``ssd``, ``conv1d``, ``norm``, ``attention``) whose
+``__init__`` holds the public function and asks ``kernels.backend`` which implementation to
+run: ``reference`` (torch), ``triton_*`` (imported lazily, on first use) or
+``flashinfer_backend``. ``HYBRIDSERVE_KERNEL_BACKEND=auto|torch|triton`` (``auto``: the GPU
+kernels on CUDA tensors, torch otherwise) and ``backend.use_backend(...)`` in tests.
 
 Conventions shared by every op (the batch layout of ``workers/forward_batch.py``):
 
@@ -16,6 +23,10 @@ Conventions shared by every op (the batch layout of ``workers/forward_batch.py``
   snapshot slot must not be another sequence's live slot.
 - Recurrent math runs in float32; outputs come back in the input dtype and states are stored
   in the pool's dtype.
+- Batch-metadata tensors (``cu_seqlens``, ``state_dst_slots``, ``page_table``, ``seq_lens``)
+  are not modified in place once a forward step starts: the GPU paths memoise the host-side
+  plans built from them on their identity (``kernels.memo``), so only the first layer of a
+  step syncs.
 
 This module also holds ``scan_varlen``, the driver shared by the GDN and SSD references: it
 splits a varlen batch into short sequences (one padded, batched per-token recurrence) and long

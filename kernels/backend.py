@@ -3,23 +3,29 @@
 Three settings (env ``HYBRIDSERVE_KERNEL_BACKEND``, read once at import; ``set_backend`` and
 the ``use_backend`` context manager override it, e.g. in tests):
 
-- ``auto`` (default): Triton for the recurrent ops and FlashInfer for attention when the
-  tensors are on CUDA; the torch reference otherwise (the CPU production path).
+- ``auto`` (default): Triton for the recurrent ops and norms and FlashInfer for attention
+  when the tensors are on CUDA; the torch reference otherwise (the CPU production path).
+  FlashInfer takes fp16/bf16 attention only, and only with the ``gpu`` extra installed;
+  otherwise attention stays on the torch path (with one warning when it is missing).
 - ``torch``: the torch reference everywhere, also on CUDA (a GPU oracle for the kernels).
 - ``triton``: Triton for the recurrent ops and norms wherever the tensors are. On CPU tensors
   this needs ``TRITON_INTERPRET=1`` set before the kernel modules are imported (the
   interpreter tests do that). Attention has no Triton kernel: it takes FlashInfer on CUDA,
   the torch path on CPU.
 
-Ops ask through ``use_triton(t)`` / ``use_flashinfer(t)`` with one of their tensors; the
-Triton modules themselves are imported lazily, so a CPU process that never selects Triton
-never imports ``triton``, and nothing ever imports ``flashinfer`` off CUDA.
+Ops ask through ``use_triton(t)`` / ``use_flashinfer(t)`` with one of their tensors. The
+kernel modules are imported lazily, on an op's first Triton / FlashInfer call: a CPU process
+that never selects Triton never compiles or imports a kernel module of ours, and nothing
+imports ``flashinfer`` off CUDA.
 """
 from __future__ import annotations
 
 import enum
+import functools
+import importlib.util
 import os
 import threading
+import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -85,10 +91,21 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def use_flashinfer(t: torch.Tensor) -> bool:
     """Should attention on tensor ``t`` (a query) run FlashInfer? Only on CUDA, never forced
-    onto CPU; fp16/bf16 only (FlashInfer has no fp32 kernels), else the torch path."""
+    onto CPU; fp16/bf16 only (FlashInfer has no fp32 kernels); and only when the ``gpu``
+    extra is installed (else the torch path, with one warning)."""
     if _backend is Backend.TORCH or not t.is_cuda:
         return False
-    return t.dtype in (torch.float16, torch.bfloat16)
+    return t.dtype in (torch.float16, torch.bfloat16) and flashinfer_available()
+
+
+@functools.cache
+def flashinfer_available() -> bool:
+    """Whether ``flashinfer`` can be found (looked up, not imported)."""
+    if importlib.util.find_spec("flashinfer") is not None:
+        return True
+    warnings.warn("flashinfer is not installed (pip install -e '.[gpu]'): attention runs the "
+                  "torch path on CUDA", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def interpreting() -> bool:

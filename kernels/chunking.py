@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels import SeqPlan
+from kernels import SeqPlan, make_plan
+from kernels.memo import TensorMemo
 
 
 class LengthSplit(NamedTuple):
@@ -84,3 +85,32 @@ def block_size(n: int, lo: int = 16, hi: int | None = None) -> int:
     """next_pow2(n) clamped to [lo, hi]: tl.dot needs every tile dim >= 16 on GPU."""
     size = max(lo, next_pow2(n))
     return size if hi is None else min(size, hi)
+
+
+class LaunchPlan(NamedTuple):
+    """Everything host-side a recurrent op's Triton launch needs for one batch."""
+
+    plan: SeqPlan
+    split: LengthSplit
+    short_ids: Tensor | None          # int32 [len(split.short)] on the device
+    chunks: ChunkTable | None         # of split.long
+
+
+_plans: TensorMemo[LaunchPlan] = TensorMemo()
+
+
+def launch_plan(cu_seqlens: Tensor, state_dst_slots: Tensor | None, recurrent_max_len: int,
+                block_t: int, device: torch.device) -> LaunchPlan:
+    """The launch plan of a batch, memoised on its metadata tensors (``kernels.memo``).
+
+    Building it reads ``cu_seqlens`` (and the snapshot slots) on the host: one device sync,
+    paid by the first recurrent layer of a forward step only.
+    """
+    def build() -> LaunchPlan:
+        plan = make_plan(cu_seqlens, state_dst_slots)
+        split = split_by_length(plan, recurrent_max_len)
+        short_ids = index_tensor(split.short, device) if split.short else None
+        chunks = build_chunk_table(plan, split.long, block_t, device) if split.long else None
+        return LaunchPlan(plan, split, short_ids, chunks)
+
+    return _plans.get((cu_seqlens, state_dst_slots), (recurrent_max_len, block_t, device), build)

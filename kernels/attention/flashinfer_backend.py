@@ -16,25 +16,28 @@ reuses the first layer's plan. ``paged_kv_metadata`` is plain torch (tested on C
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from kernels.attention.reference import write_kv
+from kernels.memo import TensorMemo
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 class PagedKVMetadata(NamedTuple):
-    """FlashInfer's CSR page description of the sequences that bring new tokens (int32)."""
+    """FlashInfer's CSR page description of the sequences that bring new tokens (int32).
 
-    qo_indptr: Tensor           # [n + 1] query rows (a subset of cu_seqlens' segments)
-    kv_indptr: Tensor           # [n + 1] into kv_indices
-    kv_indices: Tensor          # [sum of pages] page ids, each sequence's in order
-    kv_last_page_len: Tensor    # [n] in 1..page_size
+    The indptrs and last-page lengths stay on the host (``plan`` reads them there, as vLLM
+    passes them); the page ids go on the device.
+    """
+
+    qo_indptr: Tensor           # [n + 1] query rows (a subset of cu_seqlens' segments), host
+    kv_indptr: Tensor           # [n + 1] into kv_indices, host
+    kv_indices: Tensor          # [sum of pages] page ids, each sequence's in order, device
+    kv_last_page_len: Tensor    # [n] in 1..page_size, host
     all_decode: bool            # every kept sequence brings exactly one token
 
 
@@ -56,33 +59,19 @@ def paged_kv_metadata(page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor,
     for b, n in zip(keep, num_pages):
         qo_indptr.append(qo_indptr[-1] + q_lens[b])
         kv_indptr.append(kv_indptr[-1] + n)
-    device = page_table.device
-    keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-    pages_t = torch.tensor(num_pages, dtype=torch.long, device=device)
-    table = page_table[keep_t]                                            # [n, max_pages]
-    in_use = torch.arange(page_table.shape[1], device=device)[None, :] < pages_t[:, None]
+    # flat page_table positions of every page in use, built on the host: no second sync
+    pages_t = torch.tensor(num_pages, dtype=torch.long)
+    rows = torch.repeat_interleave(torch.tensor(keep, dtype=torch.long), pages_t)
+    firsts = torch.repeat_interleave(torch.tensor(kv_indptr[:-1], dtype=torch.long), pages_t)
+    flat = rows * page_table.shape[1] + (torch.arange(kv_indptr[-1]) - firsts)
+    indices = page_table.reshape(-1)[flat.to(page_table.device)].to(torch.int32)
     last = [ctx[b] - (n - 1) * page_size for b, n in zip(keep, num_pages)]
 
     def i32(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
+        return torch.tensor(values, dtype=torch.int32)
 
-    return PagedKVMetadata(i32(qo_indptr), i32(kv_indptr), table[in_use].to(torch.int32),
-                           i32(last), all(q_lens[b] == 1 for b in keep))
-
-
-@dataclass
-class _Planned:
-    """The wrapper planned for one batch, and what identifies that batch."""
-
-    refs: tuple[weakref.ref, ...]
-    versions: tuple[int, ...]
-    shape_key: tuple[Any, ...]
-    wrapper: Any
-
-    def matches(self, tensors: tuple[Tensor, ...], shape_key: tuple[Any, ...]) -> bool:
-        return (shape_key == self.shape_key
-                and all(r() is t for r, t in zip(self.refs, tensors))
-                and all(t._version == v for t, v in zip(tensors, self.versions)))
+    return PagedKVMetadata(i32(qo_indptr), i32(kv_indptr), indices, i32(last),
+                           all(q_lens[b] == 1 for b in keep))
 
 
 class _DeviceState:
@@ -92,7 +81,7 @@ class _DeviceState:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode: dict[bool, Any] = {}      # by use_tensor_cores
-        self.planned: _Planned | None = None
+        self.plans: TensorMemo[Any] = TensorMemo(size=1)   # the wrapper planned last
 
     def decode_wrapper(self, use_tensor_cores: bool) -> Any:
         import flashinfer
@@ -126,26 +115,26 @@ def paged_attention_flashinfer(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, 
 
 def _plan(q: Tensor, k_pool: Tensor, page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor,
           page_size: int, scale: float) -> Any:
-    """The wrapper planned for this batch (re-planned only when the batch changed)."""
+    """The wrapper planned for this batch: planned by the first layer of a step, reused by
+    the others (``kernels.memo``; one wrapper per kind, so only the last plan is kept)."""
     state = _states.get(q.device)
     if state is None:
         state = _states[q.device] = _DeviceState(q.device)
-    tensors = (page_table, cu_seqlens, seq_lens)
     num_q_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_pool.shape[1]
     shape_key = (num_q_heads, num_kv_heads, head_dim, page_size, float(scale), q.dtype,
                  k_pool.dtype)
-    if state.planned is not None and state.planned.matches(tensors, shape_key):
-        return state.planned.wrapper
-    meta = paged_kv_metadata(page_table, cu_seqlens, seq_lens, page_size)
-    common = dict(q_data_type=q.dtype, kv_data_type=k_pool.dtype, sm_scale=float(scale))
-    if meta.all_decode:
-        wrapper = state.decode_wrapper(use_tensor_cores=num_q_heads // num_kv_heads >= 4)
-        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, num_q_heads,
-                     num_kv_heads, head_dim, page_size, **common)
-    else:
-        wrapper = state.prefill
-        wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                     num_q_heads, num_kv_heads, head_dim, page_size, causal=True, **common)
-    state.planned = _Planned(tuple(weakref.ref(t) for t in tensors),
-                             tuple(t._version for t in tensors), shape_key, wrapper)
-    return wrapper
+
+    def build() -> Any:
+        meta = paged_kv_metadata(page_table, cu_seqlens, seq_lens, page_size)
+        common = dict(q_data_type=q.dtype, kv_data_type=k_pool.dtype, sm_scale=float(scale))
+        if meta.all_decode:
+            wrapper = state.decode_wrapper(use_tensor_cores=num_q_heads // num_kv_heads >= 4)
+            wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, num_q_heads,
+                         num_kv_heads, head_dim, page_size, **common)
+        else:
+            wrapper = state.prefill
+            wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                         num_q_heads, num_kv_heads, head_dim, page_size, causal=True, **common)
+        return wrapper
+
+    return state.plans.get((page_table, cu_seqlens, seq_lens), shape_key, build)

@@ -7,10 +7,11 @@ in stream order, so every initial state is read before any slot is written:
    input at relative position ``pos - (W-1) + w``, from x when >= 0, else from column
    ``pos + w`` of the sequence's initial state (zeros without one).
 2. ``conv_state_kernel`` over the snapshot tokens (grid over all T; tokens without a
-   snapshot slot do nothing): slot ``dst[t]`` gets the W-1 inputs ending at t. It reads live slots only.
+   snapshot slot do nothing): slot ``dst[t]`` gets the W-1 inputs ending at t. It reads
+   live slots only.
 3. The same kernel over each sequence's last token, into its live slot. A program reads its
-   whole source window into registers before storing, so reading and writing the same live
-   slot is safe.
+   whole source window into registers, then a barrier, then stores: reading and writing the
+   same live slot is safe.
 
 ``conv_update_kernel``: one token per sequence, window = state ++ x, then the state shifts.
 """
@@ -91,6 +92,9 @@ def conv_state_kernel(
         b_s = tl.load(conv_states + (slot * D + o_d[:, None]) * (W - 1) + col[None, :],
                       mask=m_dj & (~in_x & init)[None, :], other=0.0)
         window = tl.where(in_x[None, :], b_x.to(tl.float32), b_s.to(tl.float32))
+        # The live pass reads and writes the same slot, column j from column pos + 1 + j:
+        # every thread's loads must land before any thread's stores.
+        tl.debug_barrier()
         tl.store(conv_states + (dst * D + o_d[:, None]) * (W - 1) + o_j[None, :],
                  window.to(conv_states.dtype.element_ty), mask=m_dj)
 
@@ -111,7 +115,8 @@ def conv_update_kernel(
     acc = tl.zeros([BD], dtype=tl.float32)
     for w in tl.static_range(W - 1):                 # taps 0..W-2 read the state, all before
         tap = tl.load(p_state + w, mask=m_d, other=0.0)      # any store below
-        acc += tap.to(tl.float32) * tl.load(weight + o_d * W + w, mask=m_d, other=0.0).to(tl.float32)
+        b_w = tl.load(weight + o_d * W + w, mask=m_d, other=0.0)
+        acc += tap.to(tl.float32) * b_w.to(tl.float32)
     acc += b_new.to(tl.float32) * tl.load(weight + o_d * W + W - 1, mask=m_d,
                                           other=0.0).to(tl.float32)
     for w in tl.static_range(W - 2):                 # shift: column w <- column w+1

@@ -1,4 +1,4 @@
-"""Launcher of the Triton Gated DeltaNet path: same contract as ``reference.gated_delta_rule_varlen_torch``.
+"""Launcher of the Triton Gated DeltaNet path (the contract of ``kernels.gdn``'s op).
 
 Short sequences (``<= recurrent_max_len`` tokens) take one fused recurrent launch; long ones
 the three chunked kernels, over a chunk table cut at snapshot tokens (``kernels.chunking``).
@@ -11,8 +11,8 @@ import torch
 import triton
 from torch import Tensor
 
-from kernels import SeqPlan, make_plan
-from kernels.chunking import block_size, build_chunk_table, index_tensor, split_by_length
+from kernels import chunking
+from kernels.chunking import ChunkTable, block_size
 from kernels.gdn.reference import check_shapes
 from kernels.gdn.triton_chunk import (gdn_chunk_output_kernel, gdn_chunk_prep_kernel,
                                       gdn_chunk_state_kernel)
@@ -34,8 +34,8 @@ def gated_delta_rule_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
     if not states.is_contiguous():
         raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
-    plan = make_plan(cu_seqlens, state_dst_slots)
-    split = split_by_length(plan, recurrent_max_len)
+    block_t = block_size(chunk_size, hi=MAX_BLOCK_T)
+    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, block_t, v.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     scale = float(scale if scale is not None else k_dim ** -0.5)
@@ -44,32 +44,31 @@ def gated_delta_rule_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
     cu = cu_seqlens.to(device=v.device, dtype=torch.int32)
     slots = slot_ids.to(device=v.device, dtype=torch.int32)
     has_init = has_initial_state.to(device=v.device, dtype=torch.int32)
-    if split.short:
-        _launch_recurrent(q, k, v, g, beta, out, states, cu, slots, has_init, split.short,
+    if lp.short_ids is not None:
+        _launch_recurrent(q, k, v, g, beta, out, states, cu, slots, has_init, lp.short_ids,
                           state_dst_slots, scale, meta)
-    if split.long:
-        _launch_chunked(q, k, v, g, beta, out, states, slots, has_init, plan, split.long,
-                        block_size(chunk_size, hi=MAX_BLOCK_T), scale, meta)
+    if lp.chunks is not None:
+        _launch_chunked(q, k, v, g, beta, out, states, slots, has_init, lp.chunks, block_t,
+                        scale, meta)
     return out
 
 
 def _launch_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,
                       states: Tensor, cu: Tensor, slots: Tensor, has_init: Tensor,
-                      seqs: list[int], state_dst_slots: Tensor | None, scale: float,
+                      seq_ids: Tensor, state_dst_slots: Tensor | None, scale: float,
                       meta: dict) -> None:
     block_v = block_size(meta["V"], hi=32)
-    dst = state_dst_slots.to(device=v.device, dtype=torch.int32) if state_dst_slots is not None \
-        else cu    # dummy pointer, never read (HAS_DST=False)
-    grid = (triton.cdiv(meta["V"], block_v), len(seqs) * meta["H"])
-    gdn_recurrent_kernel[grid](q, k, v, g, beta, out, states, cu, slots, has_init,
-                               index_tensor(seqs, v.device), dst, scale, BV=block_v,
+    dst = (state_dst_slots.to(device=v.device, dtype=torch.int32)
+           if state_dst_slots is not None else cu)     # dummy pointer when HAS_DST=False
+    grid = (triton.cdiv(meta["V"], block_v), seq_ids.shape[0] * meta["H"])
+    gdn_recurrent_kernel[grid](q, k, v, g, beta, out, states, cu, slots, has_init, seq_ids,
+                               dst, scale, BV=block_v,
                                HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
 
 
 def _launch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,
-                    states: Tensor, slots: Tensor, has_init: Tensor, plan: SeqPlan, seqs: list[int],
+                    states: Tensor, slots: Tensor, has_init: Tensor, table: ChunkTable,
                     block_t: int, scale: float, meta: dict) -> None:
-    table = build_chunk_table(plan, seqs, block_t, v.device)
     num_tokens, num_heads, k_dim, v_dim = v.shape[0], meta["H"], meta["K"], meta["V"]
     f32 = dict(dtype=torch.float32, device=v.device)
     lb = torch.empty(num_tokens, num_heads, **f32)
@@ -81,7 +80,8 @@ def _launch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ou
         k, v, g, beta, lb, w, u, table.chunk_starts, table.chunk_lens, BT=block_t, BV=block_v,
         num_warps=8, **meta)
     state_block_v = block_size(v_dim, hi=32)
-    gdn_chunk_state_kernel[(triton.cdiv(v_dim, state_block_v), len(seqs) * num_heads)](
+    num_seqs = table.seq_ids.shape[0]
+    gdn_chunk_state_kernel[(triton.cdiv(v_dim, state_block_v), num_seqs * num_heads)](
         k, lb, w, u, chunk_states, states, slots, has_init, table.seq_ids,
         table.seq_chunk_offsets, table.chunk_starts, table.chunk_lens, table.chunk_dst,
         BT=block_t, BV=state_block_v, num_warps=8, **meta)

@@ -12,8 +12,8 @@ import torch
 import triton
 from torch import Tensor
 
-from kernels import SeqPlan, make_plan
-from kernels.chunking import block_size, build_chunk_table, index_tensor, split_by_length
+from kernels import chunking
+from kernels.chunking import ChunkTable, block_size
 from kernels.ssd.reference import check_shapes
 from kernels.ssd.triton_chunk import ssd_chunk_output_kernel, ssd_chunk_state_kernel
 from kernels.ssd.triton_recurrent import ssd_recurrent_kernel
@@ -35,8 +35,8 @@ def ssd_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_heads, head_dim = x.shape[1], x.shape[2]
     groups, state_dim = B.shape[1], B.shape[2]
-    plan = make_plan(cu_seqlens, state_dst_slots)
-    split = split_by_length(plan, recurrent_max_len)
+    block_t = block_size(chunk_size, hi=MAX_BLOCK_T)
+    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, block_t, x.device)
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     A, D, dt_bias = (t.to(device=x.device).contiguous() for t in (A, D, dt_bias))
     y = torch.empty_like(x)
@@ -47,31 +47,30 @@ def ssd_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
     slots = slot_ids.to(device=x.device, dtype=torch.int32)
     has_init = has_initial_state.to(device=x.device, dtype=torch.int32)
-    if split.short:
+    if lp.short_ids is not None:
         block_p = block_size(head_dim, hi=32)
         dst = (state_dst_slots.to(device=x.device, dtype=torch.int32)
                if state_dst_slots is not None else cu)     # dummy pointer when HAS_DST=False
-        grid = (triton.cdiv(head_dim, block_p), len(split.short) * num_heads)
+        grid = (triton.cdiv(head_dim, block_p), lp.short_ids.shape[0] * num_heads)
         ssd_recurrent_kernel[grid](x, dt, A, B, C, D, dt_bias, y, states, cu, slots, has_init,
-                                   index_tensor(split.short, x.device), dst, *limits, BP=block_p,
+                                   lp.short_ids, dst, *limits, BP=block_p,
                                    HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
-    if split.long:
-        _launch_chunked(x, dt, A, B, C, D, dt_bias, y, states, slots, has_init, plan,
-                        split.long, block_size(chunk_size, hi=MAX_BLOCK_T), limits, meta)
+    if lp.chunks is not None:
+        _launch_chunked(x, dt, A, B, C, D, dt_bias, y, states, slots, has_init, lp.chunks,
+                        block_t, limits, meta)
     return y
 
 
 def _launch_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
                     dt_bias: Tensor, y: Tensor, states: Tensor, slots: Tensor, has_init: Tensor,
-                    plan: SeqPlan, seqs: list[int], block_t: int, limits: tuple[float, float],
+                    table: ChunkTable, block_t: int, limits: tuple[float, float],
                     meta: dict) -> None:
-    table = build_chunk_table(plan, seqs, block_t, x.device)
     num_heads, head_dim, state_dim = meta["H"], meta["P"], meta["N"]
     chunk_states = torch.empty(table.num_chunks, num_heads, head_dim, state_dim,
                                dtype=torch.float32, device=x.device)
     block_p = block_size(head_dim, hi=32)
     num_p_blocks = triton.cdiv(head_dim, block_p)
-    ssd_chunk_state_kernel[(num_p_blocks, len(seqs) * num_heads)](
+    ssd_chunk_state_kernel[(num_p_blocks, table.seq_ids.shape[0] * num_heads)](
         x, dt, A, B, dt_bias, chunk_states, states, slots, has_init, table.seq_ids,
         table.seq_chunk_offsets, table.chunk_starts, table.chunk_lens, table.chunk_dst, *limits,
         BT=block_t, BP=block_p, num_warps=4, **meta)

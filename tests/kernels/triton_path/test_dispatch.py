@@ -1,0 +1,93 @@
+"""The backend switch: parsing, overrides, and which implementation each public op runs."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import kernels.conv1d
+import kernels.gdn
+import kernels.norm
+import kernels.ssd
+from kernels import backend
+
+# The CPU rules: on a CUDA machine "auto" picks Triton and forced Triton needs no interpreter.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dispatch rules")
+
+
+def test_parse_and_restore():
+    assert backend.parse_backend(" Triton ") is backend.Backend.TRITON
+    with pytest.raises(ValueError, match="'cuda'"):
+        backend.parse_backend("cuda")
+    before = backend.get_backend()
+    with backend.use_backend("torch"):
+        assert backend.get_backend() is backend.Backend.TORCH
+        with backend.use_backend(backend.Backend.TRITON):
+            assert backend.get_backend() is backend.Backend.TRITON
+        assert backend.get_backend() is backend.Backend.TORCH
+    assert backend.get_backend() is before
+
+
+def test_env_var_read_at_import(monkeypatch):
+    try:
+        monkeypatch.setenv(backend.ENV_VAR, "torch")
+        assert importlib.reload(backend).get_backend() is backend.Backend.TORCH
+        monkeypatch.setenv(backend.ENV_VAR, "fast")
+        with pytest.raises(ValueError, match="'fast'"):
+            importlib.reload(backend)
+    finally:
+        monkeypatch.delenv(backend.ENV_VAR)
+        importlib.reload(backend)
+    assert backend.get_backend() is backend.Backend.AUTO
+
+
+@cpu_only
+def test_cpu_rules(monkeypatch):
+    t = torch.zeros(2)
+    with backend.use_backend("auto"):
+        assert not backend.use_triton(t) and not backend.use_flashinfer(t)
+    with backend.use_backend("triton"):
+        assert backend.use_triton(t)
+        assert not backend.use_flashinfer(t)          # FlashInfer never runs off CUDA
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            backend.use_triton(t)
+
+
+def _boom(*args, **kwargs):
+    raise AssertionError("the torch reference ran")
+
+
+def _calls():
+    """(package, torch function name, a call of the public op) for every dispatched op."""
+    cu, slot, init = (torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                      torch.tensor([True]))
+    r = torch.randn
+    return [
+        (kernels.gdn, "gated_delta_rule_varlen_torch", lambda: kernels.gdn.gated_delta_rule_varlen(
+            r(3, 1, 16), r(3, 1, 16), r(3, 2, 16), -r(3, 2).abs(), r(3, 2).sigmoid(),
+            r(2, 2, 16, 16), cu, slot, init)),
+        (kernels.ssd, "ssd_varlen_torch", lambda: kernels.ssd.ssd_varlen(
+            r(3, 2, 16), r(3, 2), -r(2).abs(), r(3, 1, 16), r(3, 1, 16), r(2), r(2),
+            r(2, 2, 16, 16), cu, slot, init)),
+        (kernels.conv1d, "causal_conv1d_varlen_torch", lambda: kernels.conv1d.causal_conv1d_varlen(
+            r(3, 16), r(16, 4), None, r(2, 16, 3), cu, slot, init)),
+        (kernels.conv1d, "causal_conv1d_update_torch", lambda: kernels.conv1d.causal_conv1d_update(
+            r(1, 16), r(16, 4), None, r(2, 16, 3), slot)),
+        (kernels.norm, "rms_norm_torch", lambda: kernels.norm.rms_norm(r(3, 16), r(16), 1e-6)),
+        (kernels.norm, "gated_rms_norm_torch", lambda: kernels.norm.gated_rms_norm(
+            r(3, 16), r(3, 16), r(16), 1e-6)),
+    ]
+
+
+@cpu_only
+@pytest.mark.parametrize("index", range(6))
+def test_each_op_follows_the_switch(index, monkeypatch):
+    module, name, call = _calls()[index]
+    monkeypatch.setattr(module, name, _boom)
+    with backend.use_backend("triton"):
+        assert call().isfinite().all()                 # ran the Triton kernel
+    for setting in ("torch", "auto"):                  # CPU tensors: the reference
+        with backend.use_backend(setting), pytest.raises(AssertionError, match="reference ran"):
+            call()

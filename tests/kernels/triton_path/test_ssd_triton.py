@@ -1,0 +1,116 @@
+"""Triton Mamba2 SSD (selective state update + chunked) against the torch reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from kernels.ssd.reference import ssd_varlen_torch
+
+H, G = 4, 2     # two heads per group
+# Shrinking re-runs interpreted kernels for minutes; a failure's example is printed as is.
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+
+
+def make_inputs(num_tokens: int, num_slots: int, seed: int, p_dim: int = 16,
+                n_dim: int = 16) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        x=torch.randn(num_tokens, H, p_dim, generator=gen),
+        dt=torch.randn(num_tokens, H, generator=gen) - 1.0,
+        A=-torch.rand(H, generator=gen) * 2 - 0.1,
+        B=torch.randn(num_tokens, G, n_dim, generator=gen),
+        C=torch.randn(num_tokens, G, n_dim, generator=gen),
+        D=torch.randn(H, generator=gen),
+        dt_bias=torch.randn(H, generator=gen) * 0.5,
+        states=torch.randn(num_slots, H, p_dim, n_dim, generator=gen),
+    )
+
+
+def run_both(inp, case, device, dt_softplus=True, dt_limit=(0.0, math.inf), **kw):
+    """(reference y, reference pool), (triton y, triton pool), all on the CPU."""
+    from kernels.ssd.triton_varlen import ssd_varlen_triton
+
+    meta = (case.cu_seqlens, case.slot_ids, case.has_initial_state)
+    dst = case.state_dst_slots
+    names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+    ref_pool = inp["states"].clone()
+    ref = ssd_varlen_torch(*(inp[n] for n in names), ref_pool, *meta, dt_softplus, dt_limit, 16,
+                           dst)
+    pool = inp["states"].to(device)
+    y = ssd_varlen_triton(*(inp[n].to(device) for n in names), pool,
+                          *(m.to(device) for m in meta), dt_softplus, dt_limit, 16,
+                          dst.to(device) if dst is not None else None, **kw)
+    return (ref, ref_pool), (y.cpu(), pool.cpu())
+
+
+def assert_close(got, want, tol, max_abs_diff):
+    (y, pool), (ref, ref_pool) = got, want
+    assert y.dtype == ref.dtype and pool.dtype == ref_pool.dtype
+    assert max_abs_diff(y, ref) <= tol
+    assert max_abs_diff(pool, ref_pool) <= tol      # live, snapshot, dummy and spare slots
+
+
+def test_mixed_batch_with_snapshots_and_dt_limit(varlen_case, device, tol, max_abs_diff):
+    """Empty, decode, verify-sized, 16/17 and chunked lengths, a binding dt clamp on both
+    paths, and a NaN no-init slot that must not leak."""
+    case = varlen_case([0, 1, 4, 37, 1, 16, 17], seed=4, snapshot_prob=0.2)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=4)
+    no_init = next(b for b, n in enumerate(case.lens) if n > 0 and not case.has_initial_state[b])
+    inp["states"][int(case.slot_ids[no_init])] = float("nan")
+    want, got = run_both(inp, case, device, dt_limit=(0.2, 0.9))
+    assert_close(got, want, tol, max_abs_diff)
+
+
+@pytest.mark.parametrize("recurrent_max_len", [0, 1000])
+def test_every_sequence_on_one_path(recurrent_max_len, varlen_case, device, tol, max_abs_diff):
+    case = varlen_case([3, 40, 1], seed=6, snapshot_prob=0.15)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=6, p_dim=3, n_dim=5)  # padded tiles
+    want, got = run_both(inp, case, device, recurrent_max_len=recurrent_max_len)
+    assert_close(got, want, tol, max_abs_diff)
+
+
+def test_verify_writes_every_draft_state(varlen_case, device, tol, max_abs_diff):
+    case = varlen_case([4, 4, 1], seed=8, init_prob=1.0)
+    num_tokens = case.num_tokens
+    dst = torch.arange(case.num_slots, case.num_slots + num_tokens, dtype=torch.int32)
+    case = type(case)(case.lens, case.cu_seqlens, case.slot_ids, case.has_initial_state, dst,
+                      case.num_slots + num_tokens)
+    inp = make_inputs(num_tokens, case.num_slots, seed=8)
+    want, got = run_both(inp, case, device)
+    assert_close(got, want, tol, max_abs_diff)
+    assert not torch.equal(got[1][dst[0]], got[1][dst[1]])
+
+
+def test_without_softplus(varlen_case, device, tol, max_abs_diff):
+    case = varlen_case([2, 20], seed=10, snapshot_prob=0.1)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=10)
+    inp["dt"] = inp["dt"].abs() * 0.3
+    want, got = run_both(inp, case, device, dt_softplus=False, dt_limit=(0.05, 0.5))
+    assert_close(got, want, tol, max_abs_diff)
+
+
+def test_bf16_activations(varlen_case, device):
+    case = varlen_case([1, 3, 21], seed=12, snapshot_prob=0.1, init_prob=1.0)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=12)
+    inp.update({n: inp[n].bfloat16() for n in ("x", "dt", "B", "C")})
+    (ref, ref_pool), (y, pool) = run_both(inp, case, device)
+    assert y.dtype == torch.bfloat16 and pool.dtype == torch.float32
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)   # 1 bf16 ulp
+    torch.testing.assert_close(pool, ref_pool, rtol=0, atol=1e-3)
+
+
+LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(2, 8), st.integers(17, 40)),
+                min_size=1, max_size=4)
+
+
+@settings(max_examples=6, deadline=None, phases=NO_SHRINK)
+@given(lens=LENS, seed=st.integers(0, 2**16), snap=st.sampled_from([0.0, 0.2]))
+def test_random_batches(lens, seed, snap, varlen_case, device, tol, max_abs_diff):
+    case = varlen_case(lens, seed, snapshot_prob=snap)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed)
+    want, got = run_both(inp, case, device)
+    assert_close(got, want, tol, max_abs_diff)
