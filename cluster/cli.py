@@ -1,4 +1,4 @@
-"""The ``hybridserve`` command: ``serve``, ``run-batch``.
+"""The ``hybridserve`` command: ``serve`` (local Ray cluster + the app), ``run-batch``.
 
 Every command takes ``--config FILE.yaml`` and repeatable ``--set key=value`` overrides
 with dotted config names (``--set cache.mamba_track_interval=16``).
@@ -40,24 +40,20 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    # Until the Ray Serve app lands, `serve` runs a short offline generation with the
-    # configured model so the whole path (load, schedule, sample, detokenize) is exercised.
-    from workers.llm import LLM
-    from workers.sampling_params import SamplingParams
+    """Start a local Ray cluster and the app; block until Ctrl-C (or SIGTERM), then stop."""
+    from cluster.serve_local import serve_forever
 
-    llm = LLM(config=_config(args))
-    prompts = ["def fibonacci(n):", "import os\n", "class Config:"]
-    for out in llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0)):
-        print(f"--- {out.prompt!r} ->\n{out.text}")
-    print(json.dumps({k: v for k, v in llm.stats().items() if isinstance(v, int) and v}, indent=1))
-    return 0
+    return serve_forever(_config(args), num_cpus=args.num_cpus, app_name=args.app_name)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the configured model")
+    serve = sub.add_parser("serve", help="serve the configured model on a local Ray cluster")
     _add_config_args(serve)
+    serve.add_argument("--num-cpus", type=int, default=None,
+                       help="CPUs the local Ray cluster may use (default: all)")
+    serve.add_argument("--app-name", default="hybridserve", help="Serve application name")
     serve.set_defaults(func=_cmd_serve)
     rb = sub.add_parser("run-batch", help="OpenAI batch JSONL in, JSONL out (no Ray)")
     _add_config_args(rb)

@@ -109,9 +109,11 @@ def usage(prepared: PreparedRequest, outputs: list[RequestOutput]) -> dict[str, 
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _completion_logprobs(lps: list[TokenLogprob], tokenizer) -> dict[str, Any]:
+def completion_logprobs(lps: list[TokenLogprob], tokenizer, text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``text_offset`` starts the offsets
+    (a stream chunk passes the length of the text sent before it)."""
     tokens = [tokenizer.decode([lp.token_id]) for lp in lps]
-    offsets, pos = [], 0
+    offsets, pos = [], text_offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
@@ -120,7 +122,7 @@ def _completion_logprobs(lps: list[TokenLogprob], tokenizer) -> dict[str, Any]:
             "text_offset": offsets}
 
 
-def _chat_logprobs(lps: list[TokenLogprob], tokenizer) -> dict[str, Any]:
+def chat_logprobs(lps: list[TokenLogprob], tokenizer) -> dict[str, Any]:
     def entry(tid: int, value: float) -> dict[str, Any]:
         tok = tokenizer.decode([tid])
         return {"token": tok, "logprob": value, "bytes": list(tok.encode("utf-8"))}
@@ -136,7 +138,7 @@ def completion_body(prepared: PreparedRequest, outputs: list[RequestOutput], mod
         choice: dict[str, Any] = {"index": i, "text": out.text, "finish_reason": out.finish_reason,
                                   "stop_reason": out.stop_reason, "logprobs": None}
         if prepared.logprobs is not None and out.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(out.logprobs, tokenizer)
+            choice["logprobs"] = completion_logprobs(out.logprobs, tokenizer)
         if prepared.return_token_ids:
             choice["token_ids"] = out.token_ids
             choice["prompt_token_ids"] = out.prompt_token_ids
@@ -156,7 +158,7 @@ def chat_body(prepared: PreparedRequest, outputs: list[RequestOutput], model: st
         choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": out.text},
                                   "finish_reason": out.finish_reason, "logprobs": None}
         if prepared.logprobs is not None and out.logprobs is not None:
-            choice["logprobs"] = _chat_logprobs(out.logprobs, tokenizer)
+            choice["logprobs"] = chat_logprobs(out.logprobs, tokenizer)
         if prepared.return_token_ids:
             choice["token_ids"] = out.token_ids
         choices.append(choice)

@@ -125,11 +125,12 @@ class CacheManager:
         self._inflight.add(batch.batch_id)
         return plan
 
-    def complete_step(self, batch: ScheduledBatch, plan: StepPlan) -> None:
+    def complete_step(self, batch: ScheduledBatch, plan: StepPlan,
+                      rows_committed: dict[int, int] | None = None) -> None:
         """The batch's result is in: writers cleared, labels updated (no donation yet)."""
         self.ledger.complete_batch(batch.batch_id)
         self._inflight.discard(batch.batch_id)
-        self.tracker.on_complete(plan)
+        self.tracker.on_complete(plan, rows_committed or {})
         pending, self._deferred_releases = self._deferred_releases, []
         for req, finished in pending:
             self.release(req, finished)

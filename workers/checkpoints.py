@@ -10,8 +10,9 @@ Strategies (``cache.mamba_strategy``, DESIGN §4):
 
 Checkpoint depths: prefill targets (the last page-aligned position a later match can
 reach, ``((L - 1) // page) * page``, and the branching point of a partial match; the
-scheduler ends a forward exactly there) and decode-time multiples of the track grid
-``lcm(mamba_track_interval, page_size)``.
+kernels snapshot the state at that position inside the chunk, and the scheduler cuts a
+chunk that would hold two) and multiples of the track grid
+``lcm(mamba_track_interval, page_size)`` reached at the end of a step (decode, verify).
 
 Safety (DESIGN §4 ledger rules): every slot a launched batch writes is registered as a
 pending writer; ``donate`` never moves a slot with a pending writer: it skips, counts
@@ -45,6 +46,7 @@ class TrackWrite:
     phase: str          # "prefill" | "decode"
     inplace: bool       # lazy fallback: written into the keep slot itself
     batch_id: int
+    rows_needed: int = 0  # a verify: written only if at least this many rows are committed
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,12 @@ class StepPlan:
         slots = {s.request.mamba_slot for s in self.batch.seqs if s.request.mamba_slot}
         return slots | {w.slot for w in self.tracks} | {dst for _, dst in self.cow}
 
+    def track_of(self, seq_index: int) -> TrackWrite | None:
+        return next((w for w in self.tracks if w.seq_index == seq_index), None)
+
     def track_slot(self, seq_index: int) -> int:
-        for w in self.tracks:
-            if w.seq_index == seq_index:
-                return w.slot
-        return 0
+        w = self.track_of(seq_index)
+        return w.slot if w is not None else 0
 
 
 class CheckpointTracker:
@@ -94,8 +97,9 @@ class CheckpointTracker:
     def _alloc(self, req: Request, role: SlotRole, evict: bool) -> int | None:
         return self.m._alloc_slot(RequestOwner(req.request_id, role), evict=evict)
 
-    def next_target(self, req: Request) -> int | None:
-        return next((t for t in req.cache.targets if t > req.num_computed_tokens), None)
+    def targets_within(self, req: Request, end: int) -> list[int]:
+        """Prefill checkpoint targets a chunk from ``num_computed_tokens`` to ``end`` covers."""
+        return [t for t in req.cache.targets if req.num_computed_tokens < t <= end]
 
     def may_write_target(self, req: Request) -> bool:
         """Whether a prefill chunk may end at its checkpoint target now.
@@ -130,12 +134,30 @@ class CheckpointTracker:
             if c.cow_src is not None:
                 cow.append((c.cow_src, req.mamba_slot))
                 c.cow_src = None
-            if self.tracks and (seq.end in c.targets or seq.end % self.grid == 0):
+            depth = self._checkpoint_depth(seq)
+            if depth is not None:
                 dest = self._destination(req)
                 if dest is not None:
                     phase = "prefill" if seq.start < req.num_prompt_tokens else "decode"
-                    tracks.append(TrackWrite(i, req, dest[0], seq.end, phase, dest[1], batch.batch_id))
+                    needed = depth - seq.start if seq.is_verify else 0
+                    tracks.append(TrackWrite(i, req, dest[0], depth, phase, dest[1], batch.batch_id, needed))
         return StepPlan(batch, tuple(cow), tuple(tracks))
+
+    def _checkpoint_depth(self, seq) -> int | None:
+        """The checkpoint this step may produce: a prefill target or a grid crossing.
+
+        A verify commits 1 .. k + 1 tokens, so it may cross the grid anywhere in
+        (start, end]; whether it did is known only from its acceptance.
+        """
+        if not self.tracks:
+            return None
+        if seq.is_verify:
+            crossing = (seq.start // self.grid + 1) * self.grid
+            return crossing if crossing <= seq.end else None
+        within = [t for t in seq.request.cache.targets if seq.start < t <= seq.end]
+        if within:
+            return within[-1]
+        return seq.end if seq.end % self.grid == 0 else None
 
     def _destination(self, req: Request) -> tuple[int, bool] | None:
         """Where this batch writes the request's checkpoint: (slot, in place into keep).
@@ -164,15 +186,28 @@ class CheckpointTracker:
         return (second, False) if second is not None else None
 
     # -- results ------------------------------------------------------------------------------
-    def on_complete(self, plan: StepPlan) -> None:
-        """The batch's writes happened: the written slot now holds H(depth) (I4)."""
+    def on_complete(self, plan: StepPlan, rows_committed: dict[int, int]) -> None:
+        """The batch's writes happened: the written slot now holds H(depth) (I4).
+
+        ``rows_committed``: per verify seq index, how many of its rows were accepted (a
+        verify writes its crossing state only when it got that far).
+        """
         for w in plan.tracks:
             req, c = w.request, w.request.cache
+            if w.rows_needed and rows_committed.get(w.seq_index, 0) < w.rows_needed:
+                continue                        # the verify stopped short of the boundary
             if req.mamba_slot is None:          # released meanwhile; its slots are gone
                 continue
             if req.is_finished:                 # this batch's tokens for it are discarded
                 if w.slot == c.keep_slot:       # ...and it overwrote the keep slot's state
                     c.keep_depth = None
+                continue
+            owner = self.m.ledger.owner_of(w.slot)
+            if not (isinstance(owner, RequestOwner) and owner.request_id == req.request_id):
+                # Only with debug.disable_alias_guard: the slot was given away while this
+                # batch wrote it (the aliasing bug). Repair the label as SGLang did, onto
+                # whatever keep slot the request holds now (an I4 lie the tests expose).
+                c.keep_depth, c.keep_phase, c.keep_batch = w.depth, w.phase, w.batch_id
                 continue
             if w.slot != c.keep_slot:
                 self._promote(req, w.slot)
@@ -214,7 +249,8 @@ class CheckpointTracker:
         if not self.m.ledger.may_move(c.keep_slot):
             self.m.stats.inc("hybridserve_mamba_donations_skipped_total", label=path)
             return
-        if c.keep_depth <= c.num_tree_pages * self.page_size:
+        if c.keep_depth <= c.num_tree_pages * self.page_size or c.keep_depth > req.num_tokens:
+            # Nothing new, or a verify checkpoint past where the output was cut (a stop).
             c.keep_depth = None
             return
         self._insert(req, finished)

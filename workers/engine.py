@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from workers.sampler import GeneratorBank
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sizing import plan_pools
+from workers.spec.setup import build_drafter, num_draft_tokens
 from workers.stats import EngineStats
 
 
@@ -63,7 +65,8 @@ class Engine:
         self.generators = GeneratorBank(config.seed, self.device)
         self.lag = 1 if config.scheduler.overlap else 0
         self.runner = ModelRunner(self.model, self.pools, config.cache.page_size,
-                                  self.device, self.generators, overlap=self.lag > 0)
+                                  self.device, self.generators, overlap=self.lag > 0,
+                                  scratch_base=self.slot_ledger.num_slots, drafter=self.drafter)
         self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
                                        release=self.scheduler.release,
                                        on_finish=lambda r: self.generators.drop(r.request_id))
@@ -81,18 +84,25 @@ class Engine:
 
     def _build_pools(self) -> None:
         spec = self.model.cache_spec()
+        k = num_draft_tokens(self.config.spec)
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 1 << 20))
         sizes = plan_pools(self.config, spec, max_pos)
         self.max_model_len = sizes.max_model_len
         page_size = self.config.cache.page_size
+        # Speculation: one more KV layer (the MTP head's) and k + 1 scratch slots per
+        # running request for the per-draft states of a verify (never in the ledger).
+        num_scratch = (k + 1) * self.config.scheduler.max_running_requests if k else 0
+        kv_spec = replace(spec, num_attn_layers=spec.num_attn_layers + 1) if k else spec
         self.pools = DevicePools(
-            kv=KVPool(spec, sizes.num_pages, page_size, self.dtype, self.device),
-            mamba=MambaPool(spec, sizes.num_slots, self.dtype, torch.float32, self.device))
+            kv=KVPool(kv_spec, sizes.num_pages, page_size, self.dtype, self.device),
+            mamba=MambaPool(spec, sizes.num_slots + num_scratch, self.dtype, torch.float32, self.device))
         self.cache = CacheManager(self.config.cache, self.config.debug, sizes.num_pages,
                                   sizes.num_slots, self.stats, seed=self.config.seed)
         self.page_allocator = self.cache.pages
         self.slot_ledger = self.cache.ledger
-        self.scheduler = Scheduler(self.config.scheduler, self.cache, self.max_model_len)
+        self.scheduler = Scheduler(self.config.scheduler, self.cache, self.max_model_len, k)
+        self.drafter = build_drafter(self.config, self.model, self.pools, spec.num_attn_layers,
+                                     self.max_model_len, self.device)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -169,19 +179,21 @@ class Engine:
         if result.gap_seconds is not None:
             self.stats.observe("hybridserve_step_gap_seconds", result.gap_seconds)
         self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))
-        self.cache.complete_step(batch, plan)
-        self.scheduler.on_complete(batch)
-        sampled = iter(zip(result.token_ids, result.logprobs))
+        sampled = [i for i, seq in enumerate(batch.seqs) if seq.samples]
+        rows_committed = {i: a + 1 for i, a in zip(sampled, result.num_accepted) if a is not None}
+        self.cache.complete_step(batch, plan, rows_committed)
+        self.scheduler.on_complete(batch, rows_committed)
         outputs = []
-        for seq in batch.seqs:
-            req = seq.request
-            if seq.start == 0 and req.num_preemptions == 0 and not req.is_finished:
-                self.stats.inc("hybridserve_prompt_tokens_total", req.num_prompt_tokens)
-            if not seq.samples:
-                continue
-            token_id, logprob = next(sampled)
+        for n, i in enumerate(sampled):
+            seq, req = batch.seqs[i], batch.seqs[i].request
+            if seq.is_verify:
+                self.stats.inc("hybridserve_spec_draft_tokens_total", seq.num_draft_tokens)
+                self.stats.inc("hybridserve_spec_accepted_tokens_total", rows_committed[i] - 1)
             if not req.is_finished:          # finished while this batch was in flight: discard
-                outputs.append(self.outputs.append(req, [token_id], [logprob]))
+                outputs.append(self.outputs.append(req, result.token_ids[n], result.logprobs[n]))
+        for seq in batch.seqs:
+            if seq.start == 0 and seq.request.num_preemptions == 0:
+                self.stats.inc("hybridserve_prompt_tokens_total", seq.request.num_prompt_tokens)
         self.cache.donate_unfinished(batch)
         return outputs
 

@@ -1,12 +1,15 @@
-"""Turns a step plan into device tensors, runs the model, samples.
+"""Runs prepared steps: the target forward, sampling or verification, MTP drafting.
 
 ``launch`` prepares a batch on the calling (scheduler) thread and runs it either at once
 (lag 0) or on the forward thread (``overlap``): one worker, so batches run in launch
-order and batch N+1 sees everything batch N wrote. A token that is still being sampled
-by the batch before (the overlap lag) enters the next batch as a placeholder row that
-the forward thread fills from the ``last_token`` register of the request's live slot, the
-way a GPU overlap scheduler reads a future-token buffer. Results come back as Python
-lists: the forward thread reads its sampled tokens once per step (the one sync).
+order and batch N+1 sees everything batch N wrote. A token still being sampled by the
+batch before enters the next batch as a placeholder row that the forward thread fills
+from the ``last_token`` register of the request's live slot (a GPU overlap scheduler's
+future-token buffer); drafts come from the drafter's registers the same way.
+
+Results come back as Python lists, read once per step on the forward thread. A verify
+also reads its acceptance there to commit the state after the last accepted token (and a
+grid-crossing state) from the scratch snapshots into the live / track slots.
 """
 from __future__ import annotations
 
@@ -18,90 +21,39 @@ import torch
 
 from workers.checkpoints import StepPlan
 from workers.device_pools import DevicePools
-from workers.forward_batch import ForwardBatch
 from workers.request import TokenLogprob
-from workers.sampler import GeneratorBank, sample
+from workers.sampler import GeneratorBank, _filter_top_k_top_p, sample
+from workers.sampling_params import SamplingParams
+from workers.spec.acceptance import Accepted, accept_greedy, accept_rejection
+from workers.spec.drafter import MtpDrafter, MtpSpan
+from workers.step_inputs import PreparedStep, VerifyRows, prepare_step
 
 
 @dataclass(frozen=True)
 class StepResult:
     """Per sampling sequence of the batch, in batch order."""
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+    token_ids: list[list[int]]                 # 1 token, or accepted drafts + 1 for a verify
+    logprobs: list[list[TokenLogprob | None]]
+    num_accepted: list[int | None]             # drafts accepted (verify rows only)
     forward_seconds: float = 0.0
-    gap_seconds: float | None = None     # forward thread idle before this step
-
-
-@dataclass(frozen=True)
-class PreparedStep:
-    plan: StepPlan
-    fb: ForwardBatch
-    future_rows: torch.Tensor | None     # rows whose input token is sampled by the batch before
-    future_slots: torch.Tensor | None    # the live slots holding those tokens' registers
-    sample_slots: torch.Tensor           # live slot of every sampling row (register targets)
-
-
-def prepare_step(plan: StepPlan, page_size: int, device: torch.device) -> PreparedStep:
-    batch = plan.batch
-    input_ids: list[int] = []
-    positions: list[int] = []
-    out_loc: list[int] = []
-    dst_slots: list[int] = []
-    future_rows: list[int] = []
-    future_slots: list[int] = []
-    cu = [0]
-    logits_rows: list[int] = []
-    max_pages = max(len(s.request.page_ids) for s in batch.seqs)
-    page_table = [[0] * max_pages for _ in batch.seqs]
-    for b, seq in enumerate(batch.seqs):
-        req = seq.request
-        known = req.num_tokens
-        for pos in range(seq.start, seq.end):
-            if pos < known:
-                input_ids.append(req.token_at(pos))
-            else:                                     # sampled by the in-flight batch
-                future_rows.append(len(input_ids))
-                future_slots.append(req.mamba_slot)
-                input_ids.append(0)
-            positions.append(pos)
-            out_loc.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
-        page_table[b][: len(req.page_ids)] = req.page_ids
-        cu.append(cu[-1] + seq.num_new_tokens)
-        dst_slots.extend([0] * (seq.num_new_tokens - 1) + [plan.track_slot(b)])
-        if seq.samples:
-            logits_rows.append(cu[-1] - 1)
-
-    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    fb = ForwardBatch(
-        input_ids=t(input_ids, torch.int64), positions=t(positions, torch.int64),
-        cu_seqlens=t(cu, torch.int32), seq_lens=t([s.end for s in batch.seqs], torch.int32),
-        out_loc=t(out_loc, torch.int64), page_table=t(page_table, torch.int32),
-        mamba_slot_ids=t([s.request.mamba_slot for s in batch.seqs], torch.int32),
-        has_initial_state=t([s.start > 0 for s in batch.seqs], torch.bool),
-        logits_indices=t(logits_rows, torch.int64), page_size=page_size,
-        state_dst_slots=t(dst_slots, torch.int32) if plan.tracks else None)
-    return PreparedStep(plan, fb, t(future_rows, torch.int64) if future_rows else None,
-                        t(future_slots, torch.int64) if future_slots else None,
-                        t([s.request.mamba_slot for s in batch.seqs if s.samples], torch.int64))
+    gap_seconds: float | None = None           # forward thread idle before this step
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pools: DevicePools, page_size: int,
-                 device: torch.device, generators: GeneratorBank, overlap: bool) -> None:
-        self.model = model
-        self.pools = pools
-        self.page_size = page_size
-        self.device = device
+                 device: torch.device, generators: GeneratorBank, overlap: bool,
+                 scratch_base: int, drafter: MtpDrafter | None = None) -> None:
+        self.model, self.pools, self.page_size, self.device = model, pools, page_size, device
         self.generators = generators
+        self.scratch_base = scratch_base
+        self.drafter = drafter
         self.last_token = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hybridserve-forward") if overlap else None
         self._last_end: float | None = None
 
     def launch(self, plan: StepPlan) -> Future[StepResult]:
-        prepared = prepare_step(plan, self.page_size, self.device)
+        prepared = prepare_step(plan, self.page_size, self.device, self.scratch_base)
         sampling = [s for s in plan.batch.seqs if s.samples]
         params = [s.request.params for s in sampling]
         gens = [self.generators.get(s.request.request_id, s.request.params.seed) for s in sampling]
@@ -115,28 +67,119 @@ class ModelRunner:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
+    # -- the forward thread ------------------------------------------------------------------
     @torch.inference_mode()
-    def _execute(self, prepared: PreparedStep, params, gens) -> StepResult:
+    def _execute(self, prepared: PreparedStep, params: list[SamplingParams], gens) -> StepResult:
         start = time.monotonic()
         gap = None if self._last_end is None else start - self._last_end
+        self._fill_placeholders(prepared)
         plan, fb = prepared.plan, prepared.fb
-        if prepared.future_rows is not None:
-            fb.input_ids[prepared.future_rows] = self.last_token[prepared.future_slots]
         if plan.cow:
             src = torch.tensor([s for s, _ in plan.cow], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in plan.cow], dtype=torch.int64, device=self.device)
             self.pools.mamba.copy_slot(src, dst)
         hidden = self.model.forward(fb, self.pools)
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob | None] = []
+        tokens: list[list[int]] = []
+        logprobs: list[list[TokenLogprob | None]] = []
+        accepted: list[int | None] = []
         if params:
             logits = self.model.compute_logits(hidden[fb.logits_indices])
-            result = sample(logits, params, gens)
-            self.last_token[prepared.sample_slots] = result.token_ids
-            token_ids = result.token_ids.tolist()
-            logprobs = _logprob_lists(result, params, token_ids)
+            tokens, logprobs, accepted = self._decide(prepared, logits, params, gens)
+            last = torch.tensor([t[-1] for t in tokens], device=self.device)
+            slots = [s.request.mamba_slot for s in plan.batch.seqs if s.samples]
+            self.last_token[torch.tensor(slots, device=self.device)] = last
+        if self.drafter is not None:
+            self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
         self._last_end = time.monotonic()
-        return StepResult(token_ids, logprobs, self._last_end - start, gap)
+        return StepResult(tokens, logprobs, accepted, self._last_end - start, gap)
+
+    def _fill_placeholders(self, prepared: PreparedStep) -> None:
+        ids = prepared.fb.input_ids
+        if prepared.future_rows is not None:
+            ids[prepared.future_rows] = self.last_token[prepared.future_slots]
+        if prepared.draft_rows is not None:
+            assert self.drafter is not None
+            ids[prepared.draft_rows] = self.drafter.draft_tokens[prepared.draft_slots, prepared.draft_index]
+
+    def _decide(self, prepared: PreparedStep, logits: torch.Tensor, params, gens):
+        """Sample each sampling sequence, or verify its drafts; commit verified states."""
+        if not prepared.verify:
+            result = sample(logits, params, gens)
+            ids = result.token_ids.tolist()
+            lps = _logprob_lists(result, params, ids)
+            return [[t] for t in ids], [[lp] for lp in lps], [None] * len(ids)
+        verify = {v.seq_index: v for v in prepared.verify}
+        tokens, logprobs, accepted, row = [], [], [], 0
+        sampling = [i for i, s in enumerate(prepared.plan.batch.seqs) if s.samples]
+        for n, seq_index in enumerate(sampling):
+            v = verify.get(seq_index)
+            width = 1 if v is None else v.num_drafts + 1
+            rows = logits[row:row + width]
+            row += width
+            out = self._verify(v, rows, params[n], gens[n], prepared) if v else self._sample_one(rows, params[n], gens[n])
+            tokens.append(out.token_ids)
+            accepted.append(out.num_accepted if v else None)
+            logprobs.append(_row_logprobs(rows, out.token_ids, params[n]))
+        return tokens, logprobs, accepted
+
+    def _sample_one(self, rows: torch.Tensor, p: SamplingParams, gen) -> Accepted:
+        return Accepted(0, sample(rows, [p], [gen]).token_ids.tolist())
+
+    def _verify(self, v: VerifyRows, rows: torch.Tensor, p: SamplingParams, gen,
+                prepared: PreparedStep) -> Accepted:
+        fb = prepared.fb
+        drafts = fb.input_ids[v.first_row + 1: v.first_row + 1 + v.num_drafts].tolist()
+        if p.is_greedy:
+            out = accept_greedy(rows, drafts)
+        else:
+            probs = torch.softmax(torch.stack([_filter_top_k_top_p(r / p.temperature, p.effective_top_k, p.top_p)
+                                               for r in rows]), dim=-1)
+            assert self.drafter is not None and self.drafter.draft_probs is not None
+            q = self.drafter.draft_probs[v.live_slot, : v.num_drafts]
+            out = accept_rejection(probs, drafts, q, gen)
+        self._commit(v, out.num_accepted)
+        return out
+
+    def _commit(self, v: VerifyRows, num_accepted: int) -> None:
+        """Live slot := state after the last accepted token; track slot := crossing state."""
+        mamba = self.pools.mamba
+        src = [v.scratch[num_accepted]]
+        dst = [v.live_slot]
+        crossed_row = v.track_depth - 1 - v.start
+        if v.track_slot and crossed_row <= num_accepted:
+            src.append(v.scratch[crossed_row])
+            dst.append(v.track_slot)
+        mamba.copy_slot(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+
+    def _mtp_spans(self, prepared: PreparedStep, hidden: torch.Tensor, tokens, accepted, params, gens):
+        fb, seqs = prepared.fb, prepared.plan.batch.seqs
+        cu = fb.cu_seqlens.tolist()
+        spans, n = [], 0
+        for b, seq in enumerate(seqs):
+            first, width = cu[b], cu[b + 1] - cu[b]
+            p = g = None
+            if seq.samples:
+                p, g, out = params[n], gens[n], tokens[n]
+                width = (accepted[n] + 1) if accepted[n] is not None else width
+                nxt = fb.input_ids[first + 1: first + width].tolist() + [out[-1]]
+                n += 1
+            else:
+                nxt = fb.input_ids[first + 1: first + width].tolist() + [prepared.next_tokens[b]]
+            spans.append(MtpSpan(seq.start, hidden[first:first + width],
+                                 torch.tensor(nxt, device=self.device), seq.request.page_ids,
+                                 seq.request.mamba_slot, seq.request.request_id, p, g))
+        return spans
+
+
+def _row_logprobs(rows: torch.Tensor, token_ids: list[int], p: SamplingParams) -> list[TokenLogprob | None]:
+    if p.logprobs is None:
+        return [None] * len(token_ids)
+    lps = torch.log_softmax(rows[: len(token_ids)].float(), dim=-1)
+    k = max(p.logprobs, 1)
+    top = torch.topk(lps, k, dim=-1)
+    return [TokenLogprob(t, float(lps[i, t]), list(zip(top.indices[i, : p.logprobs].tolist(),
+                                                       top.values[i, : p.logprobs].tolist())))
+            for i, t in enumerate(token_ids)]
 
 
 def _logprob_lists(result, params, token_ids: list[int]) -> list[TokenLogprob | None]:

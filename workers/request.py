@@ -77,6 +77,8 @@ class Request:
     mamba_slot: int | None = None
     num_pending_tokens: int = 0          # tokens that launched, unprocessed batches will append
     inflight_batch: int | None = None    # newest launched, unprocessed batch holding this request
+    verify_inflight: bool = False        # a launched verify's acceptance is not known yet
+    has_drafts: bool = False             # the MTP head drafted after this request's last sample
     cache: RequestCacheState = field(default_factory=lambda: RequestCacheState())
     num_preemptions: int = 0
     first_token_time: float | None = None

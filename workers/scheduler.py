@@ -4,7 +4,8 @@ Pure bookkeeping: ints and lists, no tensors. One call to ``schedule`` decides o
 
 1. Running requests, oldest first, each get the tokens they lack (one for a decode, a
    chunk of at most ``chunked_prefill_size`` for a prefill), within ``max_batch_tokens``.
-   A prefill chunk ends exactly at the request's next checkpoint target, so the state at
+   A prefill chunk holds at most one checkpoint target (it is cut at the first of two);
+   the kernels snapshot the state at the target's position inside the chunk, so the state at
    that depth exists at the end of a forward. KV pages for the new tokens are allocated
    now (evicting unlocked cached prefixes first); when that still fails, the youngest
    running request is preempted (resources freed, ``num_computed_tokens`` reset to 0,
@@ -39,8 +40,10 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, max_model_len: int,
+                 num_draft_tokens: int = 0) -> None:
         self.config = config
+        self.num_draft_tokens = num_draft_tokens      # > 0: decodes are speculative verifies
         self.cache = cache
         self.page_size = cache.page_size
         self.max_model_len = max_model_len
@@ -65,25 +68,38 @@ class Scheduler:
             self.waiting.remove(request)
 
     def on_launch(self, batch: ScheduledBatch) -> None:
+        """Commit what a launched batch computes, before its result is processed.
+
+        A verify commits 1 .. k + 1 tokens, unknown until processed: its request is not
+        scheduled again until then (``verify_inflight``).
+        """
         for seq in batch.seqs:
             req = seq.request
             req.inflight_batch = batch.batch_id
+            if seq.is_verify:
+                req.verify_inflight = True
+                continue
             req.num_computed_tokens = seq.end
             if seq.samples:
                 req.num_pending_tokens += 1
+                req.has_drafts = self.num_draft_tokens > 0
 
-    def on_complete(self, batch: ScheduledBatch) -> None:
-        for seq in batch.seqs:
+    def on_complete(self, batch: ScheduledBatch, rows_committed: dict[int, int]) -> None:
+        for i, seq in enumerate(batch.seqs):
             req = seq.request
             if req.inflight_batch == batch.batch_id:
                 req.inflight_batch = None
-            if seq.samples:
+            if seq.is_verify:
+                req.verify_inflight = False
+                req.num_computed_tokens = seq.start + rows_committed[i]
+            elif seq.samples:
                 req.num_pending_tokens -= 1
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.cache.release(request, finished=False)
         request.num_computed_tokens = 0
+        request.has_drafts = False
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -110,15 +126,18 @@ class Scheduler:
         return batch
 
     def _num_to_compute(self, request: Request, budget: int) -> int:
-        if request.num_pending_tokens and self._reaches_limit(request):
+        if request.verify_inflight or (request.num_pending_tokens and self._reaches_limit(request)):
             return 0
         missing = request.num_expected_tokens - request.num_computed_tokens
+        if missing == 1 and self._verifies(request):
+            return min(1 + self._num_drafts(request), budget)
         n = min(missing, self.config.chunked_prefill_size, budget)
-        target = self.cache.tracker.next_target(request)
-        if target is not None and n >= target - request.num_computed_tokens:
-            n = target - request.num_computed_tokens
-            if not self.cache.tracker.may_write_target(request):
-                return 0
+        start = request.num_computed_tokens
+        targets = self.cache.tracker.targets_within(request, start + n)
+        if len(targets) > 1:
+            n = targets[0] - start                  # one checkpoint per chunk
+        if targets and not self.cache.tracker.may_write_target(request):
+            return 0
         return max(0, n)
 
     def _reaches_limit(self, request: Request) -> bool:
@@ -126,12 +145,27 @@ class Scheduler:
         outputs = request.num_output_tokens + request.num_pending_tokens
         return outputs >= request.params.max_tokens or request.num_expected_tokens >= self.max_model_len
 
+    def _verifies(self, request: Request) -> bool:
+        """Decode as a verify: speculation is on and the MTP head has drafted for the
+        request since it was (re)started (every sampling step drafts)."""
+        return self.num_draft_tokens > 0 and request.has_drafts
+
+    def _num_drafts(self, request: Request) -> int:
+        """Drafts for a verify at this request's next position, within the context."""
+        return max(0, min(self.num_draft_tokens, self.max_model_len - 1 - request.num_computed_tokens))
+
     def _scheduled(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
+        if request.num_expected_tokens - start == 1 and self._verifies(request):
+            return ScheduledSeq(request, start, n, samples=True, num_draft_tokens=n - 1)
         return ScheduledSeq(request, start, n, samples=start + n == request.num_expected_tokens)
 
     def _pages_short(self, request: Request, n: int) -> int:
-        return max(0, pages_needed(request.num_computed_tokens + n, self.page_size) - len(request.page_ids))
+        end = request.num_computed_tokens + n
+        if self.num_draft_tokens and end >= request.num_expected_tokens:
+            # The MTP head drafts (and writes its KV) up to k - 1 positions further.
+            end = min(end + self.num_draft_tokens, self.max_model_len)
+        return max(0, pages_needed(end, self.page_size) - len(request.page_ids))
 
     def _grow_pages(self, request: Request, n: int, preempted: list[Request]) -> bool:
         """Give ``request`` pages for ``n`` more tokens, preempting the youngest if needed.

@@ -14,6 +14,11 @@ class ScheduledSeq:
     start: int
     num_new_tokens: int
     samples: bool          # the chunk reaches the end of the known tokens: sample after it
+    num_draft_tokens: int = 0   # a speculative verify: 1 real token + this many drafts
+
+    @property
+    def is_verify(self) -> bool:
+        return self.num_draft_tokens > 0
 
     @property
     def end(self) -> int:

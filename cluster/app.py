@@ -1,0 +1,94 @@
+"""The Serve application builder (``serve run`` / ``serve deploy`` import path).
+
+``build_app(args)`` is what ``deploy/serve.yaml`` names (``cluster.app:build_app``); its
+``args`` are ``AppArgs``: the hybridserve config (a YAML path plus dotted overrides, as
+on the CLI) and the serving knobs that are not engine config (router tunables, replica
+resources and publish intervals, ingress size). ``build_app_from_config`` is the same
+for callers holding a config object (the CLI, tests).
+
+The app: ``OpenAIIngress`` (route prefix of the app) -> ``EngineReplica`` x
+``parallel.num_replicas``, routed by ``HybridPrefixRouter`` with ``router.policy``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from cluster.ingress import OpenAIIngress, default_model_name
+from cluster.replica import EngineReplica, ReplicaOptions
+from cluster.replica_core import check_supported
+from cluster.router import HybridPrefixRouter
+from configs.schema import HybridServeConfig, load_config
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterOptions(_Strict):
+    """``HybridPrefixRouter`` tunables (see ``routing_policy``)."""
+
+    load_penalty_tokens: float = Field(16.0, ge=0)
+    imbalance_abs: int = Field(8, ge=0)
+    imbalance_rel: float = Field(1.5, ge=1.0)
+    min_match_tokens: int = Field(16, ge=1)
+    index_timeout_s: float = Field(0.5, gt=0)
+    push_interval_s: float = Field(1.0, gt=0)
+
+
+class IngressOptions(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(1000, ge=1)
+
+
+class AppArgs(_Strict):
+    config: str | None = None             # YAML file (relative: to cwd, else the repo root)
+    set: dict[str, Any] = Field(default_factory=dict)  # overrides, dotted or nested keys
+    model_name: str | None = None         # the served model id; default: the model dir's name
+    router: RouterOptions = RouterOptions()
+    replica: ReplicaOptions = ReplicaOptions()
+    ingress: IngressOptions = IngressOptions()
+
+
+def resolve_path(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else _ROOT / p
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """``import_path: cluster.app:build_app``; raises ValueError for bad args or config."""
+    parsed = AppArgs.model_validate(args or {})
+    config = load_config(resolve_path(parsed.config) if parsed.config else None, parsed.set)
+    return build_app_from_config(config, parsed)
+
+
+def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None) -> Application:
+    args = args or AppArgs()
+    check_supported(config)
+    model_name = args.model_name or default_model_name(config)
+    replica = args.replica.model_copy(update={"model_name": model_name})
+    router_kwargs = {"policy": config.router.policy, "model_name": model_name,
+                     "metrics_host": config.server.host, "metrics_port": config.metrics.port,
+                     "forget_after_s": replica.forget_after_s, **args.router.model_dump()}
+    engine = serve.deployment(EngineReplica, name="EngineReplica").options(
+        num_replicas=config.parallel.num_replicas,
+        max_ongoing_requests=replica.max_ongoing_requests,
+        ray_actor_options={"num_cpus": replica.num_cpus},
+        health_check_period_s=replica.health_check_period_s,
+        request_router_config=RequestRouterConfig(request_router_class=HybridPrefixRouter,
+                                                  request_router_kwargs=router_kwargs),
+    ).bind(config.model_dump(mode="json"), replica.model_dump())
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        num_replicas=args.ingress.num_replicas,
+        max_ongoing_requests=args.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.ingress.num_cpus},
+    )
+    return ingress.bind(engine, config.model_dump(mode="json"), model_name, replica.forget_after_s)

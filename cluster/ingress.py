@@ -1,0 +1,85 @@
+"""``OpenAIIngress``: the FastAPI app of ``http_api`` served through Ray Serve (Ray edge).
+
+The ingress owns the tokenizer (tokens at the edge, DESIGN §1) and a handle to the
+engine deployment; ``ServeEngineClient`` adapts that handle to ``EngineClient``. The
+ASGI app is built per replica after the constructor (``__serve_build_asgi_app__``), so
+the routes close over this replica's ``OpenAIServer`` instead of module globals.
+"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cluster.actors import get_index_actor
+from cluster.engine_client import GenerateStream
+from cluster.http_api import make_api
+from cluster.messages import GenerateRequest, ModelInfo
+from cluster.openai_server import OpenAIServer, ServerSettings
+from configs.schema import HybridServeConfig
+
+
+class ServeEngineClient:
+    """``EngineClient`` over the engine deployment's handle."""
+
+    def __init__(self, handle: DeploymentHandle, app_name: str, forget_after_s: float) -> None:
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+        self._index = get_index_actor(app_name, forget_after_s)
+
+    async def model_info(self) -> ModelInfo:
+        return await self._handle.model_info.remote()
+
+    def generate(self, req: GenerateRequest) -> GenerateStream:
+        return self._stream.generate.remote(req)  # type: ignore[return-value]
+
+    async def _each_replica(self, method: str) -> list[dict[str, Any]]:
+        """Call ``method`` once on every live replica (targeted through the router).
+
+        Sequential: sibling handle calls of one HTTP request share Serve's internal
+        request id, which the router uses to match decisions to calls (see
+        ``OpenAIServer._open_streams``).
+        """
+        ids = await self._index.replicas.remote()
+        call = getattr(self._handle, method)
+        if not ids:
+            return [await call.remote()]
+        unique: dict[str, dict[str, Any]] = {}
+        for rid in ids:
+            result = await call.remote(target_replica=rid)
+            unique[result["replica_id"]] = result
+        return list(unique.values())
+
+    async def flush_cache(self) -> list[dict[str, Any]]:
+        return await self._each_replica("flush_cache")
+
+    async def replica_stats(self) -> list[dict[str, Any]]:
+        return await self._each_replica("stats")
+
+    async def health(self) -> None:
+        await self._handle.model_info.remote()
+
+
+@serve.ingress()
+class OpenAIIngress:
+    async def __init__(self, engine: DeploymentHandle, config: dict[str, Any], model_name: str,
+                     forget_after_s: float = 30.0) -> None:
+        from transformers import AutoTokenizer
+
+        cfg = HybridServeConfig.model_validate(config)
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(cfg.model_dir()))
+        app_name = serve.get_replica_context().app_name
+        client = ServeEngineClient(engine, app_name, forget_after_s)
+        settings = ServerSettings(model_name=model_name, model_root=str(cfg.model),
+                                  api_key=cfg.server.api_key)
+        self._server = OpenAIServer(client, tokenizer, settings)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return make_api(self._server)
+
+
+def default_model_name(config: HybridServeConfig) -> str:
+    return Path(config.model).name

@@ -1,0 +1,77 @@
+"""What the ingress and an ``EngineReplica`` send each other (pickled across Ray).
+
+One ``GenerateRequest`` carries ONE prompt and the SamplingParams of its ``n`` choices,
+so every choice of a prompt lands on the same replica (they share its prefix). The router
+reads ``prompt_token_ids`` from the request, which is why the ingress tokenizes.
+
+The replica's ``generate`` stream yields, in order:
+1. exactly one of ``Accepted`` (every choice was queued) or a ``GenerateError`` (the
+   engine refused the input; nothing was queued, nothing stays allocated);
+2. then lists of ``GenerateChunk`` (per-step deltas, several coalesced when the consumer
+   is slower than the engine) until every choice has sent ``finished=True``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.request import TokenLogprob
+from workers.sampling_params import SamplingParams
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str                       # unique per prompt; choice j runs as f"{id}-{j}"
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]          # one per choice (n of them)
+    prompt: str = ""                      # the prompt text when known (for text-based routers)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.params)
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """The delta of one choice produced by one engine step."""
+
+    index: int                            # choice index within the GenerateRequest
+    new_token_ids: list[int]
+    delta_text: str
+    logprobs: list[TokenLogprob] | None   # for new_token_ids, when asked for
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """First stream item: every choice of the request is queued in the engine."""
+
+    num_choices: int
+
+
+@dataclass(frozen=True)
+class GenerateError:
+    """The engine refused the request (bad input); maps to an HTTP 400."""
+
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    max_model_len: int
+    vocab_size: int
+    model_dir: str
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What ``EngineReplica.stats`` returns (also the ``/debug/replicas`` entries)."""
+
+    replica_id: str
+    replica_label: str
+    num_streams: int                      # open generate streams on this replica
+    has_unfinished: bool                  # the engine still holds requests
+    pools: dict[str, int]                 # free/used/usable KV pages and Mamba slots
+    counters: dict[str, object] = field(default_factory=dict)  # EngineStats.snapshot()

@@ -1,0 +1,104 @@
+"""The hybrid-prefix routing decision as a pure function (no Ray; tested with fakes).
+
+Per request, for every candidate replica we know:
+- ``depth``: tokens covered by its deepest Mamba checkpoint on the prompt's path, capped
+  at ``len(prompt) - 1`` (the last prompt token must be computed to get logits, and a
+  recurrent state cannot be rolled back, so a checkpoint at the full length is unusable);
+- ``load``: its ongoing requests (Serve's queue length; unknown counts as 0);
+- ``num_checkpoints``: how much it caches overall (spreads cold prompts).
+
+Decision, in order:
+1. ``cold``: no replica has ``depth >= min_match_tokens`` -> least loaded first, then the
+   smallest index (so distinct prefixes spread out), random among ties.
+2. score = depth - load_penalty_tokens * load; the best score is the preferred replica.
+3. ``imbalanced`` (checked per request, against the preferred replica only): its load
+   exceeds the least loaded by more than ``imbalance_abs`` AND by more than a factor
+   ``imbalance_rel`` -> least loaded first.
+4. ``prefix``: the preferred replica alone in rank 0, the others by score after it
+   (Serve moves to the next rank when a replica rejects at ``max_ongoing_requests``).
+``fallback`` (power of two) is the router's answer to any error; it is not decided here.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+REASONS = ("prefix", "imbalanced", "cold", "fallback")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    load_penalty_tokens: float = 16.0     # tokens of cached prefix worth one queued request
+    imbalance_abs: int = 8
+    imbalance_rel: float = 1.5
+    min_match_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.load_penalty_tokens < 0 or self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
+            raise ValueError(
+                f"router settings out of range: load_penalty_tokens={self.load_penalty_tokens} "
+                f"(>= 0), imbalance_abs={self.imbalance_abs} (>= 0), "
+                f"imbalance_rel={self.imbalance_rel} (>= 1)")
+        if self.min_match_tokens < 1:
+            raise ValueError(f"min_match_tokens must be >= 1, got {self.min_match_tokens}")
+
+
+class ReplicaView(NamedTuple):
+    replica_id: str
+    depth: int
+    load: int
+    num_checkpoints: int = 0
+
+
+class RoutingDecision(NamedTuple):
+    ranks: list[list[str]]                # replica ids, most preferred rank first
+    reason: str                           # one of REASONS
+    depth: int                            # cached tokens expected on the first choice
+
+
+def max_usable_depth(prompt_len: int) -> int:
+    return max(prompt_len - 1, 0)
+
+
+def decide(views: Sequence[ReplicaView], settings: RouterSettings,
+           rng: random.Random | None = None) -> RoutingDecision:
+    if not views:
+        raise ValueError("no candidate replicas to route to")
+    rng = rng or random.Random()
+    shuffled = list(views)
+    rng.shuffle(shuffled)                 # ties are broken at random, not by list order
+    if max(v.depth for v in views) < settings.min_match_tokens:
+        ordered = sorted(shuffled, key=lambda v: (v.load, v.num_checkpoints))
+        return RoutingDecision(_least_loaded_ranks(ordered), "cold", 0)
+    by_score = sorted(shuffled, key=lambda v: (-_score(v, settings), v.load))
+    best = by_score[0]
+    min_load = min(v.load for v in views)
+    if is_imbalanced(best.load, min_load, settings):
+        ordered = sorted(shuffled, key=lambda v: (v.load, -v.depth))
+        return RoutingDecision(_least_loaded_ranks(ordered), "imbalanced", ordered[0].depth)
+    rest = [v.replica_id for v in by_score[1:]]
+    return RoutingDecision([[best.replica_id]] + ([rest] if rest else []), "prefix", best.depth)
+
+
+def is_imbalanced(load: int, min_load: int, settings: RouterSettings) -> bool:
+    return (load - min_load > settings.imbalance_abs
+            and load > settings.imbalance_rel * min_load)
+
+
+def views_from(candidates: Sequence[str], depths: Mapping[str, int], loads: Mapping[str, int | None],
+               sizes: Mapping[str, int] | None = None) -> list[ReplicaView]:
+    sizes = sizes or {}
+    return [ReplicaView(r, int(depths.get(r, 0)), int(loads.get(r) or 0), int(sizes.get(r, 0)))
+            for r in candidates]
+
+
+def _score(view: ReplicaView, settings: RouterSettings) -> float:
+    return view.depth - settings.load_penalty_tokens * view.load
+
+
+def _least_loaded_ranks(ordered: list[ReplicaView]) -> list[list[str]]:
+    """Rank 0: the single first replica; rank 1: everyone else in order."""
+    rest = [v.replica_id for v in ordered[1:]]
+    return [[ordered[0].replica_id]] + ([rest] if rest else [])

@@ -1,0 +1,47 @@
+"""The app builder and the serve YAML: arguments are validated before anything starts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+
+from cluster.app import AppArgs, build_app, build_app_from_config
+from cluster.serve_local import endpoint_urls
+from configs.schema import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _serve_yaml_args() -> dict:
+    return yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())["applications"][0]["args"]
+
+
+def test_shipped_serve_yaml_builds_the_app():
+    app = build_app(_serve_yaml_args())
+    assert type(app).__name__ == "Application"
+
+
+def test_kuberay_manifest_embeds_a_valid_serve_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    spec = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())["spec"]
+    serve_config = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
+    args = serve_config.applications[0].args
+    assert serve_config.applications[0].import_path == "cluster.app:build_app"
+    assert type(build_app(args)).__name__ == "Application"
+
+
+def test_unknown_arguments_and_tensor_parallel_are_refused():
+    with pytest.raises(pydantic.ValidationError, match="bogus"):
+        build_app({"bogus": 1})
+    with pytest.raises(ValueError, match="unknown config key"):
+        build_app({"set": {"cache.nope": 1}})
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
+        build_app_from_config(load_config(overrides={"parallel.tensor_parallel_size": 2}), AppArgs())
+
+
+def test_endpoint_urls_show_a_reachable_host():
+    config = load_config(overrides={"server": {"host": "0.0.0.0", "port": 8123}, "metrics.port": 9999})
+    assert endpoint_urls(config) == ("http://127.0.0.1:8123/v1", "http://127.0.0.1:9999/metrics")

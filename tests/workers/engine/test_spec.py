@@ -1,0 +1,127 @@
+"""MTP speculative decoding: greedy output equals plain decoding in every variant.
+
+A random MTP head rarely drafts the right token, so one test swaps in an oracle drafter
+(the expected continuation, with every third draft corrupted) to drive the verify path
+through every acceptance length.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.engine.helpers import make_llm, random_prompts
+from workers.sampling_params import SamplingParams
+from workers.spec.drafter import MtpDrafter
+
+P = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SPEC = {"method": "mtp", "num_draft_tokens": 3}
+
+
+def spec_llm(model_dir, **overrides):
+    overrides.setdefault("spec", SPEC)
+    overrides.setdefault("debug", {"check_invariants": True})
+    llm = make_llm(model_dir, **overrides)
+    llm.engine.raise_on_violation = True
+    return llm
+
+
+def mixed(vocab: int) -> list[list[int]]:
+    prompts = random_prompts(vocab, [2, 5, 9, 17, 30, 12, 23, 7], seed=31)
+    return prompts + [prompts[4][:20] + p[:4] for p in prompts[:4]]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_qwen_dir):
+    llm = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+    prompts = mixed(llm.engine.vocab_size)
+    return prompts, [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_spec_greedy_equals_plain(tiny_qwen_dir, plain, overlap):
+    prompts, expected = plain
+    llm = spec_llm(tiny_qwen_dir, scheduler={"overlap": overlap})
+    for _ in range(2):                                  # second pass: prefix hits + MTP
+        assert [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))] == expected
+    stats = llm.stats()
+    assert stats["hybridserve_spec_draft_tokens_total"] > 0
+
+
+@pytest.fixture
+def oracle_drafts(monkeypatch, plain):
+    """Drafts from the expected continuation; every third one is wrong."""
+    prompts, expected = plain
+    by_prompt = {tuple(p): p + e for p, e in zip(prompts, expected)}
+    engines = []
+    original = MtpDrafter._chain
+
+    def chain(self, spans, hidden, last_pos):
+        original(self, spans, hidden, last_pos)
+        for span, t in zip(spans, last_pos):
+            req = engines[0].outputs.requests.get(span.request_id)
+            full = by_prompt.get(tuple(req.prompt_token_ids)) if req is not None else None
+            if full is None:
+                continue
+            drafts = [full[t + 2 + j] if t + 2 + j < len(full) else 0 for j in range(self.k)]
+            bad = (t + 1) % 3
+            drafts[bad] = (drafts[bad] + 1) % 64
+            self.draft_tokens[span.live_slot] = torch.tensor(drafts)
+
+    monkeypatch.setattr(MtpDrafter, "_chain", chain)
+    return engines
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_verify_commits_the_accepted_state(tiny_qwen_dir, plain, oracle_drafts, overlap):
+    prompts, expected = plain
+    llm = spec_llm(tiny_qwen_dir, scheduler={"overlap": overlap},
+                   cache={"mamba_track_interval": 8, "mamba_strategy": "extra_buffer_lazy"})
+    oracle_drafts.append(llm.engine)
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))] == expected
+    stats = llm.stats()
+    drafted, accepted = stats["hybridserve_spec_draft_tokens_total"], stats["hybridserve_spec_accepted_tokens_total"]
+    assert 0.2 * drafted < accepted < drafted           # every acceptance length occurs
+    assert stats["hybridserve_mamba_checkpoints_inserted_total"].get("decode", 0) > 0
+
+
+def test_lazy_spec_overlap_under_slot_pressure(tiny_qwen_dir):
+    """The combination that broke SGLang: lazy checkpoints + MTP + overlap, a tiny pool,
+    half of the pending-slot allocations failing, prompts one short of the grid."""
+    interval = 16
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    control = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+    prompts = random_prompts(control.engine.vocab_size, [interval - 1] * 40, seed=3)
+    expected = [o.token_ids for o in control.generate_ids(prompts, [params] * 40)]
+    variants = {"full": {}, "spec_off": {"spec": {"method": "none"}},
+                "overlap_off": {"scheduler": {"overlap": False, "max_running_requests": 4}}}
+    for name, extra in variants.items():
+        llm = spec_llm(tiny_qwen_dir, **{
+            "scheduler": {"overlap": True, "max_running_requests": 4},
+            "spec": {"method": "mtp", "num_draft_tokens": 2},
+            "cache": {"mamba_strategy": "extra_buffer_lazy", "mamba_track_interval": interval,
+                      "max_mamba_slots": 12, "page_size": 1},
+            "debug": {"check_invariants": True, "fail_pending_alloc_prob": 0.5}, **extra})
+        llm.engine.raise_on_violation = True
+        for _ in range(2):
+            assert [o.token_ids for o in llm.generate_ids(prompts, [params] * 40)] == expected, name
+        stats = llm.stats()
+        assert stats["hybridserve_invariant_violations_total"] == {}
+        if name == "full":
+            assert stats["hybridserve_mamba_pending_alloc_failures_total"] > 0
+            assert sum(stats["hybridserve_mamba_donations_skipped_total"].values()) > 0
+
+
+def test_seeded_spec_sampling_is_reproducible(tiny_qwen_dir):
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    prompts = random_prompts(512, [6, 13], seed=2)
+    runs = [[o.token_ids for o in spec_llm(tiny_qwen_dir).generate_ids(prompts, [params] * 2)]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
+
+
+def test_spec_needs_an_mtp_head(tiny_granite_dir, tiny_qwen_dir):
+    with pytest.raises(ValueError, match="MTP head"):
+        make_llm(tiny_granite_dir, spec=SPEC)
+    with pytest.raises(ValueError, match="not implemented"):
+        make_llm(tiny_qwen_dir, spec={"method": "draft"})

@@ -1,0 +1,1 @@
+"""Speculative decoding: MTP drafting and the verify acceptance rules."""

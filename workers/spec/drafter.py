@@ -1,0 +1,102 @@
+"""MTP drafting on the forward thread: catch the head's KV up, then chain k drafts.
+
+Per sequence, after the target forward (and, for a verify, acceptance), the head runs on
+rows t = t0 .. t1 - 1 with (h_t, x_{t+1}) so its KV covers every computed position. For
+a sequence that samples, the last row's output drafts d_1, and k - 1 chained rows (each
+fed the previous draft and the head's own output) draft d_2 .. d_k. Drafts (and, for
+sampled drafting, the distribution each was drawn from) go to per-slot registers that
+the next verify of the request reads. Chained rows write speculative KV at positions the
+next catch-up overwrites.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.device_pools import DevicePools
+from workers.forward_batch import ForwardBatch
+from workers.sampler import _filter_top_k_top_p
+from workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class MtpSpan:
+    start: int                    # position t0 of the first row
+    hidden: torch.Tensor          # [n, H] target hidden h_t0 .. h_t0+n-1
+    next_ids: torch.Tensor        # [n] x_{t+1} for each row
+    page_ids: list[int]
+    live_slot: int
+    request_id: str
+    params: SamplingParams | None  # None: only catch up, no drafts
+    generator: torch.Generator | None
+
+
+class MtpDrafter:
+    def __init__(self, mtp: torch.nn.Module, target: torch.nn.Module, pools: DevicePools,
+                 num_drafts: int, page_size: int, max_model_len: int, num_slots: int,
+                 device: torch.device) -> None:
+        self.mtp, self.target, self.pools = mtp, target, pools
+        self.k, self.page_size, self.max_model_len = num_drafts, page_size, max_model_len
+        self.device = device
+        self.draft_tokens = torch.zeros(num_slots, num_drafts, dtype=torch.int64, device=device)
+        self.draft_probs: torch.Tensor | None = None      # [slots, k, V] once sampling is used
+
+    def _batch(self, spans: list[MtpSpan], starts: list[int], lengths: list[int],
+               ids: torch.Tensor) -> ForwardBatch:
+        ps = self.page_size
+        positions, out_loc, cu = [], [], [0]
+        for span, t0, n in zip(spans, starts, lengths):
+            for pos in range(t0, t0 + n):
+                positions.append(pos)
+                out_loc.append(span.page_ids[pos // ps] * ps + pos % ps)
+            cu.append(cu[-1] + n)
+        max_pages = max(len(s.page_ids) for s in spans)
+        table = [s.page_ids + [0] * (max_pages - len(s.page_ids)) for s in spans]
+        dev, b = self.device, len(spans)
+        return ForwardBatch(
+            input_ids=ids, positions=torch.tensor(positions, device=dev),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([t0 + n for t0, n in zip(starts, lengths)], dtype=torch.int32, device=dev),
+            out_loc=torch.tensor(out_loc, device=dev), page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            mamba_slot_ids=torch.zeros(b, dtype=torch.int32, device=dev),
+            has_initial_state=torch.zeros(b, dtype=torch.bool, device=dev),
+            logits_indices=torch.tensor(cu[1:], device=dev) - 1, page_size=ps)
+
+    def run(self, spans: list[MtpSpan]) -> None:
+        if not spans:
+            return
+        lengths = [int(s.next_ids.shape[0]) for s in spans]
+        fb = self._batch(spans, [s.start for s in spans], lengths, torch.cat([s.next_ids for s in spans]))
+        out = self.mtp(fb, torch.cat([s.hidden for s in spans]), self.pools)
+        drafting = [i for i, s in enumerate(spans) if s.params is not None]
+        if drafting:
+            self._chain([spans[i] for i in drafting], out[fb.logits_indices[drafting]],
+                        [spans[i].start + lengths[i] - 1 for i in drafting])
+
+    def _chain(self, spans: list[MtpSpan], hidden: torch.Tensor, last_pos: list[int]) -> None:
+        slots = torch.tensor([s.live_slot for s in spans], device=self.device)
+        for j in range(self.k):
+            tokens = self._draw(self.target.compute_logits(hidden), spans, slots, j)
+            self.draft_tokens[slots, j] = tokens
+            pos = [p + 1 + j for p in last_pos]
+            keep = [i for i, p in enumerate(pos) if p < self.max_model_len]
+            if j == self.k - 1 or not keep:
+                return
+            sub = [spans[i] for i in keep]
+            fb = self._batch(sub, [pos[i] for i in keep], [1] * len(keep), tokens[keep])
+            hidden = self.mtp(fb, hidden[keep], self.pools)
+            spans, slots, last_pos = sub, slots[keep], [last_pos[i] for i in keep]
+
+    def _draw(self, logits: torch.Tensor, spans: list[MtpSpan], slots: torch.Tensor, j: int) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        for i, span in enumerate(spans):
+            p = span.params
+            if p is None or p.is_greedy:
+                continue
+            probs = torch.softmax(_filter_top_k_top_p(logits[i] / p.temperature, p.effective_top_k, p.top_p), -1)
+            tokens[i] = torch.multinomial(probs, 1, generator=span.generator)[0]
+            if self.draft_probs is None:
+                self.draft_probs = torch.zeros(*self.draft_tokens.shape, logits.shape[-1], device=self.device)
+            self.draft_probs[slots[i], j] = probs
+        return tokens

@@ -1,0 +1,127 @@
+"""Host-side preparation of one step: flat token rows, KV locations, snapshot targets.
+
+Built on the scheduler thread at launch. Values that only the forward thread will know
+(the token the batch before is sampling, MTP drafts) are placeholder rows, filled there
+from per-slot registers.
+
+Row layout of a verify of k drafts at position p: row 0 is token p (known, or sampled
+by the in-flight batch), rows 1..k are the drafts; every row's state is snapshotted into
+its own scratch slot so the state after the last accepted token can be committed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.checkpoints import StepPlan
+from workers.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class VerifyRows:
+    seq_index: int
+    first_row: int
+    start: int                 # position p of row 0
+    num_drafts: int
+    live_slot: int
+    scratch: tuple[int, ...]   # one snapshot slot per row (k + 1)
+    track_slot: int            # 0: no checkpoint planned in this verify
+    track_depth: int
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    plan: StepPlan
+    fb: ForwardBatch
+    future_rows: torch.Tensor | None     # rows whose token the batch before is sampling
+    future_slots: torch.Tensor | None    # ... read from last_token[slot]
+    draft_rows: torch.Tensor | None      # rows holding MTP drafts
+    draft_slots: torch.Tensor | None     # ... read from draft_tokens[slot, index]
+    draft_index: torch.Tensor | None
+    verify: tuple[VerifyRows, ...]
+    next_tokens: tuple[int | None, ...]  # per seq: the known token after a non-final chunk
+
+
+class _Rows:
+    """Accumulates the flat rows of one step."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.out_loc: list[int] = []
+        self.dst: list[int] = []
+        self.future: list[tuple[int, int]] = []
+        self.drafts: list[tuple[int, int, int]] = []
+        self.logits: list[int] = []
+
+
+def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
+             scratch_base: int, verify: list[VerifyRows]) -> None:
+    req = seq.request
+    first = len(rows.ids)
+    for i, pos in enumerate(range(seq.start, seq.end)):
+        if i >= 1 and seq.is_verify:
+            rows.drafts.append((len(rows.ids), req.mamba_slot, i - 1))
+            rows.ids.append(0)
+        elif pos < req.num_tokens:
+            rows.ids.append(req.token_at(pos))
+        else:
+            rows.future.append((len(rows.ids), req.mamba_slot))
+            rows.ids.append(0)
+        rows.positions.append(pos)
+        rows.out_loc.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
+    if seq.is_verify:
+        n = seq.num_new_tokens
+        base = scratch_base + len(verify) * n
+        scratch = tuple(range(base, base + n))
+        rows.dst.extend(scratch)
+        rows.logits.extend(range(first, first + n))
+        track = plan.track_of(b)
+        verify.append(VerifyRows(b, first, seq.start, seq.num_draft_tokens, req.mamba_slot, scratch,
+                                 track.slot if track else 0, track.depth if track else 0))
+        return
+    dst = [0] * seq.num_new_tokens
+    track = plan.track_of(b)
+    if track is not None:
+        dst[track.depth - 1 - seq.start] = track.slot     # the state after token depth - 1
+    rows.dst.extend(dst)
+    if seq.samples:
+        rows.logits.append(len(rows.ids) - 1)
+
+
+def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
+                 scratch_base: int) -> PreparedStep:
+    batch = plan.batch
+    rows = _Rows()
+    verify: list[VerifyRows] = []
+    cu = [0]
+    max_pages = max(len(s.request.page_ids) for s in batch.seqs)
+    page_table = [[0] * max_pages for _ in batch.seqs]
+    next_tokens: list[int | None] = []
+    for b, seq in enumerate(batch.seqs):
+        _add_seq(rows, b, seq, plan, page_size, scratch_base, verify)
+        page_table[b][: len(seq.request.page_ids)] = seq.request.page_ids
+        cu.append(len(rows.ids))
+        known = seq.end < seq.request.num_tokens
+        next_tokens.append(seq.request.token_at(seq.end) if known and not seq.samples else None)
+
+    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    def opt(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor | None:
+        return t(values, dtype) if values else None
+
+    snapshots = plan.tracks or verify
+    fb = ForwardBatch(
+        input_ids=t(rows.ids, torch.int64), positions=t(rows.positions, torch.int64),
+        cu_seqlens=t(cu, torch.int32), seq_lens=t([s.end for s in batch.seqs], torch.int32),
+        out_loc=t(rows.out_loc, torch.int64), page_table=t(page_table, torch.int32),
+        mamba_slot_ids=t([s.request.mamba_slot for s in batch.seqs], torch.int32),
+        has_initial_state=t([s.start > 0 for s in batch.seqs], torch.bool),
+        logits_indices=t(rows.logits, torch.int64), page_size=page_size,
+        state_dst_slots=t(rows.dst, torch.int32) if snapshots else None)
+    return PreparedStep(
+        plan, fb, opt([r for r, _ in rows.future]), opt([s for _, s in rows.future]),
+        opt([r for r, _, _ in rows.drafts]), opt([s for _, s, _ in rows.drafts]),
+        opt([i for _, _, i in rows.drafts]), tuple(verify), tuple(next_tokens))
