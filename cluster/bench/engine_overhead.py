@@ -22,7 +22,9 @@ from workers.forward_batch import ForwardBatch
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
-MODEL_10M = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+MODEL_10M = dict(hidden_size=256, num_hidden_layers=8,
+                 layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+                 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
                  linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2,
                  moe_intermediate_size=256, shared_expert_intermediate_size=256, intermediate_size=512)
