@@ -84,20 +84,27 @@ def test_repeat_hits_exact_prefill_target(tiny_model_dir, strategy):
     assert [o.cached_tokens for o in second] == [((len(p) - 1) // 4) * 4 for p in prompts]
 
 
+@pytest.mark.parametrize("pressure", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy):
+def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy, pressure):
+    """16 conversations; turn 2 = turn-1 prompt + turn-1 output + new text. Turn 2 resumes
+    from the deepest checkpoint turn 1 left (at least its prompt's) when the pool is large
+    enough to keep them all, and from exactly what survived when it is not."""
     page = 1 if strategy == "no_buffer" else 4
-    llm = cached_llm(tiny_model_dir, strategy, page_size=page)
+    llm = cached_llm(tiny_model_dir, strategy, page_size=page,
+                     cache={"max_mamba_slots": 24 if pressure else 160})
     off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
     vocab = llm.engine.vocab_size
-    turn1 = random_prompts(vocab, [11, 19, 26], seed=5)
-    outs1 = llm.generate_ids(turn1, [P] * 3)
-    turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, random_prompts(vocab, [4, 6, 3], seed=6))]
-    outs2 = llm.generate_ids(turn2, [P] * 3)
-    assert [o.token_ids for o in outs2] == [o.token_ids for o in off.generate_ids(turn2, [P] * 3)]
+    turn1 = random_prompts(vocab, [9 + 3 * i for i in range(16)], seed=5)
+    outs1 = llm.generate_ids(turn1, [P] * 16)
+    news = random_prompts(vocab, [3 + i % 5 for i in range(16)], seed=6)
+    turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, news)]
+    outs2, offered = run_one_by_one(llm, turn2)
+    assert [o.token_ids for o in outs2] == [o.token_ids for o in off.generate_ids(turn2, [P] * 16)]
+    assert [o.cached_tokens for o in outs2] == offered
+    reused = [o.cached_tokens >= ((len(p) - 1) // page) * page > 0 for p, o in zip(turn1, outs2)]
+    assert all(reused) if not pressure else llm.stats()["hybridserve_mamba_checkpoints_evicted_total"] > 0
     for p, o1, o2 in zip(turn1, outs1, outs2):
-        # The turn-1 request published its last checkpoint at finish: at least the prompt's.
-        assert o2.cached_tokens >= ((len(p) - 1) // page) * page > 0
         assert o2.cached_tokens <= len(p) + len(o1.token_ids)
 
 

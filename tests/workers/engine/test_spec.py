@@ -125,3 +125,24 @@ def test_spec_needs_an_mtp_head(tiny_granite_dir, tiny_qwen_dir):
         make_llm(tiny_granite_dir, spec=SPEC)
     with pytest.raises(ValueError, match="not implemented"):
         make_llm(tiny_qwen_dir, spec={"method": "draft"})
+
+
+def test_hundred_mixed_prompts_every_variant(tiny_qwen_dir):
+    """Spec on/off × overlap on/off × cache on, against the plain control, 100 prompts."""
+    import random
+
+    rng = random.Random(5)
+    vocab = 512
+    bases = random_prompts(vocab, [rng.randrange(1, 60) for _ in range(70)], seed=50)
+    shared = random_prompts(vocab, [24, 40], seed=51)
+    prompts = bases + [shared[i % 2] + b[:rng.randrange(1, 8)] for i, b in enumerate(bases[:30])]
+    params = [SamplingParams(max_tokens=rng.randrange(4, 14), temperature=0.0, ignore_eos=True)
+              for _ in prompts]
+    control = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+    expected = [o.token_ids for o in control.generate_ids(prompts, params)]
+    for overlap in (False, True):
+        for spec in ({"method": "none"}, SPEC):
+            llm = spec_llm(tiny_qwen_dir, spec=spec, scheduler={"overlap": overlap},
+                           cache={"mamba_track_interval": 16})
+            got = [o.token_ids for o in llm.generate_ids(prompts, params)]
+            assert got == expected, (overlap, spec)
