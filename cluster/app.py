@@ -63,6 +63,18 @@ def resolve_path(path: str) -> Path:
     return p if p.is_absolute() or p.exists() else _ROOT / p
 
 
+def replica_placement(config: HybridServeConfig, replica: ReplicaOptions) -> dict[str, Any]:
+    """Deployment options placing one replica: for TP > 1, a placement group of one bundle
+    per rank (the replica is rank 0 in bundle 0; ``cluster/tp.py`` starts the others)."""
+    if config.parallel.tensor_parallel_size == 1:
+        return {"ray_actor_options": {"num_cpus": replica.num_cpus}}
+    from cluster.tp import tp_bundles, uses_gpu
+
+    actor = {"num_cpus": replica.num_cpus, **({"num_gpus": 1} if uses_gpu(config) else {})}
+    return {"ray_actor_options": actor, "placement_group_bundles": tp_bundles(config, replica.num_cpus),
+            "placement_group_strategy": "STRICT_PACK"}
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """``import_path: cluster.app:build_app``; raises ValueError for bad args or config."""
     parsed = AppArgs.model_validate(args or {})
@@ -81,10 +93,10 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=config.parallel.num_replicas,
         max_ongoing_requests=replica.max_ongoing_requests,
-        ray_actor_options={"num_cpus": replica.num_cpus},
         health_check_period_s=replica.health_check_period_s,
         request_router_config=RequestRouterConfig(request_router_class=HybridPrefixRouter,
                                                   request_router_kwargs=router_kwargs),
+        **replica_placement(config, replica),
     ).bind(config.model_dump(mode="json"), replica.model_dump())
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=args.ingress.num_replicas,

@@ -175,9 +175,17 @@ class EngineLoop:
                 self._streams.pop(out.request_id, None)
 
     async def shutdown(self) -> None:
+        """Stop stepping; then ``engine.shutdown()`` (if any: a TP engine stops its other
+        ranks) on the engine thread, after the step in progress."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        close = getattr(self.engine, "shutdown", None)
+        if callable(close):
+            try:
+                await self.run(lambda engine: close())
+            except Exception:  # noqa: BLE001 - shutting down; report, do not raise
+                logger.warning("engine shutdown failed", exc_info=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -6,8 +6,8 @@ closing the stream early (client gone, caller cancelled) aborts the unfinished c
 which frees their KV pages and Mamba slots. ``publish_payload`` collects what the replica
 pushes outward periodically: cache events for the router index, stats for metrics.
 
-The engine is built by ``build_engine`` -- the one seam where a tensor-parallel engine
-(``parallel.tensor_parallel_size > 1``) will plug in; until it exists, TP > 1 is refused.
+The engine is built by ``build_engine``: a plain ``Engine``, or for
+``parallel.tensor_parallel_size > 1`` a ``TPEngine`` with Ray worker ranks (``cluster/tp.py``).
 Optional engine features are reached through ``_call_optional`` so this layer works
 with an engine that does not have them yet (they are reported as absent, not faked).
 """
@@ -33,21 +33,31 @@ class PublishPayload(NamedTuple):
 
 
 def check_supported(config: HybridServeConfig) -> None:
-    """Raise ValueError for a config no replica can run (checked at build and at startup)."""
+    """Raise ValueError for a config no replica can run (checked at build and at startup).
+
+    ``tensor_parallel_size`` must divide every head count and intermediate size of the
+    model (checked from its config.json when this process can read it).
+    """
     tp = config.parallel.tensor_parallel_size
-    if tp > 1:
-        raise ValueError(
-            f"parallel.tensor_parallel_size={tp} is not supported yet: tensor parallelism "
-            f"is not implemented; use 1 (and parallel.num_replicas for more throughput)")
+    model_dir = config.model_dir()
+    if tp > 1 and (model_dir / "config.json").is_file():
+        from workers.loader import load_config
+        from workers.tp import validate_tp
+
+        validate_tp(load_config(model_dir), tp)
 
 
 def build_engine(config: HybridServeConfig) -> Any:
     """The engine of one replica (one TP group). Raises ValueError for what cannot run.
 
-    The TP seam: for ``tensor_parallel_size > 1`` this is where a TP engine (rank 0 here,
-    the other ranks as actors in the replica's placement group) will be returned.
+    For ``tensor_parallel_size > 1``: a ``TPEngine`` (rank 0, here) whose other ranks are
+    Ray actors in the replica's placement group (``cluster/tp.py``).
     """
     check_supported(config)
+    if config.parallel.tensor_parallel_size > 1:
+        from cluster.tp import build_tp_engine
+
+        return build_tp_engine(config)
     from workers.engine import Engine
 
     return Engine(config)
@@ -153,6 +163,7 @@ class ReplicaCore:
     def check_health(self) -> None:
         if self.loop.error is not None:
             raise RuntimeError(f"engine loop failed: {self.loop.error!r}")
+        _call_optional(self.loop.engine, "check_workers")   # TP: every other rank alive
 
     async def shutdown(self) -> None:
         await self.loop.shutdown()

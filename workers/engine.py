@@ -18,7 +18,7 @@ from configs.schema import HybridServeConfig
 from workers.cache import CacheEvent, Violation
 from workers.cache_manager import CacheManager
 from workers.device_pools import DevicePools, KVPool, MambaPool
-from workers.loader import load_model
+from workers.loader import LoadedModel, load_model
 from workers.model_runner import ModelRunner, StepResult
 from workers.checkpoints import StepPlan
 from workers.output_processor import OutputProcessor
@@ -45,9 +45,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
+    supports_tensor_parallel = False      # the TP engine (workers/tp) overrides the hooks
+
     def __init__(self, config: HybridServeConfig, tokenizer=None) -> None:
         from transformers import AutoTokenizer
 
+        if config.parallel.tensor_parallel_size > 1 and not self.supports_tensor_parallel:
+            raise ValueError(
+                f"parallel.tensor_parallel_size={config.parallel.tensor_parallel_size} needs the "
+                "TP engine: use workers.LLM, workers.tp.build_local_engine or the cluster")
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -55,7 +61,7 @@ class Engine:
         if not (model_dir / "config.json").exists():
             raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
         torch.manual_seed(config.seed)
-        loaded = load_model(model_dir, self.dtype, self.device)
+        loaded = self._load_model(model_dir)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_token_id = self._find_eos()
@@ -64,15 +70,23 @@ class Engine:
         self._build_pools()
         self.generators = GeneratorBank(config.seed, self.device)
         self.lag = 1 if config.scheduler.overlap else 0
-        self.runner = ModelRunner(self.model, self.pools, config.cache.page_size,
-                                  self.device, self.generators, overlap=self.lag > 0,
-                                  scratch_base=self.slot_ledger.num_slots, drafter=self.drafter)
+        self.runner = self._build_runner()
         self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
                                        release=self.scheduler.release,
                                        on_finish=lambda r: self.generators.drop(r.request_id))
         self._inflight: list[tuple[ScheduledBatch, StepPlan, Future]] = []
         self.num_overlapped_launches = 0
         self.raise_on_violation = False   # tests turn this on: violations raise, not just count
+
+    def _load_model(self, model_dir: Path) -> LoadedModel:
+        """Hook: load the checkpoint (a TP engine shards it here, before the pools)."""
+        return load_model(model_dir, self.dtype, self.device)
+
+    def _build_runner(self) -> ModelRunner:
+        """Hook: the model runner (a TP engine's also ships each step to the other ranks)."""
+        return ModelRunner(self.model, self.pools, self.config.cache.page_size,
+                           self.device, self.generators, overlap=self.lag > 0,
+                           scratch_base=self.slot_ledger.num_slots, drafter=self.drafter)
 
     def _find_eos(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from configs.schema import HybridServeConfig, load_config
 from workers.engine import Engine
+from workers.tp.local import build_local_engine
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ class LLM:
         elif model is not None or overrides:
             raise ValueError("pass either config= or model=/overrides, not both")
         self.config = config
-        self.engine = Engine(config)
+        self.engine: Engine = build_local_engine(config)   # TP > 1: worker ranks as processes
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -90,6 +91,12 @@ class LLM:
     def flush_cache(self) -> None:
         """Empty the prefix cache; later prompts start cold."""
         self.engine.flush_cache()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op for TP = 1)."""
+        close = getattr(self.engine, "shutdown", None)
+        if callable(close):
+            close()
 
 
 def _with_prompt(out: RequestOutput, prompt: Prompt) -> RequestOutput:

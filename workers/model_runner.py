@@ -14,8 +14,10 @@ grid-crossing state) from the scratch snapshots into the live / track slots.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -57,11 +59,16 @@ class ModelRunner:
         sampling = [s for s in plan.batch.seqs if s.samples]
         params = [s.request.params for s in sampling]
         gens = [self.generators.get(s.request.request_id, s.request.params.seed) for s in sampling]
+        run = self._bind(prepared, params, gens)
         if self._executor is not None:
-            return self._executor.submit(self._execute, prepared, params, gens)
+            return self._executor.submit(run)
         done: Future[StepResult] = Future()
-        done.set_result(self._execute(prepared, params, gens))
+        done.set_result(run())
         return done
+
+    def _bind(self, prepared: PreparedStep, params: list[SamplingParams], gens) -> Callable[[], StepResult]:
+        """Hook: one step's work, bound on the scheduler thread (TP also ships it to the other ranks)."""
+        return partial(self._execute, prepared, params, gens)
 
     def shutdown(self) -> None:
         if self._executor is not None:

@@ -33,13 +33,21 @@ def test_kuberay_manifest_embeds_a_valid_serve_config():
     assert type(build_app(args)).__name__ == "Application"
 
 
-def test_unknown_arguments_and_tensor_parallel_are_refused():
+def test_unknown_arguments_and_indivisible_tensor_parallel_are_refused():
     with pytest.raises(pydantic.ValidationError, match="bogus"):
         build_app({"bogus": 1})
     with pytest.raises(ValueError, match="unknown config key"):
         build_app({"set": {"cache.nope": 1}})
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
-        build_app_from_config(load_config(overrides={"parallel.tensor_parallel_size": 2}), AppArgs())
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide .*num_attention_heads=4"):
+        build_app_from_config(load_config(overrides={"parallel.tensor_parallel_size": 3}), AppArgs())
+
+
+def test_tensor_parallel_replicas_get_one_bundle_per_rank():
+    config = load_config(overrides={"parallel.tensor_parallel_size": 2, "device": "cpu"})
+    app = build_app_from_config(config, AppArgs())
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
 
 
 def test_endpoint_urls_show_a_reachable_host():

@@ -140,9 +140,10 @@ def test_a_failing_step_fails_open_streams_and_the_health_check():
     run(go())
 
 
-def test_tensor_parallel_is_refused_with_a_clear_error():
-    config = load_config(overrides={"parallel.tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
+def test_indivisible_tensor_parallel_is_refused_with_a_clear_error():
+    check_supported(load_config(overrides={"parallel.tensor_parallel_size": 2}))
+    config = load_config(overrides={"parallel.tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide .*num_key_value_heads=2"):
         check_supported(config)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=4"):
         build_engine(config)

@@ -1,0 +1,149 @@
+"""Tensor parallelism as a transform over a built, loaded model (gpt-fast style).
+
+``shard_model(model, comm)`` narrows, in place, every layer that TP splits and puts one
+all-reduce after it, so each rank holds its share of the heads and ends every layer with
+the full hidden state:
+
+- attention: q/k/v by heads (column), ``o_proj`` by heads (row);
+- Gated DeltaNet: by key-head groups (``in_proj_qkvz`` / ``in_proj_ba`` rows, conv
+  channels of q, k, v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
+- Mamba2: heads and B/C groups (see ``mamba_groups``), conv channels follow x/B/C;
+- dense MLP and MoE: each expert's intermediate dim (and the shared expert's); the
+  router, every norm, embeddings and ``lm_head`` are replicated.
+
+The all-reduce is a forward hook on the sharded layer (one per mixer, per MLP, per MoE
+including its shared expert). ``shard_module`` does the same for any module tree, e.g. the
+MTP head's layer. ``model.cache_spec()`` afterwards describes this rank's pool shard.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.device_pools import CacheSpec
+from workers.models.gated_deltanet import GatedDeltaNet
+from workers.models.layers import Attention, DenseMLP
+from workers.models.mamba2 import Mamba2Mixer
+from workers.models.moe import SparseMoE
+from workers.tp.comm import Comm
+from workers.tp.shard_layers import (mamba_groups, part, shard_attention, shard_gdn, shard_mamba2,
+                                     shard_mlp, shard_moe)
+
+_SHARDED = "_tp_sharded"
+
+
+def _all_reduce_hook(comm: Comm) -> Callable[..., torch.Tensor]:
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(output.contiguous())
+    return hook
+
+
+def _shard_one(module: nn.Module, comm: Comm) -> bool:
+    rank, world = comm.rank, comm.world_size
+    if isinstance(module, Attention):
+        shard_attention(module, rank, world)
+    elif isinstance(module, GatedDeltaNet):
+        shard_gdn(module, rank, world)
+    elif isinstance(module, Mamba2Mixer):
+        shard_mamba2(module, rank, world, comm)
+    elif isinstance(module, SparseMoE):
+        shard_moe(module, rank, world)
+    elif isinstance(module, DenseMLP):
+        shard_mlp(module, rank, world)
+    else:
+        return False
+    return True
+
+
+def shard_module(root: nn.Module, comm: Comm) -> None:
+    """Shard every TP layer under ``root`` (outermost first; a MoE takes its shared expert)."""
+    if comm.world_size == 1:
+        return
+    if getattr(root, _SHARDED, False):
+        raise ValueError("module is already sharded")
+    errors = tp_errors(root, comm.world_size)
+    if errors:
+        raise ValueError(_describe(errors, comm.world_size))
+
+    def visit(module: nn.Module) -> None:
+        if _shard_one(module, comm):
+            module.register_forward_hook(_all_reduce_hook(comm))
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    setattr(root, _SHARDED, True)
+
+
+def shard_model(model: nn.Module, comm: Comm) -> None:
+    """Shard a loaded ``HybridForCausalLM`` for ``comm``'s rank; see the module docstring."""
+    full = model.cache_spec()
+    shard_module(model, comm)
+    spec = local_cache_spec(model, full)
+    model.cache_spec = lambda: spec      # the pools of this rank: heads / world
+
+
+def local_cache_spec(model: nn.Module, full: CacheSpec) -> CacheSpec:
+    """``full`` with the per-rank head counts of the (sharded) layers of ``model``."""
+    attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
+    rec = next((m for m in model.modules() if isinstance(m, (GatedDeltaNet, Mamba2Mixer))), None)
+    spec = full
+    if attn is not None:
+        spec = replace(spec, num_kv_heads=attn.dims.num_kv_heads)
+    if rec is not None:
+        spec = replace(spec, conv_dim=rec.dims.conv_dim, ssm_shape=tuple(rec.dims.ssm_shape))
+    return spec
+
+
+def tp_errors(root: nn.Module, world: int) -> list[str]:
+    """Every count under ``root`` that a ``world``-way split cannot divide (config names)."""
+    checks: list[tuple[int, str]] = []
+    groups: set[int] = set()
+    shared = {id(m.shared_expert) for m in root.modules() if isinstance(m, SparseMoE)}
+    for m in root.modules():
+        if isinstance(m, Attention):
+            checks += [(m.dims.num_heads, "num_attention_heads"),
+                       (m.dims.num_kv_heads, "num_key_value_heads")]
+        elif isinstance(m, GatedDeltaNet):
+            checks.append((m.dims.num_k_heads, "linear_num_key_heads"))
+        elif isinstance(m, Mamba2Mixer):
+            checks.append((m.dims.num_heads, "mamba_n_heads"))
+            groups.add(m.dims.num_groups)
+        elif isinstance(m, SparseMoE):
+            checks.append((m.dims.intermediate_size, "expert intermediate size"))
+            if m.dims.shared_intermediate_size:
+                checks.append((m.dims.shared_intermediate_size, "shared_expert_intermediate_size"))
+        elif isinstance(m, DenseMLP) and id(m) not in shared:
+            checks.append((m.gate_proj.out_features, "MLP intermediate_size"))
+    errors = list(dict.fromkeys(f"{name}={n}" for n, name in checks if n % world))
+    for g in sorted(groups):
+        try:
+            mamba_groups(g, 0, world)
+        except ValueError:
+            errors.append(f"mamba_n_groups={g} (neither divides the other)")
+    return errors
+
+
+def _describe(errors: list[str], world: int) -> str:
+    return (f"tensor_parallel_size={world} does not divide the model's " + ", ".join(errors)
+            + "; choose a size that divides every head count and intermediate size")
+
+
+def validate_tp(hf_config: Any, world: int) -> None:
+    """Raise ValueError when ``world`` ranks cannot split this model (built on meta, no weights)."""
+    if world == 1:
+        return
+    from workers.models import get_model_class
+
+    model = get_model_class(hf_config.architectures[0])(hf_config, torch.float32, "meta")
+    errors = tp_errors(model, world)
+    if errors:
+        raise ValueError(_describe(errors, world))
+
+
+__all__ = ["shard_model", "shard_module", "local_cache_spec", "tp_errors", "validate_tp", "part"]

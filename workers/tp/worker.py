@@ -1,0 +1,93 @@
+"""Ranks 1..N-1 of a TP group: a model shard and pool shard that run rank 0's steps.
+
+``TPWorker`` is a plain class; a launcher runs it in its own process (a Ray actor in
+``cluster/``, a spawned process for the offline API). It joins the group, loads the
+checkpoint and shards it exactly as rank 0 does, receives rank 0's ``PoolLayout`` and
+builds its pools and MTP drafter with those sizes, then ``run()`` executes every
+``StepMessage`` with ``ModelRunner._execute`` (the same code path as rank 0) until
+``Stop``. Any error aborts the group so that rank 0 fails at once, and is re-raised.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from configs.schema import HybridServeConfig
+from workers.device_pools import DevicePools, KVPool, MambaPool
+from workers.engine import resolve_device, resolve_dtype
+from workers.loader import load_model
+from workers.model_runner import ModelRunner, StepResult
+from workers.sampler import GeneratorBank
+from workers.spec.setup import build_drafter
+from workers.tp.comm import Rendezvous, TPGroup
+from workers.tp.messages import PoolLayout, StepMessage, Stop, map_tensors
+from workers.tp.runner import check_consistent
+from workers.tp.shard import shard_model, shard_module
+
+logger = logging.getLogger(__name__)
+
+
+class TPWorker:
+    def __init__(self, config: HybridServeConfig, rank: int, rendezvous: Rendezvous,
+                 num_threads: int | None = None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)        # as rank 0: CPU results depend on it
+        self.device = resolve_device(config.device)
+        self.group = TPGroup(rendezvous, rank, self.device)
+        try:
+            self._build(config)
+        except BaseException:
+            self.group.abort()
+            raise
+
+    def _build(self, config: HybridServeConfig) -> None:
+        torch.manual_seed(config.seed)
+        model = load_model(config.model_dir(), resolve_dtype(config.dtype, self.device), self.device).model
+        shard_model(model, self.group)
+        layout: PoolLayout = self.group.broadcast_object()
+        spec = model.cache_spec()
+        kv_spec = replace(spec, num_attn_layers=layout.num_kv_layers)
+        pools = DevicePools(
+            kv=KVPool(kv_spec, layout.num_pages, layout.page_size, getattr(torch, layout.kv_dtype), self.device),
+            mamba=MambaPool(spec, layout.num_mamba_slots, getattr(torch, layout.conv_dtype),
+                            getattr(torch, layout.ssm_dtype), self.device))
+        drafter = None
+        if layout.mtp_kv_index is not None:
+            drafter = build_drafter(config, model, pools, layout.mtp_kv_index, layout.max_model_len, self.device)
+            assert drafter is not None
+            shard_module(drafter.mtp, self.group)
+        self.generators = GeneratorBank(config.seed, self.device)
+        self.runner = ModelRunner(model, pools, layout.page_size, self.device, self.generators,
+                                  overlap=False, scratch_base=layout.scratch_base, drafter=drafter)
+        self.check_consistency = config.debug.check_invariants
+        self.num_steps = 0
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def run(self) -> int:
+        """Execute rank 0's steps until ``Stop``; returns the number of steps run."""
+        try:
+            while True:
+                msg = self.group.broadcast_object()
+                if isinstance(msg, Stop):
+                    return self.num_steps
+                self.step(msg)
+        except BaseException:
+            logger.exception("tensor-parallel rank %d failed", self.rank)
+            self.group.abort()
+            raise
+
+    def step(self, msg: StepMessage) -> StepResult:
+        for request_id in msg.dropped:
+            self.generators.drop(request_id)
+        prepared = map_tensors(msg.prepared, lambda t: t.to(self.device))
+        gens = [self.generators.get(rid, seed) for rid, seed in msg.generator_keys]
+        result = self.runner._execute(prepared, list(msg.params), gens)
+        if self.check_consistency:
+            check_consistent(self.group, result, self.runner.drafter, self.num_steps)
+        self.num_steps += 1
+        return result
