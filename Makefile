@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast clean-venv
+.PHONY: install serve test test-fast clean-venv prometheus
 
 install: $(VENV)/.installed
 
@@ -21,10 +21,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/hybridserve serve
 
-test: install
+# Debian's prometheus, for tests/observability (idempotent; explains and skips without root).
+prometheus:
+	@sh deploy/prometheus/install.sh
+
+test: install prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install prometheus
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean-venv:

@@ -43,7 +43,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     """Start a local Ray cluster and the app; block until Ctrl-C (or SIGTERM), then stop."""
     from cluster.serve_local import serve_forever
 
-    return serve_forever(_config(args), num_cpus=args.num_cpus, app_name=args.app_name)
+    config = _config(args)
+    sidecar = None
+    if args.with_prometheus:
+        from cluster.prometheus_local import prometheus_sidecar
+
+        sidecar = prometheus_sidecar(config, args.prometheus_port)  # checks the binary before Ray starts
+    return serve_forever(config, num_cpus=args.num_cpus, app_name=args.app_name, sidecar=sidecar)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-cpus", type=int, default=None,
                        help="CPUs the local Ray cluster may use (default: all)")
     serve.add_argument("--app-name", default="hybridserve", help="Serve application name")
+    serve.add_argument("--with-prometheus", action="store_true",
+                       help="also run a local Prometheus (127.0.0.1) scraping this cluster")
+    serve.add_argument("--prometheus-port", type=int, default=9090,
+                       help="port of that Prometheus (default 9090; 0 picks a free one)")
     serve.set_defaults(func=_cmd_serve)
     rb = sub.add_parser("run-batch", help="OpenAI batch JSONL in, JSONL out (no Ray)")
     _add_config_args(rb)

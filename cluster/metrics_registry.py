@@ -13,6 +13,9 @@ How numbers arrive (DESIGN §4 names, labels ``model`` and ``replica``):
 
 Cardinality is bounded: ``replica`` is the replica's rank (or short id), label values of
 labelled counters come from the engine's fixed sets, never request ids or prompt text.
+Every known value of those sets (``LABEL_VALUES``, ``REASONS``) is exported at 0 until
+counted, so a counter that must stay 0 (invariant violations) still has a series to
+graph and alert on, and ``rate()`` sees the first increment.
 Replicas silent for ``max_age_s`` are dropped by ``expire``. Thread-safe: pushes come
 from the actor's thread, ``collect`` from the HTTP server's.
 """
@@ -27,6 +30,8 @@ from dataclasses import dataclass, field
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 
+from cluster.routing_policy import REASONS
+from workers.request import FinishReason
 from workers.stats import LABELLED_COUNTERS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -40,6 +45,15 @@ BUCKETS = {
     "hybridserve_step_gap_seconds": STEP_BUCKETS,
 }
 ROUTER_DECISIONS = "hybridserve_router_decisions_total"
+# The engine's fixed label sets (workers/checkpoints.py, workers/cache/records.py,
+# workers/request.py); values outside them are still exported when counted.
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "hybridserve_mamba_donations_skipped_total": ("prefill_finished", "prefill_unfinished",
+                                                  "decode_finished", "decode"),
+    "hybridserve_mamba_checkpoints_inserted_total": ("prefill", "decode", "finish"),
+    "hybridserve_invariant_violations_total": tuple(f"I{i}" for i in range(1, 11)),
+    "hybridserve_requests_total": tuple(r.value for r in FinishReason),
+}
 
 
 @dataclass
@@ -137,9 +151,11 @@ class MetricsRegistry:
             for name, h in s.histograms.items():
                 _family(fams, name, HistogramMetricFamily, base).add_metric(
                     [model, replica], h.buckets(), h.total)
-        if self._decisions:
+        decisions = dict.fromkeys(((m, r) for m, _ in self._replicas for r in REASONS), 0.0)
+        decisions.update(self._decisions)
+        if decisions:
             fam = _family(fams, ROUTER_DECISIONS, CounterMetricFamily, ["model", "reason"])
-            for (model, reason), n in sorted(self._decisions.items()):
+            for (model, reason), n in sorted(decisions.items()):
                 fam.add_metric([model, reason], n)
         return list(fams.values())
 
@@ -151,7 +167,9 @@ def _absorb(series: _ReplicaSeries, name: str, value: object) -> None:
     if isinstance(value, Mapping):
         if "count" in value and "sum" in value:
             return                        # histogram totals: bucketed from observations
-        series.labelled[name] = {str(k): float(v) for k, v in value.items()}  # type: ignore[arg-type]
+        counts = dict.fromkeys(LABEL_VALUES.get(name, ()), 0.0)
+        counts.update({str(k): float(v) for k, v in value.items()})  # type: ignore[arg-type]
+        series.labelled[name] = counts
     elif isinstance(value, int) and name.endswith("_total"):
         series.counters[name] = float(value)
     elif isinstance(value, (int, float)):

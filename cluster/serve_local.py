@@ -1,9 +1,11 @@
 """``hybridserve serve``: a local Ray cluster running the app until Ctrl-C (Ray edge)."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 from configs.schema import HybridServeConfig
@@ -17,7 +19,9 @@ def endpoint_urls(config: HybridServeConfig, route_prefix: str = "/") -> tuple[s
 
 
 def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
-                  app_name: str = "hybridserve") -> int:
+                  app_name: str = "hybridserve",
+                  sidecar: Callable[[], contextlib.AbstractContextManager[object]] | None = None) -> int:
+    """``sidecar`` (e.g. a local Prometheus) is entered once the app runs, left before it stops."""
     import ray
     from ray import serve
 
@@ -38,9 +42,10 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
         api, metrics = endpoint_urls(config)
         print(f"hybridserve: serving {config.model} as OpenAI API at {api}", flush=True)
         print(f"hybridserve: metrics at {metrics}", flush=True)
-        print("hybridserve: Ctrl-C to stop", flush=True)
-        while not stop.wait(0.5):
-            pass
+        with sidecar() if sidecar else contextlib.nullcontext():
+            print("hybridserve: Ctrl-C to stop", flush=True)
+            while not stop.wait(0.5):
+                pass
     except KeyboardInterrupt:
         pass
     finally:

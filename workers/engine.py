@@ -206,7 +206,8 @@ class Engine:
             if not req.is_finished:          # finished while this batch was in flight: discard
                 outputs.append(self.outputs.append(req, result.token_ids[n], result.logprobs[n]))
         for seq in batch.seqs:
-            if seq.start == 0 and seq.request.num_preemptions == 0:
+            if not seq.request.prompt_counted:      # once per request, cache hit or not
+                seq.request.prompt_counted = True
                 self.stats.inc("hybridserve_prompt_tokens_total", seq.request.num_prompt_tokens)
         self.cache.donate_unfinished(batch)
         return outputs

@@ -70,6 +70,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     lookup_counted: bool = False        # the first prefix lookup has been counted
+    prompt_counted: bool = False        # the prompt's tokens have been counted once
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

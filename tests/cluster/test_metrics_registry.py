@@ -94,4 +94,21 @@ def test_no_unbounded_labels():
     reg.update_replica("m", "0", st.snapshot(), st.drain_observations())
     reg.add_router_decisions("m", {"prefix": 1})
     names = {name for key in scrape(reg) for name, _ in key[1]}
-    assert names <= {"model", "replica", "finish_reason", "phase", "le", "reason"}
+    assert names <= {"model", "replica", "finish_reason", "phase", "path", "invariant", "le", "reason"}
+
+
+def test_known_label_values_are_exported_at_zero():
+    """A counter that must stay 0 still has a series (to graph, to alert on, for rate())."""
+    reg = MetricsRegistry()
+    st = EngineStats()
+    st.inc("hybridserve_mamba_donations_skipped_total", 2, label="decode")
+    reg.update_replica("m", "0", st.snapshot(), st.drain_observations())
+    got = scrape(reg)
+    key = {"model": "m", "replica": "0"}
+    assert got[("hybridserve_invariant_violations_total", lbl(**key, invariant="I1"))] == 0
+    assert got[("hybridserve_invariant_violations_total", lbl(**key, invariant="I10"))] == 0
+    assert got[("hybridserve_mamba_donations_skipped_total", lbl(**key, path="decode"))] == 2
+    assert got[("hybridserve_mamba_donations_skipped_total", lbl(**key, path="prefill_finished"))] == 0
+    assert got[("hybridserve_mamba_checkpoints_inserted_total", lbl(**key, phase="finish"))] == 0
+    assert got[("hybridserve_requests_total", lbl(**key, finish_reason="abort"))] == 0
+    assert got[("hybridserve_router_decisions_total", lbl(model="m", reason="fallback"))] == 0

@@ -1,12 +1,11 @@
-"""One local Ray cluster + Serve (HTTP on 127.0.0.1, a free port) shared by the e2e session.
+"""Apps on the session's one local Ray cluster + Serve (``serve_session``, tests/conftest.py,
+HTTP on 127.0.0.1, a free port; shared with tests/observability).
 
 Apps are deployed per test module under their own name and route prefix (so several can
 coexist) with small CPU-only engines, and deleted when the module ends.
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,24 +13,13 @@ from typing import Any
 
 import pytest
 
-RAY_NUM_CPUS = 16                          # logical: replicas ask for 1 each, the machine has 2
+from tests.conftest import ServeSession, free_port  # noqa: F401 - free_port is re-exported
+
 SMALL_ENGINE = {"device": "cpu", "dtype": "float32",
                 "cache": {"page_size": 4, "max_kv_tokens": 2048, "max_mamba_slots": 32},
                 "scheduler": {"max_running_requests": 8, "max_batch_tokens": 512,
                               "chunked_prefill_size": 128}}
 FAST_PUBLISH = {"num_cpus": 1, "stats_interval_s": 0.2, "events_interval_s": 0.02}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class ServeSession:
-    http_port: int
-    gcs_address: str
 
 
 @dataclass(frozen=True)
@@ -44,20 +32,6 @@ class DeployedApp:
     @property
     def openai_base(self) -> str:
         return f"{self.base_url}/v1"
-
-
-@pytest.fixture(scope="session")
-def serve_session() -> Iterator[ServeSession]:
-    import ray
-    from ray import serve
-
-    ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False,
-             log_to_driver=bool(os.environ.get("HYBRIDSERVE_TEST_RAY_LOGS")))
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield ServeSession(port, ray.get_runtime_context().gcs_address)
-    serve.shutdown()
-    ray.shutdown()
 
 
 def deploy(session: ServeSession, name: str, model_dir: str, overrides: dict[str, Any] | None = None,

@@ -68,9 +68,10 @@ def test_hybrid_prefix_routes_repeats_to_the_checkpoint(hybrid_app):
 def test_router_decisions_reach_the_metrics(hybrid_app):
     import httpx
 
-    def decisions():
+    def decisions():                      # every reason is exported, at 0 until counted
         text = httpx.get(hybrid_app.metrics_url, timeout=10).text
-        return 'hybridserve_router_decisions_total{model="hp",reason="prefix"}' in text
+        series = 'hybridserve_router_decisions_total{model="hp",reason="prefix"} '
+        return any(line.startswith(series) and float(line.split()[-1]) > 0 for line in text.splitlines())
     wait_until(decisions, timeout_s=15)
 
 

@@ -1,0 +1,3 @@
+from cluster.dashboards.writer import main
+
+raise SystemExit(main())
