@@ -133,7 +133,7 @@ class CacheManager:
         self.tracker.on_complete(plan, rows_committed or {})
         pending, self._deferred_releases = self._deferred_releases, []
         for req, finished in pending:
-            self.release(req, finished)
+            self.release(req, finished, deferred=True)
         self._release_deferred()
 
     def donate_unfinished(self, batch: ScheduledBatch) -> None:
@@ -152,7 +152,7 @@ class CacheManager:
         self._deferred_pages = keep
 
     # -- release ----------------------------------------------------------------------------------
-    def release(self, req: Request, finished: bool) -> None:
+    def release(self, req: Request, finished: bool, deferred: bool = False) -> None:
         """Return a request's resources; a normal finish first publishes its checkpoint.
 
         A request that a launched, unprocessed batch still writes (the overlap lag) is
@@ -162,7 +162,8 @@ class CacheManager:
             self._deferred_releases.append((req, finished))
             return
         if finished and self.tree is not None:
-            self.tracker.donate(req, finished=True)
+            # After a deferred release the live slot holds what a discarded batch wrote.
+            self.tracker.donate(req, finished=True, live_is_exact=not deferred)
         self.free_pages(req.page_ids[req.cache.num_tree_pages:])
         req.page_ids = []
         self.ledger.free_request(req.request_id)

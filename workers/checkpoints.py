@@ -235,12 +235,16 @@ class CheckpointTracker:
                 ledger.relabel(old_keep, SlotRole.PENDING)
 
     # -- publication ----------------------------------------------------------------------------
-    def donate(self, req: Request, finished: bool) -> None:
-        """Publish the keep slot's checkpoint into the tree (no copy), if allowed now."""
+    def donate(self, req: Request, finished: bool, live_is_exact: bool = True) -> None:
+        """Publish the keep slot's checkpoint into the tree (no copy), if allowed now.
+
+        ``live_is_exact``: the live slot holds H(num_computed_tokens) (no discarded batch
+        wrote it); only then may ``no_buffer`` publish it at finish.
+        """
         c, tree = req.cache, self.m.tree
         if tree is None:
             return
-        if finished and self.strategy == "no_buffer":
+        if finished and self.strategy == "no_buffer" and live_is_exact:
             self._live_as_keep(req)
         if c.keep_slot is None or c.keep_depth is None:
             return

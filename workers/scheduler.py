@@ -114,7 +114,7 @@ class Scheduler:
             if request not in self.running:      # preempted earlier in this loop
                 continue
             n = self._num_to_compute(request, budget)
-            if n == 0 or not self._grow_pages(request, n, preempted):
+            if n == 0 or not self._grow_pages(request, n, preempted, seqs):
                 continue
             seqs.append(self._scheduled(request, n))
             budget -= n
@@ -167,18 +167,23 @@ class Scheduler:
             end = min(end + self.num_draft_tokens, self.max_model_len)
         return max(0, pages_needed(end, self.page_size) - len(request.page_ids))
 
-    def _grow_pages(self, request: Request, n: int, preempted: list[Request]) -> bool:
+    def _grow_pages(self, request: Request, n: int, preempted: list[Request],
+                    scheduled: list[ScheduledSeq]) -> bool:
         """Give ``request`` pages for ``n`` more tokens, preempting the youngest if needed.
 
-        Returns False when ``request`` itself had to be preempted.
+        A victim is never in flight (its slots have writers) nor already given work in
+        this step. Returns False when ``request`` could not grow (it may have been the
+        victim itself).
         """
+        busy = {id(s.request) for s in scheduled}
         need = self._pages_short(request, n)
         while True:
             new = self.cache.alloc_pages(need)
             if new is not None:
                 request.page_ids.extend(new)
                 return True
-            victim = next((r for r in reversed(self.running) if r.inflight_batch is None), None)
+            victim = next((r for r in reversed(self.running)
+                           if r.inflight_batch is None and id(r) not in busy), None)
             if victim is None:                  # everyone is in flight: retry next step
                 return False
             self._preempt(victim)

@@ -73,7 +73,7 @@ def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
         rows.out_loc.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
     if seq.is_verify:
         n = seq.num_new_tokens
-        base = scratch_base + len(verify) * n
+        base = scratch_base + sum(len(v.scratch) for v in verify)   # widths may differ
         scratch = tuple(range(base, base + n))
         rows.dst.extend(scratch)
         rows.logits.extend(range(first, first + n))
