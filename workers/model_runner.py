@@ -93,7 +93,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[fb.logits_indices])
             tokens, logprobs, accepted = self._decide(prepared, logits, params, gens)
             last = torch.tensor([t[-1] for t in tokens], device=self.device)
-            slots = [s.request.mamba_slot for s in plan.batch.seqs if s.samples]
+            slots = [prepared.live_slots[i] for i, s in enumerate(plan.batch.seqs) if s.samples]
             self.last_token[torch.tensor(slots, device=self.device)] = last
         if self.drafter is not None:
             self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
@@ -173,8 +173,8 @@ class ModelRunner:
             else:
                 nxt = fb.input_ids[first + 1: first + width].tolist() + [prepared.next_tokens[b]]
             spans.append(MtpSpan(seq.start, hidden[first:first + width],
-                                 torch.tensor(nxt, device=self.device), seq.request.page_ids,
-                                 seq.request.mamba_slot, seq.request.request_id, p, g))
+                                 torch.tensor(nxt, device=self.device), list(prepared.page_ids[b]),
+                                 prepared.live_slots[b], seq.request.request_id, p, g))
         return spans
 
 

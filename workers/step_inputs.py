@@ -41,6 +41,9 @@ class PreparedStep:
     draft_index: torch.Tensor | None
     verify: tuple[VerifyRows, ...]
     next_tokens: tuple[int | None, ...]  # per seq: the known token after a non-final chunk
+    # Per seq, frozen at launch: the host may edit the request's lists while this runs.
+    page_ids: tuple[tuple[int, ...], ...] = ()
+    live_slots: tuple[int, ...] = ()
 
 
 class _Rows:
@@ -124,4 +127,6 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
     return PreparedStep(
         plan, fb, opt([r for r, _ in rows.future]), opt([s for _, s in rows.future]),
         opt([r for r, _, _ in rows.drafts]), opt([s for _, s, _ in rows.drafts]),
-        opt([i for _, _, i in rows.drafts]), tuple(verify), tuple(next_tokens))
+        opt([i for _, _, i in rows.drafts]), tuple(verify), tuple(next_tokens),
+        tuple(tuple(s.request.page_ids) for s in batch.seqs),
+        tuple(s.request.mamba_slot for s in batch.seqs))
