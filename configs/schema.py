@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 _ROOT = Path(__file__).resolve().parent
-DEFAULT_MODEL_DIR = "configs/models/tiny-hybrid"
+DEFAULT_MODEL_DIR = "configs/models/qwen3-next-tiny-py"
 
 
 class _Frozen(BaseModel):

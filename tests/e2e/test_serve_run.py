@@ -42,7 +42,7 @@ def test_serve_run_with_the_shipped_config(tmp_path):
             except httpx.HTTPError:
                 return False
         wait_until(ready, timeout_s=180, interval_s=1.0)
-        body = {"model": "tiny-hybrid", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        body = {"model": "qwen3-next-tiny-py", "prompt": "hello", "max_tokens": 4, "temperature": 0}
         out = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
         assert out["usage"]["completion_tokens"] == 4
         assert "hybridserve_" in wait_until(

@@ -9,7 +9,9 @@ state ``h_t`` (the output of ``model.norm``, the input of ``lm_head``) and the e
                            # MTP positions, RoPE at position t + 1
     logits = lm_head(norm(x))                                                  # -> token t+2
 
-Embeddings and ``lm_head`` are the main model's. Every norm is Qwen3-Next's zero-centred
+(The serving engine, ``workers.models.mtp``, like vLLM, puts row t at RoPE position t
+instead; the layer only attends among MTP rows and RoPE is relative, so a uniform shift
+changes nothing.) Embeddings and ``lm_head`` are the main model's. Every norm is Qwen3-Next's zero-centred
 RMSNorm (``1 + w``). Built from transformers' own Qwen3-Next layers, so the decoder layer is
 bit-for-bit a ``full_attention`` layer of the main model.
 

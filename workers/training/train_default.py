@@ -46,6 +46,11 @@ EXCLUDED_DIRS = ("site-packages", "dist-packages", "pydoc_data", "encodings", "_
                  "lib2to3/tests/data")
 EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
 MAX_FILE_BYTES = 400_000
+# Pre-tokenizer split: a word or a punctuation run takes ONE trailing space ("def ", "= ",
+# "return "); other whitespace (newline + indentation) is its own piece. GPT-2's split puts
+# the space in front of the next word instead, so a prompt ending in a space ("def ") ends
+# on a lone-space token the model never saw in training; with this split it is in-domain.
+PRETOKENIZE_PATTERN = r"[\p{L}\p{N}_]+ ?|[^\s\p{L}\p{N}_]+ ?|\s+"
 
 
 @dataclass
@@ -62,11 +67,11 @@ class ModelShape:
     linear_num_value_heads: int = 4
     linear_key_head_dim: int = 64
     linear_value_head_dim: int = 64
-    intermediate_size: int = 512        # dense SwiGLU of the linear_attention layers
+    intermediate_size: int = 384        # dense SwiGLU of the linear_attention layers
     num_experts: int = 4
     num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 256
-    shared_expert_intermediate_size: int = 256
+    moe_intermediate_size: int = 192
+    shared_expert_intermediate_size: int = 192
     max_position_embeddings: int = 4096
 
 
@@ -76,13 +81,14 @@ class TrainSettings:
     batch_size: int = 8
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
+    warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     steps: int | None = None            # None: sized from the measured speed to fit minutes
     minutes: float = 25.0
     seed: int = 0
-    threads: int = 2
+    threads: int = 1                    # see main(): 2 OpenMP threads on 2 shared cores is slower
+    amp: bool = True                    # bfloat16 autocast for the matmuls (float32 weights)
     eval_windows: int = 64
     heldout_percent: int = 3
     tokenizer_vocab: int = 4096
@@ -133,12 +139,15 @@ def read_corpus(files: list[Path], root: Path, percent: int) -> tuple[list[str],
 
 # --- tokenizer ------------------------------------------------------------------------------
 def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int):
-    """Byte-level BPE as ``workers.models.tiny.build_tiny_tokenizer``, on ``texts``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE as ``workers.models.tiny.build_tiny_tokenizer`` (same specials, same
+    ChatML template), on ``texts``, with ``PRETOKENIZE_PATTERN`` as the pre-token split."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -230,7 +239,8 @@ def forward_losses(model, mtp: MtpHead, window: torch.Tensor) -> StepOut:
                              nxt2.reshape(-1))
     aux = load_balancing_loss_func(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
     loss = main_ce + MTP_LOSS_WEIGHT * mtp_ce + cfg.router_aux_loss_coef * aux
-    return StepOut(loss, float(main_ce), float(mtp_ce), float(aux))
+    aux_value = float(aux.detach()) if torch.is_tensor(aux) else float(aux)
+    return StepOut(loss, main_ce.item(), mtp_ce.item(), aux_value)
 
 
 def sample_windows(stream: torch.Tensor, batch: int, seq_len: int,
@@ -281,18 +291,17 @@ def train(model, mtp: MtpHead, stream: torch.Tensor, s: TrainSettings,
     ema = None
     while True:
         elapsed = time.monotonic() - t0
-        if steps is None and step == 30:            # size the run from the measured speed
-            per_step = elapsed / step
-            steps = max(step + 1, int(budget * 0.97 / per_step))
-            log(f"{per_step:.2f} s/step -> {steps} steps")
-        total = steps if steps is not None else 10 ** 9
-        progress = max(step / total, elapsed / budget)
-        if step >= total or elapsed >= budget:
+        # With --steps the schedule runs on steps (the budget only cuts it short, annealed);
+        # without, on wall time, so the cosine ends exactly when the budget does.
+        progress = elapsed / budget if steps is None else max(step / steps, elapsed / budget)
+        if progress >= 1.0:
             break
         lr = lr_at(progress, step, s)
         for g in opt.param_groups:
             g["lr"] = lr
-        out = forward_losses(model, mtp, sample_windows(stream, s.batch_size, s.seq_len, gen))
+        window = sample_windows(stream, s.batch_size, s.seq_len, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.amp):
+            out = forward_losses(model, mtp, window)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
@@ -304,7 +313,9 @@ def train(model, mtp: MtpHead, stream: torch.Tensor, s: TrainSettings,
             log(f"step {step}/{steps} {elapsed:6.0f}s lr {lr:.2e} main {out.main_ce:.3f} "
                 f"(ema {ema:.3f}) mtp {out.mtp_ce:.3f} aux {out.aux:.3f}")
     wall = time.monotonic() - t0
-    return {"steps": step, "planned_steps": steps, "train_seconds": round(wall, 1),
+    if step and (not history or history[-1][0] != step):
+        history.append((step, round(wall, 1), round(out.main_ce, 4), round(out.mtp_ce, 4)))
+    return {"steps": step, "train_seconds": round(wall, 1),
             "tokens_seen": step * s.batch_size * s.seq_len, "history": history}
 
 
@@ -455,7 +466,9 @@ demo model, not an assistant.
   ({info["data"]["bytes_per_token"]:.2f} bytes/token on held-out text).
 - **Tokenizer**: byte-level BPE trained with `tokenizers` on the training files, vocab
   {info["vocab"]}; `<|endoftext|>` (id 0, eos and pad), `<|im_start|>`, `<|im_end|>`; ChatML
-  chat template.
+  chat template. Pre-token split: a word or punctuation run keeps one *trailing* space
+  (`def `, `= `), newlines + indentation are separate pieces, so prompts that end in a
+  space (`def `) stay in the training distribution.
 - **Model**: hidden {shape["hidden_size"]}, {4 * shape["num_blocks"]} layers
   (`[linear_attention x3, full_attention] x {shape["num_blocks"]}`); GDN {shape["linear_num_key_heads"]} key /
   {shape["linear_num_value_heads"]} value heads of dim {shape["linear_key_head_dim"]}; attention {shape["num_attention_heads"]} heads /
@@ -470,7 +483,8 @@ demo model, not an assistant.
 - **Training**: loss = CE(next token) + {MTP_LOSS_WEIGHT}·CE(MTP, token t+2) + 0.001·router balance
   loss; AdamW (β 0.9/0.95, weight decay {s["weight_decay"]} on matrices), peak lr {s["lr"]},
   {s["warmup_steps"]} warmup steps then cosine to {s["min_lr_ratio"]}×; batch {s["batch_size"]} × {s["seq_len"]} tokens
-  (random windows of the token stream, files joined by `<|endoftext|>`); gradient clip {s["grad_clip"]}.
+  (random windows of the token stream, files joined by `<|endoftext|>`); gradient clip {s["grad_clip"]};
+  float32 weights{", bfloat16 autocast for the matmuls" if s["amp"] else ""}.
   {info["train"]["steps"]} steps, {info["train"]["tokens_seen"]:,} tokens, **{info["train"]["train_seconds"] / 60:.1f} min** of
   training ({info["total_seconds"] / 60:.1f} min for the whole script, data and tokenizer included).
 
@@ -571,7 +585,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="number of steps (default: as many as fit in --minutes)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=TrainSettings.threads,
+                        help="torch threads (1 by default: on 2 cores shared with other jobs, "
+                             "2 OpenMP threads measured 2-10x slower per step)")
+    parser.add_argument("--no-amp", action="store_true", help="train in plain float32")
+    parser.add_argument("--max-files", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=TrainSettings.batch_size)
     parser.add_argument("--seq-len", type=int, default=TrainSettings.seq_len)
     parser.add_argument("--lr", type=float, default=TrainSettings.lr)
@@ -580,10 +598,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     s = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                       steps=args.steps, minutes=args.minutes, seed=args.seed,
-                      threads=args.threads, save_dtype=args.save_dtype)
+                      threads=args.threads, save_dtype=args.save_dtype, amp=not args.no_amp)
     command = "python -m workers.training.train_default " + " ".join(
         sys.argv[1:] if argv is None else argv)
-    run(Path(args.out), s, command)
+    run(Path(args.out), s, command, max_files=args.max_files)
 
 
 if __name__ == "__main__":
