@@ -1,4 +1,5 @@
-"""The ``hybridserve`` command: ``serve`` (local Ray cluster + the app), ``run-batch``.
+"""The ``hybridserve`` command: ``serve`` (local Ray cluster + the app), ``run-batch``,
+``bench`` (the load client; ``bench suite`` runs the comparison suite).
 
 Every command takes ``--config FILE.yaml`` and repeatable ``--set key=value`` overrides
 with dotted config names (``--set cache.mamba_track_interval=16``).
@@ -52,6 +53,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(config, num_cpus=args.num_cpus, app_name=args.app_name, sidecar=sidecar)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.bench.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("-o", "--output", required=True, help="output JSONL ('-' for stdout)")
     rb.add_argument("--model-name", default=None, help="model name written into responses")
     rb.set_defaults(func=_cmd_run_batch)
+    from cluster.bench.command import add_bench_args
+
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server, or run the suite")
+    add_bench_args(bench)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

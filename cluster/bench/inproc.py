@@ -1,0 +1,164 @@
+"""In-process measurements for the suite (no Ray): the engine driven step by step, the
+``run-batch`` path, transformers ``generate`` and a bare forward loop, on the same model.
+
+``engine_records`` times requests inside one process with the client's definitions: it
+adds every request at once, steps the engine, and stamps each request's first generated
+token and its finish, giving ``metrics.RequestRecord``s (TTFT, ITL per engine output, E2EL).
+Timings are ``time.perf_counter`` around real work; nothing is simulated.
+
+On a shared machine, other processes only ever slow a run down, so the comparisons use the
+best of ``repeats`` interleaved runs (A B A B ...), reported with every sample.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.bench.metrics import RequestRecord
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+CPU = {"device": "cpu", "dtype": "float32"}
+
+
+def make_bench_model(out_dir: Path) -> Path:
+    """The engine-overhead bench model (a random 8-layer Qwen3-Next, ~15M parameters, seed 0)."""
+    from cluster.bench.engine_overhead import MODEL_10M
+    from workers.models.tiny import make_tiny_checkpoint
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    return make_tiny_checkpoint("qwen3_next", out_dir, seed=0, **MODEL_10M)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def engine_records(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[RequestRecord], float]:
+    """Run ``prompts`` together through the engine; (records, wall seconds)."""
+    engine = llm.engine
+    start = time.perf_counter()
+    ids = []
+    for i, p in enumerate(prompts):
+        rid = f"bench-{time.monotonic_ns()}-{i}"
+        engine.add_request(rid, list(p), greedy(max_tokens))
+        ids.append(rid)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: dict[str, list[float]] = {rid: [] for rid in ids}
+    done: dict[str, Any] = {}
+    while len(done) < len(ids) or engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id not in gaps or not out.new_token_ids:
+                if out.finished and out.request_id in gaps:
+                    done[out.request_id] = out
+                continue
+            now = time.perf_counter()
+            if out.request_id in first:
+                gaps[out.request_id].append(now - last[out.request_id])
+            else:
+                first[out.request_id] = now
+            last[out.request_id] = now
+            if out.finished:
+                done[out.request_id] = out
+    wall = time.perf_counter() - start
+    records = [RequestRecord(True, start, first[r] - start, last[r] - start, tuple(gaps[r]),
+                             len(done[r].prompt_token_ids), len(done[r].token_ids), done[r].cached_tokens)
+               for r in ids]
+    return records, wall
+
+
+def interleaved(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each run ``repeats`` times, alternating: {name: [value per repeat]}."""
+    out: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            out[name].append(fn())
+    return out
+
+
+# -- overlap and speculation (engine only) --------------------------------------------------------
+def throughput_run(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> float:
+    """Output tokens per second of one batch, prefill included."""
+    llm.flush_cache()
+    records, wall = engine_records(llm, prompts, max_tokens)
+    return sum(r.output_tokens for r in records) / wall
+
+
+def tpot_run(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> float:
+    """Mean TPOT (s) of the prompts sent one at a time (batch 1)."""
+    tpots = []
+    for p in prompts:
+        llm.flush_cache()
+        (record,), _ = engine_records(llm, [p], max_tokens)
+        tpots.append(record.tpot or 0.0)
+    return sum(tpots) / len(tpots)
+
+
+def spec_acceptance(llm: LLM) -> float | None:
+    s = llm.stats()
+    drafted = int(s.get("hybridserve_spec_draft_tokens_total", 0) or 0)
+    return round(int(s.get("hybridserve_spec_accepted_tokens_total", 0) or 0) / drafted, 3) if drafted else None
+
+
+# -- run-batch against transformers generate ----------------------------------------------------------
+def run_batch_seconds(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> float:
+    """Wall time of ``hybridserve run-batch``'s path (JSONL in, bodies out) on ``prompts``."""
+    from cluster.run_batch import run_batch
+
+    lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": list(p), "max_tokens": max_tokens, "temperature": 0,
+                                  "ignore_eos": True}}) for i, p in enumerate(prompts)]
+    llm.flush_cache()
+    start = time.perf_counter()
+    results = run_batch(llm, lines, "bench")
+    wall = time.perf_counter() - start
+    bad = [r["error"] for r in results if r["error"]]
+    if bad:
+        raise RuntimeError(f"run-batch failed: {bad[0]}")
+    return wall
+
+
+class HFGenerate:
+    """transformers ``generate`` on a left-padded batch: greedy, exactly ``max_tokens`` new."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def seconds(self, prompts: Sequence[list[int]], max_tokens: int) -> float:
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        start = time.perf_counter()
+        self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                            do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+
+# -- the bare forward loop --------------------------------------------------------------------------
+def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> float:
+    """Decode tok/s of the model's forward in a tight loop at the prompts' batch size."""
+    from cluster.bench.engine_overhead import bare_decode_rate as bare
+
+    return bare(llm, prompts, out_tokens)
+
+
+def quiet_transformers() -> None:
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)

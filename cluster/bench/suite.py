@@ -1,0 +1,181 @@
+"""``hybridserve bench suite --out DIR``: the issue-7 comparisons, one table, ``DIR/summary.json``.
+
+Order: the in-process comparisons (overlap, speculation, run-batch vs transformers), then
+one local Ray Serve cluster for the HTTP ones (decode efficiency and prefix cache on one
+replica; three routers over ``routing.num_replicas`` replicas), then the routing
+simulator. A section that fails is reported with its error and the others still run.
+
+``summary.json`` holds the headline keys (``serving_efficiency``, ``vs_transformers_speedup``,
+``prefix_cache_prefill_fraction``, ``prefix_cache_ttft_ratio``,
+``routing_hit_ratio_vs_round_robin``, ``routing_hit_ratio_vs_ray``,
+``routing_load_max_min``, ``spec_tpot_speedup``, ``overlap_speedup``), ``goals`` (bound
+and met per key), ``details`` (every section's measurements and samples), ``machine``
+and ``config``. The same table is written to ``DIR/table.md``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cluster.bench.suite_config import GOALS, SuiteConfig, load_suite_config
+
+HEADLINE = {                      # summary key -> (section, path inside its result)
+    "serving_efficiency": ("serving", ("efficiency", "serving_efficiency")),
+    "vs_transformers_speedup": ("vs_transformers", ("vs_transformers_speedup",)),
+    "prefix_cache_prefill_fraction": ("serving", ("prefix_cache", "prefix_cache_prefill_fraction")),
+    "prefix_cache_ttft_ratio": ("serving", ("prefix_cache", "prefix_cache_ttft_ratio")),
+    "routing_hit_ratio_vs_round_robin": ("routing", ("routing_hit_ratio_vs_round_robin",)),
+    "routing_hit_ratio_vs_ray": ("routing", ("routing_hit_ratio_vs_ray",)),
+    "routing_load_max_min": ("routing", ("routing_load_max_min",)),
+    "spec_tpot_speedup": ("spec", ("spec_tpot_speedup",)),
+    "overlap_speedup": ("overlap", ("overlap_speedup",)),
+}
+
+
+def machine_info() -> dict[str, Any]:
+    def first(path: str, key: str) -> str:
+        try:
+            for line in Path(path).read_text().splitlines():
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return "?"
+
+    import ray
+    import torch
+
+    return {"cpu": first("/proc/cpuinfo", "model name"), "cpu_count": os.cpu_count(),
+            "memory": first("/proc/meminfo", "MemTotal"), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
+            "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
+
+
+def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[str, Any] | None = None) -> int:
+    import torch
+
+    from cluster.bench import inproc, suite_sections as S
+
+    cfg = load_suite_config(config_path, overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)          # like a replica (Ray gives a 1-CPU actor one OMP thread)
+    inproc.quiet_transformers()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    start = time.perf_counter()
+    machine = machine_info()
+    details: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+    model = Path(cfg.bench_model) if cfg.bench_model else inproc.make_bench_model(out_dir / "models" / "bench-15m")
+
+    def section(name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        if name not in cfg.sections:
+            return
+        t0 = time.perf_counter()
+        print(f"[suite] {name} ...", flush=True)
+        try:
+            details[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - one broken section must not hide the rest
+            details[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            print(f"[suite] {name} failed: {exc!r}", flush=True)
+        timings[name] = round(time.perf_counter() - t0, 1)
+        print(f"[suite] {name} done in {timings[name]} s", flush=True)
+
+    section("overlap", lambda: S.overlap(cfg, model))
+    section("spec", lambda: S.spec(cfg))
+    section("vs_transformers", lambda: S.vs_transformers(cfg, model))
+    if {"serving", "routing"} & set(cfg.sections):
+        from cluster.bench.serving import LocalCluster
+
+        with LocalCluster() as cluster:
+            section("serving", lambda: S.serving(cfg, cluster, model))
+            section("routing", lambda: S.routing(cfg, cluster))
+    section("simulation", lambda: S.simulation(cfg))
+    machine["loadavg_end"] = os.getloadavg()
+    summary = build_summary(details, cfg, machine, timings, time.perf_counter() - start)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    table = format_table(summary)
+    (out_dir / "table.md").write_text(table + "\n")
+    print(table)
+    print(f"[suite] wrote {out_dir / 'summary.json'} in {summary['wall_s']} s")
+    return 0 if not any("error" in d for d in details.values()) else 1
+
+
+def _dig(d: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def build_summary(details: dict[str, Any], cfg: SuiteConfig, machine: dict[str, Any],
+                  timings: dict[str, float], wall_s: float) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    goals = {}
+    for key, (section, path) in HEADLINE.items():
+        value = _dig(details.get(section), path)
+        summary[key] = value
+        goal = GOALS[key]
+        goals[key] = {"goal": goal.text(), "met": goal.met(value), "what": goal.what}
+    summary.update(goals=goals, notes=notes(details), details=details, machine=machine,
+                   section_seconds=timings, wall_s=round(wall_s, 1), config=cfg.model_dump())
+    return summary
+
+
+def notes(d: dict[str, Any]) -> dict[str, str]:
+    """One line per headline key: what was measured on what (the table's last column)."""
+    out: dict[str, str] = {}
+    for name, sec in d.items():
+        if "error" in sec:
+            out[name] = f"section failed: {sec['error']}"
+    if (e := _dig(d, ("serving", "efficiency"))):
+        out["serving_efficiency"] = (f"HTTP {e['http_decode_tok_s']} vs bare {e['bare_decode_tok_s']} tok/s "
+                                     f"(engine in-process {e['engine_decode_tok_s']}), batch {e['batch']}")
+    if (t := d.get("vs_transformers")) and "error" not in t:
+        out["vs_transformers_speedup"] = (f"{t['run_batch_tok_s']} vs {t['hf_batched_tok_s']} tok/s (HF one padded "
+                                          f"batch); HF one prompt at a time: {t['vs_transformers_sequential_speedup']}x")
+    if (p := _dig(d, ("serving", "prefix_cache"))):
+        out["prefix_cache_prefill_fraction"] = (f"{p['cached_tokens']['on']} of {p['prompt_tokens']['on']} prompt "
+                                                f"tokens cached, {p['num_requests']} requests")
+        out["prefix_cache_ttft_ratio"] = (f"{p['mean_ttft_ms']['on']} vs {p['mean_ttft_ms']['off']} ms; a "
+                                          f"{p['floor_prompt_len']}-token prompt takes {p['ttft_floor_ms']} ms")
+    if (r := d.get("routing")) and "error" not in r:
+        fr = {k: v["cached_fraction"] for k, v in r["routers"].items()}
+        out["routing_hit_ratio_vs_round_robin"] = (f"cached {fr['hybrid_prefix']} vs {fr['round_robin']}, "
+                                                   f"{r['num_replicas']} replicas")
+        out["routing_hit_ratio_vs_ray"] = f"cached {fr['hybrid_prefix']} vs {fr['ray_prefix']}"
+        out["routing_load_max_min"] = "requests " + " / ".join(
+            str(int(v)) for v in r["routers"]["hybrid_prefix"]["requests_per_replica"].values())
+    if (s := d.get("spec")) and "error" not in s:
+        which = "trained default" if s["trained_model"] else "FALLBACK tiny-hybrid (trained model absent)"
+        out["spec_tpot_speedup"] = (f"{which}, k={s['num_draft_tokens']}, acceptance "
+                                    f"{s['acceptance_by_k'][s['num_draft_tokens']]}; by k: {s['speedup_by_k']}")
+    if (o := d.get("overlap")) and "error" not in o:
+        out["overlap_speedup"] = f"{o['tok_s_on']} vs {o['tok_s_off']} tok/s"
+    return out
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = ["| metric | value | goal | met | measured |", "|---|---|---|---|---|"]
+    for key in HEADLINE:
+        g = summary["goals"][key]
+        value = summary[key]
+        met = {True: "yes", False: "**no**", None: "n/a"}[g["met"]]
+        lines.append(f"| {key} | {'—' if value is None else value} | {g['goal']} | {met} | "
+                     f"{summary['notes'].get(key, '')} |")
+    sim = _dig(summary, ("details", "simulation"))
+    if sim and "table" in sim:
+        st, dt = sim["settings"], sim["default_engine_settings"]
+        lines += ["", f"Routing simulator (real index and routers, modelled replicas; chunk {st['chunk_size']}, "
+                  f"checkpoint grid {st['track_interval']}, {st['cache_tokens']} cache tokens per replica):",
+                  "", "```", sim["table"], "```", "",
+                  f"Same cache-pressure replay with the default chunk {dt['chunk_size']} and grid "
+                  f"{dt['track_interval']}:", "", "```", sim["default_engine_table"], "```"]
+    return "\n".join(lines)

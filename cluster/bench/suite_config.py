@@ -1,0 +1,133 @@
+"""The suite's configuration (``configs/workloads/suite.yaml``) and its goals."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.bench.workloads import WORKLOAD_DIR
+
+SUITE_YAML = WORKLOAD_DIR / "suite.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EfficiencyCfg(_Strict):
+    batch: int = Field(8, ge=1)
+    prompt_len: int = Field(32, ge=1)
+    output_len: int = Field(64, ge=3)
+
+
+class TransformersCfg(_Strict):
+    num_prompts: int = Field(16, ge=1)
+    min_prompt_len: int = Field(32, ge=1)
+    max_prompt_len: int = Field(512, ge=1)
+    output_len: int = Field(32, ge=1)
+
+
+class PrefixCacheCfg(_Strict):
+    workload: str = "shared_prefix"
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    max_concurrency: int = Field(1, ge=1)
+    chunks: int = Field(4, ge=1)          # cache on / off alternate chunk by chunk
+    floor_prompt_len: int = Field(16, ge=1)   # TTFT of a prompt this short: the fixed cost
+
+
+class RoutingCfg(_Strict):
+    num_replicas: int = Field(4, ge=2)
+    workload: str = "cache_pressure"
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    rate: float = Field(5.0, gt=0)
+    max_concurrency: int = Field(8, ge=1)
+    model: str = "configs/models/tiny-hybrid"
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+
+class SpecCfg(_Strict):
+    output_len: int = Field(48, ge=3)
+    sweep: list[int] = Field(default_factory=list)
+    prompts: list[str] = Field(min_length=1)
+
+
+class OverlapCfg(_Strict):
+    repeats: int | None = Field(None, ge=1)   # None: the suite's repeats
+    batch: int = Field(16, ge=1)
+    prompt_len: int = Field(64, ge=1)
+    output_len: int = Field(32, ge=1)
+
+
+class SimulationCfg(_Strict):
+    replicas: list[int] = Field(default_factory=lambda: [8, 16, 32])
+    workloads: list[str] = Field(default_factory=lambda: ["cache_pressure", "multi_turn"])
+
+
+class SuiteConfig(_Strict):
+    repeats: int = Field(3, ge=1)
+    bench_model: str | None = None
+    spec_model: str = "configs/models/qwen3-next-tiny-py"
+    spec_fallback_model: str = "configs/models/tiny-hybrid"
+    serving_efficiency: EfficiencyCfg = EfficiencyCfg()
+    vs_transformers: TransformersCfg = TransformersCfg()
+    prefix_cache: PrefixCacheCfg = PrefixCacheCfg()
+    routing: RoutingCfg = RoutingCfg()
+    spec: SpecCfg
+    overlap: OverlapCfg = OverlapCfg()
+    simulation: SimulationCfg = SimulationCfg()
+    sections: list[str] = Field(default_factory=lambda: list(SECTIONS))
+
+
+SECTIONS = ("overlap", "spec", "vs_transformers", "serving", "routing", "simulation")
+
+
+def load_suite_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> SuiteConfig:
+    data = _merge(yaml.safe_load((path or SUITE_YAML).read_text()) or {}, overrides or {})
+    try:
+        cfg = SuiteConfig.model_validate(data)
+    except ValidationError as exc:
+        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"invalid suite config: {errs}") from None
+    unknown = set(cfg.sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown suite sections {sorted(unknown)}; use {SECTIONS}")
+    return cfg
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+class Goal(NamedTuple):
+    op: str                               # ">=" or "<="
+    bound: float
+    what: str
+
+    def met(self, value: float | None) -> bool | None:
+        if value is None:
+            return None
+        return value >= self.bound if self.op == ">=" else value <= self.bound
+
+    def text(self) -> str:
+        return f"{'≥' if self.op == '>=' else '≤'} {self.bound:g}"
+
+
+GOALS: dict[str, Goal] = {
+    "serving_efficiency": Goal(">=", 0.85, "HTTP decode tok/s ÷ bare forward loop, same model and batch"),
+    "vs_transformers_speedup": Goal(">=", 3.0, "run-batch throughput ÷ transformers generate, mixed prompts"),
+    "prefix_cache_prefill_fraction": Goal("<=", 0.2, "prompt tokens computed ÷ prompt tokens, shared prefix"),
+    "prefix_cache_ttft_ratio": Goal("<=", 0.35, "mean TTFT cache on ÷ off, shared prefix"),
+    "routing_hit_ratio_vs_round_robin": Goal(">=", 2.0, "cached-token fraction hybrid_prefix ÷ round_robin"),
+    "routing_hit_ratio_vs_ray": Goal(">=", 1.15, "cached-token fraction hybrid_prefix ÷ Ray PrefixCacheAffinityRouter"),
+    "routing_load_max_min": Goal("<=", 1.5, "requests per replica max ÷ min, hybrid_prefix"),
+    "spec_tpot_speedup": Goal(">=", 1.4, "TPOT spec off ÷ on, batch 1"),
+    "overlap_speedup": Goal(">=", 1.0, "throughput overlap on ÷ off, batch 16"),
+}

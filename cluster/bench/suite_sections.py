@@ -1,0 +1,265 @@
+"""The suite's measurements, one function per comparison; each returns a plain dict.
+
+In-process (no Ray): ``overlap``, ``spec``, ``vs_transformers``. Through HTTP on a local
+Serve cluster: ``serving`` (decode efficiency against a bare loop, prefix cache on/off)
+and ``routing`` (three routers on the same replica config and workload). Pure Python:
+``simulation``. Timed comparisons interleave their two sides and keep each side's best
+of ``repeats`` (other load on a shared machine only slows a run down).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from cluster.bench import inproc
+from cluster.bench.client import LoadSettings, Target, run_benchmark
+from cluster.bench.suite_config import SuiteConfig
+from cluster.bench.workloads import RandomSpec, Renderer, Workload, build, load_workload
+from configs.schema import HybridServeConfig, SpecConfig
+
+REPLICA = {"num_cpus": 1, "stats_interval_s": 0.25, "events_interval_s": 0.02}
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(16, 500) for _ in range(n)]
+
+
+def _best(samples: list[float], higher_is_better: bool = True) -> float:
+    return max(samples) if higher_is_better else min(samples)
+
+
+def _r(x: float, nd: int = 3) -> float:
+    return round(float(x), nd)
+
+
+# -- in-process ---------------------------------------------------------------------------------
+def overlap(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
+    from workers.llm import LLM
+
+    c = cfg.overlap
+    rng = random.Random(1)
+    prompts = [_ids(rng, c.prompt_len) for _ in range(c.batch)]
+    llms = {on: LLM(model=str(model), **inproc.CPU, cache={"max_kv_tokens": 16384},
+                    scheduler={"overlap": on, "max_running_requests": max(64, c.batch)}) for on in (True, False)}
+    samples = inproc.interleaved({f"overlap_{'on' if on else 'off'}": (lambda llm=llm: inproc.throughput_run(
+        llm, prompts, c.output_len)) for on, llm in llms.items()}, c.repeats or cfg.repeats)
+    on, off = _best(samples["overlap_on"]), _best(samples["overlap_off"])
+    return {"overlap_speedup": _r(on / off), "tok_s_on": _r(on, 1), "tok_s_off": _r(off, 1),
+            "samples_tok_s": {k: [_r(v, 1) for v in vs] for k, vs in samples.items()},
+            "batch": c.batch, "prompt_len": c.prompt_len, "output_len": c.output_len, "model": str(model)}
+
+
+def spec_model(cfg: SuiteConfig) -> tuple[Path, bool]:
+    """(model dir, whether it is the trained default) -- the fallback when it is absent."""
+    trained = HybridServeConfig(model=cfg.spec_model).model_dir()
+    if (trained / "config.json").exists() and _has_mtp(trained):
+        return trained, True
+    return HybridServeConfig(model=cfg.spec_fallback_model).model_dir(), False
+
+
+def _has_mtp(model_dir: Path) -> bool:
+    from safetensors import safe_open
+
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            if any(k.startswith("mtp.") for k in st.keys()):
+                return True
+    return False
+
+
+def spec(cfg: SuiteConfig) -> dict[str, Any]:
+    from workers.llm import LLM
+
+    model, trained = spec_model(cfg)
+    default_k = SpecConfig().num_draft_tokens
+    ks = [default_k] + [k for k in cfg.spec.sweep if k != default_k]
+    llms = {"off": LLM(model=str(model), **inproc.CPU)}
+    for k in ks:
+        llms[f"k{k}"] = LLM(model=str(model), **inproc.CPU, spec={"method": "mtp", "num_draft_tokens": k})
+    prompts = [llms["off"].encode(p) for p in cfg.spec.prompts]
+    samples = inproc.interleaved({name: (lambda llm=llm: inproc.tpot_run(llm, prompts, cfg.spec.output_len))
+                                  for name, llm in llms.items()}, cfg.repeats)
+    best = {name: _best(v, higher_is_better=False) for name, v in samples.items()}
+    return {"spec_tpot_speedup": _r(best["off"] / best[f"k{default_k}"]), "model": str(model),
+            "trained_model": trained, "num_draft_tokens": default_k,
+            "tpot_ms": {name: _r(1000 * v, 2) for name, v in best.items()},
+            "speedup_by_k": {k: _r(best["off"] / best[f"k{k}"]) for k in ks},
+            "acceptance_by_k": {k: inproc.spec_acceptance(llms[f"k{k}"]) for k in ks},
+            "samples_tpot_ms": {n: [_r(1000 * x, 2) for x in v] for n, v in samples.items()},
+            "output_len": cfg.spec.output_len, "num_prompts": len(prompts)}
+
+
+def vs_transformers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
+    from workers.llm import LLM
+
+    c = cfg.vs_transformers
+    rng = random.Random(2)
+    prompts = [_ids(rng, rng.randint(c.min_prompt_len, c.max_prompt_len)) for _ in range(c.num_prompts)]
+    llm = LLM(model=str(model), **inproc.CPU, cache={"max_kv_tokens": 32768})
+    hf = inproc.HFGenerate(model)
+    samples = inproc.interleaved({"run_batch_s": lambda: inproc.run_batch_seconds(llm, prompts, c.output_len),
+                                  "hf_batched_s": lambda: hf.seconds(prompts, c.output_len)}, cfg.repeats)
+    rb, hfb = _best(samples["run_batch_s"], False), _best(samples["hf_batched_s"], False)
+    hf_seq = sum(hf.seconds([p], c.output_len) for p in prompts)      # once: it is slow
+    out_tokens = c.num_prompts * c.output_len
+    return {"vs_transformers_speedup": _r(hfb / rb), "vs_transformers_sequential_speedup": _r(hf_seq / rb),
+            "run_batch_tok_s": _r(out_tokens / rb, 1), "hf_batched_tok_s": _r(out_tokens / hfb, 1),
+            "hf_sequential_tok_s": _r(out_tokens / hf_seq, 1),
+            "samples_s": {k: [_r(v, 3) for v in vs] for k, vs in samples.items()},
+            "prompt_lens": [len(p) for p in prompts], "output_len": c.output_len, "model": str(model)}
+
+
+# -- through HTTP ----------------------------------------------------------------------------------
+def _bench(app: Any, workload: Workload, load: LoadSettings, renderer: Renderer | None = None) -> Any:
+    res = asyncio.run(run_benchmark(Target(app.base_url, timeout_s=300.0), workload, load, renderer))
+    failed = [r.error for r in res.records if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(res.records)} requests failed, first: {failed[0]}")
+    return res
+
+
+def _warm(app: Any) -> None:
+    w = build(RandomSpec(num_prompts=2, input_len=24, output_len=4, range_ratio=0.0, seed=999))
+    _bench(app, w, LoadSettings())
+
+
+def serving(cfg: SuiteConfig, cluster: Any, model: Path) -> dict[str, Any]:
+    from workers.llm import LLM
+
+    engine = {**inproc.CPU, "model": str(model), "cache": {"max_kv_tokens": 16384}}
+    on = cluster.deploy("bench-cache-on", engine, "hybrid_prefix", REPLICA)
+    off = cluster.deploy("bench-cache-off", {**engine, "cache": {"max_kv_tokens": 16384,
+                                                                   "enable_prefix_cache": False}},
+                         "hybrid_prefix", REPLICA)
+    try:
+        _warm(on)
+        _warm(off)
+        out: dict[str, Any] = {"deploy_s": _r(on.deploy_s + off.deploy_s, 1)}
+        out["prefix_cache"] = _prefix_cache(cfg, on, off)
+        llms = [LLM(model=str(model), **inproc.CPU, cache={"max_kv_tokens": 16384}) for _ in range(2)]
+        out["efficiency"] = _efficiency(cfg, on, *llms)
+        return out
+    finally:
+        cluster.delete(on)
+        cluster.delete(off)
+
+
+def _efficiency(cfg: SuiteConfig, app: Any, bare_llm: Any, engine_llm: Any) -> dict[str, Any]:
+    """HTTP and bare loop, interleaved; the in-process engine alongside, to split the gap
+    into engine and HTTP/Ray shares (the bare loop writes the pools: its own LLM)."""
+    c = cfg.serving_efficiency
+    seeds = iter(range(100, 200))
+
+    def engine() -> float:
+        rng = random.Random(next(seeds))
+        records, _ = inproc.engine_records(engine_llm, [_ids(rng, c.prompt_len) for _ in range(c.batch)],
+                                           c.output_len)
+        return c.batch * len(records) / sum(r.tpot or 0.0 for r in records)
+
+    def http() -> float:
+        w = build(RandomSpec(num_prompts=c.batch, input_len=c.prompt_len, output_len=c.output_len,
+                             range_ratio=0.0, seed=next(seeds)))
+        res = _bench(app, w, LoadSettings(max_concurrency=c.batch))
+        return c.batch / (res.metrics.tpot_ms.mean / 1000)       # tok/s = batch / mean TPOT
+
+    def bare() -> float:
+        rng = random.Random(next(seeds))
+        return inproc.bare_decode_rate(bare_llm, [_ids(rng, c.prompt_len) for _ in range(c.batch)], c.output_len)
+
+    samples = inproc.interleaved({"http_tok_s": http, "bare_tok_s": bare, "engine_tok_s": engine}, cfg.repeats)
+    h, b, e = (_best(samples[k]) for k in ("http_tok_s", "bare_tok_s", "engine_tok_s"))
+    return {"serving_efficiency": _r(h / b), "http_decode_tok_s": _r(h, 1), "bare_decode_tok_s": _r(b, 1),
+            "engine_decode_tok_s": _r(e, 1), "engine_over_bare": _r(e / b), "http_over_engine": _r(h / e),
+            "samples": {k: [_r(v, 1) for v in vs] for k, vs in samples.items()},
+            "batch": c.batch, "prompt_len": c.prompt_len, "output_len": c.output_len}
+
+
+def _prefix_cache(cfg: SuiteConfig, on: Any, off: Any) -> dict[str, Any]:
+    c = cfg.prefix_cache
+    w = load_workload(c.workload, c.overrides)
+    n = len(w.sessions)
+    bounds = [n * i // c.chunks for i in range(c.chunks + 1)]
+    records: dict[str, list[Any]] = {"on": [], "off": []}
+    for lo, hi in zip(bounds, bounds[1:]):                      # alternate, chunk by chunk
+        part = replace(w, sessions=w.sessions[lo:hi])
+        for name, app in (("on", on), ("off", off)):
+            records[name] += _bench(app, part, LoadSettings(max_concurrency=c.max_concurrency)).records
+    floor = build(RandomSpec(num_prompts=8, input_len=c.floor_prompt_len, output_len=1, range_ratio=0.0, seed=7))
+    floor_ms = 1000 * _bench(off, floor, LoadSettings(max_concurrency=1)).metrics.ttft_ms.mean
+    prompt = {k: sum(r.prompt_tokens for r in v) for k, v in records.items()}
+    cached = {k: sum(r.cached_tokens for r in v) for k, v in records.items()}
+    ttft = {k: sum(r.ttft for r in v) / len(v) for k, v in records.items()}
+    return {"prefix_cache_prefill_fraction": _r(1 - cached["on"] / prompt["on"]),
+            "prefix_cache_ttft_ratio": _r(ttft["on"] / ttft["off"]),
+            "mean_ttft_ms": {k: _r(1000 * v, 1) for k, v in ttft.items()},
+            "ttft_floor_ms": _r(floor_ms, 1), "floor_prompt_len": c.floor_prompt_len,
+            "cached_tokens": cached, "prompt_tokens": prompt, "num_requests": n,
+            "workload": c.workload, "overrides": c.overrides, "max_concurrency": c.max_concurrency}
+
+
+def routing(cfg: SuiteConfig, cluster: Any) -> dict[str, Any]:
+    from cluster.bench.serving import counter_deltas, wait_for_counters
+
+    c = cfg.routing
+    engine = {**inproc.CPU, **c.engine, "model": c.model, "parallel": {"num_replicas": c.num_replicas}}
+    per_replica_cache = int(HybridServeConfig.model_validate(engine).cache.max_kv_tokens or 32768)
+    w = load_workload(c.workload, {"cluster_cache_tokens": per_replica_cache * c.num_replicas, **c.overrides})
+    renderer = Renderer.from_path(HybridServeConfig(model=c.model).model_dir())
+    results: dict[str, Any] = {}
+    for router in ("hybrid_prefix", "round_robin", "ray_prefix"):
+        app = cluster.deploy(f"route-{router.replace('_', '-')}", engine, router, REPLICA)
+        try:
+            if w.warmup:
+                _bench(app, replace(w, sessions=w.warmup, warmup=[]), LoadSettings(max_concurrency=c.max_concurrency),
+                       renderer)
+            before = wait_for_counters(app.metrics_url, "hybridserve_requests_total", len(w.warmup))
+            res = _bench(app, replace(w, warmup=[]), LoadSettings(rate=c.rate, max_concurrency=c.max_concurrency),
+                         renderer)
+            total = sum(v.get("hybridserve_requests_total", 0.0) for v in before.values()) + len(res.records)
+            after = wait_for_counters(app.metrics_url, "hybridserve_requests_total", total)
+            per = counter_deltas(before, after, "hybridserve_requests_total")
+            m = res.metrics
+            results[router] = {
+                "cached_fraction": _r(m.cached_fraction, 4), "requests_per_replica": per,
+                "load_max_min": _r(max(per.values()) / max(min(per.values()), 1.0)),
+                "mean_ttft_ms": _r(m.ttft_ms.mean, 1), "p99_ttft_ms": _r(m.ttft_ms.percentiles["p99"], 1),
+                "mean_tpot_ms": _r(m.tpot_ms.mean, 2), "output_tok_s": _r(m.output_throughput, 1),
+                "deploy_s": _r(app.deploy_s, 1)}
+        finally:
+            cluster.delete(app)
+    hp = results["hybrid_prefix"]["cached_fraction"]
+    return {"routing_hit_ratio_vs_round_robin": _ratio(hp, results["round_robin"]["cached_fraction"]),
+            "routing_hit_ratio_vs_ray": _ratio(hp, results["ray_prefix"]["cached_fraction"]),
+            "routing_load_max_min": results["hybrid_prefix"]["load_max_min"], "routers": results,
+            "num_replicas": c.num_replicas, "workload": {**w.info, "measured_requests": len(w.sessions),
+                                                         "warmup_requests": len(w.warmup)},
+            "replica_cache_tokens": per_replica_cache, "rate": c.rate, "max_concurrency": c.max_concurrency}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return _r(a / b) if b > 0 else None
+
+
+# -- simulation -------------------------------------------------------------------------------------
+def simulation(cfg: SuiteConfig) -> dict[str, Any]:
+    from cluster.bench.routing_sim import PROPOSED, SimSettings, format_table, run_grid
+
+    engine = HybridServeConfig.model_validate({**cfg.routing.engine, "model": cfg.routing.model})
+    settings = SimSettings(cache_tokens=engine.cache.max_kv_tokens or 32768, page_size=engine.cache.page_size,
+                           track_interval=engine.cache.mamba_track_interval,
+                           chunk_size=engine.scheduler.chunked_prefill_size)
+    routers = ("hybrid_prefix", "ray_prefix", "round_robin") + PROPOSED
+    overrides = {w: cfg.routing.overrides for w in cfg.simulation.workloads if w == cfg.routing.workload}
+    results = run_grid(cfg.simulation.workloads, cfg.simulation.replicas, routers, settings, overrides)
+    # The same cache-pressure replay with the schema's default chunk and checkpoint grid
+    # (512 / 256): contexts shorter than a chunk get no checkpoint of their own.
+    default = HybridServeConfig()
+    plain = replace(settings, track_interval=default.cache.mamba_track_interval,
+                    chunk_size=default.scheduler.chunked_prefill_size)
+    defaults = run_grid([cfg.routing.workload], cfg.simulation.replicas, routers, plain, overrides)
+    return {"table": format_table(results), "settings": asdict(settings), "results": [asdict(r) for r in results],
+            "default_engine_table": format_table(defaults), "default_engine_settings": asdict(plain),
+            "default_engine_results": [asdict(r) for r in defaults]}

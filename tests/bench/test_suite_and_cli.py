@@ -1,0 +1,61 @@
+"""The suite's config, goals and report (no measurements), and ``hybridserve bench`` run
+mode end to end against the fake server."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.bench.suite import HEADLINE, build_summary, format_table
+from cluster.bench.suite_config import GOALS, SECTIONS, load_suite_config
+from cluster.cli import main
+from tests.bench.fake_openai import FakeOpenAI
+
+
+def test_shipped_suite_config_loads_and_overrides_apply():
+    cfg = load_suite_config(overrides={"repeats": 1, "routing": {"num_replicas": 2}})
+    assert cfg.repeats == 1 and cfg.routing.num_replicas == 2 and cfg.routing.workload == "cache_pressure"
+    assert set(cfg.sections) == set(SECTIONS) and cfg.spec.prompts
+    with pytest.raises(ValueError, match="typo"):
+        load_suite_config(overrides={"typo": 1})
+    with pytest.raises(ValueError, match="sections"):
+        load_suite_config(overrides={"sections": ["nope"]})
+
+
+def test_every_headline_key_has_a_goal():
+    assert set(HEADLINE) == set(GOALS)
+    assert GOALS["serving_efficiency"].met(0.9) and not GOALS["serving_efficiency"].met(0.8)
+    assert GOALS["prefix_cache_ttft_ratio"].met(0.35) and GOALS["overlap_speedup"].met(None) is None
+
+
+def test_summary_and_table_from_section_results():
+    details = {"overlap": {"overlap_speedup": 1.1, "tok_s_on": 11.0, "tok_s_off": 10.0},
+               "spec": {"error": "RuntimeError: boom"}}
+    s = build_summary(details, load_suite_config(), {"cpu": "x"}, {"overlap": 1.0}, 3.0)
+    assert s["overlap_speedup"] == 1.1 and s["goals"]["overlap_speedup"]["met"] is True
+    assert s["spec_tpot_speedup"] is None and s["goals"]["spec_tpot_speedup"]["met"] is None
+    assert set(HEADLINE) <= set(s) and "boom" in s["notes"]["spec"]
+    table = format_table(s)
+    assert "| overlap_speedup | 1.1 | ≥ 1 | yes | 11.0 vs 10.0 tok/s |" in table
+    assert "| spec_tpot_speedup | — | ≥ 1.4 | n/a |" in table
+    json.dumps(s)
+
+
+def test_bench_command_runs_a_workload_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    with FakeOpenAI(first_delay_s=0.01, token_delay_s=0.0) as server:
+        rc = main(["bench", "--url", server.url, "--workload", "shared_prefix", "--num-prompts", "5",
+                   "--set", "output_len=3", "--max-concurrency", "2", "--goodput", "ttft:5000",
+                   "--percentiles", "50,99", "--out", str(out)])
+    assert rc == 0
+    report = capsys.readouterr().out
+    assert "Successful requests:" in report and "P99 TTFT" in report and "goodput" in report
+    data = json.loads(out.read_text())
+    assert data["metrics"]["completed"] == 5 and data["metrics"]["total_output_tokens"] == 15
+    assert data["spec"]["kind"] == "shared_prefix" and len(server.bodies) == 5
+    assert all(len(b["prompt"]) == 256 + 16 for b in server.bodies)
+
+
+def test_bench_command_needs_a_url_or_the_suite():
+    assert main(["bench", "--workload", "random"]) == 2
+    assert main(["bench", "suite"]) == 2
