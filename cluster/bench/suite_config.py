@@ -48,6 +48,7 @@ class RoutingCfg(_Strict):
 
 
 class SpecCfg(_Strict):
+    repeats: int | None = Field(None, ge=1)   # None: the suite's repeats
     output_len: int = Field(48, ge=3)
     sweep: list[int] = Field(default_factory=list)
     prompts: list[str] = Field(min_length=1)
