@@ -55,10 +55,16 @@ class OutputStream:
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    async def next_batch(self) -> list[tuple[int, RequestOutput]] | None:
+    async def next_batch(self, not_before: float = 0.0) -> list[tuple[int, RequestOutput]] | None:
+        """Wait for an output; if the event loop's clock is before ``not_before`` then, also
+        wait until ``not_before`` (coalescing the outputs of several engine steps into one
+        batch, so a stream carries fewer, larger items); return everything queued."""
         if not self._unfinished:
             return None
         items = [await self._queue.get()]
+        delay = not_before - asyncio.get_running_loop().time()
+        if delay > 0 and not _ends(items[0]):
+            await asyncio.sleep(delay)
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
         batch = []
@@ -187,6 +193,11 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - shutting down; report, do not raise
                 logger.warning("engine shutdown failed", exc_info=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _ends(item: RequestOutput | BaseException) -> bool:
+    """Whether an item ends its request (or the stream): never hold those back."""
+    return isinstance(item, BaseException) or item.finished
 
 
 def _add_all(engine: Any, request_ids: Sequence[str], prompt: list[int],

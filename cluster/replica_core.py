@@ -13,6 +13,7 @@ with an engine that does not have them yet (they are reported as absent, not fak
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -104,14 +105,22 @@ def _payload(engine: Any) -> PublishPayload:
 
 
 class ReplicaCore:
-    def __init__(self, loop: EngineLoop, config: HybridServeConfig) -> None:
+    """``stream_interval_s``: the least time between two items of one stream after its
+    first (Ray Serve LLM's stream batching): tokens of the engine steps in between travel
+    together, which cuts the per-item cost of the Ray and HTTP hops. The first token and
+    the last item are never held back, so TTFT and E2E do not move; 0 sends every step."""
+
+    def __init__(self, loop: EngineLoop, config: HybridServeConfig, stream_interval_s: float = 0.0) -> None:
+        if stream_interval_s < 0:
+            raise ValueError(f"stream_interval_s must be >= 0, got {stream_interval_s}")
         self.loop = loop
         self.config = config
+        self.stream_interval_s = stream_interval_s
 
     @classmethod
-    async def create(cls, config: HybridServeConfig) -> ReplicaCore:
+    async def create(cls, config: HybridServeConfig, stream_interval_s: float = 0.0) -> ReplicaCore:
         loop = await EngineLoop.create(lambda: build_engine(config))
-        return cls(loop, config)
+        return cls(loop, config, stream_interval_s)
 
     def model_info(self) -> ModelInfo:
         engine = self.loop.engine
@@ -127,8 +136,10 @@ class ReplicaCore:
         try:
             yield Accepted(req.num_choices)
             sent_logprobs = [0] * req.num_choices
-            while (batch := await stream.next_batch()) is not None:
+            clock, not_before = asyncio.get_running_loop(), 0.0
+            while (batch := await stream.next_batch(not_before)) is not None:
                 yield [_chunk(i, out, sent_logprobs) for i, out in batch]
+                not_before = clock.time() + self.stream_interval_s
         finally:
             stream.close()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -17,7 +18,8 @@ from workers.sampling_params import SamplingParams
 class FakeEngine:
     """One token per step per request; records the threads that touched it."""
 
-    def __init__(self, fail_at_step: int | None = None) -> None:
+    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.0) -> None:
+        self.step_s = step_s
         self.live: dict[str, list[int]] = {}
         self.budget: dict[str, int] = {}
         self.aborted: list[str] = []
@@ -41,6 +43,7 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         self._touch()
         self.steps += 1
+        time.sleep(self.step_s)
         if self.fail_at_step == self.steps:
             raise RuntimeError("kernel exploded")
         outs = []
@@ -93,6 +96,30 @@ def test_concurrent_requests_stream_to_completion_on_one_thread():
             mine = [c for c in chunks if c.index == choice]
             assert len(mine) == 3 + i and mine[-1].finished and mine[-1].finish_reason == "length"
             assert [t for c in mine for t in c.new_token_ids] == list(range(3 + i))
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.05])
+def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(interval_s):
+    async def go():
+        loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
+        core = ReplicaCore(loop, load_config(), stream_interval_s=interval_s)
+        clock, stamps, items = asyncio.get_running_loop(), [], []
+        async for item in core.generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=40)])):
+            stamps.append(clock.time())
+            items.append(item)
+        await loop.shutdown()
+        return stamps, items
+    stamps, items = run(go())
+    chunks = [c for batch in items[1:] for c in batch]
+    assert [t for c in chunks for t in c.new_token_ids] == list(range(40)) and chunks[-1].finished
+    sizes = [len(batch) for batch in items[1:]]
+    if interval_s == 0:
+        assert max(sizes) <= 2                    # about one step per item
+    else:
+        assert sizes[0] == 1                       # the first token is not held back
+        assert len(sizes) <= 40 * 0.005 / interval_s + 3 and max(sizes) >= 5
+        gaps = [b - a for a, b in zip(stamps[2:], stamps[3:-1])]
+        assert all(g >= interval_s * 0.9 for g in gaps), gaps
 
 
 def test_refused_input_is_an_error_item_and_queues_nothing():
