@@ -18,7 +18,7 @@ from configs.schema import HybridServeConfig
 from workers.cache import CacheEvent, Violation
 from workers.cache_manager import CacheManager
 from workers.device_pools import DevicePools, KVPool, MambaPool
-from workers.loader import LoadedModel, load_model
+from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
 from workers.checkpoints import StepPlan
 from workers.output_processor import OutputProcessor
@@ -48,8 +48,6 @@ class Engine:
     supports_tensor_parallel = False      # the TP engine (workers/tp) overrides the hooks
 
     def __init__(self, config: HybridServeConfig, tokenizer=None) -> None:
-        from transformers import AutoTokenizer
-
         if config.parallel.tensor_parallel_size > 1 and not self.supports_tensor_parallel:
             raise ValueError(
                 f"parallel.tensor_parallel_size={config.parallel.tensor_parallel_size} needs the "
@@ -63,7 +61,7 @@ class Engine:
         torch.manual_seed(config.seed)
         loaded = self._load_model(model_dir)
         self.model, self.hf_config = loaded.model, loaded.hf_config
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = tokenizer or load_tokenizer(model_dir)
         self.eos_token_id = self._find_eos()
         self.vocab_size = int(self.hf_config.vocab_size)
         self.stats = EngineStats()

@@ -1,8 +1,20 @@
 """Load an HF-format model directory: config.json + safetensors (single or sharded).
 
-Never executes code from the checkpoint (no ``trust_remote_code``) and never unpickles
-(tensors come only from ``*.safetensors``). Tensors are streamed file by file into the
-model's ``load_weights``, which checks names and shapes strictly.
+Untrusted checkpoints: nothing in the directory is ever imported or unpickled.
+
+- ``config.json`` with ``auto_map`` (custom model code) is *refused* with a ValueError:
+  the model class always comes from our registry, so a checkpoint that asks for its own
+  code is one we cannot claim to serve faithfully.
+- ``tokenizer_config.json`` with ``auto_map`` is *ignored* when its ``tokenizer_class`` is
+  one transformers ships (the tokenizer is then fully described by data files) and
+  refused otherwise; ``load_tokenizer`` always passes ``trust_remote_code=False``, so
+  transformers neither imports the custom module nor prompts on stdin.
+- Tensors come only from ``*.safetensors`` (an index may list nothing else). A directory
+  whose only weights are pickle files (``pytorch_model.bin``, ``*.pt``, ...) is refused
+  with a ValueError naming them; pickle files beside safetensors are never opened.
+
+Tensors are streamed file by file into the model's ``load_weights``, which checks names
+and shapes strictly.
 """
 from __future__ import annotations
 
@@ -17,6 +29,9 @@ from workers.models import SUPPORTED_ARCHITECTURES, HybridForCausalLM, get_model
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# Weight formats that are pickles (loading one may run arbitrary code).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
 class LoadedModel(NamedTuple):
@@ -45,8 +60,8 @@ def check_raw_config(raw: dict[str, Any]) -> str:
         method = raw["quantization_config"].get("quant_method", "?")
         raise ValueError(f"quantized checkpoints are not supported (quant_method={method!r})")
     if raw.get("auto_map"):
-        raise ValueError("config.json has auto_map (remote code); hybridserve never runs "
-                         "checkpoint code")
+        raise ValueError(f"config.json has auto_map {raw['auto_map']!r} (remote code); "
+                         "hybridserve never runs checkpoint code")
     return archs[0]
 
 
@@ -58,16 +73,37 @@ def load_config(model_dir: str | Path) -> Any:
     return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
+def _indexed_shards(model_dir: Path, index: Path) -> list[Path]:
+    """The shard files an index names: safetensors files inside ``model_dir`` only."""
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map")
+    names = sorted(set(map(str, weight_map.values())))
+    bad = [n for n in names if not n.endswith(".safetensors") or Path(n).name != n]
+    if bad:
+        raise ValueError(f"{index} lists shards {bad[:5]} that are not *.safetensors files in "
+                         f"{model_dir}; hybridserve loads nothing else (pickle is never loaded)")
+    return [model_dir / name for name in names]
+
+
+def pickle_weight_files(model_dir: Path) -> list[str]:
+    """Names of pickle-format weight files in ``model_dir`` (never opened)."""
+    return sorted(p.name for p in model_dir.iterdir()
+                  if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map")
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        files = _indexed_shards(model_dir, index)
     elif (model_dir / SINGLE_FILE).is_file():
         files = [model_dir / SINGLE_FILE]
     else:
+        pickles = pickle_weight_files(model_dir)
+        if pickles:
+            raise ValueError(f"{model_dir} has only pickle weights ({', '.join(pickles)}); "
+                             "pickle is not loaded (unpickling can run arbitrary code): "
+                             f"convert the checkpoint to {SINGLE_FILE}")
         raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
@@ -83,6 +119,37 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def check_tokenizer_config(model_dir: Path) -> None:
+    """Refuse a tokenizer that exists only as checkpoint code (see the module docstring)."""
+    path = model_dir / TOKENIZER_CONFIG
+    if not path.is_file():
+        return
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict) or not raw.get("auto_map"):
+        return
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    name = raw.get("tokenizer_class")
+    cls = tokenizer_class_from_name(name) if isinstance(name, str) and name else None
+    if cls is None or not cls.__module__.startswith("transformers."):
+        raise ValueError(f"{path} has auto_map {raw['auto_map']!r} and tokenizer_class {name!r}, "
+                         "which transformers does not ship: the tokenizer needs checkpoint code, "
+                         "and hybridserve never runs checkpoint code")
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The checkpoint's tokenizer, from data files only (``trust_remote_code=False``).
+
+    Raises ValueError for a tokenizer that needs checkpoint code; an ``auto_map`` next to
+    a tokenizer class transformers ships is ignored.
+    """
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    check_tokenizer_config(model_dir)
+    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype,
