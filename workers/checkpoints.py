@@ -9,7 +9,10 @@ Strategies (``cache.mamba_strategy``, DESIGN §4):
   borrowed per write without eviction; when that fails, the write goes in place into keep.
 
 Checkpoint depths: prefill targets (the last page-aligned position a later match can
-reach, ``((L - 1) // page) * page``, and the branching point of a partial match; the
+reach, ``((L - 1) // page) * page``, the deepest track-grid point at or below it -- so a
+later prompt that shares only a prefix of this one, such as a system prompt, finds a
+checkpoint without a second request first writing the branching point -- and the
+branching point of a partial match; the
 kernels snapshot the state at that position inside the chunk, and the scheduler cuts a
 chunk that would hold two) and multiples of the track grid
 ``lcm(mamba_track_interval, page_size)`` reached at the end of a step (decode, verify).
@@ -89,7 +92,9 @@ class CheckpointTracker:
             return
         ps, c = self.page_size, req.cache
         last_reachable = ((req.num_tokens - 1) // ps) * ps
-        c.targets = sorted({t for t in (kv_depth, last_reachable) if t > req.num_computed_tokens and t >= ps})
+        grid_below = (last_reachable // self.grid) * self.grid
+        c.targets = sorted({t for t in (kv_depth, grid_below, last_reachable)
+                            if t > req.num_computed_tokens and t >= ps})
         c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
         if self.strategy == "extra_buffer":
             c.next_slot = self._alloc(req, SlotRole.PENDING, evict=True)
@@ -289,5 +294,5 @@ class CheckpointTracker:
         if slot == req.mamba_slot:              # no_buffer gave away the live slot itself
             req.mamba_slot = None
         c.keep_slot = None
-        if not finished and self.strategy == "extra_buffer_lazy":
+        if not finished:                        # a later write may need a free slot now
             c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)

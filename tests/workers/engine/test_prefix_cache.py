@@ -119,6 +119,21 @@ def test_branch_point_becomes_reusable(tiny_model_dir):
     assert llm.generate_ids([c], [P])[0].cached_tokens == 12   # the branch point of b
 
 
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_grid_point_below_the_prompt_end_serves_the_next_question(tiny_model_dir, strategy):
+    """The first prompt's prefill also checkpoints the deepest grid point below its end (16
+    here: grid 8, last reachable page 20), so the SECOND question on a 16-token system prompt
+    already hits it -- without it, only a third would (after the second wrote the branch)."""
+    llm = cached_llm(tiny_model_dir, strategy)
+    off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
+    vocab = llm.engine.vocab_size
+    system = random_prompts(vocab, [16], seed=11)[0]
+    a, b = (system + q for q in random_prompts(vocab, [7, 6], seed=12))
+    outs = [llm.generate_ids([p], [P])[0] for p in (a, b)]
+    assert [o.cached_tokens for o in outs] == [0, 16]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off.generate_ids([a, b], [P, P])]
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("chunk", [5, 13, 64])
 def test_boundary_sweep(tiny_qwen_dir, page_size, chunk):
