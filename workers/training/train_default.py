@@ -20,12 +20,10 @@ Output: an HF model dir (config.json, model.safetensors holding ``model.*`` and 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import platform
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,23 +32,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workers.models.tiny_text import CHAT_TEMPLATE, SPECIAL_TOKENS
+from workers.training.corpus import (EOS_TOKEN, encode_stream, read_corpus, stdlib_files, stdlib_root,
+                                     train_tokenizer)
 from workers.training.mtp_head import MtpHead, param_count
+from workers.training.readme import write_readme
 
-EOS_TOKEN = "<|endoftext|>"
 MTP_LOSS_WEIGHT = 0.3
 SAMPLE_PROMPTS = ("def ", "import os\n", "class Foo:\n    def __init__(self",
                   "    for i in range(", "if __name__ == ")
-# Not training text: the docs-as-data module, codec tables, build-time config dumps.
-EXCLUDED_DIRS = ("site-packages", "dist-packages", "pydoc_data", "encodings", "__pycache__",
-                 "lib2to3/tests/data")
-EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
-MAX_FILE_BYTES = 400_000
-# Pre-tokenizer split: a word or a punctuation run takes ONE trailing space ("def ", "= ",
-# "return "); other whitespace (newline + indentation) is its own piece. GPT-2's split puts
-# the space in front of the next word instead, so a prompt ending in a space ("def ") ends
-# on a lone-space token the model never saw in training; with this split it is in-domain.
-PRETOKENIZE_PATTERN = r"[\p{L}\p{N}_]+ ?|[^\s\p{L}\p{N}_]+ ?|\s+"
 
 
 @dataclass
@@ -94,85 +83,6 @@ class TrainSettings:
     tokenizer_vocab: int = 4096
     save_dtype: str = "float16"
     shape: ModelShape = field(default_factory=ModelShape)
-
-
-# --- data -----------------------------------------------------------------------------------
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path | None = None) -> list[Path]:
-    """The training corpus: the stdlib's .py files, sorted by relative path."""
-    root = root or stdlib_root()
-    out = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root).as_posix()
-        if any(f"/{d}/" in f"/{rel}" for d in EXCLUDED_DIRS):
-            continue
-        if rel.split("/")[0].startswith(EXCLUDED_PREFIXES):
-            continue
-        if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        out.append(path)
-    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
-
-
-def is_heldout(rel_path: str, percent: int) -> bool:
-    digest = hashlib.sha256(rel_path.encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 100 < percent
-
-
-def read_corpus(files: list[Path], root: Path, percent: int) -> tuple[list[str], list[str]]:
-    """(train texts, held-out texts); files that are not UTF-8 are skipped."""
-    train, heldout = [], []
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
-        rel = path.relative_to(root).as_posix()
-        (heldout if is_heldout(rel, percent) else train).append(text)
-    return train, heldout
-
-
-# --- tokenizer ------------------------------------------------------------------------------
-def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int):
-    """Byte-level BPE as ``workers.models.tiny.build_tiny_tokenizer`` (same specials, same
-    ChatML template), on ``texts``, with ``PRETOKENIZE_PATTERN`` as the pre-token split."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  min_frequency=2, show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    tok.save(str(out_dir / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": None, "unk_token": None,
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != EOS_TOKEN],
-        "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return tok
-
-
-def encode_stream(tok, texts: list[str]) -> torch.Tensor:
-    """All texts as one int64 stream, each followed by ``<|endoftext|>``."""
-    eos = tok.token_to_id(EOS_TOKEN)
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.int64)
 
 
 # --- model ----------------------------------------------------------------------------------
@@ -434,94 +344,6 @@ def load_saved(out_dir: Path):
     return model.eval(), mtp.eval()
 
 
-def write_readme(out_dir: Path, info: dict[str, Any]) -> None:
-    s = info["settings"]
-    shape = s["shape"]
-    ev = info["eval"]
-    samples = "\n\n".join(f"Prompt `{json.dumps(p)}`:\n\n```python\n{text}\n```"
-                          for p, text in info["samples"].items())
-    hist = "\n".join(f"| {st} | {sec} | {m} | {mt} |" for st, sec, m, mt in info["train"]["history"])
-    text = f"""# qwen3-next-tiny-py
-
-The default model of hybridserve: a tiny **Qwen3-Next** (`Qwen3NextForCausalLM`: Gated
-DeltaNet + gated full attention, MoE with a shared expert, zero-centred RMSNorms, partial
-RoPE) **with an MTP head** (`mtp.*`), trained from scratch on CPU on the Python standard
-library's own source. It writes Python-looking code and nothing else; it is a test and
-demo model, not an assistant.
-
-## How it was made
-
-```
-{info["command"]}
-```
-
-(`workers/training/train_default.py`; seeds fixed; Python {info["python"]}, torch
-{info["torch"]}, transformers {info["transformers"]}, {info["threads"]} CPU threads.)
-
-- **Data**: {info["data"]["files_train"]} training and {info["data"]["files_heldout"]} held-out
-  `.py` files of the stdlib at `sysconfig.get_paths()["stdlib"]` (held-out = sha256 of the
-  relative path, first 4 bytes mod 100 < {s["heldout_percent"]}; site-packages, `encodings/`,
-  `pydoc_data/`, `lib2to3/tests/data/`, `_sysconfigdata*` and files over 400 kB left out).
-  {info["data"]["train_tokens"]:,} training tokens, {info["data"]["heldout_tokens"]:,} held-out tokens
-  ({info["data"]["bytes_per_token"]:.2f} bytes/token on held-out text).
-- **Tokenizer**: byte-level BPE trained with `tokenizers` on the training files, vocab
-  {info["vocab"]}; `<|endoftext|>` (id 0, eos and pad), `<|im_start|>`, `<|im_end|>`; ChatML
-  chat template. Pre-token split: a word or punctuation run keeps one *trailing* space
-  (`def `, `= `), newlines + indentation are separate pieces, so prompts that end in a
-  space (`def `) stay in the training distribution.
-- **Model**: hidden {shape["hidden_size"]}, {4 * shape["num_blocks"]} layers
-  (`[linear_attention x3, full_attention] x {shape["num_blocks"]}`); GDN {shape["linear_num_key_heads"]} key /
-  {shape["linear_num_value_heads"]} value heads of dim {shape["linear_key_head_dim"]}; attention {shape["num_attention_heads"]} heads /
-  {shape["num_key_value_heads"]} KV heads, head_dim {shape["head_dim"]}, partial rotary 0.25; dense SwiGLU
-  ({shape["intermediate_size"]}) after the GDN layers, MoE after the attention layers ({shape["num_experts"]}
-  experts of {shape["moe_intermediate_size"]}, top-{shape["num_experts_per_tok"]}, + a sigmoid-gated shared expert of
-  {shape["shared_expert_intermediate_size"]}); tied embeddings. MTP head: `fc` 2H→H over
-  concat[`pre_fc_norm_embedding`(e_{{t+1}}), `pre_fc_norm_hidden`(h_t)], one full-attention MoE
-  decoder layer (RoPE at position t+1), `norm`, the shared `lm_head`.
-- **Parameters**: {info["params_main"]:,} main + {info["params_mtp"]:,} MTP = {info["params_main"] + info["params_mtp"]:,}
-  ({info["disk_bytes"] / 1e6:.2f} MB `model.safetensors`, stored as {s["save_dtype"]}; load it as float32).
-- **Training**: loss = CE(next token) + {MTP_LOSS_WEIGHT}·CE(MTP, token t+2) + 0.001·router balance
-  loss; AdamW (β 0.9/0.95, weight decay {s["weight_decay"]} on matrices), peak lr {s["lr"]},
-  {s["warmup_steps"]} warmup steps then cosine to {s["min_lr_ratio"]}×; batch {s["batch_size"]} × {s["seq_len"]} tokens
-  (random windows of the token stream, files joined by `<|endoftext|>`); gradient clip {s["grad_clip"]};
-  float32 weights{", bfloat16 autocast for the matmuls" if s["amp"] else ""}.
-  {info["train"]["steps"]} steps, {info["train"]["tokens_seen"]:,} tokens, **{info["train"]["train_seconds"] / 60:.1f} min** of
-  training ({info["total_seconds"] / 60:.1f} min for the whole script, data and tokenizer included).
-
-## Held-out results
-
-Measured on {ev["eval_tokens"]:,} tokens ({s["eval_windows"]} fixed windows of {s["seq_len"]}) of the held-out
-files, with the weights as saved ({s["save_dtype"]}, computed in float32):
-
-| metric | value |
-|---|---|
-| held-out loss (next token, nats/token) | **{ev["heldout_loss"]:.3f}** (ppl {math.exp(ev["heldout_loss"]):.1f}) |
-| unigram baseline (add-one train frequencies) | {info["unigram_loss"]:.3f} (ppl {math.exp(info["unigram_loss"]):.0f}) |
-| held-out bits per byte | {ev["heldout_loss"] / math.log(2) / info["data"]["bytes_per_token"]:.3f} |
-| next-token top-1 accuracy | {ev["main_top1"]:.3f} |
-| MTP loss (token t+2, nats/token) | {ev["heldout_mtp_loss"]:.3f} |
-| MTP top-1 accuracy (token t+2) | {ev["mtp_top1"]:.3f} |
-| **MTP acceptance** (greedy draft = main model's greedy token) | **{ev["mtp_acceptance"]:.3f}** |
-
-MTP acceptance is the fraction of held-out positions t where the MTP head's argmax from
-(h_t, true token t+1) equals the main model's argmax at t+1 given the true prefix, i.e. the
-acceptance rate of a one-token greedy draft.
-
-Training curve (training-batch losses):
-
-| step | seconds | main CE | MTP CE |
-|---|---|---|---|
-{hist}
-
-## Greedy samples
-
-Greedy (temperature 0) continuations, {info["sample_tokens"]} new tokens:
-
-{samples}
-"""
-    (out_dir / "README.md").write_text(text)
-
-
 # --- main -----------------------------------------------------------------------------------
 def run(out_dir: Path, s: TrainSettings, command: str, log=print, max_files: int | None = None,
         sample_tokens: int = 60) -> dict[str, Any]:
@@ -571,6 +393,7 @@ def run(out_dir: Path, s: TrainSettings, command: str, log=print, max_files: int
         "disk_bytes": (out_dir / "model.safetensors").stat().st_size,
         "train": train_info, "eval": ev, "unigram_loss": uni, "samples": samples,
         "sample_tokens": sample_tokens, "total_seconds": time.monotonic() - t_start,
+        "mtp_loss_weight": MTP_LOSS_WEIGHT,
     }
     write_readme(out_dir, info)
     log(json.dumps({k: info[k] for k in ("eval", "unigram_loss", "params_main", "params_mtp",

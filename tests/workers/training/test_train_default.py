@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from workers.loader import load_model
-from workers.training import train_default as td
+from workers.training import corpus, train_default as td
 from workers.training.mtp_head import MtpHead
 
 TINY_SHAPE = dict(hidden_size=32, num_blocks=1, num_attention_heads=2, num_key_value_heads=1,
@@ -34,13 +34,13 @@ def trained(tmp_path_factory) -> tuple[Path, dict]:
 
 
 def test_split_is_fixed_and_small() -> None:
-    root = td.stdlib_root()
-    rels = [p.relative_to(root).as_posix() for p in td.stdlib_files(root)]
+    root = corpus.stdlib_root()
+    rels = [p.relative_to(root).as_posix() for p in corpus.stdlib_files(root)]
     assert rels == sorted(rels) and len(rels) > 100
     assert not any("site-packages" in r or r.startswith("encodings/") for r in rels)
-    held = [r for r in rels if td.is_heldout(r, 3)]
+    held = [r for r in rels if corpus.is_heldout(r, 3)]
     assert 0 < len(held) < 0.08 * len(rels)
-    assert held == [r for r in rels if td.is_heldout(r, 3)]
+    assert held == [r for r in rels if corpus.is_heldout(r, 3)]
 
 
 def test_run_writes_a_dir_the_loader_serves(trained) -> None:
