@@ -12,8 +12,8 @@ What is real and what is modelled:
 - Modelled (``SimReplica``): each replica's hybrid cache is an LRU of Mamba checkpoints
   whose paths' KV pages must fit ``cache_tokens`` (a match is the deepest checkpoint at a
   page boundary, at most ``len(prompt) - 1``); checkpoints are written where the engine
-  writes them (``workers/checkpoints.py``): during prefill at ``((L - 1) // page) * page``,
-  at the branching point of a partial KV match, and at every chunk end that falls on the
+  writes them (``workers/checkpoints.py``): during prefill at ``((L - 1) // page) * page``
+  and at the deepest grid point below it, at the branching point of a partial KV match, and at every chunk end that falls on the
   grid ``lcm(track_interval, page)`` (chunks of ``chunk_size`` cut at those targets); and
   at the last grid point a decode crosses. Time: a replica serves up to
   ``max_batch`` requests at once, each taking ``overhead + prefill_s * uncached prompt
@@ -122,11 +122,13 @@ class SimReplica:
         return events
 
     def prefill_depths(self, tokens: Sequence[int], hit: int, kv: int) -> list[int]:
-        """Targets (branching point, last reachable page) and prefill chunk ends on the grid."""
+        """Targets (branching point, deepest grid point below the last reachable page, that
+        page) and prefill chunk ends on the grid."""
         page, grid = self.s.page_size, self.grid
         last = ((len(tokens) - 1) // page) * page
         branch = kv if hit < kv < last else 0
-        targets = sorted(d for d in (branch, last) if d > 0)
+        grid_below = (last // grid) * grid
+        targets = sorted({d for d in (branch, grid_below if grid_below > hit else 0, last) if d > 0})
         depths, pos = set(targets), hit
         while pos < len(tokens):           # chunks end at chunk_size, a target or the prompt end
             end = min([pos + self.s.chunk_size, len(tokens)] + [t for t in targets if t > pos])

@@ -28,6 +28,8 @@ def test_replica_checkpoints_sit_where_the_engine_writes_them():
     assert r.decode_depth(18, 30) == 24 and r.decode_depth(18, 20) == 0
     chunked = SimReplica(SimSettings(page_size=4, track_interval=8, chunk_size=8))
     assert chunked.prefill_depths(list(range(30)), 0, 0) == [8, 16, 24, 28]   # chunk ends on the grid
+    assert r.prefill_depths(list(range(500, 522)), 0, 0) == [16, 20]   # grid point below the last page
+    assert r.prefill_depths(list(range(500, 522)), 16, 16) == [20]
 
 
 def test_replica_evicts_least_recent_checkpoints_to_fit_its_pages():
