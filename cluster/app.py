@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
@@ -44,9 +44,29 @@ class RouterOptions(_Strict):
 
 
 class IngressOptions(_Strict):
+    """The ingress deployment: size, Serve's limits, admission, graceful shutdown.
+
+    ``max_in_flight`` (per ingress replica, ``cluster/admission.py``) must stay below
+    ``max_ongoing_requests`` so that excess requests reach the ingress and get an OpenAI
+    503 instead of queuing in the Serve proxy (whose own 503, past
+    ``max_queued_requests``, is plain text).
+    """
+
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(1000, ge=1)
+    max_queued_requests: int = Field(256, ge=-1)       # -1: unbounded (Serve's default)
+    max_in_flight: int = Field(512, ge=1)
+    retry_after_s: int = Field(1, ge=0)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
+
+    @model_validator(mode="after")
+    def _admission_below_serve_limit(self) -> IngressOptions:
+        if self.max_in_flight >= self.max_ongoing_requests:
+            raise ValueError(f"ingress.max_in_flight ({self.max_in_flight}) must be below "
+                             f"ingress.max_ongoing_requests ({self.max_ongoing_requests})")
+        return self
 
 
 class AppArgs(_Strict):
@@ -93,14 +113,23 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=config.parallel.num_replicas,
         max_ongoing_requests=replica.max_ongoing_requests,
+        max_queued_requests=replica.max_queued_requests,
         health_check_period_s=replica.health_check_period_s,
+        health_check_timeout_s=replica.health_check_timeout_s,
+        graceful_shutdown_wait_loop_s=replica.graceful_shutdown_wait_loop_s,
+        graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
         request_router_config=RequestRouterConfig(request_router_class=HybridPrefixRouter,
                                                   request_router_kwargs=router_kwargs),
         **replica_placement(config, replica),
     ).bind(config.model_dump(mode="json"), replica.model_dump())
+    opts = args.ingress
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
-        num_replicas=args.ingress.num_replicas,
-        max_ongoing_requests=args.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.ingress.num_cpus},
+        num_replicas=opts.num_replicas,
+        max_ongoing_requests=opts.max_ongoing_requests,
+        max_queued_requests=opts.max_queued_requests,
+        graceful_shutdown_wait_loop_s=opts.graceful_shutdown_wait_loop_s,
+        graceful_shutdown_timeout_s=opts.graceful_shutdown_timeout_s,
+        ray_actor_options={"num_cpus": opts.num_cpus},
     )
-    return ingress.bind(engine, config.model_dump(mode="json"), model_name, replica.forget_after_s)
+    return ingress.bind(engine, config.model_dump(mode="json"), model_name, replica.forget_after_s,
+                        opts.max_in_flight, opts.retry_after_s)

@@ -3,7 +3,9 @@
 The ingress owns the tokenizer (tokens at the edge, DESIGN §1) and a handle to the
 engine deployment; ``ServeEngineClient`` adapts that handle to ``EngineClient``. The
 ASGI app is built per replica after the constructor (``__serve_build_asgi_app__``), so
-the routes close over this replica's ``OpenAIServer`` instead of module globals.
+the routes close over this replica's ``OpenAIServer`` instead of module globals; it is
+wrapped in ``AdmissionLimit`` (``cluster/admission.py``): at most ``max_in_flight``
+concurrent requests per ingress replica, the rest answered 503 + ``Retry-After`` at once.
 """
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.actors import get_index_actor
+from cluster.admission import AdmissionLimit
 from cluster.engine_client import GenerateStream
 from cluster.http_api import make_api
 from cluster.messages import GenerateRequest, ModelInfo
@@ -60,13 +64,19 @@ class ServeEngineClient:
         return await self._each_replica("stats")
 
     async def health(self) -> None:
-        await self._handle.model_info.remote()
+        """Raises unless a replica answers; a replica too busy to queue one more call is
+        alive (``BackPressureError`` is overload, not failure: ``/health`` stays 200)."""
+        try:
+            await self._handle.model_info.remote()
+        except BackPressureError:
+            pass
 
 
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, engine: DeploymentHandle, config: dict[str, Any], model_name: str,
-                     forget_after_s: float = 30.0) -> None:
+                     forget_after_s: float = 30.0, max_in_flight: int = 512,
+                     retry_after_s: int = 1) -> None:
         from transformers import AutoTokenizer
 
         cfg = HybridServeConfig.model_validate(config)
@@ -76,9 +86,19 @@ class OpenAIIngress:
         settings = ServerSettings(model_name=model_name, model_root=str(cfg.model),
                                   api_key=cfg.server.api_key)
         self._server = OpenAIServer(client, tokenizer, settings)
+        self._max_in_flight, self._retry_after_s = max_in_flight, retry_after_s
 
     def __serve_build_asgi_app__(self) -> Any:
-        return make_api(self._server)
+        self._admission = AdmissionLimit(make_api(self._server), self._max_in_flight, self._retry_after_s)
+        return self._admission
+
+    async def begin_drain(self) -> int:
+        """Handle method (``hybridserve serve`` on SIGTERM): refuse new HTTP requests with
+        503 from now on; returns how many are still in flight."""
+        return self._admission.begin_drain()
+
+    async def num_in_flight(self) -> int:
+        return self._admission.in_flight
 
 
 def default_model_name(config: HybridServeConfig) -> str:

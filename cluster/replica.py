@@ -30,16 +30,28 @@ logger = logging.getLogger(__name__)
 
 
 class ReplicaOptions(BaseModel):
-    """Replica knobs that are not part of the engine config (builder args ``replica:``)."""
+    """Replica knobs that are not part of the engine config (builder args ``replica:``).
+
+    Serve limits per engine replica: ``max_ongoing_requests`` generate streams at once,
+    and at most ``max_queued_requests`` more waiting in each caller's handle (beyond
+    that the call raises ``BackPressureError``; the ingress answers 503). A draining
+    replica (redeploy, scale down, ``serve.delete``) gets no new requests and waits up to
+    ``graceful_shutdown_timeout_s`` for its streams to finish, checking every
+    ``graceful_shutdown_wait_loop_s``, before its engine stops.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_name: str = ""
     num_cpus: float = Field(1.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(512, ge=-1)       # -1: unbounded (Serve's default)
     stats_interval_s: float = Field(1.0, gt=0)
     events_interval_s: float = Field(0.05, gt=0)
     health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
     forget_after_s: float = Field(30.0, gt=0)
 
 
