@@ -37,6 +37,11 @@ class ServerSettings:
     model_name: str
     model_root: str                       # the checkpoint the name stands for (``root``)
     api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get a 413
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
 
 
 @dataclass(frozen=True)
@@ -257,5 +262,10 @@ def _validate(schema: type[BaseModel], obj: dict[str, Any]) -> Any:
 
 
 def _unavailable(exc: BaseException) -> OpenAIError:
-    return OpenAIError(f"the engine is unavailable: {type(exc).__name__}: {exc}"[:500], status=503,
+    """A 503 naming the root failure in one line (a Ray task error's ``str`` is a whole
+    remote traceback: logged here, never sent to the client)."""
+    logger.warning("engine call failed: %r", exc)
+    cause = getattr(exc, "cause", None) or exc
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    return OpenAIError(f"the engine is unavailable: {type(cause).__name__}: {first}", status=503,
                        type="service_unavailable", code="engine_unavailable")

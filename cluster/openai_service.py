@@ -6,6 +6,7 @@ before any generation or stream starts. ``*_body`` renders finished outputs.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from workers.outputs import RequestOutput
 from workers.request import TokenLogprob
 from workers.sampling_params import SamplingParams
+
+MIN_TEMPERATURE = 1e-5                     # below it sampling is greedy (as vLLM)
+MIN_TOP_P = 1e-8                           # the same nucleus (top-1) for any smaller top_p
 
 
 class OpenAIError(Exception):
@@ -30,10 +34,26 @@ class OpenAIError(Exception):
                           "code": self.code}}
 
 
+# pydantic names the member of a union in ``loc`` (``("stop", "list[constrained-str]")``)
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict)$|\[|^[a-z]+-[a-z-]+$")
+
+
 def from_validation_error(exc: ValidationError) -> OpenAIError:
-    err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    """The first invalid field as a 400; ``param`` is its dotted path.
+
+    A union field fails once per member: a constraint a member of the right type broke
+    says more than "should be a valid string" from the others, so it wins; when every
+    member refused the type, the message lists what would have been accepted.
+    """
+    errors = exc.errors()
+    field = errors[0]["loc"][:1]
+    same = [e for e in errors if e["loc"][:1] == field]
+    broken = [e for e in same if not e["type"].endswith(("_type", "_parsing"))]
+    err = broken[0] if broken else same[0]
+    param = ".".join(str(p) for p in err["loc"] if not _UNION_TAG.search(str(p))) or None
     msg = err["msg"].removeprefix("Value error, ")
+    if not broken and len(same) > 1:
+        msg = " or ".join(dict.fromkeys(e["msg"] for e in same))
     return OpenAIError(f"{param}: {msg}" if param else msg, param=param)
 
 
@@ -61,7 +81,10 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, prompt_len: int, m
             f"{max_tokens} in the completion).", param="max_tokens" if prompt_len < max_model_len else "prompt",
             code="context_length_exceeded")
     seed = None if req.seed is None else req.seed + choice
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+    # logits / 1e-45 overflows to inf and the sampler's softmax to NaN: tiny is greedy
+    # and a top_p that rounds to 0 in float32 masks every token: clamp both at the edge
+    temperature = 0.0 if req.temperature < MIN_TEMPERATURE else req.temperature
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=max(req.top_p, MIN_TOP_P),
                           top_k=req.top_k, seed=seed, stop=tuple(req.stop or ()),
                           stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                           logprobs=logprobs, min_tokens=min(req.min_tokens, max_tokens))
