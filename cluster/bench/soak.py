@@ -1,7 +1,10 @@
 """Soak load: every shipped workload mixed, streaming and not, with disconnects and invalid requests.
 
     python -m cluster.bench.soak --base-url http://127.0.0.1:8000/APP --duration-s 600 \
-        [--warmup-s 60 --concurrency 8 --ray-app APP]
+        [--warmup-s 60 --concurrency 8 --ray-app APP --ray-address HOST:PORT]
+
+(``--ray-app`` joins the Ray cluster to read the replicas' RSS; a cluster with Ray's token
+authentication also needs ``RAY_AUTH_MODE=token`` in this command's environment.)
 
 ``concurrency`` workers run a closed loop for ``duration_s``: each takes the next session
 of a workload drawn at random (``configs/workloads``: random lengths, shared prefix,
@@ -372,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None, help="tokenizer dir for text prompts (default: words)")
     p.add_argument("--ray-app", default=None,
                    help="Serve app name: join the local Ray cluster and check the replicas' RSS")
+    p.add_argument("--ray-address", default="auto", help="with --ray-app: the cluster's GCS address")
     p.add_argument("--max-rss-growth", type=float, default=0.10)
     args = p.parse_args(argv)
     settings = SoakSettings(args.duration_s, args.duration_s / 10 if args.warmup_s is None else args.warmup_s,
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray_app:
         import ray
 
-        ray.init(address="auto", log_to_driver=False)
+        ray.init(address=args.ray_address, log_to_driver=False)
         pids = sorted(replica_pids(args.ray_app).values())
     result = run_checked(args.base_url, settings, args.api_key, Renderer.from_path(args.tokenizer), pids)
     print(result.format())

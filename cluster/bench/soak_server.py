@@ -8,7 +8,10 @@
   ``debug.check_invariants`` the engine recounts its cache after every step and counts
   each violation there (deployed engines count, they do not raise: a raise would kill the
   engine loop, fail every open stream with 503 and make the replica unhealthy).
-- ``finished``: ``hybridserve_requests_total`` per finish reason, summed over replicas.
+- ``engine_counters``: the engines' counters (``hybridserve_requests_total`` per finish
+  reason, preemptions, evictions, prefix hits...), summed over replicas.
+- ``run_checked``: idle pools, the soak, idle pools again, as a ``SoakResult``; its
+  ``problems()`` are the soak's contract.
 - ``replica_pids`` / ``rss_kib``: the engine replicas' Ray actors (the GCS actor table; the
   caller is connected to the cluster) and their resident set from ``/proc/<pid>/status``
   (the processes must run on this machine).
@@ -82,11 +85,15 @@ def violations(stats: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
-def finished(stats: list[dict[str, Any]]) -> Counter[str]:
-    """Engine requests finished, by finish reason (stop, length, abort), over every replica."""
+def engine_counters(stats: list[dict[str, Any]]) -> Counter[str]:
+    """Every engine counter summed over the replicas; a labelled one as ``name{label}``."""
     total: Counter[str] = Counter()
     for s in stats:
-        total.update({k: int(v) for k, v in (s["counters"].get(FINISHED) or {}).items()})
+        for name, value in s["counters"].items():
+            if name.endswith("_total") and isinstance(value, int):
+                total[name] += value
+            elif name.endswith("_total") and isinstance(value, dict):
+                total.update({f"{name}{{{k}}}": int(v) for k, v in value.items()})
     return total
 
 
@@ -133,9 +140,15 @@ class SoakResult:
     pools_before: dict[str, dict[str, int]]
     pools_after: dict[str, dict[str, int]]
     violations: dict[str, dict[str, int]]
-    finished_delta: dict[str, int]        # engine requests finished during the soak, by reason
+    counters_delta: dict[str, int]        # engine counters' growth during the soak (non-zero ones)
     rss_warm_kib: dict[int, int] = field(default_factory=dict)
     rss_end_kib: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def finished_delta(self) -> dict[str, int]:
+        """Engine requests finished during the soak, by finish reason."""
+        prefix = f"{FINISHED}{{"
+        return {k[len(prefix):-1]: v for k, v in self.counters_delta.items() if k.startswith(prefix)}
 
     def problems(self, max_rss_growth: float = 0.10) -> list[str]:
         """Everything that breaks the soak's contract; empty when it held."""
@@ -161,6 +174,7 @@ class SoakResult:
         lines = [f"soak of {self.report.model}: {fig.pop('requests')} requests in {fig.pop('duration_s')} s"]
         lines += [f"  {k}: {v}" for k, v in fig.items()]
         lines.append(f"  engine finished (by reason): {self.finished_delta}")
+        lines.append(f"  engine counters (growth): {self.counters_delta}")
         lines.append(f"  invariant violations: {self.violations}")
         for pid in sorted(self.rss_warm_kib):
             warm, end = self.rss_warm_kib[pid], self.rss_end_kib.get(pid, 0)
@@ -180,7 +194,7 @@ def run_checked(base_url: str, settings: SoakSettings, api_key: str | None = Non
     from cluster.bench.client import Target
 
     pools_before = idle_pools(base_url, api_key, idle_timeout_s)
-    finished_before = finished(replica_stats(base_url, api_key))
+    counters_before = engine_counters(replica_stats(base_url, api_key))
     rss_warm: dict[int, int] = {}
 
     def on_warm() -> None:
@@ -189,6 +203,6 @@ def run_checked(base_url: str, settings: SoakSettings, api_key: str | None = Non
     report = asyncio.run(run_soak(Target(base_url, api_key=api_key), settings, renderer, on_warm))
     stats = wait_idle(base_url, api_key, idle_timeout_s)
     rss_end = {pid: rss_kib(pid) for pid in pids or []}
-    delta = finished(stats) - finished_before
+    delta = engine_counters(stats) - counters_before     # Counter subtraction keeps the positive
     return SoakResult(report, pools_before, idle_pools(base_url, api_key, idle_timeout_s), violations(stats),
                       dict(sorted(delta.items())), rss_warm, rss_end)
