@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast clean-venv prometheus
+.PHONY: install serve test test-slow clean-venv prometheus
 
 install: $(VENV)/.installed
 
@@ -25,11 +25,13 @@ serve: install
 prometheus:
 	@sh deploy/prometheus/install.sh
 
+# Everything but the long variants (`slow`: the 10-minute soak, the full fuzz, ...); each
+# has a short variant that runs here.
 test: install prometheus
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-
-test-fast: install prometheus
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install prometheus
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -14,7 +14,7 @@ import yaml
 
 from tests.e2e.conftest import free_port, wait_until
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

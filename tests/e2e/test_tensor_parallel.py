@@ -16,7 +16,7 @@ import pytest
 from tests.e2e.conftest import SMALL_ENGINE
 from tests.workers.engine.helpers import random_prompts
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 MAX_TOKENS = 16
 
 

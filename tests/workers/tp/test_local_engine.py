@@ -16,7 +16,6 @@ import pytest
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
 UNSEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, ignore_eos=True)
