@@ -212,6 +212,7 @@ class Engine:
 
     def _check_invariants(self) -> None:
         violations = self.check_invariants()
+        self.stats.inc("hybridserve_invariant_checks_total")
         for v in violations:
             self.stats.inc("hybridserve_invariant_violations_total", label=v.invariant)
         if violations and self.raise_on_violation:

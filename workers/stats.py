@@ -22,6 +22,7 @@ COUNTERS = (
     "hybridserve_preemptions_total",
     "hybridserve_prompt_tokens_total",
     "hybridserve_generation_tokens_total",
+    "hybridserve_invariant_checks_total",     # debug.check_invariants: steps checked
 )
 LABELLED_COUNTERS = {
     "hybridserve_mamba_donations_skipped_total": "path",

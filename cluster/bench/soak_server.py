@@ -29,6 +29,7 @@ from cluster.bench.workloads import Renderer
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 VIOLATIONS = "hybridserve_invariant_violations_total"
+CHECKS = "hybridserve_invariant_checks_total"
 FINISHED = "hybridserve_requests_total"
 
 
@@ -156,6 +157,8 @@ class SoakResult:
                for outcome, n in Counter(r.outcome for r in self.report.failures()).items()]
         if any(self.violations.values()):
             out.append(f"invariant violations: {self.violations}")
+        if not self.counters_delta.get(CHECKS):
+            out.append(f"no invariant checks ran ({CHECKS} did not grow): is debug.check_invariants on?")
         if self.pools_after != self.pools_before:
             out.append(f"pools not back at idle: before {self.pools_before}, after {self.pools_after}")
         grown = {pid: g for pid, g in rss_growth(self.rss_warm_kib, self.rss_end_kib).items() if g >= max_rss_growth}

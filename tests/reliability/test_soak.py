@@ -105,7 +105,8 @@ def _result(**changes) -> SoakResult:
                                                                           "disconnected", 200, 0.0, 0.1)]
     fields = dict(report=SoakReport(ok, 1.0, "m"), pools_before=pools, pools_after=pools,
                   violations={"0": {}}, counters_delta={"hybridserve_requests_total{length}": 1,
-                                                        "hybridserve_requests_total{abort}": 1},
+                                                        "hybridserve_requests_total{abort}": 1,
+                                                        "hybridserve_invariant_checks_total": 5},
                   rss_warm_kib={7: 1000}, rss_end_kib={7: 1050})
     return SoakResult(**{**fields, **changes})
 
@@ -117,5 +118,7 @@ def test_problems_name_every_broken_promise():
     assert "invariant" in _result(violations={"0": {"I3": 2}}).problems()[0]
     assert "pools" in _result(pools_after={"r0": {"kv_pages_free": 7, "mamba_slots_free": 4}}).problems()[0]
     assert "RSS" in _result(rss_end_kib={7: 1100}).problems()[0]
-    lost = {"hybridserve_requests_total{length}": 1}
+    lost = {"hybridserve_requests_total{length}": 1, "hybridserve_invariant_checks_total": 5}
     assert "the engines finished 1" in _result(counters_delta=lost).problems()[0]
+    unchecked = {"hybridserve_requests_total{length}": 1, "hybridserve_requests_total{abort}": 1}
+    assert "no invariant checks ran" in _result(counters_delta=unchecked).problems()[0]
