@@ -46,6 +46,11 @@ def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
                            "usage": {"$ref": REF.format(model="Usage")}, "prompt_token_ids": {"type": "array"}}}
 
 
+# one server-sent event (as OpenAPI < 3.2 reads an event stream's schema): a JSON chunk
+# or error object, or the final [DONE]
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": {"const": "message"},
+    "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "pattern": "^\\{.*\\}$"}]}}}
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
 _COMPLETION = _envelope("text_completion", {
     "type": "object", "required": ["index", "text", "finish_reason", "logprobs"],
@@ -82,7 +87,7 @@ def _model_schemas() -> dict[str, Any]:
 
 def component_schemas() -> dict[str, Any]:
     return {**_model_schemas(), "ErrorResponse": _ERROR, "Usage": _USAGE, "Completion": _COMPLETION,
-            "ChatCompletion": _CHAT, "ModelList": _MODELS, "FlushResult": _FLUSHED,
+            "ChatCompletion": _CHAT, "StreamEvent": _SSE_EVENT, "ModelList": _MODELS, "FlushResult": _FLUSHED,
             "ReplicaStats": _REPLICAS}
 
 
@@ -105,7 +110,7 @@ def operation(ok: str | None, errors: tuple[int, ...], request: str | None = Non
     also ``text/event-stream``), the error statuses, and the JSON request body ``request``."""
     content: dict[str, Any] = {"application/json": {"schema": _ref(ok)}} if ok else {}
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["text/event-stream"] = {"schema": _ref("StreamEvent")}
     ok_resp: dict[str, Any] = {"description": "success"}
     if content:
         ok_resp["content"] = content
