@@ -308,9 +308,9 @@ class Renderer:
     def from_path(cls, path: str | Path | None) -> Renderer:
         if path is None:
             return cls()
-        from transformers import AutoTokenizer
+        from workers.loader import load_tokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(path)))
+        return cls(load_tokenizer(path))
 
     def text(self, ids: Sequence[int]) -> str:
         """Text of about ``len(ids)`` tokens. With a tokenizer, random ids decode to text
