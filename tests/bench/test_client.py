@@ -45,9 +45,10 @@ def test_streams_are_timed_and_usage_is_read():
     assert m.completed == 6 and m.failed == 0 and m.total_output_tokens == 30
     assert m.total_input_tokens == 72 and m.cached_fraction == pytest.approx(0.5)
     for r in res.records:
-        # Gaps are timed per chunk; a loaded machine may deliver two chunks together.
+        # Gaps are timed per chunk; a loaded machine may deliver two chunks together, and the
+        # server's 20 ms sleeps are measured at the client a little early or late.
         assert r.ttft >= 0.08 and len(r.itl) == 4 and sum(r.itl) >= 0.05
-        assert r.e2el >= r.ttft + 0.08 and r.tpot == pytest.approx((r.e2el - r.ttft) / 4)
+        assert r.e2el >= r.ttft + 0.07 and r.tpot == pytest.approx((r.e2el - r.ttft) / 4)
     assert m.request_goodput == pytest.approx(6 / m.duration_s)
 
 
