@@ -77,15 +77,18 @@ async def one(client: httpx.AsyncClient, k: int) -> Outcome:
     return Outcome(200, None, None, latency, chunks[-1]["usage"]["completion_tokens"])
 
 
-async def health_during(client: httpx.AsyncClient, stop: asyncio.Event) -> list[int]:
-    statuses = []
+async def health_during(client: httpx.AsyncClient, stop: asyncio.Event) -> list[tuple[int, float]]:
+    """(status, latency) of /health probes every 50 ms: the cost of the path itself."""
+    probes = []
     while not stop.is_set():
-        statuses.append((await client.get("/health")).status_code)
+        t0 = time.monotonic()
+        status = (await client.get("/health")).status_code
+        probes.append((status, time.monotonic() - t0))
         await asyncio.sleep(0.05)
-    return statuses
+    return probes
 
 
-async def burst(base_url: str) -> tuple[list[Outcome], list[int]]:
+async def burst(base_url: str) -> tuple[list[Outcome], list[tuple[int, float]]]:
     limits = httpx.Limits(max_connections=BURST + 8, max_keepalive_connections=BURST + 8)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
         await client.get("/v1/models")                     # warm the ingress and model info
@@ -109,7 +112,8 @@ def test_burst_beyond_the_limits_is_refused_with_retry_after(app):
     print(f"\n[overload] burst of {BURST}: outcomes {dict(by_kind)}; rejection latency "
           f"p50 {p(lat, 50) * 1000:.0f} ms, p99 {p(lat, 99) * 1000:.0f} ms, max {max(lat) * 1000:.0f} ms; "
           f"admitted {len(admitted)}, their latency max {max(o.latency_s for o in admitted):.2f} s; "
-          f"/health during the burst: {dict(Counter(health))}")
+          f"/health during the burst: {dict(Counter(s for s, _ in health))}, latency max "
+          f"{max(t for _, t in health) * 1000:.0f} ms")
     assert set(by_kind) <= {(200, None), (503, "server_overloaded"), (503, "engine_unavailable")}, by_kind
     # slots free up as admitted requests finish during the burst: most, not all, of the excess
     assert by_kind[(503, "server_overloaded")] >= BURST // 2
@@ -118,7 +122,7 @@ def test_burst_beyond_the_limits_is_refused_with_retry_after(app):
     assert len(admitted) >= ENGINE_ONGOING
     assert all(o.num_tokens == MAX_TOKENS for o in admitted), admitted
     assert p(lat, 99) < REJECT_P99_BOUND_S
-    assert health and set(health) == {200}
+    assert health and {s for s, _ in health} == {200}
 
 
 def test_the_limit_frees_up_after_the_burst(app):
