@@ -20,6 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.triton_state import (chunk_rows, load_initial_state, program_seq_head,
+                                  state_tile, store_snapshot, store_state)
+
 
 @triton.jit
 def _l2norm_rows(x, USE_L2NORM: tl.constexpr):
@@ -38,12 +41,9 @@ def gdn_chunk_prep_kernel(
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_hk = i_h // (H // HK)
-    start = tl.load(chunk_starts + i_c).to(tl.int64)
-    length = tl.load(chunk_lens + i_c)
     o_t = tl.arange(0, BT)
+    start, length, m_t, rows = chunk_rows(chunk_starts, chunk_lens, i_c, o_t)
     o_k = tl.arange(0, BK)
-    m_t = o_t < length
-    rows = start + o_t
 
     b_k = tl.load(k + (rows[:, None] * HK + i_hk) * K + o_k[None, :],
                   mask=m_t[:, None] & (o_k[None, :] < K), other=0.0).to(tl.float32)
@@ -86,11 +86,7 @@ def gdn_chunk_state_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2NORM: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    i_hk = i_h // (H // HK)
-    seq = tl.load(seq_ids + i_n)
+    i_n, i_h, i_hk, seq = program_seq_head(seq_ids, H, HK)
     slot = tl.load(slot_ids + seq).to(tl.int64)
     c_begin = tl.load(seq_chunk_offsets + i_n)
     c_end = tl.load(seq_chunk_offsets + i_n + 1)
@@ -98,22 +94,13 @@ def gdn_chunk_state_kernel(
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    s_off = (i_h * K + o_k[:, None]) * V + o_v[None, :]
+    m_k, m_v, m_kv, s_off = state_tile(i_h, o_k, o_v, K, V)
 
-    s = tl.zeros([BK, BV], dtype=tl.float32)
-    if tl.load(has_init + seq) != 0:
-        s = tl.load(states + slot * (H * K * V) + s_off, mask=m_kv, other=0.0).to(tl.float32)
+    s = load_initial_state(states, has_init, seq, slot, s_off, m_kv, H * K * V, BK, BV)
 
     for c in range(c_begin, c_end):
-        c64 = tl.cast(c, tl.int64)
-        tl.store(chunk_states + c64 * (H * K * V) + s_off, s, mask=m_kv)
-        start = tl.load(chunk_starts + c).to(tl.int64)
-        length = tl.load(chunk_lens + c)
-        m_t = o_t < length
-        rows = start + o_t
+        store_state(chunk_states, tl.cast(c, tl.int64), s_off, s, m_kv, H * K * V)  # S0, fp32
+        start, length, m_t, rows = chunk_rows(chunk_starts, chunk_lens, c, o_t)
         b_w = tl.load(w + (rows[:, None] * H + i_h) * K + o_k[None, :],
                       mask=m_t[:, None] & m_k[None, :], other=0.0)
         p_u = u + (rows[:, None] * H + i_h) * V + o_v[None, :]
@@ -127,12 +114,9 @@ def gdn_chunk_state_kernel(
         b_k = _l2norm_rows(b_k, USE_L2NORM)
         b_k = b_k * tl.where(m_t, tl.exp(lb_last - b_lb), 0.0)[:, None]
         s = s * tl.exp(lb_last) + tl.dot(tl.trans(b_k), b_vnew)
-        dst = tl.load(chunk_dst + c).to(tl.int64)
-        if dst != 0:
-            tl.store(states + dst * (H * K * V) + s_off, s.to(states.dtype.element_ty),
-                     mask=m_kv)
+        store_snapshot(states, chunk_dst, c, s_off, s, m_kv, H * K * V)
 
-    tl.store(states + slot * (H * K * V) + s_off, s.to(states.dtype.element_ty), mask=m_kv)
+    store_state(states, slot, s_off, s, m_kv, H * K * V)
 
 
 @triton.jit
@@ -146,15 +130,12 @@ def gdn_chunk_output_kernel(
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     i_hk = i_h // (H // HK)
-    start = tl.load(chunk_starts + i_c).to(tl.int64)
-    length = tl.load(chunk_lens + i_c)
     o_t = tl.arange(0, BT)
+    start, length, m_t, rows = chunk_rows(chunk_starts, chunk_lens, i_c, o_t)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t = o_t < length
     m_k = o_k < K
     m_v = o_v < V
-    rows = start + o_t
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.triton_state import (load_initial_state, program_seq_head, state_tile,
+                                  store_snapshot, store_state)
+
 
 @triton.jit
 def gdn_recurrent_kernel(
@@ -26,26 +29,17 @@ def gdn_recurrent_kernel(
     USE_L2NORM: tl.constexpr, HAS_DST: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    i_hk = i_h // (H // HK)
-    seq = tl.load(seq_ids + i_n)
+    i_n, i_h, i_hk, seq = program_seq_head(seq_ids, H, HK)
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
     slot = tl.load(slot_ids + seq).to(tl.int64)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    # offsets of S[h, :, v-block] inside one slot of the [S, H, K, V] pool
-    s_off = (i_h * K + o_k[:, None]) * V + o_v[None, :]
+    # S[h, :, v-block] inside one slot of the [S, H, K, V] pool
+    m_k, m_v, m_kv, s_off = state_tile(i_h, o_k, o_v, K, V)
 
-    s = tl.zeros([BK, BV], dtype=tl.float32)
-    if tl.load(has_init + seq) != 0:
-        s = tl.load(states + slot * (H * K * V) + s_off, mask=m_kv, other=0.0).to(tl.float32)
+    s = load_initial_state(states, has_init, seq, slot, s_off, m_kv, H * K * V, BK, BV)
 
     for t in range(bos, eos):
         b_q = tl.load(q + (t * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -63,10 +57,7 @@ def gdn_recurrent_kernel(
         b_o = tl.sum(s * b_q[:, None], axis=0)                           # [BV]
         tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if HAS_DST:
-            dst = tl.load(dst_slots + t).to(tl.int64)
-            if dst != 0:
-                tl.store(states + dst * (H * K * V) + s_off, s.to(states.dtype.element_ty),
-                         mask=m_kv)
+            store_snapshot(states, dst_slots, t, s_off, s, m_kv, H * K * V)
 
     if eos > bos:
-        tl.store(states + slot * (H * K * V) + s_off, s.to(states.dtype.element_ty), mask=m_kv)
+        store_state(states, slot, s_off, s, m_kv, H * K * V)

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from kernels.ssd.triton_recurrent import discretize
+from kernels.triton_state import (chunk_rows, load_initial_state, program_seq_head,
+                                  state_tile, store_snapshot, store_state)
 
 
 @triton.jit
@@ -43,11 +45,7 @@ def ssd_chunk_state_kernel(
     DT_SOFTPLUS: tl.constexpr, HAS_DT_MAX: tl.constexpr,
 ):
     i_p = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    i_g = i_h // (H // G)
-    seq = tl.load(seq_ids + i_n)
+    i_n, i_h, i_g, seq = program_seq_head(seq_ids, H, G)
     slot = tl.load(slot_ids + seq).to(tl.int64)
     c_begin = tl.load(seq_chunk_offsets + i_n)
     c_end = tl.load(seq_chunk_offsets + i_n + 1)
@@ -55,22 +53,13 @@ def ssd_chunk_state_kernel(
     o_t = tl.arange(0, BT)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = tl.arange(0, BN)
-    m_p = o_p < P
-    m_n = o_n < N
-    m_pn = m_p[:, None] & m_n[None, :]
-    s_off = (i_h * P + o_p[:, None]) * N + o_n[None, :]
+    m_p, m_n, m_pn, s_off = state_tile(i_h, o_p, o_n, P, N)
 
-    s = tl.zeros([BP, BN], dtype=tl.float32)
-    if tl.load(has_init + seq) != 0:
-        s = tl.load(states + slot * (H * P * N) + s_off, mask=m_pn, other=0.0).to(tl.float32)
+    s = load_initial_state(states, has_init, seq, slot, s_off, m_pn, H * P * N, BP, BN)
 
     for c in range(c_begin, c_end):
-        c64 = tl.cast(c, tl.int64)
-        tl.store(chunk_states + c64 * (H * P * N) + s_off, s, mask=m_pn)
-        start = tl.load(chunk_starts + c).to(tl.int64)
-        length = tl.load(chunk_lens + c)
-        m_t = o_t < length
-        rows = start + o_t
+        store_state(chunk_states, tl.cast(c, tl.int64), s_off, s, m_pn, H * P * N)  # S0, fp32
+        start, length, m_t, rows = chunk_rows(chunk_starts, chunk_lens, c, o_t)
         b_dt, b_la = _chunk_decay(dt, A, dt_bias, rows, m_t, i_h, dt_min, dt_max, H,
                                   DT_SOFTPLUS, HAS_DT_MAX)
         la_last = tl.sum(tl.where(o_t == length - 1, b_la, 0.0), axis=0)
@@ -80,12 +69,9 @@ def ssd_chunk_state_kernel(
                       mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
         weight = tl.where(m_t, b_dt * tl.exp(la_last - b_la), 0.0)
         s = s * tl.exp(la_last) + tl.dot(tl.trans(b_x * weight[:, None]), b_b)
-        dst = tl.load(chunk_dst + c).to(tl.int64)
-        if dst != 0:
-            tl.store(states + dst * (H * P * N) + s_off, s.to(states.dtype.element_ty),
-                     mask=m_pn)
+        store_snapshot(states, chunk_dst, c, s_off, s, m_pn, H * P * N)
 
-    tl.store(states + slot * (H * P * N) + s_off, s.to(states.dtype.element_ty), mask=m_pn)
+    store_state(states, slot, s_off, s, m_pn, H * P * N)
 
 
 @triton.jit
@@ -100,15 +86,12 @@ def ssd_chunk_output_kernel(
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
     i_g = i_h // (H // G)
-    start = tl.load(chunk_starts + i_c).to(tl.int64)
-    length = tl.load(chunk_lens + i_c)
     o_t = tl.arange(0, BT)
+    start, length, m_t, rows = chunk_rows(chunk_starts, chunk_lens, i_c, o_t)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = tl.arange(0, BN)
-    m_t = o_t < length
     m_p = o_p < P
     m_n = o_n < N
-    rows = start + o_t
     m_tp = m_t[:, None] & m_p[None, :]
     m_tn = m_t[:, None] & m_n[None, :]
 

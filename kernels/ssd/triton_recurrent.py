@@ -13,6 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.triton_state import (load_initial_state, program_seq_head, state_tile,
+                                  store_snapshot, store_state)
+
 
 @triton.jit
 def discretize(dt, dt_bias, DT_SOFTPLUS: tl.constexpr, dt_min, dt_max, HAS_DT_MAX: tl.constexpr):
@@ -36,28 +39,19 @@ def ssd_recurrent_kernel(
     DT_SOFTPLUS: tl.constexpr, HAS_DT_MAX: tl.constexpr, HAS_DST: tl.constexpr,
 ):
     i_p = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    i_g = i_h // (H // G)
-    seq = tl.load(seq_ids + i_n)
+    i_n, i_h, i_g, seq = program_seq_head(seq_ids, H, G)
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
     slot = tl.load(slot_ids + seq).to(tl.int64)
 
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = tl.arange(0, BN)
-    m_p = o_p < P
-    m_n = o_n < N
-    m_pn = m_p[:, None] & m_n[None, :]
-    s_off = (i_h * P + o_p[:, None]) * N + o_n[None, :]
+    m_p, m_n, m_pn, s_off = state_tile(i_h, o_p, o_n, P, N)
     b_a = tl.load(A + i_h).to(tl.float32)
     b_d = tl.load(D + i_h).to(tl.float32)
     b_bias = tl.load(dt_bias + i_h).to(tl.float32)
 
-    s = tl.zeros([BP, BN], dtype=tl.float32)
-    if tl.load(has_init + seq) != 0:
-        s = tl.load(states + slot * (H * P * N) + s_off, mask=m_pn, other=0.0).to(tl.float32)
+    s = load_initial_state(states, has_init, seq, slot, s_off, m_pn, H * P * N, BP, BN)
 
     for t in range(bos, eos):
         b_x = tl.load(x + (t * H + i_h) * P + o_p, mask=m_p, other=0.0).to(tl.float32)
@@ -69,10 +63,7 @@ def ssd_recurrent_kernel(
         b_y = tl.sum(s * b_c[None, :], axis=1) + b_d * b_x
         tl.store(y + (t * H + i_h) * P + o_p, b_y.to(y.dtype.element_ty), mask=m_p)
         if HAS_DST:
-            dst = tl.load(dst_slots + t).to(tl.int64)
-            if dst != 0:
-                tl.store(states + dst * (H * P * N) + s_off, s.to(states.dtype.element_ty),
-                         mask=m_pn)
+            store_snapshot(states, dst_slots, t, s_off, s, m_pn, H * P * N)
 
     if eos > bos:
-        tl.store(states + slot * (H * P * N) + s_off, s.to(states.dtype.element_ty), mask=m_pn)
+        store_state(states, slot, s_off, s, m_pn, H * P * N)

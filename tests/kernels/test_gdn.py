@@ -10,46 +10,33 @@ from hypothesis import strategies as st
 
 from kernels.gdn import reference as gdn
 from kernels.gdn import gated_delta_rule_varlen
+from tests.kernels.varlen_cases import gdn_inputs, lens_strategy, naive_varlen, poison_no_init_slot
 
 H_K, H_V, K, V = 2, 4, 8, 6     # grouped value heads: each key head serves 2 value heads
 TOL = 1e-4
 
 
 def make_inputs(num_tokens: int, num_slots: int, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return dict(
-        q=torch.randn(num_tokens, H_K, K, generator=gen),
-        k=torch.randn(num_tokens, H_K, K, generator=gen),
-        v=torch.randn(num_tokens, H_V, V, generator=gen),
-        g=-torch.rand(num_tokens, H_V, generator=gen) * 0.5,
-        beta=torch.rand(num_tokens, H_V, generator=gen),
-        states=torch.randn(num_slots, H_V, K, V, generator=gen),
-    )
+    return gdn_inputs(num_tokens, num_slots, seed, H_K, H_V, K, V)
 
 
 def naive_gdn(inp: dict[str, torch.Tensor], case, scale: float | None = None):
     """Token by token, head by head; returns (o [T, H, V], final pool)."""
-    pool = inp["states"].clone()
     out = torch.zeros(inp["v"].shape)
     scale = K ** -0.5 if scale is None else scale
-    dst = case.state_dst_slots
-    for b, (start, end) in enumerate(case.bounds()):
-        slot = int(case.slot_ids[b])
-        s = pool[slot].clone() if case.has_initial_state[b] else torch.zeros(H_V, K, V)
-        for t in range(start, end):
-            for h in range(H_V):
-                q = inp["q"][t, h // (H_V // H_K)]
-                k = inp["k"][t, h // (H_V // H_K)]
-                q = q / torch.sqrt((q * q).sum() + 1e-6) * scale
-                k = k / torch.sqrt((k * k).sum() + 1e-6)
-                s[h] = s[h] * torch.exp(inp["g"][t, h])
-                u = inp["beta"][t, h] * (inp["v"][t, h] - s[h].T @ k)
-                s[h] = s[h] + torch.outer(k, u)
-                out[t, h] = s[h].T @ q
-            if dst is not None and dst[t] != 0:
-                pool[int(dst[t])] = s
-        if end > start:
-            pool[slot] = s
+
+    def step(t: int, s: torch.Tensor) -> None:
+        for h in range(H_V):
+            q = inp["q"][t, h // (H_V // H_K)]
+            k = inp["k"][t, h // (H_V // H_K)]
+            q = q / torch.sqrt((q * q).sum() + 1e-6) * scale
+            k = k / torch.sqrt((k * k).sum() + 1e-6)
+            s[h] = s[h] * torch.exp(inp["g"][t, h])
+            u = inp["beta"][t, h] * (inp["v"][t, h] - s[h].T @ k)
+            s[h] = s[h] + torch.outer(k, u)
+            out[t, h] = s[h].T @ q
+
+    pool = naive_varlen(inp["states"], case, step)
     return out, pool
 
 
@@ -61,8 +48,7 @@ def run_op(inp, case, chunk_size: int, **kw):
     return o, states
 
 
-LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(2, 12), st.integers(17, 40)),
-                min_size=1, max_size=5)
+LENS = lens_strategy(short_max=12, max_size=5)
 
 
 @pytest.mark.parametrize("recurrent_max_len", [0, 16, 10**6])
@@ -82,8 +68,7 @@ def test_fixed_mixed_batch(varlen_case, max_abs_diff):
     """Lengths 0/1/short/long with snapshots; a no-init slot holding NaN must not leak."""
     case = varlen_case([0, 1, 5, 37, 1, 20, 16, 17], seed=3, snapshot_prob=0.2)
     inp = make_inputs(case.num_tokens, case.num_slots, seed=3)
-    no_init = next(b for b, n in enumerate(case.lens) if n > 0 and not case.has_initial_state[b])
-    inp["states"][int(case.slot_ids[no_init])] = float("nan")
+    poison_no_init_slot(case, inp["states"])
     ref_o, ref_pool = naive_gdn(inp, case, scale=0.3)
     o, pool = run_op(inp, case, chunk_size=16, scale=0.3)
     assert max_abs_diff(o, ref_o) <= TOL

@@ -12,44 +12,29 @@ from hypothesis import strategies as st
 
 from kernels.ssd import reference as ssd
 from kernels.ssd import ssd_varlen
+from tests.kernels.varlen_cases import lens_strategy, naive_varlen, poison_no_init_slot, ssd_inputs
 
 H, P, G, N = 4, 3, 2, 5     # two heads per group
 TOL = 1e-4
 
 
 def make_inputs(num_tokens: int, num_slots: int, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return dict(
-        x=torch.randn(num_tokens, H, P, generator=gen),
-        dt=torch.randn(num_tokens, H, generator=gen) - 1.0,
-        A=-torch.rand(H, generator=gen) * 2 - 0.1,
-        B=torch.randn(num_tokens, G, N, generator=gen),
-        C=torch.randn(num_tokens, G, N, generator=gen),
-        D=torch.randn(H, generator=gen),
-        dt_bias=torch.randn(H, generator=gen) * 0.5,
-        states=torch.randn(num_slots, H, P, N, generator=gen),
-    )
+    return ssd_inputs(num_tokens, num_slots, seed, H, G, P, N)
 
 
 def naive_ssd(inp: dict[str, torch.Tensor], case, dt_limit=(0.0, math.inf)):
     """Token by token, head by head; returns (y [T, H, P], final pool)."""
-    pool = inp["states"].clone()
     out = torch.zeros(inp["x"].shape)
-    dst = case.state_dst_slots
-    for b, (start, end) in enumerate(case.bounds()):
-        slot = int(case.slot_ids[b])
-        s = pool[slot].clone() if case.has_initial_state[b] else torch.zeros(H, P, N)
-        for t in range(start, end):
-            for h in range(H):
-                grp = h // (H // G)
-                step = F.softplus(inp["dt"][t, h] + inp["dt_bias"][h]).clamp(*dt_limit)
-                update = step * torch.outer(inp["x"][t, h], inp["B"][t, grp])
-                s[h] = torch.exp(step * inp["A"][h]) * s[h] + update
-                out[t, h] = s[h] @ inp["C"][t, grp] + inp["D"][h] * inp["x"][t, h]
-            if dst is not None and dst[t] != 0:
-                pool[int(dst[t])] = s
-        if end > start:
-            pool[slot] = s
+
+    def token(t: int, s: torch.Tensor) -> None:
+        for h in range(H):
+            grp = h // (H // G)
+            step = F.softplus(inp["dt"][t, h] + inp["dt_bias"][h]).clamp(*dt_limit)
+            update = step * torch.outer(inp["x"][t, h], inp["B"][t, grp])
+            s[h] = torch.exp(step * inp["A"][h]) * s[h] + update
+            out[t, h] = s[h] @ inp["C"][t, grp] + inp["D"][h] * inp["x"][t, h]
+
+    pool = naive_varlen(inp["states"], case, token)
     return out, pool
 
 
@@ -61,8 +46,7 @@ def run_op(inp, case, chunk_size: int, **kw):
     return y, states
 
 
-LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(2, 12), st.integers(17, 40)),
-                min_size=1, max_size=5)
+LENS = lens_strategy(short_max=12, max_size=5)
 
 
 @pytest.mark.parametrize("recurrent_max_len", [0, 16, 10**6])
@@ -82,8 +66,7 @@ def test_fixed_mixed_batch_with_dt_limit(varlen_case, max_abs_diff):
     """Lengths 0/1/short/long with snapshots and a binding dt clamp on every path."""
     case = varlen_case([0, 1, 5, 37, 1, 20, 16, 17], seed=4, snapshot_prob=0.2)
     inp = make_inputs(case.num_tokens, case.num_slots, seed=4)
-    no_init = next(b for b, n in enumerate(case.lens) if n > 0 and not case.has_initial_state[b])
-    inp["states"][int(case.slot_ids[no_init])] = float("nan")
+    poison_no_init_slot(case, inp["states"])
     limit = (0.2, 0.9)
     ref_y, ref_pool = naive_ssd(inp, case, dt_limit=limit)
     unclamped, _ = naive_ssd(inp, case)

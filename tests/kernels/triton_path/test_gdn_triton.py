@@ -3,27 +3,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.gdn.reference import gated_delta_rule_varlen_torch
+from tests.kernels.varlen_cases import (NO_SHRINK, assert_same_result, gdn_inputs, lens_strategy,
+                                        poison_no_init_slot, with_snapshot_every_token)
 
 H_K, H_V = 2, 4     # grouped value heads: each key head serves 2 value heads
-# Shrinking re-runs interpreted kernels for minutes; a failure's example is printed as is.
-NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 
 
 def make_inputs(num_tokens: int, num_slots: int, seed: int, k_dim: int = 16,
                 v_dim: int = 16) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return dict(
-        q=torch.randn(num_tokens, H_K, k_dim, generator=gen),
-        k=torch.randn(num_tokens, H_K, k_dim, generator=gen),
-        v=torch.randn(num_tokens, H_V, v_dim, generator=gen),
-        g=-torch.rand(num_tokens, H_V, generator=gen) * 0.5,
-        beta=torch.rand(num_tokens, H_V, generator=gen),
-        states=torch.randn(num_slots, H_V, k_dim, v_dim, generator=gen),
-    )
+    return gdn_inputs(num_tokens, num_slots, seed, H_K, H_V, k_dim, v_dim)
 
 
 def run_both(inp, case, device, **kw):
@@ -43,22 +35,14 @@ def run_both(inp, case, device, **kw):
     return (ref, ref_pool), (out.cpu(), pool.cpu())
 
 
-def assert_close(got, want, tol, max_abs_diff):
-    (out, pool), (ref, ref_pool) = got, want
-    assert out.dtype == ref.dtype and pool.dtype == ref_pool.dtype
-    assert max_abs_diff(out, ref) <= tol
-    assert max_abs_diff(pool, ref_pool) <= tol      # live, snapshot, dummy and spare slots
-
-
 def test_mixed_batch_with_snapshots(varlen_case, device, tol, max_abs_diff):
     """Empty, decode, verify-sized, 16/17 (the path boundary) and chunked lengths; a no-init
     slot holding NaN must not leak."""
     case = varlen_case([0, 1, 4, 37, 1, 16, 17], seed=3, snapshot_prob=0.2)
     inp = make_inputs(case.num_tokens, case.num_slots, seed=3)
-    no_init = next(b for b, n in enumerate(case.lens) if n > 0 and not case.has_initial_state[b])
-    inp["states"][int(case.slot_ids[no_init])] = float("nan")
+    poison_no_init_slot(case, inp["states"])
     want, got = run_both(inp, case, device)
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
 
 
 @pytest.mark.parametrize("recurrent_max_len", [0, 1000])
@@ -67,19 +51,15 @@ def test_every_sequence_on_one_path(recurrent_max_len, varlen_case, device, tol,
     case = varlen_case([3, 40, 1], seed=5, snapshot_prob=0.15)
     inp = make_inputs(case.num_tokens, case.num_slots, seed=5, k_dim=8, v_dim=6)  # padded tiles
     want, got = run_both(inp, case, device, recurrent_max_len=recurrent_max_len)
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
 
 
 def test_verify_writes_every_draft_state(varlen_case, device, tol, max_abs_diff):
     """Speculative verify: 1 + 3 draft tokens per sequence, a snapshot after every token."""
-    case = varlen_case([4, 4, 1], seed=7, init_prob=1.0)
-    num_tokens = case.num_tokens
-    dst = torch.arange(case.num_slots, case.num_slots + num_tokens, dtype=torch.int32)
-    case = type(case)(case.lens, case.cu_seqlens, case.slot_ids, case.has_initial_state, dst,
-                      case.num_slots + num_tokens)
-    inp = make_inputs(num_tokens, case.num_slots, seed=7)
+    case, dst = with_snapshot_every_token(varlen_case([4, 4, 1], seed=7, init_prob=1.0))
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=7)
     want, got = run_both(inp, case, device)
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
     assert not torch.equal(got[1][dst[0]], got[1][dst[1]])     # distinct per-token states
 
 
@@ -89,7 +69,7 @@ def test_no_l2norm_custom_scale(varlen_case, device, tol, max_abs_diff):
     for name in ("q", "k"):                       # keep the unnormalised delta rule stable
         inp[name] = inp[name] / inp[name].norm(dim=-1, keepdim=True)
     want, got = run_both(inp, case, device, scale=0.3, use_qk_l2norm=False)
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
 
 
 def test_bf16_inputs_and_pool(varlen_case, device):
@@ -102,8 +82,7 @@ def test_bf16_inputs_and_pool(varlen_case, device):
     torch.testing.assert_close(pool.float(), ref_pool.float(), rtol=2e-2, atol=2e-2)
 
 
-LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(2, 8), st.integers(17, 40)),
-                min_size=1, max_size=4)
+LENS = lens_strategy(short_max=8, max_size=4)
 
 
 @settings(max_examples=6, deadline=None, phases=NO_SHRINK)
@@ -112,4 +91,4 @@ def test_random_batches(lens, seed, snap, varlen_case, device, tol, max_abs_diff
     case = varlen_case(lens, seed, snapshot_prob=snap)
     inp = make_inputs(case.num_tokens, case.num_slots, seed)
     want, got = run_both(inp, case, device)
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)

@@ -5,29 +5,19 @@ import math
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.ssd.reference import ssd_varlen_torch
+from tests.kernels.varlen_cases import (NO_SHRINK, assert_same_result, lens_strategy,
+                                        poison_no_init_slot, ssd_inputs, with_snapshot_every_token)
 
 H, G = 4, 2     # two heads per group
-# Shrinking re-runs interpreted kernels for minutes; a failure's example is printed as is.
-NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 
 
 def make_inputs(num_tokens: int, num_slots: int, seed: int, p_dim: int = 16,
                 n_dim: int = 16) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return dict(
-        x=torch.randn(num_tokens, H, p_dim, generator=gen),
-        dt=torch.randn(num_tokens, H, generator=gen) - 1.0,
-        A=-torch.rand(H, generator=gen) * 2 - 0.1,
-        B=torch.randn(num_tokens, G, n_dim, generator=gen),
-        C=torch.randn(num_tokens, G, n_dim, generator=gen),
-        D=torch.randn(H, generator=gen),
-        dt_bias=torch.randn(H, generator=gen) * 0.5,
-        states=torch.randn(num_slots, H, p_dim, n_dim, generator=gen),
-    )
+    return ssd_inputs(num_tokens, num_slots, seed, H, G, p_dim, n_dim)
 
 
 def run_both(inp, case, device, dt_softplus=True, dt_limit=(0.0, math.inf), **kw):
@@ -47,22 +37,14 @@ def run_both(inp, case, device, dt_softplus=True, dt_limit=(0.0, math.inf), **kw
     return (ref, ref_pool), (y.cpu(), pool.cpu())
 
 
-def assert_close(got, want, tol, max_abs_diff):
-    (y, pool), (ref, ref_pool) = got, want
-    assert y.dtype == ref.dtype and pool.dtype == ref_pool.dtype
-    assert max_abs_diff(y, ref) <= tol
-    assert max_abs_diff(pool, ref_pool) <= tol      # live, snapshot, dummy and spare slots
-
-
 def test_mixed_batch_with_snapshots_and_dt_limit(varlen_case, device, tol, max_abs_diff):
     """Empty, decode, verify-sized, 16/17 and chunked lengths, a binding dt clamp on both
     paths, and a NaN no-init slot that must not leak."""
     case = varlen_case([0, 1, 4, 37, 1, 16, 17], seed=4, snapshot_prob=0.2)
     inp = make_inputs(case.num_tokens, case.num_slots, seed=4)
-    no_init = next(b for b, n in enumerate(case.lens) if n > 0 and not case.has_initial_state[b])
-    inp["states"][int(case.slot_ids[no_init])] = float("nan")
+    poison_no_init_slot(case, inp["states"])
     want, got = run_both(inp, case, device, dt_limit=(0.2, 0.9))
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
 
 
 @pytest.mark.parametrize("recurrent_max_len", [0, 1000])
@@ -70,18 +52,14 @@ def test_every_sequence_on_one_path(recurrent_max_len, varlen_case, device, tol,
     case = varlen_case([3, 40, 1], seed=6, snapshot_prob=0.15)
     inp = make_inputs(case.num_tokens, case.num_slots, seed=6, p_dim=3, n_dim=5)  # padded tiles
     want, got = run_both(inp, case, device, recurrent_max_len=recurrent_max_len)
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
 
 
 def test_verify_writes_every_draft_state(varlen_case, device, tol, max_abs_diff):
-    case = varlen_case([4, 4, 1], seed=8, init_prob=1.0)
-    num_tokens = case.num_tokens
-    dst = torch.arange(case.num_slots, case.num_slots + num_tokens, dtype=torch.int32)
-    case = type(case)(case.lens, case.cu_seqlens, case.slot_ids, case.has_initial_state, dst,
-                      case.num_slots + num_tokens)
-    inp = make_inputs(num_tokens, case.num_slots, seed=8)
+    case, dst = with_snapshot_every_token(varlen_case([4, 4, 1], seed=8, init_prob=1.0))
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=8)
     want, got = run_both(inp, case, device)
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
     assert not torch.equal(got[1][dst[0]], got[1][dst[1]])
 
 
@@ -90,7 +68,7 @@ def test_without_softplus(varlen_case, device, tol, max_abs_diff):
     inp = make_inputs(case.num_tokens, case.num_slots, seed=10)
     inp["dt"] = inp["dt"].abs() * 0.3
     want, got = run_both(inp, case, device, dt_softplus=False, dt_limit=(0.05, 0.5))
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
 
 
 def test_bf16_activations(varlen_case, device):
@@ -103,8 +81,7 @@ def test_bf16_activations(varlen_case, device):
     torch.testing.assert_close(pool, ref_pool, rtol=0, atol=1e-3)
 
 
-LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(2, 8), st.integers(17, 40)),
-                min_size=1, max_size=4)
+LENS = lens_strategy(short_max=8, max_size=4)
 
 
 @settings(max_examples=6, deadline=None, phases=NO_SHRINK)
@@ -113,4 +90,4 @@ def test_random_batches(lens, seed, snap, varlen_case, device, tol, max_abs_diff
     case = varlen_case(lens, seed, snapshot_prob=snap)
     inp = make_inputs(case.num_tokens, case.num_slots, seed)
     want, got = run_both(inp, case, device)
-    assert_close(got, want, tol, max_abs_diff)
+    assert_same_result(got, want, tol, max_abs_diff)
