@@ -95,8 +95,10 @@ async def read_json_body(request: Request, limit: int) -> bytes:
         raise OpenAIError(f"Content-Type must be application/json, got {media_type or 'none'!r}"[:200],
                           status=415, code="unsupported_media_type")
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise _too_large(limit) if declared.isdigit() else OpenAIError("invalid Content-Length")
+    if declared is not None and not declared.isdigit():
+        raise OpenAIError(f"invalid Content-Length {declared[:40]!r}")
+    if declared is not None and int(declared) > limit:
+        raise _too_large(limit)                  # refused before reading a byte of it
     body = bytearray()
     async for chunk in request.stream():
         body += chunk

@@ -104,10 +104,17 @@ def _error(status: int) -> dict[str, Any]:
     return resp
 
 
+_EXAMPLES = {
+    "CompletionRequest": {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0},
+    "ChatCompletionRequest": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+}
+
+
 def operation(ok: str | None, errors: tuple[int, ...], request: str | None = None,
               stream: bool = False) -> dict[str, Any]:
     """``openapi_extra`` for one route: 200 with schema ``ok`` (None: no body; ``stream``:
-    also ``text/event-stream``), the error statuses, and the JSON request body ``request``."""
+    also ``text/event-stream``), the error statuses, and the JSON request body ``request``
+    (with a plain and a streaming example, when it has examples)."""
     content: dict[str, Any] = {"application/json": {"schema": _ref(ok)}} if ok else {}
     if stream:
         content["text/event-stream"] = {"schema": _ref("StreamEvent")}
@@ -116,7 +123,11 @@ def operation(ok: str | None, errors: tuple[int, ...], request: str | None = Non
         ok_resp["content"] = content
     extra: dict[str, Any] = {"responses": {"200": ok_resp, **{str(s): _error(s) for s in errors}}}
     if request is not None:
-        extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+        media: dict[str, Any] = {"schema": _ref(request)}
+        if request in _EXAMPLES:
+            media["examples"] = {"plain": {"value": _EXAMPLES[request]},
+                                 "stream": {"value": {**_EXAMPLES[request], "stream": True}}}
+        extra["requestBody"] = {"required": True, "content": {"application/json": media}}
     return extra
 
 

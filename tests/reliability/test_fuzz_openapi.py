@@ -1,8 +1,8 @@
 """Schemathesis against our own ``/openapi.json`` on a deployed app (issue 8, item 2).
 
 Every operation of the served document is fuzzed through Ray Serve's HTTP proxy with
-``N`` derandomized examples per operation (schema-valid bodies, then schema-invalid
-ones for the operations that take a body), and every response must pass
+``N`` derandomized examples per operation (the document's examples and schema-valid
+bodies, then schema-invalid ones for the operations that take a body), and every response must pass
 ``not_a_server_error``, ``status_code_conformance`` and ``response_schema_conformance``.
 The engine's context is 32 tokens (the checkpoint's ``max_position_embeddings``), so no generated request can
 ask for long generations and the run stays bounded. Operations without any input
@@ -58,6 +58,8 @@ def fuzz_operation(app, operation: Any, mode: Any, max_examples: int) -> collect
     """
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis import checks
+    from schemathesis.generation import GenerationMode
+    from schemathesis.generation.hypothesis.builder import add_examples
 
     statuses: collections.Counter[str] = collections.Counter()
     wanted = [checks.not_a_server_error, checks.status_code_conformance, checks.response_schema_conformance]
@@ -68,10 +70,12 @@ def fuzz_operation(app, operation: Any, mode: Any, max_examples: int) -> collect
     @given(case=operation.as_strategy(generation_mode=mode, headers=AUTH))
     def run(case: Any) -> None:
         response = case.call(base_url=app.base_url, headers=AUTH, timeout=120)
-        sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        sse = any(v.startswith("text/event-stream") for v in response.headers.get("content-type", []))
         statuses[f"{response.status_code}{' sse' if sse else ''}"] += 1
         case.validate_response(response, checks=wanted, headers=AUTH)
 
+    if mode == GenerationMode.POSITIVE:        # the document's own examples run first
+        run = add_examples(run, operation, fill_missing=False)
     run()
     return statuses
 
