@@ -117,7 +117,8 @@ def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(inte
         assert max(sizes) <= 2                    # about one step per item
     else:
         assert sizes[0] == 1                       # the first token is not held back
-        assert len(sizes) <= 40 * 0.005 / interval_s + 3 and max(sizes) >= 5
+        # at most one item per interval (however slow a loaded machine makes the steps)
+        assert len(sizes) <= (stamps[-1] - stamps[1]) / interval_s + 2 and max(sizes) >= 2
         gaps = [b - a for a, b in zip(stamps[2:], stamps[3:-1])]
         assert all(g >= interval_s * 0.9 for g in gaps), gaps
 
