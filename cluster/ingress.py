@@ -77,13 +77,15 @@ class OpenAIIngress:
     async def __init__(self, engine: DeploymentHandle, config: dict[str, Any], model_name: str,
                      forget_after_s: float = 30.0, max_in_flight: int = 512,
                      retry_after_s: int = 1) -> None:
-        from transformers import AutoTokenizer
+        from workers.loader import load_tokenizer
 
         cfg = HybridServeConfig.model_validate(config)
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(cfg.model_dir()))
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())   # data only, no checkpoint code
         app_name = serve.get_replica_context().app_name
         client = ServeEngineClient(engine, app_name, forget_after_s)
-        settings = ServerSettings(model_name=model_name, model_root=str(cfg.model),
+        # ``root``: the checkpoint's absolute path, so a bench client on this machine can
+        # load the same tokenizer whatever its working directory.
+        settings = ServerSettings(model_name=model_name, model_root=str(cfg.model_dir().resolve()),
                                   api_key=cfg.server.api_key)
         self._server = OpenAIServer(client, tokenizer, settings)
         self._max_in_flight, self._retry_after_s = max_in_flight, retry_after_s

@@ -52,6 +52,7 @@ class ReplicaOptions(BaseModel):
     health_check_timeout_s: float = Field(30.0, gt=0)
     graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
+    stream_interval_s: float = Field(0.05, ge=0)   # stream batching (ReplicaCore); 0: every step
     forget_after_s: float = Field(30.0, gt=0)
 
 
@@ -63,7 +64,7 @@ class EngineReplica:
         self._replica_id = ctx.replica_id.to_full_id_str()
         rank = getattr(ctx, "rank", None)
         self._label = str(rank.rank) if rank is not None else ctx.replica_tag
-        self._core = await ReplicaCore.create(self._config)
+        self._core = await ReplicaCore.create(self._config, self._opts.stream_interval_s)
         self._index = get_index_actor(ctx.app_name, self._opts.forget_after_s)
         self._metrics = get_metrics_actor(ctx.app_name, self._config.server.host, self._config.metrics.port)
         self._lock = asyncio.Lock()         # orders event pushes against flush + clear
