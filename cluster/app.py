@@ -102,7 +102,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return build_app_from_config(config, parsed)
 
 
-def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None) -> Application:
+def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None,
+                          request_router_config: RequestRouterConfig | None = None) -> Application:
+    """``request_router_config``: route the engine replicas with another Serve request
+    router (e.g. Ray's ``PrefixCacheAffinityRouter``, for comparisons) instead of ours."""
     args = args or AppArgs()
     check_supported(config)
     model_name = args.model_name or default_model_name(config)
@@ -118,8 +121,8 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
         health_check_timeout_s=replica.health_check_timeout_s,
         graceful_shutdown_wait_loop_s=replica.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
-        request_router_config=RequestRouterConfig(request_router_class=HybridPrefixRouter,
-                                                  request_router_kwargs=router_kwargs),
+        request_router_config=request_router_config or RequestRouterConfig(
+            request_router_class=HybridPrefixRouter, request_router_kwargs=router_kwargs),
         **replica_placement(config, replica),
     ).bind(config.model_dump(mode="json"), replica.model_dump())
     opts = args.ingress

@@ -80,9 +80,7 @@ class LocalCluster:
                                         "router": {"policy": policy}})
         args = AppArgs.model_validate({"model_name": name, "replica": replica or {},
                                        "router": router_options or {}})
-        app = build_app_from_config(config, args)
-        if router == "ray_prefix":
-            app = with_ray_prefix_router(app)
+        app = build_app_from_config(config, args, ray_prefix_router() if router == "ray_prefix" else None)
         start = time.perf_counter()
         serve.run(app, name=name, route_prefix=f"/{name}")
         return App(name, f"http://127.0.0.1:{self.port}/{name}", f"http://127.0.0.1:{metrics_port}/metrics",
@@ -97,27 +95,13 @@ class LocalCluster:
         kill_app_actors(app.name)
 
 
-def with_ray_prefix_router(app: Any) -> Any:
-    """The same app with Ray's ``PrefixCacheAffinityRouter`` on the engine deployment.
-
-    ``build_app_from_config`` binds ``OpenAIIngress(engine_app, ...)``; this rebinds the
-    ingress with the engine deployment's ``request_router_config`` replaced. It reads
-    Serve's ``Application._bound_deployment`` (private; checked here so a Ray upgrade
-    fails loudly).
-    """
+def ray_prefix_router() -> Any:
+    """Ray Serve LLM's ``PrefixCacheAffinityRouter`` with its defaults, for the engine replicas."""
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
         PrefixCacheAffinityRouter)
     from ray.serve.config import RequestRouterConfig
-    from ray.serve.deployment import Application
 
-    ingress = getattr(app, "_bound_deployment", None)
-    engine_app = ingress.init_args[0] if ingress is not None and ingress.init_args else None
-    engine = getattr(engine_app, "_bound_deployment", None)
-    if engine is None or engine.name != "EngineReplica":
-        raise RuntimeError("unexpected app shape: cannot find the EngineReplica deployment to re-route")
-    rerouted = Application(engine.options(
-        request_router_config=RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter)))
-    return Application(ingress.options(_init_args=(rerouted, *ingress.init_args[1:])))
+    return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter)
 
 
 def replica_counters(metrics_url: str, names: tuple[str, ...] = (
