@@ -133,11 +133,16 @@ def test_oversized_body_is_413_by_length_and_while_reading(http):
 
 
 def test_errors_never_stream_and_success_does(http):
-    ok = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    ok = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True, "ignore_eos": True,
+          "stream_options": {"include_usage": True}}
     with http.stream("POST", CMPL, json=ok) as r:
-        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]" and len(lines) == 4
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: {") for line in lines[:-1])
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all("error" not in c for c in chunks)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 def _engine_replica_actor(app_name: str) -> Any:
