@@ -58,6 +58,7 @@ class IngressOptions(_Strict):
     max_queued_requests: int = Field(256, ge=-1)       # -1: unbounded (Serve's default)
     max_in_flight: int = Field(512, ge=1)
     retry_after_s: int = Field(1, ge=0)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)  # larger request bodies get a 413
     graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
 
@@ -135,4 +136,4 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
         ray_actor_options={"num_cpus": opts.num_cpus},
     )
     return ingress.bind(engine, config.model_dump(mode="json"), model_name, replica.forget_after_s,
-                        opts.max_in_flight, opts.retry_after_s)
+                        opts.max_in_flight, opts.retry_after_s, opts.max_body_bytes)

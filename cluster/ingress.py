@@ -76,7 +76,7 @@ class ServeEngineClient:
 class OpenAIIngress:
     async def __init__(self, engine: DeploymentHandle, config: dict[str, Any], model_name: str,
                      forget_after_s: float = 30.0, max_in_flight: int = 512,
-                     retry_after_s: int = 1) -> None:
+                     retry_after_s: int = 1, max_body_bytes: int = 8 * 1024 * 1024) -> None:
         from workers.loader import load_tokenizer
 
         cfg = HybridServeConfig.model_validate(config)
@@ -86,12 +86,13 @@ class OpenAIIngress:
         # ``root``: the checkpoint's absolute path, so a bench client on this machine can
         # load the same tokenizer whatever its working directory.
         settings = ServerSettings(model_name=model_name, model_root=str(cfg.model_dir().resolve()),
-                                  api_key=cfg.server.api_key)
+                                  api_key=cfg.server.api_key, max_body_bytes=max_body_bytes)
         self._server = OpenAIServer(client, tokenizer, settings)
         self._max_in_flight, self._retry_after_s = max_in_flight, retry_after_s
 
     def __serve_build_asgi_app__(self) -> Any:
-        self._admission = AdmissionLimit(make_api(self._server), self._max_in_flight, self._retry_after_s)
+        api = make_api(self._server, echo_request_id=False)   # Serve's proxy echoes x-request-id
+        self._admission = AdmissionLimit(api, self._max_in_flight, self._retry_after_s)
         return self._admission
 
     async def begin_drain(self) -> int:

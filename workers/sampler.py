@@ -52,8 +52,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep a token if the mass before it is < top_p (the first token is always kept).
+        # Keep a token if the mass before it is < top_p; the first token is always kept
+        # (a top_p that rounds to 0 in float32 would otherwise mask every token).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits

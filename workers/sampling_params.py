@@ -3,13 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM-shaped sampling parameters.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k. ``logprobs``
-    is the number of top alternatives to return per generated token (None = none).
+    ``temperature`` below ``GREEDY_TEMPERATURE`` (vLLM's sampling epsilon) is greedy:
+    dividing logits by a smaller one overflows to inf and then NaN probabilities.
+    ``top_k <= 0`` (or -1) disables top-k. ``logprobs`` is the number of top alternatives to return per generated token (None = none).
     ``stop`` strings end generation and are cut from the text; ``stop_token_ids`` end it
     too. Raises ValueError naming the offending value.
     """
@@ -54,7 +57,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def effective_top_k(self) -> int:

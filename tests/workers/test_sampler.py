@@ -83,3 +83,14 @@ def test_logprobs_returned_for_asking_rows():
 def test_bad_params_raise_with_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_extreme_but_valid_params_never_break_sampling():
+    """Found by fuzzing the HTTP API: a subnormal temperature or top_p killed the engine loop."""
+    lg = logits(n=3)
+    params = [SamplingParams(temperature=1.4e-45, seed=1), SamplingParams(temperature=0.9, top_p=5e-324, seed=2),
+              SamplingParams(temperature=2.0, top_p=1e-30, top_k=3, seed=3)]
+    assert params[0].is_greedy and not params[1].is_greedy
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    out = sample(lg, params, gens)
+    assert out.token_ids.tolist() == lg.argmax(-1).tolist()     # each collapses to the top token
