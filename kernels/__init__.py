@@ -39,6 +39,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from kernels.memo import TensorMemo
+
 # Called with (step i, state after step i [n, ...]) by a recurrent fn.
 OnStep = Callable[[int, Tensor], None]
 # (padded inputs, each [n, L, ...]; valid [n, L] bool; initial state [n, ...] fp32, may be
@@ -71,10 +73,16 @@ def gather_initial_states(states: Tensor, slot_ids: Tensor, has_initial_state: T
                           seqs: list[int]) -> Tensor:
     """``[n, ...]`` float32 copies of the live slots of ``seqs``, zeroed where there is no
     initial state (masked_fill, not multiply: such a slot may hold garbage, even NaN)."""
-    index = torch.tensor(seqs, device=slot_ids.device)
-    s0 = states[slot_ids.long()[index]].float()
-    missing = ~has_initial_state.to(device=s0.device, dtype=torch.bool)[index]
+    s0 = states[pick_seqs(slot_ids.long(), seqs)].float()
+    missing = ~pick_seqs(has_initial_state.to(device=s0.device, dtype=torch.bool), seqs)
     return s0.masked_fill_(missing.view(-1, *([1] * (s0.dim() - 1))), 0.0)
+
+
+def pick_seqs(per_seq: Tensor, seqs: list[int]) -> Tensor:
+    """``per_seq[seqs]`` ([B, ...] -> [n, ...]); ``per_seq`` itself when ``seqs`` is 0..B-1."""
+    if len(seqs) == per_seq.shape[0] and seqs == list(range(len(seqs))):
+        return per_seq
+    return per_seq[torch.tensor(seqs, device=per_seq.device)]
 
 
 def split_at_snapshots(start: int, end: int, dst: list[int] | None) -> list[tuple[int, int, int]]:
@@ -110,7 +118,7 @@ def scan_varlen(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, cu_seql
     live = slot_ids.long()
     if short:
         s_short = _run_short(inputs, out, states, plan, short, s0_short, recurrent_fn)
-        states[live[torch.tensor(short, device=live.device)]] = s_short.to(states.dtype)
+        states[pick_seqs(live, short)] = s_short.to(states.dtype)
     for i, b in enumerate(longs):
         s_final = _run_long(inputs, out, states, plan, b, s0_long[i], recurrent_fn, chunked_fn,
                             recurrent_max_len)
@@ -119,30 +127,47 @@ def scan_varlen(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, cu_seql
 
 def _run_short(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, plan: SeqPlan,
                seqs: list[int], s0: Tensor, recurrent_fn: RecurrentFn) -> Tensor:
-    """Batched per-token recurrence over short sequences padded to the longest; -> [n, ...]."""
+    """Batched per-token recurrence over short sequences padded to the longest; -> [n, ...].
+
+    Sequences of one length on adjacent rows (a speculative verify, decodes with snapshots)
+    need no padding: their inputs and outputs are reshaped row ranges, not gathers.
+    """
     device = out.device
+    n, width, first = len(seqs), max(plan.lens[b] for b in seqs), plan.starts[seqs[0]]
+    if all(plan.lens[b] == width and plan.starts[b] == first + i * width
+           for i, b in enumerate(seqs)):
+        flat = slice(first, first + n * width)
+        valid = torch.ones(n, width, dtype=torch.bool, device=device)
+
+        def pad(x: Tensor) -> Tensor:
+            return x[flat].reshape(n, width, *x.shape[1:])
+        o, s_final = recurrent_fn(tuple(pad(x) for x in inputs), valid, s0,
+                                  _snapshot_writer(states, plan, seqs, pad))
+        out[flat] = o.reshape(n * width, *o.shape[2:])
+        return s_final
     lens = torch.tensor([plan.lens[b] for b in seqs], device=device)
     starts = torch.tensor([plan.starts[b] for b in seqs], device=device)
-    pos = torch.arange(int(max(plan.lens[b] for b in seqs)), device=device)
+    pos = torch.arange(width, device=device)
     valid = pos[None, :] < lens[:, None]                              # [n, L]
     rows = starts[:, None] + torch.minimum(pos[None, :], lens[:, None] - 1)  # [n, L]
-    padded = tuple(x[rows] for x in inputs)
-    on_step = _snapshot_writer(states, plan, seqs, rows, valid)
-    o, s_final = recurrent_fn(padded, valid, s0, on_step)
+    on_step = _snapshot_writer(states, plan, seqs, lambda x: torch.where(valid, x[rows], 0))
+    o, s_final = recurrent_fn(tuple(x[rows] for x in inputs), valid, s0, on_step)
     out[rows[valid]] = o[valid]
     return s_final
 
 
-def _snapshot_writer(states: Tensor, plan: SeqPlan, seqs: list[int], rows: Tensor,
-                     valid: Tensor) -> OnStep | None:
-    """Per-step callback writing the state after step i into its snapshot slots (if any)."""
+def _snapshot_writer(states: Tensor, plan: SeqPlan, seqs: list[int],
+                     pad: Callable[[Tensor], Tensor]) -> OnStep | None:
+    """Per-step callback writing the state after step i into its snapshot slots (if any).
+
+    ``pad`` maps a per-row [T] tensor to the padded [n, L] layout, 0 on padding steps.
+    """
     if plan.dst is None:
         return None
     steps = {i for b in seqs for i in range(plan.lens[b]) if plan.dst[plan.starts[b] + i] != 0}
     if not steps:
         return None
-    dst_all = torch.tensor(plan.dst, device=rows.device, dtype=torch.long)
-    dst_pad = torch.where(valid, dst_all[rows], 0)                    # [n, L]
+    dst_pad = pad(torch.tensor(plan.dst, device=states.device, dtype=torch.long))   # [n, L]
 
     def write(i: int, s: Tensor) -> None:
         if i in steps:
@@ -170,14 +195,34 @@ def _run_long(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, plan: Seq
     return s
 
 
+_unit_layouts: TensorMemo[tuple[Tensor, Tensor]] = TensorMemo()
+
+
+def unit_layout(slot_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The varlen metadata of a one-token-per-sequence batch with every initial state present:
+    ``cu_seqlens = 0..B`` (int32 [B + 1]) and ``has_initial_state`` all True (bool [B]).
+
+    For a backend whose decode update is its varlen kernel. Memoised on ``slot_ids`` (one
+    tensor per forward step), so every layer of a step passes the same tensors and the
+    memoised launch plans built from them (``kernels.memo``) are built once per step.
+    """
+    def build() -> tuple[Tensor, Tensor]:
+        num_seqs, device = slot_ids.shape[0], slot_ids.device
+        return (torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+                torch.ones(num_seqs, dtype=torch.bool, device=device))
+
+    return _unit_layouts.get((slot_ids,), None, build)
+
+
 # Re-exported ops. Imported last: the op modules import the helpers above from this package.
 from kernels.attention import paged_attention  # noqa: E402
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402
-from kernels.gdn import gated_delta_rule_varlen  # noqa: E402
+from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen  # noqa: E402
 from kernels.norm import gated_rms_norm, rms_norm  # noqa: E402
-from kernels.ssd import ssd_varlen  # noqa: E402
+from kernels.ssd import ssd_update, ssd_varlen  # noqa: E402
 
 __all__ = [
-    "causal_conv1d_update", "causal_conv1d_varlen", "gated_delta_rule_varlen", "gated_rms_norm",
-    "paged_attention", "rms_norm", "scan_varlen", "ssd_varlen",
+    "causal_conv1d_update", "causal_conv1d_varlen", "gated_delta_rule_update",
+    "gated_delta_rule_varlen", "gated_rms_norm", "paged_attention", "rms_norm", "scan_varlen",
+    "ssd_update", "ssd_varlen", "unit_layout",
 ]

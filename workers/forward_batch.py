@@ -9,9 +9,18 @@ Shapes use one vocabulary: B sequences, T new tokens, S pool slots / KV location
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def is_decode_only(num_new_tokens: Sequence[int], has_initial_state: Sequence[bool],
+                   state_dst_slots: Sequence[int] | None) -> bool:
+    """The ``ForwardBatch.decode_only`` rule, on the host lists a builder holds."""
+    return (len(num_new_tokens) > 0 and all(n == 1 for n in num_new_tokens)
+            and all(has_initial_state)
+            and (state_dst_slots is None or not any(state_dst_slots)))
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,10 @@ class ForwardBatch:
     - ``state_dst_slots[t]``, when given and non-zero, is a Mamba slot that receives the
       recurrent and conv state after token t (a prefix-cache checkpoint or a per-draft
       state); 0 means no snapshot. The live slot still receives the final state.
+    - ``decode_only`` (host flag, set by the builder from host data: reading it never syncs)
+      is True only if every sequence has exactly one new token and an initial state and no
+      token has a snapshot slot. The recurrent layers then take their one-step update
+      kernels instead of the varlen ones (same results); False is always safe.
     """
 
     input_ids: torch.Tensor          # int64 [T]
@@ -46,6 +59,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor     # int64 [N]
     page_size: int
     state_dst_slots: torch.Tensor | None = None  # int32 [T]
+    decode_only: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.checkpoints import StepPlan
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, is_decode_only
 
 
 @dataclass(frozen=True)
@@ -116,14 +116,16 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         return t(values, dtype) if values else None
 
     snapshots = plan.tracks or verify
+    has_init = [s.start > 0 for s in batch.seqs]
     fb = ForwardBatch(
         input_ids=t(rows.ids, torch.int64), positions=t(rows.positions, torch.int64),
         cu_seqlens=t(cu, torch.int32), seq_lens=t([s.end for s in batch.seqs], torch.int32),
         out_loc=t(rows.out_loc, torch.int64), page_table=t(page_table, torch.int32),
         mamba_slot_ids=t([s.request.mamba_slot for s in batch.seqs], torch.int32),
-        has_initial_state=t([s.start > 0 for s in batch.seqs], torch.bool),
+        has_initial_state=t(has_init, torch.bool),
         logits_indices=t(rows.logits, torch.int64), page_size=page_size,
-        state_dst_slots=t(rows.dst, torch.int32) if snapshots else None)
+        state_dst_slots=t(rows.dst, torch.int32) if snapshots else None,
+        decode_only=is_decode_only([s.num_new_tokens for s in batch.seqs], has_init, rows.dst))
     return PreparedStep(
         plan, fb, opt([r for r, _ in rows.future]), opt([s for _, s in rows.future]),
         opt([r for r, _, _ in rows.drafts]), opt([s for _, s, _ in rows.drafts]),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, is_decode_only
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
@@ -61,7 +61,8 @@ def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> flo
         out_loc = page_table[rows, pos // ps].long() * ps + pos % ps
         return ForwardBatch(ids.reshape(-1), pos, torch.arange(0, b * q + 1, q, dtype=torch.int32),
                             torch.full((b,), start + q, dtype=torch.int32), out_loc, page_table, slots,
-                            torch.full((b,), start > 0), torch.arange(q - 1, b * q, q), ps)
+                            torch.full((b,), start > 0), torch.arange(q - 1, b * q, q), ps,
+                            decode_only=is_decode_only([q] * b, [start > 0] * b, None))
 
     @torch.inference_mode()
     def run(n: int) -> None:

@@ -29,10 +29,10 @@ def _apply_taps(taps: list[Tensor], weight: Tensor, bias: Tensor | None,
 
     The one accumulation order shared by the varlen and update paths (bitwise equal results).
     """
-    wf = weight.float()
-    acc = taps[0] * wf[:, 0]
+    cols = weight.float().unbind(1)                                   # W views [D]: one op
+    acc = taps[0] * cols[0]
     for w in range(1, len(taps)):
-        acc = acc + taps[w] * wf[:, w]
+        acc = acc + taps[w] * cols[w]
     if bias is not None:
         acc = acc + bias.float()
     return F.silu(acc) if activation is not None else acc

@@ -11,15 +11,21 @@ Files (the fla template): ``reference`` (torch: the ground truth and the CPU pat
 ``triton_recurrent`` (fused per-token kernel: decode and speculative verify, snapshot after
 any token), ``triton_chunk`` (chunked WY prefill), ``triton_varlen`` (the launcher).
 ``kernels.backend`` picks one per call.
+
+``gated_delta_rule_update`` is the decode fast path (one token per sequence, every initial
+state present, no snapshots): on the torch path a single step with one gather and one scatter
+of the live states, in place of the varlen driver's planning and padding; on Triton the
+recurrent kernel over the one-token layout (``kernels.unit_layout``).
 """
 from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend
-from kernels.gdn.reference import gated_delta_rule_varlen_torch, l2norm
+from kernels import backend, unit_layout
+from kernels.gdn.reference import (gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
+                                   l2norm)
 
-__all__ = ["gated_delta_rule_varlen", "l2norm"]
+__all__ = ["gated_delta_rule_update", "gated_delta_rule_varlen", "l2norm"]
 
 
 def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -39,3 +45,20 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     return gated_delta_rule_varlen_torch(q, k, v, g, beta, states, cu_seqlens, slot_ids,
                                          has_initial_state, scale, use_qk_l2norm, chunk_size,
                                          state_dst_slots)
+
+
+def gated_delta_rule_update(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                            states: Tensor, slot_ids: Tensor, scale: float | None = None,
+                            use_qk_l2norm: bool = True) -> Tensor:
+    """Decode fast path, one token per sequence: q, k [B, Hk, K]; v [B, H, V]; g, beta [B, H];
+    states [S, H, K, V] -> o [B, H, V]. Reads and updates the live slots ``slot_ids`` in place.
+
+    Equals ``gated_delta_rule_varlen`` with every length 1, every initial state present and
+    no snapshot slots (bitwise on the torch path: the same step function).
+    """
+    if backend.use_triton(v):
+        from kernels.gdn.triton_varlen import gated_delta_rule_varlen_triton
+        cu_seqlens, has_initial_state = unit_layout(slot_ids)
+        return gated_delta_rule_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
+                                              has_initial_state, scale, use_qk_l2norm)
+    return gated_delta_rule_update_torch(q, k, v, g, beta, states, slot_ids, scale, use_qk_l2norm)

@@ -49,15 +49,36 @@ def gated_delta_rule_varlen_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
                                    use_qk_l2norm: bool, chunk_size: int,
                                    state_dst_slots: Tensor | None) -> Tensor:
     check_shapes(q, k, v, g, beta, states)
-    qf, kf = q.float(), k.float()
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    qf = qf * (scale if scale is not None else q.shape[-1] ** -0.5)
+    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     inputs = (qf, kf, v.float(), g.float(), beta.float())
     scan_varlen(inputs, out, states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots,
                 gdn_recurrent, partial(gdn_chunked, chunk_size=chunk_size), RECURRENT_MAX_LEN)
     return out.to(v.dtype)
+
+
+def gated_delta_rule_update_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                  states: Tensor, slot_ids: Tensor, scale: float | None,
+                                  use_qk_l2norm: bool) -> Tensor:
+    """One token per sequence, every initial state present: gather the live slots once, one
+    ``gdn_step`` (the varlen recurrence's own step, so the results are bitwise equal), scatter."""
+    check_shapes(q, k, v, g, beta, states)
+    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
+    num_heads = v.shape[1]
+    slots = slot_ids.long()
+    s = states[slots].float()                                           # a copy [B, H, K, V]
+    o = gdn_step(_expand_heads(qf, num_heads, 1), _expand_heads(kf, num_heads, 1), v.float(),
+                 g.float().exp(), beta.float(), s)
+    states[slots] = s.to(states.dtype)
+    return o.to(v.dtype)
+
+
+def _normalized_qk(q: Tensor, k: Tensor, scale: float | None,
+                   use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    return qf * (scale if scale is not None else q.shape[-1] ** -0.5), kf
 
 
 def _expand_heads(x: Tensor, num_heads: int, dim: int) -> Tensor:
@@ -75,24 +96,29 @@ def gdn_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
     s [n, H, K, V] fp32 contiguous -> (o [n, L, H, V], S [n, H, K, V]).
     """
     q, k, v, g, beta = inputs
-    n, num_steps, num_heads, v_dim = v.shape
-    k_dim = k.shape[-1]
+    num_steps, num_heads = v.shape[1], v.shape[2]
     decay = torch.where(valid[..., None], g, 0.0).exp()                # [n, L, H]
     beta = torch.where(valid[..., None], beta, 0.0)
     q, k = _expand_heads(q, num_heads, 2), _expand_heads(k, num_heads, 2)
-    flat = s.view(n * num_heads, k_dim, v_dim)                          # shares storage with s
     outs = []
     for i in range(num_steps):
-        s.mul_(decay[:, i, :, None, None])
-        k_i = k[:, i].reshape(n * num_heads, k_dim, 1)
-        predicted = (k_i.transpose(1, 2) @ flat).view(n, num_heads, v_dim)   # S^T k
-        u = beta[:, i, :, None] * (v[:, i] - predicted)                 # [n, H, V]
-        flat.baddbmm_(k_i, u.reshape(n * num_heads, 1, v_dim))          # S += k u^T
-        q_i = q[:, i].reshape(n * num_heads, 1, k_dim)
-        outs.append((q_i @ flat).view(n, num_heads, v_dim))             # S^T q
+        outs.append(gdn_step(q[:, i], k[:, i], v[:, i], decay[:, i], beta[:, i], s))
         if on_step is not None:
             on_step(i, s)
     return torch.stack(outs, dim=1), s
+
+
+def gdn_step(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, s: Tensor) -> Tensor:
+    """One token of n rows, updating ``s`` in place: q, k [n, H, K] (H value heads);
+    v [n, H, V]; decay = exp(g), beta [n, H]; s [n, H, K, V] fp32 contiguous -> o [n, H, V]."""
+    n, num_heads, k_dim, v_dim = s.shape
+    flat = s.view(n * num_heads, k_dim, v_dim)                          # shares storage with s
+    s.mul_(decay[:, :, None, None])
+    k = k.reshape(n * num_heads, k_dim, 1)
+    predicted = (k.transpose(1, 2) @ flat).view(n, num_heads, v_dim)    # S^T k
+    u = beta[:, :, None] * (v - predicted)                              # [n, H, V]
+    flat.baddbmm_(k, u.reshape(n * num_heads, 1, v_dim))                # S += k u^T
+    return (q.reshape(n * num_heads, 1, k_dim) @ flat).view(n, num_heads, v_dim)   # S^T q
 
 
 def gdn_chunked(inputs: tuple[Tensor, ...], s: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:

@@ -10,15 +10,20 @@ Files: ``reference`` (torch: the ground truth and the CPU path), ``triton_recurr
 (selective state update over short sequences: decode and speculative verify, snapshot after
 any token), ``triton_chunk`` (chunked prefill), ``triton_varlen`` (the launcher).
 ``kernels.backend`` picks one per call.
+
+``ssd_update`` is the decode fast path (one token per sequence, every initial state present,
+no snapshots): on the torch path a single step with one gather and one scatter of the live
+states; on Triton the selective state update kernel over the one-token layout
+(``kernels.unit_layout``).
 """
 from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend
-from kernels.ssd.reference import discretize_dt, ssd_varlen_torch
+from kernels import backend, unit_layout
+from kernels.ssd.reference import discretize_dt, ssd_update_torch, ssd_varlen_torch
 
-__all__ = ["discretize_dt", "ssd_varlen"]
+__all__ = ["discretize_dt", "ssd_update", "ssd_varlen"]
 
 
 def ssd_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
@@ -37,3 +42,20 @@ def ssd_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
                                  state_dst_slots)
     return ssd_varlen_torch(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
                             has_initial_state, dt_softplus, dt_limit, chunk_size, state_dst_slots)
+
+
+def ssd_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+               dt_bias: Tensor, states: Tensor, slot_ids: Tensor, dt_softplus: bool = True,
+               dt_limit: tuple[float, float] = (0.0, float("inf"))) -> Tensor:
+    """Decode fast path, one token per sequence: x [B, H, P]; dt [B, H] raw; B, C [B, G, N];
+    states [S, H, P, N] -> y [B, H, P] (x.dtype). Reads and updates the live slots in place.
+
+    Equals ``ssd_varlen`` with every length 1, every initial state present and no snapshot
+    slots (bitwise on the torch path: the same step function).
+    """
+    if backend.use_triton(x):
+        from kernels.ssd.triton_varlen import ssd_varlen_triton
+        cu_seqlens, has_initial_state = unit_layout(slot_ids)
+        return ssd_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
+                                 has_initial_state, dt_softplus, dt_limit)
+    return ssd_update_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, dt_softplus, dt_limit)

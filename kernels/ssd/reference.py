@@ -76,22 +76,42 @@ def ssd_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
     -> (y [n, L, H, P], S).
     """
     x, step, b, c = inputs
-    n, num_steps, num_heads, p_dim = x.shape
-    n_dim = b.shape[-1]
     step = torch.where(valid[..., None], step, 0.0)
     decay = (step * A).exp()                                            # [n, L, H]
     xdt = x * step[..., None]                                           # [n, L, H, P]
-    flat = s.view(n * num_heads, p_dim, n_dim)                          # shares storage with s
     outs = []
-    for i in range(num_steps):
-        b_i = _expand_groups(b[:, i], num_heads, 1).reshape(n * num_heads, 1, n_dim)
-        c_i = _expand_groups(c[:, i], num_heads, 1).reshape(n * num_heads, n_dim, 1)
-        s.mul_(decay[:, i, :, None, None])
-        flat.baddbmm_(xdt[:, i].reshape(n * num_heads, p_dim, 1), b_i)  # S += dt' x B^T
-        outs.append((flat @ c_i).view(n, num_heads, p_dim))             # S C
+    for i in range(x.shape[1]):
+        outs.append(ssd_step(xdt[:, i], decay[:, i], b[:, i], c[:, i], s))
         if on_step is not None:
             on_step(i, s)
     return torch.stack(outs, dim=1), s
+
+
+def ssd_step(xdt: Tensor, decay: Tensor, b: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    """One token of n rows (without D), updating ``s`` in place: xdt = dt' x [n, H, P];
+    decay = exp(dt' A) [n, H]; B, C [n, G, N]; s [n, H, P, N] fp32 contiguous -> y [n, H, P]."""
+    n, num_heads, p_dim, n_dim = s.shape
+    flat = s.view(n * num_heads, p_dim, n_dim)                          # shares storage with s
+    b = _expand_groups(b, num_heads, 1).reshape(n * num_heads, 1, n_dim)
+    c = _expand_groups(c, num_heads, 1).reshape(n * num_heads, n_dim, 1)
+    s.mul_(decay[:, :, None, None])
+    flat.baddbmm_(xdt.reshape(n * num_heads, p_dim, 1), b)              # S += dt' x B^T
+    return (flat @ c).view(n, num_heads, p_dim)                         # S C
+
+
+def ssd_update_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                     dt_bias: Tensor, states: Tensor, slot_ids: Tensor, dt_softplus: bool,
+                     dt_limit: tuple[float, float]) -> Tensor:
+    """One token per sequence, every initial state present: gather the live slots once, one
+    ``ssd_step`` (the varlen recurrence's own step, so the results are bitwise equal), scatter."""
+    check_shapes(x, dt, B, C, states)
+    xf = x.float()
+    step = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)          # [B, H]
+    slots = slot_ids.long()
+    s = states[slots].float()                                           # a copy [B, H, P, N]
+    y = ssd_step(xf * step[..., None], (step * A.float()).exp(), B.float(), C.float(), s)
+    states[slots] = s.to(states.dtype)
+    return (y + D.float()[:, None] * xf).to(x.dtype)
 
 
 def ssd_chunked(inputs: tuple[Tensor, ...], s: Tensor, *, A: Tensor,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gdn import gated_delta_rule_varlen
+from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.models.layers import CausalConv1d, GatedRMSNorm, linear, param
@@ -94,14 +94,18 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed_qkv.split([key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
         q = q.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
         k = k.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
+        v = v.reshape(num_tokens, d.num_v_heads, d.v_head_dim)
         if r > 1:
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        o = gated_delta_rule_varlen(
-            q.contiguous(), k.contiguous(),
-            v.reshape(num_tokens, d.num_v_heads, d.v_head_dim).contiguous(),
-            g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx],
-            batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-            use_qk_l2norm=True, state_dst_slots=batch.state_dst_slots)
+        # The kernels take strided column slices of the projection as they are.
+        if batch.decode_only:
+            o = gated_delta_rule_update(q, k, v, g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx],
+                                        batch.mamba_slot_ids, use_qk_l2norm=True)
+        else:
+            o = gated_delta_rule_varlen(
+                q, k, v, g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx], batch.cu_seqlens,
+                batch.mamba_slot_ids, batch.has_initial_state, use_qk_l2norm=True,
+                state_dst_slots=batch.state_dst_slots)
         o = self.norm(o.reshape(-1, d.v_head_dim), z.reshape(-1, d.v_head_dim))
         return self.out_proj(o.reshape(num_tokens, -1).to(hidden.dtype))

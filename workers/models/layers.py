@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import paged_attention
-from kernels.conv1d import causal_conv1d_varlen
+from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import gated_rms_norm, rms_norm
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
@@ -186,8 +186,9 @@ class CausalConv1d(nn.Module):
         self.bias = param(dim, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # One varlen call serves prefill chunks and decodes alike; a decode-only fast path
-        # (causal_conv1d_update) needs a host flag that every sequence has an initial state.
+        if batch.decode_only:       # one token per sequence, all with a state: same result
+            return causal_conv1d_update(x, self.weight[:, 0, :], self.bias, conv_state,
+                                        batch.mamba_slot_ids, activation="silu")
         return causal_conv1d_varlen(x, self.weight[:, 0, :], self.bias, conv_state,
                                     batch.cu_seqlens, batch.mamba_slot_ids,
                                     batch.has_initial_state, activation="silu",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.ssd import ssd_varlen
+from kernels.ssd import ssd_update, ssd_varlen
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.models.layers import CausalConv1d, GatedRMSNorm, linear, param
@@ -83,15 +83,17 @@ class Mamba2Mixer(nn.Module):
         xbc = self.conv1d(xbc, pools.mamba.conv[mamba_idx], batch)
         x, b, c = xbc.split([d.d_inner, d.num_groups * d.state_size,
                              d.num_groups * d.state_size], dim=-1)
-        y = ssd_varlen(
-            x.reshape(num_tokens, d.num_heads, d.head_dim),
-            dt.contiguous(),
-            -torch.exp(self.A_log.float()),
-            b.reshape(num_tokens, d.num_groups, d.state_size),
-            c.reshape(num_tokens, d.num_groups, d.state_size),
-            self.D, self.dt_bias, pools.mamba.ssm[mamba_idx],
-            batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-            dt_softplus=True, dt_limit=d.dt_limit, chunk_size=d.chunk_size,
-            state_dst_slots=batch.state_dst_slots)
+        x = x.reshape(num_tokens, d.num_heads, d.head_dim)
+        b = b.reshape(num_tokens, d.num_groups, d.state_size)
+        c = c.reshape(num_tokens, d.num_groups, d.state_size)
+        a = -torch.exp(self.A_log.float())
+        if batch.decode_only:
+            y = ssd_update(x, dt, a, b, c, self.D, self.dt_bias, pools.mamba.ssm[mamba_idx],
+                           batch.mamba_slot_ids, dt_softplus=True, dt_limit=d.dt_limit)
+        else:
+            y = ssd_varlen(x, dt, a, b, c, self.D, self.dt_bias, pools.mamba.ssm[mamba_idx],
+                           batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
+                           dt_softplus=True, dt_limit=d.dt_limit, chunk_size=d.chunk_size,
+                           state_dst_slots=batch.state_dst_slots)
         y = self.norm(y.reshape(num_tokens, d.d_inner), z)
         return self.out_proj(y.to(hidden.dtype))

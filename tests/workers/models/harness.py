@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.device_pools import DevicePools, KVPool, MambaPool
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, is_decode_only
 from workers.models.base import HybridForCausalLM
 
 
@@ -81,7 +81,8 @@ class Harness:
             mamba_slot_ids=torch.tensor(slots, dtype=torch.int32),
             has_initial_state=torch.tensor(has_init, dtype=torch.bool),
             logits_indices=torch.tensor(cu[1:], dtype=torch.int64) - 1,
-            page_size=self.page_size)
+            page_size=self.page_size,
+            decode_only=is_decode_only([len(t) for _, t in chunks], has_init, None))
 
     @torch.inference_mode()
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:

@@ -1,0 +1,112 @@
+"""The decode fast path (``ForwardBatch.decode_only``) of both families: the same logits and
+pools as the varlen path, taken whenever a step is all decodes, and invisible in the engine's
+greedy output."""
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from typing import Iterator
+from unittest import mock
+
+import torch
+
+import workers.models.gated_deltanet as gdn_layer
+import workers.models.layers as layers
+import workers.models.mamba2 as mamba2_layer
+import workers.step_inputs as step_inputs
+from tests.workers.engine.helpers import GREEDY, greedy_tokens, make_llm
+from tests.workers.models.harness import Harness, random_prompts
+
+FAST = [(layers, "causal_conv1d_update"), (gdn_layer, "gated_delta_rule_update"),
+        (mamba2_layer, "ssd_update")]
+SLOW = [(layers, "causal_conv1d_varlen"), (gdn_layer, "gated_delta_rule_varlen"),
+        (mamba2_layer, "ssd_varlen")]
+
+
+@contextmanager
+def count_calls(ops: list[tuple[object, str]]) -> Iterator[dict[str, mock.MagicMock]]:
+    """Spies (the real op still runs) on the names the layers call the kernels by."""
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(mock.patch.object(mod, name, wraps=getattr(mod, name)))
+               for mod, name in ops}
+
+
+def num_recurrent_calls(spies: dict[str, mock.MagicMock]) -> int:
+    return sum(spy.call_count for spy in spies.values())
+
+
+def pool_tensors(harness: Harness) -> list[torch.Tensor]:
+    pools = harness.pools
+    return [pools.kv.k, pools.kv.v, pools.mamba.conv, pools.mamba.ssm]
+
+
+@torch.inference_mode()
+def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
+    num_recurrent = sum(isinstance(m, layers.CausalConv1d) for m in our_model.modules())
+    harness = Harness(our_model)
+    prompts = random_prompts(our_model.config.vocab_size, [5, 9, 2], seed=3)
+    harness.prefill(prompts)
+    tokens = [7, 8, 9]
+    for step in range(3):
+        batch = harness.make_batch([(i, [t]) for i, t in enumerate(tokens)])
+        assert batch.decode_only
+        before = [t.clone() for t in pool_tensors(harness)]
+        with count_calls(SLOW) as slow:
+            ref = our_model(replace(batch, decode_only=False), harness.pools)
+        assert num_recurrent_calls(slow) > 0
+        ref_pools = [t.clone() for t in pool_tensors(harness)]
+        for t, saved in zip(pool_tensors(harness), before):
+            t.copy_(saved)
+        with count_calls(FAST) as fast, count_calls(SLOW) as slow:
+            got = our_model(batch, harness.pools)
+        assert num_recurrent_calls(slow) == 0, f"step {step}: a varlen op ran"
+        calls = {name: spy.call_count for name, spy in fast.items()}
+        assert num_recurrent > 0
+        assert calls["causal_conv1d_update"] == num_recurrent, calls
+        assert calls["gated_delta_rule_update"] + calls["ssd_update"] == num_recurrent, calls
+        assert torch.equal(got, ref), f"step {step}"
+        for name, t, r in zip(("k", "v", "conv", "ssm"), pool_tensors(harness), ref_pools):
+            # unused slots hold NaN (the harness's poison): equal_nan, and nothing else moves
+            torch.testing.assert_close(t, r, rtol=0, atol=0, equal_nan=True,
+                                       msg=f"step {step}: {name} pool")
+        tokens = our_model.compute_logits(got).argmax(-1).tolist()
+
+
+def test_batches_with_prefill_or_no_state_keep_the_varlen_path(our_model) -> None:
+    harness = Harness(our_model)
+    first = harness.make_batch([(0, [5, 6, 7])])
+    assert not first.decode_only                          # a prefill chunk
+    fresh = harness.make_batch([(0, [8]), (1, [9])])
+    assert not fresh.decode_only                          # sequence 1 has no state yet
+    assert harness.make_batch([(0, [10]), (1, [11])]).decode_only
+
+
+def test_engine_takes_the_fast_path_and_greedy_output_is_unchanged(tiny_model_dir) -> None:
+    llm = make_llm(tiny_model_dir)
+    prompts = random_prompts(llm.engine.vocab_size, [6, 13, 4], seed=5)
+    with count_calls(FAST) as fast:
+        fast_tokens = greedy_tokens(llm, prompts)
+    # Every decode step (31 per request at most, some shared) ran the update ops.
+    assert fast["causal_conv1d_update"].call_count >= GREEDY.max_tokens - 1
+    slow_llm = make_llm(tiny_model_dir)
+    with mock.patch.object(step_inputs, "is_decode_only", return_value=False), \
+            count_calls(FAST) as never:
+        slow_tokens = greedy_tokens(slow_llm, prompts)
+    assert num_recurrent_calls(never) == 0
+    assert fast_tokens == slow_tokens
+
+
+def test_speculative_verify_steps_are_not_decode_only(tiny_qwen_dir) -> None:
+    """A verify has k + 1 rows per sequence and per-row snapshots: never the fast path."""
+    llm = make_llm(tiny_qwen_dir, spec={"method": "mtp", "num_draft_tokens": 2})
+    seen: list[tuple[int, bool]] = []
+    real = step_inputs.prepare_step
+
+    def spy(*args, **kwargs):
+        prepared = real(*args, **kwargs)
+        seen.append((len(prepared.verify), prepared.fb.decode_only))
+        return prepared
+    with mock.patch("workers.model_runner.prepare_step", spy):
+        greedy_tokens(llm, random_prompts(llm.engine.vocab_size, [7], seed=6))
+    assert any(n > 0 for n, _ in seen)
+    assert not any(flag for n, flag in seen if n > 0)
