@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from workers.models.tiny_text import CHAT_TEMPLATE, SPECIAL_TOKENS, TRAINING_TEXT
+from workers.models.tiny_text import EOS_TOKEN, SPECIAL_TOKENS, TRAINING_TEXT, write_tokenizer_config
 
-EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_VOCAB = 512
 ARCHS = ("qwen3_next", "granitemoehybrid")
 
@@ -42,14 +41,7 @@ def build_tiny_tokenizer(out_dir: str | Path) -> int:
                                   min_frequency=1, show_progress=False)
     tok.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer)
     tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": None, "unk_token": None,
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != EOS_TOKEN],
-        "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer_config(out)
     return tok.get_vocab_size()
 
 

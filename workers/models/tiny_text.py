@@ -5,7 +5,11 @@ same merges. Changing it changes the tokenizer of every freshly generated tiny c
 """
 from __future__ import annotations
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+import json
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 
 # ChatML, as Qwen models use it; renders with transformers' apply_chat_template.
 CHAT_TEMPLATE = (
@@ -73,3 +77,16 @@ SELECT name, count(*) FROM users WHERE age > 18 GROUP BY name ORDER BY name;
 Errors should never pass silently. Unless explicitly silenced. Now is better than never.
 Beautiful is better than ugly. Explicit is better than implicit. Flat is better than nested.
 '''
+
+
+def write_tokenizer_config(out_dir: Path) -> None:
+    """The ``tokenizer_config.json`` of our byte-level BPE tokenizers (tiny and trained):
+    ``EOS_TOKEN`` is eos and pad, the other specials are additional, ChatML template."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": None, "unk_token": None,
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != EOS_TOKEN],
+        "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

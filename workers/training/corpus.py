@@ -3,15 +3,13 @@ train / held-out files by a hash of the path, and the byte-level BPE tokenizer t
 from __future__ import annotations
 
 import hashlib
-import json
 import sysconfig
 from pathlib import Path
 
 import torch
 
-from workers.models.tiny_text import CHAT_TEMPLATE, SPECIAL_TOKENS
+from workers.models.tiny_text import EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer_config
 
-EOS_TOKEN = "<|endoftext|>"
 # Not training text: the docs-as-data module, codec tables, build-time config dumps.
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "pydoc_data", "encodings", "__pycache__",
                  "lib2to3/tests/data")
@@ -82,14 +80,7 @@ def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int):
                                   min_frequency=2, show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.save(str(out_dir / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": None, "unk_token": None,
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != EOS_TOKEN],
-        "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer_config(out_dir)
     return tok
 
 
