@@ -23,6 +23,15 @@ def is_decode_only(num_new_tokens: Sequence[int], has_initial_state: Sequence[bo
             and (state_dst_slots is None or not any(state_dst_slots)))
 
 
+def uniform_snapshot_len(num_new_tokens: Sequence[int], has_initial_state: Sequence[bool],
+                         state_dst_slots: Sequence[int] | None) -> int:
+    """The ``ForwardBatch.verify_len`` rule, on the host lists a builder holds."""
+    if (not num_new_tokens or len(set(num_new_tokens)) != 1 or not all(has_initial_state)
+            or state_dst_slots is None or not all(state_dst_slots)):
+        return 0
+    return num_new_tokens[0]
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     """Device tensors for one forward step (built once by the model runner).
@@ -46,6 +55,10 @@ class ForwardBatch:
       is True only if every sequence has exactly one new token and an initial state and no
       token has a snapshot slot. The recurrent layers then take their one-step update
       kernels instead of the varlen ones (same results); False is always safe.
+    - ``verify_len`` (host, likewise) is T > 0 only if every sequence has exactly T new
+      tokens, an initial state, and a snapshot slot at every token (a speculative verify):
+      the recurrent layers then run T batched steps without a varlen plan (same results);
+      0 is always safe.
     """
 
     input_ids: torch.Tensor          # int64 [T]
@@ -60,6 +73,7 @@ class ForwardBatch:
     page_size: int
     state_dst_slots: torch.Tensor | None = None  # int32 [T]
     decode_only: bool = False
+    verify_len: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.checkpoints import StepPlan
-from workers.forward_batch import ForwardBatch, is_decode_only
+from workers.forward_batch import ForwardBatch, is_decode_only, uniform_snapshot_len
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
 
     snapshots = plan.tracks or verify
     has_init = [s.start > 0 for s in batch.seqs]
+    num_new = [s.num_new_tokens for s in batch.seqs]
     fb = ForwardBatch(
         input_ids=t(rows.ids, torch.int64), positions=t(rows.positions, torch.int64),
         cu_seqlens=t(cu, torch.int32), seq_lens=t([s.end for s in batch.seqs], torch.int32),
@@ -125,7 +126,8 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         has_initial_state=t(has_init, torch.bool),
         logits_indices=t(rows.logits, torch.int64), page_size=page_size,
         state_dst_slots=t(rows.dst, torch.int32) if snapshots else None,
-        decode_only=is_decode_only([s.num_new_tokens for s in batch.seqs], has_init, rows.dst))
+        decode_only=is_decode_only(num_new, has_init, rows.dst),
+        verify_len=uniform_snapshot_len(num_new, has_init, rows.dst if snapshots else None))
     return PreparedStep(
         plan, fb, opt([r for r, _ in rows.future]), opt([s for _, s in rows.future]),
         opt([r for r, _, _ in rows.drafts]), opt([s for _, s, _ in rows.drafts]),

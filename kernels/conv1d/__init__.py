@@ -13,9 +13,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from kernels import backend
-from kernels.conv1d.reference import causal_conv1d_update_torch, causal_conv1d_varlen_torch
+from kernels.conv1d.reference import (causal_conv1d_update_torch, causal_conv1d_varlen_torch,
+                                      causal_conv1d_verify_torch)
 
-__all__ = ["causal_conv1d_update", "causal_conv1d_varlen"]
+__all__ = ["causal_conv1d_update", "causal_conv1d_varlen", "causal_conv1d_verify"]
 
 
 def causal_conv1d_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
@@ -44,3 +45,16 @@ def causal_conv1d_update(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
         from kernels.conv1d.triton_conv import causal_conv1d_update_triton
         return causal_conv1d_update_triton(x, weight, bias, conv_states, slot_ids, activation)
     return causal_conv1d_update_torch(x, weight, bias, conv_states, slot_ids, activation)
+
+
+def causal_conv1d_verify(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                         cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
+                         state_dst_slots: Tensor, seq_len: int, activation: str | None = "silu") -> Tensor:
+    """Speculative-verify fast path: every sequence has ``seq_len`` tokens, an initial state
+    and a snapshot slot at every token (``ForwardBatch.verify_len``). Equals
+    ``causal_conv1d_varlen`` on that batch (bitwise on the torch path)."""
+    if backend.use_triton(x):
+        return causal_conv1d_varlen(x, weight, bias, conv_states, cu_seqlens, slot_ids,
+                                    has_initial_state, activation, state_dst_slots)
+    return causal_conv1d_verify_torch(x, weight, bias, conv_states, slot_ids, state_dst_slots,
+                                      seq_len, activation)

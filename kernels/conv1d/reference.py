@@ -106,3 +106,23 @@ def causal_conv1d_update_torch(x: Tensor, weight: Tensor, bias: Tensor | None,
     out = _apply_taps(list(window.unbind(2)), weight, bias, activation)
     conv_states[slots] = window[:, :, 1:].to(conv_states.dtype)
     return out.to(x.dtype)
+
+
+def causal_conv1d_verify_torch(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                               slot_ids: Tensor, state_dst_slots: Tensor, seq_len: int,
+                               activation: str | None) -> Tensor:
+    """B sequences of exactly ``seq_len`` tokens each (x [B*T, D], sequence-major), every one
+    with an initial state and a snapshot slot at every token: one padded-free window per
+    sequence instead of a varlen plan; same taps, same order, so bitwise equal to varlen."""
+    check_shapes(x, weight, conv_states, activation)
+    num_seqs, width, dim = slot_ids.shape[0], weight.shape[1], x.shape[1]
+    hist, slots = width - 1, slot_ids.long()
+    window = torch.cat([conv_states[slots].float(),
+                        x.float().view(num_seqs, seq_len, dim).transpose(1, 2)], dim=2)   # [B, D, W-1+T]
+    taps = [window[:, :, w:w + seq_len].transpose(1, 2) for w in range(width)]             # [B, T, D]
+    out = _apply_taps(taps, weight, bias, activation).reshape(num_seqs * seq_len, dim)
+    after = window.unfold(2, hist, 1)[:, :, 1:, :]                     # [B, D, T, W-1]: after token t
+    dst = state_dst_slots.long().view(num_seqs, seq_len)
+    conv_states[dst] = after.permute(0, 2, 1, 3).to(conv_states.dtype)
+    conv_states[slots] = window[:, :, seq_len:].to(conv_states.dtype)
+    return out.to(x.dtype)

@@ -23,9 +23,9 @@ from torch import Tensor
 
 from kernels import backend, unit_layout
 from kernels.gdn.reference import (gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
-                                   l2norm)
+                                   gated_delta_rule_verify_torch, l2norm)
 
-__all__ = ["gated_delta_rule_update", "gated_delta_rule_varlen", "l2norm"]
+__all__ = ["gated_delta_rule_update", "gated_delta_rule_varlen", "gated_delta_rule_verify", "l2norm"]
 
 
 def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -62,3 +62,18 @@ def gated_delta_rule_update(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         return gated_delta_rule_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
                                               has_initial_state, scale, use_qk_l2norm)
     return gated_delta_rule_update_torch(q, k, v, g, beta, states, slot_ids, scale, use_qk_l2norm)
+
+
+def gated_delta_rule_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                            states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
+                            has_initial_state: Tensor, state_dst_slots: Tensor, seq_len: int,
+                            scale: float | None = None, use_qk_l2norm: bool = True) -> Tensor:
+    """Speculative-verify fast path (``ForwardBatch.verify_len``): every sequence has
+    ``seq_len`` tokens, an initial state and a snapshot slot at every token. Equals
+    ``gated_delta_rule_varlen`` on that batch (bitwise on the torch path)."""
+    if backend.use_triton(v):
+        return gated_delta_rule_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
+                                       has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                       state_dst_slots=state_dst_slots)
+    return gated_delta_rule_verify_torch(q, k, v, g, beta, states, slot_ids, state_dst_slots,
+                                         seq_len, scale, use_qk_l2norm)

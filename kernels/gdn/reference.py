@@ -73,6 +73,32 @@ def gated_delta_rule_update_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     return o.to(v.dtype)
 
 
+def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                  states: Tensor, slot_ids: Tensor, state_dst_slots: Tensor,
+                                  seq_len: int, scale: float | None, use_qk_l2norm: bool) -> Tensor:
+    """B sequences of exactly ``seq_len`` tokens (sequence-major rows), every one with an
+    initial state and a snapshot slot at every token: ``seq_len`` batched ``gdn_step``s,
+    each followed by its snapshot write -- what the varlen path does for such a batch,
+    without building its plan (bitwise equal)."""
+    check_shapes(q, k, v, g, beta, states)
+    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
+    num_seqs, num_heads = slot_ids.shape[0], v.shape[1]
+    slots = slot_ids.long()
+    s = states[slots].float()                                           # a copy [B, H, K, V]
+
+    def rows(x: Tensor) -> Tensor:                                      # [B*T, ...] -> [B, T, ...]
+        return x.reshape(num_seqs, seq_len, *x.shape[1:])
+    q4, k4 = rows(_expand_heads(qf, num_heads, 1)), rows(_expand_heads(kf, num_heads, 1))
+    v4, decay, b4 = rows(v.float()), rows(g.float().exp()), rows(beta.float())
+    dst = state_dst_slots.long().view(num_seqs, seq_len)
+    outs = []
+    for t in range(seq_len):
+        outs.append(gdn_step(q4[:, t], k4[:, t], v4[:, t], decay[:, t], b4[:, t], s))
+        states[dst[:, t]] = s.to(states.dtype)
+    states[slots] = s.to(states.dtype)
+    return torch.stack(outs, dim=1).reshape(v.shape).to(v.dtype)
+
+
 def _normalized_qk(q: Tensor, k: Tensor, scale: float | None,
                    use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
     qf, kf = q.float(), k.float()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen
+from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen, gated_delta_rule_verify
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.models.layers import CausalConv1d, GatedRMSNorm, linear, param
@@ -102,6 +102,11 @@ class GatedDeltaNet(nn.Module):
         if batch.decode_only:
             o = gated_delta_rule_update(q, k, v, g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx],
                                         batch.mamba_slot_ids, use_qk_l2norm=True)
+        elif batch.verify_len:
+            assert batch.state_dst_slots is not None
+            o = gated_delta_rule_verify(q, k, v, g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx],
+                                        batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
+                                        batch.state_dst_slots, batch.verify_len, use_qk_l2norm=True)
         else:
             o = gated_delta_rule_varlen(
                 q, k, v, g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx], batch.cu_seqlens,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import paged_attention
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
 from kernels.norm import gated_rms_norm, rms_norm
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
@@ -189,6 +189,11 @@ class CausalConv1d(nn.Module):
         if batch.decode_only:       # one token per sequence, all with a state: same result
             return causal_conv1d_update(x, self.weight[:, 0, :], self.bias, conv_state,
                                         batch.mamba_slot_ids, activation="silu")
+        if batch.verify_len:        # T tokens per sequence, a snapshot at each: same result
+            assert batch.state_dst_slots is not None
+            return causal_conv1d_verify(x, self.weight[:, 0, :], self.bias, conv_state,
+                                        batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
+                                        batch.state_dst_slots, batch.verify_len, activation="silu")
         return causal_conv1d_varlen(x, self.weight[:, 0, :], self.bias, conv_state,
                                     batch.cu_seqlens, batch.mamba_slot_ids,
                                     batch.has_initial_state, activation="silu",

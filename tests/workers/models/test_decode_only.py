@@ -96,17 +96,23 @@ def test_engine_takes_the_fast_path_and_greedy_output_is_unchanged(tiny_model_di
     assert fast_tokens == slow_tokens
 
 
-def test_speculative_verify_steps_are_not_decode_only(tiny_qwen_dir) -> None:
-    """A verify has k + 1 rows per sequence and per-row snapshots: never the fast path."""
+def test_speculative_verify_steps_take_the_verify_path_not_decode_only(tiny_qwen_dir) -> None:
+    """A verify has k + 1 rows per sequence and per-row snapshots: never the decode fast path,
+    but the verify fast path (``verify_len``); greedy tokens equal with it forced off."""
     llm = make_llm(tiny_qwen_dir, spec={"method": "mtp", "num_draft_tokens": 2})
-    seen: list[tuple[int, bool]] = []
+    seen: list[tuple[int, bool, int]] = []
     real = step_inputs.prepare_step
 
     def spy(*args, **kwargs):
         prepared = real(*args, **kwargs)
-        seen.append((len(prepared.verify), prepared.fb.decode_only))
+        seen.append((len(prepared.verify), prepared.fb.decode_only, prepared.fb.verify_len))
         return prepared
+    prompts = random_prompts(llm.engine.vocab_size, [7], seed=6)
     with mock.patch("workers.model_runner.prepare_step", spy):
-        greedy_tokens(llm, random_prompts(llm.engine.vocab_size, [7], seed=6))
-    assert any(n > 0 for n, _ in seen)
-    assert not any(flag for n, flag in seen if n > 0)
+        fast = greedy_tokens(llm, prompts)
+    assert any(n > 0 for n, _, _ in seen)
+    assert not any(flag for n, flag, _ in seen if n > 0)
+    assert all(vlen == 3 for n, _, vlen in seen if n > 0)      # one sequence: every verify
+    off = make_llm(tiny_qwen_dir, spec={"method": "mtp", "num_draft_tokens": 2})
+    with mock.patch("workers.step_inputs.uniform_snapshot_len", return_value=0):
+        assert greedy_tokens(off, prompts) == fast

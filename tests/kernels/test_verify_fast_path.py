@@ -1,0 +1,64 @@
+"""The speculative-verify fast path: B sequences of T tokens, each with an initial state and a
+snapshot slot at every token. Each verify op equals its varlen op on that batch, bitwise:
+outputs and whole pools (live slots, every snapshot slot, untouched slots)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.conv1d import causal_conv1d_varlen, causal_conv1d_verify
+from kernels.gdn import gated_delta_rule_varlen, gated_delta_rule_verify
+from workers.forward_batch import uniform_snapshot_len
+
+NUM_SEQS = 3
+
+
+def verify_case(varlen_case, seq_len: int, seed: int):
+    case = varlen_case([seq_len] * NUM_SEQS, seed=seed, snapshot_prob=1.0, init_prob=1.0)
+    assert bool(case.has_initial_state.all()) and bool((case.state_dst_slots != 0).all())
+    return case
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 4])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype):
+    case = verify_case(varlen_case, seq_len, seed=seq_len)
+    gen = torch.Generator().manual_seed(seq_len)
+    dim, width = 10, 4
+    x = torch.randn(case.num_tokens, dim, generator=gen)
+    weight, bias = torch.randn(dim, width, generator=gen), torch.randn(dim, generator=gen)
+    pool = torch.randn(case.num_slots, dim, width - 1, generator=gen).to(pool_dtype)
+    ref_pool, fast_pool = pool.clone(), pool.clone()
+    ref = causal_conv1d_varlen(x, weight, bias, ref_pool, case.cu_seqlens, case.slot_ids,
+                               case.has_initial_state, state_dst_slots=case.state_dst_slots)
+    out = causal_conv1d_verify(x, weight, bias, fast_pool, case.cu_seqlens, case.slot_ids,
+                               case.has_initial_state, case.state_dst_slots, seq_len)
+    assert torch.equal(out, ref) and torch.equal(fast_pool, ref_pool)
+    assert not torch.equal(fast_pool, pool)
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 4])
+@pytest.mark.parametrize("k_heads", [2, 4])
+def test_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads):
+    case = verify_case(varlen_case, seq_len, seed=10 + seq_len)
+    gen = torch.Generator().manual_seed(seq_len)
+    heads, k_dim, v_dim, n = 4, 8, 6, case.num_tokens
+    q, k = (torch.randn(n, k_heads, k_dim, generator=gen) for _ in range(2))
+    v = torch.randn(n, heads, v_dim, generator=gen)
+    g, beta = -torch.rand(n, heads, generator=gen), torch.rand(n, heads, generator=gen)
+    pool = torch.randn(case.num_slots, heads, k_dim, v_dim, generator=gen)
+    ref_pool, fast_pool = pool.clone(), pool.clone()
+    ref = gated_delta_rule_varlen(q, k, v, g, beta, ref_pool, case.cu_seqlens, case.slot_ids,
+                                  case.has_initial_state, state_dst_slots=case.state_dst_slots)
+    out = gated_delta_rule_verify(q, k, v, g, beta, fast_pool, case.cu_seqlens, case.slot_ids,
+                                  case.has_initial_state, case.state_dst_slots, seq_len)
+    assert torch.equal(out, ref) and torch.equal(fast_pool, ref_pool)
+
+
+def test_the_rule_needs_equal_lengths_states_and_every_snapshot():
+    assert uniform_snapshot_len([3, 3], [True, True], [5, 6, 7, 8, 9, 10]) == 3
+    assert uniform_snapshot_len([3, 2], [True, True], [5] * 5) == 0          # lengths differ
+    assert uniform_snapshot_len([3, 3], [True, False], [5] * 6) == 0         # a prefill
+    assert uniform_snapshot_len([3, 3], [True, True], [5, 6, 0, 8, 9, 10]) == 0   # a token without
+    assert uniform_snapshot_len([3, 3], [True, True], None) == 0
+    assert uniform_snapshot_len([], [], []) == 0
