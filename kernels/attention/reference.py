@@ -10,9 +10,13 @@ and attends to context positions ``0 ..`` that position (the new tokens included
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kernels.memo import TensorMemo
 
 
 def write_kv(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, out_loc: Tensor) -> None:
@@ -21,33 +25,54 @@ def write_kv(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, out_loc: Tens
     v_pool[loc] = v.to(v_pool.dtype)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One padded SDPA call over ``n`` sequences (decodes together, each prefill alone)."""
+
+    q_rows: Tensor          # [n, Q] rows of q (clamped for padding)
+    out_rows: Tensor        # [valid] the rows it produces, in q_valid order
+    q_valid: Tensor         # [n, Q]
+    locs: Tensor            # [n, L] flat pool locations of each sequence's context
+    mask: Tensor            # [n, 1, Q, L] causal and length mask
+
+
+_plans: TensorMemo[list[_Group]] = TensorMemo()
+
+
 def paged_attention_torch(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
                            out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor,
                            seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
     if q.shape[1] % k.shape[1] != 0 or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (GQA needs "
                          "Hkv to divide Hq and equal head dims)")
+    # The plan depends on the batch metadata only: built by the first attention layer of a
+    # step, reused by the others (kernels.memo).
+    groups = _plans.get((page_table, cu_seqlens, seq_lens), page_size,
+                        lambda: _plan(page_table, cu_seqlens, seq_lens, page_size))
     write_kv(k, v, k_pool, v_pool, out_loc)
+    out = torch.zeros_like(q)
+    for group in groups:
+        _attend(q, k_pool, v_pool, group, scale, out)
+    return out
+
+
+def _plan(page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, page_size: int) -> list[_Group]:
     cu, ctx = cu_seqlens.tolist(), seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(len(ctx))]
     bad = [b for b in range(len(ctx)) if ctx[b] < q_lens[b]]
     if bad:
         raise ValueError(f"seq_lens < new tokens for sequences {bad}: {ctx} vs {q_lens}")
-    out = torch.zeros_like(q)
     # Decodes share one padded call; each prefill gets its own (no q_len x padding blow-up).
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    groups = [[b] for b, n in enumerate(q_lens) if n > 1]
     if decodes:
-        _attend(q, k_pool, v_pool, page_table, cu, ctx, q_lens, decodes, page_size, scale, out)
-    for b in (b for b, n in enumerate(q_lens) if n > 1):
-        _attend(q, k_pool, v_pool, page_table, cu, ctx, q_lens, [b], page_size, scale, out)
-    return out
+        groups.insert(0, decodes)
+    return [_group(page_table, cu, ctx, q_lens, seqs, page_size) for seqs in groups]
 
 
-def _attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, cu: list[int],
-            ctx: list[int], q_lens: list[int], seqs: list[int], page_size: int, scale: float,
-            out: Tensor) -> None:
-    """SDPA for ``seqs`` padded to their longest query and context; writes rows of ``out``."""
-    device = q.device
+def _group(page_table: Tensor, cu: list[int], ctx: list[int], q_lens: list[int], seqs: list[int],
+           page_size: int) -> _Group:
+    device = page_table.device
     n_q = torch.tensor([q_lens[b] for b in seqs], device=device)           # [n]
     n_ctx = torch.tensor([ctx[b] for b in seqs], device=device)            # [n]
     starts = torch.tensor([cu[b] for b in seqs], device=device)
@@ -56,15 +81,20 @@ def _attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, cu: l
     q_valid = q_pos[None, :] < n_q[:, None]                                # [n, Q]
     q_rows = starts[:, None] + torch.minimum(q_pos[None, :], n_q[:, None] - 1)
     locs = _context_locations(page_table, seqs, n_ctx, k_pos, page_size)   # [n, L]
-    keys = k_pool[locs].to(q.dtype).transpose(1, 2)                        # [n, Hkv, L, D]
-    values = v_pool[locs].to(q.dtype).transpose(1, 2)
-    queries = q[q_rows].transpose(1, 2)                                    # [n, Hq, Q, D]
     abs_q = (n_ctx - n_q)[:, None] + q_pos[None, :]                        # [n, Q]
     keys_pos = k_pos[None, None, :]
     mask = (keys_pos <= abs_q[:, :, None]) & (keys_pos < n_ctx[:, None, None])   # [n, Q, L]
-    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
+    return _Group(q_rows, q_rows[q_valid], q_valid, locs, mask[:, None])
+
+
+def _attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, g: _Group, scale: float, out: Tensor) -> None:
+    """SDPA for one group padded to its longest query and context; writes rows of ``out``."""
+    keys = k_pool[g.locs].to(q.dtype).transpose(1, 2)                      # [n, Hkv, L, D]
+    values = v_pool[g.locs].to(q.dtype).transpose(1, 2)
+    queries = q[g.q_rows].transpose(1, 2)                                  # [n, Hq, Q, D]
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask,
                                        scale=scale, enable_gqa=True)       # [n, Hq, Q, D]
-    out[q_rows[q_valid]] = o.transpose(1, 2)[q_valid]
+    out[g.out_rows] = o.transpose(1, 2)[g.q_valid]
 
 
 def _context_locations(page_table: Tensor, seqs: list[int], n_ctx: Tensor, k_pos: Tensor,
