@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -29,7 +30,8 @@ from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequ
                                       RequestRouter, RunningReplica)
 
 from cluster.actors import get_index_actor, get_metrics_actor
-from cluster.routing_policy import RouterSettings, decide, max_usable_depth, views_from
+from cluster.routing_policy import (RecentPlacements, RouterSettings, decide_and_record, max_usable_depth,
+                                    views_from)
 
 logger = logging.getLogger(__name__)
 POLICIES = ("hybrid_prefix", "pow2", "round_robin")
@@ -60,6 +62,7 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._index_timeout_s = index_timeout_s
         self._push_interval_s = push_interval_s
         self._rng = random.Random()
+        self._recent = RecentPlacements()      # cold placements the index and loads do not show yet
         self._rr_counter = self._rng.randrange(1 << 16)
         self._decisions: Counter[str] = Counter()
         self._push_task: asyncio.Task[None] | None = None
@@ -131,7 +134,9 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         report_ref = self._index.match.remote(tokens, ids, max_usable_depth(len(tokens)))
         loads = await self._loads(candidates)
         report = await asyncio.wait_for(report_ref, self._index_timeout_s)  # type: ignore[arg-type]
-        decision = decide(views_from(ids, report.depths, loads, report.sizes), self._settings, self._rng)
+        now = time.monotonic()
+        views = views_from(ids, report.depths, loads, report.sizes, self._recent.counts(now))
+        decision = decide_and_record(views, self._settings, self._recent, now, self._rng)
         return [[by_id[rid] for rid in rank] for rank in decision.ranks], decision.reason
 
     async def _loads(self, candidates: list[RunningReplica]) -> dict[str, int | None]:

@@ -9,7 +9,10 @@ Per request, for every candidate replica we know:
 
 Decision, in order:
 1. ``cold``: no replica has ``depth >= min_match_tokens`` -> least loaded first, then the
-   smallest index (so distinct prefixes spread out), random among ties.
+   smallest index (so distinct prefixes spread out), random among ties. "Loaded" counts
+   the cold placements this router made in the last few seconds (``RecentPlacements``):
+   until Serve's queue-length cache and the replica's checkpoint events catch up, a burst
+   of new prefixes would otherwise all see the same least-loaded replica.
 2. score = depth - load_penalty_tokens * load; the best score is the preferred replica.
 3. ``imbalanced`` (checked per request, against the preferred replica only): its load
    exceeds the least loaded by more than ``imbalance_abs`` AND by more than a factor
@@ -21,6 +24,7 @@ Decision, in order:
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -50,6 +54,29 @@ class ReplicaView(NamedTuple):
     depth: int
     load: int
     num_checkpoints: int = 0
+    recent_cold: int = 0                  # this router's cold placements not yet visible
+
+
+class RecentPlacements:
+    """Cold placements made in the last ``window_s`` seconds, per replica (times are the
+    caller's clock; they must not go backwards)."""
+
+    def __init__(self, window_s: float = 2.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._placed: deque[tuple[float, str]] = deque()
+
+    def add(self, replica_id: str, now: float) -> None:
+        self._placed.append((now, replica_id))
+
+    def counts(self, now: float) -> dict[str, int]:
+        while self._placed and self._placed[0][0] <= now - self.window_s:
+            self._placed.popleft()
+        out: dict[str, int] = {}
+        for _, rid in self._placed:
+            out[rid] = out.get(rid, 0) + 1
+        return out
 
 
 class RoutingDecision(NamedTuple):
@@ -70,7 +97,7 @@ def decide(views: Sequence[ReplicaView], settings: RouterSettings,
     shuffled = list(views)
     rng.shuffle(shuffled)                 # ties are broken at random, not by list order
     if max(v.depth for v in views) < settings.min_match_tokens:
-        ordered = sorted(shuffled, key=lambda v: (v.load, v.num_checkpoints))
+        ordered = sorted(shuffled, key=lambda v: (v.load + v.recent_cold, v.num_checkpoints))
         return RoutingDecision(_least_loaded_ranks(ordered), "cold", 0)
     by_score = sorted(shuffled, key=lambda v: (-_score(v, settings), v.load))
     best = by_score[0]
@@ -88,10 +115,21 @@ def is_imbalanced(load: int, min_load: int, settings: RouterSettings) -> bool:
 
 
 def views_from(candidates: Sequence[str], depths: Mapping[str, int], loads: Mapping[str, int | None],
-               sizes: Mapping[str, int] | None = None) -> list[ReplicaView]:
-    sizes = sizes or {}
-    return [ReplicaView(r, int(depths.get(r, 0)), int(loads.get(r) or 0), int(sizes.get(r, 0)))
+               sizes: Mapping[str, int] | None = None,
+               recent_cold: Mapping[str, int] | None = None) -> list[ReplicaView]:
+    sizes, recent_cold = sizes or {}, recent_cold or {}
+    return [ReplicaView(r, int(depths.get(r, 0)), int(loads.get(r) or 0), int(sizes.get(r, 0)),
+                        int(recent_cold.get(r, 0)))
             for r in candidates]
+
+
+def decide_and_record(views: Sequence[ReplicaView], settings: RouterSettings, recent: RecentPlacements,
+                      now: float, rng: random.Random | None = None) -> RoutingDecision:
+    """``decide``, remembering a cold placement in ``recent`` (views must carry its counts)."""
+    decision = decide(views, settings, rng)
+    if decision.reason == "cold":
+        recent.add(decision.ranks[0][0], now)
+    return decision
 
 
 def _score(view: ReplicaView, settings: RouterSettings) -> float:

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from cluster.prefix_index import PrefixIndex
-from cluster.routing_policy import RouterSettings, decide, max_usable_depth, views_from
+from cluster.routing_policy import (RecentPlacements, RouterSettings, decide_and_record, max_usable_depth,
+                                    views_from)
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 
 ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin", "pow2")
@@ -37,12 +38,16 @@ class HybridPrefixSim:
         for r in replicas:
             self.index.add_replica(r)
         self.settings, self.rng = settings, rng
+        self.recent = RecentPlacements()
 
     def choose(self, tokens: Sequence[int], loads: dict[str, int], now: float) -> str:
         ids = list(loads)
-        depths = self.index.match(tokens, max_usable_depth(len(tokens)), ids)
+        return self._decide(ids, self.index.match(tokens, max_usable_depth(len(tokens)), ids), loads, now)
+
+    def _decide(self, ids: list[str], depths: dict[str, int], loads: dict[str, int], now: float) -> str:
         sizes = {r: self.index.num_checkpoints(r) for r in ids}
-        return decide(views_from(ids, depths, loads, sizes), self.settings, self.rng).ranks[0][0]
+        views = views_from(ids, depths, loads, sizes, self.recent.counts(now))
+        return decide_and_record(views, self.settings, self.recent, now, self.rng).ranks[0][0]
 
     def on_routed(self, tokens: Sequence[int], replica: str, now: float) -> None:
         pass
@@ -85,8 +90,7 @@ class HybridPrefixKvSim(HybridPrefixSim):
                 break
             for r in owners:
                 depths[r] = max(depths.get(r, 0), i * self.page)
-        sizes = {r: self.index.num_checkpoints(r) for r in ids}
-        return decide(views_from(ids, depths, loads, sizes), self.settings, self.rng).ranks[0][0]
+        return self._decide(ids, depths, loads, now)
 
     def on_events(self, replica: str, events: Sequence[Event]) -> None:
         super().on_events(replica, events)

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from cluster.router_actor import RouterIndexState
-from cluster.routing_policy import (ReplicaView, RouterSettings, decide, is_imbalanced,
-                                    max_usable_depth, views_from)
+from cluster.routing_policy import (RecentPlacements, ReplicaView, RouterSettings, decide, decide_and_record,
+                                    is_imbalanced, max_usable_depth, views_from)
 from workers.cache.records import CheckpointInserted
 
 S = RouterSettings(load_penalty_tokens=16, imbalance_abs=8, imbalance_rel=1.5, min_match_tokens=16)
@@ -45,6 +45,21 @@ def test_cold_prompts_go_to_the_least_loaded_then_the_least_cached():
     views = [ReplicaView("a", 8, 1, 10), ReplicaView("b", 0, 0, 50), ReplicaView("c", 0, 0, 5)]
     d = decide(views, S)                          # 8 < min_match_tokens: cold
     assert d.reason == "cold" and d.ranks == [["c"], ["b", "a"]]
+
+
+def test_a_burst_of_cold_prompts_spreads_before_loads_and_the_index_catch_up():
+    """Loads and checkpoint counts are stale within a burst (all 0 here): the router's own
+    recent cold placements count as load, so eight new prefixes land two per replica."""
+    recent, rng = RecentPlacements(window_s=2.0), random.Random(0)
+    placed = []
+    for _ in range(8):
+        views = views_from(["a", "b", "c", "d"], {}, {}, {}, recent.counts(now=10.0))
+        placed.append(decide_and_record(views, RouterSettings(), recent, 10.0, rng).ranks[0][0])
+    assert Counter(placed) == {"a": 2, "b": 2, "c": 2, "d": 2}
+    assert recent.counts(now=12.5) == {}                          # out of the window: forgotten
+    views = views_from(["a", "b"], {"a": 40}, {}, {}, {"a": 5})
+    assert decide_and_record(views, RouterSettings(), recent, 13.0, rng).reason == "prefix"
+    assert recent.counts(now=13.0) == {}                          # only cold placements count
 
 
 def test_ties_are_broken_at_random():
