@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from cluster.net import free_port
 from configs.schema import HybridServeConfig
 
 ALERTS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"
@@ -46,12 +47,6 @@ class ScrapeJob:
 def find_prometheus(binary: str | None = None) -> str | None:
     """The prometheus executable: ``binary`` (a path or a name) if runnable, else from PATH."""
     return shutil.which(binary or "prometheus")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def render_config(jobs: Sequence[ScrapeJob], scrape_interval_s: float) -> str:

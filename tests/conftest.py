@@ -4,11 +4,12 @@ session fixture must live here to be shared by both: one ``ray.init`` per proces
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
+from cluster.net import free_port
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -33,12 +34,6 @@ def tiny_model_dir(request, tiny_qwen_dir, tiny_granite_dir):
 
 
 RAY_NUM_CPUS = 16                          # logical: replicas ask for 1 each, the machine has 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

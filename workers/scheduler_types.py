@@ -6,15 +6,13 @@ from dataclasses import dataclass
 from workers.request import Request
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step: compute tokens ``[start, start + num_new_tokens)``."""
+class SeqSpan:
+    """What a step's share of a request spans, from ``start``, ``num_new_tokens`` and
+    ``num_draft_tokens`` (mixed into ``ScheduledSeq`` and its TP wire copy ``SeqView``)."""
 
-    request: Request
     start: int
     num_new_tokens: int
-    samples: bool          # the chunk reaches the end of the known tokens: sample after it
-    num_draft_tokens: int = 0   # a speculative verify: 1 real token + this many drafts
+    num_draft_tokens: int
 
     @property
     def is_verify(self) -> bool:
@@ -23,6 +21,17 @@ class ScheduledSeq:
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledSeq(SeqSpan):
+    """One request's share of a step: compute tokens ``[start, start + num_new_tokens)``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    samples: bool          # the chunk reaches the end of the known tokens: sample after it
+    num_draft_tokens: int = 0   # a speculative verify: 1 real token + this many drafts
 
 
 @dataclass(frozen=True)

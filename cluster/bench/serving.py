@@ -15,21 +15,15 @@ whatever the router; ``/debug/replicas`` needs our router's ``target_replica``.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.net import free_port
 from configs.schema import load_config
 
 ROUTERS = ("hybrid_prefix", "round_robin", "ray_prefix")
 RAY_NUM_CPUS = 16                        # logical; replicas ask for 1 each on a 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

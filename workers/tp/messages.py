@@ -17,6 +17,7 @@ import torch
 
 from workers.checkpoints import StepPlan
 from workers.sampling_params import SamplingParams
+from workers.scheduler_types import SeqSpan
 from workers.step_inputs import PreparedStep
 
 
@@ -43,20 +44,12 @@ class RequestView:
 
 
 @dataclass(frozen=True)
-class SeqView:
+class SeqView(SeqSpan):
     request: RequestView
     start: int
     num_new_tokens: int
     samples: bool
     num_draft_tokens: int
-
-    @property
-    def is_verify(self) -> bool:
-        return self.num_draft_tokens > 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
 
 
 @dataclass(frozen=True)
