@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -35,7 +36,8 @@ def test_models_health_and_api_key(app, client, http):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     raw = http.get("/v1/models").json()["data"][0]
-    assert raw["root"] and raw["max_model_len"] > 100
+    assert Path(raw["root"]).is_absolute() and Path(raw["root"], "config.json").is_file()  # bench clients load it
+    assert raw["max_model_len"] > 100
     assert httpx.get(f"{app.base_url}/health").status_code == 200          # no key needed
     r = httpx.get(f"{app.openai_base}/models", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
