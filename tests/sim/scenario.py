@@ -1,4 +1,8 @@
-"""The SGLang keep-slot aliasing scenario (reference/hybrid-cache.md §2.7 and §7).
+"""The SGLang keep-slot aliasing scenario: with lazy extra-buffer checkpoints, MTP and the
+overlap scheduler, a prefill donated its keep slot to the tree while the in-flight first
+verify was still writing the grid-crossing state into it (SGLang's lazy-MTP path, PR
+#30437 and the keep-slot aliasing fix after it), so the tree held a state of another depth
+under the prefill node.
 
 extra_buffer_lazy + MTP + overlap, a 12-slot Mamba pool pre-filled with unlocked cached
 checkpoints (a warm-up batch of other prompts), 40 distinct prompts one token short of a

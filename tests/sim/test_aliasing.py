@@ -1,4 +1,5 @@
-"""The keep-slot aliasing bug (reference/hybrid-cache.md §2.7, B1) in the deterministic
+"""The keep-slot aliasing bug (see ``scenario.py``: a keep slot donated while an in-flight
+verify writes it) in the deterministic
 simulation: real scheduler, pools, tree, ledger, result processing and overlap lag over the
 hash-chain toy model. See ``scenario.py`` for the workload.
 

@@ -99,8 +99,13 @@ def test_preemption_spares_scheduled_requests(tiny_qwen_dir):
 
 def test_preemption_spares_scheduled_requests_real_model(tiny_qwen_dir):
     c = PREEMPT_CASE
+    plain = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+    expected = [o.token_ids for o in plain.generate_ids(c["prompts"], [c["params"]] * 2)]
     llm = make_llm(tiny_qwen_dir, **c["overrides"])
-    llm.generate_ids(c["prompts"], [c["params"]] * 2)
+    limit = llm.engine.max_model_len
+    got = [o.token_ids for o in llm.generate_ids(c["prompts"], [c["params"]] * 2)]
+    assert got == [e[: limit - len(p)] for p, e in zip(c["prompts"], expected)]
+    assert llm.stats()["hybridserve_preemptions_total"] > 0
 
 
 # -- 3. no_buffer publishes a live slot that a discarded verify already advanced ------------

@@ -2,7 +2,7 @@
 
 State. A Mamba slot holds ``ToyState(digest, depth)``: the hash chain of the tokens folded
 into it and how many there were, so any slot's content names its true prefix and depth
-(reference/hybrid-cache.md §7). The "model output" after a token is a deterministic function
+(the toy model of SGLang's aliasing repro). The "model output" after a token is a deterministic function
 of the digest, so a wrong state yields wrong tokens and differs from a flushed control.
 
 ``ToyRunner`` replaces ``engine.runner`` (used only through ``launch(plan) ->

@@ -1,4 +1,5 @@
-"""RadixCache: the tree items of reference/hybrid-cache.md §7 (10, 11, 12), pinned exactly."""
+"""RadixCache: splits make tombstones, match stops at the deepest checkpoint, duplicate inserts,
+both evictions, conservation and optional-slot exhaustion, pinned exactly."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -85,31 +85,78 @@ def test_verify_commits_the_accepted_state(tiny_qwen_dir, plain, oracle_drafts, 
     assert stats["hybridserve_mamba_checkpoints_inserted_total"].get("decode", 0) > 0
 
 
-def test_lazy_spec_overlap_under_slot_pressure(tiny_qwen_dir):
-    """The combination that broke SGLang: lazy checkpoints + MTP + overlap, a tiny pool,
-    half of the pending-slot allocations failing, prompts one short of the grid."""
-    interval = 16
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SGLANG_INTERVAL = 16
+SGLANG_PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def sglang_engine(model_dir, guard_off: bool = False, **extra):
+    """Lazy checkpoints + MTP + overlap, page 1, a 24-slot pool, half the pending-slot
+    allocations failing: the verify must write the grid-crossing state in place into the
+    keep slot whose prefill checkpoint is about to be donated."""
+    overrides = {"scheduler": {"overlap": True, "max_running_requests": 4},
+                 "spec": {"method": "mtp", "num_draft_tokens": 2},
+                 "cache": {"mamba_strategy": "extra_buffer_lazy", "mamba_track_interval": SGLANG_INTERVAL,
+                           "max_mamba_slots": 24, "page_size": 1},
+                 "debug": {"check_invariants": not guard_off, "fail_pending_alloc_prob": 0.5,
+                           "disable_alias_guard": guard_off}}
+    for key, value in extra.items():
+        overrides[key] = {**overrides[key], **value}
+    llm = make_llm(model_dir, **overrides)
+    llm.engine.raise_on_violation = not guard_off
+    return llm
+
+
+@pytest.fixture(scope="module")
+def sglang_passes(tiny_qwen_dir):
+    """Warm-up prompts (fill the pool with unlocked checkpoints), 40 prompts one token short
+    of the grid, then a second pass, newest first, of a follow-up turn per prompt (prompt + 2
+    generated + 1 new token: it matches the grid checkpoint of the first verify) and the
+    prompt again (its prefill checkpoint). Outputs from the cache-off, overlap-off control."""
     control = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
-    prompts = random_prompts(control.engine.vocab_size, [interval - 1] * 40, seed=3)
-    expected = [o.token_ids for o in control.generate_ids(prompts, [params] * 40)]
-    variants = {"full": {}, "spec_off": {"spec": {"method": "none"}},
-                "overlap_off": {"scheduler": {"overlap": False, "max_running_requests": 4}}}
-    for name, extra in variants.items():
-        llm = spec_llm(tiny_qwen_dir, **{
-            "scheduler": {"overlap": True, "max_running_requests": 4},
-            "spec": {"method": "mtp", "num_draft_tokens": 2},
-            "cache": {"mamba_strategy": "extra_buffer_lazy", "mamba_track_interval": interval,
-                      "max_mamba_slots": 12, "page_size": 1},
-            "debug": {"check_invariants": True, "fail_pending_alloc_prob": 0.5}, **extra})
-        llm.engine.raise_on_violation = True
-        for _ in range(2):
-            assert [o.token_ids for o in llm.generate_ids(prompts, [params] * 40)] == expected, name
-        stats = llm.stats()
-        assert stats["hybridserve_invariant_violations_total"] == {}
-        if name == "full":
-            assert stats["hybridserve_mamba_pending_alloc_failures_total"] > 0
-            assert sum(stats["hybridserve_mamba_donations_skipped_total"].values()) > 0
+    vocab = control.engine.vocab_size
+    warm = random_prompts(vocab, [SGLANG_INTERVAL - 1] * 12, seed=4)
+    first = random_prompts(vocab, [SGLANG_INTERVAL - 1] * 40, seed=3)
+    gen = [o.token_ids for o in control.generate_ids(first, [SGLANG_PARAMS] * 40)]
+    news = random_prompts(vocab, [1] * 40, seed=5)
+    second = [q for p, g, n in list(zip(first, gen, news))[::-1] for q in (p + g[:2] + n, p)]
+    passes = {"warm": warm, "first": first, "second": second}
+    expected = {name: [o.token_ids for o in control.generate_ids(ps, [SGLANG_PARAMS] * len(ps))]
+                for name, ps in passes.items()}
+    return passes, expected
+
+
+def run_sglang(llm, passes):
+    return {name: llm.generate_ids(ps, [SGLANG_PARAMS] * len(ps)) for name, ps in passes.items()}
+
+
+@pytest.mark.parametrize("variant", ["full", "spec_off", "overlap_off"])
+def test_lazy_spec_overlap_under_slot_pressure(tiny_qwen_dir, sglang_passes, variant):
+    """The combination that broke SGLang, on the real model: every pass equals the control,
+    and the second pass really is served from checkpoints the first pass published."""
+    passes, expected = sglang_passes
+    extra = {"spec_off": {"spec": {"method": "none"}}, "overlap_off": {"scheduler": {"overlap": False}}}
+    llm = sglang_engine(tiny_qwen_dir, **extra.get(variant, {}))
+    outs = run_sglang(llm, passes)
+    for name in passes:
+        assert [o.token_ids for o in outs[name]] == expected[name], name
+    hits = [o.cached_tokens for o in outs["second"]]
+    assert sum(h > 0 for h in hits) >= 6, hits
+    stats = llm.stats()
+    assert stats["hybridserve_invariant_violations_total"] == {}
+    if variant == "full":
+        assert SGLANG_INTERVAL in hits                 # a follow-up resumed from the grid crossing
+        assert SGLANG_INTERVAL - 2 in hits             # a prompt resumed from its prefill target
+        assert stats["hybridserve_mamba_pending_alloc_failures_total"] > 0
+        assert sum(stats["hybridserve_mamba_donations_skipped_total"].values()) > 0
+
+
+def test_lazy_spec_overlap_guard_off_corrupts(tiny_qwen_dir, sglang_passes):
+    """The same run with ``debug.disable_alias_guard``: donations of slots the in-flight
+    verify writes publish states of the wrong depth, and reusing them changes outputs."""
+    passes, expected = sglang_passes
+    outs = run_sglang(sglang_engine(tiny_qwen_dir, guard_off=True), passes)
+    assert [o.token_ids for o in outs["first"]] == expected["first"]      # no hits yet
+    assert [o.token_ids for o in outs["second"]] != expected["second"]
 
 
 def test_seeded_spec_sampling_is_reproducible(tiny_qwen_dir):

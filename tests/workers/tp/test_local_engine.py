@@ -25,7 +25,8 @@ ENGINE = {"spec": {"method": "mtp", "num_draft_tokens": 2}, "debug": {"check_inv
 def test_tp2_equals_tp1_and_a_dead_rank_fails_fast(tiny_qwen_dir):
     prompts = random_prompts(512, [5, 17, 9, 30, 12], seed=2)
     prompts.append(prompts[3][:20] + [7, 8, 9])
-    ref = make_llm(tiny_qwen_dir, **ENGINE)
+    # The reference has every variant off: TP = 1, no prefix cache, no speculation, no overlap.
+    ref = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
     expected = [o.token_ids for o in ref.generate_ids(prompts, [GREEDY] * len(prompts))]
 
     llm = make_llm(tiny_qwen_dir, parallel={"tensor_parallel_size": 2}, **ENGINE)
