@@ -64,6 +64,9 @@ class DebugConfig(_Frozen):
     check_invariants: bool = False
     fail_pending_alloc_prob: float = Field(0.0, ge=0.0, le=1.0)
     disable_alias_guard: bool = False
+    # Fraction of published checkpoints recomputed by a fresh prefill of their path and
+    # compared with the slot (hybridserve_state_oracle_{checks,mismatches}_total); TP = 1.
+    state_oracle_sample: float = Field(0.0, ge=0.0, le=1.0)
 
 
 class HybridServeConfig(_Frozen):

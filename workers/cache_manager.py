@@ -9,8 +9,13 @@ Rules held here (checked by ``check_invariants``):
 - A running request owns exactly one live slot (mandatory); every other slot it holds is
   optional and its absence only skips a checkpoint (DESIGN §4 rule 4).
 - A request's tree prefix ``page_ids[:num_tree_pages]`` is protected by its lock.
-- Pages are freed only when no launched, unprocessed batch can read them: frees made
-  while batches are in flight wait until those batches complete.
+- Pages are freed only when no launched, unprocessed batch can read them: a request's own
+  pages are read only by batches holding that request, so they wait for the newest such
+  batch (``Request.inflight_batch``) and are freed at once when none is in flight.
+- Labels (I4): the ledger's content records come from what the runner reports it wrote
+  (``complete_step``); keep depths, tree checkpoints and live slots must agree with them.
+- Liveness (DESIGN §4 rule 6): admission never waits on the checkpoint it matched: when
+  the live slot can only be had by evicting it, the request is admitted without the hit.
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ from collections.abc import Sequence
 
 from configs.schema import CacheConfig, DebugConfig
 from workers.allocators import IdAllocator
-from workers.cache import CacheEvent, RadixCache, RequestOwner, SlotLedger, SlotRole, Violation
+from workers.cache import (CacheEvent, CheckpointEvicted, MatchResult, RadixCache, RequestOwner,
+                           SlotLedger, SlotRole, Violation)
+from workers.cache_checks import check_pools
 from workers.checkpoints import CheckpointTracker, StepPlan
 from workers.request import Request, RequestCacheState
-from workers.scheduler_types import ScheduledBatch
+from workers.scheduler_types import ScheduledBatch, StateWrite
 from workers.stats import EngineStats
 
 
@@ -38,6 +45,10 @@ class CacheManager:
         self.tree: RadixCache | None = None
         if cache.enable_prefix_cache:
             self.tree = RadixCache(self.page_size, self.pages, self.ledger, on_event=self._on_event)
+        self.checks = debug.check_invariants
+        self.label_violations: list[Violation] = []      # found while processing (checks on)
+        self.record_published = debug.state_oracle_sample > 0
+        self.published: list[tuple[int, list[int]]] = []  # (slot, path tokens), for the oracle
         self.tracker = CheckpointTracker(self, cache, debug, random.Random(seed))
         self._deferred_pages: list[tuple[int, list[int]]] = []   # (free after batch id, pages)
         self._deferred_releases: list[tuple[Request, bool]] = []  # (request, finished)
@@ -45,8 +56,6 @@ class CacheManager:
 
     # -- events, sizes ----------------------------------------------------------------------
     def _on_event(self, event: CacheEvent) -> None:
-        from workers.cache import CheckpointEvicted
-
         if isinstance(event, CheckpointEvicted):
             self.stats.inc("hybridserve_mamba_checkpoints_evicted_total")
         self.events.append(event)
@@ -54,6 +63,19 @@ class CacheManager:
     def drain_events(self) -> list[CacheEvent]:
         events, self.events = self.events, []
         return events
+
+    def report(self, invariant: str, message: str) -> None:
+        """A label disagreed with a write while processing; kept for ``check_invariants``."""
+        if self.checks:
+            self.label_violations.append(Violation(invariant, message))
+
+    def on_publish(self, slot: int, token_ids: list[int]) -> None:
+        if self.record_published:
+            self.published.append((slot, token_ids))
+
+    def drain_published(self) -> list[tuple[int, list[int]]]:
+        out, self.published = self.published, []
+        return out
 
     # -- pages ------------------------------------------------------------------------------
     def can_alloc_pages(self, n: int) -> bool:
@@ -66,30 +88,41 @@ class CacheManager:
             return []
         return self.tree.alloc_pages(n) if self.tree is not None else self.pages.alloc(n)
 
-    def free_pages(self, page_ids: Sequence[int]) -> None:
-        """Free now, or after the newest in-flight batch completes if any batch is in flight."""
+    def free_pages(self, page_ids: Sequence[int], reader: int | None) -> None:
+        """Free pages that batch ``reader`` (the newest that may read them) or older read.
+
+        Now when that batch is not in flight, else once it completes.
+        """
         if not page_ids:
             return
-        if self._inflight:
-            self._deferred_pages.append((max(self._inflight), list(page_ids)))
+        if reader is not None and reader in self._inflight:
+            self._deferred_pages.append((reader, list(page_ids)))
         else:
             self.pages.free(list(page_ids))
+
+    def reader_of(self, req: Request) -> int | None:
+        """The newest in-flight batch that reads ``req``'s own pages, if any."""
+        batch = req.inflight_batch
+        return batch if batch is not None and batch in self._inflight else None
 
     # -- admission ----------------------------------------------------------------------------
     def admit(self, req: Request) -> bool:
         """Give a waiting request its live slot and, on a prefix hit, the cached prefix.
 
-        Atomic: on False nothing is held. Track slots are optional (may stay None).
+        Atomic: on False nothing is held. Track slots are optional (may stay None). When
+        the only way to a live slot is to evict the matched checkpoint itself (a tiny
+        pool), the hit is dropped and the request recomputes its prefix.
         """
-        match = None
-        if self.tree is not None and not req.page_ids and req.num_tokens > 1:
-            match = self.tree.match(req.all_token_ids[: req.num_tokens - 1])
-            if match.depth > 0:
-                self.tree.lock(match.node)
-        live = self._alloc_slot(RequestOwner(req.request_id, SlotRole.LIVE), evict=True)
+        match = self._match(req)
+        if match is not None and match.depth > 0:
+            self.tree.lock(match.node)  # type: ignore[union-attr]
+        live = self.alloc_slot(RequestOwner(req.handle, SlotRole.LIVE), evict=True)
+        if live is None and match is not None and match.depth > 0:
+            self.tree.unlock(match.node)  # type: ignore[union-attr]
+            match = match._replace(node=self.tree.root, depth=0, page_ids=[],  # type: ignore[union-attr]
+                                   checkpoint=None)
+            live = self.alloc_slot(RequestOwner(req.handle, SlotRole.LIVE), evict=True)
         if live is None:
-            if match is not None and match.depth > 0:
-                self.tree.unlock(match.node)  # type: ignore[union-attr]
             return False
         req.mamba_slot = live
         req.cache = RequestCacheState()
@@ -98,20 +131,26 @@ class CacheManager:
         self.tracker.on_admit(req, match.kv_depth if match is not None else 0)
         return True
 
-    def _record_lookup(self, req: Request, match) -> None:
+    def _match(self, req: Request) -> MatchResult | None:
+        if self.tree is None or req.page_ids or req.num_tokens <= 1:
+            return None
+        return self.tree.match(req.all_token_ids[: req.num_tokens - 1])
+
+    def _record_lookup(self, req: Request, match: MatchResult) -> None:
         if not req.lookup_counted:
             req.lookup_counted = True
             self.stats.inc("hybridserve_prefix_query_tokens_total", req.num_prompt_tokens)
             self.stats.inc("hybridserve_prefix_hit_tokens_total", match.depth)
             req.num_cached_tokens = match.depth
         if match.depth > 0:
+            assert match.checkpoint is not None
             req.page_ids = list(match.page_ids)
             req.num_computed_tokens = match.depth
             req.cache.num_tree_pages = len(match.page_ids)
             req.cache.locked_node = match.node
             req.cache.cow_src = match.checkpoint.slot
 
-    def _alloc_slot(self, owner: RequestOwner, evict: bool) -> int | None:
+    def alloc_slot(self, owner: RequestOwner, evict: bool) -> int | None:
         if evict and self.tree is not None:
             return self.tree.alloc_slot_evicting(owner)
         return self.ledger.alloc(owner)
@@ -120,20 +159,34 @@ class CacheManager:
     def plan_step(self, batch: ScheduledBatch) -> StepPlan:
         """Called right before launch: copy-on-write sources, track writes, pending writers."""
         plan = self.tracker.plan(batch)
+        if self.checks:
+            self._check_cow(plan)
         for slot in plan.written_slots():
             self.ledger.add_writer(slot, batch.batch_id)
         self._inflight.add(batch.batch_id)
         return plan
 
-    def complete_step(self, batch: ScheduledBatch, plan: StepPlan,
-                      rows_committed: dict[int, int] | None = None) -> None:
-        """The batch's result is in: writers cleared, labels updated (no donation yet)."""
+    def _check_cow(self, plan: StepPlan) -> None:
+        """I4 at a hit: the checkpoint copied into a live slot is the state at the seq's start."""
+        starts = {s.request.mamba_slot: s.start for s in plan.batch.seqs}
+        for src, dst in plan.cow:
+            content = self.ledger.content_of(src)
+            if content is None or content.depth != starts[dst]:
+                self.report("I4", f"copy of slot {src} ({content}) into live slot {dst} for a "
+                                  f"sequence starting at {starts[dst]}")
+
+    def complete_step(self, batch: ScheduledBatch, plan: StepPlan, writes: Sequence[StateWrite]) -> None:
+        """The batch's result is in: contents recorded, writers cleared, labels updated (no
+        donation yet)."""
+        for w in writes:
+            if self.ledger.owner_of(w.slot) is not None:       # a discarded request's slots may be gone
+                self.ledger.record_write(w.slot, w.depth, batch.batch_id)
         self.ledger.complete_batch(batch.batch_id)
         self._inflight.discard(batch.batch_id)
-        self.tracker.on_complete(plan, rows_committed or {})
+        self.tracker.on_complete(plan, writes)
         pending, self._deferred_releases = self._deferred_releases, []
         for req, finished in pending:
-            self.release(req, finished, deferred=True)
+            self.release(req, finished)
         self._release_deferred()
 
     def donate_unfinished(self, batch: ScheduledBatch) -> None:
@@ -142,31 +195,29 @@ class CacheManager:
                 self.tracker.donate(seq.request, finished=False)
 
     def _release_deferred(self) -> None:
-        oldest = min(self._inflight, default=None)
         keep = []
         for after, pages in self._deferred_pages:
-            if oldest is None or after < oldest:
-                self.pages.free(pages)
-            else:
+            if after in self._inflight:
                 keep.append((after, pages))
+            else:
+                self.pages.free(pages)
         self._deferred_pages = keep
 
     # -- release ----------------------------------------------------------------------------------
-    def release(self, req: Request, finished: bool, deferred: bool = False) -> None:
+    def release(self, req: Request, finished: bool) -> None:
         """Return a request's resources; a normal finish first publishes its checkpoint.
 
         A request that a launched, unprocessed batch still writes (the overlap lag) is
         released when that batch completes: its slots may not change owner before (I3).
         """
-        if any(self.ledger.has_writers(s) for s in self.ledger.slots_of(req.request_id)):
+        if any(self.ledger.has_writers(s) for s in self.ledger.slots_of(req.handle)):
             self._deferred_releases.append((req, finished))
             return
         if finished and self.tree is not None:
-            # After a deferred release the live slot holds what a discarded batch wrote.
-            self.tracker.donate(req, finished=True, live_is_exact=not deferred)
-        self.free_pages(req.page_ids[req.cache.num_tree_pages:])
+            self.tracker.donate(req, finished=True)
+        self.free_pages(req.page_ids[req.cache.num_tree_pages:], self.reader_of(req))
         req.page_ids = []
-        self.ledger.free_request(req.request_id)
+        self.ledger.free_request(req.handle)
         req.mamba_slot = None
         if req.cache.locked_node is not None:
             self.tree.unlock(req.cache.locked_node)  # type: ignore[union-attr, arg-type]
@@ -180,18 +231,7 @@ class CacheManager:
 
     # -- checks ----------------------------------------------------------------------------------
     def check_invariants(self, running: Sequence[Request]) -> list[Violation]:
-        out = list(self.ledger.check())
-        if self.tree is not None:
-            out += [v for v in self.tree.check_invariants() if v.invariant not in ("I2",) or v not in out]
+        out, self.label_violations = self.label_violations, []
         held = list(running) + [r for r, _ in self._deferred_releases]
-        own = sum(len(r.page_ids) - r.cache.num_tree_pages for r in held)
-        tree_pages = self.tree.num_cached_pages if self.tree is not None else 0
         deferred = sum(len(p) for _, p in self._deferred_pages)
-        if self.pages.num_free + tree_pages + own + deferred != self.pages.num_usable:
-            out.append(Violation("I2", f"KV pages: free {self.pages.num_free} + tree {tree_pages} + "
-                                       f"requests {own} + deferred {deferred} != {self.pages.num_usable}"))
-        for r in running:
-            roles = self.ledger.slots_of(r.request_id)
-            if list(roles.values()).count(SlotRole.LIVE) != 1 or roles.get(r.mamba_slot) is not SlotRole.LIVE:
-                out.append(Violation("I2", f"request {r.request_id}: live slot {r.mamba_slot}, ledger {roles}"))
-        return out
+        return out + check_pools(self.ledger, self.tree, self.pages, running, held, deferred)

@@ -21,26 +21,49 @@ Safety (DESIGN §4 ledger rules): every slot a launched batch writes is register
 pending writer; ``donate`` never moves a slot with a pending writer: it skips, counts
 ``donations_skipped{path}`` and keeps the label, so the checkpoint is published later at
 its true depth. Decisions about a batch read its frozen ``StepPlan`` only.
+
+Labels are true by construction (I4): a keep depth is never taken from the plan but from
+the ledger's content record of the slot, which holds what the runner reported it wrote
+(``StateWrite``) when the batch's result was processed; a slot that another in-flight
+batch will still write gets no label until that batch is processed too.
 """
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from configs.schema import CacheConfig, DebugConfig
-from workers.cache import Checkpoint, RequestOwner, SlotRole
+from workers.cache import Checkpoint, RadixCache, RequestOwner, SlotLedger, SlotRole
 from workers.request import Request
-from workers.scheduler_types import ScheduledBatch
+from workers.scheduler_types import ScheduledBatch, StateWrite
+from workers.stats import EngineStats
 
-if TYPE_CHECKING:
-    from workers.cache_manager import CacheManager
+
+class TrackerHost(Protocol):
+    """What the tracker uses of the cache manager that owns it."""
+
+    ledger: SlotLedger
+    tree: RadixCache | None
+    stats: EngineStats
+
+    def alloc_slot(self, owner: RequestOwner, evict: bool) -> int | None: ...
+
+    def free_pages(self, page_ids: Sequence[int], reader: int | None) -> None: ...
+
+    def reader_of(self, req: Request) -> int | None: ...
+
+    def report(self, invariant: str, message: str) -> None: ...
+
+    def on_publish(self, slot: int, token_ids: list[int]) -> None: ...
 
 
 @dataclass(frozen=True)
 class TrackWrite:
-    """Batch ``batch_id`` writes H(``depth``) of ``request`` into ``slot``."""
+    """Batch ``batch_id`` is planned to write H(``depth``) of ``request`` into ``slot`` (a
+    verify only if it commits that far; the runner reports what it did write)."""
 
     seq_index: int
     request: Request
@@ -49,7 +72,6 @@ class TrackWrite:
     phase: str          # "prefill" | "decode"
     inplace: bool       # lazy fallback: written into the keep slot itself
     batch_id: int
-    rows_needed: int = 0  # a verify: written only if at least this many rows are committed
 
 
 @dataclass(frozen=True)
@@ -73,7 +95,7 @@ class StepPlan:
 
 
 class CheckpointTracker:
-    def __init__(self, manager: CacheManager, cache: CacheConfig, debug: DebugConfig,
+    def __init__(self, manager: TrackerHost, cache: CacheConfig, debug: DebugConfig,
                  rng: random.Random) -> None:
         self.m = manager
         self.page_size = cache.page_size
@@ -100,7 +122,7 @@ class CheckpointTracker:
             c.next_slot = self._alloc(req, SlotRole.PENDING, evict=True)
 
     def _alloc(self, req: Request, role: SlotRole, evict: bool) -> int | None:
-        return self.m._alloc_slot(RequestOwner(req.request_id, role), evict=evict)
+        return self.m.alloc_slot(RequestOwner(req.handle, role), evict=evict)
 
     def targets_within(self, req: Request, end: int) -> list[int]:
         """Prefill checkpoint targets a chunk from ``num_computed_tokens`` to ``end`` covers."""
@@ -144,8 +166,7 @@ class CheckpointTracker:
                 dest = self._destination(req)
                 if dest is not None:
                     phase = "prefill" if seq.start < req.num_prompt_tokens else "decode"
-                    needed = depth - seq.start if seq.is_verify else 0
-                    tracks.append(TrackWrite(i, req, dest[0], depth, phase, dest[1], batch.batch_id, needed))
+                    tracks.append(TrackWrite(i, req, dest[0], depth, phase, dest[1], batch.batch_id))
         return StepPlan(batch, tuple(cow), tuple(tracks))
 
     def _checkpoint_depth(self, seq) -> int | None:
@@ -191,33 +212,56 @@ class CheckpointTracker:
         return (second, False) if second is not None else None
 
     # -- results ------------------------------------------------------------------------------
-    def on_complete(self, plan: StepPlan, rows_committed: dict[int, int]) -> None:
-        """The batch's writes happened: the written slot now holds H(depth) (I4).
+    def on_complete(self, plan: StepPlan, writes: Sequence[StateWrite]) -> None:
+        """The batch's writes happened (``writes``, as the runner reports them, already in
+        the ledger's content records): label the keep slots from them.
 
-        ``rows_committed``: per verify seq index, how many of its rows were accepted (a
-        verify writes its crossing state only when it got that far).
+        A planned write the runner did not report (a verify that stopped short of the
+        boundary) labels nothing.
         """
+        written = {(w.seq_index, w.slot): w.depth for w in writes}
         for w in plan.tracks:
-            req, c = w.request, w.request.cache
-            if w.rows_needed and rows_committed.get(w.seq_index, 0) < w.rows_needed:
-                continue                        # the verify stopped short of the boundary
-            if req.mamba_slot is None:          # released meanwhile; its slots are gone
+            depth = written.get((w.seq_index, w.slot))
+            if depth is None:
                 continue
-            if req.is_finished:                 # this batch's tokens for it are discarded
-                if w.slot == c.keep_slot:       # ...and it overwrote the keep slot's state
-                    c.keep_depth = None
+            if depth != w.depth:                # a runner bug: the slot is never published
+                self.m.report("I4", f"batch {w.batch_id} planned H({w.depth}) into slot {w.slot}; "
+                                    f"the runner wrote H({depth})")
+                if w.slot == w.request.cache.keep_slot:
+                    w.request.cache.keep_depth = None
                 continue
-            owner = self.m.ledger.owner_of(w.slot)
-            if not (isinstance(owner, RequestOwner) and owner.request_id == req.request_id):
-                # Only with debug.disable_alias_guard: the slot was given away while this
-                # batch wrote it (the aliasing bug). Repair the label as SGLang did, onto
-                # whatever keep slot the request holds now (an I4 lie the tests expose).
-                c.keep_depth, c.keep_phase, c.keep_batch = w.depth, w.phase, w.batch_id
-                continue
-            if w.slot != c.keep_slot:
-                self._promote(req, w.slot)
+            self._label(w, depth)
+
+    def _label(self, w: TrackWrite, depth: int) -> None:
+        req, c, ledger = w.request, w.request.cache, self.m.ledger
+        if req.mamba_slot is None:              # released meanwhile; its slots are gone
+            return
+        if req.is_finished:                     # this batch's tokens for it are discarded
+            if w.slot == c.keep_slot:           # ...and it overwrote the keep slot's state
+                c.keep_depth = None
+            return
+        owner = ledger.owner_of(w.slot)
+        if not (isinstance(owner, RequestOwner) and owner.handle == req.handle):
+            # Only with debug.disable_alias_guard: the slot was given away while this batch
+            # wrote it (the aliasing bug). Repair the label as SGLang did, onto whatever keep
+            # slot the request holds now: an I4 lie that check_invariants reports.
             c.keep_depth, c.keep_phase, c.keep_batch = w.depth, w.phase, w.batch_id
-            c.targets = [t for t in c.targets if t > w.depth]
+            return
+        if not ledger.may_move(w.slot):
+            # A later in-flight batch writes this slot too (the same-slot fallback, or a
+            # verify writing in place into keep): its content is not final, so this
+            # checkpoint cannot be published; that batch's result labels the slot instead.
+            self.m.stats.inc("hybridserve_mamba_donations_skipped_total",
+                             label="prefill_unfinished" if w.phase == "prefill" else "decode")
+            if w.slot == c.keep_slot:
+                c.keep_depth = None
+            return
+        if w.slot != c.keep_slot:
+            self._promote(req, w.slot)
+        content = ledger.content_of(w.slot)
+        assert content is not None and content.depth == depth, (w, content)
+        c.keep_depth, c.keep_phase, c.keep_batch = content.depth, w.phase, content.batch_id
+        c.targets = [t for t in c.targets if t > content.depth]
 
     def _promote(self, req: Request, written: int) -> None:
         c, ledger = req.cache, self.m.ledger
@@ -240,16 +284,12 @@ class CheckpointTracker:
                 ledger.relabel(old_keep, SlotRole.PENDING)
 
     # -- publication ----------------------------------------------------------------------------
-    def donate(self, req: Request, finished: bool, live_is_exact: bool = True) -> None:
-        """Publish the keep slot's checkpoint into the tree (no copy), if allowed now.
-
-        ``live_is_exact``: the live slot holds H(num_computed_tokens) (no discarded batch
-        wrote it); only then may ``no_buffer`` publish it at finish.
-        """
+    def donate(self, req: Request, finished: bool) -> None:
+        """Publish the keep slot's checkpoint into the tree (no copy), if allowed now."""
         c, tree = req.cache, self.m.tree
         if tree is None:
             return
-        if finished and self.strategy == "no_buffer" and live_is_exact:
+        if finished and self.strategy == "no_buffer":
             self._live_as_keep(req)
         if c.keep_slot is None or c.keep_depth is None:
             return
@@ -265,10 +305,17 @@ class CheckpointTracker:
         self._insert(req, finished)
 
     def _live_as_keep(self, req: Request) -> None:
-        depth = req.num_computed_tokens
-        if depth % self.page_size == 0 and depth > 0 and req.mamba_slot is not None:
-            req.cache.keep_slot, req.cache.keep_depth = req.mamba_slot, depth
-            req.cache.keep_phase = "decode" if depth > req.num_prompt_tokens else "prefill"
+        """no_buffer at finish: the live slot is the checkpoint, at the depth of what it holds
+        (a discarded batch may have advanced it past the request's tokens: then none)."""
+        live = req.mamba_slot
+        if live is None or self.m.ledger.has_writers(live):
+            return
+        content = self.m.ledger.content_of(live)
+        if content is None or content.depth % self.page_size or content.depth > req.num_tokens:
+            return
+        req.cache.keep_slot, req.cache.keep_depth = live, content.depth
+        req.cache.keep_batch = content.batch_id
+        req.cache.keep_phase = "decode" if content.depth > req.num_prompt_tokens else "prefill"
 
     def _insert(self, req: Request, finished: bool) -> None:
         c, tree, stats = req.cache, self.m.tree, self.m.stats
@@ -278,7 +325,7 @@ class CheckpointTracker:
         num_pages = depth // self.page_size
         result = tree.insert(tokens, req.page_ids[:num_pages],
                              Checkpoint.for_tokens(slot, tokens, self.page_size, c.keep_batch))
-        self.m.free_pages(result.duplicate_page_ids)
+        self.m.free_pages(result.duplicate_page_ids, self.m.reader_of(req))
         req.page_ids[:num_pages] = result.page_ids
         c.num_tree_pages = num_pages
         tree.lock(result.node)
@@ -291,6 +338,7 @@ class CheckpointTracker:
             return
         stats.inc("hybridserve_mamba_donations_total")
         stats.inc("hybridserve_mamba_checkpoints_inserted_total", label="finish" if finished else c.keep_phase)
+        self.m.on_publish(slot, tokens)
         if slot == req.mamba_slot:              # no_buffer gave away the live slot itself
             req.mamba_slot = None
         c.keep_slot = None

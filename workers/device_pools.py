@@ -70,6 +70,10 @@ class MambaPool:
         self.conv[:, slots] = 0
         self.ssm[:, slots] = 0
 
+    def slot_states(self, slot: int) -> tuple[torch.Tensor, ...]:
+        """Views of every state tensor of one slot, all layers (for comparisons)."""
+        return (self.conv[:, slot], self.ssm[:, slot])
+
 
 @dataclass
 class DevicePools:

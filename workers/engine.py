@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sizing import plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens
+from workers.state_oracle import StateOracle
 from workers.stats import EngineStats
 
 
@@ -52,6 +54,9 @@ class Engine:
             raise ValueError(
                 f"parallel.tensor_parallel_size={config.parallel.tensor_parallel_size} needs the "
                 "TP engine: use workers.LLM, workers.tp.build_local_engine or the cluster")
+        if config.parallel.tensor_parallel_size > 1 and config.debug.state_oracle_sample > 0:
+            raise ValueError(f"debug.state_oracle_sample={config.debug.state_oracle_sample} needs "
+                             f"parallel.tensor_parallel_size=1, got {config.parallel.tensor_parallel_size}")
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -71,8 +76,13 @@ class Engine:
         self.runner = self._build_runner()
         self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
                                        release=self.scheduler.release,
-                                       on_finish=lambda r: self.generators.drop(r.request_id))
+                                       on_finish=lambda r: self.generators.drop(r.handle))
         self._inflight: list[tuple[ScheduledBatch, StepPlan, Future]] = []
+        self.oracle = (StateOracle(self.model, self.pools, config.cache.page_size, self.device, self.dtype,
+                                   config.debug.state_oracle_sample, config.seed)
+                       if config.debug.state_oracle_sample > 0 else None)
+        self._oracle_checks: list[Future[bool]] = []
+        self._next_handle = 1
         self.num_overlapped_launches = 0
         self.raise_on_violation = False   # tests turn this on: violations raise, not just count
 
@@ -121,7 +131,8 @@ class Engine:
                     params: SamplingParams) -> None:
         self._validate(request_id, prompt_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic(),
-                      eos_token_id=self.eos_token_id)
+                      handle=self._next_handle, eos_token_id=self.eos_token_id)
+        self._next_handle += 1
         self.outputs.add(req)
         self.scheduler.add(req)
 
@@ -150,7 +161,7 @@ class Engine:
         return self.outputs.output(req, [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._inflight)
+        return self.scheduler.has_work() or bool(self._inflight) or bool(self._oracle_checks)
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -162,6 +173,8 @@ class Engine:
         """
         previous = self._inflight.pop() if self._inflight else None
         launched = self._launch_next()
+        if launched is None and previous is None and self.scheduler.has_work():
+            raise RuntimeError(self._stuck_message())
         if launched is not None and previous is not None:
             self.num_overlapped_launches += 1      # N+1 launched before N's result is processed
         outputs = self._process(*previous) if previous is not None else []
@@ -171,15 +184,31 @@ class Engine:
             else:
                 self._inflight.append(launched)
         self._update_gauges()
+        if self.oracle is not None:
+            self._run_oracle(wait=launched is None)
         if self.config.debug.check_invariants:
             self._check_invariants()
         return outputs
 
+    def _run_oracle(self, wait: bool) -> None:
+        """Queue checks of newly published checkpoints; count the finished ones."""
+        oracle = self.oracle
+        assert oracle is not None
+        for slot, tokens in oracle.pick(self.cache.drain_published()):
+            self._oracle_checks.append(self.runner.submit(partial(oracle.check, slot, tokens)))
+        pending = []
+        for future in self._oracle_checks:
+            if wait or future.done():
+                self.stats.inc("hybridserve_state_oracle_checks_total")
+                if not future.result():
+                    self.stats.inc("hybridserve_state_oracle_mismatches_total")
+            else:
+                pending.append(future)
+        self._oracle_checks = pending
+
     def _launch_next(self) -> tuple[ScheduledBatch, StepPlan, Future] | None:
         batch = self.scheduler.schedule()
         if batch is None:
-            assert self._inflight or not self.scheduler.waiting or self.lag, \
-                "waiting requests but nothing could be scheduled"
             return None
         plan = self.cache.plan_step(batch)
         self.scheduler.on_launch(batch)
@@ -193,7 +222,7 @@ class Engine:
         self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))
         sampled = [i for i, seq in enumerate(batch.seqs) if seq.samples]
         rows_committed = {i: a + 1 for i, a in zip(sampled, result.num_accepted) if a is not None}
-        self.cache.complete_step(batch, plan, rows_committed)
+        self.cache.complete_step(batch, plan, result.writes)
         self.scheduler.on_complete(batch, rows_committed)
         outputs = []
         for n, i in enumerate(sampled):
@@ -209,6 +238,13 @@ class Engine:
                 self.stats.inc("hybridserve_prompt_tokens_total", seq.request.num_prompt_tokens)
         self.cache.donate_unfinished(batch)
         return outputs
+
+    def _stuck_message(self) -> str:
+        """Nothing in flight and nothing schedulable with work left: a liveness bug (a
+        request that fits the pools alone always finishes), reported instead of a hang."""
+        s = self.scheduler
+        return (f"engine made no progress: {len(s.running)} running, {len(s.waiting)} waiting, "
+                f"pools {self.pool_counts()}, running {[(r.request_id, r.num_computed_tokens, len(r.page_ids)) for r in s.running]}")
 
     def _check_invariants(self) -> None:
         violations = self.check_invariants()

@@ -26,6 +26,7 @@ from workers.device_pools import DevicePools
 from workers.request import TokenLogprob
 from workers.sampler import GeneratorBank, _filter_top_k_top_p, sample
 from workers.sampling_params import SamplingParams
+from workers.scheduler_types import StateWrite
 from workers.spec.acceptance import Accepted, accept_greedy, accept_rejection
 from workers.spec.drafter import MtpDrafter, MtpSpan
 from workers.step_inputs import PreparedStep, VerifyRows, prepare_step
@@ -38,6 +39,7 @@ class StepResult:
     token_ids: list[list[int]]                 # 1 token, or accepted drafts + 1 for a verify
     logprobs: list[list[TokenLogprob | None]]
     num_accepted: list[int | None]             # drafts accepted (verify rows only)
+    writes: tuple[StateWrite, ...] = ()        # every ledger slot this step wrote, with its depth
     forward_seconds: float = 0.0
     gap_seconds: float | None = None           # forward thread idle before this step
 
@@ -58,7 +60,7 @@ class ModelRunner:
         prepared = prepare_step(plan, self.page_size, self.device, self.scratch_base)
         sampling = [s for s in plan.batch.seqs if s.samples]
         params = [s.request.params for s in sampling]
-        gens = [self.generators.get(s.request.request_id, s.request.params.seed) for s in sampling]
+        gens = [self.generators.get(s.request.handle, s.request.params.seed) for s in sampling]
         run = self._bind(prepared, params, gens)
         if self._executor is not None:
             return self._executor.submit(run)
@@ -69,6 +71,15 @@ class ModelRunner:
     def _bind(self, prepared: PreparedStep, params: list[SamplingParams], gens) -> Callable[[], StepResult]:
         """Hook: one step's work, bound on the scheduler thread (TP also ships it to the other ranks)."""
         return partial(self._execute, prepared, params, gens)
+
+    def submit(self, fn: Callable[[], bool]) -> Future[bool]:
+        """Run ``fn`` on the forward thread after every step launched so far (at once
+        without overlap): debug work that reads the pools, such as the state oracle."""
+        if self._executor is not None:
+            return self._executor.submit(fn)
+        done: Future[bool] = Future()
+        done.set_result(fn())
+        return done
 
     def shutdown(self) -> None:
         if self._executor is not None:
@@ -89,16 +100,17 @@ class ModelRunner:
         tokens: list[list[int]] = []
         logprobs: list[list[TokenLogprob | None]] = []
         accepted: list[int | None] = []
+        writes = list(prepared.writes)
         if params:
             logits = self.model.compute_logits(hidden[fb.logits_indices])
-            tokens, logprobs, accepted = self._decide(prepared, logits, params, gens)
+            tokens, logprobs, accepted = self._decide(prepared, logits, params, gens, writes)
             last = torch.tensor([t[-1] for t in tokens], device=self.device)
             slots = [prepared.live_slots[i] for i, s in enumerate(plan.batch.seqs) if s.samples]
             self.last_token[torch.tensor(slots, device=self.device)] = last
         if self.drafter is not None:
             self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
         self._last_end = time.monotonic()
-        return StepResult(tokens, logprobs, accepted, self._last_end - start, gap)
+        return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap)
 
     def _fill_placeholders(self, prepared: PreparedStep) -> None:
         ids = prepared.fb.input_ids
@@ -108,8 +120,10 @@ class ModelRunner:
             assert self.drafter is not None
             ids[prepared.draft_rows] = self.drafter.draft_tokens[prepared.draft_slots, prepared.draft_index]
 
-    def _decide(self, prepared: PreparedStep, logits: torch.Tensor, params, gens):
-        """Sample each sampling sequence, or verify its drafts; commit verified states."""
+    def _decide(self, prepared: PreparedStep, logits: torch.Tensor, params, gens,
+                writes: list[StateWrite]):
+        """Sample each sampling sequence, or verify its drafts; commit verified states (and
+        append what the commits wrote to ``writes``)."""
         if not prepared.verify:
             result = sample(logits, params, gens)
             ids = result.token_ids.tolist()
@@ -123,7 +137,7 @@ class ModelRunner:
             width = 1 if v is None else v.num_drafts + 1
             rows = logits[row:row + width]
             row += width
-            out = self._verify(v, rows, params[n], gens[n], prepared) if v else self._sample_one(rows, params[n], gens[n])
+            out = self._verify(v, rows, params[n], gens[n], prepared, writes) if v else self._sample_one(rows, params[n], gens[n])
             tokens.append(out.token_ids)
             accepted.append(out.num_accepted if v else None)
             logprobs.append(_row_logprobs(rows, out.token_ids, params[n]))
@@ -133,7 +147,7 @@ class ModelRunner:
         return Accepted(0, sample(rows, [p], [gen]).token_ids.tolist())
 
     def _verify(self, v: VerifyRows, rows: torch.Tensor, p: SamplingParams, gen,
-                prepared: PreparedStep) -> Accepted:
+                prepared: PreparedStep, writes: list[StateWrite]) -> Accepted:
         fb = prepared.fb
         drafts = fb.input_ids[v.first_row + 1: v.first_row + 1 + v.num_drafts].tolist()
         if p.is_greedy:
@@ -144,19 +158,10 @@ class ModelRunner:
             assert self.drafter is not None and self.drafter.draft_probs is not None
             q = self.drafter.draft_probs[v.live_slot, : v.num_drafts]
             out = accept_rejection(probs, drafts, q, gen)
-        self._commit(v, out.num_accepted)
+        src, dst, committed = v.commit(out.num_accepted)
+        self.pools.mamba.copy_slot(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        writes.extend(committed)
         return out
-
-    def _commit(self, v: VerifyRows, num_accepted: int) -> None:
-        """Live slot := state after the last accepted token; track slot := crossing state."""
-        mamba = self.pools.mamba
-        src = [v.scratch[num_accepted]]
-        dst = [v.live_slot]
-        crossed_row = v.track_depth - 1 - v.start
-        if v.track_slot and crossed_row <= num_accepted:
-            src.append(v.scratch[crossed_row])
-            dst.append(v.track_slot)
-        mamba.copy_slot(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
 
     def _mtp_spans(self, prepared: PreparedStep, hidden: torch.Tensor, tokens, accepted, params, gens):
         fb, seqs = prepared.fb, prepared.plan.batch.seqs

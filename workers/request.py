@@ -39,7 +39,8 @@ class RequestCacheState:
     - ``page_ids[:num_tree_pages]`` (on the Request) belong to the tree and are protected
       by the lock on ``locked_node``; the rest are the request's own.
     - ``keep_slot`` holds H(``keep_depth``) when ``keep_depth`` is set (I4: the label is the
-      depth of the state actually in the slot; None = nothing unpublished).
+      depth of the state actually in the slot, taken from the ledger's content record of
+      the write that produced it; None = nothing unpublished).
     - ``next_slot`` (extra_buffer) / ``pending_slot`` (extra_buffer_lazy) is where the next
       checkpoint is written; ``targets`` are prefill checkpoint depths still to reach.
     - ``cow_src`` is a tree checkpoint slot to copy into the live slot before the next
@@ -60,10 +61,16 @@ class RequestCacheState:
 
 @dataclass
 class Request:
+    """``request_id`` is the caller's name; ``handle`` is the engine's (unique for the engine's
+    lifetime, increasing in arrival order): every internal map (slot ledger, generators) is
+    keyed by the handle, so a caller may reuse an id while the old request's resources are
+    still being released."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    handle: int = 0
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

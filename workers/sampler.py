@@ -22,26 +22,27 @@ class SampleResult:
 
 
 class GeneratorBank:
-    """One generator per seeded request, keyed by request id; one shared for the rest."""
+    """One generator per seeded request, keyed by the request's engine handle (never the
+    caller's id, which may be reused); one shared for the rest."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self.shared = torch.Generator(device=device)
         self.shared.manual_seed(seed)
-        self._per_request: dict[str, torch.Generator] = {}
+        self._per_request: dict[int, torch.Generator] = {}
 
-    def get(self, request_id: str, seed: int | None) -> torch.Generator:
+    def get(self, handle: int, seed: int | None) -> torch.Generator:
         if seed is None:
             return self.shared
-        gen = self._per_request.get(request_id)
+        gen = self._per_request.get(handle)
         if gen is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)
-            self._per_request[request_id] = gen
+            self._per_request[handle] = gen
         return gen
 
-    def drop(self, request_id: str) -> None:
-        self._per_request.pop(request_id, None)
+    def drop(self, handle: int) -> None:
+        self._per_request.pop(handle, None)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

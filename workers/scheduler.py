@@ -9,10 +9,19 @@ Pure bookkeeping: ints and lists, no tensors. One call to ``schedule`` decides o
    that depth exists at the end of a forward. KV pages for the new tokens are allocated
    now (evicting unlocked cached prefixes first); when that still fails, the youngest
    running request is preempted (resources freed, ``num_computed_tokens`` reset to 0,
-   back to the front of the queue) until the allocation fits.
-2. Waiting requests are admitted in FIFO order while a live Mamba slot, pages and budget
+   back into the queue at its arrival position) until the allocation fits.
+2. Waiting requests are admitted in arrival order while a live Mamba slot, pages and budget
    exist and fewer than ``max_running_requests`` run. Admission may reuse a cached prefix
-   and never preempts.
+   and never preempts; it is skipped in a step that preempted or stalled a request.
+
+Liveness (DESIGN §4 rule 6): a request that fits the pools alone always finishes. The
+oldest request is never a victim while a younger one exists, so it always progresses:
+victims are the youngest first, the request growing preempts itself only when it is the
+youngest, and ``running`` and ``waiting`` both stay in arrival (handle) order, so a
+re-admitted request is not demoted to the youngest. A victim that a launched batch still
+holds cannot be preempted yet: the growing request then stalls for one step, and so does
+every running request younger than it (its potential victims), so that at the next step
+none of them is in flight and the preemption goes through.
 
 Overlap (one-step lag): ``on_launch`` commits a launched batch's computed tokens at once
 and counts each token it samples as pending, so the next batch can be scheduled before
@@ -25,6 +34,7 @@ Invariant: after ``schedule``, every running request holds a live slot and at le
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from configs.schema import SchedulerConfig
@@ -96,6 +106,7 @@ class Scheduler:
                 req.num_pending_tokens -= 1
 
     def _preempt(self, request: Request) -> None:
+        assert request.inflight_batch is None, request.request_id
         self.running.remove(request)
         self.cache.release(request, finished=False)
         request.num_computed_tokens = 0
@@ -103,22 +114,32 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Back into the queue at its arrival position (ahead of every younger request)."""
+        at = next((i for i, r in enumerate(self.waiting) if r.handle > request.handle), len(self.waiting))
+        self.waiting.insert(at, request)
 
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         budget = self.config.max_batch_tokens
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
+        stalled = False            # a request could not grow: everyone younger waits a step
         for request in list(self.running):
-            if request not in self.running:      # preempted earlier in this loop
+            if stalled or request not in self.running:   # ... or preempted earlier in this loop
                 continue
             n = self._num_to_compute(request, budget)
-            if n == 0 or not self._grow_pages(request, n, preempted, seqs):
+            if n == 0:
+                continue
+            if not self._grow_pages(request, n, preempted, seqs):
+                stalled = request in self.running
                 continue
             seqs.append(self._scheduled(request, n))
             budget -= n
-        self._admit(budget, seqs)
+        if not stalled and not preempted:
+            self._admit(budget, seqs)
         if not seqs:
             return None
         batch = ScheduledBatch(self._next_batch_id, tuple(seqs), tuple(preempted))
@@ -171,9 +192,10 @@ class Scheduler:
                     scheduled: list[ScheduledSeq]) -> bool:
         """Give ``request`` pages for ``n`` more tokens, preempting the youngest if needed.
 
-        A victim is never in flight (its slots have writers) nor already given work in
-        this step. Returns False when ``request`` could not grow (it may have been the
-        victim itself).
+        A victim is the youngest running request not given work in this step (so never one
+        older than ``request``; ``request`` itself only when it is the youngest). Returns
+        False when ``request`` could not grow: it was the victim itself, or the victim is
+        in flight (it cannot be preempted before its batch is processed).
         """
         busy = {id(s.request) for s in scheduled}
         need = self._pages_short(request, n)
@@ -182,9 +204,8 @@ class Scheduler:
             if new is not None:
                 request.page_ids.extend(new)
                 return True
-            victim = next((r for r in reversed(self.running)
-                           if r.inflight_batch is None and id(r) not in busy), None)
-            if victim is None:                  # everyone is in flight: retry next step
+            victim = next(r for r in reversed(self.running) if id(r) not in busy)
+            if victim.inflight_batch is not None:
                 return False
             self._preempt(victim)
             preempted.append(victim)
@@ -205,6 +226,6 @@ class Scheduler:
             self.waiting.popleft()
             request.page_ids.extend(new)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            bisect.insort(self.running, request, key=lambda r: r.handle)
             seqs.append(self._scheduled(request, n))
             budget -= n

@@ -35,6 +35,19 @@ class ScheduledSeq(SeqSpan):
 
 
 @dataclass(frozen=True)
+class StateWrite:
+    """A step wrote H(``depth``) of sequence ``seq_index``'s request into Mamba slot ``slot``.
+
+    Runners report these from the rows they actually fed the kernels (and, for a verify,
+    the rows they committed), not from the plan: they are the source of every depth label.
+    """
+
+    seq_index: int
+    slot: int
+    depth: int
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     batch_id: int
     seqs: tuple[ScheduledSeq, ...]

@@ -23,6 +23,8 @@ COUNTERS = (
     "hybridserve_prompt_tokens_total",
     "hybridserve_generation_tokens_total",
     "hybridserve_invariant_checks_total",     # debug.check_invariants: steps checked
+    "hybridserve_state_oracle_checks_total",      # debug.state_oracle_sample: checkpoints recomputed
+    "hybridserve_state_oracle_mismatches_total",  # ... whose slot did not hold that state
 )
 LABELLED_COUNTERS = {
     "hybridserve_mamba_donations_skipped_total": "path",

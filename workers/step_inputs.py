@@ -16,6 +16,7 @@ import torch
 
 from workers.checkpoints import StepPlan
 from workers.forward_batch import ForwardBatch, is_decode_only, uniform_snapshot_len
+from workers.scheduler_types import StateWrite
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,20 @@ class VerifyRows:
     scratch: tuple[int, ...]   # one snapshot slot per row (k + 1)
     track_slot: int            # 0: no checkpoint planned in this verify
     track_depth: int
+
+    def commit(self, num_accepted: int) -> tuple[list[int], list[int], tuple[StateWrite, ...]]:
+        """(scratch sources, destinations, what lands where) when ``num_accepted`` drafts were
+        accepted: the live slot takes the state after row ``num_accepted`` (depth start +
+        accepted + 1); the track slot, if planned and reached, the state after the row that
+        ends at ``track_depth``."""
+        src, dst = [self.scratch[num_accepted]], [self.live_slot]
+        writes = [StateWrite(self.seq_index, self.live_slot, self.start + num_accepted + 1)]
+        crossed_row = self.track_depth - 1 - self.start
+        if self.track_slot and crossed_row <= num_accepted:
+            src.append(self.scratch[crossed_row])
+            dst.append(self.track_slot)
+            writes.append(StateWrite(self.seq_index, self.track_slot, self.start + crossed_row + 1))
+        return src, dst, tuple(writes)
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,9 @@ class PreparedStep:
     # Per seq, frozen at launch: the host may edit the request's lists while this runs.
     page_ids: tuple[tuple[int, ...], ...] = ()
     live_slots: tuple[int, ...] = ()
+    # What the non-verify sequences write into ledger slots, read off the rows above (the
+    # live slot after the last row, each snapshot row's slot); verifies add theirs at commit.
+    writes: tuple[StateWrite, ...] = ()
 
 
 class _Rows:
@@ -57,6 +75,7 @@ class _Rows:
         self.future: list[tuple[int, int]] = []
         self.drafts: list[tuple[int, int, int]] = []
         self.logits: list[int] = []
+        self.writes: list[StateWrite] = []
 
 
 def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
@@ -88,6 +107,8 @@ def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
     track = plan.track_of(b)
     if track is not None:
         dst[track.depth - 1 - seq.start] = track.slot     # the state after token depth - 1
+    rows.writes.extend(StateWrite(b, slot, rows.positions[first + i] + 1) for i, slot in enumerate(dst) if slot)
+    rows.writes.append(StateWrite(b, req.mamba_slot, rows.positions[-1] + 1))
     rows.dst.extend(dst)
     if seq.samples:
         rows.logits.append(len(rows.ids) - 1)
@@ -133,4 +154,4 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         opt([r for r, _, _ in rows.drafts]), opt([s for _, s, _ in rows.drafts]),
         opt([i for _, _, i in rows.drafts]), tuple(verify), tuple(next_tokens),
         tuple(tuple(s.request.page_ids) for s in batch.seqs),
-        tuple(s.request.mamba_slot for s in batch.seqs))
+        tuple(s.request.mamba_slot for s in batch.seqs), tuple(rows.writes))

@@ -205,6 +205,7 @@ class ToyRunner:
             pool[live[b]] = state
         # Sampling (greedy) or verify + commit.
         verify = {v.seq_index: v for v in prepared.verify}
+        writes = list(prepared.writes)
         tokens: list[list[int]] = []
         accepted: list[int | None] = []
         for b, seq in enumerate(plan.batch.seqs):
@@ -222,11 +223,8 @@ class ToyRunner:
                 n += 1
             tokens.append(drafts[:n] + [best[n]])
             accepted.append(n)
-            src, dsts = [v.scratch[n]], [v.live_slot]          # ModelRunner._commit
-            crossed_row = v.track_depth - 1 - v.start
-            if v.track_slot and crossed_row <= n:
-                src.append(v.scratch[crossed_row])
-                dsts.append(v.track_slot)
+            src, dsts, committed = v.commit(n)                  # as ModelRunner._verify
+            writes.extend(committed)
             states = [pool[s] for s in src]
             for d, state in zip(dsts, states):
                 pool[d] = state
@@ -242,7 +240,7 @@ class ToyRunner:
                 position = seq.start + accepted[n] + 1 if is_verify else seq.end
                 self._draft(live[b], last, meta[b].request_id, position, first=not is_verify)
             n += 1
-        return StepResult(tokens, [[None] * len(t) for t in tokens], accepted)
+        return StepResult(tokens, [[None] * len(t) for t in tokens], accepted, tuple(writes))
 
     def _draft(self, slot: int, last: int, request_id: str, position: int, first: bool) -> None:
         a = max(0, min(self.k, self.script(request_id, position, first, self.k)))

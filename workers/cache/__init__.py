@@ -10,6 +10,7 @@ from workers.cache.ledger import (
     Owner,
     OwnershipError,
     RequestOwner,
+    SlotContent,
     SlotCounts,
     SlotLedger,
     SlotRole,
@@ -24,10 +25,9 @@ from workers.cache.records import (
     CheckpointEvicted,
     CheckpointInserted,
     EvictResult,
-    InsertResult,
-    MatchResult,
     Violation,
 )
+from workers.cache.results import InsertResult, MatchResult
 
 __all__ = [
     "CacheEvent",
@@ -42,6 +42,7 @@ __all__ = [
     "RadixCache",
     "ROOT_PREFIX_HASH",
     "RequestOwner",
+    "SlotContent",
     "SlotCounts",
     "SlotLedger",
     "SlotRole",

@@ -1,19 +1,37 @@
-"""``RadixCache.check_invariants``: recount everything from scratch and compare.
+"""``check_cache`` (``RadixCache.check_invariants``): recount everything from scratch and compare.
 
 Meant for tests and ``debug.check_invariants`` (it is O(sum of path lengths)); it reads
 the cache's private fields on purpose, because the point is to distrust them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-from workers.cache.ledger import TreeOwner
+from workers.allocators import IdAllocator
+from workers.cache.ledger import SlotLedger, TreeOwner
+from workers.cache.lru import CheckpointLru, LeafHeap
 from workers.cache.node import TreeNode
 from workers.cache.prefix_hash import ROOT_PREFIX_HASH, extend_prefix_hash
 from workers.cache.records import Violation
 
-if TYPE_CHECKING:
-    from workers.cache.radix import RadixCache
+
+class CheckedTree(Protocol):
+    """What the recount reads of the tree (``RadixCache``), private fields included."""
+
+    page_size: int
+    root: TreeNode
+    ledger: SlotLedger
+    page_allocator: IdAllocator
+    num_evictable_pages: int
+    num_protected_pages: int
+    num_evictable_checkpoints: int
+    num_protected_checkpoints: int
+    _tree_pages: set[int]
+    _nodes: dict[int, TreeNode]
+    _checkpoints: CheckpointLru
+    _leaves: LeafHeap
+
+    def peek(self, token_ids: Any) -> Any: ...
 
 
 class _Visit(NamedTuple):
@@ -23,7 +41,7 @@ class _Visit(NamedTuple):
     best: TreeNode  # deepest ancestor-or-self with a checkpoint, or the root
 
 
-def check_cache(cache: RadixCache) -> list[Violation]:
+def check_cache(cache: CheckedTree) -> list[Violation]:
     visits, out = _collect(cache)
     out += cache.ledger.check()
     out += _check_shape(cache, visits)
@@ -34,7 +52,7 @@ def check_cache(cache: RadixCache) -> list[Violation]:
     return out
 
 
-def _collect(cache: RadixCache) -> tuple[list[_Visit], list[Violation]]:
+def _collect(cache: CheckedTree) -> tuple[list[_Visit], list[Violation]]:
     """Every node (root first) with its path; reports broken links instead of looping."""
     root, out = cache.root, []
     visits = [_Visit(root, (), [], root)]
@@ -54,7 +72,7 @@ def _collect(cache: RadixCache) -> tuple[list[_Visit], list[Violation]]:
     return visits, out
 
 
-def _check_shape(cache: RadixCache, visits: list[_Visit]) -> list[Violation]:
+def _check_shape(cache: CheckedTree, visits: list[_Visit]) -> list[Violation]:
     """I1 (depth and prefix hash of every node and checkpoint) and I6 (no tombstone leaves)."""
     out: list[Violation] = []
     root, ps = cache.root, cache.page_size
@@ -78,7 +96,7 @@ def _check_shape(cache: RadixCache, visits: list[_Visit]) -> list[Violation]:
     return out
 
 
-def _check_ownership(cache: RadixCache, visits: list[_Visit]) -> list[Violation]:
+def _check_ownership(cache: CheckedTree, visits: list[_Visit]) -> list[Violation]:
     """I2 on the tree side: checkpoint slots owned by their node, pages in one node only."""
     out: list[Violation] = []
     slots: set[int] = set()
@@ -116,7 +134,7 @@ def _check_locks(visits: list[_Visit]) -> list[Violation]:
     return out
 
 
-def _check_accounting(cache: RadixCache, visits: list[_Visit]) -> list[Violation]:
+def _check_accounting(cache: CheckedTree, visits: list[_Visit]) -> list[Violation]:
     """I8: LRU membership and the evictable/protected sizes."""
     out: list[Violation] = []
     nodes = [v.node for v in visits[1:]]
@@ -144,7 +162,7 @@ def _check_accounting(cache: RadixCache, visits: list[_Visit]) -> list[Violation
     return out
 
 
-def _check_match(cache: RadixCache, visits: list[_Visit]) -> list[Violation]:
+def _check_match(cache: CheckedTree, visits: list[_Visit]) -> list[Violation]:
     """I9: matching each node's path returns the deepest checkpoint on it, with its KV."""
     out: list[Violation] = []
     for node, token_ids, page_ids, best in visits[1:]:

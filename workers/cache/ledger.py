@@ -11,6 +11,14 @@ State, at every point between calls:
   inside one request (``relabel``, e.g. pending -> keep) is not a change of holder and is
   allowed. A batch may only be registered on a request-owned slot.
 
+Content (I4): ``record_write(slot, depth, batch)`` is called with what the runner reports
+it actually wrote, when that batch's result is processed (batches complete in launch
+order); ``content_of(slot)`` is then the depth of the state in the slot after every
+processed batch. It is the truth for a slot without pending writers (a pending writer
+may already have overwritten it); labels elsewhere (keep depths, tree checkpoints) are
+taken from it and checked against it. Freeing a slot forgets its content; a transfer
+keeps it (the state moves with the slot).
+
 ``guard_writers=False`` turns the I3 refusals off (writers are still recorded, and
 ``check`` reports every writer whose slot changed holder). It exists only so that a test
 can show the keep-slot aliasing bug coming back (``debug.disable_alias_guard``).
@@ -34,7 +42,7 @@ class SlotRole(enum.Enum):
 
 @dataclass(frozen=True)
 class RequestOwner:
-    request_id: str
+    handle: int            # the engine's handle of the request (never the caller's id)
     role: SlotRole
 
 
@@ -44,6 +52,13 @@ class TreeOwner:
 
 
 Owner = Union[RequestOwner, TreeOwner]
+
+
+class SlotContent(NamedTuple):
+    """What a slot holds: H(``depth``) of its holder's token path, written by ``batch_id``."""
+
+    depth: int
+    batch_id: int
 
 
 class SlotCounts(NamedTuple):
@@ -69,7 +84,7 @@ def _kind(owner: Owner) -> str:
 def same_holder(a: Owner, b: Owner) -> bool:
     """True when ``a`` and ``b`` are the same request (any roles) or the same tree node."""
     if isinstance(a, RequestOwner) and isinstance(b, RequestOwner):
-        return a.request_id == b.request_id
+        return a.handle == b.handle
     return a == b
 
 
@@ -79,7 +94,8 @@ class SlotLedger:
     Mutators: ``alloc``/``alloc_many`` (free -> owned; return None on exhaustion, never
     raise), ``free``/``free_request`` (owned -> free; raise OwnershipError on a double free
     or a pending writer), ``transfer`` (holder change; False when refused for a writer),
-    ``relabel`` (role change inside one request), ``add_writer``/``complete_batch``.
+    ``relabel`` (role change inside one request), ``add_writer``/``complete_batch``,
+    ``record_write`` (content).
     Slot numbers outside 1 .. num_slots - 1 raise ValueError everywhere.
     """
 
@@ -87,7 +103,8 @@ class SlotLedger:
         self._free = IdAllocator(num_slots, "mamba")
         self.guard_writers = guard_writers
         self._owner: dict[int, Owner] = {}
-        self._by_request: dict[str, dict[int, SlotRole]] = {}
+        self._by_request: dict[int, dict[int, SlotRole]] = {}
+        self._content: dict[int, SlotContent] = {}
         self._num_by_kind = {"live": 0, "keep": 0, "pending": 0, "tree": 0}
         # slot -> {batch_id: holder when the batch was registered}; batch_id -> slots.
         self._writers: dict[int, dict[int, Owner]] = {}
@@ -130,9 +147,14 @@ class SlotLedger:
     def is_free(self, slot: int) -> bool:
         return self.owner_of(slot) is None
 
-    def slots_of(self, request_id: str) -> dict[int, SlotRole]:
+    def slots_of(self, handle: int) -> dict[int, SlotRole]:
         """The slots a request owns, with their roles (a copy)."""
-        return dict(self._by_request.get(request_id, {}))
+        return dict(self._by_request.get(handle, {}))
+
+    def content_of(self, slot: int) -> SlotContent | None:
+        """The state the processed batches left in the slot (None: never written since alloc)."""
+        self._check_range(slot)
+        return self._content.get(slot)
 
     def writers_of(self, slot: int) -> frozenset[int]:
         self._check_range(slot)
@@ -171,14 +193,15 @@ class SlotLedger:
             raise OwnershipError(
                 f"free of slot {slot} ({owner}) with pending writer batches {sorted(self._writers[slot])}")
         self._clear_owner(slot)
+        self._content.pop(slot, None)
         self._free.free([slot])
 
-    def free_request(self, request_id: str) -> list[int]:
+    def free_request(self, handle: int) -> list[int]:
         """Free every slot the request owns; raises before freeing any if one has a writer."""
-        slots = sorted(self._by_request.get(request_id, {}))
+        slots = sorted(self._by_request.get(handle, {}))
         busy = [s for s in slots if not self.may_move(s)]
         if busy:
-            raise OwnershipError(f"request {request_id!r}: slots {busy} have pending writers")
+            raise OwnershipError(f"request {handle!r}: slots {busy} have pending writers")
         for slot in slots:
             self.free(slot)
         return slots
@@ -199,7 +222,7 @@ class SlotLedger:
         owner = self._owned(slot, "relabel")
         if not isinstance(owner, RequestOwner):
             raise OwnershipError(f"relabel of slot {slot}: owned by {owner}, not a request")
-        self.transfer(slot, RequestOwner(owner.request_id, role))
+        self.transfer(slot, RequestOwner(owner.handle, role))
 
     # ---- pending writers ---------------------------------------------------------------
     def add_writer(self, slot: int, batch_id: int) -> None:
@@ -224,6 +247,12 @@ class SlotLedger:
                 del self._writers[slot]
         return sorted(slots)
 
+    # ---- content -----------------------------------------------------------------------
+    def record_write(self, slot: int, depth: int, batch_id: int) -> None:
+        """A processed batch wrote H(``depth``) into an owned slot (what the runner reports)."""
+        self._owned(slot, "record_write")
+        self._content[slot] = SlotContent(depth, batch_id)
+
     # ---- invariants --------------------------------------------------------------------
     def check(self) -> list[Violation]:
         """I2 (exclusive ownership, conservation) and I3 (no holder change under a writer)."""
@@ -246,16 +275,16 @@ class SlotLedger:
         self._owner[slot] = owner
         self._num_by_kind[_kind(owner)] += 1
         if isinstance(owner, RequestOwner):
-            self._by_request.setdefault(owner.request_id, {})[slot] = owner.role
+            self._by_request.setdefault(owner.handle, {})[slot] = owner.role
 
     def _clear_owner(self, slot: int) -> None:
         owner = self._owner.pop(slot)
         self._num_by_kind[_kind(owner)] -= 1
         if isinstance(owner, RequestOwner):
-            slots = self._by_request[owner.request_id]
+            slots = self._by_request[owner.handle]
             del slots[slot]
             if not slots:
-                del self._by_request[owner.request_id]
+                del self._by_request[owner.handle]
 
 
 def _check_ownership(ledger: SlotLedger) -> list[Violation]:
@@ -273,10 +302,13 @@ def _check_ownership(ledger: SlotLedger) -> list[Violation]:
         kinds[_kind(owner)] += 1
     if kinds != ledger._num_by_kind:
         out.append(Violation("I2", f"per-kind counts {ledger._num_by_kind} != recount {kinds}"))
-    indexed = {(rid, s, role) for rid, slots in ledger._by_request.items() for s, role in slots.items()}
-    actual = {(o.request_id, s, o.role) for s, o in ledger._owner.items() if isinstance(o, RequestOwner)}
+    indexed = {(h, s, role) for h, slots in ledger._by_request.items() for s, role in slots.items()}
+    actual = {(o.handle, s, o.role) for s, o in ledger._owner.items() if isinstance(o, RequestOwner)}
     if indexed != actual:
         out.append(Violation("I2", f"request index disagrees with owner map: {sorted(indexed ^ actual, key=str)}"))
+    stray = sorted(s for s in ledger._content if s not in ledger._owner)
+    if stray:
+        out.append(Violation("I4", f"content recorded for free slots {stray}"))
     return out
 
 

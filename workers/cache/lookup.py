@@ -3,15 +3,24 @@ share, and the validation an insert passes before it mutates anything."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-from workers.cache.ledger import OwnershipError, RequestOwner
+from workers.allocators import IdAllocator
+from workers.cache.ledger import OwnershipError, RequestOwner, SlotLedger
 from workers.cache.node import TreeNode
 from workers.cache.prefix_hash import ROOT_PREFIX_HASH, extend_prefix_hash
 from workers.cache.records import Checkpoint
 
-if TYPE_CHECKING:
-    from workers.cache.radix import RadixCache
+
+class TreeStore(Protocol):
+    """What an insert's validation reads of the tree (``RadixCache`` is one)."""
+
+    page_size: int
+    root: TreeNode
+    page_allocator: IdAllocator
+    ledger: SlotLedger
+
+    def owns_page(self, page_id: int) -> bool: ...
 
 
 class Walk(NamedTuple):
@@ -61,7 +70,7 @@ def _common_len(key: tuple[int, ...], toks: tuple[int, ...], pos: int, page_size
     return i - i % page_size
 
 
-def plan_insert(cache: RadixCache, toks: tuple[int, ...], page_ids: Sequence[int],
+def plan_insert(cache: TreeStore, toks: tuple[int, ...], page_ids: Sequence[int],
                 checkpoint: Checkpoint | None, num_tokens: int) -> InsertPlan:
     """Validate an insert and precompute what it needs, without mutating anything.
 
@@ -93,7 +102,7 @@ def plan_insert(cache: RadixCache, toks: tuple[int, ...], page_ids: Sequence[int
     return InsertPlan(w, tree_page_ids, split_hash, leaf_hash)
 
 
-def _validate_pages(cache: RadixCache, page_ids: Sequence[int], tree_page_ids: list[int]) -> None:
+def _validate_pages(cache: TreeStore, page_ids: Sequence[int], tree_page_ids: list[int]) -> None:
     if len(set(page_ids)) != len(page_ids):
         raise ValueError(f"insert page ids repeat: {list(page_ids)}")
     allocator = cache.page_allocator
@@ -106,7 +115,7 @@ def _validate_pages(cache: RadixCache, page_ids: Sequence[int], tree_page_ids: l
             raise ValueError(f"page {page} at position {i} is not an allocated KV page")
 
 
-def _validate_checkpoint(cache: RadixCache, checkpoint: Checkpoint, num_tokens: int, aligned_len: int,
+def _validate_checkpoint(cache: TreeStore, checkpoint: Checkpoint, num_tokens: int, aligned_len: int,
                          end_hash: bytes, taken: bool) -> None:
     if checkpoint.depth != num_tokens or num_tokens != aligned_len or num_tokens == 0:
         raise ValueError(f"checkpoint depth {checkpoint.depth} must equal the insert length "

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from workers.allocators import IdAllocator
+from workers.cache.invariants import check_cache
 from workers.cache.ledger import Owner, SlotLedger, TreeOwner
 from workers.cache.lookup import find_path, plan_insert
 from workers.cache.lru import CheckpointLru, LeafHeap
@@ -16,10 +17,9 @@ from workers.cache.records import (
     CheckpointEvicted,
     CheckpointInserted,
     EvictResult,
-    InsertResult,
-    MatchResult,
     Violation,
 )
+from workers.cache.results import InsertResult, MatchResult
 
 
 class RadixCache:
@@ -271,8 +271,6 @@ class RadixCache:
         return slot
 
     def check_invariants(self) -> list[Violation]:
-        from workers.cache.invariants import check_cache
-
         return check_cache(self)
 
     # ---- internals ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ rank's shard is addressed by the same page and slot ids). Then per step a
 frozen fields the runner's forward thread reads, copied on the scheduler thread at launch
 (Requests hold tree nodes and must not travel) -- plus what makes sampling identical on
 every rank: the sampling params, the generator key of each sampling row, and the request
-ids whose generators rank 0 dropped since the last step. ``Stop`` ends a worker's loop.
+handles whose generators rank 0 dropped since the last step. ``Stop`` ends a worker's loop.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class PoolLayout:
 @dataclass(frozen=True)
 class RequestView:
     request_id: str
+    handle: int
     mamba_slot: int | None
     page_ids: list[int]
     params: SamplingParams
@@ -68,8 +69,8 @@ class PlanView:
 class StepMessage:
     prepared: PreparedStep                        # plan: PlanView; tensors on the CPU
     params: tuple[SamplingParams, ...]
-    generator_keys: tuple[tuple[str, int | None], ...]   # (request id, seed) per sampling row
-    dropped: tuple[str, ...]
+    generator_keys: tuple[tuple[int, int | None], ...]   # (request handle, seed) per sampling row
+    dropped: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Stop:
 
 
 def plan_view(plan: StepPlan) -> PlanView:
-    seqs = tuple(SeqView(RequestView(s.request.request_id, s.request.mamba_slot,
+    seqs = tuple(SeqView(RequestView(s.request.request_id, s.request.handle, s.request.mamba_slot,
                                      list(s.request.page_ids), s.request.params),
                          s.start, s.num_new_tokens, s.samples, s.num_draft_tokens)
                  for s in plan.batch.seqs)

@@ -32,19 +32,19 @@ _CPU = torch.device("cpu")
 
 
 class DropRecordingBank(GeneratorBank):
-    """A GeneratorBank that remembers dropped request ids for the next step message."""
+    """A GeneratorBank that remembers dropped request handles for the next step message."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         super().__init__(seed, device)
-        self._dropped: list[str] = []
+        self._dropped: list[int] = []
         self._lock = threading.Lock()
 
-    def drop(self, request_id: str) -> None:
-        super().drop(request_id)
+    def drop(self, handle: int) -> None:
+        super().drop(handle)
         with self._lock:
-            self._dropped.append(request_id)
+            self._dropped.append(handle)
 
-    def take_dropped(self) -> tuple[str, ...]:
+    def take_dropped(self) -> tuple[int, ...]:
         with self._lock:
             dropped, self._dropped = tuple(self._dropped), []
         return dropped
@@ -81,7 +81,7 @@ class TPModelRunner(ModelRunner):
         # (host work) rather than copy back (a sync with the forward still running).
         host = (view if prepared.fb.input_ids.device.type == "cpu" else
                 replace(prepare_step(prepared.plan, self.page_size, _CPU, self.scratch_base), plan=plan))
-        keys = tuple((s.request.request_id, s.request.params.seed) for s in plan.batch.seqs if s.samples)
+        keys = tuple((s.request.handle, s.request.params.seed) for s in plan.batch.seqs if s.samples)
         msg = StepMessage(host, tuple(params), keys, self.generators.take_dropped())
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -82,10 +82,10 @@ class TPWorker:
             raise
 
     def step(self, msg: StepMessage) -> StepResult:
-        for request_id in msg.dropped:
-            self.generators.drop(request_id)
+        for handle in msg.dropped:
+            self.generators.drop(handle)
         prepared = map_tensors(msg.prepared, lambda t: t.to(self.device))
-        gens = [self.generators.get(rid, seed) for rid, seed in msg.generator_keys]
+        gens = [self.generators.get(handle, seed) for handle, seed in msg.generator_keys]
         result = self.runner._execute(prepared, list(msg.params), gens)
         if self.check_consistency:
             check_consistent(self.group, result, self.runner.drafter, self.num_steps)

@@ -98,7 +98,7 @@ def sglang_engine(model_dir, guard_off: bool = False, **extra):
                  "cache": {"mamba_strategy": "extra_buffer_lazy", "mamba_track_interval": SGLANG_INTERVAL,
                            "max_mamba_slots": 24, "page_size": 1},
                  "debug": {"check_invariants": not guard_off, "fail_pending_alloc_prob": 0.5,
-                           "disable_alias_guard": guard_off}}
+                           "disable_alias_guard": guard_off, "state_oracle_sample": 1.0}}
     for key, value in extra.items():
         overrides[key] = {**overrides[key], **value}
     llm = make_llm(model_dir, **overrides)
@@ -143,6 +143,8 @@ def test_lazy_spec_overlap_under_slot_pressure(tiny_qwen_dir, sglang_passes, var
     assert sum(h > 0 for h in hits) >= 6, hits
     stats = llm.stats()
     assert stats["hybridserve_invariant_violations_total"] == {}
+    assert stats["hybridserve_state_oracle_checks_total"] > 0
+    assert stats["hybridserve_state_oracle_mismatches_total"] == 0
     if variant == "full":
         assert SGLANG_INTERVAL in hits                 # a follow-up resumed from the grid crossing
         assert SGLANG_INTERVAL - 2 in hits             # a prompt resumed from its prefill target
@@ -154,9 +156,12 @@ def test_lazy_spec_overlap_guard_off_corrupts(tiny_qwen_dir, sglang_passes):
     """The same run with ``debug.disable_alias_guard``: donations of slots the in-flight
     verify writes publish states of the wrong depth, and reusing them changes outputs."""
     passes, expected = sglang_passes
-    outs = run_sglang(sglang_engine(tiny_qwen_dir, guard_off=True), passes)
+    llm = sglang_engine(tiny_qwen_dir, guard_off=True)
+    outs = run_sglang(llm, passes)
     assert [o.token_ids for o in outs["first"]] == expected["first"]      # no hits yet
     assert [o.token_ids for o in outs["second"]] != expected["second"]
+    # The state oracle sees the published slots that do not hold their node's state.
+    assert llm.stats()["hybridserve_state_oracle_mismatches_total"] > 0
 
 
 def test_seeded_spec_sampling_is_reproducible(tiny_qwen_dir):

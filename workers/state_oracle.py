@@ -1,0 +1,71 @@
+"""``debug.state_oracle_sample``: recompute published checkpoints and compare (I1/I4 on data).
+
+The ledger's labels are checked against what the runner reports writing; this checks the
+report itself against the math. A sampled checkpoint's path is prefilled again from the
+empty state, in one forward, into a private pair of pools, and every state tensor of the
+result is compared with the checkpoint's slot. Mismatches mean the slot does not hold
+H(depth) of its path (a runner writing the wrong row, an aliased donation, a kernel bug):
+``hybridserve_state_oracle_mismatches_total`` must stay 0.
+
+A check runs on the forward thread in launch order (submitted after the batch that is in
+flight when the checkpoint is published): no batch launched before it can write a
+tree-owned slot (I3), and any reuse of the slot after an eviction is launched after it.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from workers.device_pools import DevicePools, KVPool, MambaPool
+from workers.forward_batch import ForwardBatch
+
+RTOL = 1e-3            # chunked vs one-shot prefill differ by rounding; a wrong depth by O(1)
+
+
+def fresh_prefill_states(model: torch.nn.Module, token_ids: list[int], page_size: int,
+                         device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Every recurrent state after ``token_ids``, from the empty state, in one forward."""
+    spec = model.cache_spec()
+    num_pages = -(-len(token_ids) // page_size)
+    pools = DevicePools(KVPool(spec, num_pages + 1, page_size, dtype, device),
+                        MambaPool(spec, 2, dtype, torch.float32, device))
+    pages = list(range(1, num_pages + 1))
+    n = len(token_ids)
+
+    def t(values: list, dt: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dt, device=device)
+
+    fb = ForwardBatch(
+        input_ids=t(token_ids, torch.int64), positions=t(list(range(n)), torch.int64),
+        cu_seqlens=t([0, n], torch.int32), seq_lens=t([n], torch.int32),
+        out_loc=t([pages[i // page_size] * page_size + i % page_size for i in range(n)], torch.int64),
+        page_table=t([pages], torch.int32), mamba_slot_ids=t([1], torch.int32),
+        has_initial_state=t([False], torch.bool), logits_indices=t([n - 1], torch.int64),
+        page_size=page_size)
+    model.forward(fb, pools)
+    return pools.mamba.slot_states(1)
+
+
+def states_match(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
+    return all(g.shape == w.shape and float((g.float() - w.float()).abs().max()) <= RTOL * (1.0 + float(w.float().abs().max()))
+               for g, w in zip(got, want))
+
+
+class StateOracle:
+    """Samples published checkpoints; ``check`` runs one on the forward thread -> match?"""
+
+    def __init__(self, model: torch.nn.Module, pools: DevicePools, page_size: int,
+                 device: torch.device, dtype: torch.dtype, sample: float, seed: int) -> None:
+        self.model, self.pools, self.page_size = model, pools, page_size
+        self.device, self.dtype = device, dtype
+        self.sample = sample
+        self.rng = random.Random(seed)
+
+    def pick(self, published: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+        return [p for p in published if self.rng.random() < self.sample]
+
+    @torch.inference_mode()
+    def check(self, slot: int, token_ids: list[int]) -> bool:
+        want = fresh_prefill_states(self.model, token_ids, self.page_size, self.device, self.dtype)
+        return states_match(self.pools.mamba.slot_states(slot), want)
