@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from cluster.metrics_actor import MetricsActor
-from cluster.router_actor import RouterIndexActor
+from cluster.observability.metrics_actor import MetricsActor
+from cluster.routing.router_actor import RouterIndexActor
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "hybridserve"

@@ -19,10 +19,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from cluster.ingress import OpenAIIngress, default_model_name
-from cluster.replica import EngineReplica, ReplicaOptions
-from cluster.replica_core import check_supported
-from cluster.router import HybridPrefixRouter
+from cluster.api.ingress import OpenAIIngress, default_model_name
+from cluster.routing.router import HybridPrefixRouter
+from cluster.serving.replica import EngineReplica, ReplicaOptions
+from cluster.serving.replica_core import check_supported
 from configs.schema import HybridServeConfig, load_config
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ class RouterOptions(_Strict):
 class IngressOptions(_Strict):
     """The ingress deployment: size, Serve's limits, admission, graceful shutdown.
 
-    ``max_in_flight`` (per ingress replica, ``cluster/admission.py``) must stay below
+    ``max_in_flight`` (per ingress replica, ``cluster/api/admission.py``) must stay below
     ``max_ongoing_requests`` so that excess requests reach the ingress and get an OpenAI
     503 instead of queuing in the Serve proxy (whose own 503, past
     ``max_queued_requests``, is plain text).
@@ -86,10 +86,10 @@ def resolve_path(path: str) -> Path:
 
 def replica_placement(config: HybridServeConfig, replica: ReplicaOptions) -> dict[str, Any]:
     """Deployment options placing one replica: for TP > 1, a placement group of one bundle
-    per rank (the replica is rank 0 in bundle 0; ``cluster/tp.py`` starts the others)."""
+    per rank (the replica is rank 0 in bundle 0; ``cluster/serving/tp.py`` starts the others)."""
     if config.parallel.tensor_parallel_size == 1:
         return {"ray_actor_options": {"num_cpus": replica.num_cpus}}
-    from cluster.tp import tp_bundles, uses_gpu
+    from cluster.serving.tp import tp_bundles, uses_gpu
 
     actor = {"num_cpus": replica.num_cpus, **({"num_gpus": 1} if uses_gpu(config) else {})}
     return {"ray_actor_options": actor, "placement_group_bundles": tp_bundles(config, replica.num_cpus),

@@ -25,7 +25,7 @@ def _config(args: argparse.Namespace) -> HybridServeConfig:
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
-    from cluster.run_batch import run_batch
+    from cluster.api.run_batch import run_batch
     from workers.llm import LLM
 
     config = _config(args)
@@ -47,7 +47,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = _config(args)
     sidecar = None
     if args.with_prometheus:
-        from cluster.prometheus_local import prometheus_sidecar
+        from cluster.observability.prometheus_local import prometheus_sidecar
 
         sidecar = prometheus_sidecar(config, args.prometheus_port)  # checks the binary before Ray starts
     return serve_forever(config, num_cpus=args.num_cpus, app_name=args.app_name, sidecar=sidecar)

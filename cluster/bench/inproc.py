@@ -110,7 +110,7 @@ def spec_acceptance(llm: LLM) -> float | None:
 # -- run-batch against transformers generate ----------------------------------------------------------
 def run_batch_seconds(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> float:
     """Wall time of ``hybridserve run-batch``'s path (JSONL in, bodies out) on ``prompts``."""
-    from cluster.run_batch import run_batch
+    from cluster.api.run_batch import run_batch
 
     lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions",
                          "body": {"prompt": list(p), "max_tokens": max_tokens, "temperature": 0,

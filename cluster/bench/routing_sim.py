@@ -3,7 +3,7 @@
     python -m cluster.bench.routing_sim --replicas 8 16 32 --workload cache_pressure multi_turn
 
 What is real and what is modelled:
-- Real: our router's index (``cluster.prefix_index.PrefixIndex``, fed the same
+- Real: our router's index (``cluster.routing.prefix_index.PrefixIndex``, fed the same
   ``CheckpointInserted`` / ``CheckpointEvicted`` events a replica publishes, after
   ``index_lag_s``) and its decision (``routing_policy.decide`` with the app's default
   ``RouterSettings``); Ray's ``PrefixTree`` (the pure class behind
@@ -40,7 +40,7 @@ from typing import Any
 from cluster.bench.client import arrival_times
 from cluster.bench.sim_routers import PROPOSED, ROUTERS, Event, make_router
 from cluster.bench.workloads import Session, Workload, load_workload
-from cluster.routing_policy import max_usable_depth
+from cluster.routing.routing_policy import max_usable_depth
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 
 __all__ = ["PROPOSED", "ROUTERS", "SimReplica", "SimResult", "SimSettings", "format_table", "run_grid",

@@ -9,9 +9,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from cluster.prefix_index import PrefixIndex
-from cluster.routing_policy import (RecentPlacements, RouterSettings, decide_and_record, max_usable_depth,
-                                    views_from)
+from cluster.routing.prefix_index import PrefixIndex
+from cluster.routing.routing_policy import (RecentPlacements, RouterSettings, decide_and_record,
+                                            max_usable_depth, views_from)
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 
 ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin", "pow2")

@@ -8,7 +8,7 @@ import openai
 import pytest
 import ray
 
-from cluster.routing_policy import max_usable_depth
+from cluster.routing.routing_policy import max_usable_depth
 from tests.e2e.conftest import index_actor, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]

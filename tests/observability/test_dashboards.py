@@ -13,10 +13,10 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.dashboards import CLUSTER, DASHBOARDS, ENGINE
-from cluster.dashboards.model import metric_names, substitute, variables_in
-from cluster.dashboards.writer import OUT_DIR, file_name, render, stale_files
-from cluster.metrics_registry import MetricsRegistry
+from cluster.observability.dashboards import CLUSTER, DASHBOARDS, ENGINE
+from cluster.observability.dashboards.model import metric_names, substitute, variables_in
+from cluster.observability.dashboards.writer import OUT_DIR, file_name, render, stale_files
+from cluster.observability.metrics_registry import MetricsRegistry
 from workers.stats import EngineStats
 
 GRAFANA_BUILTINS = {"__rate_interval": "1m", "__range": "5m", "__interval": "15s"}
@@ -56,7 +56,7 @@ def all_values() -> dict[str, str]:
 
 
 def test_checked_in_json_is_what_the_code_renders():
-    assert stale_files() == [], "regenerate with: python -m cluster.dashboards"
+    assert stale_files() == [], "regenerate with: python -m cluster.observability.dashboards"
     for d in DASHBOARDS:
         assert json.loads((OUT_DIR / file_name(d)).read_text()) == json.loads(render(d))
 

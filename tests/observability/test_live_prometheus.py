@@ -25,9 +25,10 @@ import httpx
 import pytest
 import yaml
 
-from cluster.dashboards import DASHBOARDS
-from cluster.dashboards.model import metric_names, substitute
-from cluster.prometheus_local import ALERTS, LocalPrometheus, ScrapeJob, find_prometheus, local_ray_targets
+from cluster.observability.dashboards import DASHBOARDS
+from cluster.observability.dashboards.model import metric_names, substitute
+from cluster.observability.prometheus_local import (ALERTS, LocalPrometheus, ScrapeJob, find_prometheus,
+                                                    local_ray_targets)
 from tests.conftest import ServeSession
 from tests.e2e.conftest import FAST_PUBLISH, DeployedApp, deploy
 

@@ -1,4 +1,4 @@
-"""``cluster.prometheus_local`` without Ray: a real Prometheus scraping a real
+"""``cluster.observability.prometheus_local`` without Ray: a real Prometheus scraping a real
 ``prometheus_client`` server on loopback; the shipped config and alert rules; the CLI flag."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from cluster import cli
 from cluster import prometheus_local as pl
-from cluster.metrics_registry import MetricsRegistry
+from cluster.observability.metrics_registry import MetricsRegistry
 from configs.schema import load_config
 from workers.stats import EngineStats
 

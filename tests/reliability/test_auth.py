@@ -124,10 +124,10 @@ def _assert_keys_not_in_ray_logs(request_ids: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def local_app(tiny_qwen_dir) -> Iterator[tuple[asyncio.AbstractEventLoop, object]]:
-    from cluster.engine_client import LocalEngineClient
-    from cluster.http_api import make_api
-    from cluster.openai_server import OpenAIServer, ServerSettings
-    from cluster.replica_core import ReplicaCore
+    from cluster.serving.engine_client import LocalEngineClient
+    from cluster.api.http_api import make_api
+    from cluster.api.openai_server import OpenAIServer, ServerSettings
+    from cluster.serving.replica_core import ReplicaCore
     from configs.schema import load_config
     from tests.reliability.conftest import SMALL_ENGINE
 

@@ -181,7 +181,7 @@ def test_admission_limit_counts_streams_exempts_health_and_drains():
     from starlette.responses import PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
-    from cluster.admission import AdmissionLimit
+    from cluster.api.admission import AdmissionLimit
 
     release = asyncio.Event()
 

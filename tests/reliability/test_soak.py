@@ -18,11 +18,11 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
+from cluster.api.protocol import CompletionRequest
 from cluster.bench.soak import (INVALID_KINDS, WORKLOADS, SoakRecord, SoakReport, SoakSettings, WorkloadMix,
                                 invalid_body)
 from cluster.bench.soak_server import SoakResult, replica_pids, run_checked
 from cluster.bench.workloads import Renderer
-from cluster.protocol import CompletionRequest
 
 NUM_REPLICAS = 2
 SOAK_OVERRIDES = {"debug": {"check_invariants": True}, "parallel": {"num_replicas": NUM_REPLICAS}}

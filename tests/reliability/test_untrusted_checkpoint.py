@@ -130,7 +130,7 @@ def test_engine_and_tokenizers_run_no_checkpoint_code(trapped_dir, tiny_qwen_dir
     assert llm.generate_ids([PROMPT], [GREEDY])[0].token_ids == clean_tokens
     text = "def f(x):\n    return x + 1\n"
     expected = AutoTokenizer.from_pretrained(str(tiny_qwen_dir)).encode(text)
-    # the ingress's call (cluster/ingress.py), then ours: both from tokenizer.json only
+    # the ingress's call (cluster/api/ingress.py), then ours: both from tokenizer.json only
     assert AutoTokenizer.from_pretrained(str(trapped_dir)).encode(text) == expected
     assert load_tokenizer(trapped_dir).encode(text) == expected
     assert llm.encode(text) == expected

@@ -3,7 +3,7 @@
 ``build_local_engine(config)`` is what ``LLM`` uses: a plain ``Engine`` for
 ``tensor_parallel_size == 1``, else a ``TPEngine`` (rank 0, in this process) whose other
 ranks are daemon processes running ``TPWorker``. The serving path starts them as Ray
-actors in the replica's placement group instead (``cluster/tp.py``).
+actors in the replica's placement group instead (``cluster/serving/tp.py``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,108 @@
+"""``OpenAIIngress``: the FastAPI app of ``http_api`` served through Ray Serve (Ray edge).
+
+The ingress owns the tokenizer (tokens at the edge, DESIGN §1) and a handle to the
+engine deployment; ``ServeEngineClient`` adapts that handle to ``EngineClient``. The
+ASGI app is built per replica after the constructor (``__serve_build_asgi_app__``), so
+the routes close over this replica's ``OpenAIServer`` instead of module globals; it is
+wrapped in ``AdmissionLimit`` (``cluster/api/admission.py``): at most ``max_in_flight``
+concurrent requests per ingress replica, the rest answered 503 + ``Retry-After`` at once.
+"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.actors import get_index_actor
+from cluster.api.admission import AdmissionLimit
+from cluster.api.http_api import make_api
+from cluster.api.openai_server import OpenAIServer, ServerSettings
+from cluster.serving.engine_client import GenerateStream
+from cluster.serving.messages import GenerateRequest, ModelInfo
+from configs.schema import HybridServeConfig
+
+
+class ServeEngineClient:
+    """``EngineClient`` over the engine deployment's handle."""
+
+    def __init__(self, handle: DeploymentHandle, app_name: str, forget_after_s: float) -> None:
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+        self._index = get_index_actor(app_name, forget_after_s)
+
+    async def model_info(self) -> ModelInfo:
+        return await self._handle.model_info.remote()
+
+    def generate(self, req: GenerateRequest) -> GenerateStream:
+        return self._stream.generate.remote(req)  # type: ignore[return-value]
+
+    async def _each_replica(self, method: str) -> list[dict[str, Any]]:
+        """Call ``method`` once on every live replica (targeted through the router).
+
+        Sequential: sibling handle calls of one HTTP request share Serve's internal
+        request id, which the router uses to match decisions to calls (see
+        ``OpenAIServer._open_streams``).
+        """
+        ids = await self._index.replicas.remote()
+        call = getattr(self._handle, method)
+        if not ids:
+            return [await call.remote()]
+        unique: dict[str, dict[str, Any]] = {}
+        for rid in ids:
+            result = await call.remote(target_replica=rid)
+            unique[result["replica_id"]] = result
+        return list(unique.values())
+
+    async def flush_cache(self) -> list[dict[str, Any]]:
+        return await self._each_replica("flush_cache")
+
+    async def replica_stats(self) -> list[dict[str, Any]]:
+        return await self._each_replica("stats")
+
+    async def health(self) -> None:
+        """Raises unless a replica answers; a replica too busy to queue one more call is
+        alive (``BackPressureError`` is overload, not failure: ``/health`` stays 200)."""
+        try:
+            await self._handle.model_info.remote()
+        except BackPressureError:
+            pass
+
+
+@serve.ingress()
+class OpenAIIngress:
+    async def __init__(self, engine: DeploymentHandle, config: dict[str, Any], model_name: str,
+                     forget_after_s: float = 30.0, max_in_flight: int = 512,
+                     retry_after_s: int = 1, max_body_bytes: int = 8 * 1024 * 1024) -> None:
+        from workers.loader import load_tokenizer
+
+        cfg = HybridServeConfig.model_validate(config)
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())   # data only, no checkpoint code
+        app_name = serve.get_replica_context().app_name
+        client = ServeEngineClient(engine, app_name, forget_after_s)
+        # ``root``: the checkpoint's absolute path, so a bench client on this machine can
+        # load the same tokenizer whatever its working directory.
+        settings = ServerSettings(model_name=model_name, model_root=str(cfg.model_dir().resolve()),
+                                  api_key=cfg.server.api_key, max_body_bytes=max_body_bytes)
+        self._server = OpenAIServer(client, tokenizer, settings)
+        self._max_in_flight, self._retry_after_s = max_in_flight, retry_after_s
+
+    def __serve_build_asgi_app__(self) -> Any:
+        api = make_api(self._server, echo_request_id=False)   # Serve's proxy echoes x-request-id
+        self._admission = AdmissionLimit(api, self._max_in_flight, self._retry_after_s)
+        return self._admission
+
+    async def begin_drain(self) -> int:
+        """Handle method (``hybridserve serve`` on SIGTERM): refuse new HTTP requests with
+        503 from now on; returns how many are still in flight."""
+        return self._admission.begin_drain()
+
+    async def num_in_flight(self) -> int:
+        return self._admission.in_flight
+
+
+def default_model_name(config: HybridServeConfig) -> str:
+    return Path(config.model).name

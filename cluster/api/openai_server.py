@@ -1,0 +1,271 @@
+"""The OpenAI endpoints' logic over an ``EngineClient`` (no Ray, no FastAPI routing).
+
+Every way a request can be refused is found BEFORE a response starts: parsing and
+validation (``protocol``), the model name, tokenization and context length
+(``openai_service.prepare_*``), then the replica's own acceptance (the first item of each
+replica stream is ``Accepted`` or ``GenerateError``). Those raise ``OpenAIError`` (4xx);
+an unreachable replica is a 503. Once a stream has started, a failure becomes an error
+event followed by ``[DONE]``.
+
+Leaving early -- the client disconnects, the handler is cancelled -- cancels every
+replica stream of the request, which aborts its choices in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from cluster.api.openai_service import (OpenAIError, PreparedRequest, chat_body, completion_body,
+                                        from_validation_error, prepare_chat, prepare_completion)
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.streaming import ResponseState, SSERenderer
+from cluster.serving.engine_client import EngineClient, GenerateStream
+from cluster.serving.messages import Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    model_root: str                       # the checkpoint the name stands for (``root``)
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get a 413
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+
+
+@dataclass(frozen=True)
+class StartedResponse:
+    """A request every replica accepted: stream it (``events``) or ``collect`` it."""
+
+    prepared: PreparedRequest
+    request_id: str
+    streams: list[GenerateStream]
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw or b"")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise OpenAIError(f"request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+class OpenAIServer:
+    def __init__(self, client: EngineClient, tokenizer: Any, settings: ServerSettings) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self._info: ModelInfo | None = None
+
+    async def model_info(self) -> ModelInfo:
+        if self._info is None:
+            try:
+                self._info = await self.client.model_info()
+            except Exception as exc:  # noqa: BLE001 - any replica failure is a 503 here
+                raise _unavailable(exc) from None
+        return self._info
+
+    async def models(self) -> dict[str, Any]:
+        info = await self.model_info()
+        return {"object": "list", "data": [{
+            "id": self.settings.model_name, "object": "model", "created": 0,
+            "owned_by": "hybridserve", "root": self.settings.model_root, "parent": None,
+            "max_model_len": info.max_model_len, "permission": []}]}
+
+    async def start_completion(self, raw: bytes) -> StartedResponse:
+        req = _validate(CompletionRequest, parse_json(raw))
+        texts = [p if isinstance(p, str) else "" for p in req.prompts()]
+        return await self._start(req, prepare_completion, texts, "cmpl")
+
+    async def start_chat(self, raw: bytes) -> StartedResponse:
+        req = _validate(ChatCompletionRequest, parse_json(raw))
+        text = "".join(str(m["content"]) for m in req.message_dicts())
+        return await self._start(req, prepare_chat, [text], "chatcmpl")
+
+    async def _start(self, req: CompletionRequest | ChatCompletionRequest, prepare: Callable[..., PreparedRequest],
+                     texts: list[str], prefix: str) -> StartedResponse:
+        if req.model is not None and req.model != self.settings.model_name:
+            raise OpenAIError(f"The model `{req.model}` does not exist; this server serves "
+                              f"`{self.settings.model_name}`", status=404, param="model",
+                              code="model_not_found")
+        info = await self.model_info()
+        prepared = prepare(req, self.tokenizer, info.max_model_len, info.vocab_size)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams = await self._open_streams(prepared, request_id, texts)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StartedResponse(prepared, request_id, streams, req.stream, include_usage)
+
+    async def _open_streams(self, prepared: PreparedRequest, request_id: str,
+                            texts: list[str]) -> list[GenerateStream]:
+        """Open one replica stream per prompt and wait for each to be accepted.
+
+        One at a time on purpose: Serve gives every handle call made while serving one
+        HTTP request the same internal request id, and its request router matches a
+        routing decision to a pending call by that id, so concurrent sibling calls could
+        be matched to each other's replica (or never). Awaiting ``Accepted`` means the
+        call has been assigned; after that the streams run concurrently.
+        """
+        n = prepared.n
+        streams: list[GenerateStream] = []
+        try:
+            for i, ids in enumerate(prepared.prompt_ids):
+                req = GenerateRequest(f"{request_id}-{i}", ids, prepared.params[i * n:(i + 1) * n], texts[i])
+                streams.append(self.client.generate(req))
+                first = await streams[-1].__anext__()
+                if isinstance(first, GenerateError):
+                    raise OpenAIError(first.message, param=first.param)
+                if not isinstance(first, Accepted):
+                    raise RuntimeError(f"unexpected first replica message {first!r}")
+        except BaseException as exc:
+            _cancel_all(streams)
+            if isinstance(exc, Exception) and not isinstance(exc, OpenAIError):
+                raise _unavailable(exc) from None
+            raise
+        return streams
+
+    async def collect(self, started: StartedResponse) -> dict[str, Any]:
+        state = ResponseState(started.prepared)
+        merged = merge_streams(started.streams)
+        try:
+            async for i, chunks in merged:
+                state.absorb(i, chunks)
+        except Exception as exc:  # noqa: BLE001 - a replica failed mid-request
+            raise _unavailable(exc) from None
+        finally:
+            if not state.finished:
+                _cancel_all(started.streams)
+            await merged.aclose()
+        render = chat_body if started.prepared.kind == "chat" else completion_body
+        return render(started.prepared, state.outputs(), self.settings.model_name,
+                      self.tokenizer, started.request_id)
+
+    async def events(self, started: StartedResponse) -> AsyncIterator[str]:
+        """SSE events; closing this generator early cancels the replica streams."""
+        state = ResponseState(started.prepared)
+        renderer = SSERenderer(started.prepared, self.settings.model_name, started.request_id,
+                               self.tokenizer, started.include_usage)
+        merged = merge_streams(started.streams)
+        try:
+            for event in renderer.first_events(len(state.choices)):
+                yield event
+            try:
+                async for i, chunks in merged:
+                    for event in renderer.delta_events(state.absorb(i, chunks)):
+                        yield event
+            except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band
+                logger.warning("stream %s failed: %r", started.request_id, exc)
+                for event in renderer.error_events(_unavailable(exc)):
+                    yield event
+                return
+            for event in renderer.final_events(state):
+                yield event
+        finally:
+            if not state.finished:
+                _cancel_all(started.streams)
+            await merged.aclose()
+
+    async def flush_cache(self) -> dict[str, Any]:
+        try:
+            results = await self.client.flush_cache()
+        except Exception as exc:  # noqa: BLE001
+            raise _unavailable(exc) from None
+        return {"flushed": all(r.get("flushed") for r in results), "replicas": results}
+
+    async def replica_stats(self) -> dict[str, Any]:
+        try:
+            return {"replicas": await self.client.replica_stats()}
+        except Exception as exc:  # noqa: BLE001
+            raise _unavailable(exc) from None
+
+    async def health(self, timeout_s: float = 10.0) -> None:
+        try:
+            await asyncio.wait_for(self.client.health(), timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            raise _unavailable(exc) from None
+
+
+async def merge_streams(streams: Sequence[GenerateStream]) -> AsyncIterator[tuple[int, list[GenerateChunk]]]:
+    """(prompt index, chunks) from every stream as they come; cancels all on early exit."""
+    if len(streams) == 1:
+        completed = False
+        try:
+            async for item in streams[0]:
+                yield 0, _chunks(item)
+            completed = True
+        finally:
+            if not completed:
+                _cancel_all(streams)
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: GenerateStream) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, done))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, _chunks(item)
+    finally:
+        if remaining:
+            for task in tasks:
+                task.cancel()
+            _cancel_all(streams)
+
+
+def _chunks(item: object) -> list[GenerateChunk]:
+    if not isinstance(item, list):
+        raise RuntimeError(f"unexpected replica stream item {item!r}")
+    return item
+
+
+def _cancel_all(streams: Sequence[GenerateStream]) -> None:
+    for stream in streams:
+        try:
+            stream.cancel()
+        except Exception:  # noqa: BLE001 - best effort; the replica also times out
+            logger.debug("cancel failed", exc_info=True)
+
+
+def _validate(schema: type[BaseModel], obj: dict[str, Any]) -> Any:
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _unavailable(exc: BaseException) -> OpenAIError:
+    """A 503 naming the root failure in one line (a Ray task error's ``str`` is a whole
+    remote traceback: logged here, never sent to the client)."""
+    logger.warning("engine call failed: %r", exc)
+    cause = getattr(exc, "cause", None) or exc
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    return OpenAIError(f"the engine is unavailable: {type(cause).__name__}: {first}", status=503,
+                       type="service_unavailable", code="engine_unavailable")

@@ -1,0 +1,82 @@
+"""``hybridserve run-batch``: OpenAI batch JSONL in, JSONL out, no Ray, built on ``LLM``.
+
+Each input line: ``{"custom_id", "method": "POST", "url": "/v1/completions" |
+"/v1/chat/completions", "body": {...}}``. Every valid line runs in one shared engine
+batch; a bad line gets an error object in its output line and the others still run.
+Output lines keep input order.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from pydantic import ValidationError
+
+from cluster.api.openai_service import (OpenAIError, PreparedRequest, chat_body, completion_body,
+                                        from_validation_error, prepare_chat, prepare_completion)
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from workers.llm import LLM
+
+_ROUTES = {"/v1/completions": (CompletionRequest, prepare_completion, completion_body),
+           "/v1/chat/completions": (ChatCompletionRequest, prepare_chat, chat_body)}
+
+
+@dataclass
+class _Entry:
+    custom_id: str | None
+    url: str | None = None
+    prepared: PreparedRequest | None = None
+    error: OpenAIError | None = None
+
+
+def _parse_line(line: str, llm: LLM) -> _Entry:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return _Entry(None, error=OpenAIError(f"line is not valid JSON: {exc}"))
+    if not isinstance(obj, dict):
+        return _Entry(None, error=OpenAIError("line must be a JSON object"))
+    entry = _Entry(obj.get("custom_id"), url=obj.get("url"))
+    route = _ROUTES.get(entry.url or "")
+    if route is None:
+        entry.error = OpenAIError(f"url must be one of {sorted(_ROUTES)}, got {entry.url!r}", param="url")
+        return entry
+    schema, prepare, _ = route
+    try:
+        request = schema.model_validate(obj.get("body") or {})
+        entry.prepared = prepare(request, llm.tokenizer, llm.engine.max_model_len, llm.engine.vocab_size)
+    except ValidationError as exc:
+        entry.error = from_validation_error(exc)
+    except OpenAIError as exc:
+        entry.error = exc
+    return entry
+
+
+def _result_line(entry: _Entry, body: dict[str, Any] | None) -> dict[str, Any]:
+    rid = f"batch_req_{uuid.uuid4().hex}"
+    if entry.error is not None:
+        return {"id": rid, "custom_id": entry.custom_id,
+                "response": {"status_code": entry.error.status, "request_id": rid,
+                             "body": entry.error.body()},
+                "error": {"code": entry.error.code or entry.error.type, "message": entry.error.message}}
+    return {"id": rid, "custom_id": entry.custom_id,
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def run_batch(llm: LLM, lines: Iterable[str], model_name: str) -> list[dict[str, Any]]:
+    entries = [_parse_line(line, llm) for line in lines if line.strip()]
+    valid = [e for e in entries if e.prepared is not None]
+    prompts = [ids for e in valid for ids in e.prepared.choice_prompts()]  # type: ignore[union-attr]
+    params = [p for e in valid for p in e.prepared.params]  # type: ignore[union-attr]
+    outputs = iter(llm.generate_ids(prompts, params)) if prompts else iter(())
+    results = []
+    for entry in entries:
+        if entry.prepared is None:
+            results.append(_result_line(entry, None))
+            continue
+        mine = [next(outputs) for _ in entry.prepared.params]
+        render = _ROUTES[entry.url or ""][2]
+        results.append(_result_line(entry, render(entry.prepared, mine, model_name, llm.tokenizer)))
+    return results

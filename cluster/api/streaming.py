@@ -1,0 +1,174 @@
+"""Turning replica chunks into OpenAI responses: accumulation and SSE rendering (no Ray).
+
+``ResponseState`` accumulates the ``GenerateChunk``s of every choice of a request (choice
+``i * n + j`` is prompt i, choice j). It yields merged per-choice deltas for streaming and,
+at the end, ``RequestOutput``s for the non-streaming bodies of ``openai_service``.
+
+``SSERenderer`` renders OpenAI stream events: ``data: <json>\\n\\n`` each, chat's first
+delta per choice carrying ``role``, ``finish_reason`` on a choice's last content chunk,
+an optional usage chunk (``stream_options.include_usage``: empty ``choices``; every
+other chunk then has ``"usage": null``), and ``data: [DONE]`` last.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.api.openai_service import OpenAIError, PreparedRequest, chat_logprobs, completion_logprobs, usage
+from cluster.serving.messages import GenerateChunk
+from workers.outputs import RequestOutput
+from workers.request import TokenLogprob
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+@dataclass
+class ChoiceState:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """Everything one choice gained from one batch of chunks."""
+
+    index: int                            # global choice index in the response
+    token_ids: list[int]
+    text: str
+    text_offset: int                      # length of the choice's text before this delta
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    is_first: bool                        # the choice's first delta
+
+
+class ResponseState:
+    def __init__(self, prepared: PreparedRequest) -> None:
+        self.prepared = prepared
+        self.choices = [ChoiceState(list(ids)) for ids in prepared.choice_prompts()]
+        self._started = [False] * len(self.choices)
+
+    def absorb(self, prompt_index: int, chunks: Sequence[GenerateChunk]) -> list[ChoiceDelta]:
+        """Apply a batch of chunks from prompt ``prompt_index``'s stream; merged deltas out."""
+        merged: dict[int, list[GenerateChunk]] = {}
+        for chunk in chunks:
+            merged.setdefault(prompt_index * self.prepared.n + chunk.index, []).append(chunk)
+        return [self._apply(i, group) for i, group in sorted(merged.items())]
+
+    def _apply(self, i: int, group: list[GenerateChunk]) -> ChoiceDelta:
+        state = self.choices[i]
+        offset = len(state.text)
+        ids = [t for c in group for t in c.new_token_ids]
+        text = "".join(c.delta_text for c in group)
+        lps = None
+        if any(c.logprobs is not None for c in group):
+            lps = [lp for c in group for lp in (c.logprobs or [])]
+            state.logprobs = (state.logprobs or []) + lps
+        last = group[-1]
+        state.token_ids.extend(ids)
+        state.text += text
+        state.cached_tokens = max(state.cached_tokens, last.cached_tokens)
+        if last.finished:
+            state.finished, state.finish_reason, state.stop_reason = True, last.finish_reason, last.stop_reason
+        first = not self._started[i]
+        self._started[i] = True
+        return ChoiceDelta(i, ids, text, offset, lps, last.finish_reason if last.finished else None,
+                           last.stop_reason if last.finished else None, first)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    def outputs(self) -> list[RequestOutput]:
+        return [RequestOutput(request_id=str(i), prompt_token_ids=c.prompt_token_ids,
+                              token_ids=list(c.token_ids), text=c.text, cached_tokens=c.cached_tokens,
+                              finished=c.finished, finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason, new_token_ids=[], delta_text="",
+                              logprobs=c.logprobs)
+                for i, c in enumerate(self.choices)]
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prepared, self.outputs())
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class SSERenderer:
+    def __init__(self, prepared: PreparedRequest, model: str, request_id: str, tokenizer,
+                 include_usage: bool, created: int | None = None) -> None:
+        self.prepared = prepared
+        self.chat = prepared.kind == "chat"
+        self.model = model
+        self.request_id = request_id
+        self.tokenizer = tokenizer
+        self.include_usage = include_usage
+        self.created = int(time.time()) if created is None else created
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {"id": self.request_id,
+                               "object": "chat.completion.chunk" if self.chat else "text_completion",
+                               "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            obj["usage"] = None
+        return obj
+
+    def first_events(self, num_choices: int) -> list[str]:
+        """Chat opens every choice with an empty assistant delta; completions send nothing."""
+        if not self.chat:
+            return []
+        return [sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]))
+                for i in range(num_choices)]
+
+    def delta_events(self, deltas: Sequence[ChoiceDelta]) -> list[str]:
+        events = []
+        for d in deltas:
+            if not (d.text or d.finish_reason or (d.token_ids and self._shows_tokens())):
+                continue                  # nothing a client could see (held-back text)
+            events.append(sse(self._envelope([self._choice(d)])))
+        return events
+
+    def _shows_tokens(self) -> bool:
+        return self.prepared.return_token_ids or self.prepared.logprobs is not None
+
+    def _choice(self, d: ChoiceDelta) -> dict[str, Any]:
+        want_lps = self.prepared.logprobs is not None and d.logprobs is not None
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": d.index, "delta": {"content": d.text} if d.text else {},
+                "logprobs": chat_logprobs(d.logprobs, self.tokenizer) if want_lps else None,  # type: ignore[arg-type]
+                "finish_reason": d.finish_reason}
+        else:
+            choice = {"index": d.index, "text": d.text,
+                      "logprobs": completion_logprobs(d.logprobs, self.tokenizer, d.text_offset)  # type: ignore[arg-type]
+                      if want_lps else None,
+                      "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if self.prepared.return_token_ids:
+            choice["token_ids"] = d.token_ids
+            if d.is_first:
+                choice["prompt_token_ids"] = self.prepared.prompt_ids[d.index // self.prepared.n]
+        return choice
+
+    def final_events(self, state: ResponseState) -> list[str]:
+        events = []
+        if self.include_usage:
+            obj = self._envelope([])
+            obj["usage"] = state.usage()
+            events.append(sse(obj))
+        events.append(DONE_EVENT)
+        return events
+
+    def error_events(self, err: OpenAIError) -> list[str]:
+        """A failure after the stream started: an error event, then [DONE]."""
+        return [sse(err.body()), DONE_EVENT]

@@ -1,3 +1,0 @@
-from cluster.dashboards.writer import main
-
-raise SystemExit(main())

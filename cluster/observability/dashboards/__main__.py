@@ -1,0 +1,3 @@
+from cluster.observability.dashboards.writer import main
+
+raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""``EngineReplica``: the Serve deployment owning one engine (Ray edge over ``ReplicaCore``).
+
+Decorated by the app builder (``cluster/app.py``), not here. The async constructor builds
+the engine on its own thread (``replica_core.build_engine``: the TP seam), then starts
+one publisher task that, every ``events_interval_s``, sends the engine's new checkpoint
+events to the router actor, and every ``stats_interval_s`` sends stats to the metrics
+actor and a heartbeat to the router actor.
+
+Methods: ``generate`` (streaming; cancelling the call aborts the request in the engine),
+``model_info``, ``flush_cache``, ``stats``, ``check_health`` (Serve calls it). Calls with
+``target_replica`` are routed to that replica by ``HybridPrefixRouter``.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+from cluster.actors import get_index_actor, get_metrics_actor
+from cluster.serving.messages import GenerateRequest, ModelInfo
+from cluster.serving.replica_core import ReplicaCore, StreamItem, drain_cache_events
+from configs.schema import HybridServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaOptions(BaseModel):
+    """Replica knobs that are not part of the engine config (builder args ``replica:``).
+
+    Serve limits per engine replica: ``max_ongoing_requests`` generate streams at once,
+    and at most ``max_queued_requests`` more waiting in each caller's handle (beyond
+    that the call raises ``BackPressureError``; the ingress answers 503). A draining
+    replica (redeploy, scale down, ``serve.delete``) gets no new requests and waits up to
+    ``graceful_shutdown_timeout_s`` for its streams to finish, checking every
+    ``graceful_shutdown_wait_loop_s``, before its engine stops.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_name: str = ""
+    num_cpus: float = Field(1.0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(512, ge=-1)       # -1: unbounded (Serve's default)
+    stats_interval_s: float = Field(1.0, gt=0)
+    events_interval_s: float = Field(0.05, gt=0)
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
+    stream_interval_s: float = Field(0.05, ge=0)   # stream batching (ReplicaCore); 0: every step
+    forget_after_s: float = Field(30.0, gt=0)
+
+
+class EngineReplica:
+    async def __init__(self, config: dict[str, Any], options: dict[str, Any]) -> None:
+        self._config = HybridServeConfig.model_validate(config)
+        self._opts = ReplicaOptions.model_validate(options)
+        ctx = serve.get_replica_context()
+        self._replica_id = ctx.replica_id.to_full_id_str()
+        rank = getattr(ctx, "rank", None)
+        self._label = str(rank.rank) if rank is not None else ctx.replica_tag
+        self._core = await ReplicaCore.create(self._config, self._opts.stream_interval_s)
+        self._index = get_index_actor(ctx.app_name, self._opts.forget_after_s)
+        self._metrics = get_metrics_actor(ctx.app_name, self._config.server.host, self._config.metrics.port)
+        self._lock = asyncio.Lock()         # orders event pushes against flush + clear
+        self._index.apply.remote(self._replica_id, [])
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
+        logger.info("replica %s (rank %s) ready: max_model_len=%d", self._replica_id, self._label,
+                    self._core.loop.engine.max_model_len)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
+        async for item in self._core.generate(req):
+            yield item
+
+    def model_info(self) -> ModelInfo:
+        return self._core.model_info()
+
+    async def flush_cache(self, target_replica: str | None = None) -> dict[str, Any]:
+        async with self._lock:
+            flushed = await self._core.flush_cache()
+            self._index.clear.remote(self._replica_id)
+        return {"replica_id": self._replica_id, "replica_label": self._label, "flushed": flushed}
+
+    async def stats(self, target_replica: str | None = None) -> dict[str, Any]:
+        return dataclasses.asdict(await self._core.stats(self._replica_id, self._label))
+
+    async def check_health(self) -> None:
+        self._core.check_health()
+        if self._publisher.done() and not self._publisher.cancelled():
+            raise RuntimeError(f"publisher stopped: {self._publisher.exception()!r}")
+
+    async def _publish_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_stats = loop.time()
+        while True:
+            await asyncio.sleep(self._opts.events_interval_s)
+            try:
+                await self._publish_events()
+                if loop.time() >= next_stats:
+                    next_stats = loop.time() + self._opts.stats_interval_s
+                    await self._publish_stats()
+            except Exception:  # noqa: BLE001 - publishing must not kill the replica
+                logger.warning("publishing replica state failed", exc_info=True)
+
+    async def _publish_events(self) -> None:
+        async with self._lock:
+            events = await self._core.loop.run(drain_cache_events)
+            if events:
+                self._index.apply.remote(self._replica_id, events)
+
+    async def _publish_stats(self) -> None:
+        snapshot, observations = await self._core.loop.run(
+            lambda e: (e.stats.snapshot(), e.stats.drain_observations()))
+        self._metrics.push_replica.remote(self._opts.model_name, self._label, snapshot, observations)
+        self._index.apply.remote(self._replica_id, [])   # heartbeat
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: stop publishing, leave the index, stop the engine."""
+        publisher = getattr(self, "_publisher", None)
+        if publisher is None:
+            return                        # the constructor failed part way
+        publisher.cancel()
+        try:
+            self._index.forget.remote([self._replica_id])
+        except Exception:  # noqa: BLE001 - shutting down
+            pass
+        await self._core.shutdown()

@@ -1,0 +1,190 @@
+"""Everything an ``EngineReplica`` does, as a plain class (no Ray, tested directly).
+
+``ReplicaCore`` owns one engine behind an ``EngineLoop`` and speaks in ``messages``:
+``generate`` streams ``Accepted`` | ``GenerateError`` then lists of ``GenerateChunk``;
+closing the stream early (client gone, caller cancelled) aborts the unfinished choices,
+which frees their KV pages and Mamba slots. ``publish_payload`` collects what the replica
+pushes outward periodically: cache events for the router index, stats for metrics.
+
+The engine is built by ``build_engine``: a plain ``Engine``, or for
+``parallel.tensor_parallel_size > 1`` a ``TPEngine`` with Ray worker ranks (``cluster/serving/tp.py``).
+Optional engine features are reached through ``_call_optional`` so this layer works
+with an engine that does not have them yet (they are reported as absent, not faked).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+from cluster.serving.engine_loop import EngineLoop
+from cluster.serving.messages import (Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo,
+                                      ReplicaStats)
+from configs.schema import HybridServeConfig
+from workers.outputs import RequestOutput
+
+StreamItem = Accepted | GenerateError | list[GenerateChunk]
+
+
+class PublishPayload(NamedTuple):
+    events: list[Any]                     # CheckpointInserted / CheckpointEvicted, in order
+    snapshot: dict[str, object]           # EngineStats.snapshot(): cumulative counters
+    observations: dict[str, list[float]]  # histogram values since the last payload
+    pools: dict[str, int]
+
+
+def check_supported(config: HybridServeConfig) -> None:
+    """Raise ValueError for a config no replica can run (checked at build and at startup).
+
+    ``tensor_parallel_size`` must divide every head count and intermediate size of the
+    model (checked from its config.json when this process can read it).
+    """
+    tp = config.parallel.tensor_parallel_size
+    model_dir = config.model_dir()
+    if tp > 1 and (model_dir / "config.json").is_file():
+        from workers.loader import load_config
+        from workers.tp import validate_tp
+
+        validate_tp(load_config(model_dir), tp)
+
+
+def build_engine(config: HybridServeConfig) -> Any:
+    """The engine of one replica (one TP group). Raises ValueError for what cannot run.
+
+    For ``tensor_parallel_size > 1``: a ``TPEngine`` (rank 0, here) whose other ranks are
+    Ray actors in the replica's placement group (``cluster/serving/tp.py``).
+    """
+    check_supported(config)
+    if config.parallel.tensor_parallel_size > 1:
+        from cluster.serving.tp import build_tp_engine
+
+        return build_tp_engine(config)
+    from workers.engine import Engine
+
+    return Engine(config)
+
+
+def pool_counts(engine: Any) -> dict[str, int]:
+    """Free / usable counts of the KV page pool and the Mamba slot pool."""
+    counts = _call_optional(engine, "pool_counts")
+    if counts is not None:
+        return _as_int_dict(counts)
+    pages, slots = engine.page_allocator, engine.slot_allocator
+    return {"kv_pages_free": pages.num_free, "kv_pages_usable": pages.num_usable,
+            "mamba_slots_free": slots.num_free, "mamba_slots_usable": slots.num_usable}
+
+
+def drain_cache_events(engine: Any) -> list[Any]:
+    events = _call_optional(engine, "drain_cache_events")
+    return list(events) if events is not None else []
+
+
+def _call_optional(engine: Any, name: str) -> Any:
+    fn = getattr(engine, name, None)
+    return fn() if callable(fn) else None
+
+
+def _as_int_dict(counts: Any) -> dict[str, int]:
+    if hasattr(counts, "_asdict"):
+        counts = counts._asdict()
+    elif hasattr(counts, "__dataclass_fields__"):
+        counts = {k: getattr(counts, k) for k in counts.__dataclass_fields__}
+    out: dict[str, int] = {}
+    for key, value in dict(counts).items():
+        if isinstance(value, (int, float)):
+            out[str(key)] = int(value)
+        elif isinstance(value, dict) or hasattr(value, "_asdict"):
+            for sub, v in _as_int_dict(value).items():
+                out[f"{key}_{sub}"] = v
+    return out
+
+
+def _payload(engine: Any) -> PublishPayload:
+    return PublishPayload(drain_cache_events(engine), engine.stats.snapshot(),
+                          engine.stats.drain_observations(), pool_counts(engine))
+
+
+class ReplicaCore:
+    """``stream_interval_s``: the least time between two items of one stream after its
+    first (Ray Serve LLM's stream batching): tokens of the engine steps in between travel
+    together, which cuts the per-item cost of the Ray and HTTP hops. The first token and
+    the last item are never held back, so TTFT and E2E do not move; 0 sends every step."""
+
+    def __init__(self, loop: EngineLoop, config: HybridServeConfig, stream_interval_s: float = 0.0) -> None:
+        if stream_interval_s < 0:
+            raise ValueError(f"stream_interval_s must be >= 0, got {stream_interval_s}")
+        self.loop = loop
+        self.config = config
+        self.stream_interval_s = stream_interval_s
+
+    @classmethod
+    async def create(cls, config: HybridServeConfig, stream_interval_s: float = 0.0) -> ReplicaCore:
+        loop = await EngineLoop.create(lambda: build_engine(config))
+        return cls(loop, config, stream_interval_s)
+
+    def model_info(self) -> ModelInfo:
+        engine = self.loop.engine
+        return ModelInfo(int(engine.max_model_len), int(engine.vocab_size), str(self.config.model_dir()))
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
+        rids = [f"{req.request_id}-{j}" for j in range(req.num_choices)]
+        try:
+            stream = await self.loop.submit(rids, req.prompt_token_ids, req.params)
+        except ValueError as exc:
+            yield GenerateError(str(exc), param="prompt")
+            return
+        try:
+            yield Accepted(req.num_choices)
+            sent_logprobs = [0] * req.num_choices
+            clock, not_before = asyncio.get_running_loop(), 0.0
+            while (batch := await stream.next_batch(not_before)) is not None:
+                yield [_chunk(i, out, sent_logprobs) for i, out in batch]
+                not_before = clock.time() + self.stream_interval_s
+        finally:
+            stream.close()
+
+    async def flush_cache(self) -> bool:
+        """Empty the prefix cache; False when the engine has no prefix cache to flush.
+
+        Cache events up to and including the flush are dropped: the caller clears this
+        replica's entries in the router index instead.
+        """
+        def flush(engine: Any) -> bool:
+            drain_cache_events(engine)
+            fn = getattr(engine, "flush_cache", None)
+            if callable(fn):
+                fn()
+            drain_cache_events(engine)
+            return callable(fn)
+
+        return await self.loop.run(flush)
+
+    async def publish_payload(self) -> PublishPayload:
+        return await self.loop.run(_payload)
+
+    async def stats(self, replica_id: str, label: str) -> ReplicaStats:
+        num_streams = self.loop.num_streams   # read here, on the event loop's thread
+
+        def read(engine: Any) -> ReplicaStats:
+            return ReplicaStats(replica_id, label, num_streams, bool(engine.has_unfinished()),
+                                pool_counts(engine), engine.stats.snapshot())
+
+        return await self.loop.run(read)
+
+    def check_health(self) -> None:
+        if self.loop.error is not None:
+            raise RuntimeError(f"engine loop failed: {self.loop.error!r}")
+        _call_optional(self.loop.engine, "check_workers")   # TP: every other rank alive
+
+    async def shutdown(self) -> None:
+        await self.loop.shutdown()
+
+
+def _chunk(index: int, out: RequestOutput, sent_logprobs: list[int]) -> GenerateChunk:
+    new_lps = None
+    if out.logprobs is not None:
+        new_lps = out.logprobs[sent_logprobs[index]:]
+        sent_logprobs[index] = len(out.logprobs)
+    return GenerateChunk(index=index, new_token_ids=list(out.new_token_ids), delta_text=out.delta_text,
+                         logprobs=new_lps, finished=out.finished, finish_reason=out.finish_reason,
+                         stop_reason=out.stop_reason, cached_tokens=out.cached_tokens)

@@ -1,0 +1,177 @@
+"""EngineLoop and ReplicaCore over a fake engine: one thread, fan-out, abort, failure."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from cluster.serving.engine_loop import EngineLoop, EngineLoopError
+from cluster.serving.messages import Accepted, GenerateError, GenerateRequest
+from cluster.serving.replica_core import ReplicaCore, build_engine, check_supported
+from configs.schema import load_config
+from workers.outputs import RequestOutput
+from workers.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    """One token per step per request; records the threads that touched it."""
+
+    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.live: dict[str, list[int]] = {}
+        self.budget: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.threads: set[str] = set()
+        self.steps = 0
+        self.fail_at_step = fail_at_step
+
+    def _touch(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
+    def add_request(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+        self._touch()
+        if any(t < 0 for t in ids):
+            raise ValueError(f"token ids {[t for t in ids if t < 0]} are outside the vocabulary")
+        self.live[rid], self.budget[rid] = [], params.max_tokens
+
+    def has_unfinished(self) -> bool:
+        self._touch()
+        return bool(self.live)
+
+    def step(self) -> list[RequestOutput]:
+        self._touch()
+        self.steps += 1
+        time.sleep(self.step_s)
+        if self.fail_at_step == self.steps:
+            raise RuntimeError("kernel exploded")
+        outs = []
+        for rid in list(self.live):
+            self.live[rid].append(len(self.live[rid]))
+            done = len(self.live[rid]) >= self.budget[rid]
+            outs.append(self._out(rid, done, "length" if done else None))
+            if done:
+                del self.live[rid]
+        return outs
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        self._touch()
+        if rid not in self.live:
+            return None
+        self.aborted.append(rid)
+        out = self._out(rid, True, "abort")
+        del self.live[rid]
+        return out
+
+    def _out(self, rid: str, finished: bool, reason: str | None) -> RequestOutput:
+        ids = self.live[rid]
+        return RequestOutput(rid, [1], list(ids), "x" * len(ids), 0, finished, reason, None,
+                             ids[-1:], "x", None)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(core: ReplicaCore, req: GenerateRequest) -> list:
+    return [item async for item in core.generate(req)]
+
+
+def test_concurrent_requests_stream_to_completion_on_one_thread():
+    async def go():
+        engine = FakeEngine()
+        loop = await EngineLoop.create(lambda: engine)
+        core = ReplicaCore(loop, load_config())
+        reqs = [GenerateRequest(f"r{i}", [1, 2], [SamplingParams(max_tokens=3 + i)] * 2) for i in range(3)]
+        results = await asyncio.gather(*(collect(core, r) for r in reqs))
+        await loop.shutdown()
+        return engine, results
+    engine, results = run(go())
+    assert len(engine.threads) == 1 and next(iter(engine.threads)).startswith("engine")
+    for i, items in enumerate(results):
+        assert items[0] == Accepted(2)
+        chunks = [c for batch in items[1:] for c in batch]
+        for choice in (0, 1):
+            mine = [c for c in chunks if c.index == choice]
+            assert len(mine) == 3 + i and mine[-1].finished and mine[-1].finish_reason == "length"
+            assert [t for c in mine for t in c.new_token_ids] == list(range(3 + i))
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.05])
+def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(interval_s):
+    async def go():
+        loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
+        core = ReplicaCore(loop, load_config(), stream_interval_s=interval_s)
+        clock, stamps, items = asyncio.get_running_loop(), [], []
+        async for item in core.generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=40)])):
+            stamps.append(clock.time())
+            items.append(item)
+        await loop.shutdown()
+        return stamps, items
+    stamps, items = run(go())
+    chunks = [c for batch in items[1:] for c in batch]
+    assert [t for c in chunks for t in c.new_token_ids] == list(range(40)) and chunks[-1].finished
+    sizes = [len(batch) for batch in items[1:]]
+    if interval_s == 0:
+        assert max(sizes) <= 2                    # about one step per item
+    else:
+        assert sizes[0] == 1                       # the first token is not held back
+        # at most one item per interval (however slow a loaded machine makes the steps)
+        assert len(sizes) <= (stamps[-1] - stamps[1]) / interval_s + 2 and max(sizes) >= 2
+        gaps = [b - a for a, b in zip(stamps[2:], stamps[3:-1])]
+        assert all(g >= interval_s * 0.9 for g in gaps), gaps
+
+
+def test_refused_input_is_an_error_item_and_queues_nothing():
+    async def go():
+        engine = FakeEngine()
+        core = ReplicaCore(await EngineLoop.create(lambda: engine), load_config())
+        items = await collect(core, GenerateRequest("bad", [1, -3], [SamplingParams()] * 2))
+        await core.shutdown()
+        return engine, items
+    engine, items = run(go())
+    assert len(items) == 1 and isinstance(items[0], GenerateError) and "-3" in items[0].message
+    assert engine.live == {}
+
+
+def test_closing_a_stream_early_aborts_its_unfinished_choices():
+    async def go():
+        engine = FakeEngine()
+        loop = await EngineLoop.create(lambda: engine)
+        core = ReplicaCore(loop, load_config())
+        gen = core.generate(GenerateRequest("long", [1], [SamplingParams(max_tokens=10_000)] * 2))
+        assert isinstance(await gen.__anext__(), Accepted)
+        await gen.__anext__()
+        await gen.aclose()                        # the client went away
+        for _ in range(100):
+            if not engine.live:
+                break
+            await asyncio.sleep(0.01)
+        streams = loop.num_streams
+        await loop.shutdown()
+        return engine, streams
+    engine, streams = run(go())
+    assert sorted(engine.aborted) == ["long-0", "long-1"] and engine.live == {} and streams == 0
+
+
+def test_a_failing_step_fails_open_streams_and_the_health_check():
+    async def go():
+        core = ReplicaCore(await EngineLoop.create(lambda: FakeEngine(fail_at_step=2)), load_config())
+        with pytest.raises(EngineLoopError, match="kernel exploded"):
+            await collect(core, GenerateRequest("r", [1], [SamplingParams(max_tokens=5)]))
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            core.check_health()
+        with pytest.raises(EngineLoopError):
+            await collect(core, GenerateRequest("r2", [1], [SamplingParams(max_tokens=5)]))
+        await core.shutdown()
+    run(go())
+
+
+def test_indivisible_tensor_parallel_is_refused_with_a_clear_error():
+    check_supported(load_config(overrides={"parallel.tensor_parallel_size": 2}))
+    config = load_config(overrides={"parallel.tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide .*num_key_value_heads=2"):
+        check_supported(config)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4"):
+        build_engine(config)

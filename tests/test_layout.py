@@ -1,0 +1,145 @@
+"""The package layout of DESIGN §2 and ``cluster/__init__``: import directions and no circles.
+
+Every ``import`` / ``from ... import`` in the four packages counts, lazy ones inside
+functions included (a lazy import still makes two modules one idea); only imports under
+``if TYPE_CHECKING:`` (annotations, never run) do not. Parsed from the source, nothing
+is imported.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("configs", "kernels", "workers", "cluster")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest known module that ``name`` is or lies in (``a.b.c`` -> ``a.b`` if only that)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk_run_time(tree: ast.AST):
+    """``ast.walk`` without the bodies of ``if TYPE_CHECKING:`` blocks."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if _is_type_checking(node):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    found: set[str] = set()
+    for node in _walk_run_time(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        found.update(m for m in (_resolve(n, modules) for n in names) if m is not None)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        # a package's own __init__ is imported by every submodule: not an edge worth a cycle
+        graph[name] = {m for m in _imports(path, modules)
+                       if m != name and not name.startswith(m + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        comp.append(top)
+                        if top == node:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+            elif nxt not in index:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+    return out
+
+
+def test_no_import_circles():
+    assert _cycles(_graph()) == []
+
+
+def test_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# DESIGN §2, and cluster/__init__ for the subpackages: who may not import whom
+FORBIDDEN = {
+    "configs": ("kernels", "workers", "cluster"),
+    "kernels": ("workers", "cluster"),
+    "workers": ("cluster",),
+    "cluster.observability": ("cluster.api", "cluster.serving", "cluster.bench", "cluster.app"),
+    "cluster.routing": ("cluster.api", "cluster.serving", "cluster.observability", "cluster.bench",
+                        "cluster.app"),
+    "cluster.serving": ("cluster.api", "cluster.bench", "cluster.app", "cluster.cli"),
+    "cluster.api": ("cluster.bench", "cluster.app", "cluster.cli"),
+}
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_import_directions():
+    bad = [f"{src} imports {dst}" for src, dsts in sorted(_graph().items()) for dst in sorted(dsts)
+           for pkg, banned in FORBIDDEN.items() if _in(src, pkg) and any(_in(dst, b) for b in banned)]
+    assert bad == []
