@@ -1,9 +1,9 @@
 """The package layout of DESIGN §2 and ``cluster/__init__``: import directions and no circles.
 
 Every ``import`` / ``from ... import`` in the four packages counts, lazy ones inside
-functions included (a lazy import still makes two modules one idea); only imports under
-``if TYPE_CHECKING:`` (annotations, never run) do not. Parsed from the source, nothing
-is imported.
+functions and ones under ``if TYPE_CHECKING:`` included (a lazy or annotation-only import
+still makes two modules one idea); only a submodule's import of its own package's
+``__init__`` does not. Parsed from the source, nothing is imported.
 """
 from __future__ import annotations
 
@@ -32,27 +32,9 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    test = node.test if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _walk_run_time(tree: ast.AST):
-    """``ast.walk`` without the bodies of ``if TYPE_CHECKING:`` blocks."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        if _is_type_checking(node):
-            todo.extend(node.orelse)
-        else:
-            todo.extend(ast.iter_child_nodes(node))
-
-
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     found: set[str] = set()
-    for node in _walk_run_time(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
