@@ -56,6 +56,7 @@ class Oracles:
     live_mismatches: list[tuple[int, str, int, int]] = field(default_factory=list)
     inserted: list[CheckpointInserted] = field(default_factory=list)
     steps: int = 0
+    node_checks: int = 0         # checkpoint nodes whose slot content was compared (I1 oracle)
 
     @property
     def num_aliased(self) -> int:
@@ -138,6 +139,7 @@ class Sim:
                 ckpt = node.checkpoint
                 if ckpt is None:
                     continue
+                o.node_checks += 1
                 true = self._node_state.get(node.node_id)
                 if true is None:
                     true = self._node_state[node.node_id] = chain(tree.path_tokens(node))
