@@ -63,14 +63,13 @@ def paged_attention_kernel(
     q, k_pool, v_pool, o,                   # q, o [T, HQ, D]; pools [L, HKV, D]; contiguous
     page_table, cu_seqlens, seq_lens,       # int32 [B, stride_pt] / [B + 1] / [B]
     num_seqs, stride_pt, page_size, scale_log2,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    BQ: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BQ: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     F32_DOTS: tl.constexpr,
 ):
+    """G = HQ // HKV query heads per KV head, padded to GP; BM = BQ * GP rows per tile."""
     i_tile = tl.program_id(0)
     i_kv = tl.program_id(1)
-    G: tl.constexpr = HQ // HKV
-    BM: tl.constexpr = BQ * GP
     seq = find_tile_seq(cu_seqlens, num_seqs, i_tile, BQ)
     bos = tl.load(cu_seqlens + seq)
     q_len = tl.load(cu_seqlens + seq + 1) - bos
@@ -166,7 +165,8 @@ def paged_attention_triton(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_po
     paged_attention_kernel[grid](
         q.contiguous(), k_pool, v_pool, out, table, cu_seqlens.to(**i32), seq_lens.to(**i32),
         num_seqs, table.stride(0), page_size, float(scale) * LOG2E,
-        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, BQ=cfg.block_q, GP=cfg.group_pad,
-        BN=cfg.block_n, BD=cfg.block_d, F32_DOTS=q.dtype == torch.float32 or interpreting(),
+        HQ=num_q_heads, HKV=num_kv_heads, G=num_q_heads // num_kv_heads, D=head_dim,
+        BQ=cfg.block_q, GP=cfg.group_pad, BM=cfg.block_q * cfg.group_pad, BN=cfg.block_n,
+        BD=cfg.block_d, F32_DOTS=q.dtype == torch.float32 or interpreting(),
         num_warps=cfg.num_warps)
     return out
