@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow clean-venv prometheus
+.PHONY: install serve test test-slow clean-venv prometheus gpu-wheels
 
 install: $(VENV)/.installed
 
@@ -35,3 +35,8 @@ test-slow: install prometheus
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The wheels the GPU machine lacks (pydantic and its needs), into .whl/: see the header of
+# tests/gpu/run_device_checks.sh. Needs network; the GPU machine has none.
+gpu-wheels:
+	PYTHON=$(PYTHON) sh tests/gpu/fetch_wheels.sh

@@ -1,11 +1,13 @@
 """Kernels of hybridserve: torch references (the CPU path and the ground truth), Triton
-kernels for the recurrent ops and norms, FlashInfer for attention on CUDA.
+kernels for every op (recurrent ops, norms, paged attention), and FlashInfer for attention on
+CUDA where it is installed and built for the head dim.
 
 Every op is a package (``gdn``, ``ssd``, ``conv1d``, ``norm``, ``attention``) whose
 ``__init__`` holds the public function and asks ``kernels.backend`` which implementation to
 run: ``reference`` (torch), ``triton_*`` (imported lazily, on first use) or
 ``flashinfer_backend``. ``HYBRIDSERVE_KERNEL_BACKEND=auto|torch|triton`` (``auto``: the GPU
-kernels on CUDA tensors, torch otherwise) and ``backend.use_backend(...)`` in tests.
+kernels on CUDA tensors, torch otherwise) and ``backend.use_backend(...)`` in tests. Launch
+grids come from ``kernels.launch_grid`` (pure functions, checked against CUDA's axis limits).
 
 Conventions shared by every op (the batch layout of ``workers/forward_batch.py``):
 

@@ -3,17 +3,16 @@
 Three settings (env ``HYBRIDSERVE_KERNEL_BACKEND``, read once at import; ``set_backend`` and
 the ``use_backend`` context manager override it, e.g. in tests):
 
-- ``auto`` (default): Triton for the recurrent ops and norms and FlashInfer for attention
-  when the tensors are on CUDA; the torch reference otherwise (the CPU production path).
-  FlashInfer takes fp16/bf16 attention only, and only with the ``gpu`` extra installed;
-  otherwise attention stays on the torch path (with one warning when it is missing).
+- ``auto`` (default): on CUDA tensors the Triton kernels, and for attention FlashInfer where
+  it can run (``gpu`` extra installed, fp16/bf16, a head dim in ``FLASHINFER_HEAD_DIMS``),
+  else the Triton paged-attention kernel (fp32, head dims such as 32 or 80, no FlashInfer);
+  the torch reference on CPU tensors (the CPU production path).
 - ``torch``: the torch reference everywhere, also on CUDA (a GPU oracle for the kernels).
-- ``triton``: Triton for the recurrent ops and norms wherever the tensors are. On CPU tensors
-  this needs ``TRITON_INTERPRET=1`` set before the kernel modules are imported (the
-  interpreter tests do that). Attention has no Triton kernel: it takes FlashInfer on CUDA,
-  the torch path on CPU.
+- ``triton``: Triton for every op, attention included (never FlashInfer), wherever the
+  tensors are. On CPU tensors this needs ``TRITON_INTERPRET=1`` set before the kernel
+  modules are imported (the interpreter tests do that).
 
-Ops ask through ``use_triton(t)`` / ``use_flashinfer(t)`` with one of their tensors. The
+Ops ask through ``use_triton(t)`` / ``attention_impl(q)`` with one of their tensors. The
 kernel modules are imported lazily, on an op's first Triton / FlashInfer call: a CPU process
 that never selects Triton never compiles or imports a kernel module of ours, and nothing
 imports ``flashinfer`` off CUDA.
@@ -25,7 +24,6 @@ import functools
 import importlib.util
 import os
 import threading
-import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -89,23 +87,41 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def use_flashinfer(t: torch.Tensor) -> bool:
-    """Should attention on tensor ``t`` (a query) run FlashInfer? Only on CUDA, never forced
-    onto CPU; fp16/bf16 only (FlashInfer has no fp32 kernels); and only when the ``gpu``
-    extra is installed (else the torch path, with one warning)."""
-    if _backend is Backend.TORCH or not t.is_cuda:
-        return False
-    return t.dtype in (torch.float16, torch.bfloat16) and flashinfer_available()
+class AttentionImpl(str, enum.Enum):
+    TORCH = "torch"
+    TRITON = "triton"
+    FLASHINFER = "flashinfer"
+
+
+# Head dims FlashInfer's paged prefill and decode kernels are built for; others (the shipped
+# tiny model's 32, 80, 96, ...) take the Triton kernel.
+FLASHINFER_HEAD_DIMS = frozenset({64, 128, 256})
+
+
+def attention_impl(q: torch.Tensor) -> AttentionImpl:
+    """Which paged attention runs on query ``q`` [T, Hq, D] (see the module docstring).
+
+    FlashInfer only under ``auto``, on CUDA, fp16/bf16 (it has no fp32 kernels), a head dim
+    it is built for, and installed; every other CUDA case takes the Triton kernel.
+    """
+    backend = _backend
+    if backend is Backend.TORCH:
+        return AttentionImpl.TORCH
+    if not q.is_cuda:
+        if backend is Backend.TRITON:
+            _require_interpreter()
+            return AttentionImpl.TRITON
+        return AttentionImpl.TORCH
+    if (backend is Backend.AUTO and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] in FLASHINFER_HEAD_DIMS and flashinfer_available()):
+        return AttentionImpl.FLASHINFER
+    return AttentionImpl.TRITON
 
 
 @functools.cache
 def flashinfer_available() -> bool:
     """Whether ``flashinfer`` can be found (looked up, not imported)."""
-    if importlib.util.find_spec("flashinfer") is not None:
-        return True
-    warnings.warn("flashinfer is not installed (pip install -e '.[gpu]'): attention runs the "
-                  "torch path on CUDA", RuntimeWarning, stacklevel=3)
-    return False
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def interpreting() -> bool:

@@ -16,12 +16,13 @@ import triton.language as tl
 
 @triton.jit
 def program_seq_head(seq_ids, H: tl.constexpr, HG: tl.constexpr):
-    """Grid axis 1 enumerates (sequence of this launch, head) as i_n * H + i_h.
+    """Grid axis 0 enumerates (sequence of this launch, head) as i_n * H + i_h: the large
+    product goes on the axis whose limit is 2**31 - 1 (``kernels.launch_grid``).
 
     Returns i_n, i_h, i_h's group (of HG groups, H // HG heads each) and the sequence's
     index in the batch, ``seq_ids[i_n]``.
     """
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)
     i_n = i_nh // H
     i_h = i_nh % H
     i_g = i_h // (H // HG)

@@ -4,13 +4,16 @@ Pool layout (``workers/device_pools.py``): ``k_pool`` / ``v_pool`` [L_total, Hkv
 flat location ``page * page_size + offset``. Context position ``pos`` of sequence b lives at
 ``page_table[b, pos // page_size] * page_size + pos % page_size``.
 
-Sequence b brings ``q_len = cu[b+1] - cu[b]`` new tokens and has ``seq_lens[b]`` context
-tokens after this step, so its query i sits at absolute position ``seq_lens[b] - q_len + i``
-and attends to context positions ``0 ..`` that position (the new tokens included).
+Sequence b brings ``q_len = cu[b+1] - cu[b]`` new tokens (0 is allowed: it owns no query
+rows) and has ``seq_lens[b]`` context tokens after this step, so its query i sits at absolute
+position ``seq_lens[b] - q_len + i`` and attends to context positions ``0 ..`` that position
+(the new tokens included).
 
-Files: ``reference`` (torch SDPA over gathered pages: the CPU path and the oracle) and
-``flashinfer_backend`` (FlashInfer's paged prefill/decode wrappers over the same pool, viewed
-as NHD pages; imported only on CUDA). ``kernels.backend.use_flashinfer`` picks one.
+Files: ``reference`` (torch SDPA over gathered pages: the CPU path and the oracle),
+``triton_paged`` (one Triton kernel for prefill, verify and decode: any head dim, fp32 and
+bf16, no host sync) and ``flashinfer_backend`` (FlashInfer's paged prefill/decode wrappers
+over the same pool, viewed as NHD pages; imported only on CUDA, for the head dims it is built
+for). ``kernels.backend.attention_impl`` picks one.
 """
 from __future__ import annotations
 
@@ -30,9 +33,14 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Ten
 
     Writes k, v into the pools at ``out_loc`` first, then attends (GQA: Hkv divides Hq).
     """
-    if backend.use_flashinfer(q):
+    impl = backend.attention_impl(q)
+    if impl is backend.AttentionImpl.FLASHINFER:
         from kernels.attention.flashinfer_backend import paged_attention_flashinfer
         return paged_attention_flashinfer(q, k, v, k_pool, v_pool, out_loc, page_table,
                                           cu_seqlens, seq_lens, page_size, scale)
+    if impl is backend.AttentionImpl.TRITON:
+        from kernels.attention.triton_paged import paged_attention_triton
+        return paged_attention_triton(q, k, v, k_pool, v_pool, out_loc, page_table,
+                                      cu_seqlens, seq_lens, page_size, scale)
     return paged_attention_torch(q, k, v, k_pool, v_pool, out_loc, page_table, cu_seqlens,
                                  seq_lens, page_size, scale)

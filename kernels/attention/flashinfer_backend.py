@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.attention.reference import write_kv
+from kernels.attention.reference import check_heads, write_kv
 from kernels.memo import TensorMemo
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -99,11 +99,8 @@ def paged_attention_flashinfer(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, 
                                out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor,
                                seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
     """Contract of ``kernels.attention.paged_attention``, run by FlashInfer."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    if num_q_heads % num_kv_heads != 0 or k.shape[2] != head_dim:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (GQA needs "
-                         "Hkv to divide Hq and equal head dims)")
+    check_heads(q, k)
+    head_dim, num_kv_heads = q.shape[2], k.shape[1]
     write_kv(k, v, k_pool, v_pool, out_loc)
     if q.shape[0] == 0:
         return torch.empty_like(q)

@@ -19,6 +19,13 @@ from torch import Tensor
 from kernels.memo import TensorMemo
 
 
+def check_heads(q: Tensor, k: Tensor) -> None:
+    """GQA: Hkv divides Hq, and q and k share the head dim."""
+    if q.shape[1] % k.shape[1] != 0 or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (GQA needs "
+                         "Hkv to divide Hq and equal head dims)")
+
+
 def write_kv(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, out_loc: Tensor) -> None:
     loc = out_loc.long()
     k_pool[loc] = k.to(k_pool.dtype)
@@ -42,9 +49,7 @@ _plans: TensorMemo[list[_Group]] = TensorMemo()
 def paged_attention_torch(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
                            out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor,
                            seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
-    if q.shape[1] % k.shape[1] != 0 or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (GQA needs "
-                         "Hkv to divide Hq and equal head dims)")
+    check_heads(q, k)
     # The plan depends on the batch metadata only: built by the first attention layer of a
     # step, reused by the others (kernels.memo).
     groups = _plans.get((page_table, cu_seqlens, seq_lens), page_size,

@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.chunking import block_size
+from kernels.launch_grid import row_block_grid
 from kernels.conv1d.reference import check_shapes
 
 
@@ -155,20 +156,20 @@ def causal_conv1d_varlen_triton(x: Tensor, weight: Tensor, bias: Tensor | None,
     has_init = has_initial_state.to(device=x.device, dtype=torch.int32)
     block_t, block_d = 16, block_size(dim, lo=16, hi=128)
     common = dict(D=dim, W=width)
-    conv_varlen_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
+    conv_varlen_kernel[row_block_grid("conv_varlen", num_tokens, block_t, dim, block_d)](
         x, weight, bias if bias is not None else weight, conv_states, out, cu, seq_of_tok,
         slots, has_init, num_tokens, x.stride(0), BT=block_t, BD=block_d,
         HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4, **common)
     state_args = (x, conv_states, cu, seq_of_tok, slots, has_init)
     block_w = block_size(width - 1, lo=2)
     if state_dst_slots is not None:          # snapshots first: they read live slots
-        conv_state_kernel[(num_tokens, triton.cdiv(dim, block_d))](
+        conv_state_kernel[row_block_grid("conv_state", num_tokens, 1, dim, block_d)](
             *state_args, torch.arange(num_tokens, device=x.device, dtype=torch.int32),
             state_dst_slots.to(device=x.device, dtype=torch.int32), x.stride(0),
             BD=block_d, BW=block_w, MIN_DST=1, num_warps=4, **common)
     last = (cu[1:] - 1).clamp(min=0)
     live = torch.where(cu[1:] > cu[:-1], slots, -1)   # empty sequences write nothing
-    conv_state_kernel[(slots.shape[0], triton.cdiv(dim, block_d))](
+    conv_state_kernel[row_block_grid("conv_state", slots.shape[0], 1, dim, block_d)](
         *state_args, last, live, x.stride(0), BD=block_d, BW=block_w, MIN_DST=0, num_warps=4,
         **common)
     return out
@@ -186,7 +187,7 @@ def causal_conv1d_update_triton(x: Tensor, weight: Tensor, bias: Tensor | None,
         return out
     x = _rows(x)
     block_d = block_size(dim, lo=16, hi=256)
-    conv_update_kernel[(batch, triton.cdiv(dim, block_d))](
+    conv_update_kernel[row_block_grid("conv_update", batch, 1, dim, block_d)](
         x, weight.contiguous(), bias if bias is not None else weight, conv_states, out,
         slot_ids.to(device=x.device, dtype=torch.int32), x.stride(0), D=dim,
         W=weight.shape[1], BD=block_d, HAS_BIAS=bias is not None, SILU=activation is not None,

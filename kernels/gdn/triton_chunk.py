@@ -85,7 +85,7 @@ def gdn_chunk_state_kernel(
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2NORM: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
+    i_v = tl.program_id(1)
     i_n, i_h, i_hk, seq = program_seq_head(seq_ids, H, HK)
     slot = tl.load(slot_ids + seq).to(tl.int64)
     c_begin = tl.load(seq_chunk_offsets + i_n)

@@ -1,6 +1,6 @@
 """Fused recurrent Gated DeltaNet kernel: decode, speculative verify and short chunks.
 
-One program per (V block, sequence, value head) walks its sequence's tokens in order,
+One program per (sequence, value head, V block) walks its sequence's tokens in order,
 holding the state tile S[:, v-block] ([BK, BV] fp32) in registers. The state is read from
 the pool by slot index (or zeros), written back to the live slot after the last token, and,
 where ``state_dst_slots[t] != 0``, also after token t into that slot: the per-draft-token
@@ -28,7 +28,7 @@ def gdn_recurrent_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_DST: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
+    i_v = tl.program_id(1)
     i_n, i_h, i_hk, seq = program_seq_head(seq_ids, H, HK)
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)

@@ -8,11 +8,11 @@ live slot), so every initial state is read before it is overwritten whatever the
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
 from kernels import chunking
 from kernels.chunking import ChunkTable, block_size
+from kernels.launch_grid import chunk_head_grid, seq_head_grid
 from kernels.gdn.reference import check_shapes
 from kernels.gdn.triton_chunk import (gdn_chunk_output_kernel, gdn_chunk_prep_kernel,
                                       gdn_chunk_state_kernel)
@@ -60,7 +60,7 @@ def _launch_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     block_v = block_size(meta["V"], hi=32)
     dst = (state_dst_slots.to(device=v.device, dtype=torch.int32)
            if state_dst_slots is not None else cu)     # dummy pointer when HAS_DST=False
-    grid = (triton.cdiv(meta["V"], block_v), seq_ids.shape[0] * meta["H"])
+    grid = seq_head_grid("gdn_recurrent", seq_ids.shape[0], meta["H"], meta["V"], block_v)
     gdn_recurrent_kernel[grid](q, k, v, g, beta, out, states, cu, slots, has_init, seq_ids,
                                dst, scale, BV=block_v,
                                HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
@@ -76,15 +76,17 @@ def _launch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ou
     u = torch.empty(num_tokens, num_heads, v_dim, **f32)
     chunk_states = torch.empty(table.num_chunks, num_heads, k_dim, v_dim, **f32)
     block_v = block_size(v_dim, hi=64)
-    gdn_chunk_prep_kernel[(table.num_chunks, num_heads)](
+    gdn_chunk_prep_kernel[chunk_head_grid("gdn_chunk_prep", table.num_chunks, num_heads)](
         k, v, g, beta, lb, w, u, table.chunk_starts, table.chunk_lens, BT=block_t, BV=block_v,
         num_warps=8, **meta)
     state_block_v = block_size(v_dim, hi=32)
     num_seqs = table.seq_ids.shape[0]
-    gdn_chunk_state_kernel[(triton.cdiv(v_dim, state_block_v), num_seqs * num_heads)](
+    gdn_chunk_state_kernel[seq_head_grid("gdn_chunk_state", num_seqs, num_heads, v_dim,
+                                         state_block_v)](
         k, lb, w, u, chunk_states, states, slots, has_init, table.seq_ids,
         table.seq_chunk_offsets, table.chunk_starts, table.chunk_lens, table.chunk_dst,
         BT=block_t, BV=state_block_v, num_warps=8, **meta)
-    gdn_chunk_output_kernel[(table.num_chunks, num_heads, triton.cdiv(v_dim, block_v))](
+    gdn_chunk_output_kernel[chunk_head_grid("gdn_chunk_output", table.num_chunks, num_heads,
+                                            v_dim, block_v)](
         q, k, lb, u, chunk_states, out, table.chunk_starts, table.chunk_lens, scale,
         BT=block_t, BV=block_v, num_warps=8, **meta)

@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.chunking import next_pow2
+from kernels.launch_grid import row_block_grid
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def _launch(x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size:
         return out.view(x.shape)
     block_g = next_pow2(group_size)
     block_m = max(1, min(16, 4096 // block_g, next_pow2(num_rows)))
-    grid = (triton.cdiv(num_rows, block_m), dim // group_size)
+    grid = row_block_grid("rms_norm", num_rows, block_m, dim, group_size)
     rms_norm_kernel[grid](rows, gate, weight.contiguous(), out, num_rows, float(eps), D=dim,
                           GROUP=group_size, BM=block_m, BG=block_g, HAS_GATE=z is not None,
                           NORM_BEFORE_GATE=norm_before_gate, ZERO_CENTERED=zero_centered,

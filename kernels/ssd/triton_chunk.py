@@ -44,7 +44,7 @@ def ssd_chunk_state_kernel(
     BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_DT_MAX: tl.constexpr,
 ):
-    i_p = tl.program_id(0)
+    i_p = tl.program_id(1)
     i_n, i_h, i_g, seq = program_seq_head(seq_ids, H, G)
     slot = tl.load(slot_ids + seq).to(tl.int64)
     c_begin = tl.load(seq_chunk_offsets + i_n)

@@ -1,6 +1,6 @@
 """Selective state update (Mamba2 SSD per token): decode, speculative verify, short chunks.
 
-One program per (P block, sequence, head) walks its sequence's tokens in order with the state
+One program per (sequence, head, P block) walks its sequence's tokens in order with the state
 tile S[p-block, :] ([BP, BN] fp32) in registers: read from the pool by slot index (or zeros),
 written back to the live slot after the last token and, where ``state_dst_slots[t] != 0``,
 after token t into that slot (per-draft-token states for speculative verify).
@@ -38,7 +38,7 @@ def ssd_recurrent_kernel(
     BP: tl.constexpr, BN: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_DT_MAX: tl.constexpr, HAS_DST: tl.constexpr,
 ):
-    i_p = tl.program_id(0)
+    i_p = tl.program_id(1)
     i_n, i_h, i_g, seq = program_seq_head(seq_ids, H, G)
     bos = tl.load(cu_seqlens + seq).to(tl.int64)
     eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)

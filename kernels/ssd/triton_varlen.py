@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 from torch import Tensor
 
 from kernels import chunking
 from kernels.chunking import ChunkTable, block_size
+from kernels.launch_grid import chunk_head_grid, seq_head_grid
 from kernels.ssd.reference import check_shapes
 from kernels.ssd.triton_chunk import ssd_chunk_output_kernel, ssd_chunk_state_kernel
 from kernels.ssd.triton_recurrent import ssd_recurrent_kernel
@@ -51,7 +51,7 @@ def ssd_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         block_p = block_size(head_dim, hi=32)
         dst = (state_dst_slots.to(device=x.device, dtype=torch.int32)
                if state_dst_slots is not None else cu)     # dummy pointer when HAS_DST=False
-        grid = (triton.cdiv(head_dim, block_p), lp.short_ids.shape[0] * num_heads)
+        grid = seq_head_grid("ssd_recurrent", lp.short_ids.shape[0], num_heads, head_dim, block_p)
         ssd_recurrent_kernel[grid](x, dt, A, B, C, D, dt_bias, y, states, cu, slots, has_init,
                                    lp.short_ids, dst, *limits, BP=block_p,
                                    HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
@@ -69,11 +69,12 @@ def _launch_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: T
     chunk_states = torch.empty(table.num_chunks, num_heads, head_dim, state_dim,
                                dtype=torch.float32, device=x.device)
     block_p = block_size(head_dim, hi=32)
-    num_p_blocks = triton.cdiv(head_dim, block_p)
-    ssd_chunk_state_kernel[(num_p_blocks, table.seq_ids.shape[0] * num_heads)](
+    ssd_chunk_state_kernel[seq_head_grid("ssd_chunk_state", table.seq_ids.shape[0], num_heads,
+                                         head_dim, block_p)](
         x, dt, A, B, dt_bias, chunk_states, states, slots, has_init, table.seq_ids,
         table.seq_chunk_offsets, table.chunk_starts, table.chunk_lens, table.chunk_dst, *limits,
         BT=block_t, BP=block_p, num_warps=4, **meta)
-    ssd_chunk_output_kernel[(table.num_chunks, num_heads, num_p_blocks)](
+    ssd_chunk_output_kernel[chunk_head_grid("ssd_chunk_output", table.num_chunks, num_heads,
+                                            head_dim, block_p)](
         x, dt, A, B, C, D, dt_bias, chunk_states, y, table.chunk_starts, table.chunk_lens,
         *limits, BT=block_t, BP=block_p, num_warps=4, **meta)

@@ -1,5 +1,12 @@
-"""Helpers shared by the GPU checks (tests/gpu) and the speed table (bench.py)."""
+"""Helpers shared by the device checks (``tests/gpu/device_checks.py`` and its stages) and
+the pytest wrappers of ``tests/gpu``: batch builders, comparisons, timing and the markdown
+report every stage writes."""
 from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -10,11 +17,6 @@ def has_flashinfer() -> bool:
     except Exception:       # missing, or a broken install: the FlashInfer checks skip
         return False
     return True
-
-
-def close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
-    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol,
-                               msg=lambda m: f"{what}: {m}")
 
 
 def varlen_meta(lens: list[int], num_live_slots: int, snapshots: dict[int, int] | None = None,
@@ -56,3 +58,86 @@ def verify_snapshots(lens: list[int], verify_len: int, first_slot: int) -> dict[
                 slot += 1
         t += n
     return out
+
+
+class Compared(NamedTuple):
+    """One comparison against a reference: max |got - want| and whether assert_close passes."""
+
+    max_err: float
+    ok: bool
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> Compared:
+    if got.shape != want.shape:
+        return Compared(float("inf"), False)
+    got, want = got.float(), want.float()
+    err = 0.0 if got.numel() == 0 else float((got - want).abs().max())
+    return Compared(err, bool(torch.allclose(got, want, rtol=rtol, atol=atol)))
+
+
+def worst(*results: Compared) -> Compared:
+    return Compared(max(r.max_err for r in results), all(r.ok for r in results))
+
+
+def cuda_ms(fn: Callable[[], object], iters: int = 5) -> float | None:
+    """Mean milliseconds per call on CUDA after one warm-up call; None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+class Deadline:
+    """A stage's soft time limit: checks after it are reported as skipped, not run."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.end
+
+
+class Report:
+    """A markdown table printed and appended to a file row by row, so a stage stopped at its
+    hard time limit keeps the rows it had. ``failures`` counts rows marked not ok."""
+
+    def __init__(self, path: Path | None, title: str, columns: list[str]) -> None:
+        self.path, self.columns, self.failures, self._rows = path, columns, 0, 0
+        self._emit(f"\n### {title}\n")
+
+    def row(self, *cells: object, ok: bool = True) -> None:
+        if len(cells) != len(self.columns):
+            raise ValueError(f"{len(cells)} cells for columns {self.columns}")
+        if self._rows == 0:
+            self._emit("\n| " + " | ".join(self.columns) + " |\n|" + "---|" * len(self.columns) + "\n")
+        self._rows += 1
+        self.failures += 0 if ok else 1
+        self._emit("| " + " | ".join(_cell(c) for c in cells) + " |\n")
+
+    def note(self, text: str) -> None:
+        """A paragraph: before the first row it introduces the table, after the last it ends it."""
+        self._emit(f"\n{text}\n" + ("\n" if self._rows == 0 else ""))
+
+    def _emit(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(text)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "ok" if value else "**FAIL**"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value).replace("|", "/").replace("\n", " ")

@@ -1,9 +1,10 @@
-"""GPU checks (``-m gpu``): every kernel against its torch reference at real sizes and dtypes,
-FlashInfer against the torch attention, and whole-model greedy equality.
+"""GPU checks (files ``*_gpu.py``, marked ``gpu``): every kernel against its torch reference at
+real sizes and dtypes, FlashInfer's plans, and whole-model greedy equality (the same checks
+``tests/gpu/run_device_checks.sh`` reports as tables).
 
 Skipped without CUDA, and when ``TRITON_INTERPRET`` is on (the CPU interpreter tests of
-``tests/kernels/triton_path`` set it; run ``pytest tests/gpu`` in its own process, as
-``tests/gpu/run_device_checks.sh`` does).
+``tests/kernels/triton_path`` set it; run ``pytest tests/gpu`` in its own process). The other
+files here run anywhere: the CPU dry run of the device-check script.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ SKIP = not torch.cuda.is_available() or interpreting()
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(__file__)
     for item in items:
-        if str(item.fspath).startswith(here):
+        path = str(item.fspath)
+        if path.startswith(here) and path.endswith("_gpu.py"):
             item.add_marker(pytest.mark.gpu)
             if SKIP:
                 item.add_marker(pytest.mark.skip(reason=REASON))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kernels.attention.flashinfer_backend import paged_kv_metadata
 from kernels.attention.reference import paged_attention_torch
-from tests.kernels.test_attention import build_case
+from tests.kernels.attention_cases import build_case
 
 
 def flashinfer_semantics(q, k_pool, v_pool, meta, page_size: int, scale: float) -> torch.Tensor:

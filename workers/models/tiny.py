@@ -75,17 +75,21 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, **overrides: Any) -> An
 
 
 def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norms: bool) -> None:
-    """Re-draw one HF parameter in place (see the module docstring)."""
+    """Re-draw one HF-named parameter in place (see the module docstring); drawn on ``p``'s
+    device, so ``gen`` must live there too (the GPU bench draws a 1B model on the GPU)."""
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=p.device)
+
+    def rand(shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, device=p.device)
 
     if p.dim() >= 2:
         p.copy_(randn(*p.shape) / math.sqrt(p.shape[-1]))
     elif name.endswith("A_log"):            # A in [1, 16], as in Mamba / GDN inits
-        p.copy_(torch.log(1.0 + 15.0 * torch.rand(p.shape, generator=gen)))
+        p.copy_(torch.log(1.0 + 15.0 * rand(p.shape)))
     elif name.endswith("dt_bias"):          # softplus(dt_bias) log-uniform in [1e-3, 1e-1]
         dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3))
-                       * torch.rand(p.shape, generator=gen))
+                       * rand(p.shape))
         p.copy_(dt + torch.log(-torch.expm1(-dt)))
     elif name.endswith(".D"):
         p.copy_(1.0 + 0.1 * randn(*p.shape))

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import kernels.attention
 import kernels.conv1d
 import kernels.gdn
 import kernels.norm
@@ -45,14 +47,42 @@ def test_env_var_read_at_import(monkeypatch):
 @cpu_only
 def test_cpu_rules(monkeypatch):
     t = torch.zeros(2)
+    monkeypatch.setattr(backend, "flashinfer_available", lambda: True)
     with backend.use_backend("auto"):
-        assert not backend.use_triton(t) and not backend.use_flashinfer(t)
+        assert not backend.use_triton(t)
+        assert backend.attention_impl(t) is backend.AttentionImpl.TORCH
     with backend.use_backend("triton"):
         assert backend.use_triton(t)
-        assert not backend.use_flashinfer(t)          # FlashInfer never runs off CUDA
+        assert backend.attention_impl(t) is backend.AttentionImpl.TRITON   # FlashInfer never off CUDA
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             backend.use_triton(t)
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            backend.attention_impl(t)
+
+
+def _cuda_query(dtype: torch.dtype, head_dim: int) -> SimpleNamespace:
+    """What ``attention_impl`` reads of a query, as a CUDA tensor would show it."""
+    return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(3, 16, head_dim))
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_cuda_attention_rules(installed, monkeypatch):
+    """On CUDA: FlashInfer only for bf16/fp16 at a head dim it is built for, when installed
+    and not overridden; the Triton kernel for everything else (the shipped tiny model's head
+    dim 32, fp32, FlashInfer missing); torch only when asked for."""
+    monkeypatch.setattr(backend, "flashinfer_available", lambda: installed)
+    flashinfer = backend.AttentionImpl.FLASHINFER if installed else backend.AttentionImpl.TRITON
+    want = {(torch.bfloat16, 256): flashinfer, (torch.float16, 128): flashinfer,
+            (torch.bfloat16, 64): flashinfer, (torch.bfloat16, 32): backend.AttentionImpl.TRITON,
+            (torch.bfloat16, 80): backend.AttentionImpl.TRITON, (torch.float32, 128): backend.AttentionImpl.TRITON}
+    with backend.use_backend("auto"):
+        got = {key: backend.attention_impl(_cuda_query(*key)) for key in want}
+    assert got == want
+    with backend.use_backend("triton"):
+        assert backend.attention_impl(_cuda_query(torch.bfloat16, 128)) is backend.AttentionImpl.TRITON
+    with backend.use_backend("torch"):
+        assert backend.attention_impl(_cuda_query(torch.bfloat16, 128)) is backend.AttentionImpl.TORCH
 
 
 def _boom(*args, **kwargs):
@@ -78,11 +108,15 @@ def _calls():
         (kernels.norm, "rms_norm_torch", lambda: kernels.norm.rms_norm(r(3, 16), r(16), 1e-6)),
         (kernels.norm, "gated_rms_norm_torch", lambda: kernels.norm.gated_rms_norm(
             r(3, 16), r(3, 16), r(16), 1e-6)),
+        (kernels.attention, "paged_attention_torch", lambda: kernels.attention.paged_attention(
+            r(3, 4, 16), r(3, 2, 16), r(3, 2, 16), r(8, 2, 16), r(8, 2, 16),
+            torch.tensor([4, 5, 6]), torch.tensor([[1]], dtype=torch.int32), cu,
+            torch.tensor([3], dtype=torch.int32), 4, 0.25)),
     ]
 
 
 @cpu_only
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(7))
 def test_each_op_follows_the_switch(index, monkeypatch):
     module, name, call = _calls()[index]
     monkeypatch.setattr(module, name, _boom)

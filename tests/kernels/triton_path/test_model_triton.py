@@ -1,7 +1,7 @@
 """Whole tiny models: greedy tokens with the Triton path forced equal the torch path.
 
-Attention stays on the torch path here (FlashInfer needs CUDA); every recurrent op and norm
-runs its Triton kernel, which the tests check by making the torch references raise. The
+Every op runs its Triton kernel, paged attention included, which the tests check by making
+the torch references raise. The
 prefix-cache test also makes the Triton kernels write mid-prompt snapshots
 (``state_dst_slots``) that later requests resume from.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.attention
 import kernels.chunking
 import kernels.conv1d
 import kernels.gdn
@@ -26,7 +27,7 @@ PROMPTS = [
 TORCH_REFS = [(kernels.gdn, "gated_delta_rule_varlen_torch"), (kernels.ssd, "ssd_varlen_torch"),
               (kernels.conv1d, "causal_conv1d_varlen_torch"),
               (kernels.conv1d, "causal_conv1d_update_torch"), (kernels.norm, "rms_norm_torch"),
-              (kernels.norm, "gated_rms_norm_torch")]
+              (kernels.norm, "gated_rms_norm_torch"), (kernels.attention, "paged_attention_torch")]
 
 
 def make_llm(model_dir, device, **cache):
