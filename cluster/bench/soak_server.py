@@ -8,6 +8,9 @@
   ``debug.check_invariants`` the engine recounts its cache after every step and counts
   each violation there (deployed engines count, they do not raise: a raise would kill the
   engine loop, fail every open stream with 503 and make the replica unhealthy).
+- ``hybridserve_state_oracle_mismatches_total``: with ``debug.state_oracle_sample`` the engine
+  recomputes that fraction of its published checkpoints by a fresh prefill; a mismatch is
+  a checkpoint whose slot does not hold its path's state, and breaks the contract.
 - ``engine_counters``: the engines' counters (``hybridserve_requests_total`` per finish
   reason, preemptions, evictions, prefix hits...), summed over replicas.
 - ``run_checked``: idle pools, the soak, idle pools again, as a ``SoakResult``; its
@@ -30,6 +33,8 @@ from cluster.bench.workloads import Renderer
 ENGINE_DEPLOYMENT = "EngineReplica"
 VIOLATIONS = "hybridserve_invariant_violations_total"
 CHECKS = "hybridserve_invariant_checks_total"
+ORACLE_CHECKS = "hybridserve_state_oracle_checks_total"
+ORACLE_MISMATCHES = "hybridserve_state_oracle_mismatches_total"
 FINISHED = "hybridserve_requests_total"
 
 
@@ -159,6 +164,9 @@ class SoakResult:
             out.append(f"invariant violations: {self.violations}")
         if not self.counters_delta.get(CHECKS):
             out.append(f"no invariant checks ran ({CHECKS} did not grow): is debug.check_invariants on?")
+        if self.counters_delta.get(ORACLE_MISMATCHES):
+            out.append(f"{self.counters_delta[ORACLE_MISMATCHES]} of {self.counters_delta.get(ORACLE_CHECKS)} "
+                       "recomputed checkpoints did not hold their path's state")
         if self.pools_after != self.pools_before:
             out.append(f"pools not back at idle: before {self.pools_before}, after {self.pools_after}")
         grown = {pid: g for pid, g in rss_growth(self.rss_warm_kib, self.rss_end_kib).items() if g >= max_rss_growth}

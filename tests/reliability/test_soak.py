@@ -21,11 +21,12 @@ from pydantic import ValidationError
 from cluster.api.protocol import CompletionRequest
 from cluster.bench.soak import (INVALID_KINDS, WORKLOADS, SoakRecord, SoakReport, SoakSettings, WorkloadMix,
                                 invalid_body)
-from cluster.bench.soak_server import SoakResult, replica_pids, run_checked
+from cluster.bench.soak_server import ORACLE_CHECKS, SoakResult, replica_pids, run_checked
 from cluster.bench.workloads import Renderer
 
 NUM_REPLICAS = 2
-SOAK_OVERRIDES = {"debug": {"check_invariants": True}, "parallel": {"num_replicas": NUM_REPLICAS}}
+SOAK_OVERRIDES = {"debug": {"check_invariants": True, "state_oracle_sample": 0.25},
+                  "parallel": {"num_replicas": NUM_REPLICAS}}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,8 @@ def _check(result: SoakResult, min_requests: int) -> None:
     assert abs(modes["disconnect"] - 0.05 * num_valid) <= 1 and outcomes.get("disconnected", 0) > 0
     assert set(fig["invalid_kinds"]) <= set(INVALID_KINDS)
     assert len(result.pools_before) == NUM_REPLICAS and len(result.rss_end_kib) == NUM_REPLICAS
+    # the state oracle recomputed published checkpoints (and problems() found no mismatch)
+    assert result.counters_delta.get(ORACLE_CHECKS, 0) > 0, result.counters_delta
 
 
 @pytest.mark.ray
