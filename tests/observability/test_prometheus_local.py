@@ -13,7 +13,7 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
 from cluster import cli
-from cluster import prometheus_local as pl
+from cluster.observability import prometheus_local as pl
 from cluster.observability.metrics_registry import MetricsRegistry
 from configs.schema import load_config
 from workers.stats import EngineStats
