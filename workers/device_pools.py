@@ -1,78 +1,98 @@
-"""Device tensors of the two state pools, addressed by ids that the engine allocates.
+"""Device tensors of the two state pools, shaped by the model's ``CacheSpec``.
 
 The engine's bookkeeping (which page / slot belongs to whom) is pure Python and lives
-elsewhere; this module only holds the storage and its shapes.
+elsewhere; this module only holds the storage. Both pools hold one tensor group per state
+kind of the spec (``workers/state_spec.py``), ``[layers of the kind, entries, *shape]``:
 
-- KV pool: per attention layer, ``k[layer]`` / ``v[layer]`` of shape
-  ``[num_pages * page_size, H_kv, D]``; flat location = ``page * page_size + offset``.
-  Page 0 is a dummy write target and is never handed to a request.
-- Mamba pool: per recurrent layer, ``conv[layer]`` of shape ``[S, conv_dim, W - 1]``
-  (the last W-1 inputs of the causal conv, oldest first) and ``ssm[layer]`` of shape
-  ``[S, *ssm_shape]`` (GDN: ``[H, K, V]``; Mamba2: ``[H, P, N]``). Slot 0 is a dummy.
+- ``KVPool`` (paged kinds, e.g. attention ``k`` / ``v``): entries are flat KV locations
+  ``page * page_size + offset``, ``num_pages * page_size`` of them. Page 0 is a dummy write
+  target and is never handed to a request. A model without paged state gets no tensors,
+  but the pages still exist as ids: the radix tree keys its nodes by them.
+- ``MambaPool`` (slot kinds: every recurrent state, e.g. ``conv`` [conv_dim, W-1] = the
+  last W-1 conv inputs, oldest first, and ``ssm``): entries are slots. Slot 0 is a dummy.
+  ``copy_slot`` / ``zero_slot`` act on every tensor of every kind, so checkpoints and
+  speculation scratch copies never need to know which kinds a model has.
+
+A layer reads its tensors with ``pool.layer(ref)`` (``{tensor name: [entries, *shape]}``).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from workers.state_spec import ATTENTION, CacheSpec, StateGroup, StateRef
 
-@dataclass(frozen=True)
-class CacheSpec:
-    """What a model needs from the pools; returned by ``model.cache_spec()``."""
-
-    num_attn_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_mamba_layers: int
-    conv_dim: int
-    conv_width: int                 # W, the conv kernel size; the state keeps W - 1
-    ssm_shape: tuple[int, ...]      # per-slot recurrent state shape of one layer
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_attn_layers * self.num_kv_heads * self.head_dim * elem
-
-    def mamba_bytes_per_slot(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
-        conv = self.conv_dim * (self.conv_width - 1) * torch.empty((), dtype=conv_dtype).element_size()
-        ssm = 1
-        for n in self.ssm_shape:
-            ssm *= n
-        ssm *= torch.empty((), dtype=ssm_dtype).element_size()
-        return self.num_mamba_layers * (conv + ssm)
+LayerState = dict[str, torch.Tensor]
 
 
-class KVPool:
+def _allocate(groups: tuple[StateGroup, ...], num_entries: int, dtype: torch.dtype,
+              device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+    return {g.kind.name: {t.name: torch.zeros((g.num_layers, num_entries, *t.shape),
+                                              dtype=t.torch_dtype(dtype), device=device)
+                          for t in g.kind.tensors}
+            for g in groups}
+
+
+class _GroupedPool:
+    groups: dict[str, dict[str, torch.Tensor]]
+
+    def layer(self, ref: StateRef) -> LayerState:
+        return {name: t[ref.index] for name, t in self.groups[ref.kind].items()}
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of every kind, ``[layers, entries, *shape]``."""
+        for group in self.groups.values():
+            yield from group.values()
+
+    def num_layers(self, kind: str) -> int:
+        group = self.groups.get(kind)
+        return 0 if not group else int(next(iter(group.values())).shape[0])
+
+    def bytes_per_entry(self) -> int:
+        return sum(t[:, 0].numel() * t.element_size() for t in self.tensors())
+
+
+class KVPool(_GroupedPool):
     def __init__(self, spec: CacheSpec, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (spec.num_attn_layers, num_pages * page_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.groups = _allocate(spec.paged_groups, num_pages * page_size, dtype, device)
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dtype = dtype
+
+    # The attention kind's tensors, [layers, num_pages * page_size, H_kv, D].
+    @property
+    def k(self) -> torch.Tensor:
+        return self.groups[ATTENTION]["k"]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.groups[ATTENTION]["v"]
 
 
-class MambaPool:
-    def __init__(self, spec: CacheSpec, num_slots: int, conv_dtype: torch.dtype,
-                 ssm_dtype: torch.dtype, device: torch.device) -> None:
-        layers = spec.num_mamba_layers
-        self.conv = torch.zeros((layers, num_slots, spec.conv_dim, spec.conv_width - 1),
-                                dtype=conv_dtype, device=device)
-        self.ssm = torch.zeros((layers, num_slots, *spec.ssm_shape), dtype=ssm_dtype, device=device)
+class MambaPool(_GroupedPool):
+    """The slot pool (every recurrent state kind; named for the Mamba checkpoints it holds)."""
+
+    def __init__(self, spec: CacheSpec, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.groups = _allocate(spec.slot_groups, num_slots, dtype, device)
         self.num_slots = num_slots
+        self.dtype = dtype
 
     def copy_slot(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy states ``src[i] -> dst[i]`` for every recurrent layer (int64 index tensors)."""
-        self.conv[:, dst] = self.conv[:, src]
-        self.ssm[:, dst] = self.ssm[:, src]
+        for t in self.tensors():
+            t[:, dst] = t[:, src]
 
     def zero_slot(self, slots: torch.Tensor) -> None:
-        self.conv[:, slots] = 0
-        self.ssm[:, slots] = 0
+        for t in self.tensors():
+            t[:, slots] = 0
 
     def slot_states(self, slot: int) -> tuple[torch.Tensor, ...]:
         """Views of every state tensor of one slot, all layers (for comparisons)."""
-        return (self.conv[:, slot], self.ssm[:, slot])
+        return tuple(t[:, slot] for t in self.tensors())
 
 
 @dataclass
@@ -81,3 +101,10 @@ class DevicePools:
 
     kv: KVPool
     mamba: MambaPool
+
+
+def build_pools(spec: CacheSpec, num_pages: int, page_size: int, num_slots: int,
+                dtype: torch.dtype, device: torch.device) -> DevicePools:
+    """Both pools for ``spec``; tensors whose ``TensorSpec.dtype`` is None take ``dtype``."""
+    return DevicePools(KVPool(spec, num_pages, page_size, dtype, device),
+                       MambaPool(spec, num_slots, dtype, device))

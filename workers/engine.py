@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from configs.schema import HybridServeConfig
 from workers.cache import CacheEvent, Violation
 from workers.cache_manager import CacheManager
-from workers.device_pools import DevicePools, KVPool, MambaPool
+from workers.device_pools import build_pools
 from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
 from workers.checkpoints import StepPlan
@@ -31,6 +30,7 @@ from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sizing import plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens
 from workers.state_oracle import StateOracle
+from workers.state_spec import ATTENTION
 from workers.stats import EngineStats
 
 
@@ -108,22 +108,23 @@ class Engine:
         spec = self.model.cache_spec()
         k = num_draft_tokens(self.config.spec)
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 1 << 20))
-        sizes = plan_pools(self.config, spec, max_pos)
+        sizes = plan_pools(self.config, spec, max_pos, self.dtype)
+        self.pool_sizes = sizes
         self.max_model_len = sizes.max_model_len
         page_size = self.config.cache.page_size
         # Speculation: one more KV layer (the MTP head's) and k + 1 scratch slots per
         # running request for the per-draft states of a verify (never in the ledger).
         num_scratch = (k + 1) * self.config.scheduler.max_running_requests if k else 0
-        kv_spec = replace(spec, num_attn_layers=spec.num_attn_layers + 1) if k else spec
-        self.pools = DevicePools(
-            kv=KVPool(kv_spec, sizes.num_pages, page_size, self.dtype, self.device),
-            mamba=MambaPool(spec, sizes.num_slots + num_scratch, self.dtype, torch.float32, self.device))
+        num_target_kv = spec.num_layers(ATTENTION)
+        pool_spec = spec.with_layers(ATTENTION, num_target_kv + 1) if k and num_target_kv else spec
+        self.pools = build_pools(pool_spec, sizes.num_pages, page_size, sizes.num_slots + num_scratch,
+                                 self.dtype, self.device)
         self.cache = CacheManager(self.config.cache, self.config.debug, sizes.num_pages,
                                   sizes.num_slots, self.stats, seed=self.config.seed)
         self.page_allocator = self.cache.pages
         self.slot_ledger = self.cache.ledger
         self.scheduler = Scheduler(self.config.scheduler, self.cache, self.max_model_len, k)
-        self.drafter = build_drafter(self.config, self.model, self.pools, spec.num_attn_layers,
+        self.drafter = build_drafter(self.config, self.model, self.pools, num_target_kv,
                                      self.max_model_len, self.device)
 
     # -- requests ------------------------------------------------------------------------

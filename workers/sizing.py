@@ -1,13 +1,23 @@
-"""Pool sizes from the config and the model's cache spec."""
+"""Pool sizes from the config and the model's state description (``CacheSpec``).
+
+Counts come from the config (``cache.max_kv_tokens``, ``cache.max_mamba_slots``) or, when
+those are null, from defaults; bytes come from the description alone, so a model of any
+kinds of state is sized the same way. A model with no paged state (pure Mamba2) has no KV
+tensors, but the radix tree still keys its nodes by page ids: it gets page bookkeeping
+only, with a larger default page count (ids cost no device memory).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from configs.schema import HybridServeConfig
-from workers.device_pools import CacheSpec
+from workers.state_spec import CacheSpec
 
 # Default budgets when the config leaves sizes open (null).
 _DEFAULT_KV_TOKENS = 32768
+_DEFAULT_BOOKKEEPING_TOKENS = 8 * _DEFAULT_KV_TOKENS     # no paged state: page ids only
 _SLOTS_PER_REQUEST = {"no_buffer": 1, "extra_buffer": 3, "extra_buffer_lazy": 2}
 
 
@@ -16,11 +26,17 @@ class PoolSizes:
     num_pages: int        # including the dummy page 0
     num_slots: int        # including the dummy slot 0
     max_model_len: int
+    bytes_per_token: int = 0     # KV bytes of one token over every paged layer
+    bytes_per_slot: int = 0      # bytes of one slot over every recurrent layer
+    kv_bytes: int = 0            # the KV pool (0 without paged state)
+    slot_bytes: int = 0          # the slot pool (speculation scratch slots not included)
 
 
-def plan_pools(config: HybridServeConfig, spec: CacheSpec, model_max_len: int) -> PoolSizes:
+def plan_pools(config: HybridServeConfig, spec: CacheSpec, model_max_len: int,
+               dtype: torch.dtype = torch.float32) -> PoolSizes:
     page_size = config.cache.page_size
-    kv_tokens = config.cache.max_kv_tokens or _DEFAULT_KV_TOKENS
+    default_tokens = _DEFAULT_KV_TOKENS if spec.has_paged_state else _DEFAULT_BOOKKEEPING_TOKENS
+    kv_tokens = config.cache.max_kv_tokens or default_tokens
     usable_pages = max(kv_tokens // page_size, 1)
     if config.cache.max_mamba_slots is not None:
         usable_slots = config.cache.max_mamba_slots
@@ -29,4 +45,7 @@ def plan_pools(config: HybridServeConfig, spec: CacheSpec, model_max_len: int) -
         # Room for every running request plus as many again for cached checkpoints.
         usable_slots = 2 * per_req * config.scheduler.max_running_requests
     max_model_len = min(model_max_len, usable_pages * page_size)
-    return PoolSizes(usable_pages + 1, usable_slots + 1, max_model_len)
+    per_token, per_slot = spec.bytes_per_token(dtype), spec.bytes_per_slot(dtype)
+    num_pages, num_slots = usable_pages + 1, usable_slots + 1
+    return PoolSizes(num_pages, num_slots, max_model_len, per_token, per_slot,
+                     num_pages * page_size * per_token, num_slots * per_slot)

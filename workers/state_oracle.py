@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from workers.device_pools import DevicePools, KVPool, MambaPool
+from workers.device_pools import build_pools
 from workers.forward_batch import ForwardBatch
 
 RTOL = 1e-3            # chunked vs one-shot prefill differ by rounding; a wrong depth by O(1)
@@ -28,8 +28,7 @@ def fresh_prefill_states(model: torch.nn.Module, token_ids: list[int], page_size
     """Every recurrent state after ``token_ids``, from the empty state, in one forward."""
     spec = model.cache_spec()
     num_pages = -(-len(token_ids) // page_size)
-    pools = DevicePools(KVPool(spec, num_pages + 1, page_size, dtype, device),
-                        MambaPool(spec, 2, dtype, torch.float32, device))
+    pools = build_pools(spec, num_pages + 1, page_size, 2, dtype, device)
     pages = list(range(1, num_pages + 1))
     n = len(token_ids)
 

@@ -85,7 +85,7 @@ def decode_step(bench: Bench, batch: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[Callable[[], torch.Tensor], Any, int]:
     """(step -> logits, the pools, bytes the step must move) for ``batch`` sequences each
     decoding position ``CONTEXT`` (distinct pages and slots; slot 0 / page 0 unused)."""
-    from workers.device_pools import DevicePools, KVPool, MambaPool
+    from workers.device_pools import build_pools
     from workers.forward_batch import ForwardBatch
 
     spec = bench.model.cache_spec()
@@ -100,8 +100,7 @@ def decode_step(bench: Bench, batch: int, device: torch.device,
         out_loc=out_loc, page_table=table, mamba_slot_ids=torch.arange(1, batch + 1, **i32),
         has_initial_state=torch.ones(batch, dtype=torch.bool, device=device),
         logits_indices=torch.arange(batch, device=device), page_size=PAGE_SIZE, decode_only=True)
-    pools = DevicePools(kv=KVPool(spec, batch * pages + 1, PAGE_SIZE, dtype, device),
-                        mamba=MambaPool(spec, batch + 1, dtype, torch.float32, device))
+    pools = build_pools(spec, batch * pages + 1, PAGE_SIZE, batch + 1, dtype, device)
     model = bench.model
 
     def step() -> torch.Tensor:
@@ -109,13 +108,12 @@ def decode_step(bench: Bench, batch: int, device: torch.device,
         return model.compute_logits(hidden[fb.logits_indices])
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_seq = (2 * spec.mamba_bytes_per_slot(dtype, torch.float32)
-               + (CONTEXT + 1) * spec.kv_bytes_per_token(dtype))
+    per_seq = 2 * spec.bytes_per_slot(dtype) + (CONTEXT + 1) * spec.bytes_per_token(dtype)
     return step, pools, weights + batch * per_seq
 
 
 def _pool_tensors(pools: Any) -> list[torch.Tensor]:
-    return [pools.kv.k, pools.kv.v, pools.mamba.conv, pools.mamba.ssm]
+    return [*pools.kv.tensors(), *pools.mamba.tensors()]
 
 
 Step = Callable[[], torch.Tensor]
@@ -141,14 +139,14 @@ def graph_step(step: Step, pools: Any, capture: Capture) -> tuple[Callable[[], A
     contents as one eager step (the step updates the pools in place)."""
     step()
     step()                       # compiled, and the kernels' memoised launch plans built
-    _sync(pools.kv.k.device)
+    _sync(_pool_tensors(pools)[0].device)
     replay, logits = capture(step)
     saved = [t.clone() for t in _pool_tensors(pools)]
     eager = step()
     for t, s in zip(_pool_tensors(pools), saved):
         t.copy_(s)
     replay()
-    _sync(pools.kv.k.device)
+    _sync(_pool_tensors(pools)[0].device)
     return replay, compare(logits, eager, 1e-2, 1e-2)
 
 

@@ -4,14 +4,18 @@
 
 - ``cls(hf_config, dtype, device)``: builds the layers (on the meta device, then allocated
   uninitialised on ``device``: ``load_weights`` must follow).
-- ``cache_spec()``: what the pools must hold.
+- ``cache_spec()``: what the pools must hold (``workers/state_spec.py``), derived from the
+  stateful modules themselves, so after TP sharding it describes this rank's shard.
 - ``forward(batch, pools) -> [T, hidden]``: final-normed hidden states of every token.
 - ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32.
 - ``load_weights(iterable of (hf_name, tensor))``: strict; ``mtp.*`` kept in ``mtp_weights``.
 
-Attention layers are numbered 0..num_attn_layers-1 in layer order and index ``pools.kv``;
-recurrent layers likewise index ``pools.mamba``. A family subclass only builds its layers
-(``_build_layers``) and states its dims.
+A family subclass builds its layers (``_build_layers``), registering every stateful module
+(attention, recurrent mixer) with the ``StateSites`` it is given: that hands out the
+``StateRef`` the layer passes to its mixer, and is all the engine needs to size the pools.
+The class attributes name the checkpoint's namespace (``checkpoint_prefix``, the embedding
+and final norm) and its scalar multipliers. Every layer is called as ``layer(hidden, ctx)``
+with the step's ``LayerContext``.
 """
 from __future__ import annotations
 
@@ -21,48 +25,50 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.device_pools import CacheSpec, DevicePools
+from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
-from workers.models.layers import RMSNorm, RopeTables, RotaryEmbedding
+from workers.models.layers import LayerContext, RMSNorm, RotaryEmbedding
 from workers.models.weights import WeightTarget, load_named_weights, module_targets, whole
+from workers.state_spec import CacheSpec, StateRef, StateSites
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
 
 class HybridDecoderLayer(nn.Module):
-    """pre-norm mixer + residual, then pre-norm feed-forward (sum of ``ffn_names``) + residual.
+    """pre-norm mixer + residual, then pre-norm feed-forward (sum of ``ffns``) + residual.
 
     Submodule names follow the checkpoint (``linear_attn``/``mamba``/``self_attn``, ``mlp`` or
-    ``block_sparse_moe`` + ``shared_mlp``). ``state_idx`` is the layer's index into the KV
-    pool (attention) or the Mamba pool (recurrent).
+    ``block_sparse_moe`` + ``shared_mlp`` or ``feed_forward``; the second norm is
+    ``post_attention_layernorm`` or, e.g. Bamba's, ``pre_ff_layernorm``). ``ref`` is the
+    mixer's state in the pools.
     """
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, is_attention: bool, state_idx: int,
+    def __init__(self, mixer_name: str, mixer: nn.Module, ref: StateRef,
                  ffns: dict[str, nn.Module], input_layernorm: RMSNorm,
-                 post_attention_layernorm: RMSNorm, residual_multiplier: float = 1.0) -> None:
+                 post_attention_layernorm: RMSNorm, residual_multiplier: float = 1.0,
+                 post_norm_name: str = "post_attention_layernorm") -> None:
         super().__init__()
         self.input_layernorm = input_layernorm
-        self.post_attention_layernorm = post_attention_layernorm
+        self.add_module(post_norm_name, post_attention_layernorm)
         self.add_module(mixer_name, mixer)
         for name, ffn in ffns.items():
             self.add_module(name, ffn)
         self.mixer_name = mixer_name
+        self.post_norm_name = post_norm_name
         self.ffn_names = tuple(ffns)
-        self.is_attention = is_attention
-        self.state_idx = state_idx
+        self.ref = ref
         self.residual_multiplier = residual_multiplier
 
-    def forward(self, hidden: torch.Tensor, rope: RopeTables | None, batch: ForwardBatch,
-                pools: DevicePools) -> torch.Tensor:
+    @property
+    def state_idx(self) -> int:
+        return self.ref.index
+
+    def forward(self, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         x = self.input_layernorm(hidden)
-        mixer = getattr(self, self.mixer_name)
-        if self.is_attention:
-            x = mixer(x, rope, batch, pools, self.state_idx)
-        else:
-            x = mixer(x, batch, pools, self.state_idx)
+        x = getattr(self, self.mixer_name)(x, ctx, self.ref)
         hidden = hidden + x * self.residual_multiplier
-        x = self.post_attention_layernorm(hidden)
+        x = getattr(self, self.post_norm_name)(hidden)
         out = getattr(self, self.ffn_names[0])(x)
         for name in self.ffn_names[1:]:
             out = out + getattr(self, name)(x)
@@ -70,21 +76,37 @@ class HybridDecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    """HF's ``model.*`` namespace: ``embed_tokens``, ``layers``, ``norm``."""
+    """HF's ``model.*`` (or ``backbone.*``) namespace: the embedding, ``layers``, the final norm,
+    each under the checkpoint's own name (``embed_tokens`` / ``embeddings``, ``norm`` /
+    ``norm_f`` / ``final_layernorm``)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, layers: list[HybridDecoderLayer],
-                 norm: RMSNorm, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module],
+                 norm: RMSNorm, dtype: torch.dtype, embed_name: str = "embed_tokens",
+                 norm_name: str = "norm") -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
+        self.add_module(embed_name, nn.Embedding(vocab_size, hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(layers)
-        self.norm = norm
+        self.add_module(norm_name, norm)
+        self._names = (embed_name, norm_name)
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return getattr(self, self._names[0])
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return getattr(self, self._names[1])
 
 
 class HybridForCausalLM(nn.Module):
     """Base of the model families; see the module docstring for the interface."""
 
+    checkpoint_prefix: str = "model."     # the backbone's namespace in the checkpoint
+    embed_name: str = "embed_tokens"
+    final_norm_name: str = "norm"
     embedding_multiplier: float = 1.0
-    logits_scaling: float = 1.0
+    logits_scaling: float = 1.0           # logits / logits_scaling (Granite)
+    logits_multiplier: float = 1.0        # logits * logits_multiplier (Falcon-H1)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -92,9 +114,11 @@ class HybridForCausalLM(nn.Module):
         self.config = hf_config
         self.dtype = dtype
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._state_sites = StateSites()
         with torch.device("meta"):
-            layers, norm = self._build_layers(hf_config, dtype)
-            self.model = Backbone(hf_config.vocab_size, hf_config.hidden_size, layers, norm, dtype)
+            layers, norm = self._build_layers(hf_config, dtype, self._state_sites)
+            self.model = Backbone(hf_config.vocab_size, hf_config.hidden_size, layers, norm, dtype,
+                                  self.embed_name, self.final_norm_name)
             self.lm_head = (None if self.tie_word_embeddings else
                             nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False,
                                       dtype=dtype))
@@ -106,50 +130,45 @@ class HybridForCausalLM(nn.Module):
     # --- family hooks -------------------------------------------------------------------
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
-        """Raise ValueError for config values this implementation cannot serve."""
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
-        layer_types = list(cfg.layer_types)
-        if len(layer_types) != cfg.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(layer_types)} entries, "
-                             f"num_hidden_layers={cfg.num_hidden_layers}")
-        unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
-        if unknown:
-            raise ValueError(f"unsupported layer types {unknown}; expected "
-                             f"{LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
+        """Raise ValueError (naming the field) for config values this implementation cannot serve."""
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype) -> tuple[list[HybridDecoderLayer], RMSNorm]:
+    def _build_layers(self, cfg: Any, dtype: torch.dtype,
+                      sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
         raise NotImplementedError
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
         raise NotImplementedError
 
     def cache_spec(self) -> CacheSpec:
-        raise NotImplementedError
+        return self._state_sites.spec()
 
     # --- the interface ------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:
-        hidden = self.model.embed_tokens(batch.input_ids)
+        hidden = self.model.embedding(batch.input_ids)
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
         rope = None
         if self.rotary is not None:
             rope = self.rotary.tables(batch.positions, hidden.dtype)
+        ctx = LayerContext(batch, pools, rope, hidden)
         for layer in self.model.layers:
-            hidden = layer(hidden, rope, batch, pools)
-        return self.model.norm(hidden)
+            hidden = layer(hidden, ctx)
+        out = self.model.final_norm(hidden)
+        return out if out.dtype == self.dtype else out.to(self.dtype)   # fp32 residual streams
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.model.embedding.weight if self.lm_head is None else self.lm_head.weight
         logits = torch.nn.functional.linear(hidden, weight)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
+        if self.logits_multiplier != 1.0:
+            logits = logits * self.logits_multiplier
         return logits.float()
 
     def weight_targets(self) -> dict[str, WeightTarget]:
-        targets = module_targets(self.model, "model.")
+        targets = module_targets(self.model, self.checkpoint_prefix)
         if self.lm_head is None:
-            targets["lm_head.weight"] = whole(self.model.embed_tokens.weight, required=False)
+            targets["lm_head.weight"] = whole(self.model.embedding.weight, required=False)
         else:
             targets["lm_head.weight"] = whole(self.lm_head.weight)
         return targets
@@ -157,21 +176,20 @@ class HybridForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.mtp_weights = load_named_weights(self.weight_targets(), weights)
 
-    # --- helpers for subclasses ---------------------------------------------------------
-    def layer_counts(self) -> tuple[int, int]:
-        """(num attention layers, num recurrent layers)."""
-        kinds = [layer.is_attention for layer in self.model.layers]
-        return sum(kinds), len(kinds) - sum(kinds)
 
-
-def state_indices(layer_types: list[str]) -> list[int]:
-    """Per layer, its index among the layers of its own kind (KV pool or Mamba pool)."""
-    seen = {LINEAR_ATTENTION: 0, FULL_ATTENTION: 0}
-    out = []
-    for kind in layer_types:
-        out.append(seen[kind])
-        seen[kind] += 1
-    return out
+def check_hybrid_layer_types(cfg: Any) -> list[str]:
+    """Qwen3-Next / Granite style configs: silu, ``layer_types`` of linear / full attention."""
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
+    layer_types = list(cfg.layer_types)
+    if len(layer_types) != cfg.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries, "
+                         f"num_hidden_layers={cfg.num_hidden_layers}")
+    unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown}; expected "
+                         f"{LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
+    return layer_types
 
 
 def default_rope(cfg: Any, head_dim: int, partial_factor: float | None = None) -> RotaryEmbedding:

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen, gated_delta_rule_verify
-from workers.device_pools import DevicePools
-from workers.forward_batch import ForwardBatch
-from workers.models.layers import CausalConv1d, GatedRMSNorm, linear, param
+from workers.models.layers import CausalConv1d, GatedRMSNorm, LayerContext, linear, param
+from workers.state_spec import StateKind, StateRef, conv_ssm_kind
+
+GDN = "gdn"
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class GatedDeltaNet(nn.Module):
                                  norm_before_gate=True)
         self.out_proj = linear(value_dim, dims.hidden_size, False, dtype)
 
+    def state_kind(self) -> StateKind:
+        d = self.dims
+        return conv_ssm_kind(GDN, d.conv_dim, d.conv_kernel, d.ssm_shape)
+
     def split_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """-> mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv] (see module doc)."""
         d = self.dims
@@ -84,12 +89,12 @@ class GatedDeltaNet(nn.Module):
         return (mixed_qkv, z.reshape(num_tokens, d.num_v_heads, d.v_head_dim),
                 b.reshape(num_tokens, d.num_v_heads), a.reshape(num_tokens, d.num_v_heads))
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, pools: DevicePools,
-                mamba_idx: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
         d = self.dims
+        batch, state = ctx.batch, ctx.pools.mamba.layer(ref)
         num_tokens, r = hidden.shape[0], d.heads_per_group
         mixed_qkv, z, b, a = self.split_projections(hidden)
-        mixed_qkv = self.conv1d(mixed_qkv, pools.mamba.conv[mamba_idx], batch)
+        mixed_qkv = self.conv1d(mixed_qkv, state["conv"], batch)
         key_dim = d.num_k_heads * d.k_head_dim
         q, k, v = mixed_qkv.split([key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
         q = q.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
@@ -100,16 +105,16 @@ class GatedDeltaNet(nn.Module):
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         # The kernels take strided column slices of the projection as they are.
         if batch.decode_only:
-            o = gated_delta_rule_update(q, k, v, g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx],
+            o = gated_delta_rule_update(q, k, v, g, torch.sigmoid(b), state["ssm"],
                                         batch.mamba_slot_ids, use_qk_l2norm=True)
         elif batch.verify_len:
             assert batch.state_dst_slots is not None
-            o = gated_delta_rule_verify(q, k, v, g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx],
+            o = gated_delta_rule_verify(q, k, v, g, torch.sigmoid(b), state["ssm"],
                                         batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
                                         batch.state_dst_slots, batch.verify_len, use_qk_l2norm=True)
         else:
             o = gated_delta_rule_varlen(
-                q, k, v, g, torch.sigmoid(b), pools.mamba.ssm[mamba_idx], batch.cu_seqlens,
+                q, k, v, g, torch.sigmoid(b), state["ssm"], batch.cu_seqlens,
                 batch.mamba_slot_ids, batch.has_initial_state, use_qk_l2norm=True,
                 state_dst_slots=batch.state_dst_slots)
         o = self.norm(o.reshape(-1, d.v_head_dim), z.reshape(-1, d.v_head_dim))

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.device_pools import CacheSpec
 from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCausalLM,
-                                 default_rope, state_indices)
+                                 check_hybrid_layer_types, default_rope)
 from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.moe import MoeDims, SparseMoE
+from workers.state_spec import StateSites
 
 _POSITION_TYPES = (None, "nope", "rope")
 
@@ -63,7 +63,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
 
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
-        super().validate_config(cfg)
+        check_hybrid_layer_types(cfg)
         if cfg.position_embedding_type not in _POSITION_TYPES:
             raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r} is not "
                              f"supported; expected one of {_POSITION_TYPES}")
@@ -77,16 +77,16 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         if cfg.position_embedding_type == "rope":
             default_rope(cfg, head_dim(cfg), partial_factor=1.0)
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype) -> tuple[list[HybridDecoderLayer], RMSNorm]:
-        kinds = list(cfg.layer_types)
+    def _build_layers(self, cfg: Any, dtype: torch.dtype,
+                      sites: StateSites) -> tuple[list[HybridDecoderLayer], RMSNorm]:
         layers = []
-        for kind, idx in zip(kinds, state_indices(kinds)):
+        for kind in cfg.layer_types:
             if kind == FULL_ATTENTION:
-                name, mixer, is_attn = "self_attn", Attention(attention_dims(cfg), dtype), True
+                name, mixer = "self_attn", Attention(attention_dims(cfg), dtype)
             else:
-                name, mixer, is_attn = "mamba", Mamba2Mixer(mamba_dims(cfg), dtype), False
+                name, mixer = "mamba", Mamba2Mixer(mamba_dims(cfg), dtype)
             layers.append(HybridDecoderLayer(
-                name, mixer, is_attn, idx, build_ffns(cfg, dtype),
+                name, mixer, sites.add(mixer), build_ffns(cfg, dtype),
                 RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
                 RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
                 residual_multiplier=float(cfg.residual_multiplier)))
@@ -96,11 +96,3 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         if cfg.position_embedding_type != "rope":
             return None
         return default_rope(cfg, head_dim(cfg), partial_factor=1.0)
-
-    def cache_spec(self) -> CacheSpec:
-        num_attn, num_mamba = self.layer_counts()
-        dims = mamba_dims(self.config)
-        return CacheSpec(num_attn_layers=num_attn, num_kv_heads=self.config.num_key_value_heads,
-                         head_dim=head_dim(self.config), num_mamba_layers=num_mamba,
-                         conv_dim=dims.conv_dim, conv_width=dims.conv_kernel,
-                         ssm_shape=dims.ssm_shape)

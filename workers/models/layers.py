@@ -7,7 +7,9 @@ by heads / rows without undoing any fusing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +21,36 @@ from kernels.norm import gated_rms_norm, rms_norm
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.models.weights import WeightTarget, split, whole
+from workers.state_spec import StateKind, StateRef, attention_kind
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]   # cos, sin: [T, rotary_dim] each
+
+
+class LayerContext(NamedTuple):
+    """What every layer of one forward step shares; stateful layers also get their ``StateRef``."""
+
+    batch: ForwardBatch
+    pools: DevicePools
+    rope: RopeTables | None = None
+    embeddings: torch.Tensor | None = None   # the scaled input embeddings [T, hidden] (Zamba2)
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+# HF ``hidden_act`` names -> the function transformers' ACT2FN computes for them.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "relu2": _relu2,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str, field: str = "hidden_act") -> Callable[[torch.Tensor], torch.Tensor]:
+    fn = ACTIVATIONS.get(name)
+    if fn is None:
+        raise ValueError(f"{field}={name!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
+    return fn
 
 
 def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
@@ -98,10 +128,14 @@ class AttentionDims:
     scale: float
     output_gate: bool = False            # q_proj also emits a per-head sigmoid gate (Qwen3-Next)
     qk_norm_eps: float | None = None     # per-head zero-centred RMSNorm on q and k (Qwen3-Next)
+    output_size: int | None = None       # o_proj's output width (default hidden_size; Zamba2: less)
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV pool; RoPE optional (NoPE models pass ``None``)."""
+    """GQA self-attention over the paged KV pool; RoPE optional (``ctx.rope`` None: NoPE).
+
+    ``forward(x, ctx, ref)``: ``ref`` names this layer's (or this invocation's) KV in the pool.
+    """
 
     def __init__(self, dims: AttentionDims, dtype: torch.dtype) -> None:
         super().__init__()
@@ -114,31 +148,39 @@ class Attention(nn.Module):
         self.q_proj = linear(dims.hidden_size, q_width, dims.bias, dtype)
         self.k_proj = linear(dims.hidden_size, kv_width, dims.bias, dtype)
         self.v_proj = linear(dims.hidden_size, kv_width, dims.bias, dtype)
-        self.o_proj = linear(dims.num_heads * dims.head_dim, dims.hidden_size, dims.bias, dtype)
+        self.o_proj = linear(dims.num_heads * dims.head_dim, dims.output_size or dims.hidden_size,
+                             dims.bias, dtype)
         if dims.qk_norm_eps is not None:
             self.q_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=True)
             self.k_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=True)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables | None, batch: ForwardBatch,
-                pools: DevicePools, attn_idx: int) -> torch.Tensor:
+    def state_kind(self) -> StateKind:
+        return attention_kind(self.dims.num_kv_heads, self.dims.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
+        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), ctx, ref)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext,
+               ref: StateRef) -> torch.Tensor:
+        """From the flat projections q [T, q_width], k, v [T, H_kv * D] to ``o_proj``'s output."""
         d = self.dims
-        num_tokens = x.shape[0]
-        q = self.q_proj(x)
+        num_tokens = q.shape[0]
+        batch = ctx.batch
         gate = None
         if d.output_gate:
             # per head: [query (head_dim) | gate (head_dim)]
             q, gate = q.view(num_tokens, d.num_heads, 2 * d.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(num_tokens, -1)
         q = q.reshape(num_tokens, d.num_heads, d.head_dim)
-        k = self.k_proj(x).view(num_tokens, d.num_kv_heads, d.head_dim)
-        v = self.v_proj(x).view(num_tokens, d.num_kv_heads, d.head_dim)
+        k = k.view(num_tokens, d.num_kv_heads, d.head_dim)
+        v = v.view(num_tokens, d.num_kv_heads, d.head_dim)
         if d.qk_norm_eps is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        o = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                            pools.kv.k[attn_idx], pools.kv.v[attn_idx], batch.out_loc,
-                            batch.page_table, batch.cu_seqlens, batch.seq_lens,
+        if ctx.rope is not None:
+            q, k = apply_rotary(q, ctx.rope), apply_rotary(k, ctx.rope)
+        kv = ctx.pools.kv.layer(ref)
+        o = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), kv["k"], kv["v"],
+                            batch.out_loc, batch.page_table, batch.cu_seqlens, batch.seq_lens,
                             batch.page_size, d.scale)
         o = o.reshape(num_tokens, d.num_heads * d.head_dim)
         if gate is not None:
@@ -147,27 +189,50 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``.
+    """Gated MLP ``down(act(gate(x) * gm) * up(x)) * dm`` (SwiGLU by default), or with
+    ``gated=False`` ``down(act(up(x))) * dm`` (Nemotron-H's relu^2 MLP); ``gm`` / ``dm`` are
+    Falcon-H1's ``mlp_multipliers``.
 
     ``fused_names=(in, out)`` loads a checkpoint that stores ``in.weight = cat(gate, up)`` and
     ``out.weight = down`` (Granite's ``shared_mlp.input_linear`` / ``output_linear``).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 fused_names: tuple[str, str] | None = None) -> None:
+                 fused_names: tuple[str, str] | None = None, *, act: str = "silu",
+                 gated: bool = True, bias: bool = False, gate_multiplier: float = 1.0,
+                 down_multiplier: float = 1.0) -> None:
         super().__init__()
-        self.gate_proj = linear(hidden_size, intermediate_size, False, dtype)
-        self.up_proj = linear(hidden_size, intermediate_size, False, dtype)
-        self.down_proj = linear(intermediate_size, hidden_size, False, dtype)
+        self.gate_proj = linear(hidden_size, intermediate_size, bias, dtype) if gated else None
+        self.up_proj = linear(hidden_size, intermediate_size, bias, dtype)
+        self.down_proj = linear(intermediate_size, hidden_size, bias, dtype)
         self.fused_names = fused_names
+        self.act = activation(act)
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.up_proj.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_proj is None:
+            h = self.act(self.up_proj(x))
+        else:
+            g = self.gate_proj(x)
+            h = self.act(g if self.gate_multiplier == 1.0 else g * self.gate_multiplier) * self.up_proj(x)
+        out = self.down_proj(h)
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         if self.fused_names is None:
-            return {f"{prefix}{n}.weight": whole(getattr(self, n).weight)
-                    for n in ("gate_proj", "up_proj", "down_proj")}
+            targets: dict[str, WeightTarget] = {}
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                proj = getattr(self, name)
+                if proj is not None:
+                    targets[f"{prefix}{name}.weight"] = whole(proj.weight)
+                    if proj.bias is not None:
+                        targets[f"{prefix}{name}.bias"] = whole(proj.bias)
+            return targets
+        assert self.gate_proj is not None and self.gate_proj.bias is None
         in_name, out_name = self.fused_names
         return {f"{prefix}{in_name}.weight": split(0, self.gate_proj.weight, self.up_proj.weight),
                 f"{prefix}{out_name}.weight": whole(self.down_proj.weight)}

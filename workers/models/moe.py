@@ -1,7 +1,8 @@
 """Top-k mixture of experts with an optional gated shared expert.
 
 Experts are stacked ``[E, ...]`` parameters (gate, up, down kept apart so they shard by
-expert or by the intermediate dim). Two routing rules and two checkpoint layouts:
+expert or by the intermediate dim); an expert is ``down(act(gate(x)) * up(x))``, or
+``down(act(up(x)))`` without a gate (``gated=False``). Three routing rules and their layouts:
 
 - ``style="qwen"`` (Qwen2/3-MoE, Qwen3-Next): softmax over all experts, top-k, optional
   renormalisation; checkpoint ``gate.weight``, ``experts.{e}.{gate,up,down}_proj.weight``,
@@ -9,6 +10,12 @@ expert or by the intermediate dim). Two routing rules and two checkpoint layouts
 - ``style="granite"`` (GraniteMoe*): top-k of the logits, softmax over those k; checkpoint
   ``router.layer.weight``, ``input_linear.weight`` [E, 2I, H] = cat(gate, up),
   ``output_linear.weight`` [E, H, I].
+- ``style="sigmoid_grouped"`` (DeepSeek-V3 style, Nemotron-H): fp32 sigmoid scores; the
+  choice adds ``e_score_correction_bias``, keeps the ``topk_groups`` best of ``num_groups``
+  expert groups (a group scores the sum of its top two), then the top-k; the weights are the
+  chosen *uncorrected* scores, optionally renormalised, times ``routed_scaling_factor``;
+  checkpoint ``gate.weight`` (kept fp32), ``gate.e_score_correction_bias``,
+  ``experts.{e}.{up,down}_proj.weight``.
 
 The expert loop (one host sync per layer for the per-expert token counts) is the CPU
 reference; a fused MoE kernel can replace ``_routed`` later without touching the weights.
@@ -21,41 +28,68 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.layers import DenseMLP, linear, param
+from workers.models.layers import DenseMLP, activation, linear, param
 from workers.models.weights import WeightTarget, module_targets, split, whole
+
+STYLES = ("qwen", "granite", "sigmoid_grouped")
 
 
 @dataclass(frozen=True)
 class MoeDims:
-    hidden_size: int
+    hidden_size: int                # the experts' input width (Nemotron-H: moe_latent_size)
     intermediate_size: int          # per expert
     num_experts: int
     top_k: int
-    style: str                      # "qwen" | "granite"
-    norm_topk_prob: bool = True     # qwen only
+    style: str                      # one of STYLES
+    norm_topk_prob: bool = True     # qwen, sigmoid_grouped
     shared_intermediate_size: int = 0   # 0 = no shared expert (qwen style only)
+    gated: bool = True
+    act: str = "silu"
+    router_size: int | None = None  # the router's input width (default hidden_size)
+    num_groups: int = 1             # sigmoid_grouped: expert groups (n_group) ...
+    topk_groups: int = 1            # ... of which each token keeps this many (topk_group)
+    routed_scaling_factor: float = 1.0
+
+    def validate(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"unknown MoE style {self.style!r}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in 1..{self.num_experts}")
+        if self.style == "sigmoid_grouped":
+            g = self.num_groups
+            if g < 1 or self.num_experts % g or self.num_experts // g < 2:
+                raise ValueError(f"n_group={g} must divide n_routed_experts={self.num_experts} "
+                                 "into groups of at least 2 experts")
+            if not 0 < self.topk_groups <= g:
+                raise ValueError(f"topk_group={self.topk_groups} must be in 1..n_group={g}")
+            if self.top_k > self.topk_groups * (self.num_experts // g):
+                raise ValueError(f"num_experts_per_tok={self.top_k} exceeds the experts of "
+                                 f"topk_group={self.topk_groups} groups")
 
 
 class SparseMoE(nn.Module):
     def __init__(self, dims: MoeDims, dtype: torch.dtype) -> None:
         super().__init__()
-        if dims.style not in ("qwen", "granite"):
-            raise ValueError(f"unknown MoE style {dims.style!r}")
-        if not 0 < dims.top_k <= dims.num_experts:
-            raise ValueError(f"num_experts_per_tok={dims.top_k} must be in 1..{dims.num_experts}")
+        dims.validate()
         self.dims = dims
         e, i, h = dims.num_experts, dims.intermediate_size, dims.hidden_size
-        self.router_weight = param(e, h, dtype=dtype)
-        self.w_gate = param(e, i, h, dtype=dtype)
+        grouped = dims.style == "sigmoid_grouped"
+        # The sigmoid router is kept in fp32 (as transformers keeps gate.weight).
+        self.router_weight = param(e, dims.router_size or h, dtype=torch.float32 if grouped else dtype)
+        self.score_bias = param(e, dtype=torch.float32) if grouped else None
+        self.w_gate = param(e, i, h, dtype=dtype) if dims.gated else None
         self.w_up = param(e, i, h, dtype=dtype)
         self.w_down = param(e, h, i, dtype=dtype)
+        self.act = activation(dims.act)
         self.shared_expert: DenseMLP | None = None
         if dims.shared_intermediate_size:
             self.shared_expert = DenseMLP(h, dims.shared_intermediate_size, dtype)
             self.shared_expert_gate = linear(h, 1, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._routed(x, *self._route(x))
+    def forward(self, x: torch.Tensor, expert_input: torch.Tensor | None = None) -> torch.Tensor:
+        """Route on ``x``; the experts read ``expert_input`` (default ``x``; Nemotron-H's latent)."""
+        h = x if expert_input is None else expert_input
+        out = self._routed(h, *self._route(x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -63,6 +97,8 @@ class SparseMoE(nn.Module):
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] in x.dtype, expert ids int64 [T, k])."""
         k = self.dims.top_k
+        if self.dims.style == "sigmoid_grouped":
+            return self._route_sigmoid_grouped(x)
         logits = F.linear(x, self.router_weight)
         if self.dims.style == "granite":
             top_logits, top_ids = logits.float().topk(k, dim=-1)
@@ -72,6 +108,23 @@ class SparseMoE(nn.Module):
         if self.dims.norm_topk_prob:
             top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
         return top_probs.to(x.dtype), top_ids
+
+    def _route_sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.dims
+        scores = F.linear(x.float(), self.router_weight.float()).sigmoid()       # [T, E]
+        assert self.score_bias is not None
+        choice = scores + self.score_bias
+        per_group = d.num_experts // d.num_groups
+        grouped = choice.view(-1, d.num_groups, per_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)                    # [T, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(d.topk_groups, dim=-1, sorted=False)[1], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+        top_ids = choice.topk(d.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, top_ids)
+        if d.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * d.routed_scaling_factor).to(x.dtype), top_ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         k = self.dims.top_k
@@ -88,8 +141,9 @@ class SparseMoE(nn.Module):
             start += n
             tokens = rows // k
             h = x[tokens]
-            y = F.linear(F.silu(F.linear(h, self.w_gate[e])) * F.linear(h, self.w_up[e]),
-                         self.w_down[e])
+            up = F.linear(h, self.w_up[e])
+            inner = self.act(up) if self.w_gate is None else self.act(F.linear(h, self.w_gate[e])) * up
+            y = F.linear(inner, self.w_down[e])
             # a token picks an expert at most once, so ``tokens`` has no repeats; index_add_
             # would be equal but is very slow on CPU for small inputs (torch 2.13)
             out[tokens] += y * flat_weights[rows, None]
@@ -97,14 +151,18 @@ class SparseMoE(nn.Module):
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         if self.dims.style == "granite":
+            assert self.w_gate is not None
             return {f"{prefix}router.layer.weight": whole(self.router_weight),
                     f"{prefix}input_linear.weight": split(1, self.w_gate, self.w_up),
                     f"{prefix}output_linear.weight": whole(self.w_down)}
         targets = {f"{prefix}gate.weight": whole(self.router_weight)}
+        if self.score_bias is not None:
+            targets[f"{prefix}gate.e_score_correction_bias"] = whole(self.score_bias)
         for e in range(self.dims.num_experts):
             for name, stacked in (("gate_proj", self.w_gate), ("up_proj", self.w_up),
                                   ("down_proj", self.w_down)):
-                targets[f"{prefix}experts.{e}.{name}.weight"] = whole(stacked[e])
+                if stacked is not None:
+                    targets[f"{prefix}experts.{e}.{name}.weight"] = whole(stacked[e])
         if self.shared_expert is not None:
             targets.update(module_targets(self.shared_expert, f"{prefix}shared_expert."))
             targets[f"{prefix}shared_expert_gate.weight"] = whole(self.shared_expert_gate.weight)

@@ -21,10 +21,11 @@ from torch import nn
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.models.base import HybridDecoderLayer
-from workers.models.layers import Attention, DenseMLP, RMSNorm, linear
+from workers.models.layers import Attention, DenseMLP, LayerContext, RMSNorm, linear
 from workers.models.moe import MoeDims, SparseMoE
 from workers.models.qwen3_next import attention_dims
 from workers.models.weights import load_named_weights, module_targets
+from workers.state_spec import ATTENTION, StateRef
 
 
 def _ffn(cfg: Any, moe: bool, dtype: torch.dtype) -> nn.Module:
@@ -54,8 +55,9 @@ class Qwen3NextMTP(nn.Module):
             self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = norm(), norm(), norm()
             self.fc = linear(2 * h, h, False, dtype)
             moe = any(name.startswith("mtp.layers.0.mlp.experts.") for name in weights)
-            layer = HybridDecoderLayer("self_attn", Attention(attention_dims(cfg), dtype), True,
-                                       kv_index, {"mlp": _ffn(cfg, moe, dtype)}, norm(), norm())
+            layer = HybridDecoderLayer("self_attn", Attention(attention_dims(cfg), dtype),
+                                       StateRef(ATTENTION, kv_index), {"mlp": _ffn(cfg, moe, dtype)},
+                                       norm(), norm())
             self.layers = nn.ModuleList([layer])
         self.to_empty(device=device)
         self.requires_grad_(False)
@@ -79,5 +81,5 @@ class Qwen3NextMTP(nn.Module):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb),
                                self.pre_fc_norm_hidden(hidden_prev.to(emb.dtype))], dim=-1))
         rope = target.rotary.tables(batch.positions, x.dtype) if target.rotary is not None else None
-        x = self.layers[0](x, rope, batch, pools)
+        x = self.layers[0](x, LayerContext(batch, pools, rope))
         return self.norm(x)

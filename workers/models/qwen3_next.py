@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.device_pools import CacheSpec
 from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCausalLM,
-                                 default_rope, state_indices)
+                                 check_hybrid_layer_types, default_rope)
 from workers.models.gated_deltanet import GatedDeltaNet, GdnDims
 from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
 from workers.models.moe import MoeDims, SparseMoE
+from workers.state_spec import StateRef, StateSites
 
 
 def gdn_dims(cfg: Any) -> GdnDims:
@@ -56,43 +56,37 @@ def build_ffn(cfg: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
     return SparseMoE(dims, dtype)
 
 
-def build_decoder_layer(cfg: Any, layer_idx: int, kind: str, state_idx: int,
+def build_decoder_layer(cfg: Any, layer_idx: int, kind: str, sites: StateSites | StateRef,
                         dtype: torch.dtype) -> HybridDecoderLayer:
-    """One Qwen3-Next decoder layer (also the shape of the MTP head's layer)."""
+    """One Qwen3-Next decoder layer (also the shape of the MTP head's layer, which passes the
+    ``StateRef`` of its KV instead of the model's ``StateSites``)."""
     def norm() -> RMSNorm:
         return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, zero_centered=True)
 
     if kind == FULL_ATTENTION:
-        name, mixer, is_attn = "self_attn", Attention(attention_dims(cfg), dtype), True
+        name, mixer = "self_attn", Attention(attention_dims(cfg), dtype)
     else:
-        name, mixer, is_attn = "linear_attn", GatedDeltaNet(gdn_dims(cfg), dtype), False
-    return HybridDecoderLayer(name, mixer, is_attn, state_idx,
-                              {"mlp": build_ffn(cfg, layer_idx, dtype)}, norm(), norm())
+        name, mixer = "linear_attn", GatedDeltaNet(gdn_dims(cfg), dtype)
+    ref = sites.add(mixer) if isinstance(sites, StateSites) else sites
+    return HybridDecoderLayer(name, mixer, ref, {"mlp": build_ffn(cfg, layer_idx, dtype)},
+                              norm(), norm())
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
-        super().validate_config(cfg)
+        check_hybrid_layer_types(cfg)
         gdn_dims(cfg).validate()
         if FULL_ATTENTION in cfg.layer_types and cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple "
                              f"of num_key_value_heads={cfg.num_key_value_heads}")
         default_rope(cfg, head_dim(cfg))
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype) -> tuple[list[HybridDecoderLayer], RMSNorm]:
-        kinds = list(cfg.layer_types)
-        layers = [build_decoder_layer(cfg, i, kind, idx, dtype)
-                  for i, (kind, idx) in enumerate(zip(kinds, state_indices(kinds)))]
+    def _build_layers(self, cfg: Any, dtype: torch.dtype,
+                      sites: StateSites) -> tuple[list[HybridDecoderLayer], RMSNorm]:
+        layers = [build_decoder_layer(cfg, i, kind, sites, dtype)
+                  for i, kind in enumerate(cfg.layer_types)]
         return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, zero_centered=True)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
         return default_rope(cfg, head_dim(cfg))
-
-    def cache_spec(self) -> CacheSpec:
-        num_attn, num_mamba = self.layer_counts()
-        gdn = gdn_dims(self.config)
-        return CacheSpec(num_attn_layers=num_attn, num_kv_heads=self.config.num_key_value_heads,
-                         head_dim=head_dim(self.config), num_mamba_layers=num_mamba,
-                         conv_dim=gdn.conv_dim, conv_width=gdn.conv_kernel,
-                         ssm_shape=gdn.ssm_shape)

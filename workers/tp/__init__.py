@@ -7,7 +7,7 @@ rank 0 (the engine) and ``worker`` the other ranks; ``local`` launches them as p
 No Ray here: ``cluster/serving/tp.py`` starts the workers as actors.
 """
 from workers.tp.comm import Comm, Rendezvous, TPGroup, open_rendezvous, wait_joined
-from workers.tp.shard import local_cache_spec, shard_model, shard_module, tp_errors, validate_tp
+from workers.tp.shard import shard_model, shard_module, tp_errors, validate_tp
 
 __all__ = ["Comm", "Rendezvous", "TPGroup", "open_rendezvous", "wait_joined", "shard_model",
-           "shard_module", "local_cache_spec", "tp_errors", "validate_tp"]
+           "shard_module", "tp_errors", "validate_tp"]

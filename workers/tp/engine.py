@@ -17,6 +17,7 @@ from configs.schema import HybridServeConfig
 from workers.engine import Engine
 from workers.loader import LoadedModel
 from workers.model_runner import ModelRunner
+from workers.state_spec import ATTENTION
 from workers.tp.comm import TPGroup
 from workers.tp.messages import PoolLayout
 from workers.tp.runner import DropRecordingBank, TPModelRunner
@@ -65,10 +66,9 @@ class TPEngine(Engine):
 
     def pool_layout(self) -> PoolLayout:
         kv, mamba = self.pools.kv, self.pools.mamba
-        mtp_kv = self.drafter.mtp.layers[0].state_idx if self.drafter is not None else None
-        return PoolLayout(kv.num_pages, kv.page_size, int(kv.k.shape[0]), mamba.num_slots,
-                          self.slot_ledger.num_slots, self.max_model_len, mtp_kv,
-                          _name(kv.k.dtype), _name(mamba.conv.dtype), _name(mamba.ssm.dtype))
+        mtp_kv = self.drafter.mtp.layers[0].ref.index if self.drafter is not None else None
+        return PoolLayout(kv.num_pages, kv.page_size, kv.num_layers(ATTENTION), mamba.num_slots,
+                          self.slot_ledger.num_slots, self.max_model_len, mtp_kv, _name(kv.dtype))
 
     def check_workers(self) -> None:
         """Raise when another rank of the group has died (the replica's health check)."""

@@ -12,19 +12,21 @@ the full hidden state:
   router, every norm, embeddings and ``lm_head`` are replicated.
 
 The all-reduce is a forward hook on the sharded layer (one per mixer, per MLP, per MoE
-including its shared expert). ``shard_module`` does the same for any module tree, e.g. the
-MTP head's layer. ``model.cache_spec()`` afterwards describes this rank's pool shard.
+including its shared expert). A family's own layer kind shards itself: a module with a
+``tp_shard(rank, world, comm)`` method (and ``tp_checks()``, the counts a split must divide)
+is sharded by it and gets the same hook. A module reached twice (Zamba2's shared block) is
+sharded once. ``shard_module`` does the same for any module tree, e.g. the MTP head's layer.
+``model.cache_spec()`` afterwards describes this rank's pool shard: it reads the narrowed
+dims of the stateful modules.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from workers.device_pools import CacheSpec
 from workers.models.gated_deltanet import GatedDeltaNet
 from workers.models.layers import Attention, DenseMLP
 from workers.models.mamba2 import Mamba2Mixer
@@ -44,7 +46,10 @@ def _all_reduce_hook(comm: Comm) -> Callable[..., torch.Tensor]:
 
 def _shard_one(module: nn.Module, comm: Comm) -> bool:
     rank, world = comm.rank, comm.world_size
-    if isinstance(module, Attention):
+    custom = getattr(module, "tp_shard", None)
+    if custom is not None:
+        custom(rank, world, comm)
+    elif isinstance(module, Attention):
         shard_attention(module, rank, world)
     elif isinstance(module, GatedDeltaNet):
         shard_gdn(module, rank, world)
@@ -69,7 +74,12 @@ def shard_module(root: nn.Module, comm: Comm) -> None:
     if errors:
         raise ValueError(_describe(errors, comm.world_size))
 
+    seen: set[int] = set()
+
     def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
         if _shard_one(module, comm):
             module.register_forward_hook(_all_reduce_hook(comm))
             return
@@ -82,22 +92,7 @@ def shard_module(root: nn.Module, comm: Comm) -> None:
 
 def shard_model(model: nn.Module, comm: Comm) -> None:
     """Shard a loaded ``HybridForCausalLM`` for ``comm``'s rank; see the module docstring."""
-    full = model.cache_spec()
     shard_module(model, comm)
-    spec = local_cache_spec(model, full)
-    model.cache_spec = lambda: spec      # the pools of this rank: heads / world
-
-
-def local_cache_spec(model: nn.Module, full: CacheSpec) -> CacheSpec:
-    """``full`` with the per-rank head counts of the (sharded) layers of ``model``."""
-    attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
-    rec = next((m for m in model.modules() if isinstance(m, (GatedDeltaNet, Mamba2Mixer))), None)
-    spec = full
-    if attn is not None:
-        spec = replace(spec, num_kv_heads=attn.dims.num_kv_heads)
-    if rec is not None:
-        spec = replace(spec, conv_dim=rec.dims.conv_dim, ssm_shape=tuple(rec.dims.ssm_shape))
-    return spec
 
 
 def tp_errors(root: nn.Module, world: int) -> list[str]:
@@ -106,7 +101,10 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
     groups: set[int] = set()
     shared = {id(m.shared_expert) for m in root.modules() if isinstance(m, SparseMoE)}
     for m in root.modules():
-        if isinstance(m, Attention):
+        custom = getattr(m, "tp_checks", None)
+        if custom is not None:
+            checks += custom()
+        elif isinstance(m, Attention):
             checks += [(m.dims.num_heads, "num_attention_heads"),
                        (m.dims.num_kv_heads, "num_key_value_heads")]
         elif isinstance(m, GatedDeltaNet):
@@ -119,7 +117,7 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
             if m.dims.shared_intermediate_size:
                 checks.append((m.dims.shared_intermediate_size, "shared_expert_intermediate_size"))
         elif isinstance(m, DenseMLP) and id(m) not in shared:
-            checks.append((m.gate_proj.out_features, "MLP intermediate_size"))
+            checks.append((m.intermediate_size, "MLP intermediate_size"))
     errors = list(dict.fromkeys(f"{name}={n}" for n, name in checks if n % world))
     for g in sorted(groups):
         try:
@@ -146,4 +144,4 @@ def validate_tp(hf_config: Any, world: int) -> None:
         raise ValueError(_describe(errors, world))
 
 
-__all__ = ["shard_model", "shard_module", "local_cache_spec", "tp_errors", "validate_tp", "part"]
+__all__ = ["shard_model", "shard_module", "tp_errors", "validate_tp", "part"]

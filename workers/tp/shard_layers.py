@@ -129,14 +129,15 @@ def shard_mamba2(m: Mamba2Mixer, rank: int, world: int, comm: Comm) -> None:
         _set(m.conv1d, "bias", _take(m.conv1d.bias, 0, xbc))
     for name in ("dt_bias", "A_log", "D"):
         _set(m, name, _take(getattr(m, name), 0, [h]))
-    norm_weight = _take(m.norm.weight, 0, [h.scaled(p)])
-    if split_norm:
-        m.norm = SplitGatedRMSNorm(norm_weight, m.norm.eps, di // d.num_groups,
-                                   m.norm.norm_before_gate, g.start, d.num_groups, comm)
-    else:
-        _set(m.norm, "weight", norm_weight)
+    if m.norm is not None:          # (no norm: y * silu(z) is per channel, nothing to share)
+        norm_weight = _take(m.norm.weight, 0, [h.scaled(p)])
+        if split_norm:
+            m.norm = SplitGatedRMSNorm(norm_weight, m.norm.eps, di // d.num_groups,
+                                       m.norm.norm_before_gate, g.start, d.num_groups, comm)
+        else:
+            _set(m.norm, "weight", norm_weight)
     row(m.out_proj, [h.scaled(p)], rank)
-    m.dims = replace(d, num_heads=h.size, num_groups=g.size)
+    m.dims = replace(d, num_heads=h.size, num_groups=g.size)   # the proj multipliers follow
 
 
 class SplitGatedRMSNorm(nn.Module):
@@ -168,8 +169,9 @@ class SplitGatedRMSNorm(nn.Module):
 
 
 def shard_mlp(mlp: DenseMLP, rank: int, world: int, what: str = "intermediate_size") -> None:
-    i = part(mlp.gate_proj.out_features, rank, world, what)
-    column(mlp.gate_proj, [i])
+    i = part(mlp.intermediate_size, rank, world, what)
+    if mlp.gate_proj is not None:
+        column(mlp.gate_proj, [i])
     column(mlp.up_proj, [i])
     row(mlp.down_proj, [i], rank)
 
@@ -178,7 +180,8 @@ def shard_moe(moe: SparseMoE, rank: int, world: int) -> None:
     """Every expert's intermediate dim (and the shared expert's); the router is replicated."""
     d = moe.dims
     i = part(d.intermediate_size, rank, world, "MoE expert intermediate size")
-    _set(moe, "w_gate", _take(moe.w_gate, 1, [i]))
+    if moe.w_gate is not None:
+        _set(moe, "w_gate", _take(moe.w_gate, 1, [i]))
     _set(moe, "w_up", _take(moe.w_up, 1, [i]))
     _set(moe, "w_down", _take(moe.w_down, 2, [i]))
     if moe.shared_expert is not None:

@@ -10,17 +10,17 @@ builds its pools and MTP drafter with those sizes, then ``run()`` executes every
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import torch
 
 from configs.schema import HybridServeConfig
-from workers.device_pools import DevicePools, KVPool, MambaPool
+from workers.device_pools import build_pools
 from workers.engine import resolve_device, resolve_dtype
 from workers.loader import load_model
 from workers.model_runner import ModelRunner, StepResult
 from workers.sampler import GeneratorBank
 from workers.spec.setup import build_drafter
+from workers.state_spec import ATTENTION
 from workers.tp.comm import Rendezvous, TPGroup
 from workers.tp.messages import PoolLayout, StepMessage, Stop, map_tensors
 from workers.tp.runner import check_consistent
@@ -47,12 +47,9 @@ class TPWorker:
         model = load_model(config.model_dir(), resolve_dtype(config.dtype, self.device), self.device).model
         shard_model(model, self.group)
         layout: PoolLayout = self.group.broadcast_object()
-        spec = model.cache_spec()
-        kv_spec = replace(spec, num_attn_layers=layout.num_kv_layers)
-        pools = DevicePools(
-            kv=KVPool(kv_spec, layout.num_pages, layout.page_size, getattr(torch, layout.kv_dtype), self.device),
-            mamba=MambaPool(spec, layout.num_mamba_slots, getattr(torch, layout.conv_dtype),
-                            getattr(torch, layout.ssm_dtype), self.device))
+        spec = model.cache_spec().with_layers(ATTENTION, layout.num_kv_layers)   # + the MTP head's
+        pools = build_pools(spec, layout.num_pages, layout.page_size, layout.num_mamba_slots,
+                            getattr(torch, layout.dtype), self.device)
         drafter = None
         if layout.mtp_kv_index is not None:
             drafter = build_drafter(config, model, pools, layout.mtp_kv_index, layout.max_model_len, self.device)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.device_pools import DevicePools, KVPool, MambaPool
+from workers.device_pools import build_pools
 from workers.forward_batch import ForwardBatch, is_decode_only
 from workers.models.base import HybridForCausalLM
 
@@ -31,13 +31,11 @@ class Harness:
         cpu = torch.device("cpu")
         self.model = model
         self.page_size = page_size
-        self.pools = DevicePools(
-            KVPool(spec, num_pages, page_size, model.dtype, cpu),
-            MambaPool(spec, max_seqs + 1, model.dtype, torch.float32, cpu))
-        self.pools.kv.k.copy_(100 * torch.randn(self.pools.kv.k.shape, generator=gen))
-        self.pools.kv.v.copy_(100 * torch.randn(self.pools.kv.v.shape, generator=gen))
-        self.pools.mamba.conv.fill_(float("nan"))
-        self.pools.mamba.ssm.fill_(float("nan"))
+        self.pools = build_pools(spec, num_pages, page_size, max_seqs + 1, model.dtype, cpu)
+        for t in self.pools.kv.tensors():
+            t.copy_(100 * torch.randn(t.shape, generator=gen))
+        for t in self.pools.mamba.tensors():
+            t.fill_(float("nan"))
         self.free_pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
         self.free_slots = (torch.randperm(max_seqs, generator=gen) + 1).tolist()
         self.seqs: dict[int, SeqState] = {}

@@ -35,9 +35,10 @@ def num_recurrent_calls(spies: dict[str, mock.MagicMock]) -> int:
     return sum(spy.call_count for spy in spies.values())
 
 
-def pool_tensors(harness: Harness) -> list[torch.Tensor]:
+def pool_tensors(harness: Harness) -> dict[str, torch.Tensor]:
     pools = harness.pools
-    return [pools.kv.k, pools.kv.v, pools.mamba.conv, pools.mamba.ssm]
+    return {f"{pool}.{kind}.{name}": t for pool, groups in (("kv", pools.kv.groups), ("slot", pools.mamba.groups))
+            for kind, tensors in groups.items() for name, t in tensors.items()}
 
 
 @torch.inference_mode()
@@ -50,12 +51,12 @@ def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
     for step in range(3):
         batch = harness.make_batch([(i, [t]) for i, t in enumerate(tokens)])
         assert batch.decode_only
-        before = [t.clone() for t in pool_tensors(harness)]
+        before = [t.clone() for t in pool_tensors(harness).values()]
         with count_calls(SLOW) as slow:
             ref = our_model(replace(batch, decode_only=False), harness.pools)
         assert num_recurrent_calls(slow) > 0
-        ref_pools = [t.clone() for t in pool_tensors(harness)]
-        for t, saved in zip(pool_tensors(harness), before):
+        ref_pools = [t.clone() for t in pool_tensors(harness).values()]
+        for t, saved in zip(pool_tensors(harness).values(), before):
             t.copy_(saved)
         with count_calls(FAST) as fast, count_calls(SLOW) as slow:
             got = our_model(batch, harness.pools)
@@ -65,7 +66,7 @@ def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
         assert calls["causal_conv1d_update"] == num_recurrent, calls
         assert calls["gated_delta_rule_update"] + calls["ssd_update"] == num_recurrent, calls
         assert torch.equal(got, ref), f"step {step}"
-        for name, t, r in zip(("k", "v", "conv", "ssm"), pool_tensors(harness), ref_pools):
+        for (name, t), r in zip(pool_tensors(harness).items(), ref_pools):
             # unused slots hold NaN (the harness's poison): equal_nan, and nothing else moves
             torch.testing.assert_close(t, r, rtol=0, atol=0, equal_nan=True,
                                        msg=f"step {step}: {name} pool")

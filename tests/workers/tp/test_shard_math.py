@@ -15,13 +15,14 @@ import torch
 
 from tests.workers.models.harness import Harness, random_prompts
 from tests.workers.tp.threads import run_ranks
-from workers.device_pools import CacheSpec, DevicePools, KVPool, MambaPool
+from workers.device_pools import DevicePools, build_pools
 from workers.forward_batch import ForwardBatch
 from workers.loader import load_config, load_model
-from workers.models.layers import Attention
+from workers.models.layers import Attention, LayerContext
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.tiny import redraw_
-from workers.tp import local_cache_spec, shard_model, shard_module, validate_tp
+from workers.state_spec import CacheSpec, StateGroup, StateRef
+from workers.tp import shard_model, shard_module, validate_tp
 
 ATOL = 1e-5
 
@@ -46,42 +47,51 @@ def two_steps(model, spec: CacheSpec | None = None) -> tuple[Harness, list[Forwa
 
 
 def shard_pools(spec: CacheSpec, like: DevicePools) -> DevicePools:
-    pools = DevicePools(KVPool(spec, like.kv.num_pages, like.kv.page_size, torch.float32, torch.device("cpu")),
-                        MambaPool(spec, like.mamba.num_slots, torch.float32, torch.float32, torch.device("cpu")))
-    pools.kv.k.fill_(1e4)                   # never-written state shows up as garbage
-    pools.kv.v.fill_(1e4)
-    pools.mamba.conv.fill_(float("nan"))
-    pools.mamba.ssm.fill_(float("nan"))
+    pools = build_pools(spec, like.kv.num_pages, like.kv.page_size, like.mamba.num_slots,
+                        torch.float32, torch.device("cpu"))
+    for t in pools.kv.tensors():
+        t.fill_(1e4)                        # never-written state shows up as garbage
+    for t in pools.mamba.tensors():
+        t.fill_(float("nan"))
     return pools
 
 
-def run_layer(layer, batches, xs, pools, rotary, state_idx: int) -> list[torch.Tensor]:
+def local_spec(layer, full: CacheSpec) -> CacheSpec:
+    """``full`` with the group of ``layer``'s own state kind shaped as the (sharded) layer says."""
+    if not hasattr(layer, "state_kind"):
+        return full
+    kind = layer.state_kind()
+    return CacheSpec(tuple(StateGroup(kind, g.num_layers) if g.kind.name == kind.name else g
+                           for g in full.groups))
+
+
+def run_layer(layer, batches, xs, pools, rotary, ref: StateRef | None) -> list[torch.Tensor]:
     outs = []
     for batch, x in zip(batches, xs):
         if isinstance(layer, Attention):
             rope = rotary.tables(batch.positions, x.dtype) if rotary is not None else None
-            outs.append(layer(x, rope, batch, pools, state_idx))
+            outs.append(layer(x, LayerContext(batch, pools, rope), ref))
         elif hasattr(layer, "conv1d"):
-            outs.append(layer(x, batch, pools, state_idx))
+            outs.append(layer(x, LayerContext(batch, pools), ref))
         else:
             outs.append(layer(x))
     return outs
 
 
-def check_layer(layer, model, spec: CacheSpec, state_idx: int = 0, world: int = 2) -> None:
+def check_layer(layer, model, spec: CacheSpec, ref: StateRef | None = None, world: int = 2) -> None:
     h, batches = two_steps(model, spec)
     gen = torch.Generator().manual_seed(7)
     hidden = spec_hidden(layer)
     xs = [torch.randn(b.num_tokens, hidden, generator=gen) for b in batches]
     rotary = getattr(model, "rotary", None)
     with torch.inference_mode():
-        expected = run_layer(layer, batches, xs, h.pools, rotary, state_idx)
+        expected = run_layer(layer, batches, xs, h.pools, rotary, ref)
 
     def rank(comm):
         mine = copy.deepcopy(layer)
         shard_module(mine, comm)
-        pools = shard_pools(local_cache_spec(mine, spec), h.pools)
-        return run_layer(mine, batches, xs, pools, rotary, state_idx)
+        pools = shard_pools(local_spec(mine, spec), h.pools)
+        return run_layer(mine, batches, xs, pools, rotary, ref)
 
     for got in run_ranks(world, rank):
         for g, e in zip(got, expected):
@@ -98,7 +108,7 @@ def spec_hidden(layer) -> int:
 
 def mixer_of(model, layer_idx: int):
     layer = model.model.layers[layer_idx]
-    return getattr(layer, layer.mixer_name), layer.state_idx
+    return getattr(layer, layer.mixer_name), layer.ref
 
 
 @pytest.mark.parametrize("kind", ["attention", "gdn", "moe", "mlp"])
@@ -106,8 +116,8 @@ def test_qwen_layers(qwen, kind):
     kinds = list(qwen.config.layer_types)
     if kind in ("attention", "gdn"):
         idx = kinds.index("full_attention" if kind == "attention" else "linear_attention")
-        mixer, state_idx = mixer_of(qwen, idx)
-        check_layer(mixer, qwen, qwen.cache_spec(), state_idx)
+        mixer, ref = mixer_of(qwen, idx)
+        check_layer(mixer, qwen, qwen.cache_spec(), ref)
     else:
         ffn = qwen.model.layers[1 if kind == "moe" else 0].mlp        # layer 0 is mlp_only
         assert type(ffn).__name__ == ("SparseMoE" if kind == "moe" else "DenseMLP")
@@ -117,8 +127,8 @@ def test_qwen_layers(qwen, kind):
 @pytest.mark.parametrize("kind", ["attention", "mamba2", "moe", "shared_mlp"])
 def test_granite_layers(granite, kind):
     if kind in ("attention", "mamba2"):
-        mixer, state_idx = mixer_of(granite, 1 if kind == "attention" else 0)
-        check_layer(mixer, granite, granite.cache_spec(), state_idx)
+        mixer, ref = mixer_of(granite, 1 if kind == "attention" else 0)
+        check_layer(mixer, granite, granite.cache_spec(), ref)
     else:
         layer = granite.model.layers[0]
         check_layer(getattr(layer, "block_sparse_moe" if kind == "moe" else "shared_mlp"),
@@ -136,9 +146,8 @@ def test_mamba2_groups_sharded_or_replicated(granite, num_groups, world):
     with torch.no_grad():
         for name, p in mixer.named_parameters():
             redraw_(f"mixer.{name}", p, gen, zero_centered_norms=False)
-    spec = CacheSpec(num_attn_layers=0, num_kv_heads=1, head_dim=8, num_mamba_layers=1,
-                     conv_dim=dims.conv_dim, conv_width=4, ssm_shape=dims.ssm_shape)
-    check_layer(mixer, granite, spec, world=world)
+    spec = CacheSpec((StateGroup(mixer.state_kind(), 1),))
+    check_layer(mixer, granite, spec, StateRef("mamba2", 0), world=world)
 
 
 @pytest.mark.parametrize("arch", ["qwen", "granite"])
@@ -173,13 +182,17 @@ def test_pool_shard_shapes(qwen, granite):
     def specs(model):
         return run_ranks(2, lambda comm: (shard_model(m := copy.deepcopy(model), comm), m.cache_spec())[1])
 
-    q = qwen.cache_spec()
-    for s in specs(qwen):
-        assert s.num_kv_heads == q.num_kv_heads // 2 and s.conv_dim == q.conv_dim // 2
-        assert s.ssm_shape == (q.ssm_shape[0] // 2, *q.ssm_shape[1:])
-    g = granite.cache_spec()
-    for s in specs(granite):
-        assert s.conv_dim == g.conv_dim // 2 and s.ssm_shape == (g.ssm_shape[0] // 2, *g.ssm_shape[1:])
+    def shapes(spec: CacheSpec) -> dict[tuple[str, str], tuple[int, ...]]:
+        return {(g.kind.name, t.name): t.shape for g in spec.groups for t in g.kind.tensors}
+
+    def halved(shape: tuple[int, ...]) -> tuple[int, ...]:     # heads (or conv channels) / 2
+        return (shape[0] // 2, *shape[1:])
+
+    for model in (qwen, granite):
+        full = shapes(model.cache_spec())
+        for s in specs(model):
+            assert shapes(s) == {key: halved(shape) for key, shape in full.items()}
+            assert [g.num_layers for g in s.groups] == [g.num_layers for g in model.cache_spec().groups]
 
 
 def test_sizes_that_do_not_divide_are_refused(tiny_qwen_dir, tiny_granite_dir):

@@ -1,0 +1,180 @@
+"""What a model keeps between steps: the one description that shapes and sizes the pools.
+
+A model's ``cache_spec()`` is a ``CacheSpec``: one ``StateGroup`` per kind of state
+(``StateKind``) with the number of layers that keep it. A kind is a named set of tensors
+(``TensorSpec``), all per KV *token* (``paged``: held in the KV pool, addressed by flat
+location ``page * page_size + offset``) or all per *slot* (held in the slot pool, one copy
+per live request, checkpoint or speculation scratch row, copied whole).
+
+The kinds served today (constructors below):
+
+- ``attention`` (paged): ``k`` [H_kv, D_k] and ``v`` [H_kv, D_v] per token; D_k and D_v
+  may differ (MLA's layout is a kind of its own later).
+- ``gdn`` (slot): ``conv`` [conv_dim, W-1] in the model dtype, ``ssm`` [H_v, D_k, D_v] fp32.
+- ``mamba2`` (slot): ``conv`` [conv_dim, W-1], ``ssm`` [H, P, N] (fp32 unless the
+  checkpoint asks for another cache dtype).
+
+A new kind of state (Mamba1 [d_inner, N], short conv only, lightning attention [H, D, D]
+without conv, ...) is one more constructor beside its kernel: the pools, checkpoint copies,
+speculation scratch, TP shards and sizing read only this description, never a model name.
+
+Layers find their tensors with a ``StateRef(kind, index)``: index i of a kind is the i-th
+state of that kind in model order (a layer invoked twice, as Zamba2's shared attention,
+holds one state per invocation). ``StateSites`` hands the refs out while a model is built
+and derives the spec from the modules afterwards, so a TP-sharded model (heads narrowed in
+place) describes its own rank's shard.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Protocol
+
+import torch
+
+ATTENTION = "attention"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One state tensor of one layer: per token (paged kinds) or per slot."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str | None = None        # a torch dtype name; None = the model's dtype
+
+    def torch_dtype(self, default: torch.dtype) -> torch.dtype:
+        return default if self.dtype is None else getattr(torch, self.dtype)
+
+    def num_bytes(self, default: torch.dtype) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.torch_dtype(default)).element_size()
+
+
+@dataclass(frozen=True)
+class StateKind:
+    name: str
+    paged: bool                     # True: per KV token in pages; False: per slot
+    tensors: tuple[TensorSpec, ...]
+
+    def num_bytes(self, default: torch.dtype) -> int:
+        """Bytes of one layer's state per token (paged) or per slot."""
+        return sum(t.num_bytes(default) for t in self.tensors)
+
+
+def attention_kind(num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                   name: str = ATTENTION) -> StateKind:
+    v_dim = head_dim if v_head_dim is None else v_head_dim
+    return StateKind(name, True, (TensorSpec("k", (num_kv_heads, head_dim)),
+                                  TensorSpec("v", (num_kv_heads, v_dim))))
+
+
+def conv_ssm_kind(name: str, conv_dim: int, conv_width: int, ssm_shape: tuple[int, ...],
+                  ssm_dtype: str = "float32") -> StateKind:
+    """A recurrent kind with a causal-conv window (the last W-1 inputs) and a scan state."""
+    return StateKind(name, False, (TensorSpec("conv", (conv_dim, conv_width - 1)),
+                                   TensorSpec("ssm", tuple(ssm_shape), ssm_dtype)))
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    kind: StateKind
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Every kind of state a model keeps, with its layer count (see the module docstring)."""
+
+    groups: tuple[StateGroup, ...] = ()
+
+    def group(self, name: str) -> StateGroup | None:
+        return next((g for g in self.groups if g.kind.name == name), None)
+
+    def num_layers(self, name: str) -> int:
+        g = self.group(name)
+        return 0 if g is None else g.num_layers
+
+    @property
+    def paged_groups(self) -> tuple[StateGroup, ...]:
+        return tuple(g for g in self.groups if g.kind.paged)
+
+    @property
+    def slot_groups(self) -> tuple[StateGroup, ...]:
+        return tuple(g for g in self.groups if not g.kind.paged)
+
+    @property
+    def has_paged_state(self) -> bool:
+        return any(g.num_layers for g in self.paged_groups)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV bytes one token costs over every paged layer."""
+        return sum(g.num_layers * g.kind.num_bytes(dtype) for g in self.paged_groups)
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes of one slot (a request's live state or one checkpoint) over every layer."""
+        return sum(g.num_layers * g.kind.num_bytes(dtype) for g in self.slot_groups)
+
+    def with_layers(self, name: str, num_layers: int) -> CacheSpec:
+        """The same spec with ``num_layers`` layers of the existing kind ``name`` (e.g. an
+        MTP head's attention layer after the target's)."""
+        if self.group(name) is None:
+            if num_layers == 0:
+                return self
+            raise ValueError(f"the model keeps no {name!r} state to add {num_layers} layer(s) to; "
+                             f"its kinds: {[g.kind.name for g in self.groups]}")
+        return CacheSpec(tuple(replace(g, num_layers=num_layers) if g.kind.name == name else g
+                               for g in self.groups))
+
+    @classmethod
+    def from_sites(cls, sites: Iterable[tuple[StateRef, StateKind]]) -> CacheSpec:
+        """Group per-layer states by kind; every site of a kind must have the same shapes and
+        the indices of a kind must be 0..n-1 (as ``StateSites`` hands them out)."""
+        kinds: dict[str, StateKind] = {}
+        indices: dict[str, list[int]] = {}
+        for ref, kind in sites:
+            if ref.kind != kind.name:
+                raise ValueError(f"state ref {ref} names kind {ref.kind!r}, its module keeps {kind.name!r}")
+            seen = kinds.setdefault(kind.name, kind)
+            if seen != kind:
+                raise ValueError(f"layers of state kind {kind.name!r} disagree on its shapes: "
+                                 f"{seen} vs {kind}")
+            indices.setdefault(kind.name, []).append(ref.index)
+        for name, idx in indices.items():
+            if sorted(idx) != list(range(len(idx))):
+                raise ValueError(f"state kind {name!r} has indices {sorted(idx)}, expected 0..{len(idx) - 1}")
+        return cls(tuple(StateGroup(kind, len(indices[name])) for name, kind in kinds.items()))
+
+
+class StateRef(NamedTuple):
+    """Where one layer's state lives: the ``index``-th state of kind ``kind``."""
+
+    kind: str
+    index: int
+
+
+class HasState(Protocol):
+    def state_kind(self) -> StateKind: ...
+
+
+class StateSites:
+    """Hands out ``StateRef``s while a model is built; ``spec()`` reads every site's module
+    again, so it follows the modules' current (e.g. TP-narrowed) dims."""
+
+    def __init__(self) -> None:
+        self._sites: list[tuple[StateRef, HasState]] = []
+        self._counts: dict[str, int] = {}
+
+    def add(self, module: HasState) -> StateRef:
+        name = module.state_kind().name
+        ref = StateRef(name, self._counts.get(name, 0))
+        self._counts[name] = ref.index + 1
+        self._sites.append((ref, module))
+        return ref
+
+    def spec(self) -> CacheSpec:
+        return CacheSpec.from_sites((ref, m.state_kind()) for ref, m in self._sites)
+
+
+__all__ = ["ATTENTION", "CacheSpec", "HasState", "StateGroup", "StateKind", "StateRef",
+           "StateSites", "TensorSpec", "attention_kind", "conv_ssm_kind"]
