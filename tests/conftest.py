@@ -1,36 +1,75 @@
 """Shared fixtures: tiny random HF checkpoints, built once per test session, and the
 session's one local Ray cluster + Serve (used by tests/e2e and tests/observability; a
-session fixture must live here to be shared by both: one ``ray.init`` per process)."""
+session fixture must live here to be shared by both: one ``ray.init`` per process).
+
+The registry-driven suite: every test that takes ``tiny_model_dir`` (or ``tiny_model``) runs
+once per family of ``workers.models.tiny_registry.TINY_FAMILIES``, and every test that takes
+``tiny_mtp_model_dir`` once per family with MTP weights, so a registered family is tested
+with no new test. Checkpoints are built lazily, once per session and family (seed 0, with
+``mtp.*`` tensors where the family has them)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from cluster.net import free_port
+from workers.models.tiny_registry import TINY_FAMILIES, TinyFamily
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+FAMILIES = sorted(TINY_FAMILIES)
+MTP_FAMILIES = sorted(name for name, f in TINY_FAMILIES.items() if f.has_mtp)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    family: TinyFamily
+    path: Path
+
 
 @pytest.fixture(scope="session")
-def tiny_qwen_dir(tmp_path_factory):
+def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
+    """``name -> checkpoint dir`` of the registered tiny family, built on first use."""
     from workers.models.tiny import make_tiny_checkpoint
 
-    return make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), seed=0, mtp=True)
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            family = TINY_FAMILIES[name]
+            built[name] = make_tiny_checkpoint(name, tmp_path_factory.mktemp(name), seed=0,
+                                               mtp=family.has_mtp)
+        return built[name]
+    return get
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_model(request, tiny_checkpoint) -> TinyModel:
+    return TinyModel(TINY_FAMILIES[request.param], tiny_checkpoint(request.param))
 
 
 @pytest.fixture(scope="session")
-def tiny_granite_dir(tmp_path_factory):
-    from workers.models.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint("granitemoehybrid", tmp_path_factory.mktemp("granite"), seed=0)
+def tiny_model_dir(tiny_model) -> Path:
+    return tiny_model.path
 
 
-@pytest.fixture(scope="session", params=["qwen3_next", "granitemoehybrid"])
-def tiny_model_dir(request, tiny_qwen_dir, tiny_granite_dir):
-    return tiny_qwen_dir if request.param == "qwen3_next" else tiny_granite_dir
+@pytest.fixture(scope="session", params=MTP_FAMILIES)
+def tiny_mtp_model_dir(request, tiny_checkpoint) -> Path:
+    return tiny_checkpoint(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("granitemoehybrid")
 
 
 RAY_NUM_CPUS = 16                          # logical: replicas ask for 1 each, the machine has 2

@@ -2,7 +2,8 @@
 
 A random MTP head rarely drafts the right token, so one test swaps in an oracle drafter
 (the expected continuation, with every third draft corrupted) to drive the verify path
-through every acceptance length.
+through every acceptance length. The first tests run for every registered family with MTP
+weights (``tiny_mtp_model_dir``); the rest exercise the engine on Qwen3-Next.
 """
 from __future__ import annotations
 
@@ -31,16 +32,16 @@ def mixed(vocab: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_qwen_dir):
-    llm = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+def plain(tiny_mtp_model_dir):
+    llm = make_llm(tiny_mtp_model_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
     prompts = mixed(llm.engine.vocab_size)
     return prompts, [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_spec_greedy_equals_plain(tiny_qwen_dir, plain, overlap):
+def test_spec_greedy_equals_plain(tiny_mtp_model_dir, plain, overlap):
     prompts, expected = plain
-    llm = spec_llm(tiny_qwen_dir, scheduler={"overlap": overlap})
+    llm = spec_llm(tiny_mtp_model_dir, scheduler={"overlap": overlap})
     for _ in range(2):                                  # second pass: prefix hits + MTP
         assert [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))] == expected
     stats = llm.stats()
@@ -72,9 +73,9 @@ def oracle_drafts(monkeypatch, plain):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_verify_commits_the_accepted_state(tiny_qwen_dir, plain, oracle_drafts, overlap):
+def test_verify_commits_the_accepted_state(tiny_mtp_model_dir, plain, oracle_drafts, overlap):
     prompts, expected = plain
-    llm = spec_llm(tiny_qwen_dir, scheduler={"overlap": overlap},
+    llm = spec_llm(tiny_mtp_model_dir, scheduler={"overlap": overlap},
                    cache={"mamba_track_interval": 8, "mamba_strategy": "extra_buffer_lazy"})
     oracle_drafts.append(llm.engine)
     for _ in range(2):

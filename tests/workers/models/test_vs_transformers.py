@@ -1,10 +1,12 @@
-"""Whole-model equivalence with transformers (fp32, tiny random checkpoints, both families).
+"""Whole-model equivalence with transformers (fp32, tiny random checkpoints, every family of
+the registry).
 
-Our side runs varlen batches through the paged KV pool and the Mamba slot pool; the oracle
-runs one prompt at a time, uncached for prefill and with its own cache for decode.
+Our side runs varlen batches through the paged KV pool and the slot pool; the oracle runs
+one prompt at a time, uncached for prefill and with its own cache for decode.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import pytest
@@ -14,10 +16,10 @@ from tests.workers.models.harness import Harness, random_prompts
 
 TOL = 1e-4
 # 1 token (prefill without state), short (per-token recurrence), and long ones crossing the
-# SSD chunk (16) and the GDN chunk (64) of the kernels.
-LENGTHS = [1, 6, 17, 33, 70]
+# SSD chunk (16) and the GDN chunk (64) of the kernels: 8 prompts of different lengths.
+LENGTHS = [1, 6, 17, 33, 70, 3, 12, 25]
 # Chunk plan per prompt: lengths of the successive prefill chunks (sum = prompt length).
-CHUNKS = [[1], [3, 3], [5, 7, 5], [16, 10, 7], [40, 20, 10]]
+CHUNKS = [[1], [3, 3], [5, 7, 5], [16, 10, 7], [40, 20, 10], [3], [4, 8], [1, 24]]
 DECODE_STEPS = 8
 
 
@@ -26,21 +28,20 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def test_oracle_runs_transformers_torch_paths() -> None:
+def test_oracle_runs_transformers_torch_paths(tiny_model) -> None:
     """fla / mamba_ssm / causal_conv1d would silently replace HF's torch reference paths."""
     for package in ("fla", "mamba_ssm", "causal_conv1d"):
         assert importlib.util.find_spec(package) is None, f"{package} must not be importable"
-    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
-    from transformers.models.qwen3_next import modeling_qwen3_next as qwen
-
-    funcs = [qwen.torch_chunk_gated_delta_rule, qwen.torch_recurrent_gated_delta_rule,
-             qwen.causal_conv1d_fn, qwen.causal_conv1d_update, granite.mamba2_chunk_scan,
-             granite.mamba2_selective_state_update, granite.causal_conv1d_fn]
-    for fn in funcs:
+    modeling = importlib.import_module(tiny_model.family.hf_modeling)
+    wrapped = [fn for fn in vars(modeling).values()
+               if callable(fn) and "is_new_implementation" in getattr(getattr(fn, "__code__", None),
+                                                                      "co_freevars", ())]
+    names = {fn.__name__ for fn in wrapped}
+    assert names & {"causal_conv1d_fn", "causal_conv1d_update"}, names   # the check sees them
+    for fn in wrapped:                        # transformers' hub-kernel wrappers
         free = fn.__code__.co_freevars
-        if "is_new_implementation" in free:   # transformers' hub-kernel wrapper
-            cell = fn.__closure__[free.index("is_new_implementation")]
-            assert cell.cell_contents is False, f"{fn.__name__} bound to a non-torch kernel"
+        cell = fn.__closure__[free.index("is_new_implementation")]
+        assert cell.cell_contents is False, f"{fn.__name__} bound to a non-torch kernel"
 
 
 def test_prefill_batch_matches_transformers(our_model, hf_oracle) -> None:

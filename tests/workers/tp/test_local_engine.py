@@ -1,10 +1,13 @@
 """TP = 2 without Ray: ``LLM(parallel={"tensor_parallel_size": 2})`` spawns rank 1 as a process.
 
-Qwen3-Next with prefix caching, the overlap scheduler and MTP speculation; the batch mixes
-greedy rows with seeded and unseeded sampling rows. Greedy rows must equal TP = 1;
-``check_invariants`` makes the ranks compare a digest of their decisions (tokens,
-acceptance, drafts) after every step, so sampling must agree across ranks too. Then rank
-1 is killed: the health check and the next step fail at once instead of hanging.
+Every registered family: greedy output at its ``tp_world`` equals TP = 1 through the whole
+engine, with prefix caching (the second pass hits it), the overlap scheduler and, where the
+family has MTP weights, speculation; ``check_invariants`` makes the ranks compare a digest of
+their decisions (tokens, acceptance, drafts) after every step.
+
+Qwen3-Next then mixes greedy rows with seeded and unseeded sampling rows (sampling must agree
+across ranks too) and rank 1 is killed: the health check and the next step fail at once
+instead of hanging.
 """
 from __future__ import annotations
 
@@ -19,29 +22,58 @@ from workers.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
 UNSEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, ignore_eos=True)
-ENGINE = {"spec": {"method": "mtp", "num_draft_tokens": 2}, "debug": {"check_invariants": True}}
+SPEC = {"method": "mtp", "num_draft_tokens": 2}
 
 
-def test_tp2_equals_tp1_and_a_dead_rank_fails_fast(tiny_qwen_dir):
+def prompts_with_shared_prefix() -> list[list[int]]:
     prompts = random_prompts(512, [5, 17, 9, 30, 12], seed=2)
-    prompts.append(prompts[3][:20] + [7, 8, 9])
-    # The reference has every variant off: TP = 1, no prefix cache, no speculation, no overlap.
-    ref = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
-    expected = [o.token_ids for o in ref.generate_ids(prompts, [GREEDY] * len(prompts))]
+    return prompts + [prompts[3][:20] + [7, 8, 9]]
 
-    llm = make_llm(tiny_qwen_dir, parallel={"tensor_parallel_size": 2}, **ENGINE)
+
+def reference(path) -> list[list[int]]:
+    """Every variant off: TP = 1, no prefix cache, no speculation, no overlap."""
+    llm = make_llm(path, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+    prompts = prompts_with_shared_prefix()
+    return [o.token_ids for o in llm.generate_ids(prompts, [GREEDY] * len(prompts))]
+
+
+def engine_options(has_mtp: bool) -> dict:
+    options: dict = {"debug": {"check_invariants": True}}
+    if has_mtp:
+        options["spec"] = SPEC
+    return options
+
+
+def test_tp_equals_tp1(tiny_model):
+    family, path = tiny_model.family, tiny_model.path
+    prompts = prompts_with_shared_prefix()
+    options = engine_options(family.has_mtp)
+    expected = reference(path)
+    llm = make_llm(path, parallel={"tensor_parallel_size": family.tp_world}, **options)
     llm.engine.raise_on_violation = True
     try:
         for _ in range(2):                                   # the second pass hits the cache
             got = [o.token_ids for o in llm.generate_ids(prompts, [GREEDY] * len(prompts))]
             assert got == expected
+        stats = llm.stats()
+        assert stats["hybridserve_prefix_hit_tokens_total"] > 0
+        assert llm.engine.runner.num_steps > 0
+        if family.has_mtp:
+            assert stats["hybridserve_spec_draft_tokens_total"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_sampling_agrees_and_a_dead_rank_fails_fast(tiny_qwen_dir):
+    prompts = prompts_with_shared_prefix()
+    options = engine_options(True)
+    expected = reference(tiny_qwen_dir)
+    llm = make_llm(tiny_qwen_dir, parallel={"tensor_parallel_size": 2}, **options)
+    llm.engine.raise_on_violation = True
+    try:
         mixed = [GREEDY, SEEDED, UNSEEDED] * 2
         outs = llm.generate_ids(prompts, mixed)
         assert [outs[i].token_ids for i in (0, 3)] == [expected[0], expected[3]]
-        stats = llm.stats()
-        assert stats["hybridserve_prefix_hit_tokens_total"] > 0
-        assert stats["hybridserve_spec_draft_tokens_total"] > 0
-        assert llm.engine.runner.num_steps > 0
 
         rank1 = llm.engine.workers.procs[0]
         os.kill(rank1.pid, signal.SIGKILL)

@@ -150,9 +150,14 @@ def test_mamba2_groups_sharded_or_replicated(granite, num_groups, world):
     check_layer(mixer, granite, spec, StateRef("mamba2", 0), world=world)
 
 
-@pytest.mark.parametrize("arch", ["qwen", "granite"])
-def test_whole_model_logits(qwen, granite, arch):
-    model = qwen if arch == "qwen" else granite
+@pytest.fixture(scope="module")
+def family_model(tiny_model):
+    return load_model(tiny_model.path, torch.float32, "cpu").model
+
+
+def test_whole_model_logits(family_model, tiny_model):
+    """Every registered family at its ``tp_world``: prefill + 3 decodes, to the logits."""
+    model = family_model
     prompts = random_prompts(model.config.vocab_size, [9, 4, 21], seed=5)
 
     def generate(m) -> list[torch.Tensor]:
@@ -173,12 +178,13 @@ def test_whole_model_logits(qwen, granite, arch):
         shard_model(mine, comm)
         return generate(mine)
 
-    for got in run_ranks(2, rank):
+    for got in run_ranks(tiny_model.family.tp_world, rank):
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
 
 
-def test_pool_shard_shapes(qwen, granite):
+def test_pool_shard_shapes(family_model):
+    """A sharded model's ``cache_spec()`` is its rank's shard: heads (conv channels) / 2."""
     def specs(model):
         return run_ranks(2, lambda comm: (shard_model(m := copy.deepcopy(model), comm), m.cache_spec())[1])
 
@@ -188,11 +194,10 @@ def test_pool_shard_shapes(qwen, granite):
     def halved(shape: tuple[int, ...]) -> tuple[int, ...]:     # heads (or conv channels) / 2
         return (shape[0] // 2, *shape[1:])
 
-    for model in (qwen, granite):
-        full = shapes(model.cache_spec())
-        for s in specs(model):
-            assert shapes(s) == {key: halved(shape) for key, shape in full.items()}
-            assert [g.num_layers for g in s.groups] == [g.num_layers for g in model.cache_spec().groups]
+    full = shapes(family_model.cache_spec())
+    for s in specs(family_model):
+        assert shapes(s) == {key: halved(shape) for key, shape in full.items()}
+        assert [g.num_layers for g in s.groups] == [g.num_layers for g in family_model.cache_spec().groups]
 
 
 def test_sizes_that_do_not_divide_are_refused(tiny_qwen_dir, tiny_granite_dir):

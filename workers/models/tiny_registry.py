@@ -1,0 +1,138 @@
+"""The registry of tiny checkpoints: one entry per served family.
+
+Each ``TinyFamily`` names the transformers classes of the family, its tiny config, how its
+weights are re-drawn and whether it carries MTP weights. ``workers.models.tiny`` builds a
+checkpoint from an entry (``make_tiny_checkpoint(name, dir)``), and the registry-driven test
+suite (``tests/workers/models``, ``tests/workers/engine``, ``tests/workers/tp``, every test
+taking the ``tiny_model_dir`` fixture) checks every entry the same way: transformers
+equality, prefix cache / overlap / chunking / preemption invariance, speculation when
+``mtp``, TP equality at ``tp_world``. Adding a family = its model file, its line in
+``workers/models/__init__.py`` and one entry here.
+
+The tiny configs are small (hidden 64) but exercise what the family's math does: several
+kinds of layers, GQA, SSD chunks of 16 (prompts in the tests cross them), multipliers set
+off 1. ``time_step_min=1e-9`` for Nemotron-H and Zamba2: transformers clamps dt at it (from
+below) only in its chunked prefill path, not in its one-token decode step, while we clamp in
+both; greedy decoding is compared where the clamp never binds (the clamp itself is checked
+on prefill logits with a real ``time_step_min``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workers.models.tiny_weights import add_qwen3_next_mtp
+
+MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    name: str                       # registry key (``make_tiny_checkpoint``'s arch)
+    architecture: str               # config.json ``architectures[0]``: the HF model class
+    config_class: str               # the transformers config class
+    config: Mapping[str, Any]       # the tiny config (vocab, eos / pad / bos ids are added)
+    zero_centered_norms: bool = False   # model norms are ``1 + w`` (redrawn near 0)
+    mtp_writer: MtpWriter | None = None  # adds random ``mtp.*`` tensors (the family has MTP)
+    tp_world: int = 2               # the TP size the suite compares with TP = 1
+    hf_modeling: str = ""           # transformers module whose torch paths the oracle uses
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_writer is not None
+
+
+_QWEN3_NEXT = TinyFamily(
+    "qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, head_dim=32, intermediate_size=128,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+         linear_value_head_dim=16, linear_conv_kernel_dim=4,
+         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+         shared_expert_intermediate_size=32, decoder_sparse_step=1,
+         mlp_only_layers=[0], tie_word_embeddings=False),
+    zero_centered_norms=True, mtp_writer=add_qwen3_next_mtp,
+    hf_modeling="transformers.models.qwen3_next.modeling_qwen3_next")
+
+_GRANITE = TinyFamily(
+    "granitemoehybrid", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=32, shared_intermediate_size=64,
+         layer_types=["mamba", "attention", "mamba", "mamba", "attention"],
+         num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
+         mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+         mamba_chunk_size=16, position_embedding_type="rope",
+         embedding_multiplier=1.0, residual_multiplier=0.5,
+         attention_multiplier=0.125, logits_scaling=2.0, tie_word_embeddings=False),
+    hf_modeling="transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+
+_MAMBA2 = TinyFamily(
+    "mamba2", "Mamba2ForCausalLM", "Mamba2Config",
+    dict(hidden_size=64, num_hidden_layers=4, num_heads=8, head_dim=16, expand=2,
+         state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, use_bias=False,
+         use_conv_bias=True, residual_in_fp32=True, tie_word_embeddings=False),
+    hf_modeling="transformers.models.mamba2.modeling_mamba2",
+    notes=("pure Mamba2: no attention, so no KV tensors (page bookkeeping only)",))
+
+_NEMOTRON_H = TinyFamily(
+    "nemotron_h", "NemotronHForCausalLM", "NemotronHConfig",
+    dict(hidden_size=64, max_position_embeddings=4096,
+         layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention",
+                            "mlp", "full_attention"],
+         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+         mlp_hidden_act="relu2", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+         n_groups=2, conv_kernel=4, chunk_size=16, time_step_min=1e-9,
+         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+         moe_shared_expert_intermediate_size=48, n_group=4, topk_group=2,
+         routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False),
+    hf_modeling="transformers.models.nemotron_h.modeling_nemotron_h",
+    notes=("MTP layers (num_nextn_predict_layers) load but are refused for speculation: "
+           "transformers 5.24 does not define their layout",))
+
+_BAMBA = TinyFamily(
+    "bamba", "BambaForCausalLM", "BambaConfig",
+    dict(hidden_size=64, num_hidden_layers=5, attn_layer_indices=[1, 4],
+         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+         intermediate_size=96, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+         mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False),
+    hf_modeling="transformers.models.bamba.modeling_bamba")
+
+_FALCON_H1 = TinyFamily(
+    "falcon_h1", "FalconH1ForCausalLM", "FalconH1Config",
+    dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=96, mamba_d_ssm=96,
+         mamba_n_heads=6, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+         mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=False,
+         projectors_bias=True, lm_head_multiplier=0.8, embedding_multiplier=2.0,
+         mlp_multipliers=[0.9, 1.1], key_multiplier=0.7, attention_out_multiplier=0.6,
+         attention_in_multiplier=1.2, ssm_multipliers=[0.8, 1.1, 0.9, 1.2, 0.7],
+         ssm_in_multiplier=1.3, ssm_out_multiplier=0.9, tie_word_embeddings=False),
+    hf_modeling="transformers.models.falcon_h1.modeling_falcon_h1")
+
+_ZAMBA2 = TinyFamily(
+    "zamba2", "Zamba2ForCausalLM", "Zamba2Config",
+    dict(hidden_size=64, num_hidden_layers=6, max_position_embeddings=4096,
+         layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid",
+                            "linear_attention", "hybrid"],
+         num_attention_heads=4, num_key_value_heads=2, mamba_d_state=16, mamba_d_conv=4,
+         mamba_expand=2, n_mamba_heads=8, mamba_ngroups=2, chunk_size=16, time_step_min=1e-9,
+         intermediate_size=96, hidden_act="gelu", num_mem_blocks=2,
+         use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True),
+    hf_modeling="transformers.models.zamba2.modeling_zamba2",
+    notes=("two shared attention blocks over three hybrid layers: the third reuses block 0 "
+           "with its own LoRA adapters and its own KV",))
+
+TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
+    _QWEN3_NEXT, _GRANITE)}
+
+
+def get_family(name: str) -> TinyFamily:
+    family = TINY_FAMILIES.get(name)
+    if family is None:
+        raise ValueError(f"unknown tiny arch {name!r}; expected one of {tuple(TINY_FAMILIES)}")
+    return family

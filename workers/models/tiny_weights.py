@@ -1,0 +1,123 @@
+"""Random weights for the tiny checkpoints: the redraw rules and the MTP tensor writers.
+
+``redraw_`` re-draws one HF tensor in place: matrices with std 1/sqrt(fan_in) (so greedy
+output does not collapse), recurrent decay parameters in the range real models use, norm
+weights near 1 (near 0 for zero-centred ``1 + w`` norms), everything else (biases, the MoE
+score-correction bias) small. ``redraw_model_`` applies it to every parameter, then every
+persistent buffer a checkpoint saves, in a fixed order.
+
+MTP writers add ``mtp.*`` tensors that transformers itself neither creates nor loads, laid
+out as the released checkpoints are (``add_qwen3_next_mtp``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norms: bool) -> None:
+    """Re-draw one HF tensor in place (see the module docstring); drawn on ``p``'s device, so
+    ``gen`` must live there too (the GPU bench draws a 1B model on the GPU)."""
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=p.device)
+
+    def rand(shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, device=p.device)
+
+    if p.dim() >= 2:
+        p.copy_(randn(*p.shape) / math.sqrt(p.shape[-1]))
+    elif name.endswith("A_log"):            # A in [1, 16], as in Mamba / GDN inits
+        p.copy_(torch.log(1.0 + 15.0 * rand(p.shape)))
+    elif name.endswith("dt_bias"):          # softplus(dt_bias) log-uniform in [1e-3, 1e-1]
+        dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * rand(p.shape))
+        p.copy_(dt + torch.log(-torch.expm1(-dt)))
+    elif name.endswith(".D"):
+        p.copy_(1.0 + 0.1 * randn(*p.shape))
+    elif name.endswith(".weight") and "norm" in name.split(".")[-2]:
+        plain = not zero_centered_norms or name.endswith("linear_attn.norm.weight")
+        p.copy_((1.0 if plain else 0.0) + 0.1 * randn(*p.shape))
+    else:                                   # biases, score-correction biases
+        p.copy_(0.1 * randn(*p.shape))
+
+
+def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool) -> None:
+    """Every parameter (named_parameters order), then every saved buffer, re-drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            redraw_(name, p, gen, zero_centered_norms)
+        saved = model.state_dict(keep_vars=True)
+        for name, buf in model.named_buffers():
+            if name in saved and name not in params and buf.is_floating_point():
+                redraw_(name, buf, gen, zero_centered_norms)
+
+
+def add_qwen3_next_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
+    """Add random Qwen3-Next ``mtp.*`` tensors to the last safetensors file (and the index).
+
+    Layout as in the released checkpoints (read by vLLM's Qwen3NextMTP): ``fc`` [H, 2H],
+    ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` [H], and ``layers.0.*`` shaped
+    like a full-attention MoE decoder layer of the main model.
+    """
+    full = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"
+            and i not in cfg.mlp_only_layers and cfg.num_experts > 0]
+    if not full:
+        raise ValueError("mtp=True needs a full-attention MoE layer to copy the shape of")
+    shapes = tensor_shapes(out_dir, f"model.layers.{full[0]}.", "mtp.layers.0.")
+    h = cfg.hidden_size
+    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                   "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
+    append_tensors(out_dir, random_tensors(shapes, seed + 1, zero_centered_norms=True))
+
+
+def tensor_shapes(out_dir: Path, src_prefix: str, dst_prefix: str) -> dict[str, tuple[int, ...]]:
+    """Shapes of the checkpoint's tensors under ``src_prefix``, renamed to ``dst_prefix``."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in _shard_files(out_dir):
+        with safe_open(str(out_dir / name), "pt") as f:
+            for key in f.keys():
+                if key.startswith(src_prefix):
+                    shapes[dst_prefix + key[len(src_prefix):]] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int,
+                   zero_centered_norms: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        t = torch.empty(shape, dtype=torch.float32)
+        redraw_(name, t, gen, zero_centered_norms)
+        out[name] = t
+    return out
+
+
+def append_tensors(out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add ``tensors`` to the last safetensors file of ``out_dir`` (and to its index)."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = out_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    last = _shard_files(out_dir)[-1]
+    existing = load_file(str(out_dir / last))
+    save_file({**existing, **tensors}, str(out_dir / last), metadata={"format": "pt"})
+    if index is not None:
+        index["weight_map"].update({name: last for name in tensors})
+        index["weight_map"] = dict(sorted(index["weight_map"].items()))
+        added = sum(t.numel() * t.element_size() for t in tensors.values())
+        index.setdefault("metadata", {})["total_size"] = index["metadata"].get("total_size", 0) + added
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _shard_files(out_dir: Path) -> list[str]:
+    index_path = out_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        return sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    return ["model.safetensors"]
