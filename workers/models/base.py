@@ -75,6 +75,27 @@ class HybridDecoderLayer(nn.Module):
         return hidden + out * self.residual_multiplier
 
 
+class MixerBlock(nn.Module):
+    """``hidden + mixer(norm(hidden))``: one block of Mamba2 / Nemotron-H (checkpoint names
+    ``norm``, ``mixer``). ``ref`` is None for stateless mixers (MLP, MoE), which are called
+    as ``mixer(x)``. ``residual_in_fp32`` keeps the residual stream in fp32 (the norm reads
+    it cast to its own dtype), as Mamba2's ``residual_in_fp32``."""
+
+    def __init__(self, mixer: nn.Module, ref: StateRef | None, norm: RMSNorm,
+                 residual_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.norm = norm
+        self.mixer = mixer
+        self.ref = ref
+        self.residual_in_fp32 = residual_in_fp32
+
+    def forward(self, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        residual = hidden.float() if self.residual_in_fp32 else hidden
+        x = self.norm(hidden.to(self.norm.weight.dtype))
+        x = self.mixer(x) if self.ref is None else self.mixer(x, ctx, self.ref)
+        return residual + x
+
+
 class Backbone(nn.Module):
     """HF's ``model.*`` (or ``backbone.*``) namespace: the embedding, ``layers``, the final norm,
     each under the checkpoint's own name (``embed_tokens`` / ``embeddings``, ``norm`` /
@@ -173,8 +194,13 @@ class HybridForCausalLM(nn.Module):
             targets["lm_head.weight"] = whole(self.lm_head.weight)
         return targets
 
+    def checkpoint_name(self, name: str) -> str:
+        """Hook: a tensor's name in this model's layout (older checkpoints renamed some)."""
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.mtp_weights = load_named_weights(self.weight_targets(), weights)
+        renamed = ((self.checkpoint_name(name), t) for name, t in weights)
+        self.mtp_weights = load_named_weights(self.weight_targets(), renamed)
 
 
 def check_hybrid_layer_types(cfg: Any) -> list[str]:
