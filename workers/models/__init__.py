@@ -9,12 +9,14 @@ from __future__ import annotations
 from workers.models.base import HybridForCausalLM
 from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from workers.models.mamba2_lm import Mamba2ForCausalLM
+from workers.models.nemotron_h import NemotronHForCausalLM
 from workers.models.qwen3_next import Qwen3NextForCausalLM
 
 SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

@@ -22,6 +22,9 @@ def build_drafter(config: HybridServeConfig, model: torch.nn.Module, pools: Devi
         return None
     from workers.models.mtp import Qwen3NextMTP
 
+    refusal = getattr(model, "mtp_refusal", None)     # a family that has MTP weights we cannot serve
+    if refusal:
+        raise ValueError(refusal)
     if type(model).__name__ != "Qwen3NextForCausalLM":
         raise ValueError(f"spec.method 'mtp' needs a Qwen3-Next checkpoint with an MTP head; "
                          f"{type(model).__name__} has none")
