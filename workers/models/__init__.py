@@ -6,7 +6,9 @@ Every class implements the interface described in ``workers/models/base.py``:
 """
 from __future__ import annotations
 
+from workers.models.bamba import BambaForCausalLM
 from workers.models.base import HybridForCausalLM
+from workers.models.falcon_h1 import FalconH1ForCausalLM
 from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from workers.models.mamba2_lm import Mamba2ForCausalLM
 from workers.models.nemotron_h import NemotronHForCausalLM
@@ -17,6 +19,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
 }
 
 

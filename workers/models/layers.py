@@ -129,6 +129,7 @@ class AttentionDims:
     output_gate: bool = False            # q_proj also emits a per-head sigmoid gate (Qwen3-Next)
     qk_norm_eps: float | None = None     # per-head zero-centred RMSNorm on q and k (Qwen3-Next)
     output_size: int | None = None       # o_proj's output width (default hidden_size; Zamba2: less)
+    key_multiplier: float = 1.0          # k_proj's output scaled before RoPE (Falcon-H1)
 
 
 class Attention(nn.Module):
@@ -173,6 +174,8 @@ class Attention(nn.Module):
             gate = gate.reshape(num_tokens, -1)
         q = q.reshape(num_tokens, d.num_heads, d.head_dim)
         k = k.view(num_tokens, d.num_kv_heads, d.head_dim)
+        if d.key_multiplier != 1.0:
+            k = k * d.key_multiplier
         v = v.view(num_tokens, d.num_kv_heads, d.head_dim)
         if d.qk_norm_eps is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -128,7 +128,7 @@ _ZAMBA2 = TinyFamily(
            "with its own LoRA adapters and its own KV",))
 
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
-    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H)}
+    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1)}
 
 
 def get_family(name: str) -> TinyFamily:
