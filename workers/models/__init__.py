@@ -13,6 +13,7 @@ from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from workers.models.mamba2_lm import Mamba2ForCausalLM
 from workers.models.nemotron_h import NemotronHForCausalLM
 from workers.models.qwen3_next import Qwen3NextForCausalLM
+from workers.models.zamba2 import Zamba2ForCausalLM
 
 SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
@@ -21,6 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "Zamba2ForCausalLM": Zamba2ForCausalLM,
 }
 
 

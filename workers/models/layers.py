@@ -20,6 +20,7 @@ from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_co
 from kernels.norm import gated_rms_norm, rms_norm
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
+from workers.models.lora import LoraAdapters
 from workers.models.weights import WeightTarget, split, whole
 from workers.state_spec import StateKind, StateRef, attention_kind
 
@@ -130,12 +131,15 @@ class AttentionDims:
     qk_norm_eps: float | None = None     # per-head zero-centred RMSNorm on q and k (Qwen3-Next)
     output_size: int | None = None       # o_proj's output width (default hidden_size; Zamba2: less)
     key_multiplier: float = 1.0          # k_proj's output scaled before RoPE (Falcon-H1)
+    adapter_rank: int = 0                # > 0: q/k/v LoRA adapters for these invocations (Zamba2)
+    adapter_invocations: tuple[int, ...] = ()
 
 
 class Attention(nn.Module):
     """GQA self-attention over the paged KV pool; RoPE optional (``ctx.rope`` None: NoPE).
 
-    ``forward(x, ctx, ref)``: ``ref`` names this layer's (or this invocation's) KV in the pool.
+    ``forward(x, ctx, ref, adapter)``: ``ref`` names this layer's (or this invocation's) KV in
+    the pool; ``adapter`` the invocation whose q/k/v LoRA adapters apply (Zamba2), if any.
     """
 
     def __init__(self, dims: AttentionDims, dtype: torch.dtype) -> None:
@@ -154,12 +158,23 @@ class Attention(nn.Module):
         if dims.qk_norm_eps is not None:
             self.q_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=True)
             self.k_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=True)
+        self.adapters: tuple[LoraAdapters, ...] = ()
+        if dims.adapter_rank:
+            for name, width in (("q", q_width), ("k", kv_width), ("v", kv_width)):
+                self.add_module(f"linear_{name}_adapter_list", LoraAdapters(
+                    dims.hidden_size, dims.adapter_rank, (width,), dims.adapter_invocations, dtype))
+            self.adapters = (self.linear_q_adapter_list, self.linear_k_adapter_list,
+                             self.linear_v_adapter_list)
 
     def state_kind(self) -> StateKind:
         return attention_kind(self.dims.num_kv_heads, self.dims.head_dim)
 
-    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
-        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), ctx, ref)
+    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef,
+                adapter: int | None = None) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if adapter is not None and self.adapters:
+            q, k, v = (p + a(x, adapter)[0] for p, a in zip((q, k, v), self.adapters))
+        return self.attend(q, k, v, ctx, ref)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext,
                ref: StateRef) -> torch.Tensor:
@@ -197,13 +212,16 @@ class DenseMLP(nn.Module):
     Falcon-H1's ``mlp_multipliers``.
 
     ``fused_names=(in, out)`` loads a checkpoint that stores ``in.weight = cat(gate, up)`` and
-    ``out.weight = down`` (Granite's ``shared_mlp.input_linear`` / ``output_linear``).
+    ``out.weight = down`` (Granite's ``shared_mlp.input_linear`` / ``output_linear``, Zamba2's
+    ``gate_up_proj`` / ``down_proj``). ``adapter_rank`` adds Zamba2's per-invocation LoRA on
+    ``[gate | up]`` (``gate_up_proj_adapter_list``), applied by ``forward(x, adapter=i)``.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                  fused_names: tuple[str, str] | None = None, *, act: str = "silu",
                  gated: bool = True, bias: bool = False, gate_multiplier: float = 1.0,
-                 down_multiplier: float = 1.0) -> None:
+                 down_multiplier: float = 1.0, adapter_rank: int = 0,
+                 adapter_invocations: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.gate_proj = linear(hidden_size, intermediate_size, bias, dtype) if gated else None
         self.up_proj = linear(hidden_size, intermediate_size, bias, dtype)
@@ -211,34 +229,51 @@ class DenseMLP(nn.Module):
         self.fused_names = fused_names
         self.act = activation(act)
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+        self.gate_up_proj_adapter_list: LoraAdapters | None = None
+        if adapter_rank:
+            assert gated, "the adapters feed [gate | up]"
+            self.gate_up_proj_adapter_list = LoraAdapters(
+                hidden_size, adapter_rank, (intermediate_size, intermediate_size),
+                adapter_invocations, dtype)
 
     @property
     def intermediate_size(self) -> int:
         return self.up_proj.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapter: int | None = None) -> torch.Tensor:
         if self.gate_proj is None:
             h = self.act(self.up_proj(x))
         else:
-            g = self.gate_proj(x)
-            h = self.act(g if self.gate_multiplier == 1.0 else g * self.gate_multiplier) * self.up_proj(x)
+            g, u = self.gate_proj(x), self.up_proj(x)
+            if adapter is not None and self.gate_up_proj_adapter_list is not None:
+                ag, au = self.gate_up_proj_adapter_list(x, adapter)
+                g, u = g + ag, u + au
+            h = self.act(g if self.gate_multiplier == 1.0 else g * self.gate_multiplier) * u
         out = self.down_proj(h)
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        targets: dict[str, WeightTarget] = {}
         if self.fused_names is None:
-            targets: dict[str, WeightTarget] = {}
             for name in ("gate_proj", "up_proj", "down_proj"):
                 proj = getattr(self, name)
                 if proj is not None:
                     targets[f"{prefix}{name}.weight"] = whole(proj.weight)
                     if proj.bias is not None:
                         targets[f"{prefix}{name}.bias"] = whole(proj.bias)
-            return targets
-        assert self.gate_proj is not None and self.gate_proj.bias is None
-        in_name, out_name = self.fused_names
-        return {f"{prefix}{in_name}.weight": split(0, self.gate_proj.weight, self.up_proj.weight),
-                f"{prefix}{out_name}.weight": whole(self.down_proj.weight)}
+        else:
+            assert self.gate_proj is not None
+            in_name, out_name = self.fused_names
+            targets[f"{prefix}{in_name}.weight"] = split(0, self.gate_proj.weight, self.up_proj.weight)
+            targets[f"{prefix}{out_name}.weight"] = whole(self.down_proj.weight)
+            if self.gate_proj.bias is not None:
+                assert self.up_proj.bias is not None and self.down_proj.bias is not None
+                targets[f"{prefix}{in_name}.bias"] = split(0, self.gate_proj.bias, self.up_proj.bias)
+                targets[f"{prefix}{out_name}.bias"] = whole(self.down_proj.bias)
+        if self.gate_up_proj_adapter_list is not None:
+            targets.update(self.gate_up_proj_adapter_list.weight_targets(
+                f"{prefix}gate_up_proj_adapter_list."))
+        return targets
 
 
 class CausalConv1d(nn.Module):

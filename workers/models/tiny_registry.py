@@ -119,7 +119,7 @@ _ZAMBA2 = TinyFamily(
     dict(hidden_size=64, num_hidden_layers=6, max_position_embeddings=4096,
          layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid",
                             "linear_attention", "hybrid"],
-         num_attention_heads=4, num_key_value_heads=2, mamba_d_state=16, mamba_d_conv=4,
+         num_attention_heads=4, num_key_value_heads=4, mamba_d_state=16, mamba_d_conv=4,
          mamba_expand=2, n_mamba_heads=8, mamba_ngroups=2, chunk_size=16, time_step_min=1e-9,
          intermediate_size=96, hidden_act="gelu", num_mem_blocks=2,
          use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True),
@@ -128,7 +128,7 @@ _ZAMBA2 = TinyFamily(
            "with its own LoRA adapters and its own KV",))
 
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
-    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1)}
+    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2)}
 
 
 def get_family(name: str) -> TinyFamily:

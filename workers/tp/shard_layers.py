@@ -72,9 +72,12 @@ def shard_attention(attn: Attention, rank: int, world: int) -> None:
     heads = part(d.num_heads, rank, world, "attention heads (num_attention_heads)")
     kv = part(d.num_kv_heads, rank, world, "attention KV heads (num_key_value_heads)")
     q_width = d.head_dim * (2 if d.output_gate else 1)      # per head: [query | gate]
-    column(attn.q_proj, [heads.scaled(q_width)])
-    column(attn.k_proj, [kv.scaled(d.head_dim)])
-    column(attn.v_proj, [kv.scaled(d.head_dim)])
+    ranges = ([heads.scaled(q_width)], [kv.scaled(d.head_dim)], [kv.scaled(d.head_dim)])
+    for proj, rows in zip((attn.q_proj, attn.k_proj, attn.v_proj), ranges):
+        column(proj, rows)
+    for adapters, rows in zip(attn.adapters, ranges):      # LoRA adds to q / k / v: same rows
+        for up in adapters.parts(0):
+            column(up, rows)
     row(attn.o_proj, [heads.scaled(d.head_dim)], rank)
     attn.dims = replace(d, num_heads=heads.size, num_kv_heads=kv.size)
 
@@ -173,6 +176,10 @@ def shard_mlp(mlp: DenseMLP, rank: int, world: int, what: str = "intermediate_si
     if mlp.gate_proj is not None:
         column(mlp.gate_proj, [i])
     column(mlp.up_proj, [i])
+    if mlp.gate_up_proj_adapter_list is not None:           # LoRA on [gate | up]: same rows
+        for index in (0, 1):
+            for up in mlp.gate_up_proj_adapter_list.parts(index):
+                column(up, [i])
     row(mlp.down_proj, [i], rank)
 
 
