@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from workers.models.base import FULL_ATTENTION, LINEAR_ATTENTION, HybridForCausalLM, MixerBlock
-from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding, linear
+from workers.models.layers import (Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding,
+                                   activation, linear)
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.moe import MoeDims, SparseMoE
 from workers.models.weights import WeightTarget, module_targets
@@ -119,6 +120,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
         if bool(getattr(cfg, "mamba_proj_bias", False)) != bool(cfg.use_bias):
             raise ValueError(f"mamba_proj_bias={cfg.mamba_proj_bias!r} differs from use_bias="
                              f"{cfg.use_bias!r}, which transformers uses for the Mamba projections")
+        activation(cfg.mlp_hidden_act, "mlp_hidden_act")
         if cfg.mamba_hidden_act != "silu":
             raise ValueError(f"mamba_hidden_act={cfg.mamba_hidden_act!r} is not supported (only 'silu')")
         mamba_dims(cfg).validate()

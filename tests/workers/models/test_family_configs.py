@@ -1,0 +1,125 @@
+"""Per-family config handling: fields refused with their name, legacy checkpoint forms that
+load to the same model, and speculation refused for Nemotron-H's MTP layers.
+
+(Config variants whose math we serve are compared with transformers in
+``test_vs_transformers.py``; the registry suite covers each family's default tiny config.)
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.workers.engine.helpers import GREEDY, make_llm
+from tests.workers.models.harness import Harness, random_prompts
+from workers.loader import load_model
+from workers.models import get_model_class
+from workers.models.tiny import make_tiny_checkpoint, tiny_config
+from workers.models.tiny_registry import get_family
+from workers.models.tiny_weights import append_tensors, random_tensors, tensor_shapes
+
+REFUSED = {
+    "nemotron_attention_bias": ("nemotron_h", {"attention_bias": True}, "attention_bias"),
+    "nemotron_sliding_window": ("nemotron_h", {"sliding_window": 64}, "sliding_window"),
+    "nemotron_residual_fp32": ("nemotron_h", {"residual_in_fp32": True}, "residual_in_fp32"),
+    "nemotron_shared_experts": ("nemotron_h", {"n_shared_experts": 2}, "n_shared_experts"),
+    "nemotron_mamba_proj_bias": ("nemotron_h", {"mamba_proj_bias": True}, "mamba_proj_bias"),
+    "nemotron_mamba_act": ("nemotron_h", {"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
+    "nemotron_mlp_act": ("nemotron_h", {"mlp_hidden_act": "quick_gelu"}, "mlp_hidden_act"),
+    "nemotron_router_groups": ("nemotron_h", {"n_group": 3}, "n_group=3"),
+    "mamba2_act": ("mamba2", {"hidden_act": "gelu"}, "hidden_act"),
+    "bamba_act": ("bamba", {"hidden_act": "gelu"}, "hidden_act"),
+    "bamba_rope": ("bamba", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                 "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+                   "rope_type"),
+    "falcon_act": ("falcon_h1", {"hidden_act": "gelu"}, "hidden_act"),
+    "falcon_rope": ("falcon_h1", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                      "rope_theta": 1e4}}, "rope_type"),
+    "falcon_ssm_multipliers": ("falcon_h1", {"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers"),
+    "zamba2_adapters_with_gqa": ("zamba2", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    "zamba2_mlp_act": ("zamba2", {"hidden_act": "quick_gelu"}, "hidden_act"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_unserved_fields_are_refused_by_name(case: str) -> None:
+    arch, overrides, field = REFUSED[case]
+    cfg = tiny_config(arch, 512, 0, **overrides)
+    with pytest.raises(ValueError, match=field):
+        get_model_class(get_family(arch).architecture)(cfg, torch.float32, "meta")
+
+
+def _prefill_logits(model_dir: Path) -> list[torch.Tensor]:
+    model = load_model(model_dir, torch.float32, "cpu").model
+    return Harness(model).prefill(random_prompts(model.config.vocab_size, [5, 23], seed=4))
+
+
+def _rewrite(src: Path, dst: Path, edit_config=None, rename=None, extra=None) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit_config is not None:
+        raw = json.loads((dst / "config.json").read_text())
+        edit_config(raw)
+        (dst / "config.json").write_text(json.dumps(raw))
+    if rename is not None or extra is not None:
+        tensors = load_file(str(dst / "model.safetensors"))
+        tensors = {rename(n) if rename else n: t for n, t in tensors.items()}
+        save_file({**tensors, **(extra or {})}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_nemotron_legacy_hybrid_override_pattern(tiny_checkpoint, tmp_path) -> None:
+    src = tiny_checkpoint("nemotron_h")
+    symbols = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}
+
+    def to_pattern(raw: dict) -> None:
+        raw["hybrid_override_pattern"] = "".join(symbols[k] for k in raw.pop("layers_block_type"))
+    legacy = _rewrite(src, tmp_path / "legacy", edit_config=to_pattern)
+    assert "hybrid_override_pattern" in json.loads((legacy / "config.json").read_text())
+    for a, b in zip(_prefill_logits(src), _prefill_logits(legacy)):
+        assert torch.equal(a, b)
+
+
+def test_mamba2_original_embedding_name(tiny_checkpoint, tmp_path) -> None:
+    src = tiny_checkpoint("mamba2")
+    old = _rewrite(src, tmp_path / "old", rename=lambda n: n.replace("backbone.embeddings.", "backbone.embedding."))
+    for a, b in zip(_prefill_logits(src), _prefill_logits(old)):
+        assert torch.equal(a, b)
+
+
+def test_zamba2_repeated_shared_block_tensors_load(tiny_checkpoint, tmp_path) -> None:
+    """A checkpoint may repeat a shared block's tensors under every layer that reuses it."""
+    from safetensors.torch import load_file
+
+    src = tiny_checkpoint("zamba2")
+    hybrid = [i for i, k in enumerate(get_family("zamba2").config["layers_block_type"]) if k == "hybrid"]
+    first, reuse = hybrid[0], hybrid[2]                     # block 0 at invocations 0 and 2
+    tensors = load_file(str(src / "model.safetensors"))
+    prefix = f"model.layers.{first}.shared_transformer."
+    extra = {n.replace(f"layers.{first}.", f"layers.{reuse}.", 1): t.clone()
+             for n, t in tensors.items() if n.startswith(prefix)}
+    assert extra
+    repeated = _rewrite(src, tmp_path / "repeated", extra=extra)
+    for a, b in zip(_prefill_logits(src), _prefill_logits(repeated)):
+        assert torch.equal(a, b)
+
+
+def test_nemotron_mtp_layers_load_but_speculation_is_refused(tmp_path) -> None:
+    ckpt = make_tiny_checkpoint("nemotron_h", tmp_path, seed=3, num_nextn_predict_layers=1,
+                                mtp_layers_block_type=["full_attention", "moe"])
+    shapes = tensor_shapes(ckpt, "backbone.layers.2.", "mtp.layers.0.")      # an attention block
+    shapes.update(tensor_shapes(ckpt, "backbone.layers.1.", "mtp.layers.1."))  # a MoE block
+    h = get_family("nemotron_h").config["hidden_size"]
+    shapes.update({"mtp.layers.0.eh_proj.weight": (h, 2 * h), "mtp.layers.0.enorm.weight": (h,),
+                   "mtp.layers.0.hnorm.weight": (h,)})
+    append_tensors(ckpt, random_tensors(shapes, seed=9, zero_centered_norms=False))
+    model = load_model(ckpt, torch.float32, "cpu").model
+    assert len(model.mtp_weights) == len(shapes)
+    with pytest.raises(ValueError, match=r"Nemotron-H \(num_nextn_predict_layers=1.*transformers"):
+        make_llm(ckpt, spec={"method": "mtp", "num_draft_tokens": 2})
+    out = make_llm(ckpt).generate_ids([[5, 6, 7]], [GREEDY])               # without spec it serves
+    assert len(out[0].token_ids) == GREEDY.max_tokens
