@@ -78,10 +78,12 @@ def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> flo
     return b * (out_tokens - 1) / (t_full - t_one)
 
 
-def hf_decode_rate(model_dir: Path, prompts: list[list[int]], out_tokens: int) -> float:
+def hf_decode_rate(model_dir: Path | torch.nn.Module, prompts: list[list[int]], out_tokens: int) -> float:
+    """transformers ``generate`` on the checkpoint (or on an already loaded HF model)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = (model_dir if isinstance(model_dir, torch.nn.Module) else
+             AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval())
     ids = torch.tensor(prompts)
 
     @torch.inference_mode()
