@@ -128,13 +128,15 @@ class HybridForCausalLM(nn.Module):
     embedding_multiplier: float = 1.0
     logits_scaling: float = 1.0           # logits / logits_scaling (Granite)
     logits_multiplier: float = 1.0        # logits * logits_multiplier (Falcon-H1)
+    ties_embeddings: bool = True          # False: lm_head is its own weight whatever the config says
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.validate_config(hf_config)
         self.config = hf_config
         self.dtype = dtype
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = (self.ties_embeddings
+                                    and bool(getattr(hf_config, "tie_word_embeddings", False)))
         self._state_sites = StateSites()
         with torch.device("meta"):
             layers, norm = self._build_layers(hf_config, dtype, self._state_sites)

@@ -16,7 +16,8 @@ Fields that transformers ignores but that would mean other math are refused when
 from their inert value: ``attention_bias``, ``sliding_window``, ``mamba_proj_bias`` (the
 projections' bias is ``use_bias``), ``n_shared_experts`` != 1, ``residual_in_fp32``.
 Not math: ``expand`` (d_inner is heads x head_dim), ``time_step_limit`` (transformers uses
-``(time_step_min, inf)``), dropout, init and kernel-choice fields.
+``(time_step_min, inf)``), dropout, init and kernel-choice fields. ``tie_word_embeddings``:
+transformers' Nemotron-H never ties, so ``lm_head.weight`` is always its own tensor here too.
 """
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ class NemotronHMoE(nn.Module):
 
 
 class NemotronHForCausalLM(HybridForCausalLM):
+    ties_embeddings = False
     checkpoint_prefix = "backbone."
     embed_name = "embeddings"
     final_norm_name = "norm_f"

@@ -117,6 +117,7 @@ VARIANTS = {
     # the uncached reference both clamp), another layer pattern
     "nemotron_latent_bias_clamp": ("nemotron_h", {
         "moe_latent_size": 32, "mlp_bias": True, "use_bias": True, "mamba_proj_bias": True,
+        "tie_word_embeddings": True,               # transformers' Nemotron-H never ties
         "time_step_min": 0.02, "layers_block_type": ["moe", "linear_attention", "full_attention",
                                                      "moe", "linear_attention"]}),
     "bamba_biases_tied_one_group": ("bamba", {"attention_bias": True, "mlp_bias": True,
