@@ -21,22 +21,9 @@ from torch import nn
 
 from workers.models.base import FULL_ATTENTION, LINEAR_ATTENTION, HybridDecoderLayer, HybridForCausalLM, default_rope
 from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
-from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from workers.models.mamba2_lm import time_step_limit
+from workers.models.mamba2 import Mamba2Mixer
+from workers.models.mamba2_config import check_mamba_dims, head_dim, mamba_prefixed_dims
 from workers.state_spec import StateSites
-
-
-def head_dim(cfg: Any) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def mamba_dims(cfg: Any) -> Mamba2Dims:
-    return Mamba2Dims(hidden_size=cfg.hidden_size, num_heads=cfg.mamba_n_heads,
-                      head_dim=cfg.mamba_d_head, state_size=cfg.mamba_d_state,
-                      num_groups=cfg.mamba_n_groups, conv_kernel=cfg.mamba_d_conv,
-                      conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
-                      chunk_size=cfg.mamba_chunk_size, dt_limit=time_step_limit(cfg),
-                      eps=cfg.rms_norm_eps)
 
 
 def attention_dims(cfg: Any) -> AttentionDims:
@@ -51,14 +38,8 @@ class BambaForCausalLM(HybridForCausalLM):
 
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (it is also the "
-                             "Mamba2 conv activation; only 'silu')")
-        dims = mamba_dims(cfg)
-        if dims.d_inner != cfg.mamba_expand * cfg.hidden_size:
-            raise ValueError(f"mamba_n_heads * mamba_d_head = {dims.d_inner} != mamba_expand * "
-                             f"hidden_size = {cfg.mamba_expand * cfg.hidden_size}")
-        dims.validate()
+        check_mamba_dims(cfg, mamba_prefixed_dims(cfg), cfg.mamba_expand * cfg.hidden_size,
+                         "mamba_expand * hidden_size")
         bad = [i for i in (cfg.attn_layer_indices or []) if not 0 <= i < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"attn_layer_indices {bad} are outside 0..{cfg.num_hidden_layers - 1}")
@@ -74,7 +55,7 @@ class BambaForCausalLM(HybridForCausalLM):
             if kind == FULL_ATTENTION:
                 name, mixer = "self_attn", Attention(attention_dims(cfg), dtype)
             else:
-                name, mixer = "mamba", Mamba2Mixer(mamba_dims(cfg), dtype)
+                name, mixer = "mamba", Mamba2Mixer(mamba_prefixed_dims(cfg), dtype)
             ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=cfg.hidden_act,
                            bias=bool(cfg.mlp_bias))
             layers.append(HybridDecoderLayer(

@@ -22,12 +22,8 @@ from workers.models.base import HybridForCausalLM, default_rope
 from workers.models.layers import (Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm,
                                    RotaryEmbedding)
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from workers.models.mamba2_lm import time_step_limit
+from workers.models.mamba2_config import check_mamba_dims, head_dim, mamba_prefixed_dims
 from workers.state_spec import StateRef, StateSites
-
-
-def head_dim(cfg: Any) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def d_ssm(cfg: Any) -> int:
@@ -35,15 +31,10 @@ def d_ssm(cfg: Any) -> int:
 
 
 def mamba_dims(cfg: Any) -> Mamba2Dims:
-    return Mamba2Dims(hidden_size=cfg.hidden_size, num_heads=cfg.mamba_n_heads,
-                      head_dim=cfg.mamba_d_head, state_size=cfg.mamba_d_state,
-                      num_groups=cfg.mamba_n_groups, conv_kernel=cfg.mamba_d_conv,
-                      conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
-                      chunk_size=cfg.mamba_chunk_size, dt_limit=time_step_limit(cfg),
-                      eps=cfg.rms_norm_eps, norm_before_gate=bool(cfg.mamba_norm_before_gate),
-                      rms_norm=bool(cfg.mamba_rms_norm), out_proj_bias=bool(cfg.projectors_bias),
-                      input_multiplier=float(cfg.ssm_in_multiplier),
-                      proj_multipliers=tuple(float(m) for m in cfg.ssm_multipliers))
+    return mamba_prefixed_dims(cfg, norm_before_gate=bool(cfg.mamba_norm_before_gate),
+                               rms_norm=bool(cfg.mamba_rms_norm), out_proj_bias=bool(cfg.projectors_bias),
+                               input_multiplier=float(cfg.ssm_in_multiplier),
+                               proj_multipliers=tuple(float(m) for m in cfg.ssm_multipliers))
 
 
 def attention_dims(cfg: Any) -> AttentionDims:
@@ -91,14 +82,7 @@ class FalconH1ForCausalLM(HybridForCausalLM):
 
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (it is also the "
-                             "Mamba2 conv activation; only 'silu')")
-        dims = mamba_dims(cfg)
-        if dims.d_inner != d_ssm(cfg):
-            raise ValueError(f"mamba_n_heads * mamba_d_head = {dims.d_inner} != mamba_d_ssm "
-                             f"(or mamba_expand * hidden_size) = {d_ssm(cfg)}")
-        dims.validate()
+        check_mamba_dims(cfg, mamba_dims(cfg), d_ssm(cfg), "mamba_d_ssm (or mamba_expand * hidden_size)")
         if len(cfg.mlp_multipliers) != 2:
             raise ValueError(f"mlp_multipliers must have 2 entries (gate, down), got {cfg.mlp_multipliers}")
         default_rope(cfg, head_dim(cfg), partial_factor=1.0)

@@ -18,6 +18,7 @@ from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCa
                                  check_hybrid_layer_types, default_rope)
 from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from workers.models.mamba2_config import check_mamba_dims, head_dim, mamba_prefixed_dims
 from workers.models.moe import MoeDims, SparseMoE
 from workers.state_spec import StateSites
 
@@ -25,17 +26,7 @@ _POSITION_TYPES = (None, "nope", "rope")
 
 
 def mamba_dims(cfg: Any) -> Mamba2Dims:
-    limit = tuple(cfg.time_step_limit) if cfg.time_step_limit is not None else (0.0, float("inf"))
-    return Mamba2Dims(hidden_size=cfg.hidden_size, num_heads=cfg.mamba_n_heads,
-                      head_dim=cfg.mamba_d_head, state_size=cfg.mamba_d_state,
-                      num_groups=cfg.mamba_n_groups, conv_kernel=cfg.mamba_d_conv,
-                      conv_bias=bool(cfg.mamba_conv_bias), proj_bias=bool(cfg.mamba_proj_bias),
-                      chunk_size=cfg.mamba_chunk_size, dt_limit=(float(limit[0]), float(limit[1])),
-                      eps=cfg.rms_norm_eps, norm_before_gate=False)
-
-
-def head_dim(cfg: Any) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return mamba_prefixed_dims(cfg, norm_before_gate=False)
 
 
 def attention_dims(cfg: Any) -> AttentionDims:
@@ -67,11 +58,8 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         if cfg.position_embedding_type not in _POSITION_TYPES:
             raise ValueError(f"position_embedding_type={cfg.position_embedding_type!r} is not "
                              f"supported; expected one of {_POSITION_TYPES}")
-        dims = mamba_dims(cfg)
-        if dims.d_inner != cfg.mamba_expand * cfg.hidden_size:
-            raise ValueError(f"mamba_n_heads * mamba_d_head = {dims.d_inner} != mamba_expand * "
-                             f"hidden_size = {cfg.mamba_expand * cfg.hidden_size}")
-        dims.validate()
+        check_mamba_dims(cfg, mamba_dims(cfg), cfg.mamba_expand * cfg.hidden_size,
+                         "mamba_expand * hidden_size", act_field=None)
         if not cfg.logits_scaling:
             raise ValueError("logits_scaling must be non-zero")
         if cfg.position_embedding_type == "rope":

@@ -22,14 +22,8 @@ import torch
 from workers.models.base import HybridForCausalLM, MixerBlock
 from workers.models.layers import RMSNorm, RotaryEmbedding
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from workers.models.mamba2_config import check_mamba_dims, time_step_limit
 from workers.state_spec import StateSites
-
-
-def time_step_limit(cfg: Any, field: str = "time_step_limit") -> tuple[float, float]:
-    limit = getattr(cfg, field, None)
-    if limit is None:
-        return (0.0, float("inf"))
-    return (float(limit[0]), float(limit[1]))
 
 
 def mamba_dims(cfg: Any) -> Mamba2Dims:
@@ -47,14 +41,7 @@ class Mamba2ForCausalLM(HybridForCausalLM):
 
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (the Mamba2 conv "
-                             "activation; only 'silu')")
-        dims = mamba_dims(cfg)
-        if dims.d_inner != int(cfg.expand * cfg.hidden_size):
-            raise ValueError(f"num_heads * head_dim = {dims.d_inner} != expand * hidden_size = "
-                             f"{int(cfg.expand * cfg.hidden_size)}")
-        dims.validate()
+        check_mamba_dims(cfg, mamba_dims(cfg), int(cfg.expand * cfg.hidden_size), "expand * hidden_size")
 
     def _build_layers(self, cfg: Any, dtype: torch.dtype,
                       sites: StateSites) -> tuple[list[MixerBlock], RMSNorm]:

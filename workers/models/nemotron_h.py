@@ -30,6 +30,7 @@ from workers.models.base import FULL_ATTENTION, LINEAR_ATTENTION, HybridForCausa
 from workers.models.layers import (Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding,
                                    activation, linear)
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from workers.models.mamba2_config import check_mamba_dims
 from workers.models.moe import MoeDims, SparseMoE
 from workers.models.weights import WeightTarget, module_targets
 from workers.state_spec import StateSites
@@ -123,9 +124,8 @@ class NemotronHForCausalLM(HybridForCausalLM):
             raise ValueError(f"mamba_proj_bias={cfg.mamba_proj_bias!r} differs from use_bias="
                              f"{cfg.use_bias!r}, which transformers uses for the Mamba projections")
         activation(cfg.mlp_hidden_act, "mlp_hidden_act")
-        if cfg.mamba_hidden_act != "silu":
-            raise ValueError(f"mamba_hidden_act={cfg.mamba_hidden_act!r} is not supported (only 'silu')")
-        mamba_dims(cfg).validate()
+        dims = mamba_dims(cfg)
+        check_mamba_dims(cfg, dims, dims.d_inner, "mamba_num_heads * mamba_head_dim", "mamba_hidden_act")
         if FULL_ATTENTION in kinds:
             attention_dims(cfg)      # GQA divisibility is checked by the layer
         if MOE in kinds and cfg.moe_latent_size is not None and cfg.moe_latent_size <= 0:

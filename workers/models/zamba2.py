@@ -29,6 +29,7 @@ from workers.models.base import LINEAR_ATTENTION, HybridForCausalLM, default_rop
 from workers.models.layers import (Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm,
                                    RotaryEmbedding, linear)
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from workers.models.mamba2_config import check_mamba_dims
 from workers.models.weights import WeightTarget, module_targets
 from workers.state_spec import StateRef, StateSites
 
@@ -125,11 +126,8 @@ class Zamba2ForCausalLM(HybridForCausalLM):
         if len(cfg.layers_block_type) != cfg.num_hidden_layers:
             raise ValueError(f"layers_block_type has {len(cfg.layers_block_type)} entries, "
                              f"num_hidden_layers={cfg.num_hidden_layers}")
-        dims = mamba_dims(cfg)
-        if dims.d_inner != int(cfg.mamba_expand * cfg.hidden_size):
-            raise ValueError(f"n_mamba_heads * mamba_headdim = {dims.d_inner} != mamba_expand * "
-                             f"hidden_size = {int(cfg.mamba_expand * cfg.hidden_size)}")
-        dims.validate()
+        check_mamba_dims(cfg, mamba_dims(cfg), int(cfg.mamba_expand * cfg.hidden_size),
+                         "mamba_expand * hidden_size", act_field=None)
         if cfg.use_shared_attention_adapter and cfg.num_key_value_heads != cfg.num_attention_heads:
             raise ValueError(f"use_shared_attention_adapter with num_key_value_heads="
                              f"{cfg.num_key_value_heads} != num_attention_heads="
