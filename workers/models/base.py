@@ -60,10 +60,6 @@ class HybridDecoderLayer(nn.Module):
         self.ref = ref
         self.residual_multiplier = residual_multiplier
 
-    @property
-    def state_idx(self) -> int:
-        return self.ref.index
-
     def forward(self, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         x = self.input_layernorm(hidden)
         x = getattr(self, self.mixer_name)(x, ctx, self.ref)
