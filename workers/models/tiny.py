@@ -63,7 +63,7 @@ def _hf_model(arch: str, cfg: Any, seed: int) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, family.architecture)(cfg)
-    redraw_model_(model, seed, family.zero_centered_norms)
+    redraw_model_(model, seed, family.zero_centered_norms, family.redraw)
     return model.eval()
 
 

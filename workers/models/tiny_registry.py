@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.models.tiny_weights import add_qwen3_next_mtp
+from workers.models.tiny_weights import RedrawRule, add_qwen3_next_mtp
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
 
@@ -35,6 +35,7 @@ class TinyFamily:
     config_class: str               # the transformers config class
     config: Mapping[str, Any]       # the tiny config (vocab, eos / pad / bos ids are added)
     zero_centered_norms: bool = False   # model norms are ``1 + w`` (redrawn near 0)
+    redraw: RedrawRule | None = None     # the family's own rule, asked before the generic one
     mtp_writer: MtpWriter | None = None  # adds random ``mtp.*`` tensors (the family has MTP)
     tp_world: int = 2               # the TP size the suite compares with TP = 1
     hf_modeling: str = ""           # transformers module whose torch paths the oracle uses

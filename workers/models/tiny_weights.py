@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# A family's own rule for some tensors: (HF name, tensor, generator) -> True if it re-drew it.
+RedrawRule = Callable[[str, torch.Tensor, torch.Generator], bool]
 
 
 def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norms: bool) -> None:
@@ -44,17 +48,19 @@ def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norm
         p.copy_(0.1 * randn(*p.shape))
 
 
-def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool) -> None:
-    """Every parameter (named_parameters order), then every saved buffer, re-drawn from ``seed``."""
+def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool,
+                  rule: RedrawRule | None = None) -> None:
+    """Every parameter (named_parameters order), then every saved buffer, re-drawn from
+    ``seed``; ``rule`` (a family's own) is asked first for each tensor."""
     gen = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
+    saved = model.state_dict(keep_vars=True)
+    buffers = [(n, b) for n, b in model.named_buffers()
+               if n in saved and n not in params and b.is_floating_point()]
     with torch.no_grad():
-        for name, p in params.items():
-            redraw_(name, p, gen, zero_centered_norms)
-        saved = model.state_dict(keep_vars=True)
-        for name, buf in model.named_buffers():
-            if name in saved and name not in params and buf.is_floating_point():
-                redraw_(name, buf, gen, zero_centered_norms)
+        for name, t in [*params.items(), *buffers]:
+            if rule is None or not rule(name, t, gen):
+                redraw_(name, t, gen, zero_centered_norms)
 
 
 def add_qwen3_next_mtp(out_dir: Path, cfg: Any, seed: int) -> None:

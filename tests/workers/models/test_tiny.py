@@ -69,3 +69,21 @@ def test_placeholder_greedy_output_does_not_collapse() -> None:
         for out, t in zip(outputs, tokens):
             out.append(t)
     assert all(len(set(out)) >= 6 for out in outputs), outputs
+
+
+def test_registry_redraw_rule_is_asked_first() -> None:
+    from workers.models.tiny_weights import redraw_model_
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    seen: list[str] = []
+
+    def rule(name: str, t: torch.Tensor, gen: torch.Generator) -> bool:
+        seen.append(name)
+        if name == "0.bias":
+            t.fill_(7.0)
+            return True
+        return False
+
+    redraw_model_(model, seed=1, zero_centered_norms=False, rule=rule)
+    assert seen == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert bool((model[0].bias == 7.0).all()) and not bool((model[0].weight == 0).all())
