@@ -5,8 +5,9 @@ all-reduce after it, so each rank holds its share of the heads and ends every la
 the full hidden state:
 
 - attention: q/k/v by heads (column), ``o_proj`` by heads (row);
-- Gated DeltaNet: by key-head groups (``in_proj_qkvz`` / ``in_proj_ba`` rows, conv
-  channels of q, k, v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
+- Gated DeltaNet: by key-head groups (``in_proj_qkvz`` / ``in_proj_ba`` rows, or Qwen3.5's
+  ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` rows, conv channels of q, k,
+  v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
 - Mamba2: heads and B/C groups (see ``mamba_groups``), conv channels follow x/B/C;
 - dense MLP and MoE: each expert's intermediate dim (and the shared expert's); the
   router, every norm, embeddings and ``lm_head`` are replicated.
