@@ -41,6 +41,16 @@ REFUSED = {
     "falcon_ssm_multipliers": ("falcon_h1", {"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers"),
     "zamba2_adapters_with_gqa": ("zamba2", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
     "zamba2_mlp_act": ("zamba2", {"hidden_act": "quick_gelu"}, "hidden_act"),
+    "qwen3_5_no_output_gate": ("qwen3_5", {"attn_output_gate": False}, "attn_output_gate=False"),
+    "qwen3_5_layer_scale": ("qwen3_5", {"layer_scale": True}, "layer_scale=True"),
+    "qwen3_5_ssm_dtype": ("qwen3_5_vl", {"mamba_ssm_dtype": "bfloat16"}, "mamba_ssm_dtype='bfloat16'"),
+    "qwen3_5_act": ("qwen3_5", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    "qwen3_5_rope": ("qwen3_5", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                                     "factor": 2.0}}, "rope_type='yarn'"),
+    "qwen3_5_moe_sparse_step": ("qwen3_5_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    "qwen3_5_moe_mlp_only": ("qwen3_5_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+    "qwen3_5_moe_topk_norm": ("qwen3_5_moe_vl", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+    "qwen_mtp_layers": ("qwen3_5", {"mtp_num_hidden_layers": -1}, "mtp_num_hidden_layers=-1"),
 }
 
 
