@@ -59,6 +59,21 @@ def test_text_checkpoints_say_they_have_no_vision_tower(tiny_checkpoint, tiny_gr
         assert not load_model(ckpt, torch.float32, "cpu").model.is_vl_checkpoint
 
 
+def test_vl_checkpoint_ties_at_its_top_level(tiny_checkpoint, tmp_path):
+    """transformers ties a VL model's lm_head by the top-level tie_word_embeddings, whatever
+    text_config says: tied in text_config only, lm_head stays its own tensor."""
+    from tests.workers.models.harness import Harness, random_prompts
+    from tests.workers.models.hf_oracle import HFOracle
+
+    ckpt = edit(tiny_checkpoint("qwen3_5_vl"), tmp_path / "c", tie_word_embeddings=True)
+    assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is False
+    model = load_model(ckpt, torch.float32, "cpu").model
+    assert not model.tie_word_embeddings and model.lm_head is not None
+    prompt = random_prompts(model.config.vocab_size, [9], seed=2)[0]
+    got = Harness(model).prefill([prompt])[0]
+    assert (got - HFOracle(ckpt).logits(prompt)).abs().max().item() <= 1e-4
+
+
 def test_vl_engine_reads_the_text_config(tiny_checkpoint, tmp_path):
     """max_position_embeddings, vocab and eos come from text_config."""
     from tests.workers.engine.helpers import GREEDY, make_llm
