@@ -112,7 +112,7 @@ class Engine:
         self.pool_sizes = sizes
         self.max_model_len = sizes.max_model_len
         page_size = self.config.cache.page_size
-        # Speculation: one more KV layer per MTP layer and k + 1 scratch slots per
+        # Speculation: a KV layer per attention block of the MTP head and k + 1 scratch slots per
         # running request for the per-draft states of a verify (never in the ledger).
         num_scratch = (k + 1) * self.config.scheduler.max_running_requests if k else 0
         num_target_kv = spec.num_layers(ATTENTION)
