@@ -10,8 +10,6 @@ layer's tensors (``final_layernorm`` as its ``norm_f``), run on the fused input
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import torch
 from tests.workers.engine.helpers import GREEDY, make_llm
 from tests.workers.models.harness import Harness, random_prompts
 from tests.workers.models.hf_oracle import hf_model
-from tests.workers.models.test_mtp_head import catch_up
+from tests.workers.models.test_mtp_head import catch_up, with_config
 from workers.device_pools import build_pools
 from workers.loader import load_model
 from workers.models.tiny import make_tiny_checkpoint
@@ -142,15 +140,6 @@ def test_layout_blocks_and_kv_layers(chained_dir):
     assert [None if b.ref is None else b.ref.index for b in head.layers] == [None, 5, None, None, 6, None]
     assert [hasattr(b, "eh_proj") for b in head.layers] == [True, False, False] * 2
     assert [hasattr(b, "final_layernorm") for b in head.layers] == [False, False, True] * 2
-
-
-def with_config(src: Path, dst: Path, **fields) -> Path:
-    shutil.copytree(src, dst)
-    path = dst / "config.json"
-    raw = json.loads(path.read_text())
-    raw.update(fields)
-    path.write_text(json.dumps(raw))
-    return dst
 
 
 @pytest.mark.parametrize("fields,match", [
