@@ -20,10 +20,12 @@ from tests.workers.engine.helpers import GREEDY, make_llm
 from tests.workers.models.harness import Harness, random_prompts
 from tests.workers.models.hf_oracle import hf_model
 from tests.workers.models.test_mtp_head import catch_up, with_config
+from tests.workers.tp.threads import run_ranks
 from workers.device_pools import build_pools
 from workers.loader import load_model
 from workers.models.tiny import make_tiny_checkpoint
 from workers.state_spec import ATTENTION
+from workers.tp import shard_model, shard_module
 
 CHAINED = dict(num_nextn_predict_layers=2, mtp_layers_block_type=["moe", "full_attention", "mlp"],
                moe_latent_size=32)
@@ -94,9 +96,12 @@ def reference_outputs(model_dir: Path, prompt: list[int], nxt: list[int]) -> lis
 
 
 @torch.inference_mode()
-def head_outputs(model_dir: Path, prompts: list[list[int]], nxts: list[list[int]]):
-    """Our head over every prompt in one batch, every MTP layer; -> per layer, per prompt."""
+def head_outputs(model_dir: Path, prompts: list[list[int]], nxts: list[list[int]], comm=None):
+    """Our head over every prompt in one batch, every MTP layer; -> per layer, per prompt.
+    With ``comm``, the model and the head are this TP rank's shards."""
     model = load_model(model_dir, torch.float32, "cpu").model
+    if comm is not None:
+        shard_model(model, comm)
     spec = model.cache_spec()
     num_kv = spec.num_layers(ATTENTION)
     h = Harness(model, max_seqs=len(prompts), max_tokens=64)
@@ -105,6 +110,8 @@ def head_outputs(model_dir: Path, prompts: list[list[int]], nxts: list[list[int]
     pools.mamba = h.pools.mamba
     h.pools = pools
     head = model.build_mtp_head(num_kv)
+    if comm is not None:
+        shard_module(head, comm)
     batch = h.make_batch(list(enumerate(prompts)))
     hidden = model(batch, h.pools)
     shifted = replace(batch, input_ids=torch.tensor([t for n in nxts for t in n]))
@@ -130,6 +137,18 @@ def test_head_equals_transformers_blocks(tiny_checkpoint, chained_dir, which):
         assert len(refs) == len(ours)
         for m, ref in enumerate(refs):
             torch.testing.assert_close(ours[m][b], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_chained_head_tp2_equals_tp1(chained_dir):
+    """Ranks as threads: each rank's sharded head (attention by heads, experts, MLP and shared
+    expert by their intermediate dims, fusion and latent projections replicated) sums to it."""
+    prompts = random_prompts(512, [9, 14], seed=7)
+    nxts = [p[1:] + [12] for p in prompts]
+    expected = head_outputs(chained_dir, prompts, nxts)
+    for got in run_ranks(2, lambda comm: head_outputs(chained_dir, prompts, nxts, comm)):
+        for got_layer, exp_layer in zip(got, expected):
+            for g, e in zip(got_layer, exp_layer):
+                torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
 
 
 def test_layout_blocks_and_kv_layers(chained_dir):
