@@ -79,8 +79,8 @@ def check_layout(layout: MtpLayout, weights: Mapping[str, torch.Tensor], cfg: An
     """Raise ValueError (naming the field and values) for a head this module cannot build."""
     n, kinds = layout.num_layers, list(layout.block_types)
     if n < 1:
-        raise ValueError(f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}: spec.method "
-                         "'mtp' needs at least one MTP layer")
+        raise ValueError(f"num_nextn_predict_layers={n}: spec.method 'mtp' needs at least one "
+                         "MTP layer")
     if not kinds:
         raise ValueError("mtp_layers_block_type is empty: an MTP layer needs at least one block")
     if LINEAR_ATTENTION in kinds:

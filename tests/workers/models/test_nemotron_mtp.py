@@ -10,6 +10,8 @@ layer's tensors (``final_layernorm`` as its ``norm_f``), run on the fused input
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,6 +151,21 @@ def test_chained_head_tp2_equals_tp1(chained_dir):
         for got_layer, exp_layer in zip(got, expected):
             for g, e in zip(got_layer, exp_layer):
                 torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
+
+
+def test_legacy_mtp_pattern_loads_the_same_head(chained_dir, tmp_path):
+    """``mtp_hybrid_override_pattern`` (as released configs write it) instead of the list."""
+    symbols = {"full_attention": "*", "moe": "E", "mlp": "-"}
+    legacy = tmp_path / "legacy"
+    shutil.copytree(chained_dir, legacy)
+    raw = json.loads((legacy / "config.json").read_text())
+    raw["mtp_hybrid_override_pattern"] = "".join(symbols[k] for k in raw.pop("mtp_layers_block_type"))
+    assert raw["mtp_hybrid_override_pattern"] == "E*-"
+    (legacy / "config.json").write_text(json.dumps(raw))
+    prompts = random_prompts(512, [10], seed=3)
+    nxts = [p[1:] + [4] for p in prompts]
+    for a, b in zip(head_outputs(chained_dir, prompts, nxts), head_outputs(legacy, prompts, nxts)):
+        assert torch.equal(a[0], b[0])
 
 
 def test_layout_blocks_and_kv_layers(chained_dir):
