@@ -25,6 +25,7 @@ from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
 from workers.request import FinishReason, Request
 from workers.sampler import GeneratorBank
+from workers.sampling.validate import check_params
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sizing import plan_pools
@@ -132,6 +133,7 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         self._validate(request_id, prompt_token_ids)
+        check_params(params, self.vocab_size)
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic(),
                       handle=self._next_handle, eos_token_id=self.eos_token_id)
         self._next_handle += 1

@@ -37,6 +37,9 @@ class OutputProcessor:
             req.first_token_time = now
             self.stats.observe("hybridserve_time_to_first_token_seconds", now - req.arrival_time)
         added: list[int] = []
+        if req.params.max_tokens == 0:        # prefill only: the token sampled after the prompt is dropped
+            self.finish(req, FinishReason.LENGTH)
+            return self.output(req, added)
         for token_id, logprob in zip(token_ids, logprobs):
             req.output_token_ids.append(token_id)
             added.append(token_id)
