@@ -15,8 +15,11 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = (),
-                 include_stop_str: bool = False) -> None:
+                 include_stop_str: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.min_tokens = min_tokens          # stop strings count only from this many tokens on
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -28,7 +31,7 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int) -> str | None:
         """Add one token; return the stop string if the text now contains one."""
@@ -46,6 +49,8 @@ class IncrementalDetokenizer:
             return
         search_from = max(0, len(self.text) - self._hold)
         self.text += delta
+        if len(self._ids) < self.min_tokens:
+            return
         best: tuple[int, str] | None = None
         for s in self.stop:
             idx = self.text.find(s, search_from)

@@ -26,8 +26,9 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        p = req.params
         self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
+            self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens, p.min_tokens)
 
     def append(self, req: Request, token_ids: list[int],
                logprobs: list[TokenLogprob | None]) -> RequestOutput:
@@ -44,7 +45,9 @@ class OutputProcessor:
             req.output_token_ids.append(token_id)
             added.append(token_id)
             if logprob is not None:
-                req.output_logprobs.append(logprob)
+                req.cumulative_logprob += logprob.logprob
+                if req.params.logprobs is not None:
+                    req.output_logprobs.append(logprob)
             self.stats.inc("hybridserve_generation_tokens_total")
             stop_str = self._detok[req.request_id].append(token_id)
             reason = self._check_stop(req, token_id, stop_str)
@@ -52,6 +55,15 @@ class OutputProcessor:
                 self.finish(req, reason)
                 break
         return self.output(req, added)
+
+    def add_prompt_logprobs(self, req: Request, first: int, entries: list[TokenLogprob]) -> None:
+        """Entries for prompt positions first, first + 1, ...; those already held (a
+        recompute after preemption) are skipped, so each position is filled once, in order."""
+        if req.is_finished:
+            return
+        have = len(req.prompt_logprobs)
+        assert first <= have, f"{req.request_id}: prompt logprobs from {first}, only {have} held"
+        req.prompt_logprobs.extend(entries[have - first:])
 
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
         p = req.params
@@ -91,7 +103,9 @@ class OutputProcessor:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             stop_reason=req.stop_reason, new_token_ids=new_ids,
             delta_text=detok.stream_delta(finished),
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None)
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            cumulative_logprob=req.cumulative_logprob if req.params.needs_logprobs else None)
         if finished:
             self.requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)
