@@ -158,8 +158,8 @@ class SamplingPlanner:
 
     def _register(self, rows: _Rows, req: Request) -> int:
         register, fresh = self.registers.assign(req.handle, req.num_preemptions)
-        if fresh:
-            assert req.num_pending_tokens == 0, \
+        if fresh:      # only this step's own token may be in flight (on_launch counted it)
+            assert req.num_pending_tokens <= 1, \
                 f"request {req.request_id}: registers built with {req.num_pending_tokens} tokens in flight"
             rows.init.append((register, req.prompt_token_ids, list(req.output_token_ids)))
         return register
