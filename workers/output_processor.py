@@ -66,16 +66,18 @@ class OutputProcessor:
         req.prompt_logprobs.extend(entries[have - first:])
 
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
+        """Stop strings count from min_tokens on (the detokenizer matches none before).
+        EOS and stop tokens are blocked by the sampler until min_tokens; one that comes
+        earlier was the only token a grammar allowed, and it ends the request."""
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                return FinishReason.STOP
-            if token_id == req.eos_token_id and not p.ignore_eos:
-                return FinishReason.STOP
-            if token_id in p.stop_token_ids:
-                req.stop_reason = token_id
-                return FinishReason.STOP
+        if stop_str is not None:
+            req.stop_reason = stop_str
+            return FinishReason.STOP
+        if token_id == req.eos_token_id and not p.ignore_eos:
+            return FinishReason.STOP
+        if token_id in p.stop_token_ids:
+            req.stop_reason = token_id
+            return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

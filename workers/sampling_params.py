@@ -27,7 +27,8 @@ class SamplingParams:
     - ``stop`` strings end generation and are cut from the text (kept with
       ``include_stop_str_in_output``); ``stop_token_ids`` end it too. Until
       ``min_tokens`` tokens exist, EOS and the stop tokens cannot be sampled and stop
-      strings are not matched.
+      strings are not matched -- unless a ``structured_output`` grammar allows nothing
+      else: the grammar wins, and its EOS ends the request.
     - Processors, in this order (transformers' order): ``logit_bias`` (token id -> added
       bias in [-100, 100]), ``bad_words`` (never complete one of these words),
       ``min_tokens``, ``repetition_penalty`` (> 0; divides positive and multiplies negative
