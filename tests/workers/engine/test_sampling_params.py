@@ -184,3 +184,16 @@ def test_seeded_sampling_with_processors_identical_with_overlap(tiny_qwen_dir):
         llm = make_llm(tiny_qwen_dir, scheduler={"overlap": overlap})
         runs.append([o.token_ids for o in llm.generate_ids(prompts, [p] * 3)])
     assert runs[0] == runs[1]
+
+
+def test_best_of_keeps_the_most_likely_sequence(tiny_qwen_dir):
+    llm = make_llm(tiny_qwen_dir)
+    prompt = [5, 6, 7, 8]
+    one = dict(max_tokens=8, temperature=1.2, ignore_eos=True)
+    singles = [llm.generate_ids([prompt], [SamplingParams(**one, seed=40 + j, logprobs=0)])[0] for j in range(4)]
+    sums = [sum(lp.logprob for lp in o.logprobs) for o in singles]
+    assert len(set(sums)) == 4                                    # the candidates differ
+    best = llm.generate_ids([prompt], [SamplingParams(**one, seed=40, best_of=4)])[0]
+    winner = max(range(4), key=lambda j: sums[j])
+    assert best.token_ids == singles[winner].token_ids
+    assert best.cumulative_logprob == pytest.approx(sums[winner], abs=1e-4)
