@@ -7,10 +7,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
-from tests.workers.engine.helpers import make_llm, random_prompts
+from tests.workers.engine.helpers import OracleDrafts, make_llm, random_prompts
 from workers.sampling.requests import bad_words_token_ids
 from workers.sampling_params import SamplingParams
-from workers.spec.drafter import MtpDrafter
 
 EOS = 0
 N = 14
@@ -84,24 +83,8 @@ def test_greedy_with_penalties_bias_bad_words_min_tokens_equals_transformers(tin
 
 @pytest.fixture
 def oracle(monkeypatch):
-    """MTP drafts from the expected continuation (every third one wrong) -> verifies accept
-    0..k drafts, so the processors run at every draft position."""
-    state: dict = {"engine": None, "expected": {}}
-    original = MtpDrafter._chain
-
-    def chain(self, spans, hidden, last_pos):
-        original(self, spans, hidden, last_pos)
-        for span, t in zip(spans, last_pos):
-            req = state["engine"].outputs.requests.get(span.request_id)
-            full = state["expected"].get(tuple(req.prompt_token_ids)) if req is not None else None
-            if full is None:
-                continue
-            drafts = [full[t + 2 + j] if t + 2 + j < len(full) else 1 for j in range(self.k)]
-            drafts[(t + 1) % 3] = (drafts[(t + 1) % 3] + 1) % 64
-            self.draft_tokens[span.live_slot] = torch.tensor(drafts)
-
-    monkeypatch.setattr(MtpDrafter, "_chain", chain)
-    return state
+    """Verifies accept 0..k drafts, so the processors run at every draft position."""
+    return OracleDrafts(monkeypatch, lambda d: (d + 1) % 64)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -110,8 +93,7 @@ def test_penalties_identical_under_speculation_and_overlap(tiny_qwen_dir, case, 
     llm = make_llm(tiny_qwen_dir, scheduler={"overlap": overlap, "chunked_prefill_size": 8},
                    spec={"method": "mtp", "num_draft_tokens": 3}, debug={"check_invariants": True})
     llm.engine.raise_on_violation = True
-    oracle["engine"] = llm.engine
-    oracle["expected"] = {tuple(p): p + e for p, e in zip(prompts, expected)}
+    oracle.expect(llm.engine, prompts, expected)
     for _ in range(2):                                          # the second pass hits the cache
         assert [o.token_ids for o in llm.generate_ids(prompts, [params] * len(prompts))] == expected
     stats = llm.stats()

@@ -9,14 +9,12 @@ import threading
 from typing import Literal
 
 import pytest
-import torch
 from pydantic import BaseModel, Field
 
-from tests.workers.engine.helpers import make_llm, random_prompts
+from tests.workers.engine.helpers import OracleDrafts, make_llm, random_prompts
 from workers.sampling.grammar import GrammarCompiler
 from workers.sampling.structured import StructuredOutput
 from workers.sampling_params import SamplingParams
-from workers.spec.drafter import MtpDrafter
 
 
 class Pet(BaseModel):
@@ -102,24 +100,9 @@ def test_ignore_eos_after_the_grammar_is_unconstrained(llm):
 
 @pytest.fixture
 def oracle(monkeypatch):
-    """Drafts from the expected tokens, every third one wrong (often a token the grammar
-    forbids): verifies accept 0..k drafts and the matcher rolls back the rejected ones."""
-    state: dict = {"engine": None, "expected": {}}
-    original = MtpDrafter._chain
-
-    def chain(self, spans, hidden, last_pos):
-        original(self, spans, hidden, last_pos)
-        for span, t in zip(spans, last_pos):
-            req = state["engine"].outputs.requests.get(span.request_id)
-            full = state["expected"].get(tuple(req.prompt_token_ids)) if req is not None else None
-            if full is None:
-                continue
-            drafts = [full[t + 2 + j] if t + 2 + j < len(full) else 7 for j in range(self.k)]
-            drafts[(t + 1) % 3] = (drafts[(t + 1) % 3] * 7 + 3) % 500
-            self.draft_tokens[span.live_slot] = torch.tensor(drafts)
-
-    monkeypatch.setattr(MtpDrafter, "_chain", chain)
-    return state
+    """The corrupted drafts are often tokens the grammar forbids: the matcher must roll
+    back the drafts it was advanced through."""
+    return OracleDrafts(monkeypatch, lambda d: (d * 7 + 3) % 500, filler=7)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -131,8 +114,7 @@ def test_identical_under_speculation_and_overlap(tiny_qwen_dir, oracle, overlap)
     llm = make_llm(tiny_qwen_dir, scheduler={"overlap": overlap}, spec={"method": "mtp", "num_draft_tokens": 3},
                    debug={"check_invariants": True})
     llm.engine.raise_on_violation = True
-    oracle["engine"] = llm.engine
-    oracle["expected"] = {tuple(p): p + e for p, e in zip(prompts, expected)}
+    oracle.expect(llm.engine, prompts, expected)
     assert [o.token_ids for o in llm.generate_ids(prompts, plist)] == expected
     stats = llm.stats()
     assert stats["hybridserve_spec_accepted_tokens_total"] > 20
