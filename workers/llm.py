@@ -61,15 +61,17 @@ class LLM:
         outputs = self.generate_ids(encoded, plist)
         return [_with_prompt(o, p) for o, p in zip(outputs, prompts)]
 
-    def generate_ids(self, encoded: list[list[int]],
-                     plist: list[SamplingParams]) -> list[RequestOutput]:
+    def generate_ids(self, encoded: list[list[int]], plist: list[SamplingParams],
+                     expand_best_of: bool = True) -> list[RequestOutput]:
         """Token-id prompts, one SamplingParams each; all run together, in input order.
 
         ``best_of = b`` runs b sequences for the prompt (seeds ``seed + j`` when seeded)
-        and returns the one with the highest cumulative logprob.
+        and returns the one with the highest cumulative logprob; ``expand_best_of=False``
+        runs each params once (a caller that expanded best_of itself, reporting each
+        sequence's ``cumulative_logprob``).
         """
         copies = [(i, ids, _copy_params(p, j)) for i, (ids, p) in enumerate(zip(encoded, plist))
-                  for j in range(p.best_of or 1)]
+                  for j in range((p.best_of or 1) if expand_best_of else 1)]
         order: dict[str, int] = {}
         added: list[str] = []
         try:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from cluster.api.openai_service import (OpenAIError, PreparedRequest, chat_body, completion_body,
                                         from_validation_error, prepare_chat, prepare_completion)
+from cluster.api.prompt_logprobs import keep_best
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.api.streaming import ResponseState, SSERenderer
 from cluster.serving.engine_client import EngineClient, GenerateStream
@@ -151,8 +152,9 @@ class OpenAIServer:
                 _cancel_all(started.streams)
             await merged.aclose()
         render = chat_body if started.prepared.kind == "chat" else completion_body
-        return render(started.prepared, state.outputs(), self.settings.model_name,
-                      self.tokenizer, started.request_id)
+        prepared = started.prepared
+        outputs = keep_best(state.outputs(), prepared.n, prepared.kept().n)      # best_of
+        return render(prepared.kept(), outputs, self.settings.model_name, self.tokenizer, started.request_id)
 
     async def events(self, started: StartedResponse) -> AsyncIterator[str]:
         """SSE events; closing this generator early cancels the replica streams."""

@@ -12,18 +12,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.api.sampling_fields import SamplingExtras
+
 MAX_STOPS = 4
 StopString = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
-# only the value we implement is accepted; the schema says so
-_ZERO_ONLY = {"json_schema_extra": {"enum": [0]}}
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(SamplingExtras):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -40,16 +40,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False
-    presence_penalty: float = Field(0.0, **_ZERO_ONLY)  # type: ignore[arg-type]
-    frequency_penalty: float = Field(0.0, **_ZERO_ONLY)  # type: ignore[arg-type]
     user: str | None = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("presence/frequency penalties are not supported; use 0")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -61,15 +52,8 @@ class CompletionRequest(_SamplingFields):
     prompt: (str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = Field(False, json_schema_extra={"enum": [False]})
-    max_tokens: int | None = Field(16, ge=1)
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    echo: bool = False                              # the prompt (and its logprobs) before the completion
+    max_tokens: int | None = Field(16, ge=0)        # 0: nothing generated (echo, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt in the request (batched prompts expand)."""
