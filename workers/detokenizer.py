@@ -15,11 +15,9 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = (),
-                 include_stop_str: bool = False, skip_special_tokens: bool = True,
-                 min_tokens: int = 0) -> None:
+                 include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.min_tokens = min_tokens          # stop strings count only from this many tokens on
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -49,8 +47,6 @@ class IncrementalDetokenizer:
             return
         search_from = max(0, len(self.text) - self._hold)
         self.text += delta
-        if len(self._ids) < self.min_tokens:
-            return
         best: tuple[int, str] | None = None
         for s in self.stop:
             idx = self.text.find(s, search_from)

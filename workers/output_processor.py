@@ -28,7 +28,7 @@ class OutputProcessor:
         self.requests[req.request_id] = req
         p = req.params
         self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens, p.min_tokens)
+            self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
 
     def append(self, req: Request, token_ids: list[int],
                logprobs: list[TokenLogprob | None]) -> RequestOutput:
@@ -66,11 +66,11 @@ class OutputProcessor:
         req.prompt_logprobs.extend(entries[have - first:])
 
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
-        """Stop strings count from min_tokens on (the detokenizer matches none before).
-        EOS and stop tokens are blocked by the sampler until min_tokens; one that comes
-        earlier was the only token a grammar allowed, and it ends the request."""
+        """Stop strings count from min_tokens on. EOS and stop tokens are blocked by the
+        sampler until min_tokens; one that comes earlier was the only token a grammar
+        allowed, and it ends the request."""
         p = req.params
-        if stop_str is not None:
+        if stop_str is not None and req.num_output_tokens >= p.min_tokens:
             req.stop_reason = stop_str
             return FinishReason.STOP
         if token_id == req.eos_token_id and not p.ignore_eos:
