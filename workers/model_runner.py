@@ -28,6 +28,7 @@ from workers.sampler import GeneratorBank
 from workers.sampling.build import SamplingPlanner
 from workers.sampling.decide import BatchSampler
 from workers.sampling.grammar import GrammarCompiler
+from workers.sampling.inputs import SamplingInputs
 from workers.sampling.logprobs import prompt_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler_types import StateWrite
@@ -141,8 +142,8 @@ class ModelRunner:
             assert self.drafter is not None
             ids[prepared.draft_rows] = self.drafter.draft_tokens[prepared.draft_slots, prepared.draft_index]
 
-    def _decide(self, prepared: PreparedStep, si, logits: torch.Tensor, params, gens,
-                writes: list[StateWrite]):
+    def _decide(self, prepared: PreparedStep, si: SamplingInputs, logits: torch.Tensor,
+                params: list[SamplingParams], gens: list[torch.Generator], writes: list[StateWrite]):
         """Sample each sampling sequence, or verify its drafts; commit verified states (and
         append what the commits wrote to ``writes``)."""
         by_seq = {v.seq_index: v for v in prepared.verify}

@@ -113,8 +113,8 @@ class SamplingPlanner:
             first_input += seq.num_new_tokens
         drops, self._grammar_drops = tuple(self._grammar_drops), []
         return SamplingInputs(
-            widths=tuple(rows.widths), filters=_filters(rows),
-            all_greedy=all(rows.greedy), logprob_seqs=tuple(rows.logprob_seqs),
+            widths=tuple(rows.widths), filters=None if all(rows.greedy) else _filters(rows),
+            logprob_seqs=tuple(rows.logprob_seqs),
             max_top_logprobs=rows.max_top,
             bias=RowTokens(_t([r for r, _, _ in rows.bias]), _t([t for _, t, _ in rows.bias]),
                            _t([v for _, _, v in rows.bias], torch.float32)) if rows.bias else None,

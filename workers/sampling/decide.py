@@ -101,7 +101,7 @@ class BatchSampler:
     def _sample(self, si: SamplingInputs, x: torch.Tensor, params: list[SamplingParams],
                 gens: list[torch.Generator]) -> torch.Tensor:
         best = x.argmax(dim=-1)
-        if si.all_greedy:
+        if si.filters is None:
             return best
         probs = torch.softmax(filter_rows(x, si.filters), dim=-1)
         rows = list(range(len(params)))
@@ -113,9 +113,9 @@ class BatchSampler:
                 draft_q: Callable[[VerifyRows], torch.Tensor]) -> tuple[list[list[int]], list[int | None]]:
         firsts = [0, *accumulate(si.widths)]
         best = x.argmax(dim=-1)
-        probs = None if si.all_greedy else torch.softmax(filter_rows(x, si.filters), dim=-1)
+        probs = None if si.filters is None else torch.softmax(filter_rows(x, si.filters), dim=-1)
         picked = best
-        if probs is not None:
+        if probs is not None and si.filters is not None:
             plain = [n for n, v in enumerate(verify) if v is None]
             drawn = draw(probs, self.generators.shared, self._seeded(firsts, params, gens, plain))
             picked = torch.where(si.filters.greedy, best, drawn)

@@ -119,8 +119,7 @@ class PromptInputs:
 @dataclass(frozen=True)
 class SamplingInputs:
     widths: tuple[int, ...]                 # logits rows per sampling sequence
-    filters: RowFilters
-    all_greedy: bool
+    filters: RowFilters | None              # None when every row is greedy
     logprob_seqs: tuple[int, ...]           # sampling sequences that need chosen-token logprobs
     max_top_logprobs: int                   # top alternatives over those (0 = only the chosen)
     bias: RowTokens | None = None           # logit_bias: values added

@@ -207,3 +207,21 @@ def test_min_tokens_holds_eos_back(env):
     ids = body["choices"][0]["token_ids"]
     assert len(ids) == 6 and EOS not in ids[:5] and ids[5] == EOS
     assert body["usage"]["completion_tokens"] == 6
+
+
+def test_run_batch_best_of_and_echo(tiny_qwen_dir):
+    from cluster.api.run_batch import run_batch
+    from tests.workers.engine.helpers import make_llm
+
+    llm = make_llm(tiny_qwen_dir)
+    req = {"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 1.2, "seed": 9, "ignore_eos": True,
+           "return_token_ids": True}
+    lines = [json.dumps({"custom_id": cid, "url": "/v1/completions", "body": {**req, **extra}})
+             for cid, extra in (("all", {"n": 3, "logprobs": 0}), ("best", {"best_of": 3}),
+                                ("echo", {"max_tokens": 0, "echo": True, "logprobs": 1}))]
+    out = {r["custom_id"]: r["response"]["body"]["choices"] for r in run_batch(llm, lines, "m")}
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in out["all"]]
+    assert [c["token_ids"] for c in out["best"]] == [out["all"][max(range(3), key=sums.__getitem__)]["token_ids"]]
+    echo = out["echo"][0]
+    assert echo["text"] == llm.tokenizer.decode([5, 6, 7, 8]) and echo["logprobs"]["token_logprobs"][0] is None
+    assert len(echo["logprobs"]["tokens"]) == 4
