@@ -36,13 +36,14 @@ class GrammarCompiler:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.max_cached = max_cached
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # the cache (the engine thread takes it: short)
+        self._init_lock = threading.Lock()     # building xgrammar's compiler (compile thread)
         self._cache: OrderedDict[StructuredOutput, Future] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._xgr_compiler: Any = None
 
     def _compiler(self) -> Any:
-        with self._lock:
+        with self._init_lock:
             if self._xgr_compiler is None:
                 import xgrammar as xgr
 
