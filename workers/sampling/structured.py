@@ -73,7 +73,11 @@ class StructuredOutput:
 
     @classmethod
     def structural_tag(cls, tag: Mapping[str, Any] | str) -> StructuredOutput:
-        return cls("structural_tag", canonical_json(tag))
+        """xgrammar's structural tag, or vLLM's older ``structures`` + ``triggers`` form."""
+        value = json.loads(tag) if isinstance(tag, str) else dict(tag)
+        if isinstance(value, dict) and "structures" in value:
+            value = _from_legacy_tag(value)
+        return cls("structural_tag", canonical_json(value))
 
     def describe(self) -> str:
         """Short text for logs and errors (never the whole schema)."""
@@ -91,6 +95,19 @@ def canonical_json(value: Mapping[str, Any] | str) -> str:
     if not isinstance(value, Mapping):
         raise ValueError(f"a JSON schema must be a JSON object, got {type(value).__name__}")
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _from_legacy_tag(tag: dict[str, Any]) -> dict[str, Any]:
+    """``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` in xgrammar's form."""
+    import xgrammar as xgr
+
+    try:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"])
+                 for s in tag["structures"]]
+        new = xgr.StructuralTag.from_legacy_structural_tag(items, list(tag.get("triggers", [])))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"invalid structural_tag constraint: {exc}") from None
+    return json.loads(new.model_dump_json(by_alias=True))
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

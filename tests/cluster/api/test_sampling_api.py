@@ -156,6 +156,9 @@ FORMS = {
     "guided_regex": ({"guided_regex": "[a-c]{4}"}, lambda t: re.fullmatch("[a-c]{4}", t)),
     "guided_choice": ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
     "guided_grammar": ({"guided_grammar": 'root ::= ("ab" | "cd")+ "."'}, lambda t: re.fullmatch("(ab|cd)+[.]", t)),
+    "response_format structural_tag": ({"response_format": {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<p>", "end": "</p>", "content": {"type": "json_schema", "json_schema": PET}}}},
+        lambda t: t.startswith("<p>") and t.endswith("</p>") and json.loads(t[3:-4])["kind"] in ("cat", "dog")),
 }
 
 

@@ -30,6 +30,10 @@ CONSTRAINTS = {
     "regex": StructuredOutput.regex(r"[a-z]{2,5}-[0-9]{3}"),
     "choice": StructuredOutput.choice(["alpha", "beta", "gamma delta"]),
     "grammar": StructuredOutput.grammar('root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'),
+    "structural_tag": StructuredOutput.structural_tag({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<n>", "end": "</n>", "content": {"type": "json_schema", "json_schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["n"], "additionalProperties": False}}}}),
 }
 
 
@@ -41,6 +45,8 @@ def valid(kind: str, text: str) -> bool:
         return re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", text) is not None
     if kind == "choice":
         return text in ("alpha", "beta", "gamma delta")
+    if kind == "structural_tag":
+        return text.startswith("<n>") and text.endswith("</n>") and 0 <= json.loads(text[3:-4])["n"] <= 99
     return re.fullmatch(r"\(([0-9x])(,[0-9x])*\)", text) is not None
 
 
@@ -75,6 +81,14 @@ def test_json_object_and_whitespace(llm):
         assert out.text.startswith("{")
 
 
+def test_vllm_legacy_structural_tag_form():
+    legacy = StructuredOutput.structural_tag({"type": "structural_tag", "triggers": ["<f>"], "structures": [
+        {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}]})
+    assert json.loads(legacy.spec)["format"]["type"] == "triggered_tags"
+    with pytest.raises(ValueError, match="structural_tag"):
+        StructuredOutput.structural_tag({"type": "structural_tag", "structures": [{"begin": "<f>"}]})
+
+
 def test_bad_constraints_are_value_errors():
     for make in (lambda: StructuredOutput.json_schema({"type": "objectx"}),
                  lambda: StructuredOutput.regex("(ab"),
@@ -107,7 +121,7 @@ def oracle(monkeypatch):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_identical_under_speculation_and_overlap(tiny_qwen_dir, oracle, overlap):
-    prompts = random_prompts(512, [3, 8, 15, 6, 11, 4, 9, 13], seed=21)
+    prompts = random_prompts(512, [3, 8, 15, 6, 11, 4, 9, 13, 5, 7], seed=21)
     plist = [params(k) for k in CONSTRAINTS] * 2
     plain = make_llm(tiny_qwen_dir, scheduler={"overlap": False})
     expected = [o.token_ids for o in plain.generate_ids(prompts, plist)]
