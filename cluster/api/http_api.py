@@ -1,8 +1,11 @@
 """The FastAPI app: routes, optional bearer API key, OpenAI error objects (no Ray).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /health`` (never needs the key), ``GET|POST /flush_cache``, ``GET /debug/replicas``
-(per-replica pool counts and stats), ``GET /openapi.json`` (``openapi_schema``). Every
+Routes: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``POST /tokenize`` and ``/detokenize``, ``GET
+/tokenizer_info``, ``GET /version``, ``GET /metrics`` (the metrics actor's Prometheus
+text), ``GET /health`` and ``GET|POST /ping`` (never need the key), ``GET|POST
+/flush_cache``, ``GET /debug/replicas`` (per-replica pool counts and stats), ``GET
+/openapi.json`` (``openapi_schema``). Every
 error -- ours, an unknown route, a wrong method, a bug -- is
 ``{"error": {"message", "type", "param", "code"}}`` with its status; every 503 also
 carries ``Retry-After``. The Ray ingress serves this same app (``cluster/api/ingress.py``).
@@ -21,15 +24,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cluster.api.errors import OpenAIError
 from cluster.api.openai_server import OpenAIServer, StartedResponse
-from cluster.api.openai_service import OpenAIError
 from cluster.api.openapi_schema import install_openapi, operation
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 RETRY_AFTER_S = 1
 GENERATE_ERRORS = (400, 401, 404, 413, 415, 503)
 READ_ERRORS = (401, 503)
+TOKENIZE_ERRORS = (400, 401, 404, 413, 415, 503)
 
 
 def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -127,9 +132,19 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
         await server.health()
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                   openapi_extra=operation(None, (503,)))
+    async def ping() -> Response:
+        await server.health()
+        return Response(status_code=200)
+
     @app.get("/v1/models", openapi_extra=operation("ModelList", READ_ERRORS))
     async def models() -> JSONResponse:
         return JSONResponse(await server.models())
+
+    @app.get("/v1/models/{model_id:path}", openapi_extra=operation("Model", READ_ERRORS + (404,)))
+    async def model(model_id: str) -> JSONResponse:
+        return JSONResponse(await server.model(model_id))
 
     @app.post("/v1/completions", openapi_extra=operation("Completion", GENERATE_ERRORS,
                                                          "CompletionRequest", stream=True))
@@ -140,6 +155,27 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
                                                               "ChatCompletionRequest", stream=True))
     async def chat_completions(request: Request) -> Response:
         return await _respond(server, await server.start_chat(await read_json_body(request, limit)))
+
+    @app.post("/tokenize", openapi_extra=operation("TokenizeResponse", TOKENIZE_ERRORS, "TokenizeRequest"))
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await server.tokenize(await read_json_body(request, limit)))
+
+    @app.post("/detokenize", openapi_extra=operation("DetokenizeResponse", TOKENIZE_ERRORS,
+                                                     "DetokenizeRequest"))
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await server.detokenize(await read_json_body(request, limit)))
+
+    @app.get("/tokenizer_info", openapi_extra=operation("TokenizerInfo", READ_ERRORS))
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(server.tokenizer_info())
+
+    @app.get("/version", openapi_extra=operation("Version", READ_ERRORS))
+    async def version() -> JSONResponse:
+        return JSONResponse(server.version())
+
+    @app.get("/metrics", response_class=Response, openapi_extra=operation(None, READ_ERRORS, text="plain"))
+    async def metrics() -> Response:
+        return Response(await server.metrics_text(), media_type=PROMETHEUS_TEXT)
 
     @app.get("/flush_cache", openapi_extra=operation("FlushResult", READ_ERRORS))
     async def flush_cache_get() -> JSONResponse:
