@@ -17,6 +17,7 @@ counted while reading, so a chunked body cannot get past it either).
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -26,10 +27,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.api.errors import OpenAIError
 from cluster.api.openai_server import OpenAIServer, StartedResponse
-from cluster.api.openapi_schema import install_openapi, operation
+from cluster.api.openapi_schema import OPEN_PATHS, install_openapi, operation
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health", "/ping"})
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 RETRY_AFTER_S = 1
 GENERATE_ERRORS = (400, 401, 404, 413, 415, 503)
@@ -37,12 +37,14 @@ READ_ERRORS = (401, 503)
 TOKENIZE_ERRORS = (400, 401, 404, 413, 415, 503)
 
 
-def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The error object with its status; a 503 always tells the client when to retry."""
+def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> Response:
+    """The error object with its status; a 503 always tells the client when to retry. ASCII
+    JSON: a message quoting the client's text can hold no character that fails to encode."""
     headers = dict(headers or {})
     if err.status == 503:
         headers.setdefault("retry-after", str(RETRY_AFTER_S))
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return Response(json.dumps(err.body()), status_code=err.status, headers=headers,
+                    media_type="application/json")
 
 
 def route_path(scope: Scope) -> str:
@@ -125,19 +127,13 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
     _install_errors(app)
     install_openapi(app)
     app.add_middleware(AuthMiddleware, api_key=server.settings.api_key, echo_request_id=echo_request_id)
-    limit = server.settings.max_body_bytes
+    _generate_routes(app, server, server.settings.max_body_bytes)
+    _tokenizer_routes(app, server, server.settings.max_body_bytes)
+    _service_routes(app, server)
+    return app
 
-    @app.get("/health", response_class=Response, openapi_extra=operation(None, (503,)))
-    async def health() -> Response:
-        await server.health()
-        return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response,
-                   openapi_extra=operation(None, (503,)))
-    async def ping() -> Response:
-        await server.health()
-        return Response(status_code=200)
-
+def _generate_routes(app: FastAPI, server: OpenAIServer, limit: int) -> None:
     @app.get("/v1/models", openapi_extra=operation("ModelList", READ_ERRORS))
     async def models() -> JSONResponse:
         return JSONResponse(await server.models())
@@ -156,6 +152,8 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _respond(server, await server.start_chat(await read_json_body(request, limit)))
 
+
+def _tokenizer_routes(app: FastAPI, server: OpenAIServer, limit: int) -> None:
     @app.post("/tokenize", openapi_extra=operation("TokenizeResponse", TOKENIZE_ERRORS, "TokenizeRequest"))
     async def tokenize(request: Request) -> JSONResponse:
         return JSONResponse(await server.tokenize(await read_json_body(request, limit)))
@@ -168,6 +166,21 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
     @app.get("/tokenizer_info", openapi_extra=operation("TokenizerInfo", READ_ERRORS))
     async def tokenizer_info() -> JSONResponse:
         return JSONResponse(server.tokenizer_info())
+
+
+def _service_routes(app: FastAPI, server: OpenAIServer) -> None:
+    @app.get("/health", response_class=Response, openapi_extra=operation(None, (503,)))
+    async def health() -> Response:
+        await server.health()
+        return Response(status_code=200)
+
+    @app.get("/ping", response_class=Response, openapi_extra=operation(None, (503,)))
+    async def ping_get() -> Response:           # SageMaker's health route
+        return await health()
+
+    @app.post("/ping", response_class=Response, openapi_extra=operation(None, (503,)))
+    async def ping_post() -> Response:
+        return await health()
 
     @app.get("/version", openapi_extra=operation("Version", READ_ERRORS))
     async def version() -> JSONResponse:
@@ -189,8 +202,6 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
     async def debug_replicas() -> JSONResponse:
         return JSONResponse(await server.replica_stats())
 
-    return app
-
 
 async def _respond(server: OpenAIServer, started: StartedResponse) -> Response:
     if started.stream:
@@ -201,17 +212,17 @@ async def _respond(server: OpenAIServer, started: StartedResponse) -> Response:
 
 def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def openai_error(_: Request, exc: OpenAIError) -> Response:
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(OpenAIError(str(exc.detail), status=exc.status_code, type=kind),
                               dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
         return error_response(OpenAIError(f"internal error: {type(exc).__name__}", status=500,
                                           type="internal_error"))

@@ -24,8 +24,8 @@ from typing import Any
 from cluster.api.chat_prompt import ChatSetup
 from cluster.api.errors import OpenAIError
 from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
-from cluster.api.protocol import (ChatCompletionRequest, CompletionRequest, validate_chat, validate_completion,
-                                  validate_detokenize, validate_tokenize)
+from cluster.api.protocol import (ChatCompletionRequest, CompletionRequest, check_unicode, validate_chat,
+                                  validate_completion, validate_detokenize, validate_tokenize)
 from cluster.api.streaming import ResponseState, SSERenderer
 from cluster.api.tokenization import detokenize_body, tokenize_body, tokenizer_info_body, version_body
 from cluster.serving.engine_client import EngineClient, GenerateStream
@@ -77,29 +77,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise OpenAIError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise OpenAIError(f"request body must be a JSON object, got {type(obj).__name__}")
-    bad = _lone_surrogate(obj, "")
-    if bad is not None:
-        raise OpenAIError("request body holds a lone UTF-16 surrogate (an escape like \\udcff that "
-                          "encodes no character)", param=bad or None, code="invalid_unicode")
+    check_unicode(obj)
     return obj
-
-
-def _lone_surrogate(obj: Any, path: str) -> str | None:
-    """The dotted path of the first string (key or value) that is not valid Unicode text."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for key, value in items:
-        sub = f"{path}.{key}" if path else str(key)
-        found = _lone_surrogate(key, sub) if isinstance(key, str) else None
-        found = found if found is not None else _lone_surrogate(value, sub)
-        if found is not None:
-            return found
-    return None
 
 
 class OpenAIServer:

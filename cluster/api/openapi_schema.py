@@ -19,6 +19,7 @@ from cluster.api.protocol import (ChatCompletionRequest, CompletionRequest, Deto
 from cluster.api.unsupported import CHAT, COMMON, COMPLETION, schema_properties
 
 REF = "#/components/schemas/{model}"
+OPEN_PATHS = frozenset({"/health", "/ping"})   # health checks: no API key, not admission-counted
 REF_MODEL = {"$ref": REF.format(model="Model")}
 _STR_OR_NULL = {"type": ["string", "null"]}
 _INTS = {"type": "array", "items": {"type": "integer"}}
@@ -170,7 +171,7 @@ def install_openapi(app: FastAPI) -> None:
             for path, item in doc.get("paths", {}).items():
                 for op in item.values():
                     op.pop("security", None)
-                    if path != "/health":
+                    if path not in OPEN_PATHS:
                         op["security"] = [{"bearer": []}]
             app.openapi_schema = doc
         return app.openapi_schema

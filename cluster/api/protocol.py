@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from cluster.api.errors import from_validation_error
+from cluster.api.errors import OpenAIError, from_validation_error
 from cluster.api.unsupported import CHAT, COMMON, COMPLETION, refuse_unsupported
 
 MAX_STOPS = 4
@@ -243,6 +243,35 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+def check_unicode(body: Any) -> None:
+    """A 400 for a body holding a lone UTF-16 surrogate (valid JSON: ``"\\udcff"``, but no
+    text: the tokenizer could not take it), naming the field (escaped, so the error object
+    itself stays encodable)."""
+    bad = _lone_surrogate(body, "")
+    if bad is not None:
+        param = bad.encode("utf-8", "backslashreplace").decode() or None
+        raise OpenAIError("request body holds a lone UTF-16 surrogate (an escape like \\udcff that "
+                          "encodes no character)", param=param, code="invalid_unicode")
+
+
+def _lone_surrogate(obj: Any, path: str) -> str | None:
+    """The dotted path of the first string (key or value) that is not valid Unicode text."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        sub = f"{path}.{key}" if path else str(key)
+        found = _lone_surrogate(key, sub) if isinstance(key, str) else None
+        found = found if found is not None else _lone_surrogate(value, sub)
+        if found is not None:
+            return found
+    return None
 
 
 def validate_completion(body: dict[str, Any]) -> CompletionRequest:

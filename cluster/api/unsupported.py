@@ -73,6 +73,7 @@ CHAT: dict[str, Unsupported] = {
     "modalities": _u(["text"], reason=NOT_SERVED),
     "prediction": _u(reason=NOT_SERVED),
     "web_search_options": _u(reason=NOT_SERVED),
+    "verbosity": _u(reason=NOT_SERVED),
 }
 
 
