@@ -11,8 +11,8 @@ import json
 import openai
 import pytest
 
-from tests.cluster.api.scripted_model import (HERMES_ANSWER, HERMES_CALLS, HERMES_REASONING, TOOLS, WEATHER_TOOL,
-                                              XML_CALLS, XML_REASONING)
+from tests.cluster.api.scripted_model import (CONTINUE, HERMES_ANSWER, HERMES_CALLS, HERMES_REASONING, TOOLS,
+                                              WEATHER_TOOL, XML_CALLS, XML_REASONING)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 USER = [{"role": "user", "content": "Weather in Paris, and the time?"}]
@@ -20,7 +20,8 @@ USER = [{"role": "user", "content": "Weather in Paris, and the time?"}]
 
 @pytest.fixture(scope="module")
 def hermes(deployed, scripted_hermes_dir):
-    app = deployed("tools-hermes", str(scripted_hermes_dir), args={"model_name": "scripted"})
+    app = deployed("tools-hermes", str(scripted_hermes_dir), args={"model_name": "scripted"},
+                   overrides={"server": {"trust_request_chat_template": True}})
     return openai.OpenAI(base_url=app.openai_base, api_key="none", max_retries=0, timeout=60)
 
 
@@ -79,3 +80,22 @@ def test_xml_tool_calls(xml):
     assert calls(out.choices[0].message) == XML_CALLS
     assert out.choices[0].message.model_extra["reasoning_content"] == XML_REASONING
     assert streamed(xml, "scripted-xml", tools=[WEATHER_TOOL]) == (XML_REASONING, "", XML_CALLS, "tool_calls")
+
+
+def test_template_options_through_serve(hermes):
+    """parallel_tool_calls, include_reasoning, continue_final_message, a request's own template."""
+    one = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS, parallel_tool_calls=False)
+    assert calls(one.choices[0].message) == HERMES_CALLS[:1]
+    hidden = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS,
+                                            extra_body={"include_reasoning": False})
+    assert hidden.choices[0].message.model_extra["reasoning_content"] is None
+    more = hermes.chat.completions.create(
+        model="scripted", messages=USER + [{"role": "assistant", "content": CONTINUE}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert more.choices[0].message.content == " the forecast for you."
+    own = hermes.chat.completions.create(
+        model="scripted", messages=USER, max_tokens=3,
+        extra_body={"chat_template": "{{ messages[0].content + ' ' }}", "return_token_ids": True})
+    plain = hermes.chat.completions.create(model="scripted", messages=USER, max_tokens=3,
+                                           extra_body={"return_token_ids": True})
+    assert own.model_extra["prompt_token_ids"] != plain.model_extra["prompt_token_ids"]

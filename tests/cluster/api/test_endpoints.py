@@ -218,3 +218,14 @@ def test_max_completion_tokens_bounds_chat(app):
     body = app.call("POST", "/v1/chat/completions", json={"messages": USER, "max_completion_tokens": 3,
                                                           "max_tokens": 9, "ignore_eos": True}).json()
     assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_error_objects_always_encode():
+    """An error quoting text that is not valid Unicode is still a JSON error object, not a 500."""
+    import json
+
+    from cluster.api.errors import OpenAIError
+    from cluster.api.http_api import error_response
+
+    r = error_response(OpenAIError("unknown model `\udcff`", status=404, param="model\udcff"))
+    assert r.status_code == 404 and json.loads(r.body)["error"]["message"] == "unknown model `\udcff`"
