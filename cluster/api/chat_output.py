@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.api.reasoning import ReasoningSplitter
-from cluster.api.tool_parsers import ToolCallDelta, make_tool_parser
+from cluster.api.tool_choice import ForcedToolParser
+from cluster.api.tool_parsers import ToolCallDelta, ToolCallParser, make_tool_parser
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,12 @@ class ChatOutputSpec:
     tool_parser: str | None = None            # parse tool calls in this format (tool_choice auto)
     tool_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     parallel_tool_calls: bool = True          # False: only the first call is returned
+    forced: bool = False                      # the output is constrained JSON (tool_choice.forced_schema)
+    forced_name: str | None = None            # ... the arguments of this function; None: required
 
     @property
     def parses(self) -> bool:
-        return self.reasoning or self.tool_parser is not None
+        return self.reasoning or self.tool_parser is not None or self.forced
 
 
 @dataclass
@@ -62,11 +65,17 @@ class ChatOutputParser:
     def __init__(self, spec: ChatOutputSpec) -> None:
         self.spec = spec
         self._reasoning = ReasoningSplitter(spec.starts_in_reasoning) if spec.reasoning else None
-        self._tools = make_tool_parser(spec.tool_parser, spec.tool_params) if spec.tool_parser else None
+        self._tools: ToolCallParser | ForcedToolParser | None = None
+        if spec.forced:
+            self._tools = ForcedToolParser(spec.forced_name)
+        elif spec.tool_parser:
+            self._tools = make_tool_parser(spec.tool_parser, spec.tool_params)
 
     @property
     def called_tools(self) -> bool:
-        return self._tools is not None and self._tools.num_calls > 0
+        """The model chose to call tools (``finish_reason: tool_calls``); a named function
+        the request forced is not a choice (OpenAI finishes those with ``stop``)."""
+        return self._tools is not None and self._tools.num_calls > 0 and self.spec.forced_name is None
 
     def feed(self, text: str) -> MessageDelta:
         reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)

@@ -137,3 +137,38 @@ def test_message_from_reasoning_and_calls():
     assert len(first["tool_calls"]) == 1
     hidden, _ = parse_message(ChatOutputSpec(reasoning=True, include_reasoning=False), "<think>x</think>y")
     assert hidden == {"role": "assistant", "content": "y", "reasoning_content": None}
+
+
+def test_forced_schema_for_a_named_function_and_required():
+    from cluster.api.tool_choice import forced_schema
+
+    params = TOOLS[0]["function"]["parameters"]
+    assert forced_schema(TOOLS, "get_weather", True) == params
+    required = forced_schema(TOOLS, None, parallel=False)
+    assert required["type"] == "array" and required["minItems"] == required["maxItems"] == 1
+    names = [item["properties"]["name"]["enum"] for item in required["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]] and "maxItems" not in forced_schema(TOOLS, None, True)
+    nested = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}}}]
+    assert forced_schema(nested, "f", True)["$defs"] == {"P": {"type": "integer"}}
+    assert forced_schema(nested, None, True)["$defs"] == {"P": {"type": "integer"}}
+    clash = nested + [{"type": "function", "function": {"name": "g", "parameters": {"$defs": {"P": {}}}}}]
+    with pytest.raises(Exception, match="differently"):
+        forced_schema(clash, None, True)
+
+
+@pytest.mark.parametrize("named,text,expected", [
+    ("get_weather", '{"city": "Paris"}', [("get_weather", '{"city": "Paris"}')]),
+    (None, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
+     [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+])
+def test_forced_output_reads_as_tool_calls_in_any_split(named, text, expected):
+    from cluster.api.tool_choice import ForcedToolParser
+
+    assert run(ForcedToolParser(named), [text]) == ("", expected)
+    for pieces in splits(text, seed=3, count=100):
+        assert run(ForcedToolParser(named), pieces) == ("", expected)
+    spec = ChatOutputSpec(reasoning=False, forced=True, forced_name=named)
+    message, called = parse_message(spec, text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == expected
+    assert message["content"] is None and called == (named is None)     # a forced function is no choice
