@@ -56,13 +56,28 @@ class ChatSetup:
     tool_parser: str | None
     reasoning_parser: str | None
     trust_request_chat_template: bool = False
+    unserved_vision: bool = False         # the checkpoint has a vision tower we do not run
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
-                      trust_request_chat_template: bool = False) -> ChatSetup:
+                      trust_request_chat_template: bool = False, model_dir: str | None = None) -> ChatSetup:
         template = template_text(tokenizer)
         return cls(template, pick_tool_parser(tool_call_parser, template),
-                   pick_reasoning_parser(reasoning_parser, template), trust_request_chat_template)
+                   pick_reasoning_parser(reasoning_parser, template), trust_request_chat_template,
+                   _unserved_vision(model_dir))
+
+
+def _unserved_vision(model_dir: str | None) -> bool:
+    """From config.json alone (``workers.loader.image_support``); False when unknown."""
+    if model_dir is None:
+        return False
+    from workers.loader import image_support
+
+    try:
+        support = image_support(model_dir)
+    except (OSError, ValueError):
+        return False
+    return support.vl_checkpoint and not support.serves_images
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ class RenderedChat:
     prompt_ids: list[int]
 
 
-def _content_text(i: int, content: Any) -> str:
+def _content_text(i: int, content: Any, setup: ChatSetup) -> str:
     if not isinstance(content, list):
         return content or ""
     texts = []
@@ -79,18 +94,20 @@ def _content_text(i: int, content: Any) -> str:
         if part.type == "text":
             texts.append(part.text or "")
         elif part.type in IMAGE_PARTS:
-            raise OpenAIError("images are not served yet: this server takes text content parts only",
-                              param=f"messages.{i}.content.{j}", code="unsupported_content")
+            why = ("this checkpoint's vision tower is not loaded, only its language model" if setup.unserved_vision
+                   else "this server takes text content parts only")
+            raise OpenAIError(f"images are not served yet: {why}", param=f"messages.{i}.content.{j}",
+                              code="unsupported_content")
         else:
             raise OpenAIError(f"content parts of type {part.type!r} are not supported (only 'text')",
                               param=f"messages.{i}.content.{j}.type", code="unsupported_content")
     return "".join(texts)
 
 
-def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
+def message_dict(i: int, m: ChatMessage, setup: ChatSetup) -> dict[str, Any]:
     """One message as the template sees it (extra fields the client sent are kept)."""
     out = m.model_dump(exclude_none=True, exclude={"content", "tool_calls"})
-    out["content"] = _content_text(i, m.content)
+    out["content"] = _content_text(i, m.content, setup)
     if m.tool_calls:
         calls = []
         for j, call in enumerate(m.tool_calls):
@@ -132,7 +149,7 @@ def _template_kwargs(fields: ChatPromptFields, template: str | None) -> dict[str
 
 
 def render_chat(fields: ChatPromptFields, tokenizer: Any, setup: ChatSetup) -> RenderedChat:
-    messages = [message_dict(i, m) for i, m in enumerate(fields.messages)]
+    messages = [message_dict(i, m, setup) for i, m in enumerate(fields.messages)]
     template = _template(fields, setup)
     kwargs = _template_kwargs(fields, template)
     tools = [t.model_dump(exclude_none=True) for t in fields.tools] if fields.tools else None

@@ -87,7 +87,7 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.settings = settings
         self.chat_setup = ChatSetup.for_tokenizer(tokenizer, settings.tool_call_parser, settings.reasoning_parser,
-                                                  settings.trust_request_chat_template)
+                                                  settings.trust_request_chat_template, settings.model_root)
         self._info: ModelInfo | None = None
 
     async def model_info(self) -> ModelInfo:

@@ -69,7 +69,7 @@ def _result_line(entry: _Entry, body: dict[str, Any] | None) -> dict[str, Any]:
 def run_batch(llm: LLM, lines: Iterable[str], model_name: str) -> list[dict[str, Any]]:
     s = llm.config.server
     setup = ChatSetup.for_tokenizer(llm.tokenizer, s.tool_call_parser, s.reasoning_parser,
-                                    s.trust_request_chat_template)
+                                    s.trust_request_chat_template, str(llm.config.model_dir()))
     entries = [_parse_line(line, llm, setup) for line in lines if line.strip()]
     valid = [e for e in entries if e.prepared is not None]
     prompts = [ids for e in valid for ids in e.prepared.choice_prompts()]  # type: ignore[union-attr]
