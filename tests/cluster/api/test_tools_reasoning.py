@@ -194,3 +194,14 @@ def test_documents_and_reasoning_effort_reach_a_template_that_reads_them(hermes)
         "documents": [{"title": "t", "text": "the manual"}]}).json()["tokens"]
     text = trusting.call("POST", "/detokenize", json={"tokens": ids}).json()["prompt"]
     assert text == f"effort=high doc=the manual q={USER[0]['content']}"
+
+
+def test_images_on_a_vision_checkpoint_say_its_tower_is_not_loaded(local_app, tiny_checkpoint):
+    vl = local_app(tiny_checkpoint("qwen3_5_vl"), "vl")
+    assert vl.server.chat_setup.unserved_vision
+    r = vl.call("POST", CHAT, json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages.0.content.1"
+    assert "images are not served yet" in err["message"] and "vision tower" in err["message"]
+    assert vl.call("POST", CHAT, json={"messages": USER, "max_tokens": 2}).status_code == 200   # text is served
