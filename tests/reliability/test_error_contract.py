@@ -81,9 +81,8 @@ CASES: dict[str, tuple[str, dict[str, Any] | bytes, str | None, int, str | None]
                         None),
     # what is not built is refused by name (issue 15)
     "suffix": (CMPL, {"suffix": "tail"}, JSON, 400, "suffix"),
-    "logit_bias": (CMPL, {"logit_bias": {"1": 5}}, JSON, 400, "logit_bias"),
-    "response_format (chat)": (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, JSON, 400,
-                               "response_format"),
+    "allowed_token_ids": (CMPL, {"allowed_token_ids": [1, 2]}, JSON, 400, "allowed_token_ids"),
+    "beam search (chat)": (CHAT, {"messages": USER, "use_beam_search": True}, JSON, 400, "use_beam_search"),
     "image content part": (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]}, JSON, 400, "messages.0.content.0"),
     "tools on a model without a tool format": (CHAT, {"messages": USER, "tools": [

@@ -89,7 +89,7 @@ def test_tool_calls_reasoning_and_refusals_offline(scripted_hermes_dir, tmp_path
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join([
         line("tools", "/v1/chat/completions", {"messages": user, "tools": TOOLS, "max_tokens": 64}),
-        line("bias", "/v1/chat/completions", {"messages": user, "logit_bias": {"3": 1}}),
+        line("bias", "/v1/chat/completions", {"messages": user, "suffix": "x", "audio": {"voice": "a"}}),
         line("surrogate", "/v1/completions", {"prompt": "\udcff"}),
     ]) + "\n")
     rc = main(["run-batch", "-i", str(inp), "-o", str(out), "--set", f"model={scripted_hermes_dir}",
@@ -100,5 +100,5 @@ def test_tool_calls_reasoning_and_refusals_offline(scripted_hermes_dir, tmp_path
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == HERMES_REASONING
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] \
         == HERMES_CALLS
-    assert bias["response"]["status_code"] == 400 and bias["response"]["body"]["error"]["param"] == "logit_bias"
+    assert bias["response"]["status_code"] == 400 and bias["response"]["body"]["error"]["param"] == "audio"
     assert surrogate["response"]["status_code"] == 400
