@@ -49,7 +49,7 @@ class OutputProcessor:
                 if req.params.logprobs is not None:
                     req.output_logprobs.append(logprob)
             self.stats.inc("hybridserve_generation_tokens_total")
-            stop_str = self._detok[req.request_id].append(token_id)
+            stop_str = self._detok[req.request_id].append(token_id, req.num_output_tokens >= req.params.min_tokens)
             reason = self._check_stop(req, token_id, stop_str)
             if reason is not None:
                 self.finish(req, reason)

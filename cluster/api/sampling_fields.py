@@ -84,7 +84,6 @@ class SamplingExtras(BaseModel):
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
-    guided_whitespace_pattern: None = None          # xgrammar has no whitespace patterns
 
     @field_validator("logit_bias")
     @classmethod

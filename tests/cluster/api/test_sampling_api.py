@@ -228,3 +228,16 @@ def test_run_batch_best_of_and_echo(tiny_qwen_dir):
     echo = out["echo"][0]
     assert echo["text"] == llm.tokenizer.decode([5, 6, 7, 8]) and echo["logprobs"]["token_logprobs"][0] is None
     assert len(echo["logprobs"]["tokens"]) == 4
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_min_p_and_bad_words_are_honoured(env, path):
+    base = {"max_tokens": 8, "ignore_eos": True, "return_token_ids": True, "seed": 4}
+    base.update({"prompt": [5, 6, 7, 9]} if "chat" not in path else {"messages": chat()})
+    greedy = ok(env, path, {**base, "temperature": 0})["choices"][0]["token_ids"]
+    top_only = ok(env, path, {**base, "temperature": 1.5, "min_p": 1.0})["choices"][0]["token_ids"]
+    assert top_only == greedy
+    _, _, tok = env
+    banned = greedy[2]
+    sampled = ok(env, path, {**base, "temperature": 1.0, "bad_words": [tok.decode([banned])]})["choices"][0]
+    assert banned not in sampled["token_ids"]
