@@ -63,7 +63,7 @@ HONOURED = {
     "truncate_prompt_tokens": END + "test_add_special_tokens_and_truncate_prompt_tokens",
     "add_special_tokens": END + "test_add_special_tokens_and_truncate_prompt_tokens",
     "tools": TOOLS + "test_tool_calls_and_reasoning_split_non_streamed",
-    "tool_choice": TOOLS + "test_tool_choice_none_leaves_the_text_alone",
+    "tool_choice": TOOLS + "test_tool_choice_required_is_enforced",
     "parallel_tool_calls": TOOLS + "test_parallel_tool_calls_false_keeps_the_first",
     "include_reasoning": TOOLS + "test_tool_choice_none_leaves_the_text_alone",
     "add_generation_prompt": TOOLS + "test_continue_final_message_continues_it",
