@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from kernels import OnStep, scan_varlen
+from kernels import OnStep, run_chunks, scan_varlen
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
 RECURRENT_MAX_LEN = 16
@@ -137,9 +137,16 @@ def gdn_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
 def gdn_step(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, s: Tensor) -> Tensor:
     """One token of n rows, updating ``s`` in place: q, k [n, H, K] (H value heads);
     v [n, H, V]; decay = exp(g), beta [n, H]; s [n, H, K, V] fp32 contiguous -> o [n, H, V]."""
+    s.mul_(decay[:, :, None, None])
+    return delta_rule_step(q, k, v, beta, s)
+
+
+def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, s: Tensor) -> Tensor:
+    """The delta-rule write and read of one token, on an already decayed ``s`` (in place):
+    u = beta (v - S^T k); S += k u^T; -> o = S^T q. Shapes as ``gdn_step``; shared with KDA,
+    whose decay is per key channel."""
     n, num_heads, k_dim, v_dim = s.shape
     flat = s.view(n * num_heads, k_dim, v_dim)                          # shares storage with s
-    s.mul_(decay[:, :, None, None])
     k = k.reshape(n * num_heads, k_dim, 1)
     predicted = (k.transpose(1, 2) @ flat).view(n, num_heads, v_dim)    # S^T k
     u = beta[:, :, None] * (v - predicted)                              # [n, H, V]
@@ -149,13 +156,7 @@ def gdn_step(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, s: Te
 
 def gdn_chunked(inputs: tuple[Tensor, ...], s: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
     """Chunked form of one segment: q, k [L, Hk, K]; v [L, H, V]; g, beta [L, H]; s [H, K, V]."""
-    q, k, v, g, beta = inputs
-    outs = []
-    for c0 in range(0, v.shape[0], chunk_size):
-        sl = slice(c0, c0 + chunk_size)
-        o, s = _gdn_chunk(q[sl], k[sl], v[sl], g[sl], beta[sl], s)
-        outs.append(o)
-    return torch.cat(outs, dim=0), s
+    return run_chunks(_gdn_chunk, inputs, s, chunk_size)
 
 
 def _gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
