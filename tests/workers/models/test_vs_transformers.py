@@ -37,7 +37,8 @@ def test_oracle_runs_transformers_torch_paths(tiny_model) -> None:
                if callable(fn) and "is_new_implementation" in getattr(getattr(fn, "__code__", None),
                                                                       "co_freevars", ())]
     names = {fn.__name__ for fn in wrapped}
-    assert names & {"causal_conv1d_fn", "causal_conv1d_update"}, names   # the check sees them
+    convs = {"causal_conv1d_fn", "causal_conv1d_update"} & set(vars(modeling))
+    assert convs <= names, names   # the check sees the conv wrappers (MiniMax has no conv)
     for fn in wrapped:                        # transformers' hub-kernel wrappers
         free = fn.__code__.co_freevars
         cell = fn.__closure__[free.index("is_new_implementation")]
@@ -172,11 +173,13 @@ def test_bfloat16_model_runs_and_stays_close(tiny_model_dir, our_model) -> None:
     from workers.loader import load_model
 
     model16 = load_model(tiny_model_dir, torch.bfloat16, "cpu").model
-    prompts = random_prompts(our_model.config.vocab_size, [4, 19], seed=8)
+    # 4 prompts (78 tokens): argmax flips of a random model's flat logits (an MoE's routing
+    # flips most) average out; 2 short prompts left Kimi-Linear's agreement at chance
+    prompts = random_prompts(our_model.config.vocab_size, [4, 19, 24, 31], seed=8)
     harness = Harness(model16)
     ref = Harness(our_model).prefill(prompts)
     got = harness.prefill(prompts)
-    got.append(harness.decode([5, 6])[0][None])
+    got.append(harness.decode([5, 6, 7, 8])[0][None])
     assert all(x.dtype == torch.float32 and bool(torch.isfinite(x).all()) for x in got)
     agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(ref, got)])
     assert agree.mean().item() >= 0.7
