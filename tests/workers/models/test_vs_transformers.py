@@ -143,6 +143,24 @@ VARIANTS = {
     # tied embeddings at the top level of a VL checkpoint; top-1 routing
     "qwen3_5_moe_vl_tied_top1": ("qwen3_5_moe_vl", {"tie_word_embeddings": True,
                                                     "num_experts_per_tok": 1}),
+    # low-rank queries with biases, two shared experts, no renormalisation, a tie the class ignores
+    "kimi_q_lora_bias": ("kimi_linear", {"q_lora_rank": 24, "attention_bias": True,
+                                         "n_shared_experts": 2, "norm_topk_prob": False,
+                                         "tie_word_embeddings": True}),
+    # the unbounded (softplus) KDA gate, low-rank queries, biases, another rope theta
+    "bailing_softplus_gate_q_lora": ("bailing_hybrid", {
+        "kda_safe_gate": False, "q_lora_rank": 24, "attention_bias": True,
+        "routed_scaling_factor": 1.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
+    # tied, MHA, unit residual factors, lightning blocks of 7 (transformers' blocked prefill)
+    "minimax_tied_mha_block7": ("minimax", {
+        "tie_word_embeddings": True, "num_key_value_heads": 4, "block_size": 7,
+        "full_attn_alpha_factor": 1, "full_attn_beta_factor": 1, "linear_attn_alpha_factor": 1,
+        "linear_attn_beta_factor": 1, "mlp_alpha_factor": 1, "mlp_beta_factor": 1}),
+    # NoPE (as the released checkpoints), beta in [0, 1], biases, tied, equal k/v head dims
+    "olmo_nope_tied_bias": ("olmo_hybrid", {
+        "rope_parameters": {"rope_type": "default", "rope_theta": None},
+        "linear_allow_neg_eigval": False, "attention_bias": True, "tie_word_embeddings": True,
+        "linear_value_head_dim": 16}),
 }
 
 
