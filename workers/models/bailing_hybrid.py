@@ -24,7 +24,7 @@ Config fields read: those of Kimi-Linear (``head_dim`` for ``linear_head_dim``,
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -75,8 +75,9 @@ class BailingHybridForCausalLM(HybridForCausalLM):
             name = name.replace(old, new)
         return rename_experts(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(merge_split_tensors(weights))
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        return super().checkpoint_tensors(merge_split_tensors(weights))     # q, k, v convs
 
     @property
     def mtp_refusal(self) -> str:

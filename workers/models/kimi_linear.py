@@ -27,7 +27,7 @@ Config fields read: ``hidden_size``, ``num_hidden_layers``, ``layer_types``,
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -108,5 +108,6 @@ class KimiLinearForCausalLM(HybridForCausalLM):
         name = name.replace(".block_sparse_moe.", ".mlp.").replace(".forget_gate.", ".")
         return rename_experts(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(merge_split_tensors(weights))
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        return super().checkpoint_tensors(merge_split_tensors(weights))     # q, k, v convs

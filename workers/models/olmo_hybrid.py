@@ -30,7 +30,7 @@ the ``linear_a_log_*`` / ``linear_dt_*`` init ranges, dropout, init.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -167,5 +167,6 @@ class OlmoHybridForCausalLM(HybridForCausalLM):
         return (name.replace(".attention_layer_norm.", ".input_layernorm.")
                 .replace(".feedforward_layer_norm.", ".post_attention_layernorm."))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(merge_split_tensors(weights))
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        return super().checkpoint_tensors(merge_split_tensors(weights))     # q, k, v convs
