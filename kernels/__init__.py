@@ -2,7 +2,8 @@
 kernels for every op (recurrent ops, norms, paged attention), and FlashInfer for attention on
 CUDA where it is installed and built for the head dim.
 
-Every op is a package (``gdn``, ``ssd``, ``conv1d``, ``norm``, ``attention``) whose
+Every op is a package (``gdn``, ``kda``, ``ssd``, ``lightning`` (SSD with lightning
+attention's arguments), ``conv1d``, ``norm``, ``attention``, ``mla``) whose
 ``__init__`` holds the public function and asks ``kernels.backend`` which implementation to
 run: ``reference`` (torch), ``triton_*`` (imported lazily, on first use) or
 ``flashinfer_backend``. ``HYBRIDSERVE_KERNEL_BACKEND=auto|torch|triton`` (``auto``: the GPU
