@@ -49,7 +49,7 @@ def gated_delta_rule_varlen_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
                                    use_qk_l2norm: bool, chunk_size: int,
                                    state_dst_slots: Tensor | None) -> Tensor:
     check_shapes(q, k, v, g, beta, states)
-    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
+    qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     inputs = (qf, kf, v.float(), g.float(), beta.float())
     scan_varlen(inputs, out, states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots,
@@ -63,7 +63,7 @@ def gated_delta_rule_update_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     """One token per sequence, every initial state present: gather the live slots once, one
     ``gdn_step`` (the varlen recurrence's own step, so the results are bitwise equal), scatter."""
     check_shapes(q, k, v, g, beta, states)
-    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
+    qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
     num_heads = v.shape[1]
     slots = slot_ids.long()
     s = states[slots].float()                                           # a copy [B, H, K, V]
@@ -81,7 +81,7 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     each followed by its snapshot write -- what the varlen path does for such a batch,
     without building its plan (bitwise equal)."""
     check_shapes(q, k, v, g, beta, states)
-    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
+    qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
     num_seqs, num_heads = slot_ids.shape[0], v.shape[1]
     slots = slot_ids.long()
     s = states[slots].float()                                           # a copy [B, H, K, V]
@@ -99,8 +99,9 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     return torch.stack(outs, dim=1).reshape(v.shape).to(v.dtype)
 
 
-def _normalized_qk(q: Tensor, k: Tensor, scale: float | None,
-                   use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+def normalized_qk(q: Tensor, k: Tensor, scale: float | None,
+                  use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    """fp32 q, k; l2-normalised over K when asked; q times ``scale`` (default K**-0.5)."""
     qf, kf = q.float(), k.float()
     if use_qk_l2norm:
         qf, kf = l2norm(qf), l2norm(kf)

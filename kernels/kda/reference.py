@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from kernels import OnStep, run_chunks, scan_varlen
-from kernels.gdn.reference import delta_rule_step, l2norm
+from kernels.gdn.reference import delta_rule_step, normalized_qk
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
 RECURRENT_MAX_LEN = 16
@@ -40,15 +40,6 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}, "
                          f"states {tuple(states.shape)}")
-
-
-def normalized_qk(q: Tensor, k: Tensor, scale: float | None,
-                  use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
-    """fp32 q, k; l2-normalised over K when asked; q times ``scale`` (default K**-0.5)."""
-    qf, kf = q.float(), k.float()
-    if use_qk_l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    return qf * (scale if scale is not None else q.shape[-1] ** -0.5), kf
 
 
 def kda_varlen_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,

@@ -1,9 +1,9 @@
 """OLMo Hybrid (``OlmoHybridForCausalLM``): Gated DeltaNet + OLMo-3 attention, dense MLPs.
 
 ``linear_attention`` layers are pre-norm (``input_layernorm``, ``post_attention_layernorm``)
-around ``linear_attn``: Qwen3-Next's Gated DeltaNet math (``kernels.gdn`` as it is) with
-separate projections ``q_proj``, ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``, the output
-gate ``g_proj``, ``beta = 2 sigmoid(b)`` when ``linear_allow_neg_eigval`` (negative
+around ``linear_attn``: Qwen3-Next's Gated DeltaNet math (``kernels.gdn`` as it is; the layer
+is Qwen3.5's unfused one under OLMo's names) with separate projections ``q_proj``, ``k_proj``,
+``v_proj``, ``a_proj``, ``b_proj``, the output gate ``g_proj``, ``beta = 2 sigmoid(b)`` when ``linear_allow_neg_eigval`` (negative
 eigenvalues of the transition), the output norm's eps fixed at 1e-5 (transformers' choice)
 and ``o_proj``. ``full_attention`` layers are post-norm, OLMo-3's:
 
@@ -38,49 +38,32 @@ from torch import nn
 
 from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCausalLM,
                                  check_hybrid_layer_types, default_rope)
-from workers.models.gated_deltanet import GatedDeltaNet, GdnDims
-from workers.models.layers import (Attention, AttentionDims, CausalConv1d, DenseMLP, GatedRMSNorm,
-                                   LayerContext, RMSNorm, RotaryEmbedding, linear, param)
+from workers.models.gated_deltanet import GdnDims, SplitGatedDeltaNet
+from workers.models.layers import (Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm,
+                                   RotaryEmbedding)
 from workers.models.weights import WeightTarget, merge_split_tensors, whole
 from workers.state_spec import StateRef, StateSites
 
 GDN_NORM_EPS = 1e-5
 
 
-class OlmoGatedDeltaNet(GatedDeltaNet):
-    """GatedDeltaNet's forward over OLMo's separate projections (see the module docstring)."""
-
-    def __init__(self, dims: GdnDims, dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)
-        dims.validate()
-        self.dims = dims
-        key_dim, value_dim = dims.num_k_heads * dims.k_head_dim, dims.num_v_heads * dims.v_head_dim
-        self.q_proj = linear(dims.hidden_size, key_dim, False, dtype)
-        self.k_proj = linear(dims.hidden_size, key_dim, False, dtype)
-        self.v_proj = linear(dims.hidden_size, value_dim, False, dtype)
-        self.a_proj = linear(dims.hidden_size, dims.num_v_heads, False, dtype)
-        self.b_proj = linear(dims.hidden_size, dims.num_v_heads, False, dtype)
-        self.g_proj = linear(dims.hidden_size, value_dim, False, dtype)
-        self.conv1d = CausalConv1d(dims.conv_dim, dims.conv_kernel, False, dtype)
-        self.dt_bias = param(dims.num_v_heads, dtype=dtype)
-        self.A_log = param(dims.num_v_heads, dtype=dtype)
-        self.norm = GatedRMSNorm(dims.v_head_dim, dims.eps, dtype, group_size=None,
-                                 norm_before_gate=True)
-        self.out_proj = linear(value_dim, dims.hidden_size, False, dtype)
-
-    def split_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        d, num_tokens = self.dims, hidden.shape[0]
-        mixed_qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)
-        z = self.g_proj(hidden).view(num_tokens, d.num_v_heads, d.v_head_dim)
-        return mixed_qkv, z, self.b_proj(hidden), self.a_proj(hidden)
+class OlmoGatedDeltaNet(SplitGatedDeltaNet):
+    """Qwen3.5's unfused GDN under OLMo's names: ``in_proj_qkv`` = [q_proj | k_proj | v_proj],
+    ``in_proj_z`` = ``g_proj``, ``in_proj_b`` / ``in_proj_a`` = ``b_proj`` / ``a_proj``,
+    ``norm`` / ``out_proj`` = ``o_norm`` / ``o_proj``; so it shards as Qwen3.5's does."""
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """``conv1d.weight`` is the q, k, v convs merged (``weights.merge_split_tensors``)."""
-        names = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "conv1d")
-        targets = {f"{prefix}{n}.weight": whole(getattr(self, n).weight) for n in names}
-        targets.update({f"{prefix}A_log": whole(self.A_log), f"{prefix}dt_bias": whole(self.dt_bias),
-                        f"{prefix}o_norm.weight": whole(self.norm.weight),
-                        f"{prefix}o_proj.weight": whole(self.out_proj.weight)})
+        d = self.dims
+        key_dim = d.num_k_heads * d.k_head_dim
+        qkv = self.in_proj_qkv.weight
+        parts = {"q_proj": qkv[:key_dim], "k_proj": qkv[key_dim:2 * key_dim],
+                 "v_proj": qkv[2 * key_dim:], "g_proj": self.in_proj_z.weight,
+                 "b_proj": self.in_proj_b.weight, "a_proj": self.in_proj_a.weight,
+                 "conv1d": self.conv1d.weight, "o_norm": self.norm.weight,
+                 "o_proj": self.out_proj.weight}
+        targets = {f"{prefix}{name}.weight": whole(t) for name, t in parts.items()}
+        targets.update({f"{prefix}A_log": whole(self.A_log), f"{prefix}dt_bias": whole(self.dt_bias)})
         return targets
 
 

@@ -1,4 +1,4 @@
-"""Sharding the mixers of Kimi-Linear, BailingHybrid, MiniMax and OLMo Hybrid (see
+"""Sharding the mixers of Kimi-Linear, BailingHybrid, MiniMax and OLMo Hybrid's attention (see
 ``shard_layers`` for the conventions: contiguous head ranges, column / row parallel
 projections, the caller's all-reduce after the layer).
 
@@ -10,8 +10,8 @@ projections, the caller's all-reduce after the layer).
   pool holds the whole latent of every token (as MLA under TP does).
 - Lightning attention: by heads (``qkv_proj`` per head [q|k|v], ``output_gate``, the slopes;
   ``out_proj`` row); its norm spans all heads, so it becomes a ``CrossRankRMSNorm``.
-- OLMo's attention: as attention, with its whole-width q/k norms made ``CrossRankRMSNorm``s;
-  OLMo's Gated DeltaNet: by key-head groups as ``shard_gdn``, over its separate projections.
+- OLMo's attention: as attention, with its whole-width q/k norms made ``CrossRankRMSNorm``s
+  (OLMo's Gated DeltaNet is Qwen3.5's layer and shards as ``shard_gdn`` does).
 
 ``SHARDERS`` / ``CHECKS`` map each of these classes (exactly: some subclass a shared kind)
 to its shard function and to the counts a split must divide (config names).
@@ -28,7 +28,7 @@ from torch import nn
 from workers.models.kda import KimiDeltaAttention
 from workers.models.lightning import LightningAttention
 from workers.models.mla import LatentAttention
-from workers.models.olmo_hybrid import OlmoAttention, OlmoGatedDeltaNet
+from workers.models.olmo_hybrid import OlmoAttention
 from workers.tp.comm import Comm
 from workers.tp.shard_layers import Part, _set, _take, column, part, row, shard_attention
 
@@ -101,30 +101,10 @@ def shard_olmo_attention(m: OlmoAttention, rank: int, world: int, comm: Comm) ->
     m.k_norm = split_norm(m.k_norm, Part(*kv.scaled(d.head_dim)), comm)
 
 
-def shard_olmo_gdn(m: OlmoGatedDeltaNet, rank: int, world: int, comm: Comm) -> None:
-    d = m.dims
-    kh = part(d.num_k_heads, rank, world, "GDN key heads (linear_num_key_heads)")
-    r, dk, dv = d.heads_per_group, d.k_head_dim, d.v_head_dim
-    vh = Part(kh.start * r, kh.stop * r)
-    for proj in (m.q_proj, m.k_proj):
-        column(proj, [kh.scaled(dk)])
-    for proj in (m.v_proj, m.g_proj):
-        column(proj, [vh.scaled(dv)])
-    for proj in (m.a_proj, m.b_proj):
-        column(proj, [vh])
-    key_dim = d.num_k_heads * dk
-    _set(m.conv1d, "weight", _take(m.conv1d.weight, 0, [kh.scaled(dk), kh.scaled(dk, key_dim),
-                                                         vh.scaled(dv, 2 * key_dim)]))
-    _set(m, "dt_bias", _take(m.dt_bias, 0, [vh]))
-    _set(m, "A_log", _take(m.A_log, 0, [vh]))
-    row(m.out_proj, [vh.scaled(dv)], rank)
-    m.dims = replace(d, num_k_heads=kh.size, num_v_heads=vh.size)
-
-
 Sharder = Callable[[Any, int, int, Comm], None]
 SHARDERS: dict[type, Sharder] = {
     KimiDeltaAttention: shard_kda, LatentAttention: shard_mla, LightningAttention: shard_lightning,
-    OlmoAttention: shard_olmo_attention, OlmoGatedDeltaNet: shard_olmo_gdn,
+    OlmoAttention: shard_olmo_attention,
 }
 CHECKS: dict[type, Callable[[Any], list[tuple[int, str]]]] = {
     KimiDeltaAttention: lambda m: [(m.dims.num_heads, "linear_num_heads")],
@@ -132,5 +112,4 @@ CHECKS: dict[type, Callable[[Any], list[tuple[int, str]]]] = {
     LightningAttention: lambda m: [(m.dims.num_heads, "num_attention_heads")],
     OlmoAttention: lambda m: [(m.dims.num_heads, "num_attention_heads"),
                               (m.dims.num_kv_heads, "num_key_value_heads")],
-    OlmoGatedDeltaNet: lambda m: [(m.dims.num_k_heads, "linear_num_key_heads")],
 }
