@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from workers.models.base import (HybridDecoderLayer, HybridForCausalLM, check_hybrid_layer_types,
                                  default_rope)
@@ -79,12 +80,11 @@ class BailingHybridForCausalLM(HybridForCausalLM):
                            ) -> Iterator[tuple[str, torch.Tensor]]:
         return super().checkpoint_tensors(merge_split_tensors(weights))     # q, k, v convs
 
-    @property
-    def mtp_refusal(self) -> str:
-        """Why ``spec.method: mtp`` is refused when the checkpoint has MTP layers ("" if none)."""
+    def build_mtp_head(self, kv_index: int) -> nn.Module:
+        """Refused: with MTP layers in the checkpoint, saying why (see the module docstring)."""
         if not self.mtp_weights:
-            return ""
-        return (f"spec.method 'mtp' is not supported for BailingHybrid (num_mtp_layers="
-                f"{getattr(self.config, 'num_mtp_layers', 0)}, {len(self.mtp_weights)} tensors "
-                "after the decoder layers): transformers 5.24 ignores them and defines no layout "
-                "to check them against")
+            return super().build_mtp_head(kv_index)
+        raise ValueError(f"spec.method 'mtp' is not supported for BailingHybrid (num_mtp_layers="
+                         f"{getattr(self.config, 'num_mtp_layers', 0)}, {len(self.mtp_weights)} tensors "
+                         "after the decoder layers): transformers 5.24 ignores them and defines no "
+                         "layout to check them against")
