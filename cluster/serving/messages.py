@@ -77,3 +77,5 @@ class ReplicaStats:
     has_unfinished: bool                  # the engine still holds requests
     pools: dict[str, int]                 # free/used/usable KV pages and Mamba slots
     counters: dict[str, object] = field(default_factory=dict)  # EngineStats.snapshot()
+    loop: dict[str, float] = field(default_factory=dict)       # EngineLoop.times: steps, step wall and CPU s
+    pid: int = 0                          # the replica's process (per-process CPU in the hop bench)

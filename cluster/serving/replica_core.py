@@ -14,6 +14,7 @@ with an engine that does not have them yet (they are reported as absent, not fak
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -164,10 +165,11 @@ class ReplicaCore:
 
     async def stats(self, replica_id: str, label: str) -> ReplicaStats:
         num_streams = self.loop.num_streams   # read here, on the event loop's thread
+        times = dict(self.loop.times._asdict())
 
         def read(engine: Any) -> ReplicaStats:
             return ReplicaStats(replica_id, label, num_streams, bool(engine.has_unfinished()),
-                                pool_counts(engine), engine.stats.snapshot())
+                                pool_counts(engine), engine.stats.snapshot(), times, os.getpid())
 
         return await self.loop.run(read)
 

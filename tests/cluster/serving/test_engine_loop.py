@@ -175,3 +175,23 @@ def test_indivisible_tensor_parallel_is_refused_with_a_clear_error():
         check_supported(config)
     with pytest.raises(ValueError, match="tensor_parallel_size=4"):
         build_engine(config)
+
+
+def test_the_engine_steps_while_the_event_loop_is_busy():
+    """The engine thread never waits for the event loop between steps (it used to: one
+    executor call per step, so a busy replica loop left the engine idle)."""
+    async def go():
+        engine = FakeEngine(step_s=0.005)
+        loop = await EngineLoop.create(lambda: engine)
+        gen = ReplicaCore(loop, load_config()).generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=10_000)]))
+        assert isinstance(await gen.__anext__(), Accepted)
+        await gen.__anext__()
+        before = engine.steps
+        time.sleep(0.3)                           # the event loop is blocked (a busy replica)
+        during = engine.steps - before
+        await gen.aclose()
+        await loop.shutdown()
+        return during, loop.times
+    during, times = run(go())
+    assert during >= 10, during                   # ~60 at 5 ms a step; at most 1 if it waited
+    assert times.num_steps >= during and times.step_wall_s >= 0.005 * during
