@@ -200,8 +200,8 @@ def through_serve(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     """The per-hop table: us per token of each layer and what it adds to the one below."""
-    best = result["in_process"]["tok_s"]
-    rates = {name: best[name] for name in LAYERS}
+    best = result.get("in_process", {}).get("tok_s", {})
+    rates = {name: best[name] for name in LAYERS if name in best}
     if "serve" in result:
         rates["http (Ray Serve)"] = result["serve"]["tok_s"]
     lines = [f"{'layer':<18}{'tok/s':>9}{'us/token':>10}{'hop us':>9}", "-" * 46]
@@ -210,8 +210,9 @@ def report(result: dict[str, Any]) -> str:
         us = 1e6 / rate
         lines.append(f"{name:<18}{rate:>9.1f}{us:>10.0f}{'' if prev is None else f'{us - prev:+9.0f}'}")
         prev = us
-    lines.append(f"client parse (CPU): {best['client_parse_us']:.1f} us/token; engine idle between steps "
-                 f"(in process): replica {best['replica_gap_us']:.1f}, ingress {best['ingress_gap_us']:.1f} us/token")
+    if best:
+        lines.append(f"client parse (CPU): {best['client_parse_us']:.1f} us/token; engine idle between steps "
+                     f"(in process): replica {best['replica_gap_us']:.1f}, ingress {best['ingress_gap_us']:.1f} us/token")
     if "serve" in result:
         s = result["serve"]
         lines.append(f"engine steps in the replica: {s['engine_step_wall_us_per_token']} us/token wall, "
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--stream-interval-s", type=float, default=0.05, help="the replicas' stream batching")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the suite's bench model)")
     ap.add_argument("--no-serve", action="store_true", help="only the in-process layers (no Ray)")
+    ap.add_argument("--serve-only", action="store_true", help="only the Ray Serve path")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1:
@@ -246,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"args": vars(args), "loadavg_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else inproc.make_bench_model(Path(tmp) / "bench-15m")
-        result["in_process"] = asyncio.run(in_process(model, args))
+        if not args.serve_only:
+            result["in_process"] = asyncio.run(in_process(model, args))
         if not args.no_serve:
             result["serve"] = through_serve(model, args)
     result["loadavg_end"] = os.getloadavg()
