@@ -44,6 +44,18 @@ LAYERS = ("bare", "engine", "replica", "ingress")        # in process, each on t
 EXTRA = ("client_parse_us", "replica_gap_us", "ingress_gap_us")   # us per output token
 
 
+def pacing(args: argparse.Namespace) -> Any:
+    """The replicas' ``StreamPacing``: ``ReplicaOptions``' defaults but for the flags given."""
+    from cluster.serving.replica import ReplicaOptions
+    from cluster.serving.replica_core import StreamPacing
+
+    given = {"stream_interval_s": args.stream_interval_s}
+    if args.stream_items_per_s is not None:
+        given["stream_items_per_s"] = args.stream_items_per_s
+    opts = ReplicaOptions(**given)
+    return StreamPacing(opts.stream_interval_s, opts.stream_items_per_s, opts.max_stream_interval_s)
+
+
 def _prompts(seed: int, batch: int, prompt_len: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(16, 500) for _ in range(prompt_len)] for _ in range(batch)]
@@ -115,7 +127,7 @@ async def in_process(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     engine_cfg = {**inproc.CPU, "cache": {"max_kv_tokens": 16384}}
     bare_llm, engine_llm = (LLM(model=str(model), **engine_cfg) for _ in range(2))
     config = load_config(overrides={**engine_cfg, "model": str(model)})
-    core = await ReplicaCore.create(config, args.stream_interval_s)
+    core = await ReplicaCore.create(config, pacing(args))
     server = OpenAIServer(LocalEngineClient(core, "hops"), core.loop.engine.tokenizer,
                           ServerSettings.from_config(config, "hops"))
     samples: dict[str, list[float]] = {name: [] for name in (*LAYERS, *EXTRA)}
@@ -175,6 +187,8 @@ def _serve_run(app: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     loop = {k: rep1["loop"][k] - rep0["loop"][k] for k in rep1["loop"]}
     cpu_ms = {k: round(1e3 * v / tokens, 3) for k, v in sorted(per_role.items())}
     return {"tok_s": args.batch / (res.metrics.tpot_ms.mean / 1000), "tokens": tokens,
+            "itl_ms_median": round(res.metrics.itl_ms.median, 1),
+            "items_per_request": round(sum(len(r.itl) + 1 for r in res.records) / len(res.records), 1),
             "cpu_ms_per_token": cpu_ms, "top_threads_ms_per_token": threads,
             "engine_step_wall_us_per_token": round(1e6 * loop["step_wall_s"] / tokens, 1),
             "engine_step_cpu_us_per_token": round(1e6 * loop["step_cpu_s"] / tokens, 1),
@@ -187,8 +201,10 @@ def through_serve(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     from cluster.bench.suite_sections import REPLICA, _warm
 
     engine = {**inproc.CPU, "model": str(model), "cache": {"max_kv_tokens": 16384}}
+    p = pacing(args)
     with LocalCluster() as cluster:
-        app = cluster.deploy("hops", engine, "hybrid_prefix", {**REPLICA, "stream_interval_s": args.stream_interval_s})
+        app = cluster.deploy("hops", engine, "hybrid_prefix", {**REPLICA, "stream_interval_s": p.interval_s,
+                                                                  "stream_items_per_s": p.items_per_s})
         try:
             _warm(app)
             runs = [_serve_run(app, args, 200 + r) for r in range(args.repeats)]
@@ -215,6 +231,7 @@ def report(result: dict[str, Any]) -> str:
                      f"(in process): replica {best['replica_gap_us']:.1f}, ingress {best['ingress_gap_us']:.1f} us/token")
     if "serve" in result:
         s = result["serve"]
+        lines.append(f"stream items per request {s['items_per_request']}, ITL median {s['itl_ms_median']} ms")
         lines.append(f"engine steps in the replica: {s['engine_step_wall_us_per_token']} us/token wall, "
                      f"{s['engine_step_cpu_us_per_token']} us/token CPU of the stepping thread (with overlap the "
                      f"forward runs on another), idle between steps "
@@ -234,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--stream-interval-s", type=float, default=0.05, help="the replicas' stream batching")
+    ap.add_argument("--stream-items-per-s", type=float, default=None,
+                    help="the replicas' item budget, all streams together (default: ReplicaOptions'; 0: none)")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the suite's bench model)")
     ap.add_argument("--no-serve", action="store_true", help="only the in-process layers (no Ray)")
     ap.add_argument("--serve-only", action="store_true", help="only the Ray Serve path")

@@ -23,7 +23,7 @@ from ray import serve
 
 from cluster.actors import get_index_actor, get_metrics_actor
 from cluster.serving.messages import GenerateRequest, ModelInfo
-from cluster.serving.replica_core import ReplicaCore, StreamItem, drain_cache_events
+from cluster.serving.replica_core import ReplicaCore, StreamItem, StreamPacing, drain_cache_events
 from configs.schema import HybridServeConfig
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ class ReplicaOptions(BaseModel):
     health_check_timeout_s: float = Field(30.0, gt=0)
     graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
-    stream_interval_s: float = Field(0.05, ge=0)   # stream batching (ReplicaCore); 0: every step
+    stream_interval_s: float = Field(0.05, ge=0)   # stream batching (StreamPacing); 0: every step
+    stream_items_per_s: float = Field(100.0, ge=0)  # all streams together; 0: no budget
+    max_stream_interval_s: float = Field(0.25, ge=0)
     forget_after_s: float = Field(30.0, gt=0)
 
 
@@ -64,7 +66,9 @@ class EngineReplica:
         self._replica_id = ctx.replica_id.to_full_id_str()
         rank = getattr(ctx, "rank", None)
         self._label = str(rank.rank) if rank is not None else ctx.replica_tag
-        self._core = await ReplicaCore.create(self._config, self._opts.stream_interval_s)
+        pacing = StreamPacing(self._opts.stream_interval_s, self._opts.stream_items_per_s,
+                              self._opts.max_stream_interval_s)
+        self._core = await ReplicaCore.create(self._config, pacing)
         self._index = get_index_actor(ctx.app_name, self._opts.forget_after_s)
         self._metrics = get_metrics_actor(ctx.app_name, self._config.server.host, self._config.metrics.port)
         self._lock = asyncio.Lock()         # orders event pushes against flush + clear
