@@ -79,6 +79,9 @@ def test_cuda_attention_rules(installed, monkeypatch):
             (torch.bfloat16, 80): backend.AttentionImpl.TRITON, (torch.float32, 128): backend.AttentionImpl.TRITON}
     with backend.use_backend("auto"):
         got = {key: backend.attention_impl(_cuda_query(*key)) for key in want}
+        # a sliding window (Lfm3) never takes FlashInfer
+        assert backend.attention_impl(_cuda_query(torch.bfloat16, 128), windowed=True) \
+            is backend.AttentionImpl.TRITON
     assert got == want
     with backend.use_backend("triton"):
         assert backend.attention_impl(_cuda_query(torch.bfloat16, 128)) is backend.AttentionImpl.TRITON
