@@ -61,6 +61,32 @@ def find_tile_seq(cu_seqlens, num_seqs, i_tile, BQ: tl.constexpr):
 
 
 @triton.jit
+def dot(a, b, F32_DOTS: tl.constexpr):
+    """``tl.dot``, in IEEE fp32 precision (no tf32) when ``F32_DOTS``."""
+    if F32_DOTS:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def first_visible_key(first_q_pos, window, HAS_WINDOW: tl.constexpr):
+    """The first key position a tile whose earliest query sits at ``first_q_pos`` reads."""
+    if HAS_WINDOW:
+        return tl.maximum(first_q_pos - window + 1, 0)
+    return first_q_pos * 0
+
+
+@triton.jit
+def visible_keys(pos, m_pos, q_pos, window, HAS_WINDOW: tl.constexpr):
+    """[BM, BN]: key ``pos`` (in the context where ``m_pos``) is visible to query row
+    ``q_pos``: causal, and within the last ``window`` positions when windowed."""
+    visible = m_pos[None, :] & (pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
+    return visible
+
+
+@triton.jit
 def paged_attention_kernel(
     q, k_pool, v_pool, o,                   # q, o [T, HQ, D]; pools [L, HKV, D]; contiguous
     page_table, cu_seqlens, seq_lens,       # int32 [B, stride_pt] / [B + 1] / [B]
@@ -90,9 +116,7 @@ def paged_attention_kernel(
             b_q = b_q.to(tl.float32)                 # k, v follow b_q's dtype
         q_pos = prefix + tok                         # [BM] absolute positions
         kv_end = prefix + tl.minimum(q0 + BQ, q_len)  # keys 0 .. kv_end - 1 are visible to some row
-        kv_start = kv_end * 0
-        if HAS_WINDOW:                               # the tile's first query sees no key before this
-            kv_start = tl.maximum(prefix + q0 - window + 1, 0)
+        kv_start = first_visible_key(prefix + q0, window, HAS_WINDOW)
         m_i = tl.full([BM], -1.0e30, dtype=tl.float32)   # finite: no inf - inf below
         l_i = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, BD], dtype=tl.float32)
@@ -105,24 +129,15 @@ def paged_attention_kernel(
             kv_off = (loc * HKV + i_kv)[:, None] * D + o_d[None, :]     # [BN, BD]
             m_kv = m_pos[:, None] & m_d[None, :]
             b_k = tl.load(k_pool + kv_off, mask=m_kv, other=0.0).to(b_q.dtype)
-            if F32_DOTS:
-                b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
-            else:
-                b_s = tl.dot(b_q, tl.trans(b_k))
-            visible = m_pos[None, :] & (pos[None, :] <= q_pos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (pos[None, :] > q_pos[:, None] - window)
-            b_s = tl.where(visible, b_s * scale_log2, float("-inf"))   # [BM, BN], log2 units
+            b_s = dot(b_q, tl.trans(b_k), F32_DOTS)
+            b_s = tl.where(visible_keys(pos, m_pos, q_pos, window, HAS_WINDOW),
+                           b_s * scale_log2, float("-inf"))             # [BM, BN], log2 units
             m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             b_p = tl.exp2(b_s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(b_p, axis=1)
             b_v = tl.load(v_pool + kv_off, mask=m_kv, other=0.0).to(b_q.dtype)
-            if F32_DOTS:
-                b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-            else:
-                b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
-            acc = acc * alpha[:, None] + b_pv
+            acc = acc * alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, F32_DOTS)
             m_i = m_new
         acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(o + rows[:, None] * D + o_d[None, :], acc.to(o.dtype.element_ty), mask=m_qd)

@@ -10,6 +10,7 @@ from workers.models.bamba import BambaForCausalLM
 from workers.models.base import HybridForCausalLM
 from workers.models.falcon_h1 import FalconH1ForCausalLM
 from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from workers.models.jamba import JambaForCausalLM
 from workers.models.mamba2_lm import Mamba2ForCausalLM
 from workers.models.nemotron_h import NemotronHForCausalLM
 from workers.models.qwen3_next import Qwen3NextForCausalLM
@@ -23,6 +24,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
+    "JambaForCausalLM": JambaForCausalLM,
 }
 
 

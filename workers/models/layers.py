@@ -277,27 +277,31 @@ class DenseMLP(nn.Module):
 
 
 class CausalConv1d(nn.Module):
-    """Depthwise causal conv + SiLU of the recurrent mixers, state in the Mamba pool.
+    """Depthwise causal conv + SiLU of the recurrent mixers (``activation=None``: no
+    activation, LFM2's short conv), state in the Mamba pool.
 
     ``weight`` keeps the HF ``nn.Conv1d`` layout ``[D, 1, W]``; the pool's conv state of the
     layer is ``[S, D, W-1]`` (the last W-1 inputs, oldest first).
     """
 
-    def __init__(self, dim: int, width: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, width: int, bias: bool, dtype: torch.dtype,
+                 activation: str | None = "silu") -> None:
         super().__init__()
         self.weight = param(dim, 1, width, dtype=dtype)
         self.bias = param(dim, dtype=dtype) if bias else None
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.decode_only:       # one token per sequence, all with a state: same result
             return causal_conv1d_update(x, self.weight[:, 0, :], self.bias, conv_state,
-                                        batch.mamba_slot_ids, activation="silu")
+                                        batch.mamba_slot_ids, activation=self.activation)
         if batch.verify_len:        # T tokens per sequence, a snapshot at each: same result
             assert batch.state_dst_slots is not None
             return causal_conv1d_verify(x, self.weight[:, 0, :], self.bias, conv_state,
                                         batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-                                        batch.state_dst_slots, batch.verify_len, activation="silu")
+                                        batch.state_dst_slots, batch.verify_len,
+                                        activation=self.activation)
         return causal_conv1d_varlen(x, self.weight[:, 0, :], self.bias, conv_state,
                                     batch.cu_seqlens, batch.mamba_slot_ids,
-                                    batch.has_initial_state, activation="silu",
+                                    batch.has_initial_state, activation=self.activation,
                                     state_dst_slots=batch.state_dst_slots)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.models.tiny_weights import RedrawRule, add_qwen3_next_mtp
+from workers.models.tiny_weights import RedrawRule, add_qwen3_next_mtp, redraw_mamba1
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
 
@@ -128,8 +128,18 @@ _ZAMBA2 = TinyFamily(
     notes=("two shared attention blocks over three hybrid layers: the third reuses block 0 "
            "with its own LoRA adapters and its own KV",))
 
+_JAMBA = TinyFamily(
+    "jamba", "JambaForCausalLM", "JambaConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=96, attn_layer_period=3,
+         attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+         num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+         mamba_dt_rank=8, mamba_conv_bias=True, mamba_proj_bias=False, tie_word_embeddings=False),
+    redraw=redraw_mamba1, hf_modeling="transformers.models.jamba.modeling_jamba",
+    notes=("Mamba1 layers 0, 2, 3 and NoPE attention 1, 4; MoE in layers 1 and 3",))
+
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
-    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2)}
+    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2, _JAMBA)}
 
 
 def get_family(name: str) -> TinyFamily:

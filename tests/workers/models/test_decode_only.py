@@ -12,15 +12,17 @@ import torch
 
 import workers.models.gated_deltanet as gdn_layer
 import workers.models.layers as layers
+import workers.models.mamba1 as mamba1_layer
 import workers.models.mamba2 as mamba2_layer
 import workers.step_inputs as step_inputs
 from tests.workers.engine.helpers import GREEDY, greedy_tokens, make_llm
 from tests.workers.models.harness import Harness, random_prompts
 
 FAST = [(layers, "causal_conv1d_update"), (gdn_layer, "gated_delta_rule_update"),
-        (mamba2_layer, "ssd_update")]
+        (mamba2_layer, "ssd_update"), (mamba1_layer, "selective_scan_update")]
 SLOW = [(layers, "causal_conv1d_varlen"), (gdn_layer, "gated_delta_rule_varlen"),
-        (mamba2_layer, "ssd_varlen")]
+        (mamba2_layer, "ssd_varlen"), (mamba1_layer, "selective_scan_varlen")]
+CONV_OPS = {"causal_conv1d_update", "causal_conv1d_varlen"}
 
 
 @contextmanager
@@ -41,9 +43,16 @@ def pool_tensors(harness: Harness) -> dict[str, torch.Tensor]:
             for kind, tensors in groups.items() for name, t in tensors.items()}
 
 
+def num_scan_layers(model) -> int:
+    """Layers whose slot state has a scan state (``ssm``) beside the conv window."""
+    return sum(g.num_layers for g in model.cache_spec().slot_groups
+               if any(t.name == "ssm" for t in g.kind.tensors))
+
+
 @torch.inference_mode()
 def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
     num_recurrent = sum(isinstance(m, layers.CausalConv1d) for m in our_model.modules())
+    num_scans = num_scan_layers(our_model)
     harness = Harness(our_model)
     prompts = random_prompts(our_model.config.vocab_size, [5, 9, 2], seed=3)
     harness.prefill(prompts)
@@ -64,7 +73,7 @@ def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
         calls = {name: spy.call_count for name, spy in fast.items()}
         assert num_recurrent > 0
         assert calls["causal_conv1d_update"] == num_recurrent, calls
-        assert calls["gated_delta_rule_update"] + calls["ssd_update"] == num_recurrent, calls
+        assert sum(n for name, n in calls.items() if name not in CONV_OPS) == num_scans, calls
         assert torch.equal(got, ref), f"step {step}"
         for (name, t), r in zip(pool_tensors(harness).items(), ref_pools):
             # unused slots hold NaN (the harness's poison): equal_nan, and nothing else moves

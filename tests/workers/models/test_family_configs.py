@@ -41,6 +41,8 @@ REFUSED = {
     "falcon_ssm_multipliers": ("falcon_h1", {"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers"),
     "zamba2_adapters_with_gqa": ("zamba2", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
     "zamba2_mlp_act": ("zamba2", {"hidden_act": "quick_gelu"}, "hidden_act"),
+    "jamba_act": ("jamba", {"hidden_act": "gelu"}, "hidden_act"),
+    "jamba_sliding_window": ("jamba", {"sliding_window": 64}, "sliding_window"),
 }
 
 

@@ -133,6 +133,11 @@ VARIANTS = {
     "zamba2_plain": ("zamba2", {"use_shared_attention_adapter": False, "use_mem_rope": False,
                                 "num_mem_blocks": 1, "num_key_value_heads": 2, "add_bias_linear": True,
                                 "hidden_act": "gelu_pytorch_tanh"}),
+    # dense MLPs only, tied, in/out projection biases, no conv bias, attention first, N = 8
+    "jamba_dense_tied_bias": ("jamba", {"num_experts": 1, "tie_word_embeddings": True,
+                                        "mamba_proj_bias": True, "mamba_conv_bias": False,
+                                        "attn_layer_offset": 0, "mamba_d_state": 8,
+                                        "mamba_dt_rank": 4}),
 }
 
 
