@@ -138,8 +138,41 @@ _JAMBA = TinyFamily(
     redraw=redraw_mamba1, hf_modeling="transformers.models.jamba.modeling_jamba",
     notes=("Mamba1 layers 0, 2, 3 and NoPE attention 1, 4; MoE in layers 1 and 3",))
 
+_LFM2 = TinyFamily(
+    "lfm2", "Lfm2ForCausalLM", "Lfm2Config",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=144, block_multiple_of=32,
+         block_ffn_dim_multiplier=1.5, full_attn_idxs=[1, 4], conv_L_cache=3,
+         tie_word_embeddings=True),
+    hf_modeling="transformers.models.lfm2.modeling_lfm2",
+    notes=("short convs 0, 2, 3 (no scan state) and RoPE attention 1, 4; the MLP width is "
+           "auto-adjusted: int(1.5 * int(2 * 144 / 3)) = 144, rounded up to 160",))
+
+_LFM2_MOE = TinyFamily(
+    "lfm2_moe", "Lfm2MoeForCausalLM", "Lfm2MoeConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=96, moe_intermediate_size=32,
+         num_experts=8, num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True,
+         routed_scaling_factor=1.5, norm_topk_prob=True, conv_L_cache=4, conv_bias=True,
+         layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+         tie_word_embeddings=False),
+    hf_modeling="transformers.models.lfm2_moe.modeling_lfm2_moe",
+    notes=("sigmoid-routed experts with an expert bias after one dense layer",))
+
+_LFM3 = TinyFamily(
+    "lfm3", "Lfm3ForCausalLM", "Lfm3Config",
+    dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+         head_dim=16, max_position_embeddings=4096, intermediate_size=96, conv_L_cache=5,
+         sliding_window=8, layer_types=["conv", "sliding_attention", "conv", "full_attention",
+                                        "conv", "sliding_attention"],
+         use_sandwich_norm=True, use_attention_gate=True, tie_word_embeddings=True),
+    hf_modeling="transformers.models.lfm3.modeling_lfm3",
+    notes=("sliding_window 8, so the test prompts (up to 70 tokens) cross it; the full "
+           "attention layer's proportional RoPE rotates 4 of 8 frequencies",))
+
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
-    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2, _JAMBA)}
+    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2, _JAMBA, _LFM2,
+    _LFM2_MOE, _LFM3)}
 
 
 def get_family(name: str) -> TinyFamily:

@@ -9,6 +9,7 @@ the full hidden state:
   channels of q, k, v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
 - Mamba2: heads and B/C groups (see ``mamba_groups``), conv channels follow x/B/C;
 - Mamba1: d_inner channels (``x_proj``'s partial output is all-reduced inside the mixer);
+- short conv (LFM2): its channels (``in_proj``'s B / C / x rows, conv, ``out_proj``);
 - dense MLP and MoE: each expert's intermediate dim (and the shared expert's); the
   router, every norm, embeddings and ``lm_head`` are replicated.
 
@@ -33,9 +34,10 @@ from workers.models.layers import Attention, DenseMLP
 from workers.models.mamba1 import Mamba1Mixer
 from workers.models.mamba2 import Mamba2Mixer
 from workers.models.moe import SparseMoE
+from workers.models.short_conv import ShortConv
 from workers.tp.comm import Comm
 from workers.tp.shard_layers import (mamba_groups, part, shard_attention, shard_gdn, shard_mamba1,
-                                     shard_mamba2, shard_mlp, shard_moe)
+                                     shard_mamba2, shard_mlp, shard_moe, shard_short_conv)
 
 _SHARDED = "_tp_sharded"
 
@@ -59,6 +61,8 @@ def _shard_one(module: nn.Module, comm: Comm) -> bool:
         shard_mamba2(module, rank, world, comm)
     elif isinstance(module, Mamba1Mixer):
         shard_mamba1(module, rank, world, comm)
+    elif isinstance(module, ShortConv):
+        shard_short_conv(module, rank, world)
     elif isinstance(module, SparseMoE):
         shard_moe(module, rank, world)
     elif isinstance(module, DenseMLP):
@@ -118,6 +122,8 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
             groups.add(m.dims.num_groups)
         elif isinstance(m, Mamba1Mixer):
             checks.append((m.dims.d_inner, "mamba_expand * hidden_size"))
+        elif isinstance(m, ShortConv):
+            checks.append((m.dims.channels, "hidden_size (short conv channels)"))
         elif isinstance(m, SparseMoE):
             checks.append((m.dims.intermediate_size, "expert intermediate size"))
             if m.dims.shared_intermediate_size:

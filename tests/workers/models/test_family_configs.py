@@ -43,6 +43,19 @@ REFUSED = {
     "zamba2_mlp_act": ("zamba2", {"hidden_act": "quick_gelu"}, "hidden_act"),
     "jamba_act": ("jamba", {"hidden_act": "gelu"}, "hidden_act"),
     "jamba_sliding_window": ("jamba", {"sliding_window": 64}, "sliding_window"),
+    "lfm2_rope": ("lfm2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 1e4}}, "rope_type"),
+    "lfm2_sliding_layer": ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv", "conv",
+                                                    "full_attention"]}, "layer_types"),
+    "lfm2_moe_dense_layers": ("lfm2_moe", {"num_dense_layers": 9}, "num_dense_layers=9"),
+    "lfm3_no_window": ("lfm3", {"sliding_window": None}, "sliding_window"),
+    "lfm3_rope_type": ("lfm3", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "rope_type='linear'"),
+    "lfm3_default_partial": ("lfm3", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6,
+                           "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
 }
 
 
