@@ -57,7 +57,7 @@ def selective_scan_chunk_kernel(
         b_dt = tl.where(m_th, softplus_dt(b_dt, b_bias[None, :], DT_SOFTPLUS), 0.0)
         b_b = tl.load(B + rows[:, None] * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
         b_c = tl.load(C + rows[:, None] * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
-        decay = tl.exp(b_dt[:, :, None] * b_a[None, :, :])               # [BT, BH, BN]; 1 on padding
+        decay = tl.exp(b_dt[:, :, None] * b_a[None, :, :])       # [BT, BH, BN]; 1 on padding
         update = (b_x * b_dt)[:, :, None] * b_b[:, None, :]              # 0 on padding
         acc_a, acc_u = tl.associative_scan((decay, update), 0, _compose)
         s_all = acc_a * s[None, :, :] + acc_u                            # S_i for every row

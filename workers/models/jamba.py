@@ -88,7 +88,8 @@ class JambaForCausalLM(HybridForCausalLM):
             layers.append(HybridDecoderLayer(
                 name, mixer, sites.add(mixer), {"feed_forward": build_ffn(cfg, num_experts, dtype)},
                 RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
-                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype), post_norm_name="pre_ff_layernorm"))
+                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                post_norm_name="pre_ff_layernorm"))
         return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:

@@ -42,7 +42,8 @@ CONV = "conv"
 MLP_RENAMES = ((re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w1\."), r"\1gate_proj."),
                (re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w3\."), r"\1up_proj."),
                (re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w2\."), r"\1down_proj."),
-               (re.compile(r"\.feed_forward\.expert_bias$"), ".feed_forward.gate.e_score_correction_bias"))
+               (re.compile(r"\.feed_forward\.expert_bias$"),
+                ".feed_forward.gate.e_score_correction_bias"))
 ATTENTION_RENAMES = ((re.compile(r"\.self_attn\.q_layernorm\."), ".self_attn.q_norm."),
                      (re.compile(r"\.self_attn\.k_layernorm\."), ".self_attn.k_norm."),
                      (re.compile(r"\.self_attn\.out_proj\."), ".self_attn.o_proj."))
@@ -115,7 +116,8 @@ def lfm2_intermediate_size(cfg: Any) -> int:
         size = int(2 * size / 3)
         if cfg.block_ffn_dim_multiplier is not None:
             size = int(cfg.block_ffn_dim_multiplier * size)
-            size = cfg.block_multiple_of * ((size + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+            multiple = cfg.block_multiple_of
+            size = multiple * ((size + multiple - 1) // multiple)
     return size
 
 
