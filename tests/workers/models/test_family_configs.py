@@ -138,3 +138,12 @@ def test_nemotron_mtp_layers_load_but_speculation_is_refused(tmp_path) -> None:
         make_llm(ckpt, spec={"method": "mtp", "num_draft_tokens": 2})
     out = make_llm(ckpt).generate_ids([[5, 6, 7]], [GREEDY])               # without spec it serves
     assert len(out[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("family", ["jamba", "lfm2", "lfm2_moe", "lfm3"])
+def test_speculation_is_refused_without_mtp_weights(family, tiny_checkpoint) -> None:
+    """None of these checkpoints carries MTP weights: ``spec.method: mtp`` is refused, naming
+    the architecture, before anything is served."""
+    architecture = get_family(family).architecture
+    with pytest.raises(ValueError, match=f"spec.method 'mtp'.*{architecture} has none"):
+        make_llm(tiny_checkpoint(family), spec={"method": "mtp", "num_draft_tokens": 2})
