@@ -14,7 +14,8 @@ the last layer, despite its name); ``lm_head`` tied when ``tie_word_embeddings``
 
 Config fields read: ``layer_types`` (or LFM2's ``full_attn_idxs``, which transformers turns
 into it), ``conv_L_cache``, ``conv_bias``, ``norm_eps``, ``rope_parameters`` (default RoPE
-only), ``head_dim`` when given, the sizes above. Not math: ``max_position_embeddings``,
+over the whole head only: another type or a ``partial_rotary_factor`` is refused),
+``head_dim`` when given, the sizes above. Not math: ``max_position_embeddings``,
 ``use_cache``, ``output_router_logits``, init fields.
 
 Checkpoint names kept by renaming on load (``checkpoint_name``): ``q_layernorm`` /
@@ -101,12 +102,14 @@ def short_conv(cfg: Any, dtype: torch.dtype) -> ShortConv:
                                    conv_kernel=cfg.conv_L_cache, bias=bool(cfg.conv_bias)), dtype)
 
 
-def lfm2_attention_dims(cfg: Any, **extra: Any) -> AttentionDims:
+def lfm2_attention_dims(cfg: Any, bias: bool = False, **extra: Any) -> AttentionDims:
+    """LFM attention: plain per-head q/k RMSNorms at ``norm_eps``; no bias in LFM2 (its
+    attention has none whatever the config says), Lfm3 passes ``attention_bias``."""
     hd = head_dim(cfg)
     return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
-                         bias=bool(getattr(cfg, "attention_bias", False)), scale=hd ** -0.5,
-                         qk_norm_eps=cfg.norm_eps, qk_norm_zero_centered=False, **extra)
+                         num_kv_heads=cfg.num_key_value_heads, head_dim=hd, bias=bias,
+                         scale=hd ** -0.5, qk_norm_eps=cfg.norm_eps, qk_norm_zero_centered=False,
+                         **extra)
 
 
 def lfm2_intermediate_size(cfg: Any) -> int:
@@ -136,6 +139,11 @@ class Lfm2ForCausalLM(HybridForCausalLM):
         kinds = check_layer_types(cfg, (CONV, FULL_ATTENTION))
         if FULL_ATTENTION in kinds:
             default_rope(cfg, head_dim(cfg), partial_factor=1.0)
+            partial = (cfg.rope_parameters or {}).get("partial_rotary_factor")
+            if partial is not None and float(partial) != 1.0:
+                raise ValueError(f"rope_parameters.partial_rotary_factor={partial} is not "
+                                 "supported (transformers' LFM2 rotates the whole head and "
+                                 "ignores it; only 1.0 is served)")
 
     def _build_ffn(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         return DenseMLP(cfg.hidden_size, lfm2_intermediate_size(cfg), dtype)

@@ -102,7 +102,8 @@ class Lfm3ForCausalLM(HybridForCausalLM):
                 name, mixer = CONV, short_conv(cfg, dtype)
             else:
                 window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
-                dims = lfm2_attention_dims(cfg, head_gate=bool(cfg.use_attention_gate),
+                dims = lfm2_attention_dims(cfg, bool(cfg.attention_bias),
+                                           head_gate=bool(cfg.use_attention_gate),
                                            sliding_window=window)
                 name, mixer, rotary = "self_attn", Attention(dims, dtype), layer_rotary(cfg, kind)
             ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
