@@ -28,7 +28,7 @@ from workers.sampler import GeneratorBank
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sizing import plan_pools
-from workers.spec.setup import build_drafter, num_draft_tokens
+from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layers
 from workers.state_oracle import StateOracle
 from workers.state_spec import ATTENTION
 from workers.stats import EngineStats
@@ -112,11 +112,12 @@ class Engine:
         self.pool_sizes = sizes
         self.max_model_len = sizes.max_model_len
         page_size = self.config.cache.page_size
-        # Speculation: one more KV layer (the MTP head's) and k + 1 scratch slots per
+        # Speculation: one more KV layer per MTP layer and k + 1 scratch slots per
         # running request for the per-draft states of a verify (never in the ledger).
         num_scratch = (k + 1) * self.config.scheduler.max_running_requests if k else 0
         num_target_kv = spec.num_layers(ATTENTION)
-        pool_spec = spec.with_layers(ATTENTION, num_target_kv + 1) if k and num_target_kv else spec
+        mtp_layers = num_mtp_kv_layers(self.config.spec, self.model)
+        pool_spec = spec.with_layers(ATTENTION, num_target_kv + mtp_layers) if num_target_kv else spec
         self.pools = build_pools(pool_spec, sizes.num_pages, page_size, sizes.num_slots + num_scratch,
                                  self.dtype, self.device)
         self.cache = CacheManager(self.config.cache, self.config.debug, sizes.num_pages,

@@ -36,7 +36,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 class LoadedModel(NamedTuple):
     model: HybridForCausalLM
-    hf_config: Any
+    hf_config: Any          # the served language model's config (a VL checkpoint's text_config)
 
 
 def read_raw_config(model_dir: Path) -> dict[str, Any]:
@@ -160,4 +160,18 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
     model = cls(hf_config, dtype, device)
     model.load_weights(iter_safetensors(safetensors_files(model_dir)))
     model.eval()
-    return LoadedModel(model, hf_config)
+    return LoadedModel(model, model.config)
+
+
+class ImageSupport(NamedTuple):
+    """What a checkpoint does with images: ``vl_checkpoint`` has a vision tower beside
+    its language model; ``serves_images`` is whether hybridserve runs that tower."""
+
+    vl_checkpoint: bool
+    serves_images: bool
+
+
+def image_support(model_dir: str | Path) -> ImageSupport:
+    """Read from config.json alone (no weights), e.g. for an HTTP layer refusing image parts."""
+    cls = get_model_class(check_raw_config(read_raw_config(Path(model_dir))))
+    return ImageSupport(cls.is_vl_checkpoint, cls.serves_images)

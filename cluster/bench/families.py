@@ -28,7 +28,7 @@ from workers.llm import LLM
 
 def measure_family(name: str, out_dir: Path, batch: int, prompt_len: int, out_tokens: int,
                    repeats: int) -> dict[str, object]:
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     from workers.models.tiny import make_tiny_checkpoint
 
@@ -36,7 +36,9 @@ def measure_family(name: str, out_dir: Path, batch: int, prompt_len: int, out_to
     model_dir = make_tiny_checkpoint(name, out_dir / name, seed=0)
     llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
               cache={"page_size": 16, "max_kv_tokens": 65536})
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    # transformers' own class of the checkpoint (a VL one runs its full model on text)
+    architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    hf = getattr(transformers, architecture).from_pretrained(str(model_dir), dtype=torch.float32).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, llm.engine.vocab_size - 8) for _ in range(prompt_len)]
                for _ in range(batch)]
@@ -44,7 +46,7 @@ def measure_family(name: str, out_dir: Path, batch: int, prompt_len: int, out_to
     for _ in range(repeats):                           # interleaved: both sides see the same load
         engine_best = max(engine_best, engine_decode_rate(llm, prompts, out_tokens))
         hf_best = max(hf_best, hf_decode_rate(hf, prompts, out_tokens))
-    return {"family": name, "architecture": llm.engine.hf_config.architectures[0],
+    return {"family": name, "architecture": architecture,
             "params": sum(p.numel() for p in llm.engine.model.parameters()), "batch": batch,
             "engine_tok_s": round(engine_best, 1), "hf_generate_tok_s": round(hf_best, 1),
             "engine_over_hf": round(engine_best / hf_best, 3) if min(engine_best, hf_best) > 0 else None,

@@ -15,11 +15,18 @@ from workers.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from workers.models.lfm3 import Lfm3ForCausalLM
 from workers.models.mamba2_lm import Mamba2ForCausalLM
 from workers.models.nemotron_h import NemotronHForCausalLM
+from workers.models.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                                    Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration)
 from workers.models.qwen3_next import Qwen3NextForCausalLM
 from workers.models.zamba2 import Zamba2ForCausalLM
 
 SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    # Qwen3.5 and Qwen3.6 (same architectures): text and vision-language checkpoints
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
@@ -42,4 +49,6 @@ def get_model_class(name: str) -> type[HybridForCausalLM]:
 
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "HybridForCausalLM", "get_model_class",
-           "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM"]
+           "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3_5ForCausalLM",
+           "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+           "Qwen3_5MoeForConditionalGeneration"]

@@ -9,6 +9,11 @@
 - ``forward(batch, pools) -> [T, hidden]``: final-normed hidden states of every token.
 - ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32.
 - ``load_weights(iterable of (hf_name, tensor))``: strict; ``mtp.*`` kept in ``mtp_weights``.
+- ``num_mtp_layers`` / ``build_mtp_head(kv_index)``: the checkpoint's MTP (NEXTN) drafter,
+  whose layers keep their KV in attention layers ``kv_index .. kv_index + num_mtp_layers - 1``
+  of the pool (0 layers, and a ValueError naming why, for a model without a servable one).
+- ``is_vl_checkpoint`` / ``serves_images``: a vision-language checkpoint whose language
+  model is served and whose vision tower is not (the HTTP layer refuses image parts).
 
 A family subclass builds its layers (``_build_layers``), registering every stateful module
 (attention, recurrent mixer) with the ``StateSites`` it is given: that hands out the
@@ -19,7 +24,7 @@ with the step's ``LayerContext``.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -124,29 +129,48 @@ class HybridForCausalLM(nn.Module):
     embedding_multiplier: float = 1.0
     logits_scaling: float = 1.0           # logits / logits_scaling (Granite)
     logits_multiplier: float = 1.0        # logits * logits_multiplier (Falcon-H1)
+    is_vl_checkpoint: bool = False        # a vision tower sits beside the language model
+    serves_images: bool = False           # no family serves image inputs yet
     ties_embeddings: bool = True          # False: lm_head is its own weight whatever the config says
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.validate_config(hf_config)
-        self.config = hf_config
+        cfg = self.language_config(hf_config)
+        self.validate_config(cfg)
+        self.config = cfg                 # the language model's (a VL checkpoint's text_config)
         self.dtype = dtype
+        # a VL checkpoint ties (or not) at its top level, as transformers reads it
         self.tie_word_embeddings = (self.ties_embeddings
                                     and bool(getattr(hf_config, "tie_word_embeddings", False)))
         self._state_sites = StateSites()
         with torch.device("meta"):
-            layers, norm = self._build_layers(hf_config, dtype, self._state_sites)
-            self.model = Backbone(hf_config.vocab_size, hf_config.hidden_size, layers, norm, dtype,
+            layers, norm = self._build_layers(cfg, dtype, self._state_sites)
+            self.model = Backbone(cfg.vocab_size, cfg.hidden_size, layers, norm, dtype,
                                   self.embed_name, self.final_norm_name)
             self.lm_head = (None if self.tie_word_embeddings else
-                            nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False,
-                                      dtype=dtype))
+                            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
         self.to_empty(device=torch.device(device))
         self.requires_grad_(False)
-        self.rotary: RotaryEmbedding | None = self._build_rotary(hf_config)
+        self.rotary: RotaryEmbedding | None = self._build_rotary(cfg)
         self.mtp_weights: dict[str, torch.Tensor] = {}
 
     # --- family hooks -------------------------------------------------------------------
+    @classmethod
+    def language_config(cls, hf_config: Any) -> Any:
+        """The config of the served language model (a VL family returns ``text_config``)."""
+        return hf_config
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """Layers of the checkpoint's MTP head (each one more KV pool layer); 0 = none."""
+        return 0
+
+    def build_mtp_head(self, kv_index: int) -> nn.Module:
+        """The MTP drafter over this (loaded) model (``workers/models/mtp.py``)."""
+        refusal = getattr(self, "mtp_refusal", None)     # MTP weights this family cannot serve
+        raise ValueError(refusal or f"spec.method 'mtp' needs a checkpoint with an MTP head; "
+                                    f"{type(self).__name__} has none")
+
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
         """Raise ValueError (naming the field) for config values this implementation cannot serve."""
@@ -196,9 +220,14 @@ class HybridForCausalLM(nn.Module):
         """Hook: a tensor's name in this model's layout (older checkpoints renamed some)."""
         return name
 
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hook: checkpoint ``(name, tensor)`` -> those ``weight_targets`` names (renamed by
+        ``checkpoint_name``; a family may also skip or split tensors here)."""
+        return ((self.checkpoint_name(name), t) for name, t in weights)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        renamed = ((self.checkpoint_name(name), t) for name, t in weights)
-        self.mtp_weights = load_named_weights(self.weight_targets(), renamed)
+        self.mtp_weights = load_named_weights(self.weight_targets(), self.checkpoint_tensors(weights))
 
 
 def check_hybrid_layer_types(cfg: Any) -> list[str]:

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet mixer of Qwen3-Next (``linear_attn``).
+"""The Gated DeltaNet mixer of Qwen3-Next and Qwen3.5 / 3.6 (``linear_attn``).
 
 Checkpoint layout (kept as is in the parameters): ``in_proj_qkvz`` rows are grouped per key
 head g = 0..Hk-1 as ``[q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)]`` and ``in_proj_ba``
@@ -11,6 +11,11 @@ Per token: conv+SiLU over ``cat(q, k, v)``; ``beta = sigmoid(b)``;
 L2-normalised and q scaled by 1/sqrt(Dk) inside the kernel; the recurrent state per slot is
 ``[Hv, Dk, Dv]`` fp32. Output: per-head RMSNorm (plain weight) times ``silu(z)``, then
 ``out_proj``.
+
+Qwen3.5 / 3.6 (``SplitGatedDeltaNet``) computes the same thing from four unfused
+projections with flat head order: ``in_proj_qkv`` = ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]``
+(the conv's channel order as is), ``in_proj_z`` [Hv*Dv], ``in_proj_b`` / ``in_proj_a`` [Hv];
+value head ``g*r + j`` still belongs to key head g.
 """
 from __future__ import annotations
 
@@ -60,16 +65,19 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         dims.validate()
         self.dims = dims
-        key_dim = dims.num_k_heads * dims.k_head_dim
         value_dim = dims.num_v_heads * dims.v_head_dim
-        self.in_proj_qkvz = linear(dims.hidden_size, 2 * key_dim + 2 * value_dim, False, dtype)
-        self.in_proj_ba = linear(dims.hidden_size, 2 * dims.num_v_heads, False, dtype)
+        self._build_projections(dims, dtype)
         self.conv1d = CausalConv1d(dims.conv_dim, dims.conv_kernel, False, dtype)
         self.dt_bias = param(dims.num_v_heads, dtype=dtype)
         self.A_log = param(dims.num_v_heads, dtype=dtype)
         self.norm = GatedRMSNorm(dims.v_head_dim, dims.eps, dtype, group_size=None,
                                  norm_before_gate=True)
         self.out_proj = linear(value_dim, dims.hidden_size, False, dtype)
+
+    def _build_projections(self, dims: GdnDims, dtype: torch.dtype) -> None:
+        key_dim, value_dim = dims.num_k_heads * dims.k_head_dim, dims.num_v_heads * dims.v_head_dim
+        self.in_proj_qkvz = linear(dims.hidden_size, 2 * key_dim + 2 * value_dim, False, dtype)
+        self.in_proj_ba = linear(dims.hidden_size, 2 * dims.num_v_heads, False, dtype)
 
     def state_kind(self) -> StateKind:
         d = self.dims
@@ -119,3 +127,19 @@ class GatedDeltaNet(nn.Module):
                 state_dst_slots=batch.state_dst_slots)
         o = self.norm(o.reshape(-1, d.v_head_dim), z.reshape(-1, d.v_head_dim))
         return self.out_proj(o.reshape(num_tokens, -1).to(hidden.dtype))
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's projection layout (see the module docstring); the rest is Qwen3-Next's."""
+
+    def _build_projections(self, dims: GdnDims, dtype: torch.dtype) -> None:
+        value_dim = dims.num_v_heads * dims.v_head_dim
+        self.in_proj_qkv = linear(dims.hidden_size, dims.conv_dim, False, dtype)
+        self.in_proj_z = linear(dims.hidden_size, value_dim, False, dtype)
+        self.in_proj_b = linear(dims.hidden_size, dims.num_v_heads, False, dtype)
+        self.in_proj_a = linear(dims.hidden_size, dims.num_v_heads, False, dtype)
+
+    def split_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        d = self.dims
+        z = self.in_proj_z(hidden).view(hidden.shape[0], d.num_v_heads, d.v_head_dim)
+        return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)

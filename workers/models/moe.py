@@ -18,11 +18,16 @@ expert or by the intermediate dim); an expert is ``down(act(gate(x)) * up(x))``,
   ``gate.weight`` (kept fp32), ``gate.e_score_correction_bias``,
   ``experts.{e}.{gate,up,down}_proj.weight``.
 
+Qwen3.5-MoE checkpoints may also ship the experts fused, as transformers holds them:
+``experts.gate_up_proj`` [E, 2I, H] = cat(gate, up) per expert and ``experts.down_proj``
+[E, H, I]; ``unfuse_expert_tensors`` renames those to the per-expert layout (views).
+
 The expert loop (one host sync per layer for the per-expert token counts) is the CPU
 reference; a fused MoE kernel can replace ``_routed`` later without touching the weights.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -169,3 +174,31 @@ class SparseMoE(nn.Module):
             targets.update(module_targets(self.shared_expert, f"{prefix}shared_expert."))
             targets[f"{prefix}shared_expert_gate.weight"] = whole(self.shared_expert_gate.weight)
         return targets
+
+
+_FUSED_GATE_UP = ".experts.gate_up_proj"
+_FUSED_DOWN = ".experts.down_proj"
+
+
+def unfuse_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fused expert tensors -> ``experts.{e}.{gate,up,down}_proj.weight`` views; others as is."""
+    for name, tensor in weights:
+        if name.endswith(_FUSED_GATE_UP):
+            if tensor.dim() != 3 or tensor.shape[1] % 2:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected "
+                                 "[num_experts, 2 * moe_intermediate_size, hidden_size]")
+            prefix = name[: -len("gate_up_proj")]
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", gate[e]
+                yield f"{prefix}{e}.up_proj.weight", up[e]
+        elif name.endswith(_FUSED_DOWN):
+            if tensor.dim() != 3:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected "
+                                 "[num_experts, hidden_size, moe_intermediate_size]")
+            prefix = name[: -len("down_proj")]
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor

@@ -1,18 +1,26 @@
-"""Qwen3-Next's MTP (NEXTN) head, built from the checkpoint's ``mtp.*`` tensors.
+"""The MTP (NEXTN) head of the Qwen hybrids (Qwen3-Next, Qwen3.5 / 3.6), from ``mtp.*``.
 
-Row t of an MTP batch combines the target's final-normed hidden state h_t with the
-embedding of the next token x_{t+1} and predicts x_{t+2}:
+Checkpoint layout, as released (and as vLLM's / SGLang's Qwen MTP loaders read it):
+``mtp.fc.weight`` [H, 2H]; ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+``mtp.norm`` (zero-centred RMSNorms, shared by every layer); ``mtp.layers.{j}.*`` for
+j < ``mtp_num_hidden_layers``, each a full-attention decoder layer of the family (MoE or
+dense feed-forward, as its tensors say). ``embed_tokens`` and ``lm_head`` are the target's.
 
-    x = fc([pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])
-    h' = norm(decoder_layer(x))             # one full-attention (MoE) layer, RoPE at t
+Row s of layer j takes a hidden state h and the next token x_{s+1}, and predicts x_{s+2}:
 
-``embed_tokens`` and ``lm_head`` are the target's. The layer keeps its own KV in the KV pool
-layer ``kv_index`` (one past the target's attention layers), at the same page locations as
-the target's tokens, so row t is stored at position t. Chained drafting feeds h' back in as
-the "hidden" of the next row.
+    x = fc([pre_fc_norm_embedding(embed(x_{s+1})), pre_fc_norm_hidden(h)])
+    h'_j(s) = norm(layers[j](x))                # RoPE at position s
+
+with h = the target's final-normed h_s for layer 0, and h = h'_{j-1}(s - 1) for j > 0 (the
+chain of DeepSeek-V3's MTP modules; a one-layer head is layer 0 alone). Layer j keeps its
+KV in pool layer ``kv_index + j`` at the same page locations as the target's tokens, so
+row s is stored at position s. Drafting step i runs layer ``i % num_layers`` on the
+previous step's output and draft (vLLM's rule for heads of several layers).
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,31 +29,48 @@ from torch import nn
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.models.base import HybridDecoderLayer
-from workers.models.layers import Attention, DenseMLP, LayerContext, RMSNorm, linear
-from workers.models.moe import MoeDims, SparseMoE
-from workers.models.qwen3_next import attention_dims
+from workers.models.layers import LayerContext, RMSNorm, linear
 from workers.models.weights import load_named_weights, module_targets
 from workers.state_spec import ATTENTION, StateRef
 
-
-def _ffn(cfg: Any, moe: bool, dtype: torch.dtype) -> nn.Module:
-    if not moe:
-        return DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
-    dims = MoeDims(hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-                   num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, style="qwen",
-                   norm_topk_prob=bool(cfg.norm_topk_prob),
-                   shared_intermediate_size=cfg.shared_expert_intermediate_size)
-    return SparseMoE(dims, dtype)
+# (its KV in the pool, is_moe) -> one full-attention decoder layer of the family
+LayerFactory = Callable[[StateRef, bool], HybridDecoderLayer]
+_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
-class Qwen3NextMTP(nn.Module):
-    def __init__(self, target: nn.Module, kv_index: int) -> None:
+def mtp_layer_count(cfg: Any, weights: Mapping[str, torch.Tensor]) -> int:
+    """``mtp_num_hidden_layers`` (or, absent, the layers the ``mtp.*`` tensors hold); 0 = none."""
+    value = getattr(cfg, "mtp_num_hidden_layers", None)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"mtp_num_hidden_layers={value!r} must be a non-negative integer")
+    if not weights:
+        return 0
+    return len(mtp_layer_ids(weights)) if value is None else value
+
+
+def mtp_layer_ids(weights: Mapping[str, torch.Tensor]) -> list[int]:
+    """The j of every ``mtp.layers.{j}.*`` tensor, sorted."""
+    return sorted({int(m.group(1)) for name in weights if (m := _LAYER.match(name))})
+
+
+class MtpHead(nn.Module):
+    def __init__(self, target: nn.Module, kv_index: int, num_layers: int,
+                 build_layer: LayerFactory) -> None:
         super().__init__()
         weights = target.mtp_weights
         if not weights:
             raise ValueError("spec.method 'mtp' needs a checkpoint with mtp.* tensors; this one has none")
         cfg, dtype = target.config, target.dtype
-        device = target.model.embed_tokens.weight.device
+        if num_layers < 1:
+            raise ValueError(f"mtp_num_hidden_layers={num_layers}: spec.method 'mtp' needs an MTP "
+                             "head of at least one layer")
+        if getattr(cfg, "mtp_use_dedicated_embeddings", False):
+            raise ValueError("mtp_use_dedicated_embeddings=True (an MTP head with its own "
+                             "embedding table) is not supported")
+        found = mtp_layer_ids(weights)
+        if found != list(range(num_layers)):
+            raise ValueError(f"mtp_num_hidden_layers={num_layers}, but the checkpoint's mtp.* "
+                             f"tensors hold layers {found}")
         h = cfg.hidden_size
 
         def norm() -> RMSNorm:
@@ -54,18 +79,18 @@ class Qwen3NextMTP(nn.Module):
         with torch.device("meta"):
             self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = norm(), norm(), norm()
             self.fc = linear(2 * h, h, False, dtype)
-            moe = any(name.startswith("mtp.layers.0.mlp.experts.") for name in weights)
-            layer = HybridDecoderLayer("self_attn", Attention(attention_dims(cfg), dtype),
-                                       StateRef(ATTENTION, kv_index), {"mlp": _ffn(cfg, moe, dtype)},
-                                       norm(), norm())
-            self.layers = nn.ModuleList([layer])
-        self.to_empty(device=device)
+            self.layers = nn.ModuleList([
+                build_layer(StateRef(ATTENTION, kv_index + j),
+                            any(n.startswith(f"mtp.layers.{j}.mlp.experts.") for n in weights))
+                for j in range(num_layers)])
+        self.to_empty(device=target.model.embedding.weight.device)
         self.requires_grad_(False)
         self._load(weights)
         self._target = [target]          # not a submodule: its weights are shared, not owned
 
     def _load(self, weights: dict[str, torch.Tensor]) -> None:
-        # load_named_weights sets mtp.* names aside, so match them without the prefix.
+        # load_named_weights sets mtp.* names aside, so match them without the prefix;
+        # a layer count that disagrees with the tensors fails here, naming the tensors.
         targets = module_targets(self, "")
         extra = load_named_weights(targets, [(n.removeprefix("mtp."), t) for n, t in weights.items()])
         assert not extra
@@ -74,12 +99,22 @@ class Qwen3NextMTP(nn.Module):
     def target(self) -> nn.Module:
         return self._target[0]
 
-    def forward(self, batch: ForwardBatch, hidden_prev: torch.Tensor, pools: DevicePools) -> torch.Tensor:
-        """batch.input_ids = x_{t+1}; batch.positions = t; hidden_prev = h_t. -> h' [T, H]."""
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv_index(self) -> int:
+        """The pool KV layer of layer 0 (layer j uses ``kv_index + j``)."""
+        return self.layers[0].ref.index
+
+    def forward(self, batch: ForwardBatch, hidden_prev: torch.Tensor, pools: DevicePools,
+                layer: int = 0) -> torch.Tensor:
+        """batch.input_ids = x_{s+1}; batch.positions = s; hidden_prev [T, H]. -> h' [T, H]."""
         target = self.target
-        emb = target.model.embed_tokens(batch.input_ids)
+        emb = target.model.embedding(batch.input_ids)
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb),
                                self.pre_fc_norm_hidden(hidden_prev.to(emb.dtype))], dim=-1))
         rope = target.rotary.tables(batch.positions, x.dtype) if target.rotary is not None else None
-        x = self.layers[0](x, LayerContext(batch, pools, rope))
+        x = self.layers[layer](x, LayerContext(batch, pools, rope))
         return self.norm(x)

@@ -53,7 +53,15 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, **overrides: Any) -> An
 
     family = get_family(arch)
     ids = dict(vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
-    return getattr(transformers, family.config_class)(**{**ids, **family.config, **overrides})
+    cls = getattr(transformers, family.config_class)
+    key = family.text_config_key
+    if key is None:
+        return cls(**{**ids, **family.config, **overrides})
+    outer = dict(family.config)
+    outer[key] = {**ids, **outer[key], **overrides}
+    if "tie_word_embeddings" in overrides:          # a VL checkpoint ties at its top level
+        outer["tie_word_embeddings"] = overrides["tie_word_embeddings"]
+    return cls(**outer)
 
 
 def _hf_model(arch: str, cfg: Any, seed: int) -> torch.nn.Module:
@@ -84,6 +92,8 @@ def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, shard
     if mtp:
         assert family.mtp_writer is not None
         family.mtp_writer(out, cfg, seed)
+    if family.layout_writer is not None:
+        family.layout_writer(out)
     for path in out.glob("*.safetensors"):
         path.chmod(0o644)           # save_pretrained writes 0600; the files are not secret
     return out

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.models.tiny_weights import RedrawRule, add_qwen3_next_mtp, redraw_mamba1
+from workers.models import tiny_qwen3_5 as q35
+from workers.models.tiny_weights import RedrawRule, add_qwen_mtp, redraw_mamba1
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
+LayoutWriter = Callable[[Path], None]             # rewrites a saved checkpoint's tensors
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class TinyFamily:
     tp_world: int = 2               # the TP size the suite compares with TP = 1
     hf_modeling: str = ""           # transformers module whose torch paths the oracle uses
     notes: tuple[str, ...] = field(default=())
+    # a composite (vision-language) config: the language model's sub-config, which gets the
+    # vocab / eos ids and the overrides (``tie_word_embeddings`` also goes to the top level)
+    text_config_key: str | None = None
+    layout_writer: LayoutWriter | None = None    # e.g. experts fused as a released checkpoint
 
     @property
     def has_mtp(self) -> bool:
@@ -57,7 +63,7 @@ _QWEN3_NEXT = TinyFamily(
          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
          shared_expert_intermediate_size=32, decoder_sparse_step=1,
          mlp_only_layers=[0], tie_word_embeddings=False),
-    zero_centered_norms=True, mtp_writer=add_qwen3_next_mtp,
+    zero_centered_norms=True, mtp_writer=add_qwen_mtp,
     hf_modeling="transformers.models.qwen3_next.modeling_qwen3_next")
 
 _GRANITE = TinyFamily(
@@ -128,6 +134,23 @@ _ZAMBA2 = TinyFamily(
     notes=("two shared attention blocks over three hybrid layers: the third reuses block 0 "
            "with its own LoRA adapters and its own KV",))
 
+_Q35 = "transformers.models.qwen3_5.modeling_qwen3_5"
+_Q35_MOE = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+_QWEN3_5 = TinyFamily("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", q35.DENSE,
+                      zero_centered_norms=True, mtp_writer=add_qwen_mtp, hf_modeling=_Q35)
+_QWEN3_5_MOE = TinyFamily("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", q35.MOE,
+                          zero_centered_norms=True, mtp_writer=add_qwen_mtp, hf_modeling=_Q35_MOE)
+_QWEN3_5_VL = TinyFamily(
+    "qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", q35.vl_config(q35.DENSE),
+    zero_centered_norms=True, mtp_writer=add_qwen_mtp, hf_modeling=_Q35,
+    text_config_key="text_config",
+    notes=("the released vision-language layout: the vision tower is skipped, the text served",))
+_QWEN3_5_MOE_VL = TinyFamily(
+    "qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig",
+    q35.vl_config(q35.MOE), zero_centered_norms=True, mtp_writer=add_qwen_mtp,
+    hf_modeling=_Q35_MOE, text_config_key="text_config", layout_writer=q35.fuse_experts,
+    notes=("experts fused (experts.gate_up_proj / down_proj), as released checkpoints may be",))
+
 _JAMBA = TinyFamily(
     "jamba", "JambaForCausalLM", "JambaConfig",
     dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
@@ -171,8 +194,8 @@ _LFM3 = TinyFamily(
            "attention layer's proportional RoPE rotates 4 of 8 frequencies",))
 
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
-    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2, _JAMBA, _LFM2,
-    _LFM2_MOE, _LFM3)}
+    _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2,
+    _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL, _JAMBA, _LFM2, _LFM2_MOE, _LFM3)}
 
 
 def get_family(name: str) -> TinyFamily:

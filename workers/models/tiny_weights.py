@@ -7,7 +7,7 @@ score-correction bias) small. ``redraw_model_`` applies it to every parameter, t
 persistent buffer a checkpoint saves, in a fixed order.
 
 MTP writers add ``mtp.*`` tensors that transformers itself neither creates nor loads, laid
-out as the released checkpoints are (``add_qwen3_next_mtp``).
+out as the released checkpoints are (``add_qwen_mtp``).
 """
 from __future__ import annotations
 
@@ -75,19 +75,28 @@ def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool,
                 redraw_(name, t, gen, zero_centered_norms)
 
 
-def add_qwen3_next_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
-    """Add random Qwen3-Next ``mtp.*`` tensors to the last safetensors file (and the index).
+def add_qwen_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
+    """Add random Qwen3-Next / Qwen3.5 ``mtp.*`` tensors to the last safetensors file (and the
+    index).
 
-    Layout as in the released checkpoints (read by vLLM's Qwen3NextMTP): ``fc`` [H, 2H],
-    ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` [H], and ``layers.0.*`` shaped
-    like a full-attention MoE decoder layer of the main model.
+    Layout as in the released checkpoints (read by vLLM's Qwen3NextMTP / Qwen3_5MTP): ``fc``
+    [H, 2H], ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` [H], and
+    ``layers.{j}.*`` for j < ``mtp_num_hidden_layers`` (1 when the config has none), each
+    shaped like a full-attention decoder layer of the main model (not an ``mlp_only`` one, so
+    MoE where the model has experts). A VL config's language model is its ``text_config``,
+    whose tensors live under ``model.language_model.``.
     """
-    full = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"
-            and i not in cfg.mlp_only_layers and cfg.num_experts > 0]
+    text = getattr(cfg, "text_config", None) or cfg
+    prefix = "model." if text is cfg else "model.language_model."
+    dense = getattr(text, "mlp_only_layers", None) or []
+    full = [i for i, kind in enumerate(text.layer_types) if kind == "full_attention" and i not in dense]
     if not full:
-        raise ValueError("mtp=True needs a full-attention MoE layer to copy the shape of")
-    shapes = tensor_shapes(out_dir, f"model.layers.{full[0]}.", "mtp.layers.0.")
-    h = cfg.hidden_size
+        raise ValueError("mtp=True needs a full-attention layer to copy the shape of")
+    n = getattr(text, "mtp_num_hidden_layers", None)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for j in range(1 if n is None else n):
+        shapes.update(tensor_shapes(out_dir, f"{prefix}layers.{full[0]}.", f"mtp.layers.{j}."))
+    h = text.hidden_size
     shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
                    "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
     append_tensors(out_dir, random_tensors(shapes, seed + 1, zero_centered_norms=True))

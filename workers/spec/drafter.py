@@ -7,6 +7,13 @@ fed the previous draft and the head's own output) draft d_2 .. d_k. Drafts (and,
 sampled drafting, the distribution each was drawn from) go to per-slot registers that
 the next verify of the request reads. Chained rows write speculative KV at positions the
 next catch-up overwrites.
+
+A head of N > 1 layers (``workers/models/mtp.py``) catches every layer up over the same
+rows: layer j's row t takes layer j-1's output at t - 1. The output at t1 - 1 of layers
+0..N-2 is kept per live slot (``layer_out``) with the request and position it belongs to,
+so the next catch-up of the same request starts from it; without one (the first rows of a
+request, a prefix-cache hit, a preemption) that input is zeros, which changes drafts only.
+Chained step i runs layer ``i % N``.
 """
 from __future__ import annotations
 
@@ -41,6 +48,12 @@ class MtpDrafter:
         self.device = device
         self.draft_tokens = torch.zeros(num_slots, num_drafts, dtype=torch.int64, device=device)
         self.draft_probs: torch.Tensor | None = None      # [slots, k, V] once sampling is used
+        self.num_layers = int(getattr(mtp, "num_layers", 1))
+        hidden_size = target.model.embedding.weight.shape[1]
+        # layers 0..N-2: output at the last caught-up row, and (request id, position) of it
+        self.layer_out = torch.zeros(num_slots, max(self.num_layers - 1, 0), hidden_size,
+                                     dtype=target.dtype, device=device)
+        self.layer_out_key: list[tuple[str, int] | None] = [None] * num_slots
 
     def _batch(self, spans: list[MtpSpan], starts: list[int], lengths: list[int],
                ids: torch.Tensor) -> ForwardBatch:
@@ -70,11 +83,31 @@ class MtpDrafter:
             return
         lengths = [int(s.next_ids.shape[0]) for s in spans]
         fb = self._batch(spans, [s.start for s in spans], lengths, torch.cat([s.next_ids for s in spans]))
-        out = self.mtp(fb, torch.cat([s.hidden for s in spans]), self.pools)
+        out = first = self.mtp(fb, torch.cat([s.hidden for s in spans]), self.pools)
+        if self.num_layers > 1:
+            self._catch_up_layers(spans, lengths, fb, out)
         drafting = [i for i, s in enumerate(spans) if s.params is not None]
         if drafting:
-            self._chain([spans[i] for i in drafting], out[fb.logits_indices[drafting]],
+            self._chain([spans[i] for i in drafting], first[fb.logits_indices[drafting]],
                         [spans[i].start + lengths[i] - 1 for i in drafting])
+
+    def _catch_up_layers(self, spans: list[MtpSpan], lengths: list[int], fb: ForwardBatch,
+                         out: torch.Tensor) -> None:
+        """Layers 1..N-1 over the rows of layer 0 (see the module docstring); host lists only."""
+        slots = [s.live_slot for s in spans]
+        slot_ids = torch.tensor(slots, device=self.device)
+        usable = [self.layer_out_key[slot] == (s.request_id, s.start - 1) for slot, s in zip(slots, spans)]
+        firsts = [sum(lengths[:b]) for b in range(len(spans))]
+        for j in range(1, self.num_layers):
+            prev = torch.zeros_like(out)           # row t of layer j takes layer j-1's row t - 1
+            for a, n, slot, ok in zip(firsts, lengths, slots, usable):
+                prev[a + 1:a + n] = out[a:a + n - 1]
+                if ok:
+                    prev[a] = self.layer_out[slot, j - 1]
+            self.layer_out[slot_ids, j - 1] = out[fb.logits_indices]
+            out = self.mtp(fb, prev, self.pools, layer=j)
+        for slot, s, n in zip(slots, spans, lengths):
+            self.layer_out_key[slot] = (s.request_id, s.start + n - 1)
 
     def _chain(self, spans: list[MtpSpan], hidden: torch.Tensor, last_pos: list[int]) -> None:
         slots = torch.tensor([s.live_slot for s in spans], device=self.device)
@@ -87,7 +120,7 @@ class MtpDrafter:
                 return
             sub = [spans[i] for i in keep]
             fb = self._batch(sub, [pos[i] for i in keep], [1] * len(keep), tokens[keep])
-            hidden = self.mtp(fb, hidden[keep], self.pools)
+            hidden = self.mtp(fb, hidden[keep], self.pools, layer=(j + 1) % self.num_layers)
             spans, slots, last_pos = sub, slots[keep], [last_pos[i] for i in keep]
 
     def _draw(self, logits: torch.Tensor, spans: list[MtpSpan], slots: torch.Tensor, j: int) -> torch.Tensor:

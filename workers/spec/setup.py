@@ -15,19 +15,17 @@ def num_draft_tokens(spec: SpecConfig) -> int:
     return spec.num_draft_tokens if spec.method == "mtp" else 0
 
 
+def num_mtp_kv_layers(spec: SpecConfig, model: torch.nn.Module) -> int:
+    """KV pool layers the drafter needs beyond the target's (one per MTP layer)."""
+    return model.num_mtp_layers if num_draft_tokens(spec) else 0
+
+
 def build_drafter(config: HybridServeConfig, model: torch.nn.Module, pools: DevicePools,
                   mtp_kv_index: int, max_model_len: int, device: torch.device) -> MtpDrafter | None:
+    """The drafter over the model's own MTP head (``model.build_mtp_head``), or None."""
     k = num_draft_tokens(config.spec)
     if k == 0:
         return None
-    from workers.models.mtp import Qwen3NextMTP
-
-    refusal = getattr(model, "mtp_refusal", None)     # a family that has MTP weights we cannot serve
-    if refusal:
-        raise ValueError(refusal)
-    if type(model).__name__ != "Qwen3NextForCausalLM":
-        raise ValueError(f"spec.method 'mtp' needs a Qwen3-Next checkpoint with an MTP head; "
-                         f"{type(model).__name__} has none")
-    mtp = Qwen3NextMTP(model, kv_index=mtp_kv_index)
+    mtp = model.build_mtp_head(mtp_kv_index)
     return MtpDrafter(mtp, model, pools, k, config.cache.page_size, max_model_len,
                       pools.mamba.num_slots, device)

@@ -66,7 +66,7 @@ class TPEngine(Engine):
 
     def pool_layout(self) -> PoolLayout:
         kv, mamba = self.pools.kv, self.pools.mamba
-        mtp_kv = self.drafter.mtp.layers[0].ref.index if self.drafter is not None else None
+        mtp_kv = self.drafter.mtp.kv_index if self.drafter is not None else None
         return PoolLayout(kv.num_pages, kv.page_size, kv.num_layers(ATTENTION), mamba.num_slots,
                           self.slot_ledger.num_slots, self.max_model_len, mtp_kv, _name(kv.dtype))
 

@@ -25,11 +25,11 @@ from workers.step_inputs import PreparedStep
 class PoolLayout:
     num_pages: int            # KV pages, including the dummy page 0
     page_size: int
-    num_kv_layers: int        # attention layers in the KV pool: the target's (+ 1 for the MTP head)
+    num_kv_layers: int        # attention layers in the KV pool: the target's (+ 1 per MTP layer)
     num_mamba_slots: int      # ledger slots + verify scratch slots, including slot 0
     scratch_base: int
     max_model_len: int
-    mtp_kv_index: int | None  # the MTP head's KV layer; None without speculation
+    mtp_kv_index: int | None  # the MTP head's first KV layer; None without speculation
     dtype: str                # torch dtype name of rank 0's pools (tensors whose spec names none)
 
 

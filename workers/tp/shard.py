@@ -5,8 +5,9 @@ all-reduce after it, so each rank holds its share of the heads and ends every la
 the full hidden state:
 
 - attention: q/k/v by heads (column), ``o_proj`` by heads (row);
-- Gated DeltaNet: by key-head groups (``in_proj_qkvz`` / ``in_proj_ba`` rows, conv
-  channels of q, k, v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
+- Gated DeltaNet: by key-head groups (``in_proj_qkvz`` / ``in_proj_ba`` rows, or Qwen3.5's
+  ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` rows, conv channels of q, k,
+  v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
 - Mamba2: heads and B/C groups (see ``mamba_groups``), conv channels follow x/B/C;
 - Mamba1: d_inner channels (``x_proj``'s partial output is all-reduced inside the mixer);
 - short conv (LFM2): its channels (``in_proj``'s B / C / x rows, conv, ``out_proj``);

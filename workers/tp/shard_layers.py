@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.gated_deltanet import GatedDeltaNet
+from workers.models.gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from workers.models.layers import Attention, DenseMLP
 from workers.models.mamba1 import Mamba1Mixer
 from workers.models.mamba2 import Mamba2Mixer
@@ -92,10 +92,16 @@ def shard_gdn(gdn: GatedDeltaNet, rank: int, world: int) -> None:
     kh = part(d.num_k_heads, rank, world, "GDN key heads (linear_num_key_heads)")
     r, dk, dv = d.heads_per_group, d.k_head_dim, d.v_head_dim
     vh = Part(kh.start * r, kh.stop * r)
-    column(gdn.in_proj_qkvz, [kh.scaled(2 * dk + 2 * r * dv)])   # [q_g|k_g|v_g|z_g] per group
-    column(gdn.in_proj_ba, [kh.scaled(2 * r)])                   # [b_g|a_g] per group
     key_dim = d.num_k_heads * dk
     channels = [kh.scaled(dk), kh.scaled(dk, key_dim), vh.scaled(dv, 2 * key_dim)]  # conv: q, k, v
+    if isinstance(gdn, SplitGatedDeltaNet):      # Qwen3.5: flat [q | k | v], z, b, a
+        column(gdn.in_proj_qkv, channels)
+        column(gdn.in_proj_z, [vh.scaled(dv)])
+        column(gdn.in_proj_b, [vh])
+        column(gdn.in_proj_a, [vh])
+    else:
+        column(gdn.in_proj_qkvz, [kh.scaled(2 * dk + 2 * r * dv)])   # [q_g|k_g|v_g|z_g] per group
+        column(gdn.in_proj_ba, [kh.scaled(2 * r)])                   # [b_g|a_g] per group
     _set(gdn.conv1d, "weight", _take(gdn.conv1d.weight, 0, channels))
     if gdn.conv1d.bias is not None:
         _set(gdn.conv1d, "bias", _take(gdn.conv1d.bias, 0, channels))

@@ -13,6 +13,7 @@ import torch
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.sampling_params import SamplingParams
 from workers.spec.drafter import MtpDrafter
+from workers.state_spec import ATTENTION
 
 P = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SPEC = {"method": "mtp", "num_draft_tokens": 3}
@@ -84,6 +85,24 @@ def test_verify_commits_the_accepted_state(tiny_mtp_model_dir, plain, oracle_dra
     drafted, accepted = stats["hybridserve_spec_draft_tokens_total"], stats["hybridserve_spec_accepted_tokens_total"]
     assert 0.2 * drafted < accepted < drafted           # every acceptance length occurs
     assert stats["hybridserve_mamba_checkpoints_inserted_total"].get("decode", 0) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_vl"])
+def test_two_layer_mtp_head(tmp_path, arch):
+    """``mtp_num_hidden_layers=2``: two KV layers, drafts chained through both, output unchanged."""
+    from workers.models.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(arch, tmp_path, seed=4, mtp=True, mtp_num_hidden_layers=2)
+    control = make_llm(ckpt, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+    prompts = mixed(control.engine.vocab_size)
+    expected = [o.token_ids for o in control.generate_ids(prompts, [P] * len(prompts))]
+    llm = spec_llm(ckpt, scheduler={"overlap": True, "chunked_prefill_size": 8})
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))] == expected
+    engine = llm.engine
+    assert engine.drafter.mtp.num_layers == 2
+    assert engine.pools.kv.num_layers(ATTENTION) == engine.model.cache_spec().num_layers(ATTENTION) + 2
+    assert llm.stats()["hybridserve_spec_draft_tokens_total"] > 0
 
 
 SGLANG_INTERVAL = 16

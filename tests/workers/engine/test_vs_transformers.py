@@ -5,14 +5,13 @@ import pytest
 import torch
 
 from tests.workers.engine.helpers import greedy_tokens, make_llm, random_prompts
+from tests.workers.models.hf_oracle import hf_model
 
 LENGTHS = [3, 8, 13, 21, 30, 34, 17, 5, 26]
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = hf_model(model_dir)
     outs = []
     with torch.inference_mode():
         for p in prompts:

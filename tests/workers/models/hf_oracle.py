@@ -1,16 +1,27 @@
 """transformers as the reference: one prompt at a time, positions and cache passed explicitly."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 
+def hf_model(model_dir: str | Path) -> torch.nn.Module:
+    """The checkpoint in transformers' own class of its ``architectures[0]`` (fp32, eval).
+
+    A vision-language checkpoint thus runs its full ``...ForConditionalGeneration`` model
+    (text-only inputs), not a text-only reinterpretation of it.
+    """
+    import transformers
+
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
 class HFOracle:
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model = hf_model(model_dir)
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:

@@ -37,9 +37,9 @@ def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid", "qwen3_5_vl"])
 def test_sharded_checkpoint_equals_unsharded(arch: str, tmp_path: Path) -> None:
-    mtp = arch == "qwen3_next"
+    mtp = arch != "granitemoehybrid"
     one = make_tiny_checkpoint(arch, tmp_path / "one", seed=4, mtp=mtp)
     many = make_tiny_checkpoint(arch, tmp_path / "many", seed=4, shards=3, mtp=mtp)
     index = json.loads((many / "model.safetensors.index.json").read_text())

@@ -133,6 +133,15 @@ VARIANTS = {
     "zamba2_plain": ("zamba2", {"use_shared_attention_adapter": False, "use_mem_rope": False,
                                 "num_mem_blocks": 1, "num_key_value_heads": 2, "add_bias_linear": True,
                                 "hidden_act": "gelu_pytorch_tanh"}),
+    # one value head per key head, attention bias, half the head rotated, other mrope sections
+    "qwen3_5_r1_bias_rope": ("qwen3_5", {"linear_num_value_heads": 2, "attention_bias": True,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                                             "partial_rotary_factor": 0.5,
+                                                             "mrope_section": [4, 2, 2],
+                                                             "mrope_interleaved": False}}),
+    # tied embeddings at the top level of a VL checkpoint; top-1 routing
+    "qwen3_5_moe_vl_tied_top1": ("qwen3_5_moe_vl", {"tie_word_embeddings": True,
+                                                    "num_experts_per_tok": 1}),
     # dense MLPs only, tied, in/out projection biases, no conv bias, attention first, N = 8
     "jamba_dense_tied_bias": ("jamba", {"num_experts": 1, "tie_word_embeddings": True,
                                         "mamba_proj_bias": True, "mamba_conv_bias": False,

@@ -125,6 +125,18 @@ def test_qwen_layers(qwen, kind):
         check_layer(ffn, qwen, qwen.cache_spec())
 
 
+@pytest.mark.parametrize("kind", ["gdn", "moe"])
+def test_qwen3_5_layers(tiny_checkpoint, kind):
+    """Qwen3.5's unfused GDN projections (``in_proj_qkv`` / ``z`` / ``b`` / ``a``) and its MoE."""
+    model = load_model(tiny_checkpoint("qwen3_5_moe_vl"), torch.float32, "cpu").model
+    if kind == "gdn":
+        mixer, ref = mixer_of(model, list(model.config.layer_types).index("linear_attention"))
+        assert type(mixer).__name__ == "SplitGatedDeltaNet"
+        check_layer(mixer, model, model.cache_spec(), ref)
+    else:
+        check_layer(model.model.layers[0].mlp, model, model.cache_spec())
+
+
 @pytest.mark.parametrize("kind", ["attention", "mamba2", "moe", "shared_mlp"])
 def test_granite_layers(granite, kind):
     if kind in ("attention", "mamba2"):
