@@ -5,7 +5,8 @@ Layer i is ``self_attn`` (GQA without positional encoding, no bias, scale head_d
 when ``i % attn_layer_period == attn_layer_offset``, else ``mamba`` (the Mamba1 mixer with
 the dt / B / C RMSNorms, ``workers/models/mamba1.py``); then ``pre_ff_layernorm`` and the
 ``feed_forward``: a softmax top-k MoE (weights not renormalised; checkpoint
-``router.weight``, ``experts.{e}.{gate,up,down}_proj``) when
+``router.weight``, ``experts.{e}.{gate,up,down}_proj`` or fused ``experts.gate_up_proj`` /
+``experts.down_proj``) when
 ``i % expert_layer_period == expert_layer_offset`` and ``num_experts > 1``, else a SwiGLU MLP.
 ``model.final_layernorm``; ``lm_head`` tied only if ``tie_word_embeddings``.
 
@@ -19,6 +20,7 @@ transformers 5.24 ignores it, so only None is served). Not math: ``use_mamba_ker
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from workers.models.base import HybridDecoderLayer, HybridForCausalLM
 from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
 from workers.models.mamba1 import Mamba1Dims, Mamba1Mixer
 from workers.models.mamba2_config import head_dim
-from workers.models.moe import MoeDims, SparseMoE
+from workers.models.moe import MoeDims, SparseMoE, unfuse_expert_tensors
 from workers.state_spec import StateSites
 
 ATTENTION_KIND, MAMBA_KIND = "attention", "mamba"
@@ -98,3 +100,9 @@ class JambaForCausalLM(HybridForCausalLM):
     def checkpoint_name(self, name: str) -> str:
         """The MoE router is ``feed_forward.router`` in Jamba, ``gate`` in our SparseMoE."""
         return name.replace(".feed_forward.router.", ".feed_forward.gate.")
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Experts fused as transformers holds them (``experts.gate_up_proj`` / ``down_proj``)
+        load too: split into the per-expert layout, then renamed."""
+        return super().checkpoint_tensors(unfuse_expert_tensors(weights))

@@ -20,11 +20,13 @@ over the whole head only: another type or a ``partial_rotary_factor`` is refused
 
 Checkpoint names kept by renaming on load (``checkpoint_name``): ``q_layernorm`` /
 ``k_layernorm`` / ``out_proj`` of attention, ``w1`` / ``w3`` / ``w2`` of the MLPs and experts,
-the block's ``expert_bias``.
+the block's ``expert_bias``. LFM2-MoE experts also load fused (``experts.gate_up_proj`` /
+``experts.down_proj``, transformers' in-memory layout).
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from workers.models.base import FULL_ATTENTION, HybridForCausalLM, default_rope
 from workers.models.layers import (Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm,
                                    RotaryEmbedding)
 from workers.models.mamba2_config import head_dim
-from workers.models.moe import MoeDims, SparseMoE
+from workers.models.moe import MoeDims, SparseMoE, unfuse_expert_tensors
 from workers.models.short_conv import ShortConv, ShortConvDims
 from workers.state_spec import StateRef, StateSites
 
@@ -185,6 +187,11 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
         if layer_idx < cfg.num_dense_layers:
             return DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
         return SparseMoE(moe_dims(cfg), dtype)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Experts fused as transformers holds them load too (split per expert first)."""
+        return super().checkpoint_tensors(unfuse_expert_tensors(weights))
 
 
 def moe_dims(cfg: Any) -> MoeDims:

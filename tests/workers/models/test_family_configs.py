@@ -7,6 +7,7 @@ load to the same model, and speculation refused for Nemotron-H's MTP layers.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -160,3 +161,36 @@ def test_speculation_is_refused_without_mtp_weights(family, tiny_checkpoint) -> 
     architecture = get_family(family).architecture
     with pytest.raises(ValueError, match=f"spec.method 'mtp'.*{architecture} has none"):
         make_llm(tiny_checkpoint(family), spec={"method": "mtp", "num_draft_tokens": 2})
+
+
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
+
+
+@pytest.mark.parametrize("family", ["jamba", "lfm2_moe"])
+def test_fused_experts_load_to_the_same_model(family, tiny_checkpoint, tmp_path) -> None:
+    """transformers' in-memory expert layout (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]) loads to the same logits as the per-expert one."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint(family)
+    fused = tmp_path / "fused"
+    shutil.copytree(src, fused)
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    out = {}
+    for name, t in load_file(str(fused / "model.safetensors")).items():
+        m = _EXPERT_TENSOR.match(name)
+        if m:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), _EXPERT_PART[m.group(3)])] = t
+        else:
+            out[name] = t
+    assert groups
+    for prefix, parts in groups.items():
+        experts = range(1 + max(e for e, _ in parts))
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in experts])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in experts])
+    save_file(out, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    for a, b in zip(_prefill_logits(src), _prefill_logits(fused)):
+        assert torch.equal(a, b)
