@@ -54,6 +54,12 @@ class ServerConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
+    # how chat outputs are parsed; ``auto`` reads the model's chat template (``<function=``:
+    # qwen3_xml, ``<tool_call>``: hermes; ``<think>``: qwen3), ``none`` turns parsing off
+    tool_call_parser: Literal["auto", "hermes", "qwen3_xml", "none"] = "auto"
+    reasoning_parser: Literal["auto", "qwen3", "none"] = "auto"
+    # a request's own ``chat_template`` (Jinja, sandboxed) is refused unless this is set
+    trust_request_chat_template: bool = False
 
 
 class MetricsConfig(_Frozen):

@@ -72,6 +72,21 @@ def tiny_granite_dir(tiny_checkpoint) -> Path:
     return tiny_checkpoint("granitemoehybrid")
 
 
+@pytest.fixture(scope="session")
+def scripted_hermes_dir(tmp_path_factory):
+    """Greedy output is a known text: reasoning + hermes tool calls (tests/cluster/api/scripted_model.py)."""
+    from tests.cluster.api.scripted_model import make_scripted_checkpoint
+
+    return make_scripted_checkpoint("hermes", tmp_path_factory.mktemp("scripted_hermes"))
+
+
+@pytest.fixture(scope="session")
+def scripted_xml_dir(tmp_path_factory):
+    from tests.cluster.api.scripted_model import make_scripted_checkpoint
+
+    return make_scripted_checkpoint("xml", tmp_path_factory.mktemp("scripted_xml"))
+
+
 RAY_NUM_CPUS = 16                          # logical: replicas ask for 1 each, the machine has 2
 
 

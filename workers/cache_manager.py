@@ -132,9 +132,10 @@ class CacheManager:
         return True
 
     def _match(self, req: Request) -> MatchResult | None:
-        if self.tree is None or req.page_ids or req.num_tokens <= 1:
+        limit = req.max_cached_prefix        # prompt logprobs still missing cap the hit
+        if self.tree is None or req.page_ids or limit <= 0:
             return None
-        return self.tree.match(req.all_token_ids[: req.num_tokens - 1])
+        return self.tree.match(req.all_token_ids[:limit])
 
     def _record_lookup(self, req: Request, match: MatchResult) -> None:
         if not req.lookup_counted:

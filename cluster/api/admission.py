@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.api.http_api import OPEN_PATHS, error_response, route_path
-from cluster.api.openai_service import OpenAIError
+from cluster.api.errors import OpenAIError
 
 
 class AdmissionLimit:

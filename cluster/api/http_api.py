@@ -1,8 +1,11 @@
 """The FastAPI app: routes, optional bearer API key, OpenAI error objects (no Ray).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /health`` (never needs the key), ``GET|POST /flush_cache``, ``GET /debug/replicas``
-(per-replica pool counts and stats), ``GET /openapi.json`` (``openapi_schema``). Every
+Routes: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``POST /tokenize`` and ``/detokenize``, ``GET
+/tokenizer_info``, ``GET /version``, ``GET /metrics`` (the metrics actor's Prometheus
+text), ``GET /health`` and ``GET|POST /ping`` (never need the key), ``GET|POST
+/flush_cache``, ``GET /debug/replicas`` (per-replica pool counts and stats), ``GET
+/openapi.json`` (``openapi_schema``). Every
 error -- ours, an unknown route, a wrong method, a bug -- is
 ``{"error": {"message", "type", "param", "code"}}`` with its status; every 503 also
 carries ``Retry-After``. The Ray ingress serves this same app (``cluster/api/ingress.py``).
@@ -14,6 +17,7 @@ counted while reading, so a chunked body cannot get past it either).
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -21,23 +25,26 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cluster.api.errors import OpenAIError
 from cluster.api.openai_server import OpenAIServer, StartedResponse
-from cluster.api.openai_service import OpenAIError
-from cluster.api.openapi_schema import install_openapi, operation
+from cluster.api.openapi_schema import OPEN_PATHS, install_openapi, operation
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health"})
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 RETRY_AFTER_S = 1
 GENERATE_ERRORS = (400, 401, 404, 413, 415, 503)
 READ_ERRORS = (401, 503)
+TOKENIZE_ERRORS = (400, 401, 404, 413, 415, 503)
 
 
-def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The error object with its status; a 503 always tells the client when to retry."""
+def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> Response:
+    """The error object with its status; a 503 always tells the client when to retry. ASCII
+    JSON: a message quoting the client's text can hold no character that fails to encode."""
     headers = dict(headers or {})
     if err.status == 503:
         headers.setdefault("retry-after", str(RETRY_AFTER_S))
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return Response(json.dumps(err.body()), status_code=err.status, headers=headers,
+                    media_type="application/json")
 
 
 def route_path(scope: Scope) -> str:
@@ -120,16 +127,20 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
     _install_errors(app)
     install_openapi(app)
     app.add_middleware(AuthMiddleware, api_key=server.settings.api_key, echo_request_id=echo_request_id)
-    limit = server.settings.max_body_bytes
+    _generate_routes(app, server, server.settings.max_body_bytes)
+    _tokenizer_routes(app, server, server.settings.max_body_bytes)
+    _service_routes(app, server)
+    return app
 
-    @app.get("/health", response_class=Response, openapi_extra=operation(None, (503,)))
-    async def health() -> Response:
-        await server.health()
-        return Response(status_code=200)
 
+def _generate_routes(app: FastAPI, server: OpenAIServer, limit: int) -> None:
     @app.get("/v1/models", openapi_extra=operation("ModelList", READ_ERRORS))
     async def models() -> JSONResponse:
         return JSONResponse(await server.models())
+
+    @app.get("/v1/models/{model_id:path}", openapi_extra=operation("Model", READ_ERRORS + (404,)))
+    async def model(model_id: str) -> JSONResponse:
+        return JSONResponse(await server.model(model_id))
 
     @app.post("/v1/completions", openapi_extra=operation("Completion", GENERATE_ERRORS,
                                                          "CompletionRequest", stream=True))
@@ -140,6 +151,44 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
                                                               "ChatCompletionRequest", stream=True))
     async def chat_completions(request: Request) -> Response:
         return await _respond(server, await server.start_chat(await read_json_body(request, limit)))
+
+
+def _tokenizer_routes(app: FastAPI, server: OpenAIServer, limit: int) -> None:
+    @app.post("/tokenize", openapi_extra=operation("TokenizeResponse", TOKENIZE_ERRORS, "TokenizeRequest"))
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await server.tokenize(await read_json_body(request, limit)))
+
+    @app.post("/detokenize", openapi_extra=operation("DetokenizeResponse", TOKENIZE_ERRORS,
+                                                     "DetokenizeRequest"))
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await server.detokenize(await read_json_body(request, limit)))
+
+    @app.get("/tokenizer_info", openapi_extra=operation("TokenizerInfo", READ_ERRORS))
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(server.tokenizer_info())
+
+
+def _service_routes(app: FastAPI, server: OpenAIServer) -> None:
+    @app.get("/health", response_class=Response, openapi_extra=operation(None, (503,)))
+    async def health() -> Response:
+        await server.health()
+        return Response(status_code=200)
+
+    @app.get("/ping", response_class=Response, openapi_extra=operation(None, (503,)))
+    async def ping_get() -> Response:           # SageMaker's health route
+        return await health()
+
+    @app.post("/ping", response_class=Response, openapi_extra=operation(None, (503,)))
+    async def ping_post() -> Response:
+        return await health()
+
+    @app.get("/version", openapi_extra=operation("Version", READ_ERRORS))
+    async def version() -> JSONResponse:
+        return JSONResponse(server.version())
+
+    @app.get("/metrics", response_class=Response, openapi_extra=operation(None, READ_ERRORS, text="plain"))
+    async def metrics() -> Response:
+        return Response(await server.metrics_text(), media_type=PROMETHEUS_TEXT)
 
     @app.get("/flush_cache", openapi_extra=operation("FlushResult", READ_ERRORS))
     async def flush_cache_get() -> JSONResponse:
@@ -153,8 +202,6 @@ def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
     async def debug_replicas() -> JSONResponse:
         return JSONResponse(await server.replica_stats())
 
-    return app
-
 
 async def _respond(server: OpenAIServer, started: StartedResponse) -> Response:
     if started.stream:
@@ -165,17 +212,17 @@ async def _respond(server: OpenAIServer, started: StartedResponse) -> Response:
 
 def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def openai_error(_: Request, exc: OpenAIError) -> Response:
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(OpenAIError(str(exc.detail), status=exc.status_code, type=kind),
                               dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
         return error_response(OpenAIError(f"internal error: {type(exc).__name__}", status=500,
                                           type="internal_error"))

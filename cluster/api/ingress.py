@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from cluster.actors import get_index_actor
+from cluster.actors import get_index_actor, get_metrics_actor
 from cluster.api.admission import AdmissionLimit
 from cluster.api.http_api import make_api
 from cluster.api.openai_server import OpenAIServer, ServerSettings
@@ -29,10 +29,12 @@ from configs.schema import HybridServeConfig
 class ServeEngineClient:
     """``EngineClient`` over the engine deployment's handle."""
 
-    def __init__(self, handle: DeploymentHandle, app_name: str, forget_after_s: float) -> None:
+    def __init__(self, handle: DeploymentHandle, app_name: str, forget_after_s: float,
+                 metrics_host: str, metrics_port: int) -> None:
         self._handle = handle
         self._stream = handle.options(stream=True)
         self._index = get_index_actor(app_name, forget_after_s)
+        self._metrics = get_metrics_actor(app_name, metrics_host, metrics_port)
 
     async def model_info(self) -> ModelInfo:
         return await self._handle.model_info.remote()
@@ -63,6 +65,10 @@ class ServeEngineClient:
     async def replica_stats(self) -> list[dict[str, Any]]:
         return await self._each_replica("stats")
 
+    async def metrics_text(self) -> str:
+        """What the metrics actor serves on ``metrics.port`` (its ``render``)."""
+        return await self._metrics.render.remote()
+
     async def health(self) -> None:
         """Raises unless a replica answers; a replica too busy to queue one more call is
         alive (``BackPressureError`` is overload, not failure: ``/health`` stays 200)."""
@@ -82,11 +88,8 @@ class OpenAIIngress:
         cfg = HybridServeConfig.model_validate(config)
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())   # data only, no checkpoint code
         app_name = serve.get_replica_context().app_name
-        client = ServeEngineClient(engine, app_name, forget_after_s)
-        # ``root``: the checkpoint's absolute path, so a bench client on this machine can
-        # load the same tokenizer whatever its working directory.
-        settings = ServerSettings(model_name=model_name, model_root=str(cfg.model_dir().resolve()),
-                                  api_key=cfg.server.api_key, max_body_bytes=max_body_bytes)
+        client = ServeEngineClient(engine, app_name, forget_after_s, cfg.server.host, cfg.metrics.port)
+        settings = ServerSettings.from_config(cfg, model_name, max_body_bytes)
         self._server = OpenAIServer(client, tokenizer, settings)
         self._max_in_flight, self._retry_after_s = max_in_flight, retry_after_s
 

@@ -15,17 +15,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from cluster.api.openai_service import (OpenAIError, PreparedRequest, chat_body, completion_body,
-                                        from_validation_error, prepare_chat, prepare_completion)
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.chat_prompt import ChatSetup
+from cluster.api.errors import OpenAIError
+from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
+from cluster.api.prompt_logprobs import keep_best
+from cluster.api.protocol import (ChatCompletionRequest, CompletionRequest, check_unicode, validate_chat,
+                                  validate_completion, validate_detokenize, validate_tokenize)
 from cluster.api.streaming import ResponseState, SSERenderer
+from cluster.api.tokenization import detokenize_body, tokenize_body, tokenizer_info_body, version_body
 from cluster.serving.engine_client import EngineClient, GenerateStream
 from cluster.serving.messages import Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo
 
@@ -38,10 +41,22 @@ class ServerSettings:
     model_root: str                       # the checkpoint the name stands for (``root``)
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get a 413
+    tool_call_parser: str = "auto"        # config server.* (configs/schema.py)
+    reasoning_parser: str = "auto"
+    trust_request_chat_template: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))   # /v1/models ``created``
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+
+    @classmethod
+    def from_config(cls, config: Any, model_name: str, max_body_bytes: int = 8 * 1024 * 1024) -> ServerSettings:
+        """``root`` is the checkpoint's absolute path, so a bench client on this machine can
+        load the same tokenizer whatever its working directory."""
+        s = config.server
+        return cls(model_name, str(config.model_dir().resolve()), s.api_key, max_body_bytes,
+                   s.tool_call_parser, s.reasoning_parser, s.trust_request_chat_template)
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,7 @@ class StartedResponse:
     streams: list[GenerateStream]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -62,6 +78,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise OpenAIError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise OpenAIError(f"request body must be a JSON object, got {type(obj).__name__}")
+    check_unicode(obj)
     return obj
 
 
@@ -70,6 +87,8 @@ class OpenAIServer:
         self.client = client
         self.tokenizer = tokenizer
         self.settings = settings
+        self.chat_setup = ChatSetup.for_tokenizer(tokenizer, settings.tool_call_parser, settings.reasoning_parser,
+                                                  settings.trust_request_chat_template, settings.model_root)
         self._info: ModelInfo | None = None
 
     async def model_info(self) -> ModelInfo:
@@ -80,38 +99,67 @@ class OpenAIServer:
                 raise _unavailable(exc) from None
         return self._info
 
-    async def models(self) -> dict[str, Any]:
+    async def _model_card(self) -> dict[str, Any]:
         info = await self.model_info()
-        return {"object": "list", "data": [{
-            "id": self.settings.model_name, "object": "model", "created": 0,
-            "owned_by": "hybridserve", "root": self.settings.model_root, "parent": None,
-            "max_model_len": info.max_model_len, "permission": []}]}
+        return {"id": self.settings.model_name, "object": "model", "created": self.settings.created,
+                "owned_by": "hybridserve", "root": self.settings.model_root, "parent": None,
+                "max_model_len": info.max_model_len, "permission": []}
 
-    async def start_completion(self, raw: bytes) -> StartedResponse:
-        req = _validate(CompletionRequest, parse_json(raw))
-        texts = [p if isinstance(p, str) else "" for p in req.prompts()]
-        return await self._start(req, prepare_completion, texts, "cmpl")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [await self._model_card()]}
 
-    async def start_chat(self, raw: bytes) -> StartedResponse:
-        req = _validate(ChatCompletionRequest, parse_json(raw))
-        text = "".join(str(m["content"]) for m in req.message_dicts())
-        return await self._start(req, prepare_chat, [text], "chatcmpl")
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """``GET /v1/models/{id}``: the card, or a 404 naming what is served."""
+        self._check_model(model_id)
+        return await self._model_card()
 
-    async def _start(self, req: CompletionRequest | ChatCompletionRequest, prepare: Callable[..., PreparedRequest],
-                     texts: list[str], prefix: str) -> StartedResponse:
-        if req.model is not None and req.model != self.settings.model_name:
-            raise OpenAIError(f"The model `{req.model}` does not exist; this server serves "
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise OpenAIError(f"The model `{name}` does not exist; this server serves "
                               f"`{self.settings.model_name}`", status=404, param="model",
                               code="model_not_found")
-        info = await self.model_info()
-        prepared = prepare(req, self.tokenizer, info.max_model_len, info.vocab_size)
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        streams = await self._open_streams(prepared, request_id, texts)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StartedResponse(prepared, request_id, streams, req.stream, include_usage)
 
-    async def _open_streams(self, prepared: PreparedRequest, request_id: str,
-                            texts: list[str]) -> list[GenerateStream]:
+    async def start_completion(self, raw: bytes) -> StartedResponse:
+        return await self._start(validate_completion(parse_json(raw)), prepare_completion, "cmpl")
+
+    async def start_chat(self, raw: bytes) -> StartedResponse:
+        return await self._start(validate_chat(parse_json(raw)), prepare_chat, "chatcmpl")
+
+    async def _start(self, req: CompletionRequest | ChatCompletionRequest, prepare: Callable[..., PreparedRequest],
+                     prefix: str) -> StartedResponse:
+        self._check_model(req.model)
+        info = await self.model_info()
+        prepared = prepare(req, self.tokenizer, info.max_model_len, info.vocab_size, self.chat_setup)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams = await self._open_streams(prepared, request_id)
+        options = req.stream_options
+        return StartedResponse(prepared, request_id, streams, req.stream, bool(options and options.include_usage),
+                               bool(options and options.continuous_usage_stats))
+
+    async def tokenize(self, raw: bytes) -> dict[str, Any]:
+        req = validate_tokenize(parse_json(raw))
+        self._check_model(req.model)
+        info = await self.model_info()
+        return tokenize_body(req, self.tokenizer, self.chat_setup, info.max_model_len)
+
+    async def detokenize(self, raw: bytes) -> dict[str, Any]:
+        req = validate_detokenize(parse_json(raw))
+        self._check_model(req.model)
+        return detokenize_body(req, self.tokenizer, (await self.model_info()).vocab_size)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return tokenizer_info_body(self.tokenizer, self.chat_setup)
+
+    def version(self) -> dict[str, str]:
+        return version_body()
+
+    async def metrics_text(self) -> str:
+        try:
+            return await self.client.metrics_text()
+        except Exception as exc:  # noqa: BLE001 - the metrics actor is unreachable
+            raise _unavailable(exc) from None
+
+    async def _open_streams(self, prepared: PreparedRequest, request_id: str) -> list[GenerateStream]:
         """Open one replica stream per prompt and wait for each to be accepted.
 
         One at a time on purpose: Serve gives every handle call made while serving one
@@ -124,7 +172,8 @@ class OpenAIServer:
         streams: list[GenerateStream] = []
         try:
             for i, ids in enumerate(prepared.prompt_ids):
-                req = GenerateRequest(f"{request_id}-{i}", ids, prepared.params[i * n:(i + 1) * n], texts[i])
+                text = prepared.prompt_texts[i] if i < len(prepared.prompt_texts) else ""
+                req = GenerateRequest(f"{request_id}-{i}", ids, prepared.params[i * n:(i + 1) * n], text)
                 streams.append(self.client.generate(req))
                 first = await streams[-1].__anext__()
                 if isinstance(first, GenerateError):
@@ -151,21 +200,22 @@ class OpenAIServer:
                 _cancel_all(started.streams)
             await merged.aclose()
         render = chat_body if started.prepared.kind == "chat" else completion_body
-        return render(started.prepared, state.outputs(), self.settings.model_name,
-                      self.tokenizer, started.request_id)
+        prepared = started.prepared
+        outputs = keep_best(state.outputs(), prepared.n, prepared.kept().n)      # best_of
+        return render(prepared.kept(), outputs, self.settings.model_name, self.tokenizer, started.request_id)
 
     async def events(self, started: StartedResponse) -> AsyncIterator[str]:
         """SSE events; closing this generator early cancels the replica streams."""
         state = ResponseState(started.prepared)
         renderer = SSERenderer(started.prepared, self.settings.model_name, started.request_id,
-                               self.tokenizer, started.include_usage)
+                               self.tokenizer, started.include_usage, continuous_usage=started.continuous_usage)
         merged = merge_streams(started.streams)
         try:
             for event in renderer.first_events(len(state.choices)):
                 yield event
             try:
                 async for i, chunks in merged:
-                    for event in renderer.delta_events(state.absorb(i, chunks)):
+                    for event in renderer.delta_events(state.absorb(i, chunks), state):
                         yield event
             except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band
                 logger.warning("stream %s failed: %r", started.request_id, exc)
@@ -252,13 +302,6 @@ def _cancel_all(streams: Sequence[GenerateStream]) -> None:
             stream.cancel()
         except Exception:  # noqa: BLE001 - best effort; the replica also times out
             logger.debug("cancel failed", exc_info=True)
-
-
-def _validate(schema: type[BaseModel], obj: dict[str, Any]) -> Any:
-    try:
-        return schema.model_validate(obj)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
 
 
 def _unavailable(exc: BaseException) -> OpenAIError:

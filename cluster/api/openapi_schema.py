@@ -14,9 +14,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                  TokenizeCompletionRequest)
+from cluster.api.unsupported import CHAT, COMMON, COMPLETION, schema_properties
 
 REF = "#/components/schemas/{model}"
+OPEN_PATHS = frozenset({"/health", "/ping"})   # health checks: no API key, not admission-counted
+REF_MODEL = {"$ref": REF.format(model="Model")}
 _STR_OR_NULL = {"type": ["string", "null"]}
 _INTS = {"type": "array", "items": {"type": "integer"}}
 
@@ -51,7 +55,11 @@ def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "event": {"const": "message"},
     "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "pattern": "^\\{.*\\}$"}]}}}
-_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "tool_calls", None]}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
 _COMPLETION = _envelope("text_completion", {
     "type": "object", "required": ["index", "text", "finish_reason", "logprobs"],
     "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
@@ -61,34 +69,52 @@ _CHAT = _envelope("chat.completion", {
     "type": "object", "required": ["index", "message", "finish_reason", "logprobs"],
     "properties": {"index": {"type": "integer", "minimum": 0}, "finish_reason": _FINISH,
                    "message": {"type": "object", "required": ["role", "content"],
-                               "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                               "properties": {"role": {"const": "assistant"}, "content": _STR_OR_NULL,
+                                              "reasoning_content": _STR_OR_NULL,
+                                              "tool_calls": {"type": "array", "items": _TOOL_CALL}}},
                    "logprobs": {"type": ["object", "null"]}, "token_ids": _INTS}})
+_MODEL = {"type": "object", "required": ["id", "object", "created", "max_model_len"],
+          "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                         "created": {"type": "integer", "minimum": 1}, "root": {"type": "string"},
+                         "max_model_len": {"type": "integer", "minimum": 1}}}
 _MODELS = {"type": "object", "required": ["object", "data"], "properties": {
-    "object": {"const": "list"},
-    "data": {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["id", "object", "max_model_len"],
-        "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                       "max_model_len": {"type": "integer", "minimum": 1}}}}}}
+    "object": {"const": "list"}, "data": {"type": "array", "minItems": 1, "items": REF_MODEL}}}
+_TOKENIZED = {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+    "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer", "minimum": 1},
+    "tokens": _INTS, "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}}
+_DETOKENIZED = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+_TOKENIZER_INFO = {"type": "object", "required": ["tokenizer_class"],
+                   "properties": {"tokenizer_class": {"type": "string"}, "chat_template": _STR_OR_NULL}}
+_VERSION = {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}
 _FLUSHED = {"type": "object", "required": ["flushed", "replicas"],
             "properties": {"flushed": {"type": "boolean"}, "replicas": {"type": "array"}}}
 _REPLICAS = {"type": "object", "required": ["replicas"],
              "properties": {"replicas": {"type": "array", "items": {"type": "object"}}}}
 
 
+_REFUSED = {"CompletionRequest": {**COMMON, **COMPLETION}, "ChatCompletionRequest": {**COMMON, **CHAT}}
+
+
 def _model_schemas() -> dict[str, Any]:
-    """The request models' JSON schemas, their nested models hoisted into components."""
+    """The request models' JSON schemas, their nested models hoisted into components; the
+    fields ``unsupported`` refuses are described with the neutral values they accept."""
     out: dict[str, Any] = {}
-    for model in (CompletionRequest, ChatCompletionRequest):
+    for model in (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                  DetokenizeRequest):
         schema = model.model_json_schema(ref_template=REF)
         out.update(schema.pop("$defs", {}))
+        for name, prop in schema_properties(_REFUSED.get(model.__name__, {})).items():
+            schema["properties"].setdefault(name, prop)
         out[model.__name__] = schema
+    out["TokenizeRequest"] = {"anyOf": [_ref("TokenizeChatRequest"), _ref("TokenizeCompletionRequest")]}
     return out
 
 
 def component_schemas() -> dict[str, Any]:
     return {**_model_schemas(), "ErrorResponse": _ERROR, "Usage": _USAGE, "Completion": _COMPLETION,
-            "ChatCompletion": _CHAT, "StreamEvent": _SSE_EVENT, "ModelList": _MODELS, "FlushResult": _FLUSHED,
-            "ReplicaStats": _REPLICAS}
+            "ChatCompletion": _CHAT, "StreamEvent": _SSE_EVENT, "Model": _MODEL, "ModelList": _MODELS,
+            "FlushResult": _FLUSHED, "ReplicaStats": _REPLICAS, "TokenizeResponse": _TOKENIZED,
+            "DetokenizeResponse": _DETOKENIZED, "TokenizerInfo": _TOKENIZER_INFO, "Version": _VERSION}
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -111,13 +137,16 @@ _EXAMPLES = {
 
 
 def operation(ok: str | None, errors: tuple[int, ...], request: str | None = None,
-              stream: bool = False) -> dict[str, Any]:
-    """``openapi_extra`` for one route: 200 with schema ``ok`` (None: no body; ``stream``:
-    also ``text/event-stream``), the error statuses, and the JSON request body ``request``
-    (with a plain and a streaming example, when it has examples)."""
+              stream: bool = False, text: str | None = None) -> dict[str, Any]:
+    """``openapi_extra`` for one route: 200 with schema ``ok`` (None: no JSON body;
+    ``stream``: also ``text/event-stream``; ``text``: a ``text/<text>`` body), the error
+    statuses, and the JSON request body ``request`` (with a plain and a streaming example,
+    when it has examples)."""
     content: dict[str, Any] = {"application/json": {"schema": _ref(ok)}} if ok else {}
     if stream:
         content["text/event-stream"] = {"schema": _ref("StreamEvent")}
+    if text:
+        content[f"text/{text}"] = {"schema": {"type": "string"}}
     ok_resp: dict[str, Any] = {"description": "success"}
     if content:
         ok_resp["content"] = content
@@ -142,7 +171,7 @@ def install_openapi(app: FastAPI) -> None:
             for path, item in doc.get("paths", {}).items():
                 for op in item.values():
                     op.pop("security", None)
-                    if path != "/health":
+                    if path not in OPEN_PATHS:
                         op["security"] = [{"bearer": []}]
             app.openapi_schema = doc
         return app.openapi_schema

@@ -12,15 +12,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from pydantic import ValidationError
-
-from cluster.api.openai_service import (OpenAIError, PreparedRequest, chat_body, completion_body,
-                                        from_validation_error, prepare_chat, prepare_completion)
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.chat_prompt import ChatSetup
+from cluster.api.errors import OpenAIError
+from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
+from cluster.api.prompt_logprobs import keep_best
+from cluster.api.protocol import check_unicode, validate_chat, validate_completion
 from workers.llm import LLM
 
-_ROUTES = {"/v1/completions": (CompletionRequest, prepare_completion, completion_body),
-           "/v1/chat/completions": (ChatCompletionRequest, prepare_chat, chat_body)}
+_ROUTES = {"/v1/completions": (validate_completion, prepare_completion, completion_body),
+           "/v1/chat/completions": (validate_chat, prepare_chat, chat_body)}
 
 
 @dataclass
@@ -31,7 +31,7 @@ class _Entry:
     error: OpenAIError | None = None
 
 
-def _parse_line(line: str, llm: LLM) -> _Entry:
+def _parse_line(line: str, llm: LLM, setup: ChatSetup) -> _Entry:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -43,12 +43,14 @@ def _parse_line(line: str, llm: LLM) -> _Entry:
     if route is None:
         entry.error = OpenAIError(f"url must be one of {sorted(_ROUTES)}, got {entry.url!r}", param="url")
         return entry
-    schema, prepare, _ = route
+    validate, prepare, _ = route
+    body = obj.get("body") or {}
     try:
-        request = schema.model_validate(obj.get("body") or {})
-        entry.prepared = prepare(request, llm.tokenizer, llm.engine.max_model_len, llm.engine.vocab_size)
-    except ValidationError as exc:
-        entry.error = from_validation_error(exc)
+        if not isinstance(body, dict):
+            raise OpenAIError("body must be a JSON object", param="body")
+        check_unicode(body)
+        entry.prepared = prepare(validate(body), llm.tokenizer, llm.engine.max_model_len, llm.engine.vocab_size,
+                                 setup)
     except OpenAIError as exc:
         entry.error = exc
     return entry
@@ -66,17 +68,22 @@ def _result_line(entry: _Entry, body: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def run_batch(llm: LLM, lines: Iterable[str], model_name: str) -> list[dict[str, Any]]:
-    entries = [_parse_line(line, llm) for line in lines if line.strip()]
+    s = llm.config.server
+    setup = ChatSetup.for_tokenizer(llm.tokenizer, s.tool_call_parser, s.reasoning_parser,
+                                    s.trust_request_chat_template, str(llm.config.model_dir()))
+    entries = [_parse_line(line, llm, setup) for line in lines if line.strip()]
     valid = [e for e in entries if e.prepared is not None]
     prompts = [ids for e in valid for ids in e.prepared.choice_prompts()]  # type: ignore[union-attr]
     params = [p for e in valid for p in e.prepared.params]  # type: ignore[union-attr]
-    outputs = iter(llm.generate_ids(prompts, params)) if prompts else iter(())
+    # best_of is already expanded into sequences: the LLM must not expand it again
+    outputs = iter(llm.generate_ids(prompts, params, expand_best_of=False)) if prompts else iter(())
     results = []
     for entry in entries:
         if entry.prepared is None:
             results.append(_result_line(entry, None))
             continue
-        mine = [next(outputs) for _ in entry.prepared.params]
+        prepared = entry.prepared
+        mine = keep_best([next(outputs) for _ in prepared.params], prepared.n, prepared.kept().n)
         render = _ROUTES[entry.url or ""][2]
-        results.append(_result_line(entry, render(entry.prepared, mine, model_name, llm.tokenizer)))
+        results.append(_result_line(entry, render(prepared.kept(), mine, model_name, llm.tokenizer)))
     return results

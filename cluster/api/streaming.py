@@ -7,7 +7,11 @@ at the end, ``RequestOutput``s for the non-streaming bodies of ``openai_service`
 ``SSERenderer`` renders OpenAI stream events: ``data: <json>\\n\\n`` each, chat's first
 delta per choice carrying ``role``, ``finish_reason`` on a choice's last content chunk,
 an optional usage chunk (``stream_options.include_usage``: empty ``choices``; every
-other chunk then has ``"usage": null``), and ``data: [DONE]`` last.
+other chunk then has ``"usage": null``, or the usage so far with
+``continuous_usage_stats``), and ``data: [DONE]`` last. A chat choice whose output is
+parsed (``PreparedRequest.chat``) streams ``reasoning_content``, ``content`` and
+``tool_calls`` deltas from its own ``ChatOutputParser``; one that called tools finishes
+with ``tool_calls``.
 """
 from __future__ import annotations
 
@@ -17,7 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.api.openai_service import OpenAIError, PreparedRequest, chat_logprobs, completion_logprobs, usage
+from cluster.api.chat_output import ChatOutputParser, MessageDelta
+from cluster.api.errors import OpenAIError
+from cluster.api.logprobs import chat_logprobs, completion_logprobs
+from cluster.api.openai_service import PreparedRequest, chat_finish_reason, echo_choice, usage
+from cluster.api.prompt_logprobs import vllm_prompt_logprobs
 from cluster.serving.messages import GenerateChunk
 from workers.outputs import RequestOutput
 from workers.request import TokenLogprob
@@ -35,6 +43,8 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class ChoiceDelta:
     finish_reason: str | None
     stop_reason: str | int | None
     is_first: bool                        # the choice's first delta
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # on the first delta, when asked
 
 
 class ResponseState:
@@ -74,6 +85,10 @@ class ResponseState:
             lps = [lp for c in group for lp in (c.logprobs or [])]
             state.logprobs = (state.logprobs or []) + lps
         last = group[-1]
+        prompt_lps = next((c.prompt_logprobs for c in group if c.prompt_logprobs is not None), None)
+        if prompt_lps is not None:
+            state.prompt_logprobs = prompt_lps
+        state.cumulative_logprob = last.cumulative_logprob
         state.token_ids.extend(ids)
         state.text += text
         state.cached_tokens = max(state.cached_tokens, last.cached_tokens)
@@ -82,7 +97,7 @@ class ResponseState:
         first = not self._started[i]
         self._started[i] = True
         return ChoiceDelta(i, ids, text, offset, lps, last.finish_reason if last.finished else None,
-                           last.stop_reason if last.finished else None, first)
+                           last.stop_reason if last.finished else None, first, state.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -93,7 +108,8 @@ class ResponseState:
                               token_ids=list(c.token_ids), text=c.text, cached_tokens=c.cached_tokens,
                               finished=c.finished, finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason, new_token_ids=[], delta_text="",
-                              logprobs=c.logprobs)
+                              logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs,
+                              cumulative_logprob=c.cumulative_logprob)
                 for i, c in enumerate(self.choices)]
 
     def usage(self) -> dict[str, Any]:
@@ -105,22 +121,26 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 class SSERenderer:
-    def __init__(self, prepared: PreparedRequest, model: str, request_id: str, tokenizer,
-                 include_usage: bool, created: int | None = None) -> None:
+    def __init__(self, prepared: PreparedRequest, model: str, request_id: str, tokenizer: Any,
+                 include_usage: bool, created: int | None = None, continuous_usage: bool = False) -> None:
         self.prepared = prepared
         self.chat = prepared.kind == "chat"
         self.model = model
         self.request_id = request_id
         self.tokenizer = tokenizer
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
         self.created = int(time.time()) if created is None else created
+        spec = prepared.chat
+        num_choices = len(prepared.prompt_ids) * prepared.n
+        self._parsers = [ChatOutputParser(spec) for _ in range(num_choices)] if spec is not None else None
 
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _envelope(self, choices: list[dict[str, Any]], state: ResponseState | None = None) -> dict[str, Any]:
         obj: dict[str, Any] = {"id": self.request_id,
                                "object": "chat.completion.chunk" if self.chat else "text_completion",
                                "created": self.created, "model": self.model, "choices": choices}
         if self.include_usage:
-            obj["usage"] = None
+            obj["usage"] = state.usage() if self.continuous_usage and state is not None else None
         return obj
 
     def first_events(self, num_choices: int) -> list[str]:
@@ -131,34 +151,70 @@ class SSERenderer:
                                      "logprobs": None, "finish_reason": None}]))
                 for i in range(num_choices)]
 
-    def delta_events(self, deltas: Sequence[ChoiceDelta]) -> list[str]:
+    def delta_events(self, deltas: Sequence[ChoiceDelta], state: ResponseState | None = None) -> list[str]:
         events = []
         for d in deltas:
-            if not (d.text or d.finish_reason or (d.token_ids and self._shows_tokens())):
+            delta = self._chat_delta(d) if self.chat else {}
+            opens = d.is_first and (self.prepared.echo or self.prepared.prompt_logprobs is not None)
+            if not (delta or d.text and not self.chat or d.finish_reason or opens
+                    or (d.token_ids and self._shows_tokens())):
                 continue                  # nothing a client could see (held-back text)
-            events.append(sse(self._envelope([self._choice(d)])))
+            events.append(sse(self._envelope([self._choice(d, delta)], state)))
         return events
 
     def _shows_tokens(self) -> bool:
         return self.prepared.return_token_ids or self.prepared.logprobs is not None
 
-    def _choice(self, d: ChoiceDelta) -> dict[str, Any]:
+    def _chat_delta(self, d: ChoiceDelta) -> dict[str, Any]:
+        if self._parsers is None:
+            return {"content": d.text} if d.text else {}
+        parser = self._parsers[d.index]
+        parsed = parser.feed(d.text)
+        if d.finish_reason is not None:
+            end = parser.finish()
+            parsed = MessageDelta(parsed.reasoning + end.reasoning, parsed.content + end.content,
+                                  parsed.tool_calls + end.tool_calls)
+        return parsed.openai_delta()
+
+    def _choice(self, d: ChoiceDelta, delta: dict[str, Any]) -> dict[str, Any]:
         want_lps = self.prepared.logprobs is not None and d.logprobs is not None
+        as_ids = self.prepared.tokens_as_ids
         if self.chat:
+            called = self._parsers is not None and self._parsers[d.index].called_tools
             choice: dict[str, Any] = {
-                "index": d.index, "delta": {"content": d.text} if d.text else {},
-                "logprobs": chat_logprobs(d.logprobs, self.tokenizer) if want_lps else None,  # type: ignore[arg-type]
-                "finish_reason": d.finish_reason}
+                "index": d.index, "delta": delta,
+                "logprobs": chat_logprobs(d.logprobs, self.tokenizer, as_ids) if want_lps else None,  # type: ignore[arg-type]
+                "finish_reason": chat_finish_reason(d.finish_reason, called)}
+            if d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
         else:
             choice = {"index": d.index, "text": d.text,
-                      "logprobs": completion_logprobs(d.logprobs, self.tokenizer, d.text_offset)  # type: ignore[arg-type]
+                      "logprobs": completion_logprobs(d.logprobs, self.tokenizer, d.text_offset, as_ids)  # type: ignore[arg-type]
                       if want_lps else None,
                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            self._echo(choice, d)
+        if d.is_first and self.prepared.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(d.prompt_logprobs or [], self.prepared.prompt_logprobs,
+                                                             self.tokenizer)
         if self.prepared.return_token_ids:
             choice["token_ids"] = d.token_ids
             if d.is_first:
                 choice["prompt_token_ids"] = self.prepared.prompt_ids[d.index // self.prepared.n]
         return choice
+
+    def _echo(self, choice: dict[str, Any], d: ChoiceDelta) -> None:
+        """Completions ``echo``: the prompt opens the choice's first chunk; later offsets
+        count it too."""
+        if not self.prepared.echo:
+            return
+        prompt = d.index // self.prepared.n
+        if d.is_first:
+            out = RequestOutput(str(d.index), self.prepared.prompt_ids[prompt], [], "", 0, False, None, None,
+                                [], "", d.logprobs, prompt_logprobs=d.prompt_logprobs)
+            echo_choice(choice, self.prepared, prompt, out, self.tokenizer)
+        elif choice["logprobs"] is not None:
+            shift = len(self.prepared.prompt_texts[prompt])
+            choice["logprobs"]["text_offset"] = [o + shift for o in choice["logprobs"]["text_offset"]]
 
     def final_events(self, state: ResponseState) -> list[str]:
         events = []

@@ -10,19 +10,11 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import ray
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import start_http_server
 
-from cluster.observability.metrics_registry import MetricsRegistry
+from cluster.observability.metrics_registry import MetricsRegistry, prometheus_registry, render_text
 
 logger = logging.getLogger(__name__)
-
-
-class _Collector:
-    def __init__(self, registry: MetricsRegistry) -> None:
-        self._registry = registry
-
-    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
-        return self._registry.collect()
 
 
 @ray.remote(num_cpus=0)
@@ -30,8 +22,7 @@ class MetricsActor:
     def __init__(self, host: str, port: int, stale_after_s: float = 300.0) -> None:
         self._registry = MetricsRegistry()
         self._stale_after_s = stale_after_s
-        self._prom = CollectorRegistry(auto_describe=False)
-        self._prom.register(_Collector(self._registry))  # type: ignore[arg-type]
+        self._prom = prometheus_registry(self._registry)
         self._server, _ = start_http_server(port, addr=host, registry=self._prom)
         self.address = f"http://{host}:{self._server.server_port}/metrics"
         logger.info("metrics at %s", self.address)
@@ -51,7 +42,7 @@ class MetricsActor:
         self._registry.forget_replica(model, replica)
 
     def render(self) -> str:
-        return generate_latest(self._prom).decode()
+        return render_text(self._prom)
 
     def __ray_shutdown__(self) -> None:
         self._server.shutdown()

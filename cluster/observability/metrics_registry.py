@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 
@@ -185,3 +186,24 @@ def _family(fams: dict[str, Metric], name: str, kind: type, labels: list[str]) -
 
 def _doc(name: str) -> str:
     return "hybridserve " + name.removeprefix("hybridserve_").replace("_", " ")
+
+
+class PrometheusCollector:
+    """A ``MetricsRegistry`` as a ``prometheus_client`` collector."""
+
+    def __init__(self, registry: MetricsRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        return self._registry.collect()
+
+
+def prometheus_registry(registry: MetricsRegistry) -> CollectorRegistry:
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(PrometheusCollector(registry))  # type: ignore[arg-type]
+    return prom
+
+
+def render_text(prom: CollectorRegistry) -> str:
+    """The Prometheus text exposition of ``prom`` (what ``/metrics`` serves)."""
+    return generate_latest(prom).decode()

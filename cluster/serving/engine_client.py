@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from cluster.observability.metrics_registry import MetricsRegistry, prometheus_registry, render_text
 from cluster.serving.messages import GenerateRequest, ModelInfo
 from cluster.serving.replica_core import ReplicaCore, StreamItem
 
@@ -30,6 +31,7 @@ class EngineClient(Protocol):
     async def flush_cache(self) -> list[dict[str, Any]]: ...
     async def replica_stats(self) -> list[dict[str, Any]]: ...
     async def health(self) -> None: ...
+    async def metrics_text(self) -> str: ...       # the hybridserve_* Prometheus text
 
 
 class _LocalStream:
@@ -51,10 +53,14 @@ class _LocalStream:
 
 
 class LocalEngineClient:
-    """One in-process replica (no Ray): for tests and single-process tools."""
+    """One in-process replica (no Ray): for tests and single-process tools. Its metrics
+    are this replica's, in a registry of its own (labels ``model``, ``replica="local"``)."""
 
-    def __init__(self, core: ReplicaCore) -> None:
+    def __init__(self, core: ReplicaCore, model_name: str = "local") -> None:
         self.core = core
+        self.model_name = model_name
+        self._registry = MetricsRegistry()
+        self._prom = prometheus_registry(self._registry)
 
     async def model_info(self) -> ModelInfo:
         return self.core.model_info()
@@ -70,3 +76,9 @@ class LocalEngineClient:
 
     async def health(self) -> None:
         self.core.check_health()
+
+    async def metrics_text(self) -> str:
+        snapshot, observations = await self.core.loop.run(
+            lambda e: (e.stats.snapshot(), e.stats.drain_observations()))
+        self._registry.update_replica(self.model_name, "local", snapshot, observations)
+        return render_text(self._prom)

@@ -79,7 +79,7 @@ def test_n_seed_logprobs_stop_and_token_ids(client):
     assert [c.model_extra["token_ids"] for c in a.choices] == [c.model_extra["token_ids"] for c in b.choices]
     assert a.model_extra["prompt_token_ids"] == [11, 12, 13, 14, 15]
     assert len(a.choices[0].logprobs.token_logprobs) == 6
-    assert all(len(t) <= 2 for t in a.choices[0].logprobs.top_logprobs)
+    assert all(len(t) <= 3 for t in a.choices[0].logprobs.top_logprobs)      # the chosen + the 2 best
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                           max_tokens=4, logprobs=True, top_logprobs=2, temperature=0)
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
@@ -185,3 +185,32 @@ def test_metrics_counters_move_after_traffic(app, client):
     assert labels and all('"model": "tiny-e2e"' in k and '"replica": "0"' in k for k in labels)
     assert _total(after, "hybridserve_time_to_first_token_seconds_count") > 0
     assert _total(after, "hybridserve_requests_total") > _total(before, "hybridserve_requests_total")
+
+
+def test_service_endpoints_through_serve(app, client, http):
+    """/tokenize, /detokenize, /tokenizer_info, /version, /ping, /v1/models/{id}, /metrics on
+    the API port (the metrics actor's text), logprobs=0 and continuous usage stats."""
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.created > 1_700_000_000
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    tokens = http.post("/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "hello world"
+    chat_ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          extra_body={"return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == chat_ids
+    assert http.get("/tokenizer_info").json()["tokenizer_class"]
+    assert http.get("/version").json()["version"]
+    assert httpx.get(f"{app.base_url}/ping").status_code == 200                 # no key, as /health
+    text = http.get("/metrics").text
+    assert "hybridserve_requests_total" in text and 'model="tiny-e2e"' in text
+    zero = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    lps = zero.choices[0].logprobs
+    assert [list(top) for top in lps.top_logprobs] == [[tok] for tok in lps.tokens]
+    chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 3

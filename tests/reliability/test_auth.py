@@ -1,5 +1,5 @@
-"""The API key (issue 8, item 3): every route but ``/health`` refuses a missing or wrong
-key with 401 and an error object, and no key -- right or wrong -- reaches a log or a
+"""The API key (issue 8, item 3): every route but the health checks (``/health``,
+``/ping``) refuses a missing or wrong key with 401 and an error object, and no key -- right or wrong -- reaches a log or a
 response body.
 
 The routes are enumerated, not listed: the deployed app's ``/openapi.json`` (itself
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,7 +27,9 @@ WRONG_KEYS = ("sk-wrong-8d2f6a41c0e7", "sk-auth-5c7e1f0a9b3d4e2", "sk-auth-5c7e1
 MODEL = "tiny-auth"
 BODIES = {"/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
           "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                   "max_tokens": 2}}
+                                   "max_tokens": 2},
+          "/tokenize": {"model": MODEL, "prompt": "hi"}, "/detokenize": {"model": MODEL, "tokens": [1, 2]}}
+OPEN = {"/health", "/ping"}
 
 
 def bad_headers() -> list[dict[str, str]]:
@@ -54,9 +57,14 @@ def operations(app) -> list[tuple[str, str]]:
     return ops
 
 
+def concrete(path: str) -> str:
+    """A path template with its parameters filled in (``/v1/models/{model_id}``)."""
+    return path.replace("{model_id}", MODEL)
+
+
 def guarded_requests(operations: list[tuple[str, str]], probe: str) -> list[tuple[str, str]]:
-    """Every operation but /health, the document itself, unknown paths, wrong methods."""
-    reqs = [(m, p) for m, p in operations if p != "/health"]
+    """Every operation but the health checks, the document itself, unknown paths, wrong methods."""
+    reqs = [(m, concrete(p)) for m, p in operations if p not in OPEN]
     return reqs + [("GET", "/openapi.json"), ("GET", probe), ("POST", "/v1/nope"), ("GET", "/"),
                    ("DELETE", "/v1/models"), ("GET", "/v1/completions"), ("POST", "/health/x")]
 
@@ -83,12 +91,13 @@ def test_every_route_but_health_needs_the_key(app, operations):
                 assert_401(r)
                 assert r.headers.get_list("x-request-id") == [request_ids[-1]]   # once: the proxy echoes it
         assert client.get("/health").status_code == 200
+        assert client.get("/ping").status_code == client.post("/ping").status_code == 200
         good = {"Authorization": f"Bearer {KEY}"}
         allowed = {(m, p): client.request(m, p, headers=good, json=BODIES.get(p)).status_code
                    for m, p in reqs}
     for (method, path), status in allowed.items():
         assert status != 401, (method, path)
-        if (method, path) in operations:
+        if (method, path) in {(m, concrete(p)) for m, p in operations}:
             assert status == 200, (method, path, status)
     assert allowed[("GET", probe)] == 404 and allowed[("DELETE", "/v1/models")] == 405
     print(f"\nauth: {len(reqs)} guarded (method, path) pairs x {len(bad_headers())} bad credentials = "
@@ -145,7 +154,8 @@ def test_in_process_routes_match_the_document_and_log_no_key(local_app, operatio
     from fastapi.routing import APIRoute
 
     loop, api = local_app
-    routes = {(m, r.path) for r in api.routes if isinstance(r, APIRoute) for m in r.methods}
+    routes = {(m, re.sub(r":\w+}", "}", r.path))          # /v1/models/{model_id:path} as documented
+              for r in api.routes if isinstance(r, APIRoute) for m in r.methods}
     assert routes == set(operations)             # nothing is left out of the document
     caplog.set_level("DEBUG")
     reqs = guarded_requests(operations, "/v1/probe-local")

@@ -9,9 +9,10 @@
 - ``forward(batch, pools) -> [T, hidden]``: final-normed hidden states of every token.
 - ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32.
 - ``load_weights(iterable of (hf_name, tensor))``: strict; ``mtp.*`` kept in ``mtp_weights``.
-- ``num_mtp_layers`` / ``build_mtp_head(kv_index)``: the checkpoint's MTP (NEXTN) drafter,
-  whose layers keep their KV in attention layers ``kv_index .. kv_index + num_mtp_layers - 1``
-  of the pool (0 layers, and a ValueError naming why, for a model without a servable one).
+- ``num_mtp_layers`` / ``num_mtp_kv_layers`` / ``build_mtp_head(kv_index)``: the checkpoint's
+  MTP (NEXTN) drafter (``workers/models/mtp.py``), whose attention blocks keep their KV in
+  attention layers ``kv_index .. kv_index + num_mtp_kv_layers - 1`` of the pool (0 layers,
+  and a ValueError naming why, for a model without a servable one).
 - ``is_vl_checkpoint`` / ``serves_images``: a vision-language checkpoint whose language
   model is served and whose vision tower is not (the HTTP layer refuses image parts).
 
@@ -162,14 +163,18 @@ class HybridForCausalLM(nn.Module):
 
     @property
     def num_mtp_layers(self) -> int:
-        """Layers of the checkpoint's MTP head (each one more KV pool layer); 0 = none."""
+        """Layers of the checkpoint's MTP head (the drafter's chain length); 0 = none."""
         return 0
+
+    @property
+    def num_mtp_kv_layers(self) -> int:
+        """KV pool layers the MTP head's attention needs (default: one per MTP layer)."""
+        return self.num_mtp_layers
 
     def build_mtp_head(self, kv_index: int) -> nn.Module:
         """The MTP drafter over this (loaded) model (``workers/models/mtp.py``)."""
-        refusal = getattr(self, "mtp_refusal", None)     # MTP weights this family cannot serve
-        raise ValueError(refusal or f"spec.method 'mtp' needs a checkpoint with an MTP head; "
-                                    f"{type(self).__name__} has none")
+        raise ValueError(f"spec.method 'mtp' needs a checkpoint with an MTP head; "
+                         f"{type(self).__name__} has none")
 
     @classmethod
     def validate_config(cls, cfg: Any) -> None:

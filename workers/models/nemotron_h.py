@@ -8,9 +8,9 @@ GQA without positional encoding, ``mlp`` = ``down(relu2(up(x)))`` without a gate
 ``moe`` = sigmoid-routed, grouped top-k experts of the same ungated MLP shape plus one
 shared expert (``NemotronHMoE``). Names: ``backbone.embeddings``, ``backbone.norm_f``.
 
-MTP: a checkpoint's ``mtp.*`` tensors (``num_nextn_predict_layers`` > 0) load and are kept
-aside, but ``spec.method: mtp`` is refused: transformers 5.24 drops them
-(``_keys_to_ignore_on_load_unexpected``) and defines no layout to check them against.
+MTP: a checkpoint's ``mtp.*`` tensors (``num_nextn_predict_layers`` MTP layers of the blocks
+``mtp_layers_block_type`` names, which transformers 5.24 drops on load) are kept in
+``mtp_weights`` for ``build_mtp_head`` (``workers/models/nemotron_h_mtp.py``).
 
 Fields that transformers ignores but that would mean other math are refused when set away
 from their inert value: ``attention_bias``, ``sliding_window``, ``mamba_proj_bias`` (the
@@ -32,6 +32,7 @@ from workers.models.layers import (Attention, AttentionDims, DenseMLP, RMSNorm, 
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims
 from workers.models.moe import MoeDims, SparseMoE
+from workers.models.nemotron_h_mtp import NemotronHMtpHead, mtp_layout
 from workers.models.weights import WeightTarget, module_targets
 from workers.state_spec import StateSites
 
@@ -59,6 +60,20 @@ def attention_dims(cfg: Any) -> AttentionDims:
 def mlp(cfg: Any, intermediate_size: int, dtype: torch.dtype) -> DenseMLP:
     return DenseMLP(cfg.hidden_size, intermediate_size, dtype, act=cfg.mlp_hidden_act, gated=False,
                     bias=bool(cfg.mlp_bias))
+
+
+def block_mixer(cfg: Any, kind: str, dtype: torch.dtype) -> nn.Module:
+    """The mixer of a block of ``kind`` (a ``layers_block_type`` / ``mtp_layers_block_type`` entry)."""
+    if kind == LINEAR_ATTENTION:
+        return Mamba2Mixer(mamba_dims(cfg), dtype)
+    if kind == FULL_ATTENTION:
+        return Attention(attention_dims(cfg), dtype)
+    if kind == MLP:
+        return mlp(cfg, cfg.intermediate_size, dtype)
+    if kind == MOE:
+        return NemotronHMoE(cfg, dtype)
+    raise ValueError(f"unsupported block type {kind!r}; expected one of "
+                     f"{[LINEAR_ATTENTION, FULL_ATTENTION, MLP, MOE]}")
 
 
 class NemotronHMoE(nn.Module):
@@ -130,20 +145,13 @@ class NemotronHForCausalLM(HybridForCausalLM):
             attention_dims(cfg)      # GQA divisibility is checked by the layer
         if MOE in kinds and cfg.moe_latent_size is not None and cfg.moe_latent_size <= 0:
             raise ValueError(f"moe_latent_size={cfg.moe_latent_size} must be positive")
+        mtp_layout(cfg, {})          # a malformed num_nextn_predict_layers fails at load
 
     def _build_layers(self, cfg: Any, dtype: torch.dtype,
                       sites: StateSites) -> tuple[list[MixerBlock], RMSNorm]:
         layers = []
         for kind in cfg.layers_block_type:
-            mixer: nn.Module
-            if kind == LINEAR_ATTENTION:
-                mixer = Mamba2Mixer(mamba_dims(cfg), dtype)
-            elif kind == FULL_ATTENTION:
-                mixer = Attention(attention_dims(cfg), dtype)
-            elif kind == MLP:
-                mixer = mlp(cfg, cfg.intermediate_size, dtype)
-            else:
-                mixer = NemotronHMoE(cfg, dtype)
+            mixer = block_mixer(cfg, kind, dtype)
             ref = sites.add(mixer) if kind in (LINEAR_ATTENTION, FULL_ATTENTION) else None
             layers.append(MixerBlock(mixer, ref, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype)))
         return layers, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype)
@@ -152,9 +160,14 @@ class NemotronHForCausalLM(HybridForCausalLM):
         return None                                  # attention without positional encoding
 
     @property
-    def mtp_refusal(self) -> str:
-        """Why ``spec.method: mtp`` is refused for this checkpoint (see the module docstring)."""
-        n = getattr(self.config, "num_nextn_predict_layers", 0)
-        return (f"spec.method 'mtp' is not supported for Nemotron-H (num_nextn_predict_layers={n}, "
-                f"{len(self.mtp_weights)} mtp.* tensors): transformers 5.24 does not define the "
-                "layout of its MTP layers, so there is nothing to check them against")
+    def num_mtp_layers(self) -> int:
+        return mtp_layout(self.config, self.mtp_weights).num_layers
+
+    @property
+    def num_mtp_kv_layers(self) -> int:
+        return mtp_layout(self.config, self.mtp_weights).num_kv_layers
+
+    def build_mtp_head(self, kv_index: int) -> NemotronHMtpHead:
+        cfg, dtype = self.config, self.dtype
+        return NemotronHMtpHead(self, kv_index, mtp_layout(cfg, self.mtp_weights),
+                                lambda kind: block_mixer(cfg, kind, dtype))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.models import tiny_qwen3_5 as q35
-from workers.models.tiny_weights import RedrawRule, add_qwen_mtp, redraw_mamba1
+from workers.models.tiny_weights import RedrawRule, add_nemotron_mtp, add_qwen_mtp, redraw_mamba1
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
 LayoutWriter = Callable[[Path], None]             # rewrites a saved checkpoint's tensors
@@ -96,10 +96,10 @@ _NEMOTRON_H = TinyFamily(
          n_groups=2, conv_kernel=4, chunk_size=16, time_step_min=1e-9,
          n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
          moe_shared_expert_intermediate_size=48, n_group=4, topk_group=2,
-         routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False),
-    hf_modeling="transformers.models.nemotron_h.modeling_nemotron_h",
-    notes=("MTP layers (num_nextn_predict_layers) load but are refused for speculation: "
-           "transformers 5.24 does not define their layout",))
+         routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+         num_nextn_predict_layers=1, mtp_layers_block_type=["full_attention", "moe"]),
+    mtp_writer=add_nemotron_mtp, hf_modeling="transformers.models.nemotron_h.modeling_nemotron_h",
+    notes=("one MTP layer of an attention and a MoE block, as Nemotron 3 Super's",))
 
 _BAMBA = TinyFamily(
     "bamba", "BambaForCausalLM", "BambaConfig",

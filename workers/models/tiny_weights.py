@@ -7,7 +7,7 @@ score-correction bias) small. ``redraw_model_`` applies it to every parameter, t
 persistent buffer a checkpoint saves, in a fixed order.
 
 MTP writers add ``mtp.*`` tensors that transformers itself neither creates nor loads, laid
-out as the released checkpoints are (``add_qwen_mtp``).
+out as the released checkpoints are (``add_qwen_mtp``, ``add_nemotron_mtp``).
 """
 from __future__ import annotations
 
@@ -100,6 +100,37 @@ def add_qwen_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
     shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
                    "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
     append_tensors(out_dir, random_tensors(shapes, seed + 1, zero_centered_norms=True))
+
+
+def add_nemotron_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
+    """Add random Nemotron-H ``mtp.*`` tensors (``num_nextn_predict_layers`` MTP layers of
+    ``mtp_layers_block_type``) to the last safetensors file (and the index).
+
+    Layout as released (read by vLLM's / SGLang's Nemotron-H MTP): block b of MTP layer m is
+    ``mtp.layers.{m * L + b}.*``, shaped like the first backbone block of its kind; the first
+    block of each MTP layer adds ``enorm`` / ``hnorm`` [H] and ``eh_proj`` [H, 2H], the last
+    one ``final_layernorm`` [H].
+    """
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError(f"mtp=True needs num_nextn_predict_layers >= 1 in the config, "
+                         f"not {cfg.num_nextn_predict_layers}")
+    kinds = list(cfg.mtp_layers_block_type)
+    backbone = list(cfg.layers_block_type)
+    missing = sorted(set(kinds) - set(backbone))
+    if missing:
+        raise ValueError(f"mtp=True needs a backbone block of every MTP kind; missing {missing}")
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for m in range(cfg.num_nextn_predict_layers):
+        for b, kind in enumerate(kinds):
+            dst = f"mtp.layers.{m * len(kinds) + b}."
+            shapes.update(tensor_shapes(out_dir, f"backbone.layers.{backbone.index(kind)}.", dst))
+            if b == 0:
+                shapes.update({dst + "enorm.weight": (h,), dst + "hnorm.weight": (h,),
+                               dst + "eh_proj.weight": (h, 2 * h)})
+            if b == len(kinds) - 1:
+                shapes[dst + "final_layernorm.weight"] = (h,)
+    append_tensors(out_dir, random_tensors(shapes, seed + 1, zero_centered_norms=False))
 
 
 def tensor_shapes(out_dir: Path, src_prefix: str, dst_prefix: str) -> dict[str, tuple[int, ...]]:

@@ -67,8 +67,8 @@ class MtpDrafter:
         max_pages = max(len(s.page_ids) for s in spans)
         table = [s.page_ids + [0] * (max_pages - len(s.page_ids)) for s in spans]
         dev, b = self.device, len(spans)
-        # The MTP head is one attention layer: the Mamba fields are never read (zeros, and
-        # decode_only stays False).
+        # MTP heads keep no recurrent state (attention KV at most): the Mamba fields are
+        # never read (zeros, and decode_only stays False).
         return ForwardBatch(
             input_ids=ids, positions=torch.tensor(positions, device=dev),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),

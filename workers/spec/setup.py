@@ -16,8 +16,8 @@ def num_draft_tokens(spec: SpecConfig) -> int:
 
 
 def num_mtp_kv_layers(spec: SpecConfig, model: torch.nn.Module) -> int:
-    """KV pool layers the drafter needs beyond the target's (one per MTP layer)."""
-    return model.num_mtp_layers if num_draft_tokens(spec) else 0
+    """KV pool layers the drafter needs beyond the target's (the MTP head's attention blocks)."""
+    return model.num_mtp_kv_layers if num_draft_tokens(spec) else 0
 
 
 def build_drafter(config: HybridServeConfig, model: torch.nn.Module, pools: DevicePools,

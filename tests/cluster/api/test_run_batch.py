@@ -79,3 +79,26 @@ def test_chat_and_n(batch_result):
     assert [c["index"] for c in n2["choices"]] == [0, 1]
     assert n2["usage"]["completion_tokens"] == 12
     assert len(n2["choices"][0]["logprobs"]["tokens"]) == 6
+
+
+def test_tool_calls_reasoning_and_refusals_offline(scripted_hermes_dir, tmp_path):
+    """run-batch reads chat outputs as the server does (its config's parsers)."""
+    from tests.cluster.api.scripted_model import HERMES_CALLS, HERMES_REASONING, TOOLS
+
+    user = [{"role": "user", "content": "weather?"}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([
+        line("tools", "/v1/chat/completions", {"messages": user, "tools": TOOLS, "max_tokens": 64}),
+        line("bias", "/v1/chat/completions", {"messages": user, "suffix": "x", "audio": {"voice": "a"}}),
+        line("surrogate", "/v1/completions", {"prompt": "\udcff"}),
+    ]) + "\n")
+    rc = main(["run-batch", "-i", str(inp), "-o", str(out), "--set", f"model={scripted_hermes_dir}",
+               "--set", "device=cpu", "--set", "cache.page_size=4", "--set", "cache.max_kv_tokens=1024"])
+    assert rc == 0
+    tools, bias, surrogate = [json.loads(x) for x in out.read_text().splitlines()]
+    choice = tools["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == HERMES_REASONING
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] \
+        == HERMES_CALLS
+    assert bias["response"]["status_code"] == 400 and bias["response"]["body"]["error"]["param"] == "audio"
+    assert surrogate["response"]["status_code"] == 400

@@ -11,7 +11,7 @@ from workers.sampling_params import SamplingParams
 
 
 class FakeTokenizer:
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f"<{i}>" for i in ids)
 
 
@@ -52,7 +52,7 @@ def test_chat_stream_role_first_then_content_finish_usage_and_done():
     assert c1["choices"][0]["delta"] == {"content": "he"} and c1["usage"] is None
     # two chunks of one batch merge into one event; finish_reason rides on the last content
     assert c2["choices"][0] == {"index": 0, "delta": {"content": "llo!"}, "logprobs": None,
-                                "finish_reason": "length"}
+                                "finish_reason": "length", "stop_reason": None}
     assert usage["choices"] == [] and usage["usage"] == {
         "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 2}}

@@ -1,5 +1,6 @@
 """Per-family config handling: fields refused with their name, legacy checkpoint forms that
-load to the same model, and speculation refused for Nemotron-H's MTP layers.
+load to the same model (fused experts too), speculation refused for families without MTP
+weights (Nemotron-H's MTP head: ``test_nemotron_mtp.py``).
 
 (Config variants whose math we serve are compared with transformers in
 ``test_vs_transformers.py``; the registry suite covers each family's default tiny config.)
@@ -14,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.workers.engine.helpers import GREEDY, make_llm
+from tests.workers.engine.helpers import make_llm
 from tests.workers.models.harness import Harness, random_prompts
 from workers.loader import load_model
 from workers.models import get_model_class
-from workers.models.tiny import make_tiny_checkpoint, tiny_config
+from workers.models.tiny import tiny_config
 from workers.models.tiny_registry import get_family
-from workers.models.tiny_weights import append_tensors, random_tensors, tensor_shapes
 
 REFUSED = {
     "nemotron_attention_bias": ("nemotron_h", {"attention_bias": True}, "attention_bias"),
@@ -136,22 +136,6 @@ def test_zamba2_repeated_shared_block_tensors_load(tiny_checkpoint, tmp_path) ->
     for a, b in zip(_prefill_logits(src), _prefill_logits(repeated)):
         assert torch.equal(a, b)
 
-
-def test_nemotron_mtp_layers_load_but_speculation_is_refused(tmp_path) -> None:
-    ckpt = make_tiny_checkpoint("nemotron_h", tmp_path, seed=3, num_nextn_predict_layers=1,
-                                mtp_layers_block_type=["full_attention", "moe"])
-    shapes = tensor_shapes(ckpt, "backbone.layers.2.", "mtp.layers.0.")      # an attention block
-    shapes.update(tensor_shapes(ckpt, "backbone.layers.1.", "mtp.layers.1."))  # a MoE block
-    h = get_family("nemotron_h").config["hidden_size"]
-    shapes.update({"mtp.layers.0.eh_proj.weight": (h, 2 * h), "mtp.layers.0.enorm.weight": (h,),
-                   "mtp.layers.0.hnorm.weight": (h,)})
-    append_tensors(ckpt, random_tensors(shapes, seed=9, zero_centered_norms=False))
-    model = load_model(ckpt, torch.float32, "cpu").model
-    assert len(model.mtp_weights) == len(shapes)
-    with pytest.raises(ValueError, match=r"Nemotron-H \(num_nextn_predict_layers=1.*transformers"):
-        make_llm(ckpt, spec={"method": "mtp", "num_draft_tokens": 2})
-    out = make_llm(ckpt).generate_ids([[5, 6, 7]], [GREEDY])               # without spec it serves
-    assert len(out[0].token_ids) == GREEDY.max_tokens
 
 
 @pytest.mark.parametrize("family", ["jamba", "lfm2", "lfm2_moe", "lfm3"])

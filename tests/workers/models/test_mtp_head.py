@@ -76,11 +76,13 @@ def test_models_without_a_head(tiny_granite_dir, tiny_qwen_dir, tmp_path):
 
 def catch_up(model, prompt: list[int], chunks: list[int], next_token: int):
     """The target prefills ``prompt`` in ``chunks``; the drafter catches up after each one
-    and drafts after the last. -> (drafts, the head's KV at positions 0..len-1 [2, L, ...])."""
+    and drafts after the last. -> (drafts, the head's KV at positions 0..len-1
+    [its KV layers, L, ...])."""
     spec = model.cache_spec()
     num_kv = spec.num_layers(ATTENTION)
     h = Harness(model, max_seqs=2, max_tokens=64)
-    pools = build_pools(spec.with_layers(ATTENTION, num_kv + 2), h.pools.kv.num_pages, h.page_size,
+    head_kv = model.num_mtp_kv_layers
+    pools = build_pools(spec.with_layers(ATTENTION, num_kv + head_kv), h.pools.kv.num_pages, h.page_size,
                         h.pools.mamba.num_slots, torch.float32, torch.device("cpu"))
     pools.mamba = h.pools.mamba
     h.pools = pools
