@@ -1,7 +1,8 @@
 """Stage (a) of the device checks: every Triton kernel against its torch reference.
 
 Real sizes on the GPU (Qwen3-Next GDN and attention, Mamba2 SSD, Jamba's Mamba1 selective
-scan, Lfm3's sliding-window attention), toy sizes for ``--dry-run``
+scan, Lfm3's sliding-window attention; KDA, MLA and lightning attention in
+``checks_new_kernels``), toy sizes for ``--dry-run``
 on CPU (the interpreter). One mixed varlen batch per recurrent op: decodes, speculative
 verifies (a snapshot after every draft token) and long prefills with prefix-cache snapshots
 mid-sequence; fp32 recurrent pools; bf16 and fp32 activations. Three rows launch grids past
@@ -20,6 +21,7 @@ import torch
 from kernels import backend
 from tests.gpu.common import (Compared, Deadline, Report, compare, cuda_ms, has_flashinfer,
                               mixed_lens, varlen_meta, verify_snapshots, worst)
+from tests.gpu.checks_new_kernels import FULL_NEW, TOY_NEW, new_checks
 from tests.kernels.attention_cases import build_case, run_paged, with_dtype
 
 Tol = tuple[float, float]            # (rtol, atol)
@@ -286,6 +288,8 @@ def checks(sz: KernelSizes, device: torch.device) -> list[Check]:
     out.append((f"attention triton mixed, sliding window {window}", both,
                 lambda dt: attention_case(sz.attention_mixed, sz.attention[0], dt, device,
                                           window=window)))
+    out += new_checks(FULL_NEW if sz is FULL else TOY_NEW, lambda seed: _mixed(sz, seed, device),
+                      sz.attention_mixed, sz.attention_decode, device, TOL, POOL_TOL)
     out.append(("attention triton decode, CUDA graph replay = eager", bf16,
                 lambda dt: attention_graph_case(sz.attention_decode, sz.attention[0], device)))
     if device.type == "cuda" and has_flashinfer():
@@ -320,7 +324,9 @@ def run(sz: KernelSizes, device: torch.device, report: Report, deadline: Deadlin
 
 
 def _tol_label(name: str, dtype: torch.dtype) -> str:
-    kind = next((k for k in ("gdn", "ssd", "mamba1") if name.startswith(k)), "exact")
+    kind = ("gdn" if name.startswith(("gdn", "kda")) else
+            "ssd" if name.startswith(("ssd", "lightning")) else
+            "mamba1" if name.startswith("mamba1") else "exact")
     rtol, atol = TOL[kind][dtype]
     return f"{rtol:g}/{atol:g}"
 

@@ -70,6 +70,18 @@ REFUSED = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "default", "rope_theta": 1e6,
                            "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
+    "kimi_act": ("kimi_linear", {"hidden_act": "gelu"}, "hidden_act"),
+    "kimi_mla_kv_heads": ("kimi_linear", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    "bailing_yarn": ("bailing_hybrid", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
+        "original_max_position_embeddings": 1024}}, "rope_type"),
+    "bailing_mla_kv_heads": ("bailing_hybrid", {"num_key_value_heads": 1}, "num_key_value_heads=1"),
+    "minimax_sliding_window": ("minimax", {"sliding_window": 64}, "sliding_window"),
+    "minimax_act": ("minimax", {"hidden_act": "quick_gelu"}, "hidden_act"),
+    "minimax_rope": ("minimax", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                     "rope_theta": 1e4}}, "rope_type"),
+    "olmo_grouped_linear_heads": ("olmo_hybrid", {"linear_num_key_heads": 2}, "linear_num_key_heads=2"),
+    "olmo_act": ("olmo_hybrid", {"hidden_act": "gelu"}, "hidden_act"),
 }
 
 
