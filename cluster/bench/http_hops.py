@@ -177,14 +177,15 @@ def _serve_run(app: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     tokens = sum(r.output_tokens for r in res.records)
     per_role: dict[str, float] = {}
     threads: dict[str, list[tuple[str, float]]] = {}
-    pids = {"client": {os.getpid()}, "replica": {int(rep1["pid"])}}
+    pids = {"client": {os.getpid()}, "replica": {int(rep1["pid"])} if rep1.get("pid") else set()}
     for pid, proc in cpu_delta(before, after).items():
         name = role(proc.name, pids, pid)
         per_role[name] = per_role.get(name, 0.0) + proc.cpu_s
         if name in ("replica", "ingress", "proxy"):
             top = sorted(proc.threads.values(), key=lambda t: -t[1])[:4]
             threads[name] = [(comm, round(1e3 * s / tokens, 3)) for comm, s in top if s > 0]
-    loop = {k: rep1["loop"][k] - rep0["loop"][k] for k in rep1["loop"]}
+    zero = {"num_steps": 0, "step_wall_s": 0.0, "step_cpu_s": 0.0, "step_gap_s": 0.0}   # a replica without loop times
+    loop = {k: rep1.get("loop", zero)[k] - rep0.get("loop", zero)[k] for k in zero}
     cpu_ms = {k: round(1e3 * v / tokens, 3) for k, v in sorted(per_role.items())}
     return {"tok_s": args.batch / (res.metrics.tpot_ms.mean / 1000), "tokens": tokens,
             "itl_ms_median": round(res.metrics.itl_ms.median, 1),

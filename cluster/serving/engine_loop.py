@@ -28,6 +28,7 @@ from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
+IDLE_POLL_S = 0.001                       # the wait after a second step in a row with no output
 logger = logging.getLogger(__name__)
 
 
@@ -192,6 +193,7 @@ class EngineLoop:
     # -- the engine thread ---------------------------------------------------------------
     def _main(self) -> None:
         last_end: float | None = None     # the previous step's end, when it left work
+        empty = 0                         # steps in a row without outputs (an overlap launch gives one)
         while not self._closed:
             self._run_calls()
             if not (self._stepping and self.error is None and self.engine is not None
@@ -212,8 +214,11 @@ class EngineLoop:
             if last_end is not None:
                 self._step_gap_s += result.started - last_end
             last_end = result.started + result.wall_s if result.has_more else None
+            empty = 0 if result.outputs else empty + 1
             if result.outputs:
                 self._post(self._dispatch, result.outputs)
+            elif empty > 1:               # work only in other threads (a grammar compiling): do not spin
+                self._work.wait(IDLE_POLL_S)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the event loop's thread (dropped once that loop is closed)."""

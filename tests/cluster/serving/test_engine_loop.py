@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cluster.serving.engine_loop import EngineLoop, EngineLoopError
+from cluster.serving.engine_loop import IDLE_POLL_S, EngineLoop, EngineLoopError
 from cluster.serving.messages import Accepted, GenerateError, GenerateRequest
 from cluster.serving.replica_core import ReplicaCore, StreamPacing, build_engine, check_supported
 from configs.schema import load_config
@@ -228,3 +228,28 @@ def test_a_stream_budget_spaces_each_streams_items_by_the_open_streams():
         assert [t for c in chunks for t in c.new_token_ids] == list(range(200)) and chunks[-1].finished
         gaps = [b - a for a, b in zip(stamps[2:], stamps[3:-1])]
         assert gaps and all(g >= 0.2 * 0.9 for g in gaps), gaps    # 4 streams / 20 per s
+
+
+def test_an_engine_waiting_on_other_threads_is_polled_not_spun():
+    """Work left but nothing to step (a grammar compiling elsewhere): steps without output
+    are spaced by ``IDLE_POLL_S`` instead of spinning the engine thread."""
+    class Compiling(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.until = time.monotonic() + 0.2
+
+        def has_unfinished(self) -> bool:
+            return time.monotonic() < self.until
+
+        def step(self):
+            self.steps += 1
+            return []
+
+    async def go():
+        engine = Compiling()
+        loop = await EngineLoop.create(lambda: engine)
+        await asyncio.sleep(0.3)
+        await loop.shutdown()
+        return engine.steps
+    steps = run(go())
+    assert 2 <= steps <= 0.2 / IDLE_POLL_S + 50, steps          # a spin makes ~10^5
