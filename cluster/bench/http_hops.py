@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench import inproc
-from cluster.bench.proc_cpu import cpu_delta, role, snapshot
+from cluster.bench.proc_cpu import cpu_delta, ms_per_unit_by_role, role, snapshot
 
 LAYERS = ("bare", "engine", "replica", "ingress")        # in process, each on the one before
 EXTRA = ("client_parse_us", "replica_gap_us", "ingress_gap_us")   # us per output token
@@ -175,18 +175,16 @@ def _serve_run(app: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     after = snapshot()
     rep1 = _replica_stats(app.base_url)
     tokens = sum(r.output_tokens for r in res.records)
-    per_role: dict[str, float] = {}
     threads: dict[str, list[tuple[str, float]]] = {}
     pids = {"client": {os.getpid()}, "replica": {int(rep1["pid"])} if rep1.get("pid") else set()}
-    for pid, proc in cpu_delta(before, after).items():
-        name = role(proc.name, pids, pid)
-        per_role[name] = per_role.get(name, 0.0) + proc.cpu_s
-        if name in ("replica", "ingress", "proxy"):
+    delta = cpu_delta(before, after)
+    for pid, proc in delta.items():
+        if (name := role(proc.name, pids, pid)) in ("replica", "ingress", "proxy"):
             top = sorted(proc.threads.values(), key=lambda t: -t[1])[:4]
             threads[name] = [(comm, round(1e3 * s / tokens, 3)) for comm, s in top if s > 0]
     zero = {"num_steps": 0, "step_wall_s": 0.0, "step_cpu_s": 0.0, "step_gap_s": 0.0}   # a replica without loop times
     loop = {k: rep1.get("loop", zero)[k] - rep0.get("loop", zero)[k] for k in zero}
-    cpu_ms = {k: round(1e3 * v / tokens, 3) for k, v in sorted(per_role.items())}
+    cpu_ms = ms_per_unit_by_role(delta, tokens, pids)
     return {"tok_s": args.batch / (res.metrics.tpot_ms.mean / 1000), "tokens": tokens,
             "itl_ms_median": round(res.metrics.itl_ms.median, 1),
             "items_per_request": round(sum(len(r.itl) + 1 for r in res.records) / len(res.records), 1),

@@ -101,3 +101,13 @@ def role(name: str, pids: dict[str, set[int]] | None = None, pid: int = -1) -> s
         if key in name:
             return label
     return "other"
+
+
+def ms_per_unit_by_role(delta: dict[int, ProcCpu], units: int,
+                        pids: dict[str, set[int]] | None = None) -> dict[str, float]:
+    """CPU ms per unit (an output token, say) of each ``role``, summed over its processes."""
+    per_role: dict[str, float] = {}
+    for pid, proc in delta.items():
+        name = role(proc.name, pids, pid)
+        per_role[name] = per_role.get(name, 0.0) + proc.cpu_s
+    return {name: round(1e3 * s / max(units, 1), 3) for name, s in sorted(per_role.items())}
