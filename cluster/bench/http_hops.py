@@ -2,7 +2,8 @@
 of the serving path, and the CPU every process of a real Ray Serve cluster spends on it.
 
     python -m cluster.bench.http_hops [--batch 8 --prompt-len 32 --output-len 64 --repeats 2]
-        [--stream-interval-s 0.05] [--model DIR] [--no-serve] [--out hops.json]
+        [--stream-interval-s 0.05 --stream-items-per-s 100] [--model DIR] [--no-serve | --serve-only]
+        [--out hops.json]
 
 In one process, no Ray, each layer on top of the one before (best of ``repeats``
 interleaved runs; decode tok/s = batch / mean TPOT, TPOT = (last - first token) / (n - 1)):
