@@ -219,6 +219,7 @@ class EngineLoop:
                 self._post(self._dispatch, result.outputs)
             elif empty > 1:               # work only in other threads (a grammar compiling): do not spin
                 self._work.wait(IDLE_POLL_S)
+                self._work.clear()        # a call that set it is queued: the loop's top runs it
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the event loop's thread (dropped once that loop is closed)."""
