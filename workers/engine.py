@@ -32,6 +32,9 @@ from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layer
 from workers.state_oracle import StateOracle
 from workers.state_spec import ATTENTION
 from workers.stats import EngineStats
+from workers.tiers.host_pools import HostPools
+from workers.tiers.payload import model_fingerprint
+from workers.tiers.storage import TensorTierStorage
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,6 +77,7 @@ class Engine:
         self.generators = GeneratorBank(config.seed, self.device)
         self.lag = 1 if config.scheduler.overlap else 0
         self.runner = self._build_runner()
+        self._attach_tiers()
         self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
                                        release=self.scheduler.release,
                                        on_finish=lambda r: self.generators.drop(r.handle))
@@ -83,6 +87,7 @@ class Engine:
                        if config.debug.state_oracle_sample > 0 else None)
         self._oracle_checks: list[Future[bool]] = []
         self._next_handle = 1
+        self._gauge_steps = 0
         self.num_overlapped_launches = 0
         self.raise_on_violation = False   # tests turn this on: violations raise, not just count
 
@@ -95,6 +100,18 @@ class Engine:
         return ModelRunner(self.model, self.pools, self.config.cache.page_size,
                            self.device, self.generators, overlap=self.lag > 0,
                            scratch_base=self.slot_ledger.num_slots, drafter=self.drafter)
+
+    def _attach_tiers(self) -> None:
+        """The host tier's storage: host pools mirroring the device pools (pinned on a GPU),
+        copies in launch order on the forward thread (CPU) or a copy stream (GPU)."""
+        host = self.cache.host
+        self.fingerprint = ""
+        if host is None:
+            return
+        pools = HostPools.mirror(self.pools, host.pages.size, host.ledger.num_slots)
+        host.storage = TensorTierStorage(self.pools, pools, submit=self.runner.submit if self.lag else None)
+        if self.config.cache.cluster_store_bytes:
+            self.fingerprint = model_fingerprint(self.config.model_dir(), self.dtype)
 
     def _find_eos(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -163,7 +180,8 @@ class Engine:
         return self.outputs.output(req, [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._inflight) or bool(self._oracle_checks)
+        return (self.scheduler.has_work() or bool(self._inflight) or bool(self._oracle_checks)
+                or self.cache.has_transfers())
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -173,10 +191,13 @@ class Engine:
         the previous batch's result is processed (a lag of one step); without it the same
         code processes the batch it just launched (lag zero).
         """
+        self.cache.poll_transfers()
         previous = self._inflight.pop() if self._inflight else None
         launched = self._launch_next()
         if launched is None and previous is None and self.scheduler.has_work():
-            raise RuntimeError(self._stuck_message())
+            if not self.cache.has_transfers():
+                raise RuntimeError(self._stuck_message())
+            self.cache.poll_transfers(wait=True)   # only copies in flight: wait for the oldest
         if launched is not None and previous is not None:
             self.num_overlapped_launches += 1      # N+1 launched before N's result is processed
         outputs = self._process(*previous) if previous is not None else []
@@ -268,13 +289,17 @@ class Engine:
         return self.cache.drain_events()
 
     def pool_counts(self) -> dict[str, int]:
-        tree = self.cache.tree
-        return {"kv_pages_free": self.page_allocator.num_free,
-                "kv_pages_usable": self.page_allocator.num_usable,
-                "kv_pages_cached": tree.num_cached_pages if tree else 0,
-                "mamba_slots_free": self.slot_ledger.num_free,
-                "mamba_slots_usable": self.slot_ledger.num_usable,
-                "mamba_slots_cached": self.slot_ledger.num_tree_owned}
+        tree, host = self.cache.tree, self.cache.host
+        counts = {"kv_pages_free": self.page_allocator.num_free,
+                  "kv_pages_usable": self.page_allocator.num_usable,
+                  "kv_pages_cached": tree.num_cached_pages if tree else 0,
+                  "mamba_slots_free": self.slot_ledger.num_free,
+                  "mamba_slots_usable": self.slot_ledger.num_usable,
+                  "mamba_slots_cached": self.slot_ledger.num_tree_owned}
+        if host is not None:
+            counts.update(host_pages_free=host.pages.num_free, host_pages_usable=host.pages.num_usable,
+                          host_slots_free=host.ledger.num_free, host_slots_usable=host.ledger.num_usable)
+        return counts
 
     def _update_gauges(self) -> None:
         g = self.stats.gauges
@@ -282,3 +307,10 @@ class Engine:
         g["hybridserve_num_waiting_requests"] = len(self.scheduler.waiting)
         g["hybridserve_kv_pool_usage_ratio"] = self.page_allocator.usage_ratio()
         g["hybridserve_mamba_pool_usage_ratio"] = self.slot_ledger.usage_ratio()
+        host = self.cache.host
+        if host is not None:
+            g["hybridserve_host_mamba_slots_used"] = host.ledger.num_tree_owned
+            g["hybridserve_host_kv_tokens_used"] = host.tree.num_cached_pages * host.page_size
+            self._gauge_steps += 1
+            if self._gauge_steps % 16 == 1:           # a walk of the host tree: not every step
+                g["hybridserve_host_kv_dead_tokens"] = host.dead_tokens()
