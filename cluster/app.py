@@ -39,6 +39,8 @@ class RouterOptions(_Strict):
     imbalance_abs: int = Field(8, ge=0)
     imbalance_rel: float = Field(1.5, ge=1.0)
     min_match_tokens: int = Field(16, ge=1)
+    host_hit_value: float = Field(0.9, ge=0, le=1)       # routing_policy.expected_saved
+    store_hit_value: float = Field(0.5, ge=0, le=1)
     index_timeout_s: float = Field(0.5, gt=0)
     push_interval_s: float = Field(1.0, gt=0)
 

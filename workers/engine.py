@@ -33,7 +33,7 @@ from workers.state_oracle import StateOracle
 from workers.state_spec import ATTENTION
 from workers.stats import EngineStats
 from workers.tiers.host_pools import HostPools
-from workers.tiers.payload import model_fingerprint
+from workers.tiers.payload import CheckpointPayload, model_fingerprint
 from workers.tiers.storage import TensorTierStorage
 
 
@@ -110,8 +110,7 @@ class Engine:
             return
         pools = HostPools.mirror(self.pools, host.pages.size, host.ledger.num_slots)
         host.storage = TensorTierStorage(self.pools, pools, submit=self.runner.submit if self.lag else None)
-        if self.config.cache.cluster_store_bytes:
-            self.fingerprint = model_fingerprint(self.config.model_dir(), self.dtype)
+        self.fingerprint = model_fingerprint(self.config.model_dir(), self.dtype)
 
     def _find_eos(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -240,6 +239,7 @@ class Engine:
     def _process(self, batch: ScheduledBatch, plan: StepPlan, future: Future) -> list[RequestOutput]:
         result: StepResult = future.result()
         self.stats.observe("hybridserve_step_duration_seconds", result.forward_seconds)
+        self.stats.inc("hybridserve_forward_tokens_total", batch.num_tokens)
         if result.gap_seconds is not None:
             self.stats.observe("hybridserve_step_gap_seconds", result.gap_seconds)
         self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))
@@ -287,6 +287,32 @@ class Engine:
 
     def drain_cache_events(self) -> list[CacheEvent]:
         return self.cache.drain_events()
+
+    # -- the cluster store (cluster/store drives these on the engine thread) --------------------
+    def local_depth(self, token_ids: list[int]) -> int:
+        """The deepest checkpoint this engine holds (device or host) usable for a prompt."""
+        usable = token_ids[: len(token_ids) - 1]
+        tree, host = self.cache.tree, self.cache.host
+        device = tree.peek(usable).depth if tree is not None else 0
+        return max(device, host.peek(usable).depth if host is not None else 0)
+
+    def import_checkpoint(self, payload: CheckpointPayload, expected_hash: bytes | None = None) -> str:
+        """Validate a checkpoint fetched from the store and place it in the host tier, where
+        admission promotes it: ``imported``, ``present``, ``host_full`` or ``invalid``."""
+        host = self.cache.host
+        if host is None:
+            raise ValueError("import_checkpoint needs the host tier (cache.host_mamba_slots > 0)")
+        if expected_hash is not None and getattr(payload, "prefix_hash", None) != expected_hash:
+            return "invalid"
+        return host.import_payload(payload, self.fingerprint)
+
+    def export_store_commits(self) -> list[CheckpointPayload]:
+        """Copies of the checkpoints demoted since the last call that the host still holds."""
+        host = self.cache.host
+        if host is None:
+            return []
+        out = [host.export(tokens, self.fingerprint) for tokens in host.take_commits()]
+        return [p for p in out if p is not None]
 
     def pool_counts(self) -> dict[str, int]:
         tree, host = self.cache.tree, self.cache.host

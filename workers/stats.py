@@ -22,6 +22,7 @@ COUNTERS = (
     "hybridserve_preemptions_total",
     "hybridserve_prompt_tokens_total",
     "hybridserve_generation_tokens_total",
+    "hybridserve_forward_tokens_total",       # tokens fed to forwards (with step durations: a rate)
     "hybridserve_invariant_checks_total",     # debug.check_invariants: steps checked
     "hybridserve_state_oracle_checks_total",      # debug.state_oracle_sample: checkpoints recomputed
     "hybridserve_state_oracle_mismatches_total",  # ... whose slot did not hold that state
@@ -37,7 +38,7 @@ LABELLED_COUNTERS = {
     "hybridserve_tier_demotions_total": "outcome",         # demoted, present, host_full, failed
     "hybridserve_tier_promotions_total": "outcome",        # promoted, failed
     "hybridserve_tier_bytes_total": "direction",           # device_to_host, host_to_device, store_put, store_get
-    "hybridserve_store_fetches_total": "outcome",          # fetched, recomputed, present, lost, invalid, error
+    "hybridserve_store_fetches_total": "outcome",          # fetched, recomputed, present, lost, invalid, host_full, error
     "hybridserve_store_commits_total": "outcome",          # committed, duplicate, error
 }
 # Fixed label values of the labelled counters above (exported at 0 until counted).
@@ -47,7 +48,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "hybridserve_tier_demotions_total": ("demoted", "present", "host_full", "failed"),
     "hybridserve_tier_promotions_total": ("promoted", "failed"),
     "hybridserve_tier_bytes_total": ("device_to_host", "host_to_device", "store_put", "store_get"),
-    "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "error"),
+    "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "host_full", "error"),
     "hybridserve_store_commits_total": ("committed", "duplicate", "error"),
 }
 HISTOGRAMS = (

@@ -10,12 +10,17 @@ The engine is built by ``build_engine``: a plain ``Engine``, or for
 ``parallel.tensor_parallel_size > 1`` a ``TPEngine`` with Ray worker ranks (``cluster/serving/tp.py``).
 Optional engine features are reached through ``_call_optional`` so this layer works
 with an engine that does not have them yet (they are reported as absent, not faked).
+
+With a ``fetcher`` (the cluster store's ``StoreClient``), every prompt is first offered to
+it: it may place a checkpoint fetched from the store in the engine's host tier before the
+request is queued (``cluster/store/client.py``); a failing fetcher never fails a request.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from cluster.serving.engine_loop import EngineLoop
 from cluster.serving.messages import (Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo,
@@ -24,6 +29,11 @@ from configs.schema import HybridServeConfig
 from workers.outputs import RequestOutput
 
 StreamItem = Accepted | GenerateError | list[GenerateChunk]
+logger = logging.getLogger(__name__)
+
+
+class Fetcher(Protocol):
+    async def prefetch(self, loop: EngineLoop, token_ids: list[int]) -> str: ...
 
 
 class PublishPayload(NamedTuple):
@@ -110,17 +120,20 @@ class ReplicaCore:
     together, which cuts the per-item cost of the Ray and HTTP hops. The first token and
     the last item are never held back, so TTFT and E2E do not move; 0 sends every step."""
 
-    def __init__(self, loop: EngineLoop, config: HybridServeConfig, stream_interval_s: float = 0.0) -> None:
+    def __init__(self, loop: EngineLoop, config: HybridServeConfig, stream_interval_s: float = 0.0,
+                 fetcher: Fetcher | None = None) -> None:
         if stream_interval_s < 0:
             raise ValueError(f"stream_interval_s must be >= 0, got {stream_interval_s}")
         self.loop = loop
         self.config = config
         self.stream_interval_s = stream_interval_s
+        self.fetcher = fetcher
 
     @classmethod
-    async def create(cls, config: HybridServeConfig, stream_interval_s: float = 0.0) -> ReplicaCore:
+    async def create(cls, config: HybridServeConfig, stream_interval_s: float = 0.0,
+                     fetcher: Fetcher | None = None) -> ReplicaCore:
         loop = await EngineLoop.create(lambda: build_engine(config))
-        return cls(loop, config, stream_interval_s)
+        return cls(loop, config, stream_interval_s, fetcher)
 
     def model_info(self) -> ModelInfo:
         engine = self.loop.engine
@@ -128,6 +141,11 @@ class ReplicaCore:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         rids = [f"{req.request_id}-{j}" for j in range(req.num_choices)]
+        if self.fetcher is not None:
+            try:
+                await self.fetcher.prefetch(self.loop, req.prompt_token_ids)
+            except Exception:  # noqa: BLE001 - the store is an optimisation; the request runs anyway
+                logger.warning("prefetch from the checkpoint store failed", exc_info=True)
         try:
             stream = await self.loop.submit(rids, req.prompt_token_ids, req.params)
         except ValueError as exc:
