@@ -21,7 +21,8 @@ Rules held here (checked by ``check_invariants``):
   a prompt whose deepest checkpoint is on the host is admitted with a promotion, a pending
   writer of its live and keep slots, and gets no work until the copy completes
   (``poll_transfers``, at the start of every step); a completed promotion publishes the
-  checkpoint into the device tree through the ordinary donation.
+  checkpoint into the device tree through the ordinary donation. With the cluster store
+  on, a device hit is also written through to the host tier (and so committed).
 """
 from __future__ import annotations
 
@@ -149,14 +150,26 @@ class CacheManager:
         req.cache = RequestCacheState()
         first_lookup = not req.lookup_counted
         promotion = self._plan_promotion(req, match)
+        if promotion is None and match is not None and match.depth > 0:
+            self._write_through(match)
         if match is not None:
             self._record_lookup(req, match, count_hit=promotion is None)
         self.tracker.on_admit(req, match.kv_depth if match is not None else 0)
         if promotion is not None:
             assert self.promotions is not None
             req.page_ids.extend(promotion.page_ids)
-            self.promotions.start(req, promotion, first_lookup)
+            if self.promotions.start(req, promotion, first_lookup).job.done():
+                self.poll_transfers()           # a synchronous copy: the request runs this step
         return True
+
+    def _write_through(self, match: MatchResult) -> None:
+        """With the cluster store, a device checkpoint that is hit (a shared prefix, say) is
+        also copied to the host tier, from where it is committed: other replicas can fetch it."""
+        host, tree = self.host, self.tree
+        if host is None or host.commits is None or tree is None:
+            return
+        if host.peek(tree.path_tokens(match.node)).depth < match.depth:
+            host.demote(tree, match.node, evicting=False)
 
     def _plan_promotion(self, req: Request, match: MatchResult | None) -> PromotionPlan | None:
         if self.promotions is None or match is None:

@@ -102,14 +102,16 @@ class Engine:
                            scratch_base=self.slot_ledger.num_slots, drafter=self.drafter)
 
     def _attach_tiers(self) -> None:
-        """The host tier's storage: host pools mirroring the device pools (pinned on a GPU),
-        copies in launch order on the forward thread (CPU) or a copy stream (GPU)."""
+        """The host tier's storage: host pools mirroring the device pools (pinned on a GPU).
+        On a GPU copies run on a copy stream, promotions asynchronously; on a CPU they run on
+        the scheduler thread at once (their destinations are fresh, their sources locked,
+        so the forward running beside them touches neither)."""
         host = self.cache.host
         self.fingerprint = ""
         if host is None:
             return
         pools = HostPools.mirror(self.pools, host.pages.size, host.ledger.num_slots)
-        host.storage = TensorTierStorage(self.pools, pools, submit=self.runner.submit if self.lag else None)
+        host.storage = TensorTierStorage(self.pools, pools)
         self.fingerprint = model_fingerprint(self.config.model_dir(), self.dtype)
 
     def _find_eos(self) -> int | None:

@@ -35,7 +35,7 @@ LABELLED_COUNTERS = {
     # The tiers (workers/tiers): device -> host, host -> device, the cluster store.
     "hybridserve_cache_hits_total": "tier",                # requests whose prompt hit, by deepest tier
     "hybridserve_cache_hit_tokens_total": "tier",          # ... and the prompt tokens it served
-    "hybridserve_tier_demotions_total": "outcome",         # demoted, present, host_full, failed
+    "hybridserve_tier_demotions_total": "outcome",         # demoted, copied, present, host_full, failed
     "hybridserve_tier_promotions_total": "outcome",        # promoted, failed
     "hybridserve_tier_bytes_total": "direction",           # device_to_host, host_to_device, store_put, store_get
     "hybridserve_store_fetches_total": "outcome",          # fetched, recomputed, present, lost, invalid, host_full, error
@@ -45,7 +45,7 @@ LABELLED_COUNTERS = {
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "hybridserve_cache_hits_total": ("device", "host", "store"),
     "hybridserve_cache_hit_tokens_total": ("device", "host", "store"),
-    "hybridserve_tier_demotions_total": ("demoted", "present", "host_full", "failed"),
+    "hybridserve_tier_demotions_total": ("demoted", "copied", "present", "host_full", "failed"),
     "hybridserve_tier_promotions_total": ("promoted", "failed"),
     "hybridserve_tier_bytes_total": ("device_to_host", "host_to_device", "store_put", "store_get"),
     "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "host_full", "error"),

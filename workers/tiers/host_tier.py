@@ -72,11 +72,13 @@ class HostTier:
         return self.tree.num_checkpoints
 
     # -- demotion --------------------------------------------------------------------------
-    def demote(self, device_tree: RadixCache, node: TreeNode) -> str:
+    def demote(self, device_tree: RadixCache, node: TreeNode, evicting: bool = True) -> str:
         """Copy ``node``'s checkpoint and the KV of its path to the host (see module doc).
 
         Returns the outcome counted in ``hybridserve_tier_demotions_total{outcome}``:
-        ``demoted``, ``present`` (the host already holds it), ``host_full``, ``failed``.
+        ``demoted``, ``present`` (the host already holds it), ``host_full``, ``failed``;
+        ``copied`` for a copy of a checkpoint that stays on the device (``evicting=False``:
+        the write-through of a shared prefix, so that the cluster store gets it).
         """
         ckpt, storage = node.checkpoint, self.storage
         assert ckpt is not None and storage is not None
@@ -97,9 +99,11 @@ class HostTier:
             return ok
 
         outcome = self._place(tokens, write)
-        self.stats.inc("hybridserve_tier_demotions_total", label=outcome)
         if outcome == "demoted" and self.commits is not None:
             self.commits.append(tokens)
+        if outcome == "demoted" and not evicting:
+            outcome = "copied"
+        self.stats.inc("hybridserve_tier_demotions_total", label=outcome)
         return outcome
 
     def import_payload(self, payload: CheckpointPayload, fingerprint: str) -> str:

@@ -8,11 +8,12 @@ ledger rules; a storage only copies. Two directions, two timing contracts:
   checkpoint is unlocked and tree-owned: no launched batch writes or reads it (I3, and a
   request's locks outlive its batches), so the copy may run beside the forward. On a GPU
   it runs on the storage's copy stream and waits for that stream only, not for compute.
-- ``copy_in`` (host -> device, a promotion) is asynchronous and returns a ``TransferJob``:
-  the destinations are fresh (free slots and pages have no in-flight readers or writers),
-  and the caller registers the job as their pending writer until ``done()``. On a GPU the
-  copies run on the copy stream (overlapping compute) and ``done`` polls its event; on a
-  CPU under overlap they run on the forward thread (``submit``, launch order), else at once.
+- ``copy_in`` (host -> device, a promotion) returns a ``TransferJob``: the destinations
+  are fresh (free slots and pages have no in-flight readers or writers), and the caller
+  registers the job as their pending writer until ``done()``. On a GPU the copies run on
+  the copy stream (overlapping compute) and ``done`` polls its event; with ``submit`` they
+  run on that executor (the forward thread: launch order); else at once, on the caller's
+  thread (the engine's CPU path).
 
 ``corrupt=True`` (fault injection, ``debug.fail_transfer_prob``) performs a copy from the
 dummy entries instead -- garbage lands in the destinations -- and reports failure, as a

@@ -169,3 +169,28 @@ def test_flush_empties_the_host_tier_too(tiny_qwen_dir):
 def test_bad_tier_configs_are_refused(tiny_qwen_dir, overrides, message):
     with pytest.raises(ValueError, match=message):
         make_llm(tiny_qwen_dir, **overrides)
+
+
+def test_an_asynchronous_promotion_holds_the_request_until_the_copy_is_done(tiny_qwen_dir):
+    """The GPU path's timing on a CPU: copies queued on the forward thread behind the batch
+    in flight (as on a copy stream), so the request waits a step with its slots held."""
+    off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
+    llm = tiered_llm(tiny_qwen_dir, scheduler={"overlap": True})
+    engine = llm.engine
+    system, first = host_and_device_split(llm, engine.vocab_size)
+    engine.cache.host.storage.submit = engine.runner.submit
+    busy, follow = random_prompts(engine.vocab_size, [40], seed=30)[0], first + [5, 6, 7]
+    engine.add_request("busy", busy, P)
+    engine.step()                                     # a batch in flight on the forward thread
+    engine.add_request("follow", follow, P)
+    seen_pending = False
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        req = engine.requests.get("follow")
+        seen_pending |= req is not None and req.cache.promotion is not None
+    assert seen_pending
+    assert outs["follow"].token_ids == off.generate_ids([follow], [P])[0].token_ids
+    assert outs["follow"].cached_tokens == 24 and outs["busy"].token_ids == off.generate_ids([busy], [P])[0].token_ids
