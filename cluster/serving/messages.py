@@ -75,3 +75,4 @@ class ReplicaStats:
     has_unfinished: bool                  # the engine still holds requests
     pools: dict[str, int]                 # free/used/usable KV pages and Mamba slots
     counters: dict[str, object] = field(default_factory=dict)  # EngineStats.snapshot()
+    node_id: str = ""                     # the Ray node the replica runs on (empty without Ray)

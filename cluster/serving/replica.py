@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
@@ -51,6 +52,7 @@ class ReplicaOptions(BaseModel):
 
     model_name: str = ""
     num_cpus: float = Field(1.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)   # custom Ray resources per replica (pinning)
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: int = Field(512, ge=-1)       # -1: unbounded (Serve's default)
     stats_interval_s: float = Field(1.0, gt=0)
@@ -114,7 +116,8 @@ class EngineReplica:
         return {"replica_id": self._replica_id, "replica_label": self._label, "flushed": flushed}
 
     async def stats(self, target_replica: str | None = None) -> dict[str, Any]:
-        return dataclasses.asdict(await self._core.stats(self._replica_id, self._label))
+        stats = await self._core.stats(self._replica_id, self._label)
+        return dataclasses.asdict(dataclasses.replace(stats, node_id=ray.get_runtime_context().get_node_id()))
 
     async def check_health(self) -> None:
         self._core.check_health()

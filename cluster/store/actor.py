@@ -2,12 +2,15 @@
 
 The actor outlives every replica (detached, named after the app, like the router index
 and metrics actors; ``cluster/actors.py`` places all three on the head node when it can).
-It holds an ``ObjectRef`` per entry. Replicas ``ray.put`` a payload with ``_owner`` set to
-the actor, so the object's lifetime is the actor's, not the committing replica's: a
-replica that dies loses nothing it committed. The object's bytes stay in the object store
-of the node that put them; when that node dies they are lost, a fetch raises, the fetcher
-drops the entry (``drop``) and recomputes. Every second the actor pushes its gauges
-(objects, bytes) and evictions to the metrics actor as the series ``replica="store"``.
+It holds an ``ObjectRef`` per entry, and it creates every one itself: a replica sends the
+payload as the argument of ``commit`` and the actor ``ray.put``s it, so the actor owns
+the object and its bytes live in the object store of the actor's node. A replica that dies
+-- or its whole node -- loses nothing it committed (Ray ties an object's life to its
+owner's, and since Ray 2.56 ``ray.put`` cannot name another owner). Should an object
+still become unreadable (the store's node died and the actor was restarted elsewhere, say),
+a fetch raises, the fetcher drops the entry (``drop``) and recomputes. Every second the
+actor pushes its gauges (objects, bytes) and evictions to the metrics actor as the series
+``replica="store"``.
 """
 from __future__ import annotations
 
@@ -44,11 +47,15 @@ class CheckpointStoreActor:
         with self._lock:
             return self._store.missing(keys)
 
-    def commit(self, key: bytes, depth: int, token_ids: tuple[int, ...], nbytes: int, refs: list[Any],
-               owner: str) -> CommitResult:
-        """``refs`` is ``[ObjectRef]`` (in a list, so Ray hands the reference, not the value)."""
+    def commit(self, payload: CheckpointPayload, owner: str) -> CommitResult:
+        """Own a copy of ``payload`` in the object store and index it under its prefix hash."""
         with self._lock:
-            result = self._store.commit(StoreEntry(key, depth, tuple(token_ids), nbytes, refs[0], owner))
+            if payload.prefix_hash in self._store:
+                return self._store.commit(StoreEntry(payload.prefix_hash, payload.depth, (), 0, None, owner))
+        ref = ray.put(payload)                     # owned by this actor, stored on its node
+        with self._lock:
+            result = self._store.commit(StoreEntry(payload.prefix_hash, payload.depth, payload.token_ids,
+                                                   payload.nbytes, ref, owner))
         return CommitResult(result.outcome, [StoreEntry(e.key, e.depth, e.token_ids, e.nbytes, None, e.owner)
                                              for e in result.evicted])
 
@@ -98,9 +105,7 @@ class RayStoreBackend:
         return await self.actor.missing.remote(keys)
 
     async def commit(self, payload: CheckpointPayload, owner: str) -> CommitResult:
-        ref = await asyncio.to_thread(ray.put, payload, _owner=self.actor)
-        return await self.actor.commit.remote(payload.prefix_hash, payload.depth, payload.token_ids,
-                                              payload.nbytes, [ref], owner)
+        return await self.actor.commit.remote(payload, owner)
 
     async def drop(self, key: bytes) -> None:
         await self.actor.drop.remote(key)

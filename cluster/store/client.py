@@ -11,7 +11,8 @@ deeper, ``workers/tiers/cost.FetchCost`` weighs the entry's bytes (at the measur
 bandwidth) against prefill of the missing tokens (at the engine's measured forward
 throughput); a fetch is validated and placed in the host tier by the engine
 (``import_checkpoint``), from where admission promotes it -- so ``usage.cached_tokens``
-says whether the fetch happened. Outcomes are counted in
+says whether the fetch happened. A lost entry is dropped and the next deepest one on the
+chain is tried (``MAX_LOOKUPS`` in all). Outcomes are counted in
 ``hybridserve_store_fetches_total{outcome}``: fetched, recomputed (the cost model chose
 prefill), present (already local), lost (the object's node died: the entry is dropped),
 invalid (it failed validation), host_full (no room in the host tier even after its own
@@ -36,6 +37,7 @@ from workers.tiers.cost import FetchCost, Throughput
 from workers.tiers.payload import CheckpointPayload
 
 logger = logging.getLogger(__name__)
+MAX_LOOKUPS = 4
 
 
 class StoreObjectLost(RuntimeError):
@@ -118,16 +120,20 @@ class StoreClient:
         local, forward = await loop.run(lambda e: (e.local_depth(tokens), _forward_totals(e)))
         self._observe_forward(forward)
         chain = prefix_hash_chain(tokens[: len(tokens) - 1], self.page_size)
+        outcomes: list[str] = []
         try:
-            hit = await self.backend.lookup(chain, local)
-            if hit is None:
-                return "none"
-            outcome = await self._fetch(loop, hit, local)
+            # A lost entry is dropped and the next deepest tried (a few times at most).
+            while len(outcomes) < MAX_LOOKUPS and (not outcomes or outcomes[-1] == "lost"):
+                hit = await self.backend.lookup(chain, local)
+                if hit is None:
+                    break
+                outcomes.append(await self._fetch(loop, hit, local))
         except Exception:  # noqa: BLE001 - the store is an optimisation: the request still runs
             logger.warning("checkpoint store fetch failed", exc_info=True)
-            outcome = "error"
-        await loop.run(lambda e: e.stats.inc("hybridserve_store_fetches_total", label=outcome))
-        return outcome
+            outcomes.append("error")
+        if outcomes:
+            await loop.run(lambda e: [e.stats.inc("hybridserve_store_fetches_total", label=o) for o in outcomes])
+        return outcomes[-1] if outcomes else "none"
 
     async def _fetch(self, loop: EngineRunner, hit: StoreHit, local: int) -> str:
         cost = FetchCost(hit.nbytes, hit.depth - local, self.bandwidth.value, self.prefill.value,
