@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from configs.schema import CacheConfig, DebugConfig
 from workers.allocators import IdAllocator
-from workers.cache import (CacheEvent, CheckpointEvicted, MatchResult, RadixCache, RequestOwner,
+from workers.cache import (CacheEvent, CheckpointEvicted, MatchResult, RadixCache, RequestOwner, TreeNode,
                            SlotLedger, SlotRole, Violation)
 from workers.cache_checks import check_pools
 from workers.checkpoints import CheckpointTracker, StepPlan
@@ -78,7 +78,7 @@ class CacheManager:
             self.stats.inc("hybridserve_mamba_checkpoints_evicted_total")
         self.events.append(event)
 
-    def _demote(self, node) -> None:
+    def _demote(self, node: TreeNode) -> None:
         assert self.host is not None and self.tree is not None
         self.host.demote(self.tree, node)
 

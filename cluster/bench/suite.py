@@ -3,12 +3,14 @@
 Order: the in-process comparisons (overlap, speculation, run-batch vs transformers), then
 one local Ray Serve cluster for the HTTP ones (decode efficiency and prefix cache on one
 replica; three routers over ``routing.num_replicas`` replicas), then the routing
-simulator. A section that fails is reported with its error and the others still run.
+simulator, then the checkpoint tiers (``bench/tiers.py``, in process). A section that fails is reported with its error and the others still run.
 
 ``summary.json`` holds the headline keys (``serving_efficiency``, ``vs_transformers_speedup``,
 ``prefix_cache_prefill_fraction``, ``prefix_cache_ttft_ratio``,
 ``routing_hit_ratio_vs_round_robin``, ``routing_hit_ratio_vs_ray``,
-``routing_load_max_min``, ``spec_tpot_speedup``, ``overlap_speedup``), ``goals`` (bound
+``routing_load_max_min``, ``spec_tpot_speedup``, ``overlap_speedup``, and issue 17's
+``tiers_prefill_ratio``, ``tiers_ttft_ratio``, ``tiers_cached_vs_ray``,
+``multi_turn_turn2_hits``), ``goals`` (bound
 and met per key), ``details`` (every section's measurements and samples), ``machine``
 and ``config``. The same table is written to ``DIR/table.md``.
 """
@@ -36,6 +38,10 @@ HEADLINE = {                      # summary key -> (section, path inside its res
     "routing_load_max_min": ("routing", ("routing_load_max_min",)),
     "spec_tpot_speedup": ("spec", ("spec_tpot_speedup",)),
     "overlap_speedup": ("overlap", ("overlap_speedup",)),
+    "tiers_prefill_ratio": ("tiers", ("goals", "computed_prefill_tiers_over_device")),
+    "tiers_ttft_ratio": ("tiers", ("goals", "ttft_s_tiers_over_device")),
+    "tiers_cached_vs_ray": ("tiers", ("goals", "cached_vs_ray")),
+    "multi_turn_turn2_hits": ("tiers", ("multi_turn", "host", "turn2_hits")),
 }
 
 
@@ -97,6 +103,7 @@ def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[st
             section("serving", lambda: S.serving(cfg, cluster, model))
             section("routing", lambda: S.routing(cfg, cluster))
     section("simulation", lambda: S.simulation(cfg))
+    section("tiers", lambda: S.tiers(cfg, model))
     machine["loadavg_end"] = os.getloadavg()
     summary = build_summary(details, cfg, machine, timings, time.perf_counter() - start)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -159,6 +166,17 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
                                     f"{s['acceptance_by_k'][s['num_draft_tokens']]}; by k: {s['speedup_by_k']}")
     if (o := d.get("overlap")) and "error" not in o:
         out["overlap_speedup"] = f"{o['tok_s_on']} vs {o['tok_s_off']} tok/s"
+    if (t := d.get("tiers")) and "error" not in t:
+        r = {(x["router"], x["tiers"]): x for x in t["results"]}
+        on, off = r.get(("hybrid_prefix", True)), r.get(("hybrid_prefix", False))
+        if on and off:
+            out["tiers_prefill_ratio"] = f"computed {on['computed_fraction']} vs {off['computed_fraction']}"
+            out["tiers_ttft_ratio"] = (f"{on['mean_ttft_s']} vs {off['mean_ttft_s']} s ({on['mean_ttft_steps']} vs "
+                                       f"{off['mean_ttft_steps']} steps); needs an idle machine")
+        if on and (ray := r.get(("ray_prefix", True))):
+            out["tiers_cached_vs_ray"] = f"cached {on['cached_fraction']} vs {ray['cached_fraction']}"
+        m = t["multi_turn"]
+        out["multi_turn_turn2_hits"] = f"host tier on {m['host']['turn2_hits']}/20, off {m['device']['turn2_hits']}/20"
     return out
 
 
@@ -178,4 +196,8 @@ def format_table(summary: dict[str, Any]) -> str:
                   "", "```", sim["table"], "```", "",
                   f"Same cache-pressure replay with the default chunk {dt['chunk_size']} and grid "
                   f"{dt['track_interval']}:", "", "```", sim["default_engine_table"], "```"]
+    tiers = _dig(summary, ("details", "tiers"))
+    if tiers and "table" in tiers:
+        lines += ["", "Checkpoint tiers, slot_pressure over in-process replicas (bench/tiers.py):", "",
+                  "```", tiers["table"], "```"]
     return "\n".join(lines)

@@ -66,6 +66,15 @@ class SimulationCfg(_Strict):
     workloads: list[str] = Field(default_factory=lambda: ["cache_pressure", "multi_turn"])
 
 
+class TiersCfg(_Strict):
+    """bench/tiers.py: slot_pressure over in-process replicas, and the multi-turn case."""
+
+    num_replicas: int = Field(4, ge=1)
+    num_sessions: int = Field(16, ge=1)
+    num_turns: int = Field(3, ge=1)
+    routers: list[str] = Field(default_factory=lambda: ["hybrid_prefix", "ray_prefix"])
+
+
 class SuiteConfig(_Strict):
     repeats: int = Field(3, ge=1)
     bench_model: str | None = None
@@ -78,10 +87,11 @@ class SuiteConfig(_Strict):
     spec: SpecCfg
     overlap: OverlapCfg = OverlapCfg()
     simulation: SimulationCfg = SimulationCfg()
+    tiers: TiersCfg = TiersCfg()
     sections: list[str] = Field(default_factory=lambda: list(SECTIONS))
 
 
-SECTIONS = ("overlap", "spec", "vs_transformers", "serving", "routing", "simulation")
+SECTIONS = ("overlap", "spec", "vs_transformers", "serving", "routing", "simulation", "tiers")
 
 
 def load_suite_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> SuiteConfig:
@@ -131,4 +141,8 @@ GOALS: dict[str, Goal] = {
     "routing_load_max_min": Goal("<=", 1.5, "requests per replica max ÷ min, hybrid_prefix"),
     "spec_tpot_speedup": Goal(">=", 1.4, "TPOT spec off ÷ on, batch 1"),
     "overlap_speedup": Goal(">=", 1.0, "throughput overlap on ÷ off, batch 16"),
+    "tiers_prefill_ratio": Goal("<=", 0.5, "computed prefill fraction tiers on ÷ device only, slot_pressure"),
+    "tiers_ttft_ratio": Goal("<=", 0.6, "mean TTFT tiers on ÷ device only, slot_pressure"),
+    "tiers_cached_vs_ray": Goal(">=", 1.15, "cached fraction hybrid_prefix ÷ Ray's rule, tiers on, slot_pressure"),
+    "multi_turn_turn2_hits": Goal(">=", 20, "turn-2 prompts resuming from their turn-1 prompt, of 20, host tier on"),
 }

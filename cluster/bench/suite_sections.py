@@ -269,3 +269,21 @@ def simulation(cfg: SuiteConfig) -> dict[str, Any]:
     return {"table": format_table(results), "settings": asdict(settings), "results": [asdict(r) for r in results],
             "default_engine_table": format_table(defaults), "default_engine_settings": asdict(plain),
             "default_engine_results": [asdict(r) for r in defaults]}
+
+
+def tiers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
+    """Issue 17: slot_pressure, tiers on vs device only and our router vs Ray's rule, on
+    in-process replicas (bench/tiers.py); the 20-conversation multi-turn case."""
+    from dataclasses import asdict
+
+    from cluster.bench import tiers as T
+    from cluster.bench.workloads import load_workload
+
+    t = cfg.tiers
+    sessions = load_workload("slot_pressure", {"num_sessions": t.num_sessions, "num_turns": t.num_turns}).sessions
+    settings = T.ClusterSettings(num_replicas=t.num_replicas)
+    results = [T.run_one(model, sessions, router, on, settings) for router in t.routers for on in (False, True)]
+    multi = {("host" if host else "device"): T.multi_turn_case(model, "extra_buffer_lazy", host)
+             for host in (False, True)}
+    return {"results": [asdict(r) for r in results], "goals": T.goals(results), "multi_turn": multi,
+            "settings": asdict(settings), "table": T.format_table(results)}

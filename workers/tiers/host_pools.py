@@ -80,7 +80,10 @@ def copy_entries(src: Groups, dst: Groups, src_idx: Sequence[int], dst_idx: Sequ
             d = dst[kind][name]
             si = torch.tensor(list(src_idx), dtype=torch.int64, device=s.device)
             di = torch.tensor(list(dst_idx), dtype=torch.int64, device=d.device)
-            d[:, di] = s[:, si].to(d.device, non_blocking=non_blocking)
+            gathered = s[:, si]
+            if non_blocking and gathered.device.type == "cpu" and d.is_cuda:
+                gathered = gathered.pin_memory()        # an asynchronous H2D copy needs pinned memory
+            d[:, di] = gathered.to(d.device, non_blocking=non_blocking)
 
 
 def read_entries(groups: Groups, idx: Sequence[int]) -> dict[str, dict[str, torch.Tensor]]:
