@@ -2,7 +2,8 @@
 kernels for every op (recurrent ops, norms, paged attention), and FlashInfer for attention on
 CUDA where it is installed and built for the head dim.
 
-Every op is a package (``gdn``, ``ssd``, ``conv1d``, ``norm``, ``attention``) whose
+Every op is a package (``gdn``, ``kda``, ``ssd``, ``lightning`` (SSD with lightning
+attention's arguments), ``conv1d``, ``norm``, ``attention``, ``mla``) whose
 ``__init__`` holds the public function and asks ``kernels.backend`` which implementation to
 run: ``reference`` (torch), ``triton_*`` (imported lazily, on first use) or
 ``flashinfer_backend``. ``HYBRIDSERVE_KERNEL_BACKEND=auto|torch|triton`` (``auto``: the GPU
@@ -197,6 +198,17 @@ def _run_long(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, plan: Seq
     return s
 
 
+def run_chunks(chunk_fn: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...],
+               s: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """A segment's chunked form: ``chunk_fn(*chunk_inputs, s) -> (out, s)`` over consecutive
+    chunks of at most ``chunk_size`` rows of every input; -> (out [L, ...], final state)."""
+    outs = []
+    for c0 in range(0, inputs[0].shape[0], chunk_size):
+        o, s = chunk_fn(*(x[c0:c0 + chunk_size] for x in inputs), s)
+        outs.append(o)
+    return torch.cat(outs, dim=0), s
+
+
 _unit_layouts: TensorMemo[tuple[Tensor, Tensor]] = TensorMemo()
 
 
@@ -225,6 +237,6 @@ from kernels.ssd import ssd_update, ssd_varlen  # noqa: E402
 
 __all__ = [
     "causal_conv1d_update", "causal_conv1d_varlen", "gated_delta_rule_update",
-    "gated_delta_rule_varlen", "gated_rms_norm", "paged_attention", "rms_norm", "scan_varlen",
-    "ssd_update", "ssd_varlen", "unit_layout",
+    "gated_delta_rule_varlen", "gated_rms_norm", "paged_attention", "rms_norm", "run_chunks",
+    "scan_varlen", "ssd_update", "ssd_varlen", "unit_layout",
 ]

@@ -174,12 +174,13 @@ class CacheManager:
     def _plan_promotion(self, req: Request, match: MatchResult | None) -> PromotionPlan | None:
         if self.promotions is None or match is None:
             return None
-        return self.promotions.plan(req.all_token_ids[: req.num_tokens - 1], match, self.alloc_pages)
+        return self.promotions.plan(req.all_token_ids[: req.max_cached_prefix], match, self.alloc_pages)
 
     def _match(self, req: Request) -> MatchResult | None:
-        if self.tree is None or req.page_ids or req.num_tokens <= 1:
+        limit = req.max_cached_prefix        # prompt logprobs still missing cap the hit
+        if self.tree is None or req.page_ids or limit <= 0:
             return None
-        return self.tree.match(req.all_token_ids[: req.num_tokens - 1])
+        return self.tree.match(req.all_token_ids[:limit])
 
     def _record_lookup(self, req: Request, match: MatchResult, count_hit: bool) -> None:
         """Count the first lookup (its hit now, or when its promotion completes)."""

@@ -15,8 +15,9 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = (),
-                 include_stop_str: bool = False) -> None:
+                 include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -28,7 +29,7 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add one token; return the stop string if the text now contains one.

@@ -7,6 +7,7 @@ request.
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from functools import partial
@@ -25,6 +26,9 @@ from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
 from workers.request import FinishReason, Request
 from workers.sampler import GeneratorBank
+from workers.sampling.grammar import GrammarCompiler, GrammarWaitlist
+from workers.sampling.requests import request_sampling
+from workers.sampling.validate import check_params
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.sizing import plan_pools
@@ -35,6 +39,8 @@ from workers.stats import EngineStats
 from workers.tiers.host_pools import HostPools
 from workers.tiers.payload import CheckpointPayload, model_fingerprint
 from workers.tiers.storage import TensorTierStorage
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,11 +82,13 @@ class Engine:
         self._build_pools()
         self.generators = GeneratorBank(config.seed, self.device)
         self.lag = 1 if config.scheduler.overlap else 0
+        self.grammar_compiler = GrammarCompiler(lambda: self.tokenizer, self.vocab_size)
+        self.grammar_wait = GrammarWaitlist(self.grammar_compiler)
         self.runner = self._build_runner()
         self._attach_tiers()
         self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
                                        release=self.scheduler.release,
-                                       on_finish=lambda r: self.generators.drop(r.handle))
+                                       on_finish=lambda r: self.runner.drop_request(r))
         self._inflight: list[tuple[ScheduledBatch, StepPlan, Future]] = []
         self.oracle = (StateOracle(self.model, self.pools, config.cache.page_size, self.device, self.dtype,
                                    config.debug.state_oracle_sample, config.seed)
@@ -99,7 +107,8 @@ class Engine:
         """Hook: the model runner (a TP engine's also ships each step to the other ranks)."""
         return ModelRunner(self.model, self.pools, self.config.cache.page_size,
                            self.device, self.generators, overlap=self.lag > 0,
-                           scratch_base=self.slot_ledger.num_slots, drafter=self.drafter)
+                           scratch_base=self.slot_ledger.num_slots, drafter=self.drafter,
+                           grammar_compiler=self.grammar_compiler)
 
     def _attach_tiers(self) -> None:
         """The host tier's storage: host pools mirroring the device pools (pinned on a GPU).
@@ -150,11 +159,26 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         self._validate(request_id, prompt_token_ids)
+        check_params(params, self.vocab_size)
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic(),
-                      handle=self._next_handle, eos_token_id=self.eos_token_id)
+                      handle=self._next_handle, eos_token_id=self.eos_token_id,
+                      sampling=request_sampling(params, self.eos_token_id, self.tokenizer))
         self._next_handle += 1
         self.outputs.add(req)
-        self.scheduler.add(req)
+        if not self.grammar_wait.hold(req):       # a grammar still compiling: admitted later
+            self.scheduler.add(req)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        ready, failed = self.grammar_wait.take_ready()
+        for req in ready:
+            self.scheduler.add(req)
+        outputs = []
+        for req, exc in failed:
+            logger.error("request %s: its grammar %s did not compile: %s", req.request_id,
+                         req.params.structured_output.describe(), exc)
+            self.outputs.finish(req, FinishReason.ABORT)
+            outputs.append(self.outputs.output(req, []))
+        return outputs
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -182,7 +206,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._inflight) or bool(self._oracle_checks)
-                or self.cache.has_transfers())
+                or len(self.grammar_wait) > 0 or self.cache.has_transfers())
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -193,6 +217,7 @@ class Engine:
         code processes the batch it just launched (lag zero).
         """
         self.cache.poll_transfers()
+        compiled = self._admit_compiled() if len(self.grammar_wait) else []
         previous = self._inflight.pop() if self._inflight else None
         launched = self._launch_next()
         if launched is None and previous is None and self.scheduler.has_work():
@@ -201,7 +226,7 @@ class Engine:
             self.cache.poll_transfers(wait=True)   # only copies in flight: wait for the oldest
         if launched is not None and previous is not None:
             self.num_overlapped_launches += 1      # N+1 launched before N's result is processed
-        outputs = self._process(*previous) if previous is not None else []
+        outputs = compiled + (self._process(*previous) if previous is not None else [])
         if launched is not None:
             if self.lag == 0:
                 outputs += self._process(*launched)
@@ -249,6 +274,8 @@ class Engine:
         rows_committed = {i: a + 1 for i, a in zip(sampled, result.num_accepted) if a is not None}
         self.cache.complete_step(batch, plan, result.writes)
         self.scheduler.on_complete(batch, rows_committed)
+        for b, first, entries in result.prompt_logprobs:     # before the outputs that carry them
+            self.outputs.add_prompt_logprobs(batch.seqs[b].request, first, entries)
         outputs = []
         for n, i in enumerate(sampled):
             seq, req = batch.seqs[i], batch.seqs[i].request

@@ -61,29 +61,42 @@ class LLM:
         outputs = self.generate_ids(encoded, plist)
         return [_with_prompt(o, p) for o, p in zip(outputs, prompts)]
 
-    def generate_ids(self, encoded: list[list[int]],
-                     plist: list[SamplingParams]) -> list[RequestOutput]:
-        """Token-id prompts, one SamplingParams each; all run together, in input order."""
+    def generate_ids(self, encoded: list[list[int]], plist: list[SamplingParams],
+                     expand_best_of: bool = True) -> list[RequestOutput]:
+        """Token-id prompts, one SamplingParams each; all run together, in input order.
+
+        ``best_of = b`` runs b sequences for the prompt (seeds ``seed + j`` when seeded)
+        and returns the one with the highest cumulative logprob; ``expand_best_of=False``
+        runs each params once (a caller that expanded best_of itself, reporting each
+        sequence's ``cumulative_logprob``).
+        """
+        copies = [(i, ids, _copy_params(p, j)) for i, (ids, p) in enumerate(zip(encoded, plist))
+                  for j in range((p.best_of or 1) if expand_best_of else 1)]
         order: dict[str, int] = {}
         added: list[str] = []
         try:
-            for i, (ids, p) in enumerate(zip(encoded, plist)):
+            for n, (_, ids, p) in enumerate(copies):
                 rid = f"offline-{next(self._ids)}"
                 self.engine.add_request(rid, ids, p)
-                order[rid] = i
+                order[rid] = n
                 added.append(rid)
         except ValueError:
             for rid in added:
                 self.engine.abort(rid)
             raise
-        results: list[RequestOutput | None] = [None] * len(encoded)
+        results: list[RequestOutput | None] = [None] * len(copies)
         while any(r is None for r in results):
             for out in self.engine.step():
                 if out.finished and out.request_id in order:
                     results[order[out.request_id]] = out
         while self.engine.has_unfinished():      # the overlap lag leaves one batch in flight
             self.engine.step()
-        return [r for r in results if r is not None]
+        best: list[RequestOutput | None] = [None] * len(encoded)
+        for (i, _, _), out in zip(copies, results):
+            assert out is not None
+            if best[i] is None or (out.cumulative_logprob or 0.0) > (best[i].cumulative_logprob or 0.0):
+                best[i] = out
+        return [b for b in best if b is not None]
 
     def stats(self) -> dict[str, object]:
         return self.engine.stats.snapshot()
@@ -97,6 +110,15 @@ class LLM:
         close = getattr(self.engine, "shutdown", None)
         if callable(close):
             close()
+
+
+def _copy_params(p: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of ``best_of`` sequences: its own seed when the request is seeded."""
+    if j == 0 or p.seed is None:
+        return p
+    from dataclasses import replace
+
+    return replace(p, seed=p.seed + j)
 
 
 def _with_prompt(out: RequestOutput, prompt: Prompt) -> RequestOutput:

@@ -16,18 +16,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 
 from workers.checkpoints import StepPlan
 from workers.device_pools import DevicePools
-from workers.request import TokenLogprob
-from workers.sampler import GeneratorBank, _filter_top_k_top_p, sample
+from workers.request import Request, TokenLogprob
+from workers.sampler import GeneratorBank
+from workers.sampling.build import SamplingPlanner
+from workers.sampling.decide import BatchSampler
+from workers.sampling.grammar import GrammarCompiler
+from workers.sampling.inputs import SamplingInputs
+from workers.sampling.logprobs import prompt_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler_types import StateWrite
-from workers.spec.acceptance import Accepted, accept_greedy, accept_rejection
 from workers.spec.drafter import MtpDrafter, MtpSpan
 from workers.step_inputs import PreparedStep, VerifyRows, prepare_step
 
@@ -42,14 +46,19 @@ class StepResult:
     writes: tuple[StateWrite, ...] = ()        # every ledger slot this step wrote, with its depth
     forward_seconds: float = 0.0
     gap_seconds: float | None = None           # forward thread idle before this step
+    # Per sequence that asked for prompt logprobs: (batch index, first prompt position, entries).
+    prompt_logprobs: tuple[tuple[int, int, list[TokenLogprob]], ...] = ()
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pools: DevicePools, page_size: int,
                  device: torch.device, generators: GeneratorBank, overlap: bool,
-                 scratch_base: int, drafter: MtpDrafter | None = None) -> None:
+                 scratch_base: int, drafter: MtpDrafter | None = None,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, device
         self.generators = generators
+        self.planner = SamplingPlanner()                 # host side (scheduler thread)
+        self.sampler = BatchSampler(device, generators, grammar_compiler)   # forward thread
         self.scratch_base = scratch_base
         self.drafter = drafter
         self.last_token = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
@@ -58,6 +67,7 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> Future[StepResult]:
         prepared = prepare_step(plan, self.page_size, self.device, self.scratch_base)
+        prepared = replace(prepared, sampling=self.planner.build(plan.batch.seqs))
         sampling = [s for s in plan.batch.seqs if s.samples]
         params = [s.request.params for s in sampling]
         gens = [self.generators.get(s.request.handle, s.request.params.seed) for s in sampling]
@@ -81,6 +91,11 @@ class ModelRunner:
         done.set_result(fn())
         return done
 
+    def drop_request(self, req: Request) -> None:
+        """A request finished (host thread): its generator, registers and matcher go."""
+        self.generators.drop(req.handle)
+        self.planner.drop(req)
+
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -97,20 +112,27 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in plan.cow], dtype=torch.int64, device=self.device)
             self.pools.mamba.copy_slot(src, dst)
         hidden = self.model.forward(fb, self.pools)
+        si = prepared.sampling.on(self.device) if prepared.sampling is not None else None
+        if si is not None:
+            self.sampler.begin(si)
         tokens: list[list[int]] = []
         logprobs: list[list[TokenLogprob | None]] = []
         accepted: list[int | None] = []
         writes = list(prepared.writes)
         if params:
+            assert si is not None
             logits = self.model.compute_logits(hidden[fb.logits_indices])
-            tokens, logprobs, accepted = self._decide(prepared, logits, params, gens, writes)
+            tokens, logprobs, accepted = self._decide(prepared, si, logits, params, gens, writes)
             last = torch.tensor([t[-1] for t in tokens], device=self.device)
             slots = [prepared.live_slots[i] for i, s in enumerate(plan.batch.seqs) if s.samples]
             self.last_token[torch.tensor(slots, device=self.device)] = last
+        prompt = ()
+        if si is not None and si.prompt is not None:
+            prompt = tuple(prompt_logprobs(si.prompt, hidden, self.model.compute_logits))
         if self.drafter is not None:
             self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
         self._last_end = time.monotonic()
-        return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap)
+        return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap, prompt)
 
     def _fill_placeholders(self, prepared: PreparedStep) -> None:
         ids = prepared.fb.input_ids
@@ -120,48 +142,26 @@ class ModelRunner:
             assert self.drafter is not None
             ids[prepared.draft_rows] = self.drafter.draft_tokens[prepared.draft_slots, prepared.draft_index]
 
-    def _decide(self, prepared: PreparedStep, logits: torch.Tensor, params, gens,
-                writes: list[StateWrite]):
+    def _decide(self, prepared: PreparedStep, si: SamplingInputs, logits: torch.Tensor,
+                params: list[SamplingParams], gens: list[torch.Generator], writes: list[StateWrite]):
         """Sample each sampling sequence, or verify its drafts; commit verified states (and
         append what the commits wrote to ``writes``)."""
-        if not prepared.verify:
-            result = sample(logits, params, gens)
-            ids = result.token_ids.tolist()
-            lps = _logprob_lists(result, params, ids)
-            return [[t] for t in ids], [[lp] for lp in lps], [None] * len(ids)
-        verify = {v.seq_index: v for v in prepared.verify}
-        tokens, logprobs, accepted, row = [], [], [], 0
+        by_seq = {v.seq_index: v for v in prepared.verify}
         sampling = [i for i, s in enumerate(prepared.plan.batch.seqs) if s.samples]
-        for n, seq_index in enumerate(sampling):
-            v = verify.get(seq_index)
-            width = 1 if v is None else v.num_drafts + 1
-            rows = logits[row:row + width]
-            row += width
-            out = self._verify(v, rows, params[n], gens[n], prepared, writes) if v else self._sample_one(rows, params[n], gens[n])
-            tokens.append(out.token_ids)
-            accepted.append(out.num_accepted if v else None)
-            logprobs.append(_row_logprobs(rows, out.token_ids, params[n]))
-        return tokens, logprobs, accepted
+        verify = [by_seq.get(i) for i in sampling]
+        decision = self.sampler.decide(si, prepared.fb.input_ids, logits, params, gens, verify, self._draft_q)
+        for v, n in zip(verify, decision.num_accepted):
+            if v is not None and n is not None:
+                src, dst, committed = v.commit(n)
+                self.pools.mamba.copy_slot(torch.tensor(src, device=self.device),
+                                           torch.tensor(dst, device=self.device))
+                writes.extend(committed)
+        return decision.token_ids, decision.logprobs, decision.num_accepted
 
-    def _sample_one(self, rows: torch.Tensor, p: SamplingParams, gen) -> Accepted:
-        return Accepted(0, sample(rows, [p], [gen]).token_ids.tolist())
-
-    def _verify(self, v: VerifyRows, rows: torch.Tensor, p: SamplingParams, gen,
-                prepared: PreparedStep, writes: list[StateWrite]) -> Accepted:
-        fb = prepared.fb
-        drafts = fb.input_ids[v.first_row + 1: v.first_row + 1 + v.num_drafts].tolist()
-        if p.is_greedy:
-            out = accept_greedy(rows, drafts)
-        else:
-            probs = torch.softmax(torch.stack([_filter_top_k_top_p(r / p.temperature, p.effective_top_k, p.top_p)
-                                               for r in rows]), dim=-1)
-            assert self.drafter is not None and self.drafter.draft_probs is not None
-            q = self.drafter.draft_probs[v.live_slot, : v.num_drafts]
-            out = accept_rejection(probs, drafts, q, gen)
-        src, dst, committed = v.commit(out.num_accepted)
-        self.pools.mamba.copy_slot(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-        writes.extend(committed)
-        return out
+    def _draft_q(self, v: VerifyRows) -> torch.Tensor:
+        """The distributions the drafts of a sampled verify were drawn from."""
+        assert self.drafter is not None and self.drafter.draft_probs is not None
+        return self.drafter.draft_probs[v.live_slot, : v.num_drafts]
 
     def _mtp_spans(self, prepared: PreparedStep, hidden: torch.Tensor, tokens, accepted, params, gens):
         fb, seqs = prepared.fb, prepared.plan.batch.seqs
@@ -181,30 +181,3 @@ class ModelRunner:
                                  torch.tensor(nxt, device=self.device), list(prepared.page_ids[b]),
                                  prepared.live_slots[b], seq.request.request_id, p, g))
         return spans
-
-
-def _row_logprobs(rows: torch.Tensor, token_ids: list[int], p: SamplingParams) -> list[TokenLogprob | None]:
-    if p.logprobs is None:
-        return [None] * len(token_ids)
-    lps = torch.log_softmax(rows[: len(token_ids)].float(), dim=-1)
-    k = max(p.logprobs, 1)
-    top = torch.topk(lps, k, dim=-1)
-    return [TokenLogprob(t, float(lps[i, t]), list(zip(top.indices[i, : p.logprobs].tolist(),
-                                                       top.values[i, : p.logprobs].tolist())))
-            for i, t in enumerate(token_ids)]
-
-
-def _logprob_lists(result, params, token_ids: list[int]) -> list[TokenLogprob | None]:
-    if result.logprobs is None:
-        return [None] * len(token_ids)
-    chosen = result.logprobs.tolist()
-    top_ids = result.top_ids.tolist()
-    top_lps = result.top_logprobs.tolist()
-    out: list[TokenLogprob | None] = []
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            out.append(None)
-            continue
-        top = list(zip(top_ids[i][: p.logprobs], top_lps[i][: p.logprobs]))
-        out.append(TokenLogprob(token_ids[i], chosen[i], top))
-    return out

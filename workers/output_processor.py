@@ -26,8 +26,9 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        p = req.params
         self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
+            self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
 
     def append(self, req: Request, token_ids: list[int],
                logprobs: list[TokenLogprob | None]) -> RequestOutput:
@@ -37,11 +38,16 @@ class OutputProcessor:
             req.first_token_time = now
             self.stats.observe("hybridserve_time_to_first_token_seconds", now - req.arrival_time)
         added: list[int] = []
+        if req.params.max_tokens == 0:        # prefill only: the token sampled after the prompt is dropped
+            self.finish(req, FinishReason.LENGTH)
+            return self.output(req, added)
         for token_id, logprob in zip(token_ids, logprobs):
             req.output_token_ids.append(token_id)
             added.append(token_id)
             if logprob is not None:
-                req.output_logprobs.append(logprob)
+                req.cumulative_logprob += logprob.logprob
+                if req.params.logprobs is not None:
+                    req.output_logprobs.append(logprob)
             self.stats.inc("hybridserve_generation_tokens_total")
             stop_str = self._detok[req.request_id].append(token_id, req.num_output_tokens >= req.params.min_tokens)
             reason = self._check_stop(req, token_id, stop_str)
@@ -50,17 +56,28 @@ class OutputProcessor:
                 break
         return self.output(req, added)
 
+    def add_prompt_logprobs(self, req: Request, first: int, entries: list[TokenLogprob]) -> None:
+        """Entries for prompt positions first, first + 1, ...; those already held (a
+        recompute after preemption) are skipped, so each position is filled once, in order."""
+        if req.is_finished:
+            return
+        have = len(req.prompt_logprobs)
+        assert first <= have, f"{req.request_id}: prompt logprobs from {first}, only {have} held"
+        req.prompt_logprobs.extend(entries[have - first:])
+
     def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
+        """Stop strings count from min_tokens on. EOS and stop tokens are blocked by the
+        sampler until min_tokens; one that comes earlier was the only token a grammar
+        allowed, and it ends the request."""
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                return FinishReason.STOP
-            if token_id == req.eos_token_id and not p.ignore_eos:
-                return FinishReason.STOP
-            if token_id in p.stop_token_ids:
-                req.stop_reason = token_id
-                return FinishReason.STOP
+        if stop_str is not None and req.num_output_tokens >= p.min_tokens:
+            req.stop_reason = stop_str
+            return FinishReason.STOP
+        if token_id == req.eos_token_id and not p.ignore_eos:
+            return FinishReason.STOP
+        if token_id in p.stop_token_ids:
+            req.stop_reason = token_id
+            return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -88,7 +105,9 @@ class OutputProcessor:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             stop_reason=req.stop_reason, new_token_ids=new_ids,
             delta_text=detok.stream_delta(finished),
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None)
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            cumulative_logprob=req.cumulative_logprob if req.params.needs_logprobs else None)
         if finished:
             self.requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)

@@ -20,6 +20,9 @@ class RequestOutput:
     delta_text: str                       # text safe to stream since the last output
     logprobs: list[TokenLogprob] | None   # per generated token, when asked for
     prompt: str | None = None
+    # Per prompt position when asked (entry 0 is None); complete once the prefill is done.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float | None = None   # sum of the chosen tokens' logprobs (logprobs / best_of)
 
     @property
     def num_prompt_tokens(self) -> int:

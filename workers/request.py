@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from workers.sampling.requests import RequestSampling
 from workers.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None       # 1 + the number of tokens more likely than token_id (prompt logprobs)
 
 
 @dataclass
@@ -77,6 +79,11 @@ class Request:
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Per prompt position (entry 0 is None: nothing scores the first token); filled as
+    # prefill chunks are processed when params.prompt_logprobs is set, else empty.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    cumulative_logprob: float = 0.0     # sum of the chosen tokens' logprobs (when computed)
+    sampling: RequestSampling | None = None   # resolved at add (bad-word ids, blocked ids)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     lookup_counted: bool = False        # the first prefix lookup has been counted
@@ -94,6 +101,19 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def max_cached_prefix(self) -> int:
+        """Tokens a prefix-cache hit may cover. A request still missing prompt logprobs
+        needs the logits of those positions, so its hit stops where they start (cold,
+        at first); the cache is not read past it, while its checkpoints are still written."""
+        limit = self.num_tokens - 1
+        missing = self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        return min(limit, len(self.prompt_logprobs) - 1) if missing else limit
 
     @property
     def num_prompt_tokens(self) -> int:

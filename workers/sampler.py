@@ -1,4 +1,4 @@
-"""Sampling from logits rows: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Sampling from logits rows: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Rows with a seed draw from their own ``torch.Generator`` so a seeded request's tokens do
 not depend on what else is in the batch. No device sync happens here: results stay
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.sampling.inputs import RowFilters
+from workers.sampling.processors import draw, filter_rows
 from workers.sampling_params import SamplingParams
 
 
@@ -62,22 +64,29 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
-    if params.is_greedy:
-        return torch.argmax(logits).view(1)
-    scaled = logits / params.temperature
-    scaled = _filter_top_k_top_p(scaled, params.effective_top_k, params.top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    return torch.multinomial(probs, 1, generator=gen)
-
-
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> SampleResult:
-    """logits: float32 [N, V]; one params / generator per row."""
-    if all(p.is_greedy for p in params):
-        token_ids = torch.argmax(logits, dim=-1)
+    """logits: float32 [N, V], one row per request; one params / generator per row.
+
+    The plain sampler (temperature, top-k, top-p, min-p) batched over rows, with the
+    chosen-token and top logprobs when a row asks; the engine's sampler
+    (``workers.sampling.decide``) adds the logits processors in front of the same filters.
+    """
+    greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+    best = torch.argmax(logits, dim=-1)
+    if bool(greedy.all()):
+        token_ids = best
     else:
-        token_ids = torch.cat([_sample_row(logits[i], p, generators[i]) for i, p in enumerate(params)])
+        filters = RowFilters(
+            greedy=greedy,
+            temperature=torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device),
+            top_k=torch.tensor([p.effective_top_k for p in params], device=logits.device),
+            top_p=torch.tensor([p.top_p for p in params], device=logits.device),
+            min_p=torch.tensor([p.min_p for p in params], device=logits.device))
+        probs = torch.softmax(filter_rows(logits.float(), filters), dim=-1)
+        shared = next((g for g, p in zip(generators, params) if p.seed is None), None)
+        seeded = [(i, g) for i, (g, p) in enumerate(zip(generators, params)) if p.seed is not None]
+        token_ids = torch.where(greedy, best, draw(probs, shared, seeded))
     max_k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     if max_k is None:
         return SampleResult(token_ids, None, None, None)

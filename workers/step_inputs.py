@@ -17,6 +17,7 @@ import torch
 from workers.checkpoints import StepPlan
 from workers.forward_batch import ForwardBatch, is_decode_only, uniform_snapshot_len
 from workers.scheduler_types import StateWrite
+from workers.sampling.inputs import SamplingInputs
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class PreparedStep:
     # What the non-verify sequences write into ledger slots, read off the rows above (the
     # live slot after the last row, each snapshot row's slot); verifies add theirs at commit.
     writes: tuple[StateWrite, ...] = ()
+    sampling: SamplingInputs | None = None   # host tensors (workers.sampling.build), set at launch
 
 
 class _Rows:

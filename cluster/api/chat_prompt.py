@@ -9,8 +9,8 @@ templates iterate them), tool turns as ``role: tool`` with ``tool_call_id``.
 
 ``chat_output_spec`` decides how the output is read (``chat_output``): reasoning split
 when the model has a reasoning parser, tool calls parsed for ``tool_choice: auto``.
-``required`` and a named function need structured outputs to be enforced; until those
-exist they are refused (400 naming ``tool_choice``).
+``required`` and a named function are enforced by a JSON-schema constraint
+(``tool_choice``, built in ``openai_service``), so their output is that JSON.
 """
 from __future__ import annotations
 
@@ -165,10 +165,9 @@ def render_chat(fields: ChatPromptFields, tokenizer: Any, setup: ChatSetup) -> R
 
 def chat_output_spec(req: ChatCompletionRequest, rendered: RenderedChat, setup: ChatSetup) -> ChatOutputSpec:
     mode = req.tool_mode
-    if mode in ("required", "named"):
-        raise OpenAIError(f"tool_choice={'a named function' if mode == 'named' else 'required'} is not "
-                          "implemented yet (it needs structured outputs to be enforced); use auto or none",
-                          param="tool_choice", code="unsupported_parameter")
+    if mode in ("required", "named"):          # constrained JSON (tool_choice.forced_schema), no reasoning
+        named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        return ChatOutputSpec(forced=True, forced_name=named, parallel_tool_calls=req.parallel_tool_calls)
     if mode == "auto" and setup.tool_parser is None:
         raise OpenAIError("this model's chat template shows no tool-call format, so tool calls cannot be "
                           "parsed (config server.tool_call_parser); send tool_choice none or no tools",

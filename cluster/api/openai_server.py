@@ -24,6 +24,7 @@ from typing import Any
 from cluster.api.chat_prompt import ChatSetup
 from cluster.api.errors import OpenAIError
 from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
+from cluster.api.prompt_logprobs import keep_best
 from cluster.api.protocol import (ChatCompletionRequest, CompletionRequest, check_unicode, validate_chat,
                                   validate_completion, validate_detokenize, validate_tokenize)
 from cluster.api.streaming import ResponseState, SSERenderer
@@ -199,8 +200,9 @@ class OpenAIServer:
                 _cancel_all(started.streams)
             await merged.aclose()
         render = chat_body if started.prepared.kind == "chat" else completion_body
-        return render(started.prepared, state.outputs(), self.settings.model_name,
-                      self.tokenizer, started.request_id)
+        prepared = started.prepared
+        outputs = keep_best(state.outputs(), prepared.n, prepared.kept().n)      # best_of
+        return render(prepared.kept(), outputs, self.settings.model_name, self.tokenizer, started.request_id)
 
     async def events(self, started: StartedResponse) -> AsyncIterator[str]:
         """SSE events; closing this generator early cancels the replica streams."""

@@ -15,13 +15,12 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 
 from cluster.api.errors import OpenAIError, from_validation_error
+from cluster.api.sampling_fields import SamplingExtras
 from cluster.api.unsupported import CHAT, COMMON, COMPLETION, refuse_unsupported
 
 MAX_STOPS = 4
 StopString = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
-# only the value we implement is accepted; the schema says so
-_ZERO_ONLY = {"json_schema_extra": {"enum": [0]}}
 FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
 
@@ -30,7 +29,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False    # usage on every chunk (with include_usage)
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(SamplingExtras):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -49,16 +48,7 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False       # logprob tokens as "token_id:N"
     truncate_prompt_tokens: int | None = Field(None, ge=1)   # keep the last N prompt tokens
-    presence_penalty: float = Field(0.0, **_ZERO_ONLY)  # type: ignore[arg-type]
-    frequency_penalty: float = Field(0.0, **_ZERO_ONLY)  # type: ignore[arg-type]
     user: str | None = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("presence/frequency penalties are not supported; use 0")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -70,15 +60,9 @@ class CompletionRequest(_SamplingFields):
     prompt: (str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    echo: bool = False                              # the prompt (and its logprobs) before the completion
+    max_tokens: int | None = Field(None, ge=0)      # None: the rest of the context; 0: echo / prompt_logprobs only
     add_special_tokens: bool = True
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt in the request (batched prompts expand)."""

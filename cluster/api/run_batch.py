@@ -15,6 +15,7 @@ from typing import Any, Iterable
 from cluster.api.chat_prompt import ChatSetup
 from cluster.api.errors import OpenAIError
 from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
+from cluster.api.prompt_logprobs import keep_best
 from cluster.api.protocol import check_unicode, validate_chat, validate_completion
 from workers.llm import LLM
 
@@ -74,13 +75,15 @@ def run_batch(llm: LLM, lines: Iterable[str], model_name: str) -> list[dict[str,
     valid = [e for e in entries if e.prepared is not None]
     prompts = [ids for e in valid for ids in e.prepared.choice_prompts()]  # type: ignore[union-attr]
     params = [p for e in valid for p in e.prepared.params]  # type: ignore[union-attr]
-    outputs = iter(llm.generate_ids(prompts, params)) if prompts else iter(())
+    # best_of is already expanded into sequences: the LLM must not expand it again
+    outputs = iter(llm.generate_ids(prompts, params, expand_best_of=False)) if prompts else iter(())
     results = []
     for entry in entries:
         if entry.prepared is None:
             results.append(_result_line(entry, None))
             continue
-        mine = [next(outputs) for _ in entry.prepared.params]
+        prepared = entry.prepared
+        mine = keep_best([next(outputs) for _ in prepared.params], prepared.n, prepared.kept().n)
         render = _ROUTES[entry.url or ""][2]
-        results.append(_result_line(entry, render(entry.prepared, mine, model_name, llm.tokenizer)))
+        results.append(_result_line(entry, render(prepared.kept(), mine, model_name, llm.tokenizer)))
     return results

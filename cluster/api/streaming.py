@@ -24,7 +24,8 @@ from typing import Any
 from cluster.api.chat_output import ChatOutputParser, MessageDelta
 from cluster.api.errors import OpenAIError
 from cluster.api.logprobs import chat_logprobs, completion_logprobs
-from cluster.api.openai_service import PreparedRequest, chat_finish_reason, usage
+from cluster.api.openai_service import PreparedRequest, chat_finish_reason, echo_choice, usage
+from cluster.api.prompt_logprobs import vllm_prompt_logprobs
 from cluster.serving.messages import GenerateChunk
 from workers.outputs import RequestOutput
 from workers.request import TokenLogprob
@@ -42,6 +43,8 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class ChoiceDelta:
     finish_reason: str | None
     stop_reason: str | int | None
     is_first: bool                        # the choice's first delta
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # on the first delta, when asked
 
 
 class ResponseState:
@@ -81,6 +85,10 @@ class ResponseState:
             lps = [lp for c in group for lp in (c.logprobs or [])]
             state.logprobs = (state.logprobs or []) + lps
         last = group[-1]
+        prompt_lps = next((c.prompt_logprobs for c in group if c.prompt_logprobs is not None), None)
+        if prompt_lps is not None:
+            state.prompt_logprobs = prompt_lps
+        state.cumulative_logprob = last.cumulative_logprob
         state.token_ids.extend(ids)
         state.text += text
         state.cached_tokens = max(state.cached_tokens, last.cached_tokens)
@@ -89,7 +97,7 @@ class ResponseState:
         first = not self._started[i]
         self._started[i] = True
         return ChoiceDelta(i, ids, text, offset, lps, last.finish_reason if last.finished else None,
-                           last.stop_reason if last.finished else None, first)
+                           last.stop_reason if last.finished else None, first, state.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -100,7 +108,8 @@ class ResponseState:
                               token_ids=list(c.token_ids), text=c.text, cached_tokens=c.cached_tokens,
                               finished=c.finished, finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason, new_token_ids=[], delta_text="",
-                              logprobs=c.logprobs)
+                              logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs,
+                              cumulative_logprob=c.cumulative_logprob)
                 for i, c in enumerate(self.choices)]
 
     def usage(self) -> dict[str, Any]:
@@ -146,7 +155,8 @@ class SSERenderer:
         events = []
         for d in deltas:
             delta = self._chat_delta(d) if self.chat else {}
-            if not (delta or d.text and not self.chat or d.finish_reason
+            opens = d.is_first and (self.prepared.echo or self.prepared.prompt_logprobs is not None)
+            if not (delta or d.text and not self.chat or d.finish_reason or opens
                     or (d.token_ids and self._shows_tokens())):
                 continue                  # nothing a client could see (held-back text)
             events.append(sse(self._envelope([self._choice(d, delta)], state)))
@@ -182,11 +192,29 @@ class SSERenderer:
                       "logprobs": completion_logprobs(d.logprobs, self.tokenizer, d.text_offset, as_ids)  # type: ignore[arg-type]
                       if want_lps else None,
                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            self._echo(choice, d)
+        if d.is_first and self.prepared.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(d.prompt_logprobs or [], self.prepared.prompt_logprobs,
+                                                             self.tokenizer)
         if self.prepared.return_token_ids:
             choice["token_ids"] = d.token_ids
             if d.is_first:
                 choice["prompt_token_ids"] = self.prepared.prompt_ids[d.index // self.prepared.n]
         return choice
+
+    def _echo(self, choice: dict[str, Any], d: ChoiceDelta) -> None:
+        """Completions ``echo``: the prompt opens the choice's first chunk; later offsets
+        count it too."""
+        if not self.prepared.echo:
+            return
+        prompt = d.index // self.prepared.n
+        if d.is_first:
+            out = RequestOutput(str(d.index), self.prepared.prompt_ids[prompt], [], "", 0, False, None, None,
+                                [], "", d.logprobs, prompt_logprobs=d.prompt_logprobs)
+            echo_choice(choice, self.prepared, prompt, out, self.tokenizer)
+        elif choice["logprobs"] is not None:
+            shift = len(self.prepared.prompt_texts[prompt])
+            choice["logprobs"]["text_offset"] = [o + shift for o in choice["logprobs"]["text_offset"]]
 
     def final_events(self, state: ResponseState) -> list[str]:
         events = []

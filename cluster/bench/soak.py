@@ -40,7 +40,7 @@ DEFAULT_OVERRIDES: dict[str, dict[str, Any]] = {"cache_pressure": {"num_tenants"
 FAILURES = ("http_5xx", "http_4xx", "wrong_4xx", "bad_error_object", "invalid_accepted", "stream_error",
             "truncated", "wrong_length", "transport", "timeout")
 INVALID_KINDS: dict[str, tuple[int, ...]] = {       # kind -> accepted statuses
-    "max_tokens_zero": (400,), "negative_temperature": (400,), "top_p_above_one": (400,),
+    "max_tokens_negative": (400,), "negative_temperature": (400,), "top_p_above_one": (400,),
     "n_over_cap": (400,), "unknown_model": (404,), "prompt_too_long": (400,), "malformed_json": (400,)}
 
 
@@ -172,8 +172,8 @@ class _Outcome(Exception):
 
 def invalid_body(kind: str, body: dict[str, Any], max_model_len: int) -> dict[str, Any] | bytes:
     """``body`` made invalid in the way ``kind`` names (bytes: not JSON at all)."""
-    if kind == "max_tokens_zero":
-        return {**body, "max_tokens": 0}
+    if kind == "max_tokens_negative":      # (0 is valid for completions with echo)
+        return {**body, "max_tokens": -1}
     if kind == "negative_temperature":
         return {**body, "temperature": -1.0}
     if kind == "top_p_above_one":

@@ -41,6 +41,8 @@ class GenerateChunk:
     finish_reason: str | None
     stop_reason: str | int | None
     cached_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # once, on the choice's first chunk
+    cumulative_logprob: float | None = None    # of the tokens so far (logprobs / best_of)
 
 
 @dataclass(frozen=True)

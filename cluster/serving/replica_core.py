@@ -153,7 +153,7 @@ class ReplicaCore:
             return
         try:
             yield Accepted(req.num_choices)
-            sent_logprobs = [0] * req.num_choices
+            sent_logprobs = [-1] * req.num_choices
             clock, not_before = asyncio.get_running_loop(), 0.0
             while (batch := await stream.next_batch(not_before)) is not None:
                 yield [_chunk(i, out, sent_logprobs) for i, out in batch]
@@ -199,10 +199,17 @@ class ReplicaCore:
 
 
 def _chunk(index: int, out: RequestOutput, sent_logprobs: list[int]) -> GenerateChunk:
+    """``sent_logprobs[index]``: logprobs already sent for the choice; -1 before its first
+    chunk (which carries the prompt logprobs, complete by then: prefill is done)."""
+    first = sent_logprobs[index] < 0
+    sent = max(sent_logprobs[index], 0)
     new_lps = None
     if out.logprobs is not None:
-        new_lps = out.logprobs[sent_logprobs[index]:]
-        sent_logprobs[index] = len(out.logprobs)
+        new_lps = out.logprobs[sent:]
+        sent = len(out.logprobs)
+    sent_logprobs[index] = sent
     return GenerateChunk(index=index, new_token_ids=list(out.new_token_ids), delta_text=out.delta_text,
                          logprobs=new_lps, finished=out.finished, finish_reason=out.finish_reason,
-                         stop_reason=out.stop_reason, cached_tokens=out.cached_tokens)
+                         stop_reason=out.stop_reason, cached_tokens=out.cached_tokens,
+                         prompt_logprobs=out.prompt_logprobs if first else None,
+                         cumulative_logprob=out.cumulative_logprob)

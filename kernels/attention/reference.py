@@ -50,12 +50,20 @@ def paged_attention_torch(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_poo
                            out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor,
                            seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
     check_heads(q, k)
+    write_kv(k, v, k_pool, v_pool, out_loc)
+    return attend_paged(q, k_pool, v_pool, page_table, cu_seqlens, seq_lens, page_size, scale)
+
+
+def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor,
+                 cu_seqlens: Tensor, seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
+    """The attention half of ``paged_attention_torch``, over pools that already hold the new
+    tokens: q [T, Hq, D]; k_pool [L_total, Hkv, D]; v_pool [L_total, Hkv, Dv] (any strides:
+    MLA passes a view of its latent pool) -> [T, Hq, Dv]."""
     # The plan depends on the batch metadata only: built by the first attention layer of a
     # step, reused by the others (kernels.memo).
     groups = _plans.get((page_table, cu_seqlens, seq_lens), page_size,
                         lambda: _plan(page_table, cu_seqlens, seq_lens, page_size))
-    write_kv(k, v, k_pool, v_pool, out_loc)
-    out = torch.zeros_like(q)
+    out = q.new_zeros(q.shape[0], q.shape[1], v_pool.shape[-1])
     for group in groups:
         _attend(q, k_pool, v_pool, group, scale, out)
     return out

@@ -70,9 +70,11 @@ def test_chat_template_kwargs_and_tool_turns(hermes):
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     again = hermes.chat.completions.create(model="scripted", messages=history, tools=TOOLS)
     assert calls(again.choices[0].message) == HERMES_CALLS                 # the template took the turns
-    with pytest.raises(openai.BadRequestError) as err:
-        hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS, tool_choice="required")
-    assert err.value.body["param"] == "tool_choice"
+    forced = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS, temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                            max_tokens=40)
+    [call] = forced.choices[0].message.tool_calls                      # enforced by a JSON-schema constraint
+    assert call.function.name == "get_time" and forced.choices[0].message.content is None
 
 
 def test_xml_tool_calls(xml):

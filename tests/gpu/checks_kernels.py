@@ -1,6 +1,7 @@
 """Stage (a) of the device checks: every Triton kernel against its torch reference.
 
-Real sizes on the GPU (Qwen3-Next GDN and attention, Mamba2 SSD), toy sizes for ``--dry-run``
+Real sizes on the GPU (Qwen3-Next GDN and attention, Mamba2 SSD; KDA, MLA and lightning
+attention in ``checks_new_kernels``), toy sizes for ``--dry-run``
 on CPU (the interpreter). One mixed varlen batch per recurrent op: decodes, speculative
 verifies (a snapshot after every draft token) and long prefills with prefix-cache snapshots
 mid-sequence; fp32 recurrent pools; bf16 and fp32 activations. Three rows launch grids past
@@ -19,6 +20,7 @@ import torch
 from kernels import backend
 from tests.gpu.common import (Compared, Deadline, Report, compare, cuda_ms, has_flashinfer,
                               mixed_lens, varlen_meta, verify_snapshots, worst)
+from tests.gpu.checks_new_kernels import FULL_NEW, TOY_NEW, new_checks
 from tests.kernels.attention_cases import build_case, run_paged, with_dtype
 
 Tol = tuple[float, float]            # (rtol, atol)
@@ -251,6 +253,8 @@ def checks(sz: KernelSizes, device: torch.device) -> list[Check]:
         for label, seqs in (("mixed", sz.attention_mixed), ("decode", sz.attention_decode)):
             out.append((f"attention triton {label} {heads[0]}q/{heads[1]}kv d{heads[2]}", both,
                         lambda dt, s=seqs, h=heads: attention_case(s, h, dt, device)))
+    out += new_checks(FULL_NEW if sz is FULL else TOY_NEW, lambda seed: _mixed(sz, seed, device),
+                      sz.attention_mixed, sz.attention_decode, device, TOL, POOL_TOL)
     out.append(("attention triton decode, CUDA graph replay = eager", bf16,
                 lambda dt: attention_graph_case(sz.attention_decode, sz.attention[0], device)))
     if device.type == "cuda" and has_flashinfer():
@@ -285,7 +289,8 @@ def run(sz: KernelSizes, device: torch.device, report: Report, deadline: Deadlin
 
 
 def _tol_label(name: str, dtype: torch.dtype) -> str:
-    kind = "gdn" if name.startswith("gdn") else "ssd" if name.startswith("ssd") else "exact"
+    kind = ("gdn" if name.startswith(("gdn", "kda")) else
+            "ssd" if name.startswith(("ssd", "lightning")) else "exact")
     rtol, atol = TOL[kind][dtype]
     return f"{rtol:g}/{atol:g}"
 

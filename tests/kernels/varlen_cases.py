@@ -1,4 +1,4 @@
-"""Builders shared by the GDN and SSD tests, on the torch path (``tests/kernels/test_*.py``)
+"""Builders shared by the GDN, KDA and SSD tests, on the torch path (``tests/kernels/test_*.py``)
 and the Triton path (``tests/kernels/triton_path/``): inputs, lengths, case variants, the
 naive per-token driver over the slot pool, and the pool-and-output comparison.
 
@@ -41,6 +41,21 @@ def gdn_inputs(num_tokens: int, num_slots: int, seed: int, heads_k: int, heads_v
         g=-torch.rand(num_tokens, heads_v, generator=gen) * 0.5,
         beta=torch.rand(num_tokens, heads_v, generator=gen),
         states=torch.randn(num_slots, heads_v, k_dim, v_dim, generator=gen),
+    )
+
+
+def kda_inputs(num_tokens: int, num_slots: int, seed: int, heads: int, k_dim: int,
+               v_dim: int, g_min: float = -0.5) -> Inputs:
+    """q, k, g (log decay per key channel, in [g_min, 0]) [T, H, K]; v [T, H, V]; beta [T, H];
+    states [S, H, K, V]."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        q=torch.randn(num_tokens, heads, k_dim, generator=gen),
+        k=torch.randn(num_tokens, heads, k_dim, generator=gen),
+        v=torch.randn(num_tokens, heads, v_dim, generator=gen),
+        g=torch.rand(num_tokens, heads, k_dim, generator=gen) * g_min,
+        beta=torch.rand(num_tokens, heads, generator=gen),
+        states=torch.randn(num_slots, heads, k_dim, v_dim, generator=gen),
     )
 
 

@@ -144,6 +144,9 @@ class ToyRunner:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
+    def drop_request(self, req) -> None:
+        """A request finished: the toy keeps no per-request sampling state."""
+
     # -- the scheduler thread ---------------------------------------------------------------
     def launch(self, plan: StepPlan) -> Future[StepResult]:
         prepared = prepare_step(plan, self.page_size, torch.device("cpu"), self.scratch_base)

@@ -76,7 +76,7 @@ def test_logprobs_returned_for_asking_rows():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -5}, "top_k"),
     ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"),
 ])

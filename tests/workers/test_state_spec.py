@@ -109,3 +109,24 @@ def test_family_specs(tiny_checkpoint) -> None:
     assert layers("zamba2") == {"mamba2": 6, ATTENTION: 3}
     assert layers("nemotron_h") == {"mamba2": 2, ATTENTION: 2}
     assert layers("qwen3_next") == {"gdn": 3, ATTENTION: 2}
+    assert layers("kimi_linear") == layers("bailing_hybrid") == {"kda": 3, "mla": 2}
+    assert layers("minimax") == {"lightning": 3, ATTENTION: 2}
+    assert layers("olmo_hybrid") == {"gdn": 3, ATTENTION: 2}
+
+
+def test_new_kinds_shapes_and_the_honest_mla_pool(tiny_checkpoint) -> None:
+    """MLA keeps one row [latent | rope key] per token and layer, not per-head K and V; KDA a
+    q, k, v conv window and a [H, D, D] state; lightning attention a state and no conv."""
+    def spec(name: str) -> CacheSpec:
+        return load_model(tiny_checkpoint(name), torch.float32, "meta").model.cache_spec()
+
+    kimi = spec("kimi_linear")              # kv_lora_rank 32, qk_rope_head_dim 8, 4 heads of 16
+    mla, kda = kimi.group("mla"), kimi.group("kda")
+    assert mla is not None and kda is not None and mla.kind.paged and not kda.kind.paged
+    assert [(t.name, t.shape) for t in mla.kind.tensors] == [("latent", (1, 40))]
+    assert kimi.bytes_per_token(torch.bfloat16) == 2 * 40 * 2
+    assert [(t.name, t.shape, t.dtype) for t in kda.kind.tensors] == [
+        ("conv", (3 * 4 * 16, 3), None), ("ssm", (4, 16, 16), "float32")]
+    lightning = spec("minimax").group("lightning")
+    assert lightning is not None
+    assert [(t.name, t.shape) for t in lightning.kind.tensors] == [("ssm", (4, 16, 16))]

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from workers.models import tiny_qwen3_5 as q35
-from workers.models.tiny_weights import RedrawRule, add_nemotron_mtp, add_qwen_mtp
+from workers.models.tiny_weights import (RedrawRule, add_nemotron_mtp, add_qwen_mtp,
+                                         keep_lightning_buffers, redraw_decay_logs)
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
 LayoutWriter = Callable[[Path], None]             # rewrites a saved checkpoint's tensors
@@ -151,9 +152,67 @@ _QWEN3_5_MOE_VL = TinyFamily(
     hf_modeling=_Q35_MOE, text_config_key="text_config", layout_writer=q35.fuse_experts,
     notes=("experts fused (experts.gate_up_proj / down_proj), as released checkpoints may be",))
 
+_KIMI_LINEAR = TinyFamily(
+    "kimi_linear", "KimiLinearForCausalLM", "KimiLinearConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+         linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
+         intermediate_size=96, moe_intermediate_size=32, num_local_experts=8,
+         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+         tie_word_embeddings=False),
+    redraw=redraw_decay_logs, hf_modeling="transformers.models.kimi_linear.modeling_kimi_linear",
+    notes=("KDA + MLA (latent pool) without positions; no MTP layers in the architecture",))
+
+_BAILING_HYBRID = TinyFamily(
+    "bailing_hybrid", "BailingHybridForCausalLM", "BailingHybridConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+         num_attention_heads=4, num_key_value_heads=4, head_dim=8, kv_lora_rank=32,
+         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+         short_conv_kernel_size=4, kda_safe_gate=True, kda_lower_bound=-5.0,
+         intermediate_size=96, moe_intermediate_size=32, num_local_experts=8,
+         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+         num_mtp_layers=0, tie_word_embeddings=False),
+    hf_modeling="transformers.models.bailing_hybrid.modeling_bailing_hybrid",
+    notes=("KDA + MLA (latent pool) with interleaved RoPE and a head gate; head_dim = "
+           "qk_rope_head_dim, since transformers' config rewrites head_dim to it on save",))
+
+_MINIMAX = TinyFamily(
+    "minimax", "MiniMaxForCausalLM", "MiniMaxConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+         num_local_experts=4, num_experts_per_tok=2, block_size=16,
+         full_attn_alpha_factor=1.2, full_attn_beta_factor=0.8, linear_attn_alpha_factor=0.9,
+         linear_attn_beta_factor=1.1, mlp_alpha_factor=0.7, mlp_beta_factor=1.3,
+         tie_word_embeddings=False),
+    redraw=keep_lightning_buffers, hf_modeling="transformers.models.minimax.modeling_minimax",
+    notes=("lightning attention blocks of 16 tokens: prompts in the tests cross them",))
+
+_OLMO_HYBRID = TinyFamily(
+    "olmo_hybrid", "OlmoHybridForCausalLM", "OlmoHybridConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+         linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
+         linear_value_head_dim=24, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+         tie_word_embeddings=False),
+    hf_modeling="transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+    notes=("Gated DeltaNet as Qwen3-Next's (beta up to 2) + post-norm attention with "
+           "whole-width q/k norms",))
+
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
     _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2,
-    _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL)}
+    _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL, _KIMI_LINEAR, _BAILING_HYBRID,
+    _MINIMAX, _OLMO_HYBRID)}
 
 
 def get_family(name: str) -> TinyFamily:

@@ -63,6 +63,20 @@ def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool,
                 redraw_(name, t, gen, zero_centered_norms)
 
 
+def redraw_decay_logs(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """Any-shaped ``A_log`` (Kimi-Linear stores [1, 1, H, 1]) as the generic 1-D rule draws it."""
+    if not name.endswith("A_log"):
+        return False
+    p.copy_(torch.log(1.0 + 15.0 * torch.rand(p.shape, generator=gen, device=p.device)))
+    return True
+
+
+def keep_lightning_buffers(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """MiniMax's saved decay buffers stay as transformers computed them (they are a function of
+    the layer index, not weights)."""
+    return name.endswith(("slope_rate", "query_decay", "key_decay", "diagonal_decay"))
+
+
 def add_qwen_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
     """Add random Qwen3-Next / Qwen3.5 ``mtp.*`` tensors to the last safetensors file (and the
     index).

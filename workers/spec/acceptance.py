@@ -24,7 +24,11 @@ class Accepted:
 
 def accept_greedy(target_logits: torch.Tensor, draft_ids: list[int]) -> Accepted:
     """target_logits: [k + 1, V] for the verify rows; draft_ids: the k drafts."""
-    best = target_logits.argmax(dim=-1).tolist()
+    return accept_greedy_ids(target_logits.argmax(dim=-1).tolist(), draft_ids)
+
+
+def accept_greedy_ids(best: list[int], draft_ids: list[int]) -> Accepted:
+    """best: the target's argmax at each of the k + 1 verify rows (host ints)."""
     n = 0
     while n < len(draft_ids) and draft_ids[n] == best[n]:
         n += 1
@@ -38,7 +42,7 @@ def accept_rejection(target_probs: torch.Tensor, draft_ids: list[int], draft_pro
     uniforms = torch.rand(k, generator=generator, device=target_probs.device).tolist() if k else []
     for i, d in enumerate(draft_ids):
         p, q = float(target_probs[i, d]), float(draft_probs[i, d])
-        if q > 0 and uniforms[i] * q <= p:
+        if p > 0 and q > 0 and uniforms[i] * q <= p:     # p = 0: a token the processors banned
             continue
         residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
         if float(residual.sum()) <= 0:

@@ -80,7 +80,8 @@ class TPModelRunner(ModelRunner):
         # The message needs host tensors: on a GPU, build them again from the same plan
         # (host work) rather than copy back (a sync with the forward still running).
         host = (view if prepared.fb.input_ids.device.type == "cpu" else
-                replace(prepare_step(prepared.plan, self.page_size, _CPU, self.scratch_base), plan=plan))
+                replace(prepare_step(prepared.plan, self.page_size, _CPU, self.scratch_base), plan=plan,
+                        sampling=prepared.sampling))      # host tensors already
         keys = tuple((s.request.handle, s.request.params.seed) for s in plan.batch.seqs if s.samples)
         msg = StepMessage(host, tuple(params), keys, self.generators.take_dropped())
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)

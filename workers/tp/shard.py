@@ -10,7 +10,8 @@ the full hidden state:
   v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
 - Mamba2: heads and B/C groups (see ``mamba_groups``), conv channels follow x/B/C;
 - dense MLP and MoE: each expert's intermediate dim (and the shared expert's); the
-  router, every norm, embeddings and ``lm_head`` are replicated.
+  router, every norm, embeddings and ``lm_head`` are replicated;
+- KDA, MLA, lightning attention and OLMo's attention / GDN: ``shard_mixers``.
 
 The all-reduce is a forward hook on the sharded layer (one per mixer, per MLP, per MoE
 including its shared expert). A family's own layer kind shards itself: a module with a
@@ -33,6 +34,7 @@ from workers.models.layers import Attention, DenseMLP
 from workers.models.mamba2 import Mamba2Mixer
 from workers.models.moe import SparseMoE
 from workers.tp.comm import Comm
+from workers.tp.shard_mixers import CHECKS, SHARDERS
 from workers.tp.shard_layers import (mamba_groups, part, shard_attention, shard_gdn, shard_mamba2,
                                      shard_mlp, shard_moe)
 
@@ -48,8 +50,11 @@ def _all_reduce_hook(comm: Comm) -> Callable[..., torch.Tensor]:
 def _shard_one(module: nn.Module, comm: Comm) -> bool:
     rank, world = comm.rank, comm.world_size
     custom = getattr(module, "tp_shard", None)
+    mixer = SHARDERS.get(type(module))       # exact classes: some subclass the shared kinds
     if custom is not None:
         custom(rank, world, comm)
+    elif mixer is not None:
+        mixer(module, rank, world, comm)
     elif isinstance(module, Attention):
         shard_attention(module, rank, world)
     elif isinstance(module, GatedDeltaNet):
@@ -103,8 +108,11 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
     shared = {id(m.shared_expert) for m in root.modules() if isinstance(m, SparseMoE)}
     for m in root.modules():
         custom = getattr(m, "tp_checks", None)
+        mixer = CHECKS.get(type(m))
         if custom is not None:
             checks += custom()
+        elif mixer is not None:
+            checks += mixer(m)
         elif isinstance(m, Attention):
             checks += [(m.dims.num_heads, "num_attention_heads"),
                        (m.dims.num_kv_heads, "num_key_value_heads")]

@@ -16,7 +16,8 @@ import torch
 from configs.schema import HybridServeConfig
 from workers.device_pools import build_pools
 from workers.engine import resolve_device, resolve_dtype
-from workers.loader import load_model
+from workers.loader import load_model, load_tokenizer
+from workers.sampling.grammar import GrammarCompiler
 from workers.model_runner import ModelRunner, StepResult
 from workers.sampler import GeneratorBank
 from workers.spec.setup import build_drafter
@@ -56,8 +57,12 @@ class TPWorker:
             assert drafter is not None
             shard_module(drafter.mtp, self.group)
         self.generators = GeneratorBank(config.seed, self.device)
+        model_dir = config.model_dir()
+        # Each rank compiles the grammars its matchers need (on first use, cached).
+        grammars = GrammarCompiler(lambda: load_tokenizer(model_dir), int(model.config.vocab_size))
         self.runner = ModelRunner(model, pools, layout.page_size, self.device, self.generators,
-                                  overlap=False, scratch_base=layout.scratch_base, drafter=drafter)
+                                  overlap=False, scratch_base=layout.scratch_base, drafter=drafter,
+                                  grammar_compiler=grammars)
         self.check_consistency = config.debug.check_invariants
         self.num_steps = 0
 

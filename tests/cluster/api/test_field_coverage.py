@@ -38,6 +38,7 @@ VLLM_CHAT = VLLM_COMMON + [
 
 A = "tests/cluster/api/"
 HTTP, END, TOOLS = A + "test_http_api.py::", A + "test_endpoints.py::", A + "test_tools_reasoning.py::"
+SAMPLING = A + "test_sampling_api.py::"
 HONOURED = {
     "model": HTTP + "test_bad_requests_get_an_openai_error_before_any_stream",
     "prompt": HTTP + "test_stream_equals_non_stream_and_cached_tokens_on_repeat",
@@ -62,7 +63,7 @@ HONOURED = {
     "truncate_prompt_tokens": END + "test_add_special_tokens_and_truncate_prompt_tokens",
     "add_special_tokens": END + "test_add_special_tokens_and_truncate_prompt_tokens",
     "tools": TOOLS + "test_tool_calls_and_reasoning_split_non_streamed",
-    "tool_choice": TOOLS + "test_tool_choice_none_leaves_the_text_alone",
+    "tool_choice": TOOLS + "test_tool_choice_required_is_enforced",
     "parallel_tool_calls": TOOLS + "test_parallel_tool_calls_false_keeps_the_first",
     "include_reasoning": TOOLS + "test_tool_choice_none_leaves_the_text_alone",
     "add_generation_prompt": TOOLS + "test_continue_final_message_continues_it",
@@ -71,20 +72,35 @@ HONOURED = {
     "chat_template_kwargs": TOOLS + "test_chat_template_kwargs_turn_thinking_off",
     "documents": TOOLS + "test_documents_and_reasoning_effort_reach_a_template_that_reads_them",
     "reasoning_effort": TOOLS + "test_documents_and_reasoning_effort_reach_a_template_that_reads_them",
+    # issue 15's sampling side
+    "echo": SAMPLING + "test_echo_logprobs_equal_transformers",
+    "prompt_logprobs": SAMPLING + "test_vllm_prompt_logprobs_on_both_endpoints",
+    "logit_bias": SAMPLING + "test_logit_bias_and_penalties_are_honoured",
+    "presence_penalty": SAMPLING + "test_logit_bias_and_penalties_are_honoured",
+    "frequency_penalty": SAMPLING + "test_logit_bias_and_penalties_are_honoured",
+    "repetition_penalty": SAMPLING + "test_logit_bias_and_penalties_are_honoured",
+    "min_p": SAMPLING + "test_min_p_and_bad_words_are_honoured",
+    "bad_words": SAMPLING + "test_min_p_and_bad_words_are_honoured",
+    "best_of": SAMPLING + "test_best_of_returns_the_most_likely_of_its_sequences",
+    "include_stop_str_in_output": SAMPLING + "test_stop_string_kept_and_special_tokens_shown",
+    "skip_special_tokens": SAMPLING + "test_stop_string_kept_and_special_tokens_shown",
+    "response_format": SAMPLING + "test_every_structured_output_form",
+    "structured_outputs": SAMPLING + "test_every_structured_output_form",
+    "guided_json": SAMPLING + "test_every_structured_output_form",
+    "guided_regex": SAMPLING + "test_every_structured_output_form",
+    "guided_choice": SAMPLING + "test_every_structured_output_form",
+    "guided_grammar": SAMPLING + "test_every_structured_output_form",
+    "guided_decoding_backend": SAMPLING + "test_bad_values_are_400s_naming_the_field",   # xgrammar / auto only
 }
 # carry no meaning for the output: accepted, not used
 IGNORED = {"user": "an end-user id", "request_id": "our ids are our own", "metadata": "stored nowhere",
            "store": "nothing is stored", "service_tier": "one tier", "prompt_cache_key": "routing hint",
            "safety_identifier": "an end-user id"}
 # refused by the schema itself (only the neutral value validates)
-SCHEMA_REFUSED = {"presence_penalty": 0.5, "frequency_penalty": -1.0, "echo": True}
+SCHEMA_REFUSED: dict[str, Any] = {}
 # a value that asks for something, per refused field
 SAMPLES: dict[str, Any] = {
-    "logit_bias": {"5": 10}, "repetition_penalty": 1.2, "min_p": 0.1, "best_of": 2, "bad_words": ["x"],
-    "prompt_logprobs": 1, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= x",
-    "structural_tag": "{}", "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
-    "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "structural_tag": "{}", "guided_whitespace_pattern": " ", "spaces_between_special_tokens": False,
     "allowed_token_ids": [1], "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["m.P"],
     "prompt_embeds": "AAAA", "cache_salt": "salt", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "priority": 1, "mm_processor_kwargs": {"a": 1}, "suffix": "tail", "echo": True, "functions": [{"name": "f"}],

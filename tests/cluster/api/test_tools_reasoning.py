@@ -149,9 +149,40 @@ def test_per_request_chat_template_needs_the_server_to_trust_it(hermes):
     assert body["prompt_token_ids"] == ids
 
 
+UNITS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}} for name in ("set_unit", "show_unit")]
+
+
+def test_a_named_function_is_enforced(hermes):
+    choice = {"type": "function", "function": {"name": "show_unit"}}
+    body = chat(hermes, tools=UNITS, tool_choice=choice, temperature=0)
+    message = body["choices"][0]["message"]
+    [(name, args)] = calls_of(message)
+    assert name == "show_unit" and json.loads(args) in ({"unit": "c"}, {"unit": "f"})
+    assert message["content"] is None and body["choices"][0]["finish_reason"] == "stop"   # forced: no choice made
+    assert assemble(stream(hermes, tools=UNITS, tool_choice=choice, temperature=0)) == ("", "", [(name, args)], "stop")
+
+
+def test_tool_choice_required_is_enforced(hermes):
+    for parallel in (True, False):
+        body = chat(hermes, tools=UNITS, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120,
+                    temperature=0)
+        found = calls_of(body["choices"][0]["message"])
+        assert found and all(n in ("set_unit", "show_unit") and json.loads(a) in ({"unit": "c"}, {"unit": "f"})
+                             for n, a in found)
+        finish = body["choices"][0]["finish_reason"]
+        # one call closes the array; parallel calls may run on to max_tokens (the complete ones count)
+        assert (len(found), finish) == (1, "tool_calls") if not parallel else finish in ("tool_calls", "length")
+        streamed = assemble(stream(hermes, tools=UNITS, tool_choice="required", parallel_tool_calls=parallel,
+                                   max_tokens=120, temperature=0))
+        assert streamed == ("", "", found, finish)
+    r = hermes.call("POST", CHAT, json={"messages": USER, "tools": UNITS, "tool_choice": "required",
+                                        "guided_regex": "a+"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
 @pytest.mark.parametrize("body,param", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),

@@ -14,6 +14,8 @@ import kernels.attention
 import kernels.chunking
 import kernels.conv1d
 import kernels.gdn
+import kernels.kda
+import kernels.mla
 import kernels.norm
 import kernels.ssd
 from kernels import backend
@@ -27,7 +29,9 @@ PROMPTS = [
 TORCH_REFS = [(kernels.gdn, "gated_delta_rule_varlen_torch"), (kernels.ssd, "ssd_varlen_torch"),
               (kernels.conv1d, "causal_conv1d_varlen_torch"),
               (kernels.conv1d, "causal_conv1d_update_torch"), (kernels.norm, "rms_norm_torch"),
-              (kernels.norm, "gated_rms_norm_torch"), (kernels.attention, "paged_attention_torch")]
+              (kernels.norm, "gated_rms_norm_torch"), (kernels.attention, "paged_attention_torch"),
+              (kernels.kda, "kda_varlen_torch"), (kernels.kda, "kda_update_torch"),
+              (kernels.kda, "kda_verify_torch"), (kernels.mla, "mla_attention_torch")]
 
 
 def make_llm(model_dir, device, **cache):

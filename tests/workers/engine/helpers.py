@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+
+import torch
 
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
+from workers.spec.drafter import MtpDrafter
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -28,3 +32,32 @@ def make_llm(model_dir, **overrides) -> LLM:
 
 def greedy_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
     return [o.token_ids for o in llm.generate_ids(prompts, [params] * len(prompts))]
+
+
+class OracleDrafts:
+    """Replaces the MTP head's drafts by the expected continuation with every third draft
+    corrupted (``corrupt``), so that verifies accept 0..k drafts: ``engine`` and
+    ``expected`` (prompt tuple -> prompt + expected output) are set by the test."""
+
+    def __init__(self, monkeypatch, corrupt: Callable[[int], int], filler: int = 1) -> None:
+        self.engine = None
+        self.expected: dict[tuple[int, ...], list[int]] = {}
+        original = MtpDrafter._chain
+        oracle = self
+
+        def chain(drafter, spans, hidden, last_pos):
+            original(drafter, spans, hidden, last_pos)
+            for span, t in zip(spans, last_pos):
+                req = oracle.engine.outputs.requests.get(span.request_id)
+                full = oracle.expected.get(tuple(req.prompt_token_ids)) if req is not None else None
+                if full is None:
+                    continue
+                drafts = [full[t + 2 + j] if t + 2 + j < len(full) else filler for j in range(drafter.k)]
+                drafts[(t + 1) % 3] = corrupt(drafts[(t + 1) % 3])
+                drafter.draft_tokens[span.live_slot] = torch.tensor(drafts)
+
+        monkeypatch.setattr(MtpDrafter, "_chain", chain)
+
+    def expect(self, engine, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.engine = engine
+        self.expected = {tuple(p): p + e for p, e in zip(prompts, outputs)}

@@ -49,6 +49,18 @@ REFUSED = {
     "qwen3_5_moe_mlp_only": ("qwen3_5_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
     "qwen3_5_moe_topk_norm": ("qwen3_5_moe_vl", {"norm_topk_prob": False}, "norm_topk_prob=False"),
     "qwen_mtp_layers": ("qwen3_5", {"mtp_num_hidden_layers": -1}, "mtp_num_hidden_layers=-1"),
+    "kimi_act": ("kimi_linear", {"hidden_act": "gelu"}, "hidden_act"),
+    "kimi_mla_kv_heads": ("kimi_linear", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    "bailing_yarn": ("bailing_hybrid", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
+        "original_max_position_embeddings": 1024}}, "rope_type"),
+    "bailing_mla_kv_heads": ("bailing_hybrid", {"num_key_value_heads": 1}, "num_key_value_heads=1"),
+    "minimax_sliding_window": ("minimax", {"sliding_window": 64}, "sliding_window"),
+    "minimax_act": ("minimax", {"hidden_act": "quick_gelu"}, "hidden_act"),
+    "minimax_rope": ("minimax", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                     "rope_theta": 1e4}}, "rope_type"),
+    "olmo_grouped_linear_heads": ("olmo_hybrid", {"linear_num_key_heads": 2}, "linear_num_key_heads=2"),
+    "olmo_act": ("olmo_hybrid", {"hidden_act": "gelu"}, "hidden_act"),
 }
 
 

@@ -17,12 +17,23 @@ import signal
 import pytest
 
 from tests.workers.engine.helpers import make_llm, random_prompts
+from workers.sampling.structured import StructuredOutput
 from workers.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
 UNSEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, ignore_eos=True)
 SPEC = {"method": "mtp", "num_draft_tokens": 2}
+# Processors and a grammar: registers and matchers live on every rank and must agree.
+PENALISED = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.5, logit_bias={17: 4.0}, bad_words=("ab",))
+CONSTRAINED = SamplingParams(max_tokens=16, temperature=0.0,
+                             structured_output=StructuredOutput.regex(r"[a-z]{3}-[0-9]{2,4}"))
+# Sampled rows are not compared with TP = 1 (the all-reduce changes the last bits of the
+# logits) but the ranks' digests must agree, so every rank's matcher must see the same.
+CONSTRAINED_SAMPLED = SamplingParams(max_tokens=16, temperature=0.8, seed=5,
+                                     structured_output=StructuredOutput.regex(r"[a-z]{3}-[0-9]{2,4}"))
+PROCESSED = [PENALISED, CONSTRAINED, CONSTRAINED_SAMPLED] * 2
 
 
 def prompts_with_shared_prefix() -> list[list[int]]:
@@ -30,11 +41,11 @@ def prompts_with_shared_prefix() -> list[list[int]]:
     return prompts + [prompts[3][:20] + [7, 8, 9]]
 
 
-def reference(path) -> list[list[int]]:
+def reference(path, params: list[SamplingParams] | None = None) -> list[list[int]]:
     """Every variant off: TP = 1, no prefix cache, no speculation, no overlap."""
     llm = make_llm(path, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
     prompts = prompts_with_shared_prefix()
-    return [o.token_ids for o in llm.generate_ids(prompts, [GREEDY] * len(prompts))]
+    return [o.token_ids for o in llm.generate_ids(prompts, params or [GREEDY] * len(prompts))]
 
 
 def engine_options(has_mtp: bool) -> dict:
@@ -68,12 +79,15 @@ def test_tp2_sampling_agrees_and_a_dead_rank_fails_fast(tiny_qwen_dir):
     prompts = prompts_with_shared_prefix()
     options = engine_options(True)
     expected = reference(tiny_qwen_dir)
+    expected_processed = reference(tiny_qwen_dir, PROCESSED)
     llm = make_llm(tiny_qwen_dir, parallel={"tensor_parallel_size": 2}, **options)
     llm.engine.raise_on_violation = True
     try:
         mixed = [GREEDY, SEEDED, UNSEEDED] * 2
         outs = llm.generate_ids(prompts, mixed)
         assert [outs[i].token_ids for i in (0, 3)] == [expected[0], expected[3]]
+        got = [o.token_ids for o in llm.generate_ids(prompts, PROCESSED)]
+        assert [got[i] for i in (0, 1, 3, 4)] == [expected_processed[i] for i in (0, 1, 3, 4)]
 
         rank1 = llm.engine.workers.procs[0]
         os.kill(rank1.pid, signal.SIGKILL)

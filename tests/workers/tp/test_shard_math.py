@@ -196,7 +196,8 @@ def test_whole_model_logits(family_model, tiny_model):
 
 
 def test_pool_shard_shapes(family_model):
-    """A sharded model's ``cache_spec()`` is its rank's shard: heads (conv channels) / 2."""
+    """A sharded model's ``cache_spec()`` is its rank's shard: heads (conv channels) / 2, an
+    MLA latent row whole."""
     def specs(model):
         return run_ranks(2, lambda comm: (shard_model(m := copy.deepcopy(model), comm), m.cache_spec())[1])
 
@@ -204,6 +205,8 @@ def test_pool_shard_shapes(family_model):
         return {(g.kind.name, t.name): t.shape for g in spec.groups for t in g.kind.tensors}
 
     def halved(shape: tuple[int, ...]) -> tuple[int, ...]:     # heads (or conv channels) / 2
+        if shape[0] == 1:               # one row shared by every head (MLA's latent): replicated
+            return shape
         return (shape[0] // 2, *shape[1:])
 
     full = shapes(family_model.cache_spec())
