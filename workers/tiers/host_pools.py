@@ -81,9 +81,13 @@ def copy_entries(src: Groups, dst: Groups, src_idx: Sequence[int], dst_idx: Sequ
             si = torch.tensor(list(src_idx), dtype=torch.int64, device=s.device)
             di = torch.tensor(list(dst_idx), dtype=torch.int64, device=d.device)
             gathered = s[:, si]
-            if non_blocking and gathered.device.type == "cpu" and d.is_cuda:
-                gathered = gathered.pin_memory()        # an asynchronous H2D copy needs pinned memory
-            d[:, di] = gathered.to(d.device, non_blocking=non_blocking)
+            # Only host -> device copies may be asynchronous (from pinned staging). A device ->
+            # host copy must have landed before the scatter below reads it on the CPU: it is
+            # a blocking copy, which waits for the current (copy) stream only.
+            h2d = non_blocking and gathered.device.type == "cpu" and d.is_cuda
+            if h2d:
+                gathered = gathered.pin_memory()
+            d[:, di] = gathered.to(d.device, non_blocking=h2d)
 
 
 def read_entries(groups: Groups, idx: Sequence[int]) -> dict[str, dict[str, torch.Tensor]]:

@@ -28,8 +28,9 @@ class Direct:
         return fn(self.engine)
 
 
-def replica(model_dir):
-    llm = make_llm(model_dir, cache=TIERS, debug={"check_invariants": True})
+def replica(model_dir, cache=None, debug=None, **extra):
+    llm = make_llm(model_dir, cache={**TIERS, **(cache or {})},
+                   debug={"check_invariants": True, **(debug or {})}, **extra)
     llm.engine.raise_on_violation = True
     return llm
 
@@ -94,3 +95,37 @@ def test_lost_and_invalid_objects_are_recomputed(pair):
     assert b.stats()["hybridserve_store_fetches_total"] == {"invalid": 1, "lost": 1}
     out = b.generate_ids([prompt + [5]], [P])[0]
     assert out.cached_tokens == 0 and b.engine.check_invariants() == []
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_fetches_answer_as_cache_off_for_every_strategy_with_mtp_and_overlap(tiny_qwen_dir, strategy):
+    """Issue 17's first goal for the store: a turn-2 prompt whose checkpoints another replica
+    committed is fetched, validated and promoted, with MTP drafts and overlap on, under each
+    Mamba strategy; the answers equal cache-off's, every promoted checkpoint passes the state
+    oracle (a fresh prefill of its tokens), and ``cached_tokens`` is the deepest entry's depth."""
+    page = 1 if strategy == "no_buffer" else 4        # no_buffer: checkpoints at finish, unaligned
+    extra = {"cache": {"page_size": page, "mamba_strategy": strategy, "mamba_track_interval": 8},
+             "spec": {"method": "mtp", "num_draft_tokens": 2}, "scheduler": {"overlap": True}}
+    a = replica(tiny_qwen_dir, **extra)
+    b = replica(tiny_qwen_dir, debug={"state_oracle_sample": 1.0}, **extra)
+    store = CheckpointStore(1 << 26)
+    backend = LocalStoreBackend(store)
+    vocab = a.engine.vocab_size
+    prompt = random_prompts(vocab, [21], seed=5)[0]
+    out = a.generate_ids([prompt], [P])[0]
+    tree = a.engine.cache.tree
+    tree.evict_checkpoints(tree.num_evictable_checkpoints)
+    assert asyncio.run(StoreClient(backend, page, "a").commit_pending(Direct(a.engine)))
+    follows = [prompt + out.token_ids + q for q in random_prompts(vocab, [3, 6], seed=7)]
+    usable = [e.depth for e in store.entries()
+              if e.depth < len(follows[0]) and tuple(follows[0][: e.depth]) == e.token_ids]
+    assert usable, [e.depth for e in store.entries()]
+    fetcher = StoreClient(backend, page, "b", FetchSettings(prefill_tokens_per_s=1.0))
+    assert asyncio.run(fetcher.prefetch(Direct(b.engine), follows[0])) == "fetched"
+    got = b.generate_ids(follows, [P] * 2)
+    off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
+    assert [o.token_ids for o in got] == [o.token_ids for o in off.generate_ids(follows, [P] * 2)]
+    assert got[0].cached_tokens == max(usable) and got[1].cached_tokens >= max(usable)
+    s = b.stats()
+    assert s["hybridserve_cache_hits_total"].get("store", 0) >= 1
+    assert s["hybridserve_state_oracle_checks_total"] > 0 and s["hybridserve_state_oracle_mismatches_total"] == 0

@@ -9,6 +9,7 @@ one particular checkpoint on the host and another on the device.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.sampling_params import SamplingParams
@@ -54,7 +55,22 @@ def host_and_device_split(llm, vocab):
     while tree.peek(deep).depth == 24:                # evict, oldest first, until 24 went down
         assert tree.evict_checkpoints(1).num_checkpoints == 1
     assert llm.engine.cache.host.peek(deep).depth == 24
+    scribble_free_pages(llm)
     return system, first
+
+
+def scribble_free_pages(llm) -> None:
+    """Noise into every free device KV page: eviction freed the pages of [16, 24) with their
+    KV still in them, and a promotion may get those very pages back (the allocator is LIFO),
+    so a copy that skipped the KV would otherwise go unnoticed."""
+    engine = llm.engine
+    ps, alloc = engine.cache.page_size, engine.page_allocator
+    free = [p for p in range(1, alloc.num_usable + 1) if alloc.is_free(p)]
+    rows = torch.tensor([p * ps + i for p in free for i in range(ps)])
+    gen = torch.Generator().manual_seed(0)
+    for tensors in engine.pools.kv.groups.values():
+        for t in tensors.values():
+            t[:, rows] = torch.randn(t[:, rows].shape, generator=gen).to(t.dtype)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -84,6 +100,26 @@ def test_promotion_over_a_device_hit(family_dir, off, strategy, overlap):
     assert stat(llm, "hybridserve_cache_hits_total", "host") == 1
     if strategy != "no_buffer":                      # the promoted checkpoint is on the device again
         assert llm.engine.cache.tree.peek(follow[:-1]).depth >= 24
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "minimax"])
+def test_promotion_copies_every_kind_of_state(tiny_checkpoint, family):
+    """Kinds no model above has: KDA and MLA's latent pool (Kimi-Linear), lightning
+    attention's conv-less state (MiniMax). The host pools mirror whatever the device pools
+    hold, so a promotion resumes these exactly too: the state oracle checks the promoted
+    state, the logprobs (against cache-off's, to float noise) the promoted KV / latents."""
+    model_dir = tiny_checkpoint(family)
+    off = make_llm(model_dir, cache={"enable_prefix_cache": False})
+    llm = tiered_llm(model_dir, scheduler={"overlap": True}, debug={"state_oracle_sample": 1.0})
+    system, first = host_and_device_split(llm, llm.engine.vocab_size)
+    follow = first + random_prompts(llm.engine.vocab_size, [5], seed=4)[0]
+    scored = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    got, want = llm.generate_ids([follow], [scored])[0], off.generate_ids([follow], [scored])[0]
+    assert got.token_ids == want.token_ids
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert got.cached_tokens == 24 and stat(llm, "hybridserve_tier_promotions_total", "promoted") == 1
+    s = llm.stats()
+    assert s["hybridserve_state_oracle_checks_total"] > 0 and s["hybridserve_state_oracle_mismatches_total"] == 0
 
 
 def test_promotion_with_mtp_and_the_state_oracle(tiny_qwen_dir):
