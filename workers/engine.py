@@ -243,8 +243,8 @@ class Engine:
         """Queue checks of newly published checkpoints; count the finished ones."""
         oracle = self.oracle
         assert oracle is not None
-        for slot, tokens in oracle.pick(self.cache.drain_published()):
-            self._oracle_checks.append(self.runner.submit(partial(oracle.check, slot, tokens)))
+        for held, tokens in oracle.pick(self.cache.drain_published()):
+            self._oracle_checks.append(self.runner.submit(partial(oracle.check, held, tokens)))
         pending = []
         for future in self._oracle_checks:
             if wait or future.done():
