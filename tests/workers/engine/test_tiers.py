@@ -70,7 +70,8 @@ def scribble_free_pages(llm) -> None:
     gen = torch.Generator().manual_seed(0)
     for tensors in engine.pools.kv.groups.values():
         for t in tensors.values():
-            t[:, rows] = torch.randn(t[:, rows].shape, generator=gen).to(t.dtype)
+            idx = rows.to(t.device)
+            t[:, idx] = torch.randn(t[:, idx].shape, generator=gen).to(t.device, t.dtype)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

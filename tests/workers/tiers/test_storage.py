@@ -19,12 +19,11 @@ SPEC = CacheSpec((
 ))
 
 
-def pools(seed: int = 0):
-    device = build_pools(SPEC, num_pages=9, page_size=PAGE, num_slots=6, dtype=torch.float32,
-                         device=torch.device("cpu"))
+def pools(seed: int = 0, on: torch.device = torch.device("cpu")):
+    device = build_pools(SPEC, num_pages=9, page_size=PAGE, num_slots=6, dtype=torch.float32, device=on)
     gen = torch.Generator().manual_seed(seed)
     for t in list(device.kv.tensors()) + list(device.mamba.tensors()):
-        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.device, t.dtype))
     return device, HostPools.mirror(device, num_pages=7, num_slots=4)
 
 
