@@ -136,19 +136,26 @@ def test_a_rank_that_fails_mid_step_fails_rank_0_at_once():
 @pytest.mark.parametrize("phase", ["start", "idle"])
 def test_rank_0_failing_ends_an_idle_rank_at_once(phase):
     """Rank 0 fails while building (rank 1 waits for the layout) or between steps: its
-    abort closes the sockets, so rank 1's wait (idle: no bound of its own) ends now."""
+    abort closes the sockets, so rank 1's wait (idle: no bound of its own) ends now --
+    while rank 0 lives on and holds its group, as the engine does."""
+    rank_1_done = threading.Event()
+
     def fn(group: TPGroup):
         if group.rank == 0:
             if phase == "idle":
                 group.broadcast_object("step 1")
             time.sleep(0.5)                           # rank 1 is waiting by now
             group.abort(f"rank 0 failed ({phase})")
-            return None
+            rank_1_done.wait(JOIN_S)
+            return group.closed
         wait = (lambda: group.broadcast_object(idle=True)) if phase == "start" else \
             (lambda: serve_steps(group, lambda msg: None))
-        return timed(wait, JOIN_S)
+        out = timed(wait, JOIN_S)
+        rank_1_done.set()
+        return out
 
     outcomes = run_group(2, fn, LONG_S, join_s=2 * JOIN_S)
+    rank_1_done.set()
     assert HUNG not in outcomes, outcomes
     out, seconds = outcomes[1]
     assert isinstance(out, RuntimeError) and seconds < SLACK_S, (out, seconds)
