@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -82,6 +83,33 @@ def test_rank_0_waits_at_most_the_bound_for_a_stalled_rank(op):
     assert BOUND_S * 0.5 <= seconds0 < BOUND_S + SLACK_S
     # Rank 1 comes back to a closed group: it fails at once, not at its bound.
     assert isinstance(out1, RuntimeError) and seconds1 < BOUND_S, (out1, seconds1)
+
+
+def test_rank_0s_abort_frees_the_ranks_that_did_not_stall():
+    """Three ranks: rank 1 stalls, so rank 0's broadcast fails (its own bound, shortened)
+    after rank 2 took the first part; rank 2 then waits (its bound is long) until rank 0's
+    abort closes the sockets -- which holds even while rank 0 keeps the failed op's traceback."""
+    rank_2_done = threading.Event()
+
+    def fn(group: TPGroup):
+        if group.rank == 1:
+            rank_2_done.wait(LONG_S)                  # stalled, its sockets open, till the end
+            return None
+        if group.rank == 2:
+            out = timed(lambda: group.broadcast_object(), JOIN_S)
+            rank_2_done.set()
+            return out
+        group.timeout = timedelta(seconds=BOUND_S)
+        out = timed(lambda: group.broadcast_object("step 1"), JOIN_S)
+        group.abort("the broadcast failed")
+        return out
+
+    outcomes = run_group(3, fn, LONG_S, join_s=2 * JOIN_S)
+    rank_2_done.set()
+    assert HUNG not in outcomes, outcomes
+    (out0, _), _, (out2, seconds2) = outcomes
+    assert isinstance(out0, RuntimeError)
+    assert isinstance(out2, RuntimeError) and re.search(CLOSED, str(out2)) and seconds2 < SLACK_S, out2
 
 
 def test_an_idle_rank_waits_past_the_bound_for_rank_0s_next_message():
