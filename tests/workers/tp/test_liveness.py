@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -85,30 +84,32 @@ def test_rank_0_waits_at_most_the_bound_for_a_stalled_rank(op):
     assert isinstance(out1, RuntimeError) and seconds1 < BOUND_S, (out1, seconds1)
 
 
-def test_rank_0s_abort_frees_the_ranks_that_did_not_stall():
-    """Three ranks: rank 1 stalls, so rank 0's broadcast fails (its own bound, shortened)
-    after rank 2 took the first part; rank 2 then waits (its bound is long) until rank 0's
-    abort closes the sockets -- which holds even while rank 0 keeps the failed op's traceback."""
-    rank_2_done = threading.Event()
+def test_rank_0s_abort_frees_the_ranks_that_took_part():
+    """Three ranks: rank 1 has failed (its sockets closed), so rank 0's broadcast fails at
+    once -- but gloo closes only that pair, and rank 2 waits for the broadcast (its bound is
+    long) until rank 0's abort closes the rest, even while the failed op's traceback lives."""
+    rank_1_gone, rank_2_done = threading.Event(), threading.Event()
 
     def fn(group: TPGroup):
         if group.rank == 1:
-            rank_2_done.wait(LONG_S)                  # stalled, its sockets open, till the end
+            group.abort("rank 1 failed")
+            rank_1_gone.set()
             return None
         if group.rank == 2:
             out = timed(lambda: group.broadcast_object(), JOIN_S)
             rank_2_done.set()
             return out
-        group.timeout = timedelta(seconds=BOUND_S)
+        rank_1_gone.wait(LONG_S)
+        time.sleep(0.2)                               # rank 0 has seen rank 1's sockets close
         out = timed(lambda: group.broadcast_object("step 1"), JOIN_S)
         group.abort("the broadcast failed")
+        rank_2_done.wait(JOIN_S)
         return out
 
     outcomes = run_group(3, fn, LONG_S, join_s=2 * JOIN_S)
-    rank_2_done.set()
     assert HUNG not in outcomes, outcomes
-    (out0, _), _, (out2, seconds2) = outcomes
-    assert isinstance(out0, RuntimeError)
+    (out0, seconds0), _, (out2, seconds2) = outcomes
+    assert isinstance(out0, RuntimeError) and re.search(CLOSED, str(out0)) and seconds0 < SLACK_S, out0
     assert isinstance(out2, RuntimeError) and re.search(CLOSED, str(out2)) and seconds2 < SLACK_S, out2
 
 
