@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from kernels import OnStep, scan_varlen
+from kernels import OnStep, run_chunks, scan_varlen
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
 RECURRENT_MAX_LEN = 16
@@ -49,7 +49,7 @@ def gated_delta_rule_varlen_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
                                    use_qk_l2norm: bool, chunk_size: int,
                                    state_dst_slots: Tensor | None) -> Tensor:
     check_shapes(q, k, v, g, beta, states)
-    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
+    qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     inputs = (qf, kf, v.float(), g.float(), beta.float())
     scan_varlen(inputs, out, states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots,
@@ -63,7 +63,7 @@ def gated_delta_rule_update_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     """One token per sequence, every initial state present: gather the live slots once, one
     ``gdn_step`` (the varlen recurrence's own step, so the results are bitwise equal), scatter."""
     check_shapes(q, k, v, g, beta, states)
-    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
+    qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
     num_heads = v.shape[1]
     slots = slot_ids.long()
     s = states[slots].float()                                           # a copy [B, H, K, V]
@@ -81,7 +81,7 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     each followed by its snapshot write -- what the varlen path does for such a batch,
     without building its plan (bitwise equal)."""
     check_shapes(q, k, v, g, beta, states)
-    qf, kf = _normalized_qk(q, k, scale, use_qk_l2norm)
+    qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
     num_seqs, num_heads = slot_ids.shape[0], v.shape[1]
     slots = slot_ids.long()
     s = states[slots].float()                                           # a copy [B, H, K, V]
@@ -99,8 +99,9 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     return torch.stack(outs, dim=1).reshape(v.shape).to(v.dtype)
 
 
-def _normalized_qk(q: Tensor, k: Tensor, scale: float | None,
-                   use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+def normalized_qk(q: Tensor, k: Tensor, scale: float | None,
+                  use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    """fp32 q, k; l2-normalised over K when asked; q times ``scale`` (default K**-0.5)."""
     qf, kf = q.float(), k.float()
     if use_qk_l2norm:
         qf, kf = l2norm(qf), l2norm(kf)
@@ -137,9 +138,16 @@ def gdn_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
 def gdn_step(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, s: Tensor) -> Tensor:
     """One token of n rows, updating ``s`` in place: q, k [n, H, K] (H value heads);
     v [n, H, V]; decay = exp(g), beta [n, H]; s [n, H, K, V] fp32 contiguous -> o [n, H, V]."""
+    s.mul_(decay[:, :, None, None])
+    return delta_rule_step(q, k, v, beta, s)
+
+
+def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, s: Tensor) -> Tensor:
+    """The delta-rule write and read of one token, on an already decayed ``s`` (in place):
+    u = beta (v - S^T k); S += k u^T; -> o = S^T q. Shapes as ``gdn_step``; shared with KDA,
+    whose decay is per key channel."""
     n, num_heads, k_dim, v_dim = s.shape
     flat = s.view(n * num_heads, k_dim, v_dim)                          # shares storage with s
-    s.mul_(decay[:, :, None, None])
     k = k.reshape(n * num_heads, k_dim, 1)
     predicted = (k.transpose(1, 2) @ flat).view(n, num_heads, v_dim)    # S^T k
     u = beta[:, :, None] * (v - predicted)                              # [n, H, V]
@@ -149,13 +157,7 @@ def gdn_step(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, s: Te
 
 def gdn_chunked(inputs: tuple[Tensor, ...], s: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
     """Chunked form of one segment: q, k [L, Hk, K]; v [L, H, V]; g, beta [L, H]; s [H, K, V]."""
-    q, k, v, g, beta = inputs
-    outs = []
-    for c0 in range(0, v.shape[0], chunk_size):
-        sl = slice(c0, c0 + chunk_size)
-        o, s = _gdn_chunk(q[sl], k[sl], v[sl], g[sl], beta[sl], s)
-        outs.append(o)
-    return torch.cat(outs, dim=0), s
+    return run_chunks(_gdn_chunk, inputs, s, chunk_size)
 
 
 def _gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

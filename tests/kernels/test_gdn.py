@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kernels.gdn import reference as gdn
 from kernels.gdn import gated_delta_rule_varlen
+from tests.kernels.delta_rule_cases import check_bf16_inputs_fp32_pool, check_matches_transformers
 from tests.kernels.varlen_cases import gdn_inputs, lens_strategy, naive_varlen, poison_no_init_slot
 
 H_K, H_V, K, V = 2, 4, 8, 6     # grouped value heads: each key head serves 2 value heads
@@ -92,30 +93,11 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
 def test_matches_transformers(max_abs_diff):
     """Pins l2norm eps, default scale, GVA head mapping and the [H, K, V] layout to HF."""
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    inp = make_inputs(45, 2, seed=11)
-    cu = torch.tensor([0, 45], dtype=torch.int32)
-    states = inp["states"].clone()
-    o = gated_delta_rule_varlen(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, cu,
-                                torch.tensor([1], dtype=torch.int32), torch.tensor([True]))
-    args = [inp[n][None] for n in ("q", "k", "v")]
-    kw = dict(g=inp["g"][None], beta=inp["beta"][None], initial_state=inp["states"][1:2].clone(),
-              output_final_state=True, use_qk_l2norm_in_kernel=True)
-    for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
-        ref_o, ref_s = fn(*args, **kw)
-        assert max_abs_diff(o, ref_o[0]) <= TOL
-        assert max_abs_diff(states[1], ref_s[0]) <= TOL
+    check_matches_transformers(gated_delta_rule_varlen, (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule), make_inputs(45, 2, seed=11), TOL, max_abs_diff)
 
 
 def test_dtypes_bf16_inputs_fp32_pool(varlen_case):
-    """Math in fp32: bf16 inputs give the fp32 result on the same values, rounded once."""
-    case = varlen_case([3, 30, 1], seed=5, snapshot_prob=0.1)
-    inp = make_inputs(case.num_tokens, case.num_slots, seed=5)
-    low = {n: (x.bfloat16() if n != "states" else x) for n, x in inp.items()}
-    o_low, pool_low = run_op(low, case, chunk_size=8)
-    o_ref, pool_ref = run_op({n: x.float() for n, x in low.items()}, case, chunk_size=8)
-    assert o_low.dtype == torch.bfloat16 and pool_low.dtype == torch.float32
-    assert torch.equal(o_low, o_ref.bfloat16())
-    assert torch.equal(pool_low, pool_ref)
+    check_bf16_inputs_fp32_pool(run_op, make_inputs, varlen_case)
 
 
 def test_bf16_pool_rounds_states_once(varlen_case):

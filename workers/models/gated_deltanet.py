@@ -41,6 +41,7 @@ class GdnDims:
     v_head_dim: int         # Dv
     conv_kernel: int        # W
     eps: float
+    beta_scale: float = 1.0     # beta = beta_scale * sigmoid(b) (OlmoHybrid's allow_neg_eigval: 2)
 
     @property
     def heads_per_group(self) -> int:
@@ -111,18 +112,19 @@ class GatedDeltaNet(nn.Module):
         if r > 1:
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        beta = torch.sigmoid(b) if d.beta_scale == 1.0 else torch.sigmoid(b) * d.beta_scale
         # The kernels take strided column slices of the projection as they are.
         if batch.decode_only:
-            o = gated_delta_rule_update(q, k, v, g, torch.sigmoid(b), state["ssm"],
+            o = gated_delta_rule_update(q, k, v, g, beta, state["ssm"],
                                         batch.mamba_slot_ids, use_qk_l2norm=True)
         elif batch.verify_len:
             assert batch.state_dst_slots is not None
-            o = gated_delta_rule_verify(q, k, v, g, torch.sigmoid(b), state["ssm"],
+            o = gated_delta_rule_verify(q, k, v, g, beta, state["ssm"],
                                         batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
                                         batch.state_dst_slots, batch.verify_len, use_qk_l2norm=True)
         else:
             o = gated_delta_rule_varlen(
-                q, k, v, g, torch.sigmoid(b), state["ssm"], batch.cu_seqlens,
+                q, k, v, g, beta, state["ssm"], batch.cu_seqlens,
                 batch.mamba_slot_ids, batch.has_initial_state, use_qk_l2norm=True,
                 state_dst_slots=batch.state_dst_slots)
         o = self.norm(o.reshape(-1, d.v_head_dim), z.reshape(-1, d.v_head_dim))

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from workers.models import tiny_qwen3_5 as q35
-from workers.models.tiny_weights import RedrawRule, add_nemotron_mtp, add_qwen_mtp
+from workers.models.tiny_weights import (RedrawRule, add_nemotron_mtp, add_qwen_mtp,
+                                         keep_lightning_buffers, redraw_decay_logs,
+                                         redraw_mamba1)
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
 LayoutWriter = Callable[[Path], None]             # rewrites a saved checkpoint's tensors
@@ -151,9 +153,109 @@ _QWEN3_5_MOE_VL = TinyFamily(
     hf_modeling=_Q35_MOE, text_config_key="text_config", layout_writer=q35.fuse_experts,
     notes=("experts fused (experts.gate_up_proj / down_proj), as released checkpoints may be",))
 
+_JAMBA = TinyFamily(
+    "jamba", "JambaForCausalLM", "JambaConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=96, attn_layer_period=3,
+         attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+         num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+         mamba_dt_rank=8, mamba_conv_bias=True, mamba_proj_bias=False, tie_word_embeddings=False),
+    redraw=redraw_mamba1, hf_modeling="transformers.models.jamba.modeling_jamba",
+    notes=("Mamba1 layers 0, 2, 3 and NoPE attention 1, 4; MoE in layers 1 and 3",))
+
+_LFM2 = TinyFamily(
+    "lfm2", "Lfm2ForCausalLM", "Lfm2Config",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=144, block_multiple_of=32,
+         block_ffn_dim_multiplier=1.5, full_attn_idxs=[1, 4], conv_L_cache=3,
+         tie_word_embeddings=True),
+    hf_modeling="transformers.models.lfm2.modeling_lfm2",
+    notes=("short convs 0, 2, 3 (no scan state) and RoPE attention 1, 4; the MLP width is "
+           "auto-adjusted: int(1.5 * int(2 * 144 / 3)) = 144, rounded up to 160",))
+
+_LFM2_MOE = TinyFamily(
+    "lfm2_moe", "Lfm2MoeForCausalLM", "Lfm2MoeConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=96, moe_intermediate_size=32,
+         num_experts=8, num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True,
+         routed_scaling_factor=1.5, norm_topk_prob=True, conv_L_cache=4, conv_bias=True,
+         layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+         tie_word_embeddings=False),
+    hf_modeling="transformers.models.lfm2_moe.modeling_lfm2_moe",
+    notes=("sigmoid-routed experts with an expert bias after one dense layer",))
+
+_LFM3 = TinyFamily(
+    "lfm3", "Lfm3ForCausalLM", "Lfm3Config",
+    dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+         head_dim=16, max_position_embeddings=4096, intermediate_size=96, conv_L_cache=5,
+         sliding_window=8, layer_types=["conv", "sliding_attention", "conv", "full_attention",
+                                        "conv", "sliding_attention"],
+         use_sandwich_norm=True, use_attention_gate=True, tie_word_embeddings=True),
+    hf_modeling="transformers.models.lfm3.modeling_lfm3",
+    notes=("sliding_window 8, so the test prompts (up to 70 tokens) cross it; the full "
+           "attention layer's proportional RoPE rotates 4 of 8 frequencies",))
+
+_KIMI_LINEAR = TinyFamily(
+    "kimi_linear", "KimiLinearForCausalLM", "KimiLinearConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+         linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
+         intermediate_size=96, moe_intermediate_size=32, num_local_experts=8,
+         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+         tie_word_embeddings=False),
+    redraw=redraw_decay_logs, hf_modeling="transformers.models.kimi_linear.modeling_kimi_linear",
+    notes=("KDA + MLA (latent pool) without positions; no MTP layers in the architecture",))
+
+_BAILING_HYBRID = TinyFamily(
+    "bailing_hybrid", "BailingHybridForCausalLM", "BailingHybridConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+         num_attention_heads=4, num_key_value_heads=4, head_dim=8, kv_lora_rank=32,
+         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+         short_conv_kernel_size=4, kda_safe_gate=True, kda_lower_bound=-5.0,
+         intermediate_size=96, moe_intermediate_size=32, num_local_experts=8,
+         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+         num_mtp_layers=0, tie_word_embeddings=False),
+    hf_modeling="transformers.models.bailing_hybrid.modeling_bailing_hybrid",
+    notes=("KDA + MLA (latent pool) with interleaved RoPE and a head gate; head_dim = "
+           "qk_rope_head_dim, since transformers' config rewrites head_dim to it on save",))
+
+_MINIMAX = TinyFamily(
+    "minimax", "MiniMaxForCausalLM", "MiniMaxConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+         num_local_experts=4, num_experts_per_tok=2, block_size=16,
+         full_attn_alpha_factor=1.2, full_attn_beta_factor=0.8, linear_attn_alpha_factor=0.9,
+         linear_attn_beta_factor=1.1, mlp_alpha_factor=0.7, mlp_beta_factor=1.3,
+         tie_word_embeddings=False),
+    redraw=keep_lightning_buffers, hf_modeling="transformers.models.minimax.modeling_minimax",
+    notes=("lightning attention blocks of 16 tokens: prompts in the tests cross them",))
+
+_OLMO_HYBRID = TinyFamily(
+    "olmo_hybrid", "OlmoHybridForCausalLM", "OlmoHybridConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layer_types=["linear_attention", "full_attention", "linear_attention",
+                      "linear_attention", "full_attention"],
+         num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+         linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
+         linear_value_head_dim=24, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+         tie_word_embeddings=False),
+    hf_modeling="transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+    notes=("Gated DeltaNet as Qwen3-Next's (beta up to 2) + post-norm attention with "
+           "whole-width q/k norms",))
+
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
     _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2,
-    _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL)}
+    _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL, _JAMBA, _LFM2, _LFM2_MOE, _LFM3,
+    _KIMI_LINEAR, _BAILING_HYBRID, _MINIMAX, _OLMO_HYBRID)}
 
 
 def get_family(name: str) -> TinyFamily:

@@ -48,6 +48,18 @@ def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norm
         p.copy_(0.1 * randn(*p.shape))
 
 
+def redraw_mamba1(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """Mamba1 (Jamba): ``A_log`` is [d_inner, N] (the generic rule would draw it as a matrix)
+    and ``dt_proj.bias`` is the dt bias; both drawn as the Mamba2 ones are."""
+    if name.endswith("A_log"):
+        p.copy_(torch.log(1.0 + 15.0 * torch.rand(p.shape, generator=gen, device=p.device)))
+        return True
+    if name.endswith("dt_proj.bias"):
+        redraw_(name.replace("dt_proj.bias", "dt_bias"), p, gen, zero_centered_norms=False)
+        return True
+    return False
+
+
 def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool,
                   rule: RedrawRule | None = None) -> None:
     """Every parameter (named_parameters order), then every saved buffer, re-drawn from
@@ -61,6 +73,20 @@ def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool,
         for name, t in [*params.items(), *buffers]:
             if rule is None or not rule(name, t, gen):
                 redraw_(name, t, gen, zero_centered_norms)
+
+
+def redraw_decay_logs(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """Any-shaped ``A_log`` (Kimi-Linear stores [1, 1, H, 1]) as the generic 1-D rule draws it."""
+    if not name.endswith("A_log"):
+        return False
+    p.copy_(torch.log(1.0 + 15.0 * torch.rand(p.shape, generator=gen, device=p.device)))
+    return True
+
+
+def keep_lightning_buffers(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """MiniMax's saved decay buffers stay as transformers computed them (they are a function of
+    the layer index, not weights)."""
+    return name.endswith(("slope_rate", "query_decay", "key_decay", "diagonal_decay"))
 
 
 def add_qwen_mtp(out_dir: Path, cfg: Any, seed: int) -> None:

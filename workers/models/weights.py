@@ -12,7 +12,7 @@ which is returned aside for the MTP head.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -96,3 +96,31 @@ def load_named_weights(targets: Mapping[str, WeightTarget],
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}{more}")
     return mtp
+
+
+QKV_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
+
+def merge_split_tensors(weights: Iterable[tuple[str, torch.Tensor]], parts: tuple[str, ...] = QKV_CONVS,
+                        merged: str = "conv1d.weight") -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with, per module, the tensors ``<module>.<part>`` replaced by one
+    ``<module>.<merged>`` = cat(parts in order, dim 0), as transformers' loader concatenates
+    them. The parts' lengths are not checked, only their sum (by the merged target): the
+    released checkpoints split q | k | v at their widths, transformers' ``save_pretrained``
+    into equal thirds. A module missing some of its parts raises ValueError naming them."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        part = next((p for p in parts if name.endswith("." + p)), None)
+        if part is None:
+            yield name, tensor
+            continue
+        module = name[: -len(part)]
+        group = pending.setdefault(module, {})
+        group[part] = tensor
+        if len(group) == len(parts):
+            yield module + merged, torch.cat([group[p] for p in parts], dim=0)
+            del pending[module]
+    if pending:
+        missing = sorted(m + p for m, g in pending.items() for p in parts if p not in g)
+        raise ValueError(f"checkpoint is missing {missing[:8]}: the other parts of "
+                         f"{sorted(m + merged for m in pending)[:4]} are there")

@@ -9,8 +9,11 @@ the full hidden state:
   ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` rows, conv channels of q, k,
   v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
 - Mamba2: heads and B/C groups (see ``mamba_groups``), conv channels follow x/B/C;
+- Mamba1: d_inner channels (``x_proj``'s partial output is all-reduced inside the mixer);
+- short conv (LFM2): its channels (``in_proj``'s B / C / x rows, conv, ``out_proj``);
 - dense MLP and MoE: each expert's intermediate dim (and the shared expert's); the
-  router, every norm, embeddings and ``lm_head`` are replicated.
+  router, every norm, embeddings and ``lm_head`` are replicated;
+- KDA, MLA, lightning attention and OLMo's attention / GDN: ``shard_mixers``.
 
 The all-reduce is a forward hook on the sharded layer (one per mixer, per MLP, per MoE
 including its shared expert). A family's own layer kind shards itself: a module with a
@@ -30,11 +33,14 @@ from torch import nn
 
 from workers.models.gated_deltanet import GatedDeltaNet
 from workers.models.layers import Attention, DenseMLP
+from workers.models.mamba1 import Mamba1Mixer
 from workers.models.mamba2 import Mamba2Mixer
 from workers.models.moe import SparseMoE
+from workers.models.short_conv import ShortConv
 from workers.tp.comm import Comm
-from workers.tp.shard_layers import (mamba_groups, part, shard_attention, shard_gdn, shard_mamba2,
-                                     shard_mlp, shard_moe)
+from workers.tp.shard_mixers import CHECKS, SHARDERS
+from workers.tp.shard_layers import (mamba_groups, part, shard_attention, shard_gdn, shard_mamba1,
+                                     shard_mamba2, shard_mlp, shard_moe, shard_short_conv)
 
 _SHARDED = "_tp_sharded"
 
@@ -48,14 +54,21 @@ def _all_reduce_hook(comm: Comm) -> Callable[..., torch.Tensor]:
 def _shard_one(module: nn.Module, comm: Comm) -> bool:
     rank, world = comm.rank, comm.world_size
     custom = getattr(module, "tp_shard", None)
+    mixer = SHARDERS.get(type(module))       # exact classes: some subclass the shared kinds
     if custom is not None:
         custom(rank, world, comm)
+    elif mixer is not None:
+        mixer(module, rank, world, comm)
     elif isinstance(module, Attention):
         shard_attention(module, rank, world)
     elif isinstance(module, GatedDeltaNet):
         shard_gdn(module, rank, world)
     elif isinstance(module, Mamba2Mixer):
         shard_mamba2(module, rank, world, comm)
+    elif isinstance(module, Mamba1Mixer):
+        shard_mamba1(module, rank, world, comm)
+    elif isinstance(module, ShortConv):
+        shard_short_conv(module, rank, world)
     elif isinstance(module, SparseMoE):
         shard_moe(module, rank, world)
     elif isinstance(module, DenseMLP):
@@ -103,8 +116,11 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
     shared = {id(m.shared_expert) for m in root.modules() if isinstance(m, SparseMoE)}
     for m in root.modules():
         custom = getattr(m, "tp_checks", None)
+        mixer = CHECKS.get(type(m))
         if custom is not None:
             checks += custom()
+        elif mixer is not None:
+            checks += mixer(m)
         elif isinstance(m, Attention):
             checks += [(m.dims.num_heads, "num_attention_heads"),
                        (m.dims.num_kv_heads, "num_key_value_heads")]
@@ -113,6 +129,10 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
         elif isinstance(m, Mamba2Mixer):
             checks.append((m.dims.num_heads, "mamba_n_heads"))
             groups.add(m.dims.num_groups)
+        elif isinstance(m, Mamba1Mixer):
+            checks.append((m.dims.d_inner, "mamba_expand * hidden_size"))
+        elif isinstance(m, ShortConv):
+            checks.append((m.dims.channels, "hidden_size (short conv channels)"))
         elif isinstance(m, SparseMoE):
             checks.append((m.dims.intermediate_size, "expert intermediate size"))
             if m.dims.shared_intermediate_size:

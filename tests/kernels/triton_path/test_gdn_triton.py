@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.gdn.reference import gated_delta_rule_varlen_torch
+from tests.kernels.delta_rule_cases import (check_bf16_inputs_and_pool, check_no_l2norm_custom_scale,
+                                            check_verify_writes_every_draft_state)
 from tests.kernels.varlen_cases import (NO_SHRINK, assert_same_result, gdn_inputs, lens_strategy,
-                                        poison_no_init_slot, with_snapshot_every_token)
+                                        poison_no_init_slot)
 
 H_K, H_V = 2, 4     # grouped value heads: each key head serves 2 value heads
 
@@ -55,31 +57,15 @@ def test_every_sequence_on_one_path(recurrent_max_len, varlen_case, device, tol,
 
 
 def test_verify_writes_every_draft_state(varlen_case, device, tol, max_abs_diff):
-    """Speculative verify: 1 + 3 draft tokens per sequence, a snapshot after every token."""
-    case, dst = with_snapshot_every_token(varlen_case([4, 4, 1], seed=7, init_prob=1.0))
-    inp = make_inputs(case.num_tokens, case.num_slots, seed=7)
-    want, got = run_both(inp, case, device)
-    assert_same_result(got, want, tol, max_abs_diff)
-    assert not torch.equal(got[1][dst[0]], got[1][dst[1]])     # distinct per-token states
+    check_verify_writes_every_draft_state(run_both, make_inputs, varlen_case, device, tol, max_abs_diff)
 
 
 def test_no_l2norm_custom_scale(varlen_case, device, tol, max_abs_diff):
-    case = varlen_case([2, 20], seed=9, snapshot_prob=0.1)
-    inp = make_inputs(case.num_tokens, case.num_slots, seed=9)
-    for name in ("q", "k"):                       # keep the unnormalised delta rule stable
-        inp[name] = inp[name] / inp[name].norm(dim=-1, keepdim=True)
-    want, got = run_both(inp, case, device, scale=0.3, use_qk_l2norm=False)
-    assert_same_result(got, want, tol, max_abs_diff)
+    check_no_l2norm_custom_scale(run_both, make_inputs, varlen_case, device, tol, max_abs_diff)
 
 
 def test_bf16_inputs_and_pool(varlen_case, device):
-    """bf16 activations and a bf16 pool: fp32 math, rounded once on store, as the reference."""
-    case = varlen_case([1, 3, 21], seed=11, snapshot_prob=0.1, init_prob=1.0)
-    inp = {n: x.bfloat16() for n, x in make_inputs(case.num_tokens, case.num_slots, 11).items()}
-    (ref, ref_pool), (out, pool) = run_both(inp, case, device)
-    assert out.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)   # 1 bf16 ulp
-    torch.testing.assert_close(pool.float(), ref_pool.float(), rtol=2e-2, atol=2e-2)
+    check_bf16_inputs_and_pool(run_both, make_inputs, varlen_case, device)
 
 
 LENS = lens_strategy(short_max=8, max_size=4)

@@ -66,7 +66,10 @@ def _launch_everything() -> None:
     from kernels.attention.triton_paged import paged_attention_triton
     from kernels.conv1d.triton_conv import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from kernels.gdn.triton_varlen import gated_delta_rule_varlen_triton
+    from kernels.kda.triton_varlen import kda_varlen_triton
+    from kernels.mla.triton_paged import mla_attention_triton
     from kernels.norm.triton_norm import gated_rms_norm_triton, rms_norm_triton
+    from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
     from kernels.ssd.triton_varlen import ssd_varlen_triton
 
     cu, slots, init, dst, num_slots = _varlen()
@@ -74,10 +77,16 @@ def _launch_everything() -> None:
     gated_delta_rule_varlen_triton(r(t, 16, 2), r(t, 16, 2), r(t, HEADS, 2), r(t, HEADS),
                                    r(t, HEADS), r(num_slots, HEADS, 2, 2), cu, slots, init,
                                    state_dst_slots=dst)
+    kda_varlen_triton(r(t, HEADS, 2), r(t, HEADS, 2), r(t, HEADS, 2), -r(t, HEADS, 2).abs(),
+                      r(t, HEADS), r(num_slots, HEADS, 2, 2), cu, slots, init, state_dst_slots=dst)
     ssd_varlen_triton(r(t, HEADS, 2), r(t, HEADS), r(HEADS), r(t, 1, 2), r(t, 1, 2), r(HEADS),
                       r(HEADS), r(num_slots, HEADS, 2, 2), cu, slots, init, state_dst_slots=dst)
     causal_conv1d_varlen_triton(r(t, 16), r(16, 4), None, r(num_slots, 16, 3), cu, slots, init,
                                 "silu", dst)
+    channels = 8192                            # Jamba's d_inner: channel blocks on axis 1
+    selective_scan_varlen_triton(r(t, channels), r(t, channels), r(channels, 2), r(t, 2), r(t, 2),
+                                 r(channels), r(channels), r(num_slots, channels, 2), cu, slots,
+                                 init, state_dst_slots=dst)
     causal_conv1d_update_triton(r(len(LENS), 16), r(16, 4), None, r(num_slots, 16, 3), slots)
     rms_norm_triton(r(t * HEADS, 2), r(2), 1e-6)
     gated_rms_norm_triton(r(t, 16), r(t, 16), r(16), 1e-6, 2)
@@ -86,6 +95,8 @@ def _launch_everything() -> None:
     paged_attention_triton(r(t, HEADS, 16), r(t, 8, 16), r(t, 8, 16), r(64, 8, 16),
                            r(64, 8, 16), torch.zeros(t, dtype=torch.int64), table, cu,
                            torch.tensor(ctx, dtype=torch.int32), page_size, 0.25)
+    mla_attention_triton(r(t, HEADS, 24), r(t, 24), r(64, 1, 24), torch.zeros(t, dtype=torch.int64),
+                         table, cu, torch.tensor(ctx, dtype=torch.int32), page_size, 0.25, 16)
 
 
 def test_every_launch_within_cuda_limits(grids):
@@ -98,7 +109,7 @@ def test_every_launch_within_cuda_limits(grids):
             f"{name}: grid {grid} exceeds {CUDA_MAX_GRID}"
     seq_head = {name: grid for name, grid in recorded if name in (
         "gdn_recurrent_kernel", "gdn_chunk_state_kernel", "ssd_recurrent_kernel",
-        "ssd_chunk_state_kernel")}
-    assert len(seq_head) == 4
+        "ssd_chunk_state_kernel", "kda_recurrent_kernel", "kda_chunk_state_kernel")}
+    assert len(seq_head) == 6
     # the case is big enough to matter: each of these would not fit on axis 1
     assert all(grid[0] > CUDA_MAX_GRID[1] for grid in seq_head.values()), seq_head

@@ -32,13 +32,11 @@ class HFOracle:
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> tuple[object, torch.Tensor]:
-        """Cached prefill -> (cache, logits [L, V])."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
+        """Cached prefill -> (cache, logits [L, V]). The model builds its own cache (MiniMax's
+        is a class of its own)."""
         out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
-                         cache=cache, use_cache=True)
-        return cache, out.logits[0].float()
+                         use_cache=True)
+        return out.cache, out.logits[0].float()
 
     @torch.inference_mode()
     def decode(self, cache: object, token: int, position: int) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Triton KDA (fused recurrent + chunked) against the torch reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.kda.reference import kda_varlen_torch
+from tests.kernels.delta_rule_cases import (check_bf16_inputs_and_pool, check_no_l2norm_custom_scale,
+                                            check_verify_writes_every_draft_state)
+from tests.kernels.varlen_cases import (NO_SHRINK, assert_same_result, kda_inputs, lens_strategy,
+                                        poison_no_init_slot)
+
+H = 2
+
+
+def make_inputs(num_tokens: int, num_slots: int, seed: int, k_dim: int = 16, v_dim: int = 16,
+                g_min: float = -0.5) -> dict[str, torch.Tensor]:
+    return kda_inputs(num_tokens, num_slots, seed, H, k_dim, v_dim, g_min)
+
+
+def run_both(inp, case, device, **kw):
+    """(reference out, reference pool), (triton out, triton pool), all on the CPU."""
+    from kernels.kda.triton_varlen import kda_varlen_triton
+
+    meta = (case.cu_seqlens, case.slot_ids, case.has_initial_state)
+    dst = case.state_dst_slots
+    ref_pool = inp["states"].clone()
+    names = ("q", "k", "v", "g", "beta")
+    ref = kda_varlen_torch(*(inp[n] for n in names), ref_pool, *meta, kw.get("scale"),
+                           kw.get("use_qk_l2norm", True), 16, dst)
+    pool = inp["states"].to(device)
+    out = kda_varlen_triton(*(inp[n].to(device) for n in names), pool, *(m.to(device) for m in meta),
+                            state_dst_slots=dst.to(device) if dst is not None else None, **kw)
+    return (ref, ref_pool), (out.cpu(), pool.cpu())
+
+
+def test_mixed_batch_with_snapshots(varlen_case, device, tol, max_abs_diff):
+    """Empty, decode, verify-sized, 16/17 (the path boundary) and chunked lengths; a no-init
+    slot holding NaN must not leak."""
+    case = varlen_case([0, 1, 4, 37, 1, 16, 17], seed=3, snapshot_prob=0.2)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=3)
+    poison_no_init_slot(case, inp["states"])
+    want, got = run_both(inp, case, device)
+    assert_same_result(got, want, tol, max_abs_diff)
+
+
+@pytest.mark.parametrize("recurrent_max_len", [0, 1000])
+def test_every_sequence_on_one_path(recurrent_max_len, varlen_case, device, tol, max_abs_diff):
+    """0: even decodes take the chunked kernels; 1000: a 40-token prefill runs per token.
+    K = 24 spans two channel blocks of the chunk products (16 each), padded; V = 6 padded."""
+    case = varlen_case([3, 40, 1], seed=5, snapshot_prob=0.15)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=5, k_dim=24, v_dim=6)
+    want, got = run_both(inp, case, device, recurrent_max_len=recurrent_max_len)
+    assert_same_result(got, want, tol, max_abs_diff)
+
+
+def test_strong_gates_do_not_overflow(varlen_case, device, tol, max_abs_diff):
+    """Log decays down to -30 per token and channel: a chunk's cumulative decay is far below
+    exp(-88); the kernels never form exp(-lb)."""
+    case = varlen_case([40, 20], seed=8, init_prob=1.0)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=8, g_min=-30.0)
+    want, got = run_both(inp, case, device, recurrent_max_len=0)
+    assert bool(torch.isfinite(got[0]).all())
+    assert_same_result(got, want, tol, max_abs_diff)
+
+
+def test_verify_writes_every_draft_state(varlen_case, device, tol, max_abs_diff):
+    check_verify_writes_every_draft_state(run_both, make_inputs, varlen_case, device, tol, max_abs_diff)
+
+
+def test_no_l2norm_custom_scale(varlen_case, device, tol, max_abs_diff):
+    check_no_l2norm_custom_scale(run_both, make_inputs, varlen_case, device, tol, max_abs_diff)
+
+
+def test_bf16_inputs_and_pool(varlen_case, device):
+    check_bf16_inputs_and_pool(run_both, make_inputs, varlen_case, device)
+
+
+LENS = lens_strategy(short_max=8, max_size=4)
+
+
+@settings(max_examples=5, deadline=None, phases=NO_SHRINK)
+@given(lens=LENS, seed=st.integers(0, 2**16), snap=st.sampled_from([0.0, 0.2]))
+def test_random_batches(lens, seed, snap, varlen_case, device, tol, max_abs_diff):
+    case = varlen_case(lens, seed, snapshot_prob=snap)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed)
+    want, got = run_both(inp, case, device)
+    assert_same_result(got, want, tol, max_abs_diff)
