@@ -75,9 +75,12 @@ class TPEngine(Engine):
                           self.slot_ledger.num_slots, self.max_model_len, mtp_kv, _name(kv.dtype))
 
     def check_workers(self) -> None:
-        """Raise when another rank of the group has died (the replica's health check)."""
+        """Raise when another rank of the group has died, or the group has failed (it
+        never steps again): the replica's health check."""
         if self.workers is not None:
             self.workers.check_health()
+        if self.tp.closed:
+            raise RuntimeError(f"tensor-parallel group closed: {self.tp.closed_reason}")
 
     def shutdown(self) -> None:
         """Stop ranks 1..N-1 after the launched steps; safe to call twice. Bounded: the

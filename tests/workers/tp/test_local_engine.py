@@ -133,6 +133,8 @@ def test_tp2_a_stalled_rank_fails_the_next_step_within_the_bound(tiny_checkpoint
         assert time.monotonic() - start < BOUND_S + SLACK_S
         with pytest.raises(RuntimeError, match=r"closed: step \d+ failed on rank 0"):
             llm.generate_ids(*ONE_REQUEST)                                   # at once
+        with pytest.raises(RuntimeError, match=r"group closed: step \d+ failed on rank 0"):
+            llm.engine.check_workers()                   # the replica's health check fails
         llm.shutdown()                                       # no Stop to send: kill rank 1
         assert time.monotonic() - start < BOUND_S + 2 * SLACK_S
         assert not rank1.is_alive()
