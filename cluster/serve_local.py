@@ -82,6 +82,7 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
 
     from cluster.actors import kill_app_actors
     from cluster.app import AppArgs, build_app_from_config
+    from cluster.serve_env import apply_serve_env
 
     args = AppArgs()
     app = build_app_from_config(config, args)       # config errors surface before Ray starts
@@ -89,6 +90,7 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
     try:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
+            apply_serve_env()
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
             signals.install()
         finally:

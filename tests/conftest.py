@@ -101,6 +101,9 @@ def serve_session() -> Iterator[ServeSession]:
     import ray
     from ray import serve
 
+    from cluster.serve_env import apply_serve_env
+
+    apply_serve_env()                     # the production transport (gRPC proxy -> ingress)
     ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False,
              log_to_driver=bool(os.environ.get("HYBRIDSERVE_TEST_RAY_LOGS")))
     port = free_port()

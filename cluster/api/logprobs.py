@@ -28,8 +28,16 @@ def token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
 
 def completion_logprobs(lps: list[TokenLogprob], tokenizer: Any, text_offset: int = 0,
                         as_ids: bool = False) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object; ``text_offset`` starts the offsets
-    (a stream chunk passes the length of the text sent before it)."""
+    """The legacy completions ``logprobs`` object; ``text_offset`` starts the offsets."""
+    return completion_logprobs_from(lps, tokenizer, text_offset, as_ids)[0]
+
+
+def completion_logprobs_from(lps: list[TokenLogprob], tokenizer: Any, text_offset: int,
+                             as_ids: bool = False) -> tuple[dict[str, Any], int]:
+    """``completion_logprobs`` and the offset after its last token, where the next stream
+    chunk's offsets start: each token's offset is the length of the tokens' texts before
+    it, as in the whole response, whatever the chunk boundaries (the streamed text itself
+    can lag its tokens: the detokenizer holds back an incomplete character)."""
     texts = [token_text(tokenizer, lp.token_id) for lp in lps]
     tokens = [f"token_id:{lp.token_id}" for lp in lps] if as_ids else texts
     offsets, pos = [], text_offset
@@ -43,7 +51,7 @@ def completion_logprobs(lps: list[TokenLogprob], tokenizer: Any, text_offset: in
             top.setdefault(token_text(tokenizer, tid, as_ids), _value(v))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [_value(lp.logprob) for lp in lps],
-            "top_logprobs": tops, "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": offsets}, pos
 
 
 def chat_logprobs(lps: list[TokenLogprob], tokenizer: Any, as_ids: bool = False) -> dict[str, Any]:

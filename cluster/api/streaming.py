@@ -23,7 +23,7 @@ from typing import Any
 
 from cluster.api.chat_output import ChatOutputParser, MessageDelta
 from cluster.api.errors import OpenAIError
-from cluster.api.logprobs import chat_logprobs, completion_logprobs
+from cluster.api.logprobs import chat_logprobs, completion_logprobs_from
 from cluster.api.openai_service import PreparedRequest, chat_finish_reason, echo_choice, usage
 from cluster.api.prompt_logprobs import vllm_prompt_logprobs
 from cluster.serving.messages import GenerateChunk
@@ -54,7 +54,6 @@ class ChoiceDelta:
     index: int                            # global choice index in the response
     token_ids: list[int]
     text: str
-    text_offset: int                      # length of the choice's text before this delta
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     stop_reason: str | int | None
@@ -77,7 +76,6 @@ class ResponseState:
 
     def _apply(self, i: int, group: list[GenerateChunk]) -> ChoiceDelta:
         state = self.choices[i]
-        offset = len(state.text)
         ids = [t for c in group for t in c.new_token_ids]
         text = "".join(c.delta_text for c in group)
         lps = None
@@ -96,7 +94,7 @@ class ResponseState:
             state.finished, state.finish_reason, state.stop_reason = True, last.finish_reason, last.stop_reason
         first = not self._started[i]
         self._started[i] = True
-        return ChoiceDelta(i, ids, text, offset, lps, last.finish_reason if last.finished else None,
+        return ChoiceDelta(i, ids, text, lps, last.finish_reason if last.finished else None,
                            last.stop_reason if last.finished else None, first, state.prompt_logprobs)
 
     @property
@@ -134,6 +132,7 @@ class SSERenderer:
         spec = prepared.chat
         num_choices = len(prepared.prompt_ids) * prepared.n
         self._parsers = [ChatOutputParser(spec) for _ in range(num_choices)] if spec is not None else None
+        self._lp_offsets = [0] * num_choices   # completions: where the next token's text_offset starts
 
     def _envelope(self, choices: list[dict[str, Any]], state: ResponseState | None = None) -> dict[str, Any]:
         obj: dict[str, Any] = {"id": self.request_id,
@@ -188,9 +187,11 @@ class SSERenderer:
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.stop_reason
         else:
-            choice = {"index": d.index, "text": d.text,
-                      "logprobs": completion_logprobs(d.logprobs, self.tokenizer, d.text_offset, as_ids)  # type: ignore[arg-type]
-                      if want_lps else None,
+            lps = None
+            if want_lps:
+                lps, self._lp_offsets[d.index] = completion_logprobs_from(
+                    d.logprobs, self.tokenizer, self._lp_offsets[d.index], as_ids)  # type: ignore[arg-type]
+            choice = {"index": d.index, "text": d.text, "logprobs": lps,
                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
             self._echo(choice, d)
         if d.is_first and self.prepared.prompt_logprobs is not None:

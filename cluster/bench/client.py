@@ -123,8 +123,30 @@ def _payload(workload: Workload, model: str, target: Target, prompt: Any, max_to
     return body
 
 
+DONE = "[DONE]"
+
+
+def sse_payload(line: str) -> dict[str, Any] | str | None:
+    """One line of an SSE stream: its JSON object, ``DONE`` for ``data: [DONE]``, None for a
+    line that is not data; ValueError for data that is not a JSON object."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == DONE:
+        return DONE
+    obj = json.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError(f"SSE data is not a JSON object: {data[:80]!r}")
+    return obj
+
+
 def _content(workload: Workload, choice: dict[str, Any]) -> tuple[str, list[int]]:
-    if workload.api == "chat":
+    return choice_content(workload.api, choice)
+
+
+def choice_content(api: str, choice: dict[str, Any]) -> tuple[str, list[int]]:
+    """The text and token ids one stream choice carries."""
+    if api == "chat":
         text = (choice.get("delta") or {}).get("content") or ""
     else:
         text = choice.get("text") or ""
@@ -146,12 +168,11 @@ async def _send(client: Any, target: Target, workload: Workload, body: dict[str,
                 raw = (await r.aread()).decode(errors="replace")
                 return _Reply(RequestRecord(False, start, error=f"HTTP {r.status_code}: {raw[:300]}"), "", [])
             async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+                obj = sse_payload(line)
+                if obj is None:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
+                if not isinstance(obj, dict):
+                    break                       # [DONE]
                 if obj.get("error"):
                     raise RuntimeError(f"stream error: {obj['error']}")
                 now = time.perf_counter()

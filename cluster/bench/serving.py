@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.net import free_port
+from cluster.serve_env import apply_serve_env
 from configs.schema import load_config
 
 ROUTERS = ("hybrid_prefix", "round_robin", "ray_prefix")
@@ -45,6 +46,7 @@ class LocalCluster:
         from ray import serve
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        apply_serve_env()
         ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
         self.port = free_port()

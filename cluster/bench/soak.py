@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench.client import Target, _Conversation, _content, _payload, _Reply
+from cluster.bench.client import Target, _Conversation, _content, _payload, _Reply, sse_payload
 from cluster.bench.metrics import RequestRecord
 from cluster.bench.workloads import Renderer, Session, Workload, load_workload
 
@@ -244,13 +244,12 @@ async def _stream(client: Any, url: str, server: _Server, workload: Workload, bo
         if r.status_code != 200:
             _check_status(r.status_code, (await r.aread()).decode(errors="replace"))
         async for line in r.aiter_lines():
-            if not line.startswith("data:"):
+            obj = sse_payload(line)
+            if obj is None:
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            if not isinstance(obj, dict):     # [DONE]
                 done = True
                 break
-            obj = json.loads(data)
             if obj.get("error"):
                 raise _Outcome("stream_error", 200, json.dumps(obj["error"])[:300])
             for choice in obj.get("choices") or []:

@@ -9,12 +9,13 @@ of ``repeats`` (other load on a shared machine only slows a run down).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from cluster.bench import inproc
+from cluster.bench import inproc, proc_cpu
 from cluster.bench.client import LoadSettings, Target, run_benchmark
 from cluster.bench.suite_config import SuiteConfig
 from cluster.bench.workloads import RandomSpec, Renderer, Workload, build, load_workload
@@ -165,10 +166,16 @@ def _efficiency(cfg: SuiteConfig, app: Any, bare_llm: Any, engine_llm: Any) -> d
                                            c.output_len)
         return c.batch * len(records) / sum(r.tpot or 0.0 for r in records)
 
+    pids = {"client": {os.getpid()}, "replica": _replica_pids(app)}
+    http_cpu: list[dict[str, float]] = []       # per HTTP sample: CPU ms per token by process
+
     def http() -> float:
         w = build(RandomSpec(num_prompts=c.batch, input_len=c.prompt_len, output_len=c.output_len,
                              range_ratio=0.0, seed=next(seeds)))
+        before = proc_cpu.snapshot(with_threads=False)
         res = _bench(app, w, LoadSettings(max_concurrency=c.batch))
+        delta = proc_cpu.cpu_delta(before, proc_cpu.snapshot(with_threads=False))
+        http_cpu.append(proc_cpu.ms_per_unit_by_role(delta, sum(r.output_tokens for r in res.records), pids))
         return c.batch / (res.metrics.tpot_ms.mean / 1000)       # tok/s = batch / mean TPOT
 
     def bare() -> float:
@@ -179,8 +186,17 @@ def _efficiency(cfg: SuiteConfig, app: Any, bare_llm: Any, engine_llm: Any) -> d
     h, b, e = (_best(samples[k]) for k in ("http_tok_s", "bare_tok_s", "engine_tok_s"))
     return {"serving_efficiency": _r(h / b), "http_decode_tok_s": _r(h, 1), "bare_decode_tok_s": _r(b, 1),
             "engine_decode_tok_s": _r(e, 1), "engine_over_bare": _r(e / b), "http_over_engine": _r(h / e),
+            "http_cpu_ms_per_token": http_cpu[samples["http_tok_s"].index(h)],   # of the best HTTP sample
             "samples": {k: [_r(v, 1) for v in vs] for k, vs in samples.items()},
             "batch": c.batch, "prompt_len": c.prompt_len, "output_len": c.output_len}
+
+
+def _replica_pids(app: Any) -> set[int]:
+    """The engine replicas' processes (``/debug/replicas``), to name them in CPU splits."""
+    import httpx
+
+    reps = httpx.get(f"{app.base_url}/debug/replicas", timeout=30.0, trust_env=False).json()["replicas"]
+    return {int(r["pid"]) for r in reps if r.get("pid")}
 
 
 def _prefix_cache(cfg: SuiteConfig, on: Any, off: Any) -> dict[str, Any]:

@@ -1,35 +1,61 @@
-"""Drive one (not thread-safe) Engine from asyncio: one worker thread, many streams.
+"""Drive one (not thread-safe) Engine from asyncio: one engine thread, many streams.
 
 Every engine call -- add_request, step, abort, stats, cache events, flush -- runs on ONE
-dedicated thread (a single-worker executor), so calls are serialized in submission
-order. An asyncio task steps the engine while it has work and hands each output to the
-``OutputStream`` of its request; it sleeps on an event when the engine is idle.
+dedicated thread, the engine thread. It steps the engine back to back while the engine
+has work, and between two steps runs the calls queued by ``run`` (``submit`` and
+``abort_soon`` are such calls) in submission order. It never waits for the event loop:
+each step's outputs are handed to the loop with ``call_soon_threadsafe`` and fanned out
+there to the ``OutputStream`` of their requests, while the next step already runs. (An
+earlier design stepped from an asyncio task, one executor call per step, and the engine
+sat idle whenever the event loop was busy with stream items or Serve's own work: see
+``LoopTimes.step_gap_s``.) When the engine is idle, the thread sleeps until a call comes.
 
 Failure: if a step raises, the loop stores the error, fails every open stream with it
-and stops; ``error`` is then set and ``check_health`` callers should report it.
+and stops stepping (calls still run: stats, health); ``error`` is then set and
+``check_health`` callers should report it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
 
 T = TypeVar("T")
+IDLE_POLL_S = 0.001                       # the wait after a second step in a row with no output
 logger = logging.getLogger(__name__)
 
 
 class _StepResult(NamedTuple):
     outputs: list[RequestOutput]
     has_more: bool
+    started: float                        # perf_counter when the step began, on the engine thread
+    wall_s: float
+    cpu_s: float                          # that thread's CPU time in it (wall - cpu: waits for a core or the GIL)
+
+
+class LoopTimes(NamedTuple):
+    """Cumulative engine-step times of one ``EngineLoop`` (what the per-hop bench reads)."""
+
+    num_steps: int
+    step_wall_s: float
+    step_cpu_s: float
+    step_gap_s: float                     # the engine off its steps between a step and the next while work was left
 
 
 class EngineLoopError(RuntimeError):
     """The engine loop died; the replica is unhealthy."""
+
+
+class _Call(NamedTuple):
+    fn: Callable[[Any], Any]
+    future: asyncio.Future[Any] | None    # None: nobody waits for the result
 
 
 class OutputStream:
@@ -38,6 +64,8 @@ class OutputStream:
     ``next_batch`` waits for at least one output and returns everything queued, as
     (choice index, output) pairs; it returns None once every request has finished.
     ``close`` aborts whatever has not finished (safe to call from ``finally``, twice).
+    Used from the event loop's thread only (the engine thread reaches it through
+    ``EngineLoop._dispatch``, scheduled on the loop).
     """
 
     def __init__(self, loop: EngineLoop, request_ids: Sequence[str]) -> None:
@@ -87,33 +115,48 @@ class OutputStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, executor: ThreadPoolExecutor) -> None:
-        """``executor`` must be the single-worker executor the engine was built on."""
-        self.engine = engine
-        self._executor = executor
+    """Create with ``await EngineLoop.create(build)``: the engine is built on the engine
+    thread (so thread-local torch state is the one it steps with)."""
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
+        self.engine: Any = None
+        self._aloop = aloop
+        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._work = threading.Event()    # set by every call; the idle engine thread waits on it
         self._streams: dict[str, OutputStream] = {}
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Future[Any]] = set()
+        self._stepping = True             # False: shutting down (calls still run)
+        self._closed = False              # the thread has stopped: no more calls
         self.error: BaseException | None = None
         self.num_steps = 0
+        self._step_wall_s = self._step_cpu_s = self._step_gap_s = 0.0
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
     @classmethod
     async def create(cls, build: Callable[[], Any]) -> EngineLoop:
-        """Build the engine on its own thread (so thread-local torch state matches)."""
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        engine = await asyncio.get_running_loop().run_in_executor(executor, build)
-        loop = cls(engine, executor)
-        loop.start()
+        loop = cls(asyncio.get_running_loop())
+        loop._thread.start()
+        try:
+            loop.engine = await loop.run(lambda _: build())
+        except BaseException:
+            loop._closed = True
+            loop._work.set()
+            raise
+        loop._work.set()                  # the engine exists now: start stepping if it has work
         return loop
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
-
     async def run(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread, after everything queued before it."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self.engine)
+        """Run ``fn(engine)`` on the engine thread, after everything queued before it (and
+        between two steps). Cancelling the caller skips ``fn`` unless it already started."""
+        if self._closed:
+            raise EngineLoopError("engine loop is shut down")
+        future: asyncio.Future[T] = self._aloop.create_future()
+        self._calls.put(_Call(fn, future))
+        self._work.set()
+        return await future
+
+    @property
+    def times(self) -> LoopTimes:
+        return LoopTimes(self.num_steps, self._step_wall_s, self._step_cpu_s, self._step_gap_s)
 
     @property
     def num_streams(self) -> int:
@@ -129,48 +172,87 @@ class EngineLoop:
             self._streams[rid] = stream
         try:
             await self.run(lambda e: _add_all(e, request_ids, prompt_token_ids, params))
-        except BaseException:
+        except BaseException as exc:
             self._unregister(request_ids)
+            if isinstance(exc, asyncio.CancelledError):
+                self.abort_soon(request_ids)   # the add may have run before the cancel
             raise
-        self._wakeup.set()
         return stream
 
     def abort_soon(self, request_ids: Sequence[str]) -> None:
-        """Schedule engine aborts without waiting (usable from ``finally`` blocks)."""
+        """Queue engine aborts without waiting (usable from ``finally`` blocks)."""
         ids = list(request_ids)
-        fut = asyncio.ensure_future(self.run(lambda e: [e.abort(rid) for rid in ids]))
-        self._pending.add(fut)
-        fut.add_done_callback(self._aborted)
-
-    def _aborted(self, fut: asyncio.Future[Any]) -> None:
-        self._pending.discard(fut)
-        self._wakeup.set()                # an abort may leave work (e.g. a deferred release)
-        if not fut.cancelled() and fut.exception() is not None:
-            logger.warning("abort failed: %r", fut.exception())
+        if not self._closed:
+            self._calls.put(_Call(lambda e: _abort_all(e, ids), None))
+            self._work.set()
 
     def _unregister(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._streams.pop(rid, None)
 
-    async def _run(self) -> None:
-        try:
-            while True:
-                self._wakeup.clear()      # before stepping: an add during the step re-sets it
-                result = await self.run(_step)
-                self.num_steps += 1
-                self._dispatch(result.outputs)
-                if not result.has_more:
-                    await self._wakeup.wait()
-                else:
-                    await asyncio.sleep(0)  # let consumers drain between steps
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
-            self.error = exc
-            for stream in set(self._streams.values()):
-                stream._put(exc)
-            self._streams.clear()
+    # -- the engine thread ---------------------------------------------------------------
+    def _main(self) -> None:
+        last_end: float | None = None     # the previous step's end, when it left work
+        empty = 0                         # steps in a row without outputs (an overlap launch gives one)
+        while not self._closed:
+            self._run_calls()
+            if not (self._stepping and self.error is None and self.engine is not None
+                    and self._has_work()):
+                last_end = None
+                self._work.wait()
+                self._work.clear()        # then re-check: a call set before the clear is queued
+                continue
+            try:
+                result = _step(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
+                self.error = exc
+                self._post(self._fail_streams, exc)
+                continue
+            self.num_steps += 1
+            self._step_wall_s += result.wall_s
+            self._step_cpu_s += result.cpu_s
+            if last_end is not None:
+                self._step_gap_s += result.started - last_end
+            last_end = result.started + result.wall_s if result.has_more else None
+            empty = 0 if result.outputs else empty + 1
+            if result.outputs:
+                self._post(self._dispatch, result.outputs)
+            elif empty > 1:               # work only in other threads (a grammar compiling): do not spin
+                self._work.wait(IDLE_POLL_S)
 
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the event loop's thread (dropped once that loop is closed)."""
+        try:
+            self._aloop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:          # the event loop is closed: nobody is left to tell
+            self._closed = True
+
+    def _has_work(self) -> bool:
+        try:
+            return bool(self.engine.has_unfinished())
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+            self._post(self._fail_streams, exc)
+            return False
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if call.future is not None and call.future.cancelled():
+                continue                  # its caller is gone (read racily: at worst it runs)
+            try:
+                value, error = call.fn(self.engine), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                value, error = None, exc
+            if call.future is not None:
+                self._post(_resolve, call.future, value, error)
+            elif error is not None:
+                logger.warning("engine call failed: %r", error)
+
+    # -- the event loop's thread ---------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -180,19 +262,36 @@ class EngineLoop:
             if out.finished:
                 self._streams.pop(out.request_id, None)
 
+    def _fail_streams(self, exc: BaseException) -> None:
+        for stream in set(self._streams.values()):
+            stream._put(exc)
+        self._streams.clear()
+
     async def shutdown(self) -> None:
         """Stop stepping; then ``engine.shutdown()`` (if any: a TP engine stops its other
-        ranks) on the engine thread, after the step in progress."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        ranks) on the engine thread, after the step in progress; then the thread ends."""
+        if self._closed:
+            return
+        self._stepping = False
         close = getattr(self.engine, "shutdown", None)
         if callable(close):
             try:
                 await self.run(lambda engine: close())
             except Exception:  # noqa: BLE001 - shutting down; report, do not raise
                 logger.warning("engine shutdown failed", exc_info=True)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        else:
+            await self.run(lambda engine: None)   # wait for the step in progress
+        self._closed = True
+        self._work.set()
+
+
+def _resolve(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 def _ends(item: RequestOutput | BaseException) -> bool:
@@ -213,6 +312,13 @@ def _add_all(engine: Any, request_ids: Sequence[str], prompt: list[int],
         raise
 
 
+def _abort_all(engine: Any, request_ids: Sequence[str]) -> None:
+    for rid in request_ids:
+        engine.abort(rid)
+
+
 def _step(engine: Any) -> _StepResult:
+    start, cpu = time.perf_counter(), time.thread_time()
     outputs = engine.step() if engine.has_unfinished() else []
-    return _StepResult(outputs, engine.has_unfinished())
+    return _StepResult(outputs, engine.has_unfinished(), start, time.perf_counter() - start,
+                       time.thread_time() - cpu)

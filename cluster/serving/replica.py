@@ -29,7 +29,7 @@ from ray import serve
 
 from cluster.actors import get_index_actor, get_metrics_actor, get_store_actor
 from cluster.serving.messages import GenerateRequest, ModelInfo
-from cluster.serving.replica_core import ReplicaCore, StreamItem, drain_cache_events
+from cluster.serving.replica_core import ReplicaCore, StreamItem, StreamPacing, drain_cache_events
 from cluster.store.actor import RayStoreBackend
 from cluster.store.client import FetchSettings, StoreClient
 from configs.schema import HybridServeConfig
@@ -61,7 +61,9 @@ class ReplicaOptions(BaseModel):
     health_check_timeout_s: float = Field(30.0, gt=0)
     graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
-    stream_interval_s: float = Field(0.05, ge=0)   # stream batching (ReplicaCore); 0: every step
+    stream_interval_s: float = Field(0.05, ge=0)   # stream batching (StreamPacing); 0: every step
+    stream_items_per_s: float = Field(100.0, ge=0)  # all streams together; 0: no budget
+    max_stream_interval_s: float = Field(0.25, ge=0)
     forget_after_s: float = Field(30.0, gt=0)
     # The cluster store's fetch-or-recompute cost model: priors of the measured throughputs.
     store_bandwidth_bytes_per_s: float = Field(1e9, gt=0)
@@ -81,7 +83,9 @@ class EngineReplica:
         self._index = get_index_actor(ctx.app_name, self._opts.forget_after_s)
         self._metrics = get_metrics_actor(ctx.app_name, self._config.server.host, self._config.metrics.port)
         self._store = self._store_client(ctx.app_name)
-        self._core = await ReplicaCore.create(self._config, self._opts.stream_interval_s, fetcher=self._store)
+        pacing = StreamPacing(self._opts.stream_interval_s, self._opts.stream_items_per_s,
+                              self._opts.max_stream_interval_s)
+        self._core = await ReplicaCore.create(self._config, pacing, fetcher=self._store)
         self._lock = asyncio.Lock()         # orders event pushes against flush + clear
         self._index.apply.remote(self._replica_id, [])
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())

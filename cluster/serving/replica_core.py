@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from cluster.serving.engine_loop import EngineLoop
@@ -114,26 +116,52 @@ def _payload(engine: Any) -> PublishPayload:
                           engine.stats.drain_observations(), pool_counts(engine))
 
 
-class ReplicaCore:
-    """``stream_interval_s``: the least time between two items of one stream after its
-    first (Ray Serve LLM's stream batching): tokens of the engine steps in between travel
-    together, which cuts the per-item cost of the Ray and HTTP hops. The first token and
-    the last item are never held back, so TTFT and E2E do not move; 0 sends every step."""
+@dataclass(frozen=True)
+class StreamPacing:
+    """How soon a stream may send its next item (after its first; ``gap``).
 
-    def __init__(self, loop: EngineLoop, config: HybridServeConfig, stream_interval_s: float = 0.0,
+    ``interval_s``: the least time between two items of one stream (Ray Serve LLM's stream
+    batching): the tokens of the engine steps in between travel together; 0 sends every
+    step. ``items_per_s`` (0: no budget): the most items per second the replica sends, all
+    its streams together -- with ``num_streams`` open, each stream's gap grows to
+    ``num_streams / items_per_s`` -- but never past ``max_interval_s``. An item costs the
+    Ray and HTTP hops about the same whatever it carries (BENCHMARKS.md, the HTTP path), so
+    the budget keeps that cost per token falling as the batch grows. The first token and
+    the last item are never held back: TTFT, E2E and TPOT do not move, only ITL does.
+    """
+
+    interval_s: float = 0.0
+    items_per_s: float = 0.0
+    max_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "items_per_s", "max_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"stream pacing {name} must be >= 0, got {getattr(self, name)}")
+
+    def gap(self, num_streams: int) -> float:
+        if self.items_per_s <= 0:
+            return self.interval_s
+        return max(self.interval_s, min(num_streams / self.items_per_s, self.max_interval_s))
+
+
+class ReplicaCore:
+    """``pacing``: when each stream sends its next item (``StreamPacing``; a float is its
+    ``interval_s`` alone)."""
+
+    def __init__(self, loop: EngineLoop, config: HybridServeConfig, pacing: StreamPacing | float = 0.0,
                  fetcher: Fetcher | None = None) -> None:
-        if stream_interval_s < 0:
-            raise ValueError(f"stream_interval_s must be >= 0, got {stream_interval_s}")
         self.loop = loop
         self.config = config
-        self.stream_interval_s = stream_interval_s
+        self.pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))
         self.fetcher = fetcher
 
     @classmethod
-    async def create(cls, config: HybridServeConfig, stream_interval_s: float = 0.0,
+    async def create(cls, config: HybridServeConfig, pacing: StreamPacing | float = 0.0,
                      fetcher: Fetcher | None = None) -> ReplicaCore:
+        pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))  # refused before the build
         loop = await EngineLoop.create(lambda: build_engine(config))
-        return cls(loop, config, stream_interval_s, fetcher)
+        return cls(loop, config, pacing, fetcher)
 
     def model_info(self) -> ModelInfo:
         engine = self.loop.engine
@@ -157,7 +185,7 @@ class ReplicaCore:
             clock, not_before = asyncio.get_running_loop(), 0.0
             while (batch := await stream.next_batch(not_before)) is not None:
                 yield [_chunk(i, out, sent_logprobs) for i, out in batch]
-                not_before = clock.time() + self.stream_interval_s
+                not_before = clock.time() + self.pacing.gap(self.loop.num_streams)
         finally:
             stream.close()
 
@@ -182,10 +210,12 @@ class ReplicaCore:
 
     async def stats(self, replica_id: str, label: str) -> ReplicaStats:
         num_streams = self.loop.num_streams   # read here, on the event loop's thread
+        times = dict(self.loop.times._asdict())
 
         def read(engine: Any) -> ReplicaStats:
             return ReplicaStats(replica_id, label, num_streams, bool(engine.has_unfinished()),
-                                pool_counts(engine), engine.stats.snapshot())
+                                pool_counts(engine), engine.stats.snapshot(), loop=times,
+                                pid=os.getpid())
 
         return await self.loop.run(read)
 

@@ -56,14 +56,16 @@ def sse_objects(text: str) -> list:
 
 @pytest.fixture(scope="module")
 def local_app() -> Iterator[Callable[..., App]]:
-    """``local_app(model_dir, name="tiny", api_key=None, **config_overrides)``."""
+    """``local_app(model_dir, name="tiny", api_key=None, stream_interval_s=0.0, **config_overrides)``
+    (``stream_interval_s``: the replica's stream batching, ``ReplicaCore``)."""
     made: list[App] = []
 
-    def make(model_dir: Any, name: str = "tiny", api_key: str | None = None, **overrides: Any) -> App:
+    def make(model_dir: Any, name: str = "tiny", api_key: str | None = None, stream_interval_s: float = 0.0,
+             **overrides: Any) -> App:
         loop = asyncio.new_event_loop()
         config = load_config(overrides={**SMALL, "model": str(model_dir), "server": {"api_key": api_key},
                                         **overrides})
-        core = loop.run_until_complete(ReplicaCore.create(config))
+        core = loop.run_until_complete(ReplicaCore.create(config, stream_interval_s))
         server = OpenAIServer(LocalEngineClient(core, name), core.loop.engine.tokenizer,
                               ServerSettings.from_config(config, name))
         app = App(loop, make_api(server), core, server, {"Authorization": f"Bearer {api_key}"} if api_key else {})

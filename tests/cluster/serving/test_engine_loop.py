@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from cluster.serving.engine_loop import EngineLoop, EngineLoopError
+from cluster.serving.engine_loop import IDLE_POLL_S, EngineLoop, EngineLoopError
 from cluster.serving.messages import Accepted, GenerateError, GenerateRequest
-from cluster.serving.replica_core import ReplicaCore, build_engine, check_supported
+from cluster.serving.replica_core import ReplicaCore, StreamPacing, build_engine, check_supported
 from configs.schema import load_config
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
@@ -102,7 +102,7 @@ def test_concurrent_requests_stream_to_completion_on_one_thread():
 def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(interval_s):
     async def go():
         loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
-        core = ReplicaCore(loop, load_config(), stream_interval_s=interval_s)
+        core = ReplicaCore(loop, load_config(), interval_s)
         clock, stamps, items = asyncio.get_running_loop(), [], []
         async for item in core.generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=40)])):
             stamps.append(clock.time())
@@ -175,3 +175,81 @@ def test_indivisible_tensor_parallel_is_refused_with_a_clear_error():
         check_supported(config)
     with pytest.raises(ValueError, match="tensor_parallel_size=4"):
         build_engine(config)
+
+
+def test_the_engine_steps_while_the_event_loop_is_busy():
+    """The engine thread never waits for the event loop between steps (it used to: one
+    executor call per step, so a busy replica loop left the engine idle)."""
+    async def go():
+        engine = FakeEngine(step_s=0.005)
+        loop = await EngineLoop.create(lambda: engine)
+        gen = ReplicaCore(loop, load_config()).generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=10_000)]))
+        assert isinstance(await gen.__anext__(), Accepted)
+        await gen.__anext__()
+        before = engine.steps
+        time.sleep(0.3)                           # the event loop is blocked (a busy replica)
+        during = engine.steps - before
+        await gen.aclose()
+        await loop.shutdown()
+        return during, loop.times
+    during, times = run(go())
+    assert during >= 10, during                   # ~60 at 5 ms a step; at most 1 if it waited
+    assert times.num_steps >= during and times.step_wall_s >= 0.005 * during
+
+
+def test_stream_pacing_spreads_a_replica_budget_over_its_streams():
+    pacing = StreamPacing(interval_s=0.05, items_per_s=100, max_interval_s=0.25)
+    assert [pacing.gap(n) for n in (1, 5, 8, 20, 1000)] == [0.05, 0.05, 0.08, 0.2, 0.25]
+    assert StreamPacing(0.05).gap(1000) == 0.05                      # no budget: the interval alone
+    assert StreamPacing(0.3, 100, 0.25).gap(1000) == 0.3             # the interval is a floor
+    with pytest.raises(ValueError, match="items_per_s must be >= 0, got -1"):
+        StreamPacing(0.05, -1)
+
+
+def test_a_stream_budget_spaces_each_streams_items_by_the_open_streams():
+    """4 streams at 20 items/s together: each stream's items 0.2 s apart (the first and the
+    last never held back), where the interval alone would send every 10 ms."""
+    async def go():
+        loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
+        core = ReplicaCore(loop, load_config(), StreamPacing(0.01, 20.0, 1.0))
+        clock = asyncio.get_running_loop()
+
+        async def one(i):
+            stamps, items = [], []
+            async for item in core.generate(GenerateRequest(f"r{i}", [1], [SamplingParams(max_tokens=200)])):
+                stamps.append(clock.time())
+                items.append(item)
+            return stamps, items
+        results = await asyncio.gather(*(one(i) for i in range(4)))
+        await loop.shutdown()
+        return results
+    for stamps, items in run(go()):
+        chunks = [c for batch in items[1:] for c in batch]
+        assert [t for c in chunks for t in c.new_token_ids] == list(range(200)) and chunks[-1].finished
+        gaps = [b - a for a, b in zip(stamps[2:], stamps[3:-1])]
+        assert gaps and all(g >= 0.2 * 0.9 for g in gaps), gaps    # 4 streams / 20 per s
+
+
+def test_an_engine_waiting_on_other_threads_is_polled_not_spun():
+    """Work left but nothing to step (a grammar compiling elsewhere): steps without output
+    are spaced by ``IDLE_POLL_S`` instead of spinning the engine thread."""
+    class Compiling(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.until = time.monotonic() + 0.2
+
+        def has_unfinished(self) -> bool:
+            return time.monotonic() < self.until
+
+        def step(self):
+            self.steps += 1
+            return []
+
+    async def go():
+        engine = Compiling()
+        loop = await EngineLoop.create(lambda: engine)
+        await asyncio.sleep(0.3)
+        await loop.shutdown()
+        return engine.steps
+    steps = run(go())
+    assert 2 <= steps <= 0.2 / IDLE_POLL_S + 50, steps          # a spin makes ~10^5
