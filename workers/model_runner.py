@@ -133,7 +133,7 @@ class ModelRunner:
         prompt = ()
         if si is not None and si.prompt is not None:
             prompt = tuple(prompt_logprobs(si.prompt, hidden, self.model.compute_logits))
-        if self.drafter is not None:
+        if self.drafter is not None and not self._draft_verified(prepared, hidden, tokens, params):
             self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
         self._last_end = time.monotonic()
         return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap, prompt)
@@ -174,6 +174,24 @@ class ModelRunner:
         """The distributions the drafts of a sampled verify were drawn from."""
         assert self.drafter is not None and self.drafter.draft_probs is not None
         return self.drafter.draft_probs[v.live_slot, : v.num_drafts]
+
+    def _draft_verified(self, prepared: PreparedStep, hidden: torch.Tensor,
+                        tokens: list[list[int]], params: list[SamplingParams]) -> bool:
+        """A greedy verify batch (every sequence 1 + k rows): the head's catch-up and its k
+        drafts in one compiled call (``CompiledChain.run_verified``); False: the eager drafter."""
+        drafter, fb = self.drafter, prepared.fb
+        assert drafter is not None
+        chain = drafter.compiled_chain
+        if (chain is None or drafter.num_layers != 1 or fb.verify_len != drafter.k + 1
+                or len(params) != fb.num_seqs or not all(p.is_greedy for p in params)):
+            return False
+        size = chain.pick(fb.num_seqs, greedy=True)
+        if size is None:
+            return False
+        drafts = chain.run_verified(hidden, tokens, [s.start for s in prepared.plan.batch.seqs],
+                                    [list(p) for p in prepared.page_ids], size)
+        drafter.draft_tokens[torch.tensor(prepared.live_slots, device=self.device)] = drafts
+        return True
 
     def _mtp_spans(self, prepared: PreparedStep, hidden: torch.Tensor, tokens, accepted, params, gens):
         """The drafter's rows per sequence, from host data only (no read back): a sampling

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from configs.schema import CompileConfig
-from workers.compiled.cache import cache_counters, compile_options, configure_cache
+from workers.compiled.cache import compile_kwargs, cache_counters, compile_options, configure_cache
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 
@@ -66,7 +66,7 @@ class CompiledSteps:
                 torch._dynamo.mark_static_address(t)
         self._compiled: Callable[[ForwardBatch], tuple[Tensor, Tensor]] = torch.compile(
             self._step, dynamic=None, fullgraph=True,    # static but the marked page dim
-            mode="reduce-overhead" if self.on_gpu else None)
+            **compile_kwargs(self.on_gpu))
         # Under speculation every decode is a verify (a plain decode step is rare: a request
         # that has not drafted yet), so only the verify steps are compiled then.
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)

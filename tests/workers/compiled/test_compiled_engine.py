@@ -55,7 +55,8 @@ def test_compiled_greedy_equals_eager(family, reference, compiled):
     assert all(ran[Bucket(size, rows)] > 0 for size in BUCKETS), ran
     if drafter is not None:
         assert drafter.compiled_chain is not None
-        assert all(drafter.compiled_chain.num_calls[size] > 0 for size in BUCKETS)
+        chain = drafter.compiled_chain
+        assert all(chain.num_calls[size] > 0 and chain.num_verify_calls[size] > 0 for size in BUCKETS)
 
 
 def test_the_switch_off_builds_no_compiled_step(reference):

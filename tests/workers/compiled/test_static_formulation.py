@@ -53,3 +53,21 @@ def test_static_steps_equal_eager_without_host_reads(monkeypatch, tiny_checkpoin
         assert [o.token_ids for o in static.generate_ids(prompts[:n], [P] * n)] == expected, n
     assert fake.calls > warm_calls
     assert fake.reads == []
+
+
+def test_static_drafts_equal_the_eager_drafters(monkeypatch, tiny_qwen_dir):
+    """Drafts do not change greedy output (a verify rejects a wrong one), so they are compared
+    directly: the one-call drafting after a verify (catch-up + chain) and the chain alone
+    leave the same draft registers and acceptance counts as the eager drafter."""
+    spec = {"method": "mtp", "num_draft_tokens": 3}
+    eager = make_llm(tiny_qwen_dir, spec=spec)
+    monkeypatch.setattr(torch, "compile", EagerStatic())
+    static = make_llm(tiny_qwen_dir, spec=spec, compile={"enabled": True, "batch_sizes": BUCKETS})
+    prompts = random_prompts(eager.engine.vocab_size, [5, 11, 8], seed=22)
+    for llm in (eager, static):
+        llm.generate_ids(prompts, [P] * 3)
+    chain = static.engine.drafter.compiled_chain
+    assert sum(chain.num_verify_calls.values()) > 0 and sum(chain.num_calls.values()) > 0
+    assert torch.equal(static.engine.drafter.draft_tokens, eager.engine.drafter.draft_tokens)
+    keys = ("hybridserve_spec_draft_tokens_total", "hybridserve_spec_accepted_tokens_total")
+    assert [static.stats()[k] for k in keys] == [eager.stats()[k] for k in keys]
