@@ -3,8 +3,8 @@ kernels for every op (recurrent ops, norms, paged attention), and FlashInfer for
 CUDA where it is installed and built for the head dim.
 
 Every op is a package (``gdn``, ``kda``, ``ssd``, ``lightning`` (SSD with lightning
-attention's arguments), ``conv1d``, ``norm``, ``attention``, ``mla``) whose
-``__init__`` holds the public function and asks ``kernels.backend`` which implementation to
+attention's arguments), ``selective_scan``, ``conv1d``, ``norm``, ``attention``, ``mla``)
+whose ``__init__`` holds the public function and asks ``kernels.backend`` which implementation to
 run: ``reference`` (torch), ``triton_*`` (imported lazily, on first use) or
 ``flashinfer_backend``. ``HYBRIDSERVE_KERNEL_BACKEND=auto|torch|triton`` (``auto``: the GPU
 kernels on CUDA tensors, torch otherwise) and ``backend.use_backend(...)`` in tests. Launch
@@ -31,9 +31,10 @@ Conventions shared by every op (the batch layout of ``workers/forward_batch.py``
   plans built from them on their identity (``kernels.memo``), so only the first layer of a
   step syncs.
 
-This module also holds ``scan_varlen``, the driver shared by the GDN and SSD references: it
-splits a varlen batch into short sequences (one padded, batched per-token recurrence) and long
-ones (split at snapshot positions into segments, each run chunked or recurrent by length).
+This module also holds ``scan_varlen``, the driver shared by the GDN, SSD and Mamba1
+selective-scan references: it splits a varlen batch into short sequences (one padded, batched
+per-token recurrence) and long ones (split at snapshot positions into segments, each run
+chunked or recurrent by length).
 """
 from __future__ import annotations
 
@@ -233,10 +234,12 @@ from kernels.attention import paged_attention  # noqa: E402
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402
 from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen  # noqa: E402
 from kernels.norm import gated_rms_norm, rms_norm  # noqa: E402
+from kernels.selective_scan import selective_scan_update, selective_scan_varlen  # noqa: E402
 from kernels.ssd import ssd_update, ssd_varlen  # noqa: E402
 
 __all__ = [
     "causal_conv1d_update", "causal_conv1d_varlen", "gated_delta_rule_update",
     "gated_delta_rule_varlen", "gated_rms_norm", "paged_attention", "rms_norm", "run_chunks",
-    "scan_varlen", "ssd_update", "ssd_varlen", "unit_layout",
+    "scan_varlen", "selective_scan_update", "selective_scan_varlen", "ssd_update", "ssd_varlen",
+    "unit_layout",
 ]

@@ -98,11 +98,13 @@ class AttentionImpl(str, enum.Enum):
 FLASHINFER_HEAD_DIMS = frozenset({64, 128, 256})
 
 
-def attention_impl(q: torch.Tensor) -> AttentionImpl:
+def attention_impl(q: torch.Tensor, windowed: bool = False) -> AttentionImpl:
     """Which paged attention runs on query ``q`` [T, Hq, D] (see the module docstring).
 
     FlashInfer only under ``auto``, on CUDA, fp16/bf16 (it has no fp32 kernels), a head dim
-    it is built for, and installed; every other CUDA case takes the Triton kernel.
+    it is built for, installed, and no sliding window (``windowed``: our FlashInfer plans
+    are built once per step for every layer, without ``window_left``); every other CUDA case
+    takes the Triton kernel.
     """
     backend = _backend
     if backend is Backend.TORCH:
@@ -112,7 +114,7 @@ def attention_impl(q: torch.Tensor) -> AttentionImpl:
             _require_interpreter()
             return AttentionImpl.TRITON
         return AttentionImpl.TORCH
-    if (backend is Backend.AUTO and q.dtype in (torch.float16, torch.bfloat16)
+    if (backend is Backend.AUTO and not windowed and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] in FLASHINFER_HEAD_DIMS and flashinfer_available()):
         return AttentionImpl.FLASHINFER
     return AttentionImpl.TRITON

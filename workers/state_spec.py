@@ -18,10 +18,14 @@ The kinds served today (constructors below):
   transposed); no conv state.
 - ``mamba2`` (slot): ``conv`` [conv_dim, W-1], ``ssm`` [H, P, N] (fp32 unless the
   checkpoint asks for another cache dtype).
+- ``mamba1`` (slot, ``mamba1_kind``): ``conv`` [d_inner, W-1], ``ssm`` [d_inner, N] fp32
+  (Jamba's selective scan, ``kernels.selective_scan``).
+- ``short_conv`` (slot, ``short_conv_kind``): ``conv`` [dim, W-1] only, no scan state
+  (LFM2 / Lfm3's gated short convolution, ``kernels.conv1d``).
 
-A new kind of state (Mamba1 [d_inner, N], short conv only, ...) is one more constructor
-beside its kernel: the pools, checkpoint copies, speculation scratch, TP shards and sizing
-read only this description, never a model name.
+A new kind of state (lightning attention's [H, V, K] without conv, MLA's latent rows, ...)
+is one more constructor beside its kernel: the pools, checkpoint copies, speculation
+scratch, TP shards and sizing read only this description, never a model name.
 
 Layers find their tensors with a ``StateRef(kind, index)``: index i of a kind is the i-th
 state of that kind in model order (a layer invoked twice, as Zamba2's shared attention,
@@ -39,6 +43,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 ATTENTION = "attention"
+MAMBA1 = "mamba1"
+SHORT_CONV = "short_conv"
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,15 @@ def conv_ssm_kind(name: str, conv_dim: int, conv_width: int, ssm_shape: tuple[in
                                    TensorSpec("ssm", tuple(ssm_shape), ssm_dtype)))
 
 
+def mamba1_kind(d_inner: int, conv_width: int, state_size: int,
+                ssm_dtype: str = "float32") -> StateKind:
+    """Mamba1: the conv window of the x branch and the selective-scan state [d_inner, N]."""
+    return conv_ssm_kind(MAMBA1, d_inner, conv_width, (d_inner, state_size), ssm_dtype)
+
+
+def short_conv_kind(dim: int, conv_width: int) -> StateKind:
+    """A gated short convolution keeps only its conv window: the last W-1 inputs [dim, W-1]."""
+    return StateKind(SHORT_CONV, False, (TensorSpec("conv", (dim, conv_width - 1)),))
 def mla_kind(latent_dim: int, rope_dim: int, name: str = "mla") -> StateKind:
     """MLA's cache: one row [c (latent_dim) | k_rope (rope_dim)] per token, shared by all heads."""
     return StateKind(name, True, (TensorSpec("latent", (1, latent_dim + rope_dim)),))
@@ -199,6 +214,6 @@ class StateSites:
         return CacheSpec.from_sites((ref, m.state_kind()) for ref, m in self._sites)
 
 
-__all__ = ["ATTENTION", "CacheSpec", "HasState", "StateGroup", "StateKind", "StateRef",
-           "StateSites", "TensorSpec", "attention_kind", "conv_ssm_kind", "kda_kind",
-           "lightning_kind", "mla_kind"]
+__all__ = ["ATTENTION", "MAMBA1", "SHORT_CONV", "CacheSpec", "HasState", "StateGroup",
+           "StateKind", "StateRef", "StateSites", "TensorSpec", "attention_kind", "conv_ssm_kind",
+           "kda_kind", "lightning_kind", "mamba1_kind", "mla_kind", "short_conv_kind"]

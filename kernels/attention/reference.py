@@ -6,7 +6,9 @@ flat location ``page * page_size + offset``. Context position ``pos`` of sequenc
 
 Sequence b brings ``q_len = cu[b+1] - cu[b]`` new tokens and has ``seq_lens[b]`` context
 tokens after this step, so its query i sits at absolute position ``seq_lens[b] - q_len + i``
-and attends to context positions ``0 ..`` that position (the new tokens included).
+and attends to context positions ``0 ..`` that position (the new tokens included); with a
+sliding ``window`` W only to the last W of them, positions ``p - W + 1 .. p`` (transformers'
+rule: key k is visible to query p when ``p - W < k <= p``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from torch import Tensor
 
 from kernels.memo import TensorMemo
 from kernels.static import scatter_rows_, tracing
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be a positive number of tokens or None, got {window}")
 
 
 def check_heads(q: Tensor, k: Tensor) -> None:
@@ -48,23 +55,27 @@ _plans: TensorMemo[list[_Group]] = TensorMemo()
 
 def paged_attention_torch(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
                            out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor,
-                           seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
+                           seq_lens: Tensor, page_size: int, scale: float,
+                           window: int | None = None) -> Tensor:
     check_heads(q, k)
+    check_window(window)
     write_kv(k, v, k_pool, v_pool, out_loc)
-    return attend_paged(q, k_pool, v_pool, page_table, cu_seqlens, seq_lens, page_size, scale)
+    return attend_paged(q, k_pool, v_pool, page_table, cu_seqlens, seq_lens, page_size, scale,
+                        window)
 
 
 def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor,
-                 cu_seqlens: Tensor, seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
+                 cu_seqlens: Tensor, seq_lens: Tensor, page_size: int, scale: float,
+                 window: int | None = None) -> Tensor:
     """The attention half of ``paged_attention_torch``, over pools that already hold the new
     tokens: q [T, Hq, D]; k_pool [L_total, Hkv, D]; v_pool [L_total, Hkv, Dv] (any strides:
     MLA passes a view of its latent pool) -> [T, Hq, Dv]."""
     if tracing():           # a compiled step: uniform rows, no host-built plan
-        return attend_uniform(q, k_pool, v_pool, page_table, seq_lens, page_size, scale)
-    # The plan depends on the batch metadata only: built by the first attention layer of a
-    # step, reused by the others (kernels.memo).
-    groups = _plans.get((page_table, cu_seqlens, seq_lens), page_size,
-                        lambda: _plan(page_table, cu_seqlens, seq_lens, page_size))
+        return attend_uniform(q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window)
+    # The plan depends on the batch metadata (and the window) only: built by the first
+    # attention layer of a step, reused by the others (kernels.memo).
+    groups = _plans.get((page_table, cu_seqlens, seq_lens), (page_size, window),
+                        lambda: _plan(page_table, cu_seqlens, seq_lens, page_size, window))
     out = q.new_zeros(q.shape[0], q.shape[1], v_pool.shape[-1])
     for group in groups:
         _attend(q, k_pool, v_pool, group, scale, out)
@@ -72,7 +83,8 @@ def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor,
 
 
 def attend_uniform(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor,
-                   seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
+                   seq_lens: Tensor, page_size: int, scale: float,
+                   window: int | None = None) -> Tensor:
     """``attend_paged`` for a batch whose B sequences all bring T / B new tokens (a padded
     decode or verify step), without a host read: one SDPA over every page of the table
     ([B, max_pages]), keys past each query's position masked. What a traced or captured step
@@ -85,13 +97,17 @@ def attend_uniform(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor
     values = v_pool[locs].to(q.dtype).transpose(1, 2)
     queries = q.view(num_seqs, q_len, *q.shape[1:]).transpose(1, 2)       # [B, Hq, Q, D]
     abs_q = seq_lens.long()[:, None] - q_len + torch.arange(q_len, device=q.device)   # [B, Q]
-    mask = torch.arange(ctx, device=q.device)[None, None, :] <= abs_q[:, :, None]    # [B, Q, L]
+    keys_pos = torch.arange(ctx, device=q.device)[None, None, :]
+    mask = keys_pos <= abs_q[:, :, None]                                  # [B, Q, L]
+    if window is not None:
+        mask &= keys_pos > abs_q[:, :, None] - window
     o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
                                        scale=scale, enable_gqa=True)       # [B, Hq, Q, Dv]
     return o.transpose(1, 2).reshape(q.shape[0], q.shape[1], v_pool.shape[-1])
 
 
-def _plan(page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, page_size: int) -> list[_Group]:
+def _plan(page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, page_size: int,
+          window: int | None) -> list[_Group]:
     cu, ctx = cu_seqlens.tolist(), seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(len(ctx))]
     bad = [b for b in range(len(ctx)) if ctx[b] < q_lens[b]]
@@ -102,11 +118,11 @@ def _plan(page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, page_size: i
     groups = [[b] for b, n in enumerate(q_lens) if n > 1]
     if decodes:
         groups.insert(0, decodes)
-    return [_group(page_table, cu, ctx, q_lens, seqs, page_size) for seqs in groups]
+    return [_group(page_table, cu, ctx, q_lens, seqs, page_size, window) for seqs in groups]
 
 
 def _group(page_table: Tensor, cu: list[int], ctx: list[int], q_lens: list[int], seqs: list[int],
-           page_size: int) -> _Group:
+           page_size: int, window: int | None) -> _Group:
     device = page_table.device
     n_q = torch.tensor([q_lens[b] for b in seqs], device=device)           # [n]
     n_ctx = torch.tensor([ctx[b] for b in seqs], device=device)            # [n]
@@ -119,6 +135,8 @@ def _group(page_table: Tensor, cu: list[int], ctx: list[int], q_lens: list[int],
     abs_q = (n_ctx - n_q)[:, None] + q_pos[None, :]                        # [n, Q]
     keys_pos = k_pos[None, None, :]
     mask = (keys_pos <= abs_q[:, :, None]) & (keys_pos < n_ctx[:, None, None])   # [n, Q, L]
+    if window is not None:
+        mask &= keys_pos > abs_q[:, :, None] - window
     return _Group(q_rows, q_rows[q_valid], q_valid, locs, mask[:, None])
 
 

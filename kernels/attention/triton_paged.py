@@ -22,7 +22,9 @@ programs past a sequence's queries (and those of sequences with no new tokens) d
 The price: ``seq_lens[b] >= q_len_b`` is not checked here (the torch path checks it).
 
 Head dims that are not powers of two are padded to one and masked (D = 80 runs as 128
-columns). No sliding window or logit softcap: the reference has neither.
+columns). A sliding ``window`` W (``HAS_WINDOW``) masks keys at or before ``q_pos - W`` and
+starts the key walk at the first position the tile's earliest query still sees, so a
+windowed layer reads O(W) keys per query however long the context. No logit softcap.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.attention.reference import check_heads, write_kv
+from kernels.attention.reference import check_heads, check_window, write_kv
 from kernels.backend import interpreting
 from kernels.chunking import next_pow2
 from kernels.launch_grid import attention_grid
@@ -59,13 +61,39 @@ def find_tile_seq(cu_seqlens, num_seqs, i_tile, BQ: tl.constexpr):
 
 
 @triton.jit
+def dot(a, b, F32_DOTS: tl.constexpr):
+    """``tl.dot``, in IEEE fp32 precision (no tf32) when ``F32_DOTS``."""
+    if F32_DOTS:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def first_visible_key(first_q_pos, window, HAS_WINDOW: tl.constexpr):
+    """The first key position a tile whose earliest query sits at ``first_q_pos`` reads."""
+    if HAS_WINDOW:
+        return tl.maximum(first_q_pos - window + 1, 0)
+    return first_q_pos * 0
+
+
+@triton.jit
+def visible_keys(pos, m_pos, q_pos, window, HAS_WINDOW: tl.constexpr):
+    """[BM, BN]: key ``pos`` (in the context where ``m_pos``) is visible to query row
+    ``q_pos``: causal, and within the last ``window`` positions when windowed."""
+    visible = m_pos[None, :] & (pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
+    return visible
+
+
+@triton.jit
 def paged_attention_kernel(
     q, k_pool, v_pool, o,                   # q, o [T, HQ, D]; pools [L, HKV, D]; contiguous
     page_table, cu_seqlens, seq_lens,       # int32 [B, stride_pt] / [B + 1] / [B]
-    num_seqs, stride_pt, page_size, scale_log2,
+    num_seqs, stride_pt, page_size, scale_log2, window,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BQ: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    F32_DOTS: tl.constexpr,
+    F32_DOTS: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """G = HQ // HKV query heads per KV head, padded to GP; BM = BQ * GP rows per tile."""
     i_tile = tl.program_id(0)
@@ -88,11 +116,12 @@ def paged_attention_kernel(
             b_q = b_q.to(tl.float32)                 # k, v follow b_q's dtype
         q_pos = prefix + tok                         # [BM] absolute positions
         kv_end = prefix + tl.minimum(q0 + BQ, q_len)  # keys 0 .. kv_end - 1 are visible to some row
+        kv_start = first_visible_key(prefix + q0, window, HAS_WINDOW)
         m_i = tl.full([BM], -1.0e30, dtype=tl.float32)   # finite: no inf - inf below
         l_i = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, BD], dtype=tl.float32)
         table_row = page_table + seq.to(tl.int64) * stride_pt
-        for n0 in range(0, kv_end, BN):
+        for n0 in range(kv_start, kv_end, BN):
             pos = n0 + tl.arange(0, BN)
             m_pos = pos < kv_end
             page = tl.load(table_row + pos // page_size, mask=m_pos, other=0).to(tl.int64)
@@ -100,22 +129,15 @@ def paged_attention_kernel(
             kv_off = (loc * HKV + i_kv)[:, None] * D + o_d[None, :]     # [BN, BD]
             m_kv = m_pos[:, None] & m_d[None, :]
             b_k = tl.load(k_pool + kv_off, mask=m_kv, other=0.0).to(b_q.dtype)
-            if F32_DOTS:
-                b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
-            else:
-                b_s = tl.dot(b_q, tl.trans(b_k))
-            visible = m_pos[None, :] & (pos[None, :] <= q_pos[:, None])
-            b_s = tl.where(visible, b_s * scale_log2, float("-inf"))   # [BM, BN], log2 units
+            b_s = dot(b_q, tl.trans(b_k), F32_DOTS)
+            b_s = tl.where(visible_keys(pos, m_pos, q_pos, window, HAS_WINDOW),
+                           b_s * scale_log2, float("-inf"))             # [BM, BN], log2 units
             m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             b_p = tl.exp2(b_s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(b_p, axis=1)
             b_v = tl.load(v_pool + kv_off, mask=m_kv, other=0.0).to(b_q.dtype)
-            if F32_DOTS:
-                b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-            else:
-                b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
-            acc = acc * alpha[:, None] + b_pv
+            acc = acc * alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, F32_DOTS)
             m_i = m_new
         acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(o + rows[:, None] * D + o_d[None, :], acc.to(o.dtype.element_ty), mask=m_qd)
@@ -145,9 +167,11 @@ def tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> Ti
 
 def paged_attention_triton(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
                            out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor,
-                           seq_lens: Tensor, page_size: int, scale: float) -> Tensor:
+                           seq_lens: Tensor, page_size: int, scale: float,
+                           window: int | None = None) -> Tensor:
     """Contract of ``kernels.attention.paged_attention``, run by the Triton kernel."""
     check_heads(q, k)
+    check_window(window)
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise ValueError("the KV pools must be contiguous [L_total, Hkv, D] tensors")
     write_kv(k, v, k_pool, v_pool, out_loc)
@@ -164,9 +188,9 @@ def paged_attention_triton(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_po
         table = table.contiguous()
     paged_attention_kernel[grid](
         q.contiguous(), k_pool, v_pool, out, table, cu_seqlens.to(**i32), seq_lens.to(**i32),
-        num_seqs, table.stride(0), page_size, float(scale) * LOG2E,
+        num_seqs, table.stride(0), page_size, float(scale) * LOG2E, window or 0,
         HQ=num_q_heads, HKV=num_kv_heads, G=num_q_heads // num_kv_heads, D=head_dim,
         BQ=cfg.block_q, GP=cfg.group_pad, BM=cfg.block_q * cfg.group_pad, BN=cfg.block_n,
         BD=cfg.block_d, F32_DOTS=q.dtype == torch.float32 or interpreting(),
-        num_warps=cfg.num_warps)
+        HAS_WINDOW=window is not None, num_warps=cfg.num_warps)
     return out

@@ -1,7 +1,8 @@
 """Stage (a) of the device checks: every Triton kernel against its torch reference.
 
-Real sizes on the GPU (Qwen3-Next GDN and attention, Mamba2 SSD; KDA, MLA and lightning
-attention in ``checks_new_kernels``), toy sizes for ``--dry-run``
+Real sizes on the GPU (Qwen3-Next GDN and attention, Mamba2 SSD, Jamba's Mamba1 selective
+scan, Lfm3's sliding-window attention; KDA, MLA and lightning attention in
+``checks_new_kernels``), toy sizes for ``--dry-run``
 on CPU (the interpreter). One mixed varlen batch per recurrent op: decodes, speculative
 verifies (a snapshot after every draft token) and long prefills with prefix-cache snapshots
 mid-sequence; fp32 recurrent pools; bf16 and fp32 activations. Three rows launch grids past
@@ -35,6 +36,7 @@ class KernelSizes:
     snapshot_offsets: list[int]      # prefix-cache snapshots inside the first prefill
     gdn: tuple[int, int, int]        # value heads, key heads, head dim (K = V)
     ssd: tuple[int, int, int]        # heads, head dim P, state dim N
+    mamba1: tuple[int, int]          # channels (d_inner), state dim N
     conv_dim: int
     norm_rows: int
     attention: list[tuple[int, int, int]]        # (Hq, Hkv, D)
@@ -48,18 +50,19 @@ class KernelSizes:
 VERIFY_LEN = 4
 FULL = KernelSizes(
     decodes=32, verifies=8, prefills=[700, 129], snapshot_offsets=[255, 511],
-    gdn=(32, 16, 128), ssd=(128, 64, 128), conv_dim=8192, norm_rows=32768,
+    gdn=(32, 16, 128), ssd=(128, 64, 128), mamba1=(8192, 16), conv_dim=8192, norm_rows=32768,
     attention=[(16, 2, 256), (8, 8, 128), (32, 4, 80)],
     attention_mixed=[(0, 300), (100, 64), (1000, 1), (37, 1), (500, 4), (64, 0), (15, 4), (0, 1)],
     attention_decode=[(1000, 1), (37, 1), (15, 1), (4095, 1), (0, 1)] * 4,
     grid_gdn_decodes=2100, grid_ssd_decodes=600, grid_ssd_longs=520)
 TOY = KernelSizes(
     decodes=2, verifies=1, prefills=[40], snapshot_offsets=[20], gdn=(4, 2, 16), ssd=(4, 16, 16),
-    conv_dim=32, norm_rows=64, attention=[(4, 2, 32), (6, 2, 80)],
+    mamba1=(24, 16), conv_dim=32, norm_rows=64, attention=[(4, 2, 32), (6, 2, 80)],
     attention_mixed=[(0, 20), (5, 1), (3, 0), (9, 4)], attention_decode=[(30, 1), (0, 1)],
     grid_gdn_decodes=3, grid_ssd_decodes=3, grid_ssd_longs=2)
 TOL = {"gdn": {torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-2, 1e-2)},
        "ssd": {torch.bfloat16: (2e-2, 5e-2), torch.float32: (1e-2, 2e-2)},
+       "mamba1": {torch.bfloat16: (2e-2, 5e-2), torch.float32: (1e-3, 1e-3)},     # no tl.dot
        "exact": {torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-4, 1e-4)}}
 POOL_TOL = (1e-2, 1e-2)
 
@@ -130,6 +133,31 @@ def ssd_case(batch, heads: tuple[int, int, int], groups: int, dtype: torch.dtype
     return res, cuda_ms(call)
 
 
+def mamba1_case(batch, dims: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Result:
+    """Jamba's selective scan: per-token and chunked (associative scan) kernels."""
+    from kernels.selective_scan.reference import selective_scan_varlen_torch
+    from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
+
+    lens, (cu, slots, has_init, dst, num_slots) = batch
+    (channels, state), num_tokens = dims, sum(lens)
+    x, dt = (_randn(num_tokens, channels, dtype=dtype, device=device) for _ in range(2))
+    A = -torch.rand(channels, state, device=device) * 8 - 1.0
+    B, C = (_randn(num_tokens, state, dtype=dtype, device=device) for _ in range(2))
+    D = _randn(channels, dtype=dtype, device=device)
+    dt_bias = torch.randn(channels, device=device) - 3.0
+    pool = torch.randn(num_slots, channels, state, device=device) * 0.1
+    ref_pool, tri_pool = pool.clone(), pool.clone()
+    args = (x, dt, A, B, C, D, dt_bias)
+    ref = selective_scan_varlen_torch(*args, ref_pool, cu, slots, has_init, True, 64, dst)
+
+    def call() -> torch.Tensor:
+        return selective_scan_varlen_triton(*args, tri_pool, cu, slots, has_init,
+                                            state_dst_slots=dst)
+    y = call()
+    res = worst(compare(y, ref, *TOL["mamba1"][dtype]), compare(tri_pool, ref_pool, *POOL_TOL))
+    return res, cuda_ms(call)
+
+
 def conv_case(sz: KernelSizes, dtype: torch.dtype, device: torch.device) -> Result:
     """Varlen (prefill, verify, snapshots) then one decode update; states must be exact."""
     from kernels.conv1d.reference import causal_conv1d_update_torch, causal_conv1d_varlen_torch
@@ -177,9 +205,9 @@ def norm_case(sz: KernelSizes, dtype: torch.dtype, device: torch.device) -> Resu
 
 
 def attention_case(seqs: list[tuple[int, int]], heads: tuple[int, int, int], dtype: torch.dtype,
-                   device: torch.device, impl: str = "triton") -> Result:
+                   device: torch.device, impl: str = "triton", window: int | None = None) -> Result:
     """Triton (or FlashInfer) paged attention against the torch path, on the same device; the
-    pools must receive exactly the same K/V."""
+    pools must receive exactly the same K/V. ``window``: a sliding window (Triton only)."""
     from kernels.attention.reference import paged_attention_torch
 
     if impl == "flashinfer":
@@ -189,13 +217,14 @@ def attention_case(seqs: list[tuple[int, int]], heads: tuple[int, int, int], dty
     h_q, h_kv, dim = heads
     case = with_dtype(build_case(seqs, 16, h_q, h_kv, seed=dim, head_dim=dim), dtype)
     scale = dim ** -0.5
-    out, k_pool, v_pool = run_paged(fn, case, scale, device)
-    want, want_k, want_v = run_paged(paged_attention_torch, case, scale, device)
+    out, k_pool, v_pool = run_paged(fn, case, scale, device, window)
+    want, want_k, want_v = run_paged(paged_attention_torch, case, scale, device, window)
     res = worst(compare(out, want, *TOL["exact"][dtype]), compare(k_pool, want_k, 0.0, 0.0),
                 compare(v_pool, want_v, 0.0, 0.0))
     args = {n: case[n].to(device) for n in ("q", "k", "v", "k_pool", "v_pool", "out_loc",
                                             "page_table", "cu_seqlens", "seq_lens")}
-    return res, cuda_ms(lambda: fn(**args, page_size=16, scale=scale))
+    extra = {} if window is None else {"window": window}
+    return res, cuda_ms(lambda: fn(**args, page_size=16, scale=scale, **extra))
 
 
 def attention_graph_case(seqs: list[tuple[int, int]], heads: tuple[int, int, int],
@@ -246,6 +275,8 @@ def checks(sz: KernelSizes, device: torch.device) -> list[Check]:
         (f"ssd chunked {sz.grid_ssd_longs} seqs x {grid_heads} heads (grid axis 0)", bf16,
          lambda dt: ssd_case(_plain([17] * sz.grid_ssd_longs, 6, device),
                              (grid_heads, ssd_p, ssd_n // 2), 1, dt, device)),
+        ("mamba1 selective scan varlen (chunked + recurrent, snapshots)", both,
+         lambda dt: mamba1_case(_mixed(sz, 7, device), sz.mamba1, dt, device)),
         ("causal conv1d varlen + update", both, lambda dt: conv_case(sz, dt, device)),
         ("rms norms (gated, grouped, zero-centred)", both, lambda dt: norm_case(sz, dt, device)),
     ]
@@ -253,6 +284,10 @@ def checks(sz: KernelSizes, device: torch.device) -> list[Check]:
         for label, seqs in (("mixed", sz.attention_mixed), ("decode", sz.attention_decode)):
             out.append((f"attention triton {label} {heads[0]}q/{heads[1]}kv d{heads[2]}", both,
                         lambda dt, s=seqs, h=heads: attention_case(s, h, dt, device)))
+    window = 256 if sz is FULL else 8
+    out.append((f"attention triton mixed, sliding window {window}", both,
+                lambda dt: attention_case(sz.attention_mixed, sz.attention[0], dt, device,
+                                          window=window)))
     out += new_checks(FULL_NEW if sz is FULL else TOY_NEW, lambda seed: _mixed(sz, seed, device),
                       sz.attention_mixed, sz.attention_decode, device, TOL, POOL_TOL)
     out.append(("attention triton decode, CUDA graph replay = eager", bf16,
@@ -290,7 +325,8 @@ def run(sz: KernelSizes, device: torch.device, report: Report, deadline: Deadlin
 
 def _tol_label(name: str, dtype: torch.dtype) -> str:
     kind = ("gdn" if name.startswith(("gdn", "kda")) else
-            "ssd" if name.startswith(("ssd", "lightning")) else "exact")
+            "ssd" if name.startswith(("ssd", "lightning")) else
+            "mamba1" if name.startswith("mamba1") else "exact")
     rtol, atol = TOL[kind][dtype]
     return f"{rtol:g}/{atol:g}"
 

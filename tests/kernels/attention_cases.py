@@ -49,8 +49,9 @@ def build_case(seqs: list[tuple[int, int]], page_size: int, h_q: int, h_kv: int,
         page_size=page_size, k_full=k_full, v_full=v_full, seqs=seqs)
 
 
-def dense_reference(case: Case, scale: float) -> torch.Tensor:
-    """Per sequence, per query and head: softmax over the un-paged keys 0..its position."""
+def dense_reference(case: Case, scale: float, window: int | None = None) -> torch.Tensor:
+    """Per sequence, per query and head: softmax over the un-paged keys 0..its position (the
+    last ``window`` of them with a sliding window)."""
     q = case["q"].float()
     out = torch.zeros(q.shape)
     h_q, h_kv = q.shape[1], case["k"].shape[1]
@@ -58,9 +59,10 @@ def dense_reference(case: Case, scale: float) -> torch.Tensor:
         start = int(case["cu_seqlens"][b])
         for i in range(new):
             pos = prefix + i
+            first = 0 if window is None else max(0, pos - window + 1)
             for h in range(h_q):
-                keys = case["k_full"][b][: pos + 1, h // (h_q // h_kv)]
-                vals = case["v_full"][b][: pos + 1, h // (h_q // h_kv)]
+                keys = case["k_full"][b][first: pos + 1, h // (h_q // h_kv)]
+                vals = case["v_full"][b][first: pos + 1, h // (h_q // h_kv)]
                 probs = torch.softmax(keys @ q[start + i, h] * scale, dim=0)
                 out[start + i, h] = probs @ vals
     return out
@@ -77,13 +79,15 @@ def with_dtype(case: Case, dtype: torch.dtype) -> Case:
 
 
 def run_paged(fn: Callable[..., torch.Tensor], case: Case, scale: float,
-              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              device: torch.device | str = "cpu",
+              window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fn`` (a paged_attention implementation) on copies of the case's pools, on ``device``:
     -> (output, k pool, v pool), on the CPU."""
     dev = torch.device(device)
     names = ("q", "k", "v", "k_pool", "v_pool", "out_loc", "page_table", "cu_seqlens", "seq_lens")
     args = {n: case[n].clone().to(dev) for n in names}
-    out = fn(**args, page_size=case["page_size"], scale=scale)
+    extra = {} if window is None else {"window": window}
+    out = fn(**args, page_size=case["page_size"], scale=scale, **extra)
     return out.cpu(), args["k_pool"].cpu(), args["v_pool"].cpu()
 
 

@@ -13,9 +13,9 @@ from tests.kernels.attention_cases import (build_case, dense_reference, expected
 TOL = 1e-5
 
 
-def run_and_check(case, scale: float = 0.4) -> None:
-    out, k_pool, v_pool = run_paged(paged_attention, case, scale)
-    torch.testing.assert_close(out, dense_reference(case, scale), atol=TOL, rtol=0)
+def run_and_check(case, scale: float = 0.4, window: int | None = None) -> None:
+    out, k_pool, v_pool = run_paged(paged_attention, case, scale, window=window)
+    torch.testing.assert_close(out, dense_reference(case, scale, window), atol=TOL, rtol=0)
     expect_k, expect_v = expected_pools(case)
     assert torch.equal(k_pool, expect_k) and torch.equal(v_pool, expect_v)  # nothing else written
 
@@ -34,6 +34,31 @@ def test_mixed_batch(page_size, heads):
        seed=st.integers(0, 2**16))
 def test_random_batches(seqs, page_size, heads, seed):
     run_and_check(build_case(seqs, page_size, *heads, seed=seed))
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 100])
+def test_sliding_window(window):
+    """Keys older than the window are masked: queries deep into a long prefix, chunks that
+    straddle the window edge, decodes, an idle sequence; 100 is wider than every context."""
+    seqs = [(0, 11), (9, 1), (20, 1), (13, 6), (3, 0), (0, 1), (30, 2)]
+    case = build_case(seqs, 4, 4, 2, seed=window)
+    run_and_check(case, window=window)
+    if window < 30:                               # the window does change the result
+        full = dense_reference(case, 0.4)
+        assert not torch.allclose(full, dense_reference(case, 0.4, window), atol=1e-3)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6)), min_size=1, max_size=5),
+       window=st.integers(1, 10), seed=st.integers(0, 2**16))
+def test_random_windowed_batches(seqs, window, seed):
+    run_and_check(build_case(seqs, 4, 4, 2, seed=seed), window=window)
+
+
+def test_window_must_be_positive():
+    case = build_case([(0, 3)], 4, 2, 2, seed=0)
+    with pytest.raises(ValueError, match="window must be a positive"):
+        run_paged(paged_attention, case, 0.3, window=0)
 
 
 def test_bf16_output_dtype():

@@ -1,4 +1,4 @@
-"""Builders shared by the GDN, KDA and SSD tests, on the torch path (``tests/kernels/test_*.py``)
+"""Builders shared by the GDN, KDA, SSD and selective-scan tests, on the torch path (``tests/kernels/test_*.py``)
 and the Triton path (``tests/kernels/triton_path/``): inputs, lengths, case variants, the
 naive per-token driver over the slot pool, and the pool-and-output comparison.
 
@@ -72,6 +72,23 @@ def ssd_inputs(num_tokens: int, num_slots: int, seed: int, heads: int, groups: i
         D=torch.randn(heads, generator=gen),
         dt_bias=torch.randn(heads, generator=gen) * 0.5,
         states=torch.randn(num_slots, heads, p_dim, n_dim, generator=gen),
+    )
+
+
+def selective_scan_inputs(num_tokens: int, num_slots: int, seed: int, channels: int,
+                          n_dim: int) -> Inputs:
+    """x, dt [T, H]; A [H, N] (< 0, one rate per channel and state); B, C [T, N];
+    D, dt_bias [H]; states [S, H, N] (Mamba1, ``kernels.selective_scan``)."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        x=torch.randn(num_tokens, channels, generator=gen),
+        dt=torch.randn(num_tokens, channels, generator=gen) - 1.0,
+        A=-torch.rand(channels, n_dim, generator=gen) * 2 - 0.1,
+        B=torch.randn(num_tokens, n_dim, generator=gen),
+        C=torch.randn(num_tokens, n_dim, generator=gen),
+        D=torch.randn(channels, generator=gen),
+        dt_bias=torch.randn(channels, generator=gen) * 0.5,
+        states=torch.randn(num_slots, channels, n_dim, generator=gen),
     )
 
 

@@ -99,7 +99,8 @@ def test_no_paged_state_means_page_bookkeeping_only() -> None:
 
 def test_family_specs(tiny_checkpoint) -> None:
     """What each family's layers declare: no KV for Mamba2, both kinds in every Falcon-H1
-    layer, one KV per invocation of Zamba2's shared blocks, Nemotron-H's MLP/MoE keep none."""
+    layer, one KV per invocation of Zamba2's shared blocks, Nemotron-H's MLP/MoE keep none,
+    Mamba1's [d_inner, N] scan state, a short conv's window and nothing else."""
     def layers(name: str) -> dict[str, int]:
         spec = load_model(tiny_checkpoint(name), torch.float32, "meta").model.cache_spec()
         return {g.kind.name: g.num_layers for g in spec.groups}
@@ -109,6 +110,14 @@ def test_family_specs(tiny_checkpoint) -> None:
     assert layers("zamba2") == {"mamba2": 6, ATTENTION: 3}
     assert layers("nemotron_h") == {"mamba2": 2, ATTENTION: 2}
     assert layers("qwen3_next") == {"gdn": 3, ATTENTION: 2}
+    assert layers("jamba") == {"mamba1": 3, ATTENTION: 2}
+    assert layers("lfm2") == {"short_conv": 3, ATTENTION: 2}
+    assert layers("lfm3") == {"short_conv": 3, ATTENTION: 3}      # sliding layers keep full KV
+    jamba = load_model(tiny_checkpoint("jamba"), torch.float32, "meta").model.cache_spec()
+    assert [(t.name, t.shape, t.dtype) for t in jamba.group("mamba1").kind.tensors] == [
+        ("conv", (128, 3), None), ("ssm", (128, 16), "float32")]
+    lfm2 = load_model(tiny_checkpoint("lfm2"), torch.float32, "meta").model.cache_spec()
+    assert [(t.name, t.shape) for t in lfm2.group("short_conv").kind.tensors] == [("conv", (64, 2))]
     assert layers("kimi_linear") == layers("bailing_hybrid") == {"kda": 3, "mla": 2}
     assert layers("minimax") == {"lightning": 3, ATTENTION: 2}
     assert layers("olmo_hybrid") == {"gdn": 3, ATTENTION: 2}

@@ -11,6 +11,9 @@ from workers.models.bamba import BambaForCausalLM
 from workers.models.base import HybridForCausalLM
 from workers.models.falcon_h1 import FalconH1ForCausalLM
 from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from workers.models.jamba import JambaForCausalLM
+from workers.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
+from workers.models.lfm3 import Lfm3ForCausalLM
 from workers.models.kimi_linear import KimiLinearForCausalLM
 from workers.models.mamba2_lm import Mamba2ForCausalLM
 from workers.models.minimax import MiniMaxForCausalLM
@@ -34,6 +37,10 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
+    "JambaForCausalLM": JambaForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+    "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "BailingHybridForCausalLM": BailingHybridForCausalLM,
     "MiniMaxForCausalLM": MiniMaxForCausalLM,

@@ -100,11 +100,14 @@ class RotaryEmbedding:
         self.rotary_dim = rotary_dim
         self.theta = theta
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """[rotary_dim / 2] fp32 angular frequencies (a subclass may reshape the spectrum)."""
+        exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device)
+        return 1.0 / (self.theta ** (exps / self.rotary_dim))
+
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos/sin for int64 ``positions [T]`` (any start, not assumed 0), cast to ``dtype``."""
-        exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=positions.device)
-        inv_freq = 1.0 / (self.theta ** (exps / self.rotary_dim))
-        freqs = positions.float()[:, None] * inv_freq[None, :]
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -128,7 +131,10 @@ class AttentionDims:
     bias: bool
     scale: float
     output_gate: bool = False            # q_proj also emits a per-head sigmoid gate (Qwen3-Next)
-    qk_norm_eps: float | None = None     # per-head zero-centred RMSNorm on q and k (Qwen3-Next)
+    qk_norm_eps: float | None = None     # per-head RMSNorm on q and k (Qwen3-Next, LFM2, Lfm3)
+    qk_norm_zero_centered: bool = True   # ... as ``1 + w`` (Qwen3-Next) or plain ``w`` (LFM)
+    head_gate: bool = False              # g_proj: one sigmoid gate per head from the input (Lfm3)
+    sliding_window: int | None = None    # attend to the last W positions only (Lfm3 sliding layers)
     output_size: int | None = None       # o_proj's output width (default hidden_size; Zamba2: less)
     key_multiplier: float = 1.0          # k_proj's output scaled before RoPE (Falcon-H1)
     adapter_rank: int = 0                # > 0: q/k/v LoRA adapters for these invocations (Zamba2)
@@ -136,7 +142,9 @@ class AttentionDims:
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV pool; RoPE optional (``ctx.rope`` None: NoPE).
+    """GQA self-attention over the paged KV pool; RoPE optional (``ctx.rope`` None: NoPE;
+    q and k come back in their own dtype whatever the tables', so fp32 tables give Lfm3's
+    fp32 rotation). A sliding window keeps every token's KV in the pool and reads the last W.
 
     ``forward(x, ctx, ref, adapter)``: ``ref`` names this layer's (or this invocation's) KV in
     the pool; ``adapter`` the invocation whose q/k/v LoRA adapters apply (Zamba2), if any.
@@ -147,6 +155,7 @@ class Attention(nn.Module):
         if dims.num_heads % dims.num_kv_heads:
             raise ValueError(f"num_attention_heads={dims.num_heads} is not a multiple of "
                              f"num_key_value_heads={dims.num_kv_heads}")
+        assert not (dims.output_gate and dims.head_gate), "one output gate per attention"
         self.dims = dims
         q_width = dims.num_heads * dims.head_dim * (2 if dims.output_gate else 1)
         kv_width = dims.num_kv_heads * dims.head_dim
@@ -156,8 +165,10 @@ class Attention(nn.Module):
         self.o_proj = linear(dims.num_heads * dims.head_dim, dims.output_size or dims.hidden_size,
                              dims.bias, dtype)
         if dims.qk_norm_eps is not None:
-            self.q_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=True)
-            self.k_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=True)
+            centred = dims.qk_norm_zero_centered
+            self.q_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=centred)
+            self.k_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=centred)
+        self.g_proj = linear(dims.hidden_size, dims.num_heads, False, dtype) if dims.head_gate else None
         self.adapters: tuple[LoraAdapters, ...] = ()
         if dims.adapter_rank:
             for name, width in (("q", q_width), ("k", kv_width), ("v", kv_width)):
@@ -174,15 +185,18 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if adapter is not None and self.adapters:
             q, k, v = (p + a(x, adapter)[0] for p, a in zip((q, k, v), self.adapters))
-        return self.attend(q, k, v, ctx, ref)
+        gate = None
+        if self.g_proj is not None:          # [T, H] -> one gate logit per output channel
+            gate = self.g_proj(x).repeat_interleave(self.dims.head_dim, dim=-1)
+        return self.attend(q, k, v, ctx, ref, gate)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext,
-               ref: StateRef) -> torch.Tensor:
-        """From the flat projections q [T, q_width], k, v [T, H_kv * D] to ``o_proj``'s output."""
+               ref: StateRef, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """From the flat projections q [T, q_width], k, v [T, H_kv * D] to ``o_proj``'s output;
+        ``gate`` [T, H * D]: sigmoid gate logits on the attention output (Lfm3's g_proj)."""
         d = self.dims
         num_tokens = q.shape[0]
         batch = ctx.batch
-        gate = None
         if d.output_gate:
             # per head: [query (head_dim) | gate (head_dim)]
             q, gate = q.view(num_tokens, d.num_heads, 2 * d.head_dim).chunk(2, dim=-1)
@@ -195,11 +209,11 @@ class Attention(nn.Module):
         if d.qk_norm_eps is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.rope is not None:
-            q, k = apply_rotary(q, ctx.rope), apply_rotary(k, ctx.rope)
+            q, k = apply_rotary(q, ctx.rope).to(q.dtype), apply_rotary(k, ctx.rope).to(k.dtype)
         kv = ctx.pools.kv.layer(ref)
         o = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), kv["k"], kv["v"],
                             batch.out_loc, batch.page_table, batch.cu_seqlens, batch.seq_lens,
-                            batch.page_size, d.scale)
+                            batch.page_size, d.scale, d.sliding_window)
         o = o.reshape(num_tokens, d.num_heads * d.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -277,27 +291,31 @@ class DenseMLP(nn.Module):
 
 
 class CausalConv1d(nn.Module):
-    """Depthwise causal conv + SiLU of the recurrent mixers, state in the Mamba pool.
+    """Depthwise causal conv + SiLU of the recurrent mixers (``activation=None``: no
+    activation, LFM2's short conv), state in the Mamba pool.
 
     ``weight`` keeps the HF ``nn.Conv1d`` layout ``[D, 1, W]``; the pool's conv state of the
     layer is ``[S, D, W-1]`` (the last W-1 inputs, oldest first).
     """
 
-    def __init__(self, dim: int, width: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, width: int, bias: bool, dtype: torch.dtype,
+                 activation: str | None = "silu") -> None:
         super().__init__()
         self.weight = param(dim, 1, width, dtype=dtype)
         self.bias = param(dim, dtype=dtype) if bias else None
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.decode_only:       # one token per sequence, all with a state: same result
             return causal_conv1d_update(x, self.weight[:, 0, :], self.bias, conv_state,
-                                        batch.mamba_slot_ids, activation="silu")
+                                        batch.mamba_slot_ids, activation=self.activation)
         if batch.verify_len:        # T tokens per sequence, a snapshot at each: same result
             assert batch.state_dst_slots is not None
             return causal_conv1d_verify(x, self.weight[:, 0, :], self.bias, conv_state,
                                         batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-                                        batch.state_dst_slots, batch.verify_len, activation="silu")
+                                        batch.state_dst_slots, batch.verify_len,
+                                        activation=self.activation)
         return causal_conv1d_varlen(x, self.weight[:, 0, :], self.bias, conv_state,
                                     batch.cu_seqlens, batch.mamba_slot_ids,
-                                    batch.has_initial_state, activation="silu",
+                                    batch.has_initial_state, activation=self.activation,
                                     state_dst_slots=batch.state_dst_slots)

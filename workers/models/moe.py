@@ -10,12 +10,13 @@ expert or by the intermediate dim); an expert is ``down(act(gate(x)) * up(x))``,
 - ``style="granite"`` (GraniteMoe*): top-k of the logits, softmax over those k; checkpoint
   ``router.layer.weight``, ``input_linear.weight`` [E, 2I, H] = cat(gate, up),
   ``output_linear.weight`` [E, H, I].
-- ``style="sigmoid_grouped"`` (DeepSeek-V3 style, Nemotron-H): fp32 sigmoid scores; the
-  choice adds ``e_score_correction_bias``, keeps the ``topk_groups`` best of ``num_groups``
-  expert groups (a group scores the sum of its top two), then the top-k; the weights are the
-  chosen *uncorrected* scores, optionally renormalised, times ``routed_scaling_factor``;
-  checkpoint ``gate.weight`` (kept fp32), ``gate.e_score_correction_bias``,
-  ``experts.{e}.{up,down}_proj.weight``.
+- ``style="sigmoid_grouped"`` (DeepSeek-V3 style, Nemotron-H, LFM2-MoE): fp32 sigmoid
+  scores; the choice adds ``e_score_correction_bias`` (unless ``score_bias=False``), keeps the
+  ``topk_groups`` best of ``num_groups`` expert groups (a group scores the sum of its top
+  two), then the top-k; the weights are the chosen *uncorrected* scores, optionally
+  renormalised (``sum + norm_eps``), times ``routed_scaling_factor``; checkpoint
+  ``gate.weight`` (kept fp32), ``gate.e_score_correction_bias``,
+  ``experts.{e}.{gate,up,down}_proj.weight``.
 
 Qwen3.5-MoE checkpoints may also ship the experts fused, as transformers holds them:
 ``experts.gate_up_proj`` [E, 2I, H] = cat(gate, up) per expert and ``experts.down_proj``
@@ -59,6 +60,8 @@ class MoeDims:
     num_groups: int = 1             # sigmoid_grouped: expert groups (n_group) ...
     topk_groups: int = 1            # ... of which each token keeps this many (topk_group)
     routed_scaling_factor: float = 1.0
+    score_bias: bool = True         # sigmoid_grouped: the choice adds a correction bias
+    norm_eps: float = 1e-20         # sigmoid_grouped: renormalisation sum + eps (LFM2-MoE 1e-6)
 
     def validate(self) -> None:
         if self.style not in STYLES:
@@ -86,7 +89,7 @@ class SparseMoE(nn.Module):
         grouped = dims.style == "sigmoid_grouped"
         # The sigmoid router is kept in fp32 (as transformers keeps gate.weight).
         self.router_weight = param(e, dims.router_size or h, dtype=torch.float32 if grouped else dtype)
-        self.score_bias = param(e, dtype=torch.float32) if grouped else None
+        self.score_bias = param(e, dtype=torch.float32) if grouped and dims.score_bias else None
         self.w_gate = param(e, i, h, dtype=dtype) if dims.gated else None
         self.w_up = param(e, i, h, dtype=dtype)
         self.w_down = param(e, h, i, dtype=dtype)
@@ -122,8 +125,7 @@ class SparseMoE(nn.Module):
     def _route_sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
         scores = F.linear(x.float(), self.router_weight.float()).sigmoid()       # [T, E]
-        assert self.score_bias is not None
-        choice = scores + self.score_bias
+        choice = scores if self.score_bias is None else scores + self.score_bias
         per_group = d.num_experts // d.num_groups
         grouped = choice.view(-1, d.num_groups, per_group)
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)                    # [T, G]
@@ -133,7 +135,7 @@ class SparseMoE(nn.Module):
         top_ids = choice.topk(d.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, top_ids)
         if d.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + d.norm_eps)
         return (weights * d.routed_scaling_factor).to(x.dtype), top_ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

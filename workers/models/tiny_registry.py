@@ -25,7 +25,8 @@ from typing import Any
 
 from workers.models import tiny_qwen3_5 as q35
 from workers.models.tiny_weights import (RedrawRule, add_nemotron_mtp, add_qwen_mtp,
-                                         keep_lightning_buffers, redraw_decay_logs)
+                                         keep_lightning_buffers, redraw_decay_logs,
+                                         redraw_mamba1)
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
 LayoutWriter = Callable[[Path], None]             # rewrites a saved checkpoint's tensors
@@ -152,6 +153,48 @@ _QWEN3_5_MOE_VL = TinyFamily(
     hf_modeling=_Q35_MOE, text_config_key="text_config", layout_writer=q35.fuse_experts,
     notes=("experts fused (experts.gate_up_proj / down_proj), as released checkpoints may be",))
 
+_JAMBA = TinyFamily(
+    "jamba", "JambaForCausalLM", "JambaConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=96, attn_layer_period=3,
+         attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+         num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+         mamba_dt_rank=8, mamba_conv_bias=True, mamba_proj_bias=False, tie_word_embeddings=False),
+    redraw=redraw_mamba1, hf_modeling="transformers.models.jamba.modeling_jamba",
+    notes=("Mamba1 layers 0, 2, 3 and NoPE attention 1, 4; MoE in layers 1 and 3",))
+
+_LFM2 = TinyFamily(
+    "lfm2", "Lfm2ForCausalLM", "Lfm2Config",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=144, block_multiple_of=32,
+         block_ffn_dim_multiplier=1.5, full_attn_idxs=[1, 4], conv_L_cache=3,
+         tie_word_embeddings=True),
+    hf_modeling="transformers.models.lfm2.modeling_lfm2",
+    notes=("short convs 0, 2, 3 (no scan state) and RoPE attention 1, 4; the MLP width is "
+           "auto-adjusted: int(1.5 * int(2 * 144 / 3)) = 144, rounded up to 160",))
+
+_LFM2_MOE = TinyFamily(
+    "lfm2_moe", "Lfm2MoeForCausalLM", "Lfm2MoeConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         max_position_embeddings=4096, intermediate_size=96, moe_intermediate_size=32,
+         num_experts=8, num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True,
+         routed_scaling_factor=1.5, norm_topk_prob=True, conv_L_cache=4, conv_bias=True,
+         layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+         tie_word_embeddings=False),
+    hf_modeling="transformers.models.lfm2_moe.modeling_lfm2_moe",
+    notes=("sigmoid-routed experts with an expert bias after one dense layer",))
+
+_LFM3 = TinyFamily(
+    "lfm3", "Lfm3ForCausalLM", "Lfm3Config",
+    dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+         head_dim=16, max_position_embeddings=4096, intermediate_size=96, conv_L_cache=5,
+         sliding_window=8, layer_types=["conv", "sliding_attention", "conv", "full_attention",
+                                        "conv", "sliding_attention"],
+         use_sandwich_norm=True, use_attention_gate=True, tie_word_embeddings=True),
+    hf_modeling="transformers.models.lfm3.modeling_lfm3",
+    notes=("sliding_window 8, so the test prompts (up to 70 tokens) cross it; the full "
+           "attention layer's proportional RoPE rotates 4 of 8 frequencies",))
+
 _KIMI_LINEAR = TinyFamily(
     "kimi_linear", "KimiLinearForCausalLM", "KimiLinearConfig",
     dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
@@ -211,8 +254,8 @@ _OLMO_HYBRID = TinyFamily(
 
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
     _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2,
-    _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL, _KIMI_LINEAR, _BAILING_HYBRID,
-    _MINIMAX, _OLMO_HYBRID)}
+    _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL, _JAMBA, _LFM2, _LFM2_MOE, _LFM3,
+    _KIMI_LINEAR, _BAILING_HYBRID, _MINIMAX, _OLMO_HYBRID)}
 
 
 def get_family(name: str) -> TinyFamily:

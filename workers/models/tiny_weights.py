@@ -48,6 +48,18 @@ def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norm
         p.copy_(0.1 * randn(*p.shape))
 
 
+def redraw_mamba1(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """Mamba1 (Jamba): ``A_log`` is [d_inner, N] (the generic rule would draw it as a matrix)
+    and ``dt_proj.bias`` is the dt bias; both drawn as the Mamba2 ones are."""
+    if name.endswith("A_log"):
+        p.copy_(torch.log(1.0 + 15.0 * torch.rand(p.shape, generator=gen, device=p.device)))
+        return True
+    if name.endswith("dt_proj.bias"):
+        redraw_(name.replace("dt_proj.bias", "dt_bias"), p, gen, zero_centered_norms=False)
+        return True
+    return False
+
+
 def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool,
                   rule: RedrawRule | None = None) -> None:
     """Every parameter (named_parameters order), then every saved buffer, re-drawn from

@@ -9,6 +9,8 @@ the full hidden state:
   ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` rows, conv channels of q, k,
   v, ``A_log`` / ``dt_bias`` of the value heads), ``out_proj`` (row);
 - Mamba2: heads and B/C groups (see ``mamba_groups``), conv channels follow x/B/C;
+- Mamba1: d_inner channels (``x_proj``'s partial output is all-reduced inside the mixer);
+- short conv (LFM2): its channels (``in_proj``'s B / C / x rows, conv, ``out_proj``);
 - dense MLP and MoE: each expert's intermediate dim (and the shared expert's); the
   router, every norm, embeddings and ``lm_head`` are replicated;
 - KDA, MLA, lightning attention and OLMo's attention / GDN: ``shard_mixers``.
@@ -31,12 +33,14 @@ from torch import nn
 
 from workers.models.gated_deltanet import GatedDeltaNet
 from workers.models.layers import Attention, DenseMLP
+from workers.models.mamba1 import Mamba1Mixer
 from workers.models.mamba2 import Mamba2Mixer
 from workers.models.moe import SparseMoE
+from workers.models.short_conv import ShortConv
 from workers.tp.comm import Comm
 from workers.tp.shard_mixers import CHECKS, SHARDERS
-from workers.tp.shard_layers import (mamba_groups, part, shard_attention, shard_gdn, shard_mamba2,
-                                     shard_mlp, shard_moe)
+from workers.tp.shard_layers import (mamba_groups, part, shard_attention, shard_gdn, shard_mamba1,
+                                     shard_mamba2, shard_mlp, shard_moe, shard_short_conv)
 
 _SHARDED = "_tp_sharded"
 
@@ -61,6 +65,10 @@ def _shard_one(module: nn.Module, comm: Comm) -> bool:
         shard_gdn(module, rank, world)
     elif isinstance(module, Mamba2Mixer):
         shard_mamba2(module, rank, world, comm)
+    elif isinstance(module, Mamba1Mixer):
+        shard_mamba1(module, rank, world, comm)
+    elif isinstance(module, ShortConv):
+        shard_short_conv(module, rank, world)
     elif isinstance(module, SparseMoE):
         shard_moe(module, rank, world)
     elif isinstance(module, DenseMLP):
@@ -121,6 +129,10 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
         elif isinstance(m, Mamba2Mixer):
             checks.append((m.dims.num_heads, "mamba_n_heads"))
             groups.add(m.dims.num_groups)
+        elif isinstance(m, Mamba1Mixer):
+            checks.append((m.dims.d_inner, "mamba_expand * hidden_size"))
+        elif isinstance(m, ShortConv):
+            checks.append((m.dims.channels, "hidden_size (short conv channels)"))
         elif isinstance(m, SparseMoE):
             checks.append((m.dims.intermediate_size, "expert intermediate size"))
             if m.dims.shared_intermediate_size:

@@ -19,8 +19,10 @@ from torch import nn
 
 from workers.models.gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from workers.models.layers import Attention, DenseMLP
+from workers.models.mamba1 import Mamba1Mixer
 from workers.models.mamba2 import Mamba2Mixer
 from workers.models.moe import SparseMoE
+from workers.models.short_conv import ShortConv
 from workers.tp.comm import Comm
 
 
@@ -78,6 +80,8 @@ def shard_attention(attn: Attention, rank: int, world: int) -> None:
     for adapters, rows in zip(attn.adapters, ranges):      # LoRA adds to q / k / v: same rows
         for up in adapters.parts(0):
             column(up, rows)
+    if attn.g_proj is not None:                              # one gate row per head
+        column(attn.g_proj, [heads])
     row(attn.o_proj, [heads.scaled(d.head_dim)], rank)
     attn.dims = replace(d, num_heads=heads.size, num_kv_heads=kv.size)
 
@@ -147,6 +151,37 @@ def shard_mamba2(m: Mamba2Mixer, rank: int, world: int, comm: Comm) -> None:
             _set(m.norm, "weight", norm_weight)
     row(m.out_proj, [h.scaled(p)], rank)
     m.dims = replace(d, num_heads=h.size, num_groups=g.size)   # the proj multipliers follow
+
+
+def shard_mamba1(m: Mamba1Mixer, rank: int, world: int, comm: Comm) -> None:
+    """By d_inner channels: x / z rows of ``in_proj``, conv channels, ``dt_proj`` rows, the
+    rows of ``A_log`` / ``D``, ``out_proj`` columns. ``x_proj`` reads this rank's channels
+    only: its partial ``[dt | B | C]`` is summed over ranks by a hook before the norms."""
+    d = m.dims
+    h = part(d.d_inner, rank, world, "Mamba1 channels (mamba_expand * hidden_size)")
+    column(m.in_proj, [h.scaled(1), h.scaled(1, d.d_inner)])       # [x | z]
+    _set(m.conv1d, "weight", _take(m.conv1d.weight, 0, [h]))
+    if m.conv1d.bias is not None:
+        _set(m.conv1d, "bias", _take(m.conv1d.bias, 0, [h]))
+    row(m.x_proj, [h], rank)
+    m.x_proj.register_forward_hook(lambda module, args, out: comm.all_reduce(out.contiguous()))
+    column(m.dt_proj, [h])
+    for name in ("A_log", "D"):
+        _set(m, name, _take(getattr(m, name), 0, [h]))
+    row(m.out_proj, [h], rank)
+    m.dims = replace(d, d_inner=h.size)
+
+
+def shard_short_conv(m: ShortConv, rank: int, world: int) -> None:
+    """By channels: the B / C / x rows of ``in_proj``, conv channels, ``out_proj`` columns."""
+    d = m.dims
+    c = part(d.channels, rank, world, "short conv channels (hidden_size)")
+    column(m.in_proj, [c.scaled(1), c.scaled(1, d.channels), c.scaled(1, 2 * d.channels)])
+    _set(m.conv, "weight", _take(m.conv.weight, 0, [c]))
+    if m.conv.bias is not None:
+        _set(m.conv, "bias", _take(m.conv.bias, 0, [c]))
+    row(m.out_proj, [c], rank)
+    m.dims = replace(d, channels=c.size)
 
 
 class SplitGatedRMSNorm(nn.Module):

@@ -28,11 +28,11 @@ def triton_attention(**kwargs) -> torch.Tensor:
     return paged_attention_triton(**kwargs)
 
 
-def check(case, device, atol: float, scale: float = SCALE) -> None:
-    out, k_pool, v_pool = run_paged(triton_attention, case, scale, device)
+def check(case, device, atol: float, scale: float = SCALE, window: int | None = None) -> None:
+    out, k_pool, v_pool = run_paged(triton_attention, case, scale, device, window)
     assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
-    torch.testing.assert_close(out.float(), dense_reference(case, scale), atol=atol, rtol=0)
-    want, _, _ = run_paged(paged_attention_torch, case, scale)
+    torch.testing.assert_close(out.float(), dense_reference(case, scale, window), atol=atol, rtol=0)
+    want, _, _ = run_paged(paged_attention_torch, case, scale, window=window)
     torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=0)
     expect_k, expect_v = expected_pools(case)
     assert torch.equal(k_pool, expect_k) and torch.equal(v_pool, expect_v)
@@ -47,6 +47,13 @@ def atol(device) -> float:
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (8, 2), (6, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 def test_mixed_batch(heads, page_size, device, atol):
     check(build_case(MIXED, page_size, *heads, seed=page_size, head_dim=32), device, atol)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 200])
+def test_sliding_window(window, device, atol):
+    """Windows narrower than a key block, equal to one (the walk starts mid-context) and
+    wider than every context; prefill tiles whose rows see different key ranges."""
+    check(build_case(MIXED, 4, 4, 2, seed=window, head_dim=32), device, atol, window=window)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 160, 192, 256])

@@ -11,6 +11,7 @@ import kernels.attention
 import kernels.conv1d
 import kernels.gdn
 import kernels.norm
+import kernels.selective_scan
 import kernels.ssd
 from kernels import backend
 
@@ -78,6 +79,9 @@ def test_cuda_attention_rules(installed, monkeypatch):
             (torch.bfloat16, 80): backend.AttentionImpl.TRITON, (torch.float32, 128): backend.AttentionImpl.TRITON}
     with backend.use_backend("auto"):
         got = {key: backend.attention_impl(_cuda_query(*key)) for key in want}
+        # a sliding window (Lfm3) never takes FlashInfer
+        assert backend.attention_impl(_cuda_query(torch.bfloat16, 128), windowed=True) \
+            is backend.AttentionImpl.TRITON
     assert got == want
     with backend.use_backend("triton"):
         assert backend.attention_impl(_cuda_query(torch.bfloat16, 128)) is backend.AttentionImpl.TRITON
@@ -101,6 +105,13 @@ def _calls():
         (kernels.ssd, "ssd_varlen_torch", lambda: kernels.ssd.ssd_varlen(
             r(3, 2, 16), r(3, 2), -r(2).abs(), r(3, 1, 16), r(3, 1, 16), r(2), r(2),
             r(2, 2, 16, 16), cu, slot, init)),
+        (kernels.selective_scan, "selective_scan_varlen_torch",
+         lambda: kernels.selective_scan.selective_scan_varlen(
+             r(3, 16), r(3, 16), -r(16, 4).abs(), r(3, 4), r(3, 4), r(16), r(16), r(2, 16, 4),
+             cu, slot, init)),
+        (kernels.selective_scan, "selective_scan_update_torch",
+         lambda: kernels.selective_scan.selective_scan_update(
+             r(1, 16), r(1, 16), -r(16, 4).abs(), r(1, 4), r(1, 4), r(16), None, r(2, 16, 4), slot)),
         (kernels.conv1d, "causal_conv1d_varlen_torch", lambda: kernels.conv1d.causal_conv1d_varlen(
             r(3, 16), r(16, 4), None, r(2, 16, 3), cu, slot, init)),
         (kernels.conv1d, "causal_conv1d_update_torch", lambda: kernels.conv1d.causal_conv1d_update(
@@ -116,7 +127,7 @@ def _calls():
 
 
 @cpu_only
-@pytest.mark.parametrize("index", range(7))
+@pytest.mark.parametrize("index", range(len(_calls())))
 def test_each_op_follows_the_switch(index, monkeypatch):
     module, name, call = _calls()[index]
     monkeypatch.setattr(module, name, _boom)

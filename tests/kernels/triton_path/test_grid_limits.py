@@ -69,6 +69,7 @@ def _launch_everything() -> None:
     from kernels.kda.triton_varlen import kda_varlen_triton
     from kernels.mla.triton_paged import mla_attention_triton
     from kernels.norm.triton_norm import gated_rms_norm_triton, rms_norm_triton
+    from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
     from kernels.ssd.triton_varlen import ssd_varlen_triton
 
     cu, slots, init, dst, num_slots = _varlen()
@@ -82,6 +83,10 @@ def _launch_everything() -> None:
                       r(HEADS), r(num_slots, HEADS, 2, 2), cu, slots, init, state_dst_slots=dst)
     causal_conv1d_varlen_triton(r(t, 16), r(16, 4), None, r(num_slots, 16, 3), cu, slots, init,
                                 "silu", dst)
+    channels = 8192                            # Jamba's d_inner: channel blocks on axis 1
+    selective_scan_varlen_triton(r(t, channels), r(t, channels), r(channels, 2), r(t, 2), r(t, 2),
+                                 r(channels), r(channels), r(num_slots, channels, 2), cu, slots,
+                                 init, state_dst_slots=dst)
     causal_conv1d_update_triton(r(len(LENS), 16), r(16, 4), None, r(num_slots, 16, 3), slots)
     rms_norm_triton(r(t * HEADS, 2), r(2), 1e-6)
     gated_rms_norm_triton(r(t, 16), r(t, 16), r(16), 1e-6, 2)

@@ -17,6 +17,7 @@ import kernels.gdn
 import kernels.kda
 import kernels.mla
 import kernels.norm
+import kernels.selective_scan
 import kernels.ssd
 from kernels import backend
 
@@ -30,6 +31,8 @@ TORCH_REFS = [(kernels.gdn, "gated_delta_rule_varlen_torch"), (kernels.ssd, "ssd
               (kernels.conv1d, "causal_conv1d_varlen_torch"),
               (kernels.conv1d, "causal_conv1d_update_torch"), (kernels.norm, "rms_norm_torch"),
               (kernels.norm, "gated_rms_norm_torch"), (kernels.attention, "paged_attention_torch"),
+              (kernels.selective_scan, "selective_scan_varlen_torch"),
+              (kernels.selective_scan, "selective_scan_update_torch"),
               (kernels.kda, "kda_varlen_torch"), (kernels.kda, "kda_update_torch"),
               (kernels.kda, "kda_verify_torch"), (kernels.mla, "mla_attention_torch")]
 
@@ -81,15 +84,23 @@ def test_prefix_cache_snapshots_equal(tiny_model_dir, device, monkeypatch):
         want = greedy(make_llm(tiny_model_dir, device, **cache), prompts, one_by_one=True)
     assert all(cached > 0 for _, cached in want[1:])          # the later prompts hit the cache
 
-    snapshots = []
-    plan = kernels.chunking.launch_plan
+    from kernels.conv1d import triton_conv
+
+    snapshots = []                  # snapshot slots the scans' (and the conv's) launches saw
+    plan, conv = kernels.chunking.launch_plan, triton_conv.causal_conv1d_varlen_triton
 
     def spy(cu_seqlens, state_dst_slots, *args):
         if state_dst_slots is not None:
             snapshots.append(int(torch.count_nonzero(state_dst_slots)))
         return plan(cu_seqlens, state_dst_slots, *args)
 
+    def conv_spy(*args):            # a short-conv family has no scan: its conv writes them
+        if args[-1] is not None:
+            snapshots.append(int(torch.count_nonzero(args[-1])))
+        return conv(*args)
+
     monkeypatch.setattr(kernels.chunking, "launch_plan", spy)
+    monkeypatch.setattr(triton_conv, "causal_conv1d_varlen_triton", conv_spy)
     for module, name in TORCH_REFS:
         monkeypatch.setattr(module, name, _forbidden)
     with backend.use_backend("triton"):

@@ -14,6 +14,7 @@ import workers.models.gated_deltanet as gdn_layer
 import workers.models.kda as kda_layer
 import workers.models.layers as layers
 import workers.models.lightning as lightning_layer
+import workers.models.mamba1 as mamba1_layer
 import workers.models.mamba2 as mamba2_layer
 import workers.step_inputs as step_inputs
 from tests.workers.engine.helpers import GREEDY, greedy_tokens, make_llm
@@ -22,11 +23,12 @@ from tests.workers.models.harness import Harness, random_prompts
 CONV_FAST = "causal_conv1d_update"
 # every recurrent scan's decode op (one per stateful slot layer), and the varlen ops
 SCANS_FAST = [(gdn_layer, "gated_delta_rule_update"), (mamba2_layer, "ssd_update"),
-              (kda_layer, "kda_update"), (lightning_layer, "lightning_attention_update")]
+              (kda_layer, "kda_update"), (lightning_layer, "lightning_attention_update"),
+              (mamba1_layer, "selective_scan_update")]
 FAST = [(layers, CONV_FAST), *SCANS_FAST]
 SLOW = [(layers, "causal_conv1d_varlen"), (gdn_layer, "gated_delta_rule_varlen"),
         (mamba2_layer, "ssd_varlen"), (kda_layer, "kda_varlen"),
-        (lightning_layer, "lightning_attention_varlen")]
+        (lightning_layer, "lightning_attention_varlen"), (mamba1_layer, "selective_scan_varlen")]
 
 
 @contextmanager
@@ -47,14 +49,21 @@ def pool_tensors(harness: Harness) -> dict[str, torch.Tensor]:
             for kind, tensors in groups.items() for name, t in tensors.items()}
 
 
-@torch.inference_mode()
+def num_scan_layers(model) -> int:
+    """Layers whose slot state has a scan state (``ssm``) beside, or without, a conv window
+    (a short conv keeps only its window: no scan)."""
+    return sum(g.num_layers for g in model.cache_spec().slot_groups
+               if any(t.name == "ssm" for t in g.kind.tensors))
+
+
 def num_scan_calls(spies: dict[str, mock.MagicMock]) -> int:
     return sum(spies[name].call_count for _, name in SCANS_FAST)
 
 
+@torch.inference_mode()
 def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
     num_convs = sum(isinstance(m, layers.CausalConv1d) for m in our_model.modules())
-    num_scans = sum(not m.state_kind().paged for m in our_model.modules() if hasattr(m, "state_kind"))
+    num_scans = num_scan_layers(our_model)
     harness = Harness(our_model)
     prompts = random_prompts(our_model.config.vocab_size, [5, 9, 2], seed=3)
     harness.prefill(prompts)
@@ -73,7 +82,7 @@ def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
             got = our_model(batch, harness.pools)
         assert num_recurrent_calls(slow) == 0, f"step {step}: a varlen op ran"
         calls = {name: spy.call_count for name, spy in fast.items()}
-        assert num_scans > 0
+        assert num_convs + num_scans > 0
         assert calls[CONV_FAST] == num_convs, calls
         assert num_scan_calls(fast) == num_scans, calls
         assert torch.equal(got, ref), f"step {step}"
@@ -99,7 +108,7 @@ def test_engine_takes_the_fast_path_and_greedy_output_is_unchanged(tiny_model_di
     with count_calls(FAST) as fast:
         fast_tokens = greedy_tokens(llm, prompts)
     # Every decode step (31 per request at most, some shared) ran the update ops.
-    assert num_scan_calls(fast) >= GREEDY.max_tokens - 1
+    assert num_scan_calls(fast) + fast[CONV_FAST].call_count >= GREEDY.max_tokens - 1
     slow_llm = make_llm(tiny_model_dir)
     with mock.patch.object(step_inputs, "is_decode_only", return_value=False), \
             count_calls(FAST) as never:

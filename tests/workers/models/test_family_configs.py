@@ -1,5 +1,6 @@
-"""Per-family config handling: fields refused with their name, and legacy checkpoint forms
-that load to the same model (Nemotron-H's MTP head: ``test_nemotron_mtp.py``).
+"""Per-family config handling: fields refused with their name, legacy checkpoint forms that
+load to the same model (fused experts too), speculation refused for families without MTP
+weights (Nemotron-H's MTP head: ``test_nemotron_mtp.py``).
 
 (Config variants whose math we serve are compared with transformers in
 ``test_vs_transformers.py``; the registry suite covers each family's default tiny config.)
@@ -7,12 +8,14 @@ that load to the same model (Nemotron-H's MTP head: ``test_nemotron_mtp.py``).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.workers.engine.helpers import make_llm
 from tests.workers.models.harness import Harness, random_prompts
 from workers.loader import load_model
 from workers.models import get_model_class
@@ -49,6 +52,24 @@ REFUSED = {
     "qwen3_5_moe_mlp_only": ("qwen3_5_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
     "qwen3_5_moe_topk_norm": ("qwen3_5_moe_vl", {"norm_topk_prob": False}, "norm_topk_prob=False"),
     "qwen_mtp_layers": ("qwen3_5", {"mtp_num_hidden_layers": -1}, "mtp_num_hidden_layers=-1"),
+    "jamba_act": ("jamba", {"hidden_act": "gelu"}, "hidden_act"),
+    "jamba_sliding_window": ("jamba", {"sliding_window": 64}, "sliding_window"),
+    "lfm2_rope": ("lfm2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 1e4}}, "rope_type"),
+    "lfm2_partial_rope": ("lfm2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.5}},
+                          "partial_rotary_factor"),
+    "lfm2_sliding_layer": ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv", "conv",
+                                                    "full_attention"]}, "layer_types"),
+    "lfm2_moe_dense_layers": ("lfm2_moe", {"num_dense_layers": 9}, "num_dense_layers=9"),
+    "lfm3_no_window": ("lfm3", {"sliding_window": None}, "sliding_window"),
+    "lfm3_rope_type": ("lfm3", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "rope_type='linear'"),
+    "lfm3_default_partial": ("lfm3", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6,
+                           "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
     "kimi_act": ("kimi_linear", {"hidden_act": "gelu"}, "hidden_act"),
     "kimi_mla_kv_heads": ("kimi_linear", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
     "bailing_yarn": ("bailing_hybrid", {"rope_parameters": {
@@ -125,4 +146,47 @@ def test_zamba2_repeated_shared_block_tensors_load(tiny_checkpoint, tmp_path) ->
     assert extra
     repeated = _rewrite(src, tmp_path / "repeated", extra=extra)
     for a, b in zip(_prefill_logits(src), _prefill_logits(repeated)):
+        assert torch.equal(a, b)
+
+
+
+@pytest.mark.parametrize("family", ["jamba", "lfm2", "lfm2_moe", "lfm3"])
+def test_speculation_is_refused_without_mtp_weights(family, tiny_checkpoint) -> None:
+    """None of these checkpoints carries MTP weights: ``spec.method: mtp`` is refused, naming
+    the architecture, before anything is served."""
+    architecture = get_family(family).architecture
+    with pytest.raises(ValueError, match=f"spec.method 'mtp'.*{architecture} has none"):
+        make_llm(tiny_checkpoint(family), spec={"method": "mtp", "num_draft_tokens": 2})
+
+
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
+
+
+@pytest.mark.parametrize("family", ["jamba", "lfm2_moe"])
+def test_fused_experts_load_to_the_same_model(family, tiny_checkpoint, tmp_path) -> None:
+    """transformers' in-memory expert layout (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]) loads to the same logits as the per-expert one."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint(family)
+    fused = tmp_path / "fused"
+    shutil.copytree(src, fused)
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    out = {}
+    for name, t in load_file(str(fused / "model.safetensors")).items():
+        m = _EXPERT_TENSOR.match(name)
+        if m:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), _EXPERT_PART[m.group(3)])] = t
+        else:
+            out[name] = t
+    assert groups
+    for prefix, parts in groups.items():
+        experts = range(1 + max(e for e, _ in parts))
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in experts])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in experts])
+    save_file(out, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    for a, b in zip(_prefill_logits(src), _prefill_logits(fused)):
         assert torch.equal(a, b)

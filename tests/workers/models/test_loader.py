@@ -114,7 +114,7 @@ def test_unknown_architecture_lists_supported(qwen_dir: Path, tmp_path: Path) ->
     assert "LlamaForCausalLM" in str(err.value)
     assert all(name in str(err.value) for name in SUPPORTED_ARCHITECTURES)
     with pytest.raises(ValueError, match="Qwen3NextForCausalLM"):
-        get_model_class("JambaForCausalLM")          # new kinds of state: a later issue
+        get_model_class("Lfm2VlForConditionalGeneration")   # LFM2's vision-language model
 
 
 @pytest.mark.parametrize("field,value,needle", [

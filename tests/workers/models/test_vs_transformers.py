@@ -143,6 +143,25 @@ VARIANTS = {
     # tied embeddings at the top level of a VL checkpoint; top-1 routing
     "qwen3_5_moe_vl_tied_top1": ("qwen3_5_moe_vl", {"tie_word_embeddings": True,
                                                     "num_experts_per_tok": 1}),
+    # dense MLPs only, tied, in/out projection biases, no conv bias, attention first, N = 8
+    "jamba_dense_tied_bias": ("jamba", {"num_experts": 1, "tie_word_embeddings": True,
+                                        "mamba_proj_bias": True, "mamba_conv_bias": False,
+                                        "attn_layer_offset": 0, "mamba_d_state": 8,
+                                        "mamba_dt_rank": 4}),
+    # MLP width as given, biases on the conv block, untied, one KV head per query head
+    "lfm2_unadjusted_bias": ("lfm2", {"block_auto_adjust_ff_dim": False, "conv_bias": True,
+                                      "tie_word_embeddings": False, "num_key_value_heads": 4}),
+    # no expert bias, weights not renormalised nor scaled, MoE from layer 0, tied
+    "lfm2_moe_plain_router": ("lfm2_moe", {"use_expert_bias": False, "norm_topk_prob": False,
+                                           "routed_scaling_factor": 1.0, "num_dense_layers": 0,
+                                           "tie_word_embeddings": True}),
+    # no sandwich norms, no head gate, attention biases, a wider window, other RoPE spectra
+    "lfm3_plain_scaled_rope": ("lfm3", {
+        "use_sandwich_norm": False, "use_attention_gate": False, "attention_bias": True,
+        "sliding_window": 13, "tie_word_embeddings": False,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                            "full_attention": {"rope_type": "proportional", "rope_theta": 1e5,
+                                               "partial_rotary_factor": 0.25, "factor": 2.0}}}),
     # low-rank queries with biases, two shared experts, no renormalisation, a tie the class ignores
     "kimi_q_lora_bias": ("kimi_linear", {"q_lora_rank": 24, "attention_bias": True,
                                          "n_shared_experts": 2, "norm_topk_prob": False,

@@ -9,6 +9,7 @@ layer. Whole models likewise, to the logits.
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def run_layer(layer, batches, xs, pools, rotary, ref: StateRef | None) -> list[t
         if isinstance(layer, Attention):
             rope = rotary.tables(batch.positions, x.dtype) if rotary is not None else None
             outs.append(layer(x, LayerContext(batch, pools, rope), ref))
-        elif hasattr(layer, "conv1d"):
+        elif hasattr(layer, "state_kind"):        # a recurrent mixer
             outs.append(layer(x, LayerContext(batch, pools), ref))
         else:
             outs.append(layer(x))
@@ -160,6 +161,18 @@ def test_mamba2_groups_sharded_or_replicated(granite, num_groups, world):
             redraw_(f"mixer.{name}", p, gen, zero_centered_norms=False)
     spec = CacheSpec((StateGroup(mixer.state_kind(), 1),))
     check_layer(mixer, granite, spec, StateRef("mamba2", 0), world=world)
+
+
+@pytest.mark.parametrize("family,layer_idx", [("jamba", 0), ("lfm2", 0), ("lfm3", 1)],
+                         ids=["mamba1", "short_conv", "gated_sliding_attention"])
+def test_new_state_kind_layers(tiny_checkpoint, family, layer_idx):
+    """Mamba1 (x_proj's partial sum all-reduced), the short conv, Lfm3's head-gated sliding
+    attention: each sharded layer, over its own pool shard, equals the whole layer."""
+    model = load_model(tiny_checkpoint(family), torch.float32, "cpu").model
+    layer = model.model.layers[layer_idx]
+    mixer, ref = getattr(layer, layer.mixer_name), layer.ref
+    with mock.patch.object(model, "rotary", getattr(layer, "rotary", None) or model.rotary):
+        check_layer(mixer, model, model.cache_spec(), ref)
 
 
 @pytest.fixture(scope="module")
