@@ -108,8 +108,10 @@ class Mamba2Mixer(nn.Module):
         key = (self.dims, like.device, like.dtype)
         if self._scale is None or self._scale[0] != key:
             assert self.dims.proj_multipliers is not None
-            mults = torch.tensor(self.dims.proj_multipliers, dtype=torch.float32)
-            scale = mults.repeat_interleave(torch.tensor(self.dims.proj_segments))
+            # built from host lists (no tensor-valued repeats): a compiled step may build it
+            per_channel = [m for m, n in zip(self.dims.proj_multipliers, self.dims.proj_segments)
+                           for _ in range(n)]
+            scale = torch.tensor(per_channel, dtype=torch.float32)
             self._scale = (key, scale.to(device=like.device, dtype=like.dtype))
         return self._scale[1]
 
