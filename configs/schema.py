@@ -69,6 +69,29 @@ class SpecConfig(_Frozen):
     num_draft_tokens: int = Field(3, ge=1)
 
 
+class CompileConfig(_Frozen):
+    """Compiled decode steps (vLLM's ``compilation_config`` / ``enforce_eager`` in one switch).
+
+    With ``enabled``, decode-only batches run through one shape-static compiled callable per
+    size in ``batch_sizes`` (a batch is padded up to the next size, like vLLM's CUDA-graph
+    capture sizes; larger batches, prefill and mixed batches stay eager): inductor on CPU,
+    inductor + CUDA graphs (``mode="reduce-overhead"``) on GPU. Every size is compiled at
+    start-up; ``cache_dir`` (default: inductor's, ``TORCHINDUCTOR_CACHE_DIR``) holds the
+    persistent FX-graph / AOT caches, so a restart with a warm cache does not pay again.
+    """
+
+    enabled: bool = False
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    cache_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> CompileConfig:
+        sizes = self.batch_sizes
+        if not sizes or any(b < 1 for b in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"compile.batch_sizes must be increasing positive sizes, got {list(sizes)}")
+        return self
+
+
 class ParallelConfig(_Frozen):
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)
@@ -114,6 +137,7 @@ class HybridServeConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     spec: SpecConfig = SpecConfig()
+    compile: CompileConfig = CompileConfig()
     parallel: ParallelConfig = ParallelConfig()
     router: RouterConfig = RouterConfig()
     server: ServerConfig = ServerConfig()
@@ -131,6 +155,8 @@ class HybridServeConfig(_Frozen):
         if self.cache.host_tier and tp > 1:
             raise ValueError(f"cache.host_mamba_slots={self.cache.host_mamba_slots} (the host tier) needs "
                              f"parallel.tensor_parallel_size=1, got {tp}")
+        if self.compile.enabled and tp > 1:
+            raise ValueError(f"compile.enabled needs parallel.tensor_parallel_size=1, got {tp}")
         return self
 
     def model_dir(self) -> Path:

@@ -22,6 +22,7 @@ from workers.device_pools import build_pools
 from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
 from workers.checkpoints import StepPlan
+from workers.compiled import build_compiled
 from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
 from workers.request import FinishReason, Request
@@ -108,7 +109,9 @@ class Engine:
         return ModelRunner(self.model, self.pools, self.config.cache.page_size,
                            self.device, self.generators, overlap=self.lag > 0,
                            scratch_base=self.slot_ledger.num_slots, drafter=self.drafter,
-                           grammar_compiler=self.grammar_compiler)
+                           grammar_compiler=self.grammar_compiler,
+                           compiled=build_compiled(self.config, self.model, self.pools, self.device,
+                                                   self.max_model_len, self.drafter))
 
     def _attach_tiers(self) -> None:
         """The host tier's storage: host pools mirroring the device pools (pinned on a GPU).
