@@ -39,6 +39,8 @@ class RouterOptions(_Strict):
     imbalance_abs: int = Field(8, ge=0)
     imbalance_rel: float = Field(1.5, ge=1.0)
     min_match_tokens: int = Field(16, ge=1)
+    host_hit_value: float = Field(0.9, ge=0, le=1)       # routing_policy.expected_saved
+    store_hit_value: float = Field(0.5, ge=0, le=1)
     index_timeout_s: float = Field(0.5, gt=0)
     push_interval_s: float = Field(1.0, gt=0)
 
@@ -54,6 +56,7 @@ class IngressOptions(_Strict):
 
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)   # custom Ray resources (pinning)
     max_ongoing_requests: int = Field(1000, ge=1)
     max_queued_requests: int = Field(256, ge=-1)       # -1: unbounded (Serve's default)
     max_in_flight: int = Field(512, ge=1)
@@ -87,10 +90,14 @@ def resolve_path(path: str) -> Path:
 def replica_placement(config: HybridServeConfig, replica: ReplicaOptions) -> dict[str, Any]:
     """Deployment options placing one replica: for TP > 1, a placement group of one bundle
     per rank (the replica is rank 0 in bundle 0; ``cluster/serving/tp.py`` starts the others)."""
+    extra = {"resources": dict(replica.resources)} if replica.resources else {}
     if config.parallel.tensor_parallel_size == 1:
-        return {"ray_actor_options": {"num_cpus": replica.num_cpus}}
+        return {"ray_actor_options": {"num_cpus": replica.num_cpus, **extra}}
     from cluster.serving.tp import tp_bundles, uses_gpu
 
+    if replica.resources:
+        raise ValueError(f"replica.resources {replica.resources} needs parallel.tensor_parallel_size=1 "
+                         f"(a TP replica is placed by its placement group), got {config.parallel.tensor_parallel_size}")
     actor = {"num_cpus": replica.num_cpus, **({"num_gpus": 1} if uses_gpu(config) else {})}
     return {"ray_actor_options": actor, "placement_group_bundles": tp_bundles(config, replica.num_cpus),
             "placement_group_strategy": "STRICT_PACK"}
@@ -133,7 +140,7 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
         max_queued_requests=opts.max_queued_requests,
         graceful_shutdown_wait_loop_s=opts.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=opts.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": opts.num_cpus},
+        ray_actor_options={"num_cpus": opts.num_cpus, **({"resources": dict(opts.resources)} if opts.resources else {})},
     )
     return ingress.bind(engine, config.model_dump(mode="json"), model_name, replica.forget_after_s,
                         opts.max_in_flight, opts.retry_after_s, opts.max_body_bytes)

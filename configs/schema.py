@@ -27,6 +27,34 @@ class CacheConfig(_Frozen):
     mamba_track_interval: int = Field(256, ge=1)
     max_mamba_slots: int | None = Field(None, ge=1)  # usable slots (slot 0 is extra)
     max_kv_tokens: int | None = Field(None, ge=1)    # usable KV tokens (page 0 is extra)
+    # The host-memory tier below the device pools (workers/tiers): checkpoints evicted from
+    # the device are demoted there with the KV of their path and promoted back on a hit.
+    # Sized independently; both 0 (the default) = off, both > 0 = on.
+    host_mamba_slots: int = Field(0, ge=0)           # checkpoint slots in host memory
+    host_kv_tokens: int = Field(0, ge=0)             # KV tokens in host memory
+    # The cluster-wide checkpoint store in Ray's object store (cluster/store); 0 = off.
+    # Needs the host tier: fetched checkpoints land there before they are promoted.
+    cluster_store_bytes: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> CacheConfig:
+        host = (self.host_mamba_slots, self.host_kv_tokens)
+        if (host[0] > 0) != (host[1] > 0):
+            raise ValueError(f"cache.host_mamba_slots ({host[0]}) and cache.host_kv_tokens ({host[1]}) "
+                             "must both be 0 (host tier off) or both > 0")
+        if host[0] and not self.enable_prefix_cache:
+            raise ValueError(f"cache.host_mamba_slots={host[0]} needs cache.enable_prefix_cache")
+        if host[1] and host[1] < self.page_size:
+            raise ValueError(f"cache.host_kv_tokens ({host[1]}) must hold one page of "
+                             f"cache.page_size={self.page_size} tokens")
+        if self.cluster_store_bytes and not host[0]:
+            raise ValueError(f"cache.cluster_store_bytes={self.cluster_store_bytes} needs the host tier "
+                             "(cache.host_mamba_slots and cache.host_kv_tokens > 0)")
+        return self
+
+    @property
+    def host_tier(self) -> bool:
+        return self.host_mamba_slots > 0
 
 
 class SchedulerConfig(_Frozen):
@@ -39,6 +67,29 @@ class SchedulerConfig(_Frozen):
 class SpecConfig(_Frozen):
     method: Literal["none", "mtp", "draft"] = "none"
     num_draft_tokens: int = Field(3, ge=1)
+
+
+class CompileConfig(_Frozen):
+    """Compiled decode steps (vLLM's ``compilation_config`` / ``enforce_eager`` in one switch).
+
+    With ``enabled``, decode-only batches run through one shape-static compiled callable per
+    size in ``batch_sizes`` (a batch is padded up to the next size, like vLLM's CUDA-graph
+    capture sizes; larger batches, prefill and mixed batches stay eager): inductor on CPU,
+    inductor + CUDA graphs (``mode="reduce-overhead"``) on GPU. Every size is compiled at
+    start-up; ``cache_dir`` (default: inductor's, ``TORCHINDUCTOR_CACHE_DIR``) holds the
+    persistent FX-graph / AOT caches, so a restart with a warm cache does not pay again.
+    """
+
+    enabled: bool = False
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    cache_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> CompileConfig:
+        sizes = self.batch_sizes
+        if not sizes or any(b < 1 for b in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"compile.batch_sizes must be increasing positive sizes, got {list(sizes)}")
+        return self
 
 
 class ParallelConfig(_Frozen):
@@ -73,6 +124,9 @@ class DebugConfig(_Frozen):
     # Fraction of published checkpoints recomputed by a fresh prefill of their path and
     # compared with the slot (hybridserve_state_oracle_{checks,mismatches}_total); TP = 1.
     state_oracle_sample: float = Field(0.0, ge=0.0, le=1.0)
+    # Fault injection for the tiers: make host <-> device copies fail (demotion: dropped,
+    # promotion: the request recomputes from what the device held).
+    fail_transfer_prob: float = Field(0.0, ge=0.0, le=1.0)
 
 
 class HybridServeConfig(_Frozen):
@@ -83,6 +137,7 @@ class HybridServeConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     spec: SpecConfig = SpecConfig()
+    compile: CompileConfig = CompileConfig()
     parallel: ParallelConfig = ParallelConfig()
     router: RouterConfig = RouterConfig()
     server: ServerConfig = ServerConfig()
@@ -96,6 +151,12 @@ class HybridServeConfig(_Frozen):
             raise ValueError(
                 f"scheduler.chunked_prefill_size ({sched.chunked_prefill_size}) must be <= "
                 f"scheduler.max_batch_tokens ({sched.max_batch_tokens})")
+        tp = self.parallel.tensor_parallel_size
+        if self.cache.host_tier and tp > 1:
+            raise ValueError(f"cache.host_mamba_slots={self.cache.host_mamba_slots} (the host tier) needs "
+                             f"parallel.tensor_parallel_size=1, got {tp}")
+        if self.compile.enabled and tp > 1:
+            raise ValueError(f"compile.enabled needs parallel.tensor_parallel_size=1, got {tp}")
         return self
 
     def model_dir(self) -> Path:

@@ -73,6 +73,13 @@ def tiny_granite_dir(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory) -> Path:
+    """One persistent compile cache (``compile.cache_dir``) for every compiled engine of the
+    session: a graph compiled by one test module is a cache hit for the next."""
+    return tmp_path_factory.mktemp("compile_cache")
+
+
+@pytest.fixture(scope="session")
 def scripted_hermes_dir(tmp_path_factory):
     """Greedy output is a known text: reasoning + hermes tool calls (tests/cluster/api/scripted_model.py)."""
     from tests.cluster.api.scripted_model import make_scripted_checkpoint

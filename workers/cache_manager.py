@@ -16,6 +16,13 @@ Rules held here (checked by ``check_invariants``):
   (``complete_step``); keep depths, tree checkpoints and live slots must agree with them.
 - Liveness (DESIGN §4 rule 6): admission never waits on the checkpoint it matched: when
   the live slot can only be had by evicting it, the request is admitted without the hit.
+- Tiers (``cache.host_mamba_slots``, ``workers/tiers``): a device checkpoint that eviction
+  frees is first demoted into the host tier (``HostTier.demote``, a reader of its slot);
+  a prompt whose deepest checkpoint is on the host is admitted with a promotion, a pending
+  writer of its live and keep slots, and gets no work until the copy completes
+  (``poll_transfers``, at the start of every step); a completed promotion publishes the
+  checkpoint into the device tree through the ordinary donation. With the cluster store
+  on, a device hit is also written through to the host tier (and so committed).
 """
 from __future__ import annotations
 
@@ -24,13 +31,15 @@ from collections.abc import Sequence
 
 from configs.schema import CacheConfig, DebugConfig
 from workers.allocators import IdAllocator
-from workers.cache import (CacheEvent, CheckpointEvicted, MatchResult, RadixCache, RequestOwner,
+from workers.cache import (CacheEvent, CheckpointEvicted, MatchResult, RadixCache, RequestOwner, TreeNode,
                            SlotLedger, SlotRole, Violation)
 from workers.cache_checks import check_pools
 from workers.checkpoints import CheckpointTracker, StepPlan
 from workers.request import Request, RequestCacheState
 from workers.scheduler_types import ScheduledBatch, StateWrite
 from workers.stats import EngineStats
+from workers.tiers.host_tier import HostTier
+from workers.tiers.promotion import PendingPromotion, PromotionPlan, Promotions
 
 
 class CacheManager:
@@ -43,8 +52,17 @@ class CacheManager:
         self.ledger = SlotLedger(num_slots, guard_writers=not debug.disable_alias_guard)
         self.events: list[CacheEvent] = []
         self.tree: RadixCache | None = None
+        self.host: HostTier | None = None
+        self.promotions: Promotions | None = None
+        if cache.host_tier:
+            self.host = HostTier(self.page_size, cache.host_kv_tokens // self.page_size + 1,
+                                 cache.host_mamba_slots + 1, stats, on_event=self._on_event,
+                                 fail_prob=debug.fail_transfer_prob, seed=seed,
+                                 keep_commits=cache.cluster_store_bytes > 0)
+            self.promotions = Promotions(self.host, self.ledger)
         if cache.enable_prefix_cache:
-            self.tree = RadixCache(self.page_size, self.pages, self.ledger, on_event=self._on_event)
+            self.tree = RadixCache(self.page_size, self.pages, self.ledger, on_event=self._on_event,
+                                   on_drop=self._demote if self.host is not None else None)
         self.checks = debug.check_invariants
         self.label_violations: list[Violation] = []      # found while processing (checks on)
         self.record_published = debug.state_oracle_sample > 0
@@ -56,9 +74,13 @@ class CacheManager:
 
     # -- events, sizes ----------------------------------------------------------------------
     def _on_event(self, event: CacheEvent) -> None:
-        if isinstance(event, CheckpointEvicted):
+        if isinstance(event, CheckpointEvicted) and event.tier == "device":
             self.stats.inc("hybridserve_mamba_checkpoints_evicted_total")
         self.events.append(event)
+
+    def _demote(self, node: TreeNode) -> None:
+        assert self.host is not None and self.tree is not None
+        self.host.demote(self.tree, node)
 
     def drain_events(self) -> list[CacheEvent]:
         events, self.events = self.events, []
@@ -126,10 +148,33 @@ class CacheManager:
             return False
         req.mamba_slot = live
         req.cache = RequestCacheState()
+        first_lookup = not req.lookup_counted
+        promotion = self._plan_promotion(req, match)
+        if promotion is None and match is not None and match.depth > 0:
+            self._write_through(match)
         if match is not None:
-            self._record_lookup(req, match)
+            self._record_lookup(req, match, count_hit=promotion is None)
         self.tracker.on_admit(req, match.kv_depth if match is not None else 0)
+        if promotion is not None:
+            assert self.promotions is not None
+            req.page_ids.extend(promotion.page_ids)
+            if self.promotions.start(req, promotion, first_lookup).job.done():
+                self.poll_transfers()           # a synchronous copy: the request runs this step
         return True
+
+    def _write_through(self, match: MatchResult) -> None:
+        """With the cluster store, a device checkpoint that is hit (a shared prefix, say) is
+        also copied to the host tier, from where it is committed: other replicas can fetch it."""
+        host, tree = self.host, self.tree
+        if host is None or host.commits is None or tree is None:
+            return
+        if host.peek(tree.path_tokens(match.node)).depth < match.depth:
+            host.demote(tree, match.node, evicting=False)
+
+    def _plan_promotion(self, req: Request, match: MatchResult | None) -> PromotionPlan | None:
+        if self.promotions is None or match is None:
+            return None
+        return self.promotions.plan(req.all_token_ids[: req.max_cached_prefix], match, self.alloc_pages)
 
     def _match(self, req: Request) -> MatchResult | None:
         limit = req.max_cached_prefix        # prompt logprobs still missing cap the hit
@@ -137,12 +182,13 @@ class CacheManager:
             return None
         return self.tree.match(req.all_token_ids[:limit])
 
-    def _record_lookup(self, req: Request, match: MatchResult) -> None:
+    def _record_lookup(self, req: Request, match: MatchResult, count_hit: bool) -> None:
+        """Count the first lookup (its hit now, or when its promotion completes)."""
         if not req.lookup_counted:
             req.lookup_counted = True
             self.stats.inc("hybridserve_prefix_query_tokens_total", req.num_prompt_tokens)
-            self.stats.inc("hybridserve_prefix_hit_tokens_total", match.depth)
-            req.num_cached_tokens = match.depth
+            if count_hit:
+                self._count_hit(req, match.depth, "device")
         if match.depth > 0:
             assert match.checkpoint is not None
             req.page_ids = list(match.page_ids)
@@ -150,6 +196,48 @@ class CacheManager:
             req.cache.num_tree_pages = len(match.page_ids)
             req.cache.locked_node = match.node
             req.cache.cow_src = match.checkpoint.slot
+
+    def _count_hit(self, req: Request, depth: int, tier: str) -> None:
+        self.stats.inc("hybridserve_prefix_hit_tokens_total", depth)
+        req.num_cached_tokens = depth
+        if depth > 0:
+            self.stats.inc("hybridserve_cache_hits_total", label=tier)
+            self.stats.inc("hybridserve_cache_hit_tokens_total", depth, label=tier)
+
+    # -- transfers between tiers ---------------------------------------------------------------
+    def has_transfers(self) -> bool:
+        return self.promotions is not None and bool(self.promotions.pending)
+
+    def poll_transfers(self, wait: bool = False) -> int:
+        """Apply every finished promotion (waiting for the oldest when ``wait``); returns how many."""
+        if self.promotions is None:
+            return 0
+        done = self.promotions.take_done(wait)
+        for pending, ok in done:
+            self._promoted(pending, ok)
+        if done:
+            self._retry_releases()
+        return len(done)
+
+    def _promoted(self, p: PendingPromotion, ok: bool) -> None:
+        req, plan, host = p.request, p.plan, self.host
+        assert host is not None and host.storage is not None
+        self.stats.inc("hybridserve_tier_promotions_total", label="promoted" if ok else "failed")
+        if ok:
+            self.stats.inc("hybridserve_tier_bytes_total", host.storage.nbytes(len(p.slots), len(plan.page_ids)),
+                           label="host_to_device")
+            host.from_store.discard(plan.host_node.node_id)
+        if p.first_lookup:
+            self._count_hit(req, plan.depth if ok else plan.from_depth, plan.origin if ok else "device")
+        if not ok or req.mamba_slot is None or req.is_finished:
+            return                              # recomputes from its device hit / is released next
+        c = req.cache
+        req.num_computed_tokens = plan.depth
+        c.cow_src = None                        # the live slot holds H(depth) already
+        c.targets = [t for t in c.targets if t > plan.depth]
+        if c.keep_slot in p.slots:              # publish the promoted checkpoint on the device
+            c.keep_depth, c.keep_phase, c.keep_batch = plan.depth, "prefill", plan.transfer_id
+            self.tracker.donate(req, finished=False)
 
     def alloc_slot(self, owner: RequestOwner, evict: bool) -> int | None:
         if evict and self.tree is not None:
@@ -185,6 +273,9 @@ class CacheManager:
         self.ledger.complete_batch(batch.batch_id)
         self._inflight.discard(batch.batch_id)
         self.tracker.on_complete(plan, writes)
+        self._retry_releases()
+
+    def _retry_releases(self) -> None:
         pending, self._deferred_releases = self._deferred_releases, []
         for req, finished in pending:
             self.release(req, finished)
@@ -225,14 +316,19 @@ class CacheManager:
         req.cache = RequestCacheState()
 
     def flush(self) -> int:
-        """Drop every unlocked cached prefix; returns the number of checkpoints freed."""
+        """Drop every unlocked cached prefix, host tier included (nothing is demoted);
+        returns the number of checkpoints freed."""
         if self.tree is None:
             return 0
-        return self.tree.flush().num_checkpoints
+        freed = self.tree.flush().num_checkpoints
+        return freed + (self.host.flush() if self.host is not None else 0)
 
     # -- checks ----------------------------------------------------------------------------------
     def check_invariants(self, running: Sequence[Request]) -> list[Violation]:
         out, self.label_violations = self.label_violations, []
         held = list(running) + [r for r, _ in self._deferred_releases]
         deferred = sum(len(p) for _, p in self._deferred_pages)
-        return out + check_pools(self.ledger, self.tree, self.pages, running, held, deferred)
+        out += check_pools(self.ledger, self.tree, self.pages, running, held, deferred)
+        if self.host is not None and self.promotions is not None:
+            out += self.host.check() + self.promotions.check()
+        return out

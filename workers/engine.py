@@ -22,6 +22,7 @@ from workers.device_pools import build_pools
 from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
 from workers.checkpoints import StepPlan
+from workers.compiled import build_compiled
 from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
 from workers.request import FinishReason, Request
@@ -36,6 +37,9 @@ from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layer
 from workers.state_oracle import StateOracle
 from workers.state_spec import ATTENTION
 from workers.stats import EngineStats
+from workers.tiers.host_pools import HostPools
+from workers.tiers.payload import CheckpointPayload, model_fingerprint
+from workers.tiers.storage import TensorTierStorage
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +86,7 @@ class Engine:
         self.grammar_compiler = GrammarCompiler(lambda: self.tokenizer, self.vocab_size)
         self.grammar_wait = GrammarWaitlist(self.grammar_compiler)
         self.runner = self._build_runner()
+        self._attach_tiers()
         self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
                                        release=self.scheduler.release,
                                        on_finish=lambda r: self.runner.drop_request(r))
@@ -91,6 +96,7 @@ class Engine:
                        if config.debug.state_oracle_sample > 0 else None)
         self._oracle_checks: list[Future[bool]] = []
         self._next_handle = 1
+        self._gauge_steps = 0
         self.num_overlapped_launches = 0
         self.raise_on_violation = False   # tests turn this on: violations raise, not just count
 
@@ -103,7 +109,22 @@ class Engine:
         return ModelRunner(self.model, self.pools, self.config.cache.page_size,
                            self.device, self.generators, overlap=self.lag > 0,
                            scratch_base=self.slot_ledger.num_slots, drafter=self.drafter,
-                           grammar_compiler=self.grammar_compiler)
+                           grammar_compiler=self.grammar_compiler,
+                           compiled=build_compiled(self.config, self.model, self.pools, self.device,
+                                                   self.max_model_len, self.drafter))
+
+    def _attach_tiers(self) -> None:
+        """The host tier's storage: host pools mirroring the device pools (pinned on a GPU).
+        On a GPU copies run on a copy stream, promotions asynchronously; on a CPU they run on
+        the scheduler thread at once (their destinations are fresh, their sources locked,
+        so the forward running beside them touches neither)."""
+        host = self.cache.host
+        self.fingerprint = ""
+        if host is None:
+            return
+        pools = HostPools.mirror(self.pools, host.pages.size, host.ledger.num_slots)
+        host.storage = TensorTierStorage(self.pools, pools)
+        self.fingerprint = model_fingerprint(self.config.model_dir(), self.dtype)
 
     def _find_eos(self) -> int | None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -188,7 +209,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._inflight) or bool(self._oracle_checks)
-                or len(self.grammar_wait) > 0)
+                or len(self.grammar_wait) > 0 or self.cache.has_transfers())
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -198,11 +219,14 @@ class Engine:
         the previous batch's result is processed (a lag of one step); without it the same
         code processes the batch it just launched (lag zero).
         """
+        self.cache.poll_transfers()
         compiled = self._admit_compiled() if len(self.grammar_wait) else []
         previous = self._inflight.pop() if self._inflight else None
         launched = self._launch_next()
         if launched is None and previous is None and self.scheduler.has_work():
-            raise RuntimeError(self._stuck_message())
+            if not self.cache.has_transfers():
+                raise RuntimeError(self._stuck_message())
+            self.cache.poll_transfers(wait=True)   # only copies in flight: wait for the oldest
         if launched is not None and previous is not None:
             self.num_overlapped_launches += 1      # N+1 launched before N's result is processed
         outputs = compiled + (self._process(*previous) if previous is not None else [])
@@ -222,8 +246,8 @@ class Engine:
         """Queue checks of newly published checkpoints; count the finished ones."""
         oracle = self.oracle
         assert oracle is not None
-        for slot, tokens in oracle.pick(self.cache.drain_published()):
-            self._oracle_checks.append(self.runner.submit(partial(oracle.check, slot, tokens)))
+        for held, tokens in oracle.pick(self.cache.drain_published()):
+            self._oracle_checks.append(self.runner.submit(partial(oracle.check, held, tokens)))
         pending = []
         for future in self._oracle_checks:
             if wait or future.done():
@@ -245,6 +269,7 @@ class Engine:
     def _process(self, batch: ScheduledBatch, plan: StepPlan, future: Future) -> list[RequestOutput]:
         result: StepResult = future.result()
         self.stats.observe("hybridserve_step_duration_seconds", result.forward_seconds)
+        self.stats.inc("hybridserve_forward_tokens_total", batch.num_tokens)
         if result.gap_seconds is not None:
             self.stats.observe("hybridserve_step_gap_seconds", result.gap_seconds)
         self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))
@@ -295,14 +320,44 @@ class Engine:
     def drain_cache_events(self) -> list[CacheEvent]:
         return self.cache.drain_events()
 
+    # -- the cluster store (cluster/store drives these on the engine thread) --------------------
+    def local_depth(self, token_ids: list[int]) -> int:
+        """The deepest checkpoint this engine holds (device or host) usable for a prompt."""
+        usable = token_ids[: len(token_ids) - 1]
+        tree, host = self.cache.tree, self.cache.host
+        device = tree.peek(usable).depth if tree is not None else 0
+        return max(device, host.peek(usable).depth if host is not None else 0)
+
+    def import_checkpoint(self, payload: CheckpointPayload, expected_hash: bytes | None = None) -> str:
+        """Validate a checkpoint fetched from the store and place it in the host tier, where
+        admission promotes it: ``imported``, ``present``, ``host_full`` or ``invalid``."""
+        host = self.cache.host
+        if host is None:
+            raise ValueError("import_checkpoint needs the host tier (cache.host_mamba_slots > 0)")
+        if expected_hash is not None and getattr(payload, "prefix_hash", None) != expected_hash:
+            return "invalid"
+        return host.import_payload(payload, self.fingerprint)
+
+    def export_store_commits(self) -> list[CheckpointPayload]:
+        """Copies of the checkpoints demoted since the last call that the host still holds."""
+        host = self.cache.host
+        if host is None:
+            return []
+        out = [host.export(tokens, self.fingerprint) for tokens in host.take_commits()]
+        return [p for p in out if p is not None]
+
     def pool_counts(self) -> dict[str, int]:
-        tree = self.cache.tree
-        return {"kv_pages_free": self.page_allocator.num_free,
-                "kv_pages_usable": self.page_allocator.num_usable,
-                "kv_pages_cached": tree.num_cached_pages if tree else 0,
-                "mamba_slots_free": self.slot_ledger.num_free,
-                "mamba_slots_usable": self.slot_ledger.num_usable,
-                "mamba_slots_cached": self.slot_ledger.num_tree_owned}
+        tree, host = self.cache.tree, self.cache.host
+        counts = {"kv_pages_free": self.page_allocator.num_free,
+                  "kv_pages_usable": self.page_allocator.num_usable,
+                  "kv_pages_cached": tree.num_cached_pages if tree else 0,
+                  "mamba_slots_free": self.slot_ledger.num_free,
+                  "mamba_slots_usable": self.slot_ledger.num_usable,
+                  "mamba_slots_cached": self.slot_ledger.num_tree_owned}
+        if host is not None:
+            counts.update(host_pages_free=host.pages.num_free, host_pages_usable=host.pages.num_usable,
+                          host_slots_free=host.ledger.num_free, host_slots_usable=host.ledger.num_usable)
+        return counts
 
     def _update_gauges(self) -> None:
         g = self.stats.gauges
@@ -310,3 +365,10 @@ class Engine:
         g["hybridserve_num_waiting_requests"] = len(self.scheduler.waiting)
         g["hybridserve_kv_pool_usage_ratio"] = self.page_allocator.usage_ratio()
         g["hybridserve_mamba_pool_usage_ratio"] = self.slot_ledger.usage_ratio()
+        host = self.cache.host
+        if host is not None:
+            g["hybridserve_host_mamba_slots_used"] = host.ledger.num_tree_owned
+            g["hybridserve_host_kv_tokens_used"] = host.tree.num_cached_pages * host.page_size
+            self._gauge_steps += 1
+            if self._gauge_steps % 16 == 1:           # a walk of the host tree: not every step
+                g["hybridserve_host_kv_dead_tokens"] = host.dead_tokens()

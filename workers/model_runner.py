@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from workers.checkpoints import StepPlan
+from workers.compiled import CompiledSteps
 from workers.device_pools import DevicePools
 from workers.request import Request, TokenLogprob
 from workers.sampler import GeneratorBank
@@ -54,13 +55,15 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, pools: DevicePools, page_size: int,
                  device: torch.device, generators: GeneratorBank, overlap: bool,
                  scratch_base: int, drafter: MtpDrafter | None = None,
-                 grammar_compiler: GrammarCompiler | None = None) -> None:
+                 grammar_compiler: GrammarCompiler | None = None,
+                 compiled: CompiledSteps | None = None) -> None:
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, device
         self.generators = generators
         self.planner = SamplingPlanner()                 # host side (scheduler thread)
         self.sampler = BatchSampler(device, generators, grammar_compiler)   # forward thread
         self.scratch_base = scratch_base
         self.drafter = drafter
+        self.compiled = compiled
         self.last_token = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hybridserve-forward") if overlap else None
         self._last_end: float | None = None
@@ -111,7 +114,7 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in plan.cow], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in plan.cow], dtype=torch.int64, device=self.device)
             self.pools.mamba.copy_slot(src, dst)
-        hidden = self.model.forward(fb, self.pools)
+        hidden, all_logits = self._forward(fb)
         si = prepared.sampling.on(self.device) if prepared.sampling is not None else None
         if si is not None:
             self.sampler.begin(si)
@@ -121,7 +124,8 @@ class ModelRunner:
         writes = list(prepared.writes)
         if params:
             assert si is not None
-            logits = self.model.compute_logits(hidden[fb.logits_indices])
+            logits = (self.model.compute_logits(hidden[fb.logits_indices]) if all_logits is None
+                      else all_logits[fb.logits_indices])
             tokens, logprobs, accepted = self._decide(prepared, si, logits, params, gens, writes)
             last = torch.tensor([t[-1] for t in tokens], device=self.device)
             slots = [prepared.live_slots[i] for i, s in enumerate(plan.batch.seqs) if s.samples]
@@ -129,10 +133,18 @@ class ModelRunner:
         prompt = ()
         if si is not None and si.prompt is not None:
             prompt = tuple(prompt_logprobs(si.prompt, hidden, self.model.compute_logits))
-        if self.drafter is not None:
+        if self.drafter is not None and not self._draft_verified(prepared, hidden, tokens, params):
             self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
         self._last_end = time.monotonic()
         return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap, prompt)
+
+    def _forward(self, fb) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [T, H], logits of every row or None): a compiled step where one fits."""
+        bucket = self.compiled.pick(fb) if self.compiled is not None else None
+        if bucket is None:
+            return self.model.forward(fb, self.pools), None
+        assert self.compiled is not None
+        return self.compiled.run(fb, bucket)
 
     def _fill_placeholders(self, prepared: PreparedStep) -> None:
         ids = prepared.fb.input_ids
@@ -163,21 +175,50 @@ class ModelRunner:
         assert self.drafter is not None and self.drafter.draft_probs is not None
         return self.drafter.draft_probs[v.live_slot, : v.num_drafts]
 
+    def _draft_verified(self, prepared: PreparedStep, hidden: torch.Tensor,
+                        tokens: list[list[int]], params: list[SamplingParams]) -> bool:
+        """A greedy verify batch (every sequence 1 + k rows): the head's catch-up and its k
+        drafts in one compiled call (``CompiledChain.run_verified``); False: the eager drafter."""
+        drafter, fb = self.drafter, prepared.fb
+        assert drafter is not None
+        chain = drafter.compiled_chain
+        if (chain is None or drafter.num_layers != 1 or fb.verify_len != drafter.k + 1
+                or len(params) != fb.num_seqs or not all(p.is_greedy for p in params)):
+            return False
+        size = chain.pick(fb.num_seqs, greedy=True)
+        if size is None:
+            return False
+        drafts = chain.run_verified(hidden, tokens, [s.start for s in prepared.plan.batch.seqs],
+                                    [list(p) for p in prepared.page_ids], size)
+        drafter.draft_tokens[torch.tensor(prepared.live_slots, device=self.device)] = drafts
+        return True
+
     def _mtp_spans(self, prepared: PreparedStep, hidden: torch.Tensor, tokens, accepted, params, gens):
-        fb, seqs = prepared.fb, prepared.plan.batch.seqs
-        cu = fb.cu_seqlens.tolist()
+        """The drafter's rows per sequence, from host data only (no read back): a sampling
+        sequence continues with the tokens it produced (a verify's accepted drafts are its
+        rows 1..a, so its next ids are exactly ``tokens[n]``), a chunk with its known rows."""
+        seqs, cu = prepared.plan.batch.seqs, prepared.cu_seqlens
         spans, n = [], 0
         for b, seq in enumerate(seqs):
             first, width = cu[b], cu[b + 1] - cu[b]
             p = g = None
             if seq.samples:
                 p, g, out = params[n], gens[n], tokens[n]
-                width = (accepted[n] + 1) if accepted[n] is not None else width
-                nxt = fb.input_ids[first + 1: first + width].tolist() + [out[-1]]
+                if accepted[n] is not None:
+                    width, nxt = accepted[n] + 1, list(out)
+                else:
+                    nxt = self._known_ids(prepared, first + 1, first + width) + [out[-1]]
                 n += 1
             else:
-                nxt = fb.input_ids[first + 1: first + width].tolist() + [prepared.next_tokens[b]]
+                nxt = self._known_ids(prepared, first + 1, first + width) + [prepared.next_tokens[b]]
             spans.append(MtpSpan(seq.start, hidden[first:first + width],
                                  torch.tensor(nxt, device=self.device), list(prepared.page_ids[b]),
                                  prepared.live_slots[b], seq.request.request_id, p, g))
         return spans
+
+    @staticmethod
+    def _known_ids(prepared: PreparedStep, lo: int, hi: int) -> list[int]:
+        """Row ids ``lo:hi`` from the host copy; a placeholder among them (a row whose token
+        the batch before sampled: rare outside decode rows) is read from the device."""
+        part = list(prepared.row_ids[lo:hi])
+        return prepared.fb.input_ids[lo:hi].tolist() if -1 in part else part

@@ -47,6 +47,8 @@ class RequestCacheState:
       checkpoint is written; ``targets`` are prefill checkpoint depths still to reach.
     - ``cow_src`` is a tree checkpoint slot to copy into the live slot before the next
       forward (a prefix hit); the lock on ``locked_node`` keeps it alive until then.
+    - ``promotion``: a pending host -> device copy of a deeper checkpoint into the live (and
+      keep) slot (``workers/tiers/promotion.py``); the request gets no work until it ends.
     """
 
     num_tree_pages: int = 0
@@ -59,6 +61,7 @@ class RequestCacheState:
     pending_slot: int | None = None
     targets: list[int] = field(default_factory=list)
     cow_src: int | None = None
+    promotion: object | None = None
 
 
 @dataclass

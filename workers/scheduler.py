@@ -29,6 +29,9 @@ this one's result is processed: a decode's next input is the token being sampled
 placeholder filled on the forward thread). A request in flight is never preempted; a
 request about to reach ``max_tokens`` is not scheduled past it.
 
+Tiers: a request admitted with a promotion (its prefix being copied in from the host tier)
+joins ``running`` but gets no tokens, and is not preempted, until the copy completes.
+
 Invariant: after ``schedule``, every running request holds a live slot and at least
 ``ceil((num_computed_tokens + num_new_tokens) / page_size)`` pages.
 """
@@ -149,6 +152,8 @@ class Scheduler:
     def _num_to_compute(self, request: Request, budget: int) -> int:
         if request.verify_inflight or (request.num_pending_tokens and self._reaches_limit(request)):
             return 0
+        if request.cache.promotion is not None:          # its prefix is still being copied in
+            return 0
         missing = request.num_expected_tokens - request.num_computed_tokens
         if missing == 1 and self._verifies(request):
             return min(1 + self._num_drafts(request), budget)
@@ -205,7 +210,7 @@ class Scheduler:
                 request.page_ids.extend(new)
                 return True
             victim = next(r for r in reversed(self.running) if id(r) not in busy)
-            if victim.inflight_batch is not None:
+            if victim.inflight_batch is not None or victim.cache.promotion is not None:
                 return False
             self._preempt(victim)
             preempted.append(victim)
@@ -217,15 +222,18 @@ class Scheduler:
             request = self.waiting[0]
             if not self.cache.admit(request):
                 break
-            n = self._num_to_compute(request, budget)
-            new = self.cache.alloc_pages(self._pages_short(request, n)) if n > 0 else None
-            if new is None:
-                self.cache.release(request, finished=False)
-                request.num_computed_tokens = 0
-                break
+            n, new = 0, []
+            if request.cache.promotion is None:       # a promoting request runs once copied in
+                n = self._num_to_compute(request, budget)
+                new = self.cache.alloc_pages(self._pages_short(request, n)) if n > 0 else None
+                if new is None:
+                    self.cache.release(request, finished=False)
+                    request.num_computed_tokens = 0
+                    break
             self.waiting.popleft()
             request.page_ids.extend(new)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.handle)
-            seqs.append(self._scheduled(request, n))
-            budget -= n
+            if n:
+                seqs.append(self._scheduled(request, n))
+                budget -= n

@@ -7,9 +7,11 @@ result is compared with the checkpoint's slot. Mismatches mean the slot does not
 H(depth) of its path (a runner writing the wrong row, an aliased donation, a kernel bug):
 ``hybridserve_state_oracle_mismatches_total`` must stay 0.
 
-A check runs on the forward thread in launch order (submitted after the batch that is in
-flight when the checkpoint is published): no batch launched before it can write a
-tree-owned slot (I3), and any reuse of the slot after an eviction is launched after it.
+The slot is read when the checkpoint is published (``pick``, on the scheduler thread): its
+content is final then (the batch that wrote it is processed, and no batch in flight may
+write a tree-owned slot, I3). The recompute runs later on the forward thread, against that
+copy: by then the slot may have been evicted and reused -- by a batch launched after, or
+by a host-tier promotion that writes it at once, outside launch order (``workers/tiers``).
 """
 from __future__ import annotations
 
@@ -61,10 +63,16 @@ class StateOracle:
         self.sample = sample
         self.rng = random.Random(seed)
 
-    def pick(self, published: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
-        return [p for p in published if self.rng.random() < self.sample]
+    @torch.inference_mode()
+    def pick(self, published: list[tuple[int, list[int]]]) -> list[tuple[tuple[torch.Tensor, ...], list[int]]]:
+        """The sampled checkpoints, each with a copy of its slot's state taken now."""
+        picked = [(tuple(t.clone() for t in self.pools.mamba.slot_states(slot)), tokens)
+                  for slot, tokens in published if self.rng.random() < self.sample]
+        if picked and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()   # copied before a copy stream reuses the slot
+        return picked
 
     @torch.inference_mode()
-    def check(self, slot: int, token_ids: list[int]) -> bool:
+    def check(self, held: tuple[torch.Tensor, ...], token_ids: list[int]) -> bool:
         want = fresh_prefill_states(self.model, token_ids, self.page_size, self.device, self.dtype)
-        return states_match(self.pools.mamba.slot_states(slot), want)
+        return states_match(held, want)

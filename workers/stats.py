@@ -22,6 +22,7 @@ COUNTERS = (
     "hybridserve_preemptions_total",
     "hybridserve_prompt_tokens_total",
     "hybridserve_generation_tokens_total",
+    "hybridserve_forward_tokens_total",       # tokens fed to forwards (with step durations: a rate)
     "hybridserve_invariant_checks_total",     # debug.check_invariants: steps checked
     "hybridserve_state_oracle_checks_total",      # debug.state_oracle_sample: checkpoints recomputed
     "hybridserve_state_oracle_mismatches_total",  # ... whose slot did not hold that state
@@ -31,6 +32,24 @@ LABELLED_COUNTERS = {
     "hybridserve_mamba_checkpoints_inserted_total": "phase",
     "hybridserve_invariant_violations_total": "invariant",
     "hybridserve_requests_total": "finish_reason",
+    # The tiers (workers/tiers): device -> host, host -> device, the cluster store.
+    "hybridserve_cache_hits_total": "tier",                # requests whose prompt hit, by deepest tier
+    "hybridserve_cache_hit_tokens_total": "tier",          # ... and the prompt tokens it served
+    "hybridserve_tier_demotions_total": "outcome",         # demoted, copied, present, host_full, failed
+    "hybridserve_tier_promotions_total": "outcome",        # promoted, failed
+    "hybridserve_tier_bytes_total": "direction",           # device_to_host, host_to_device, store_put, store_get
+    "hybridserve_store_fetches_total": "outcome",          # fetched, recomputed, present, lost, invalid, host_full, error
+    "hybridserve_store_commits_total": "outcome",          # committed, duplicate, error
+}
+# Fixed label values of the labelled counters above (exported at 0 until counted).
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "hybridserve_cache_hits_total": ("device", "host", "store"),
+    "hybridserve_cache_hit_tokens_total": ("device", "host", "store"),
+    "hybridserve_tier_demotions_total": ("demoted", "copied", "present", "host_full", "failed"),
+    "hybridserve_tier_promotions_total": ("promoted", "failed"),
+    "hybridserve_tier_bytes_total": ("device_to_host", "host_to_device", "store_put", "store_get"),
+    "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "host_full", "error"),
+    "hybridserve_store_commits_total": ("committed", "duplicate", "error"),
 }
 HISTOGRAMS = (
     "hybridserve_time_to_first_token_seconds",
@@ -44,7 +63,13 @@ GAUGES = (
     "hybridserve_num_waiting_requests",
     "hybridserve_kv_pool_usage_ratio",
     "hybridserve_mamba_pool_usage_ratio",
+    "hybridserve_host_mamba_slots_used",          # host tier: checkpoints held in host memory
+    "hybridserve_host_kv_tokens_used",            # ... KV tokens held there
+    "hybridserve_host_kv_dead_tokens",            # ... of which with no checkpoint under them (must be 0)
 )
+# Pushed by the cluster store's actor (cluster/store), one series per app (replica "store").
+STORE_GAUGES = ("hybridserve_store_objects", "hybridserve_store_bytes")
+STORE_COUNTERS = ("hybridserve_store_evictions_total",)
 
 
 @dataclass

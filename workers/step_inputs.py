@@ -64,6 +64,10 @@ class PreparedStep:
     # live slot after the last row, each snapshot row's slot); verifies add theirs at commit.
     writes: tuple[StateWrite, ...] = ()
     sampling: SamplingInputs | None = None   # host tensors (workers.sampling.build), set at launch
+    # Host copies of ``fb.input_ids`` (placeholder rows -1: filled on the device) and
+    # ``fb.cu_seqlens``: the drafter's inputs are built from them, not read back.
+    row_ids: tuple[int, ...] = ()
+    cu_seqlens: tuple[int, ...] = ()
 
 
 class _Rows:
@@ -156,4 +160,12 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         opt([r for r, _, _ in rows.drafts]), opt([s for _, s, _ in rows.drafts]),
         opt([i for _, _, i in rows.drafts]), tuple(verify), tuple(next_tokens),
         tuple(tuple(s.request.page_ids) for s in batch.seqs),
-        tuple(s.request.mamba_slot for s in batch.seqs), tuple(rows.writes))
+        tuple(s.request.mamba_slot for s in batch.seqs), tuple(rows.writes),
+        row_ids=_host_ids(rows), cu_seqlens=tuple(cu))
+
+
+def _host_ids(rows: _Rows) -> tuple[int, ...]:
+    ids = list(rows.ids)
+    for r in [r for r, _ in rows.future] + [r for r, _, _ in rows.drafts]:
+        ids[r] = -1
+    return tuple(ids)

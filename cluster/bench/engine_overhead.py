@@ -46,7 +46,8 @@ def engine_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> f
 
 
 def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> float:
-    """The model's forward in a tight loop on pre-built decode batches (no scheduler)."""
+    """The model's forward in a tight loop on pre-built decode batches (no scheduler), through
+    the engine's compiled decode step when ``compile.enabled`` (the same path as the engine)."""
     engine = llm.engine
     model, pools, ps = engine.model, engine.pools, engine.config.cache.page_size
     b, plen = len(prompts), len(prompts[0])
@@ -64,13 +65,22 @@ def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> flo
                             torch.full((b,), start > 0), torch.arange(q - 1, b * q, q), ps,
                             decode_only=is_decode_only([q] * b, [start > 0] * b, None))
 
+    compiled = engine.runner.compiled      # the engine's compiled decode step, when it has one
+
+    def logits(fb: ForwardBatch) -> torch.Tensor:
+        bucket = compiled.pick(fb) if compiled is not None else None
+        if bucket is None:
+            return model.compute_logits(model.forward(fb, pools)[fb.logits_indices])
+        assert compiled is not None
+        return compiled.run(fb, bucket)[1][fb.logits_indices]
+
     @torch.inference_mode()
     def run(n: int) -> None:
         fb = batch(torch.tensor(prompts), 0, plen)
-        tok = model.compute_logits(model.forward(fb, pools)[fb.logits_indices]).argmax(-1)
+        tok = logits(fb).argmax(-1)
         for step in range(n - 1):
             fb = batch(tok, plen + step, 1)
-            tok = model.compute_logits(model.forward(fb, pools)[fb.logits_indices]).argmax(-1)
+            tok = logits(fb).argmax(-1)
         tok.tolist()
 
     run(2)

@@ -26,6 +26,14 @@ from workers.sampling_params import SamplingParams
 CPU = {"device": "cpu", "dtype": "float32"}
 
 
+def engine_kwargs(compile_cfg: Any, batch: int) -> dict[str, Any]:
+    """``LLM`` keyword overrides of a suite engine: the CPU settings and, when the suite
+    compiles, one compiled bucket of ``batch`` (smaller batches pad up to it)."""
+    if not compile_cfg.enabled:
+        return dict(CPU)
+    return {**CPU, "compile": {"enabled": True, "batch_sizes": [batch], "cache_dir": compile_cfg.cache_dir}}
+
+
 def make_bench_model(out_dir: Path) -> Path:
     """The engine-overhead bench model (a random 8-layer Qwen3-Next, ~15M parameters, seed 0)."""
     from cluster.bench.engine_overhead import MODEL_10M

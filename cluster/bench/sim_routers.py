@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from cluster.routing.prefix_index import PrefixIndex
+from cluster.routing.router_actor import RouterIndexState
 from cluster.routing.routing_policy import (RecentPlacements, RouterSettings, decide_and_record,
                                             max_usable_depth, views_from)
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
@@ -28,32 +28,36 @@ class SimRouter(Protocol):
 
 
 class HybridPrefixSim:
-    """``HybridPrefixRouter``'s path without Ray: the index match, then ``decide``."""
+    """``HybridPrefixRouter``'s path without Ray: the router actor's tiered index (device,
+    host, store) fed the replicas' events, its match, then ``decide``."""
 
     name = "hybrid_prefix"
 
     def __init__(self, replicas: Sequence[str], rng: random.Random,
                  settings: RouterSettings = RouterSettings()) -> None:
-        self.index = PrefixIndex()
+        self.state = RouterIndexState(forget_after_s=float("inf"))
+        self.index = self.state.index
         for r in replicas:
-            self.index.add_replica(r)
+            self.state.apply(r, [])
         self.settings, self.rng = settings, rng
         self.recent = RecentPlacements()
 
     def choose(self, tokens: Sequence[int], loads: dict[str, int], now: float) -> str:
         ids = list(loads)
-        return self._decide(ids, self.index.match(tokens, max_usable_depth(len(tokens)), ids), loads, now)
+        report = self.state.match(tokens, ids, max_usable_depth(len(tokens)))
+        return self._decide(ids, report.depths, loads, now, report.host_depths, report.store_depth)
 
-    def _decide(self, ids: list[str], depths: dict[str, int], loads: dict[str, int], now: float) -> str:
+    def _decide(self, ids: list[str], depths: dict[str, int], loads: dict[str, int], now: float,
+                host_depths: dict[str, int] | None = None, store_depth: int = 0) -> str:
         sizes = {r: self.index.num_checkpoints(r) for r in ids}
-        views = views_from(ids, depths, loads, sizes, self.recent.counts(now))
+        views = views_from(ids, depths, loads, sizes, self.recent.counts(now), host_depths, store_depth)
         return decide_and_record(views, self.settings, self.recent, now, self.rng).ranks[0][0]
 
     def on_routed(self, tokens: Sequence[int], replica: str, now: float) -> None:
         pass
 
     def on_events(self, replica: str, events: Sequence[Event]) -> None:
-        self.index.apply(replica, events)
+        self.state.apply(replica, events)
 
 
 class HybridPrefixKvSim(HybridPrefixSim):

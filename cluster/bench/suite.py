@@ -1,14 +1,17 @@
 """``hybridserve bench suite --out DIR``: the issue-7 comparisons, one table, ``DIR/summary.json``.
 
-Order: the in-process comparisons (overlap, speculation, run-batch vs transformers), then
+Order: the in-process comparisons (overlap, speculation, run-batch vs transformers, the
+~100M model's EOS workload, start-up time with compilation: ``suite_compiled``), then
 one local Ray Serve cluster for the HTTP ones (decode efficiency and prefix cache on one
 replica; three routers over ``routing.num_replicas`` replicas), then the routing
-simulator. A section that fails is reported with its error and the others still run.
+simulator, then the checkpoint tiers (``bench/tiers.py``, in process). A section that fails is reported with its error and the others still run.
 
 ``summary.json`` holds the headline keys (``serving_efficiency``, ``vs_transformers_speedup``,
 ``prefix_cache_prefill_fraction``, ``prefix_cache_ttft_ratio``,
 ``routing_hit_ratio_vs_round_robin``, ``routing_hit_ratio_vs_ray``,
-``routing_load_max_min``, ``spec_tpot_speedup``, ``overlap_speedup``), ``goals`` (bound
+``routing_load_max_min``, ``spec_tpot_speedup``, ``overlap_speedup``, ``eos_workload_speedup``,
+``startup_cold_s``, ``startup_warm_s``, and issue 17's ``tiers_prefill_ratio``,
+``tiers_ttft_ratio``, ``tiers_cached_vs_ray``, ``multi_turn_turn2_hits``), ``goals`` (bound
 and met per key), ``details`` (every section's measurements and samples), ``machine``
 and ``config``. The same table is written to ``DIR/table.md``.
 """
@@ -36,6 +39,13 @@ HEADLINE = {                      # summary key -> (section, path inside its res
     "routing_load_max_min": ("routing", ("routing_load_max_min",)),
     "spec_tpot_speedup": ("spec", ("spec_tpot_speedup",)),
     "overlap_speedup": ("overlap", ("overlap_speedup",)),
+    "tiers_prefill_ratio": ("tiers", ("goals", "computed_prefill_tiers_over_device")),
+    "tiers_ttft_ratio": ("tiers", ("goals", "ttft_s_tiers_over_device")),
+    "tiers_cached_vs_ray": ("tiers", ("goals", "cached_vs_ray")),
+    "multi_turn_turn2_hits": ("tiers", ("multi_turn", "host", "turn2_hits")),
+    "eos_workload_speedup": ("eos_workload", ("eos_workload_speedup",)),
+    "startup_cold_s": ("startup", ("startup_cold_s",)),
+    "startup_warm_s": ("startup", ("startup_warm_s",)),
 }
 
 
@@ -61,7 +71,7 @@ def machine_info() -> dict[str, Any]:
 def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[str, Any] | None = None) -> int:
     import torch
 
-    from cluster.bench import inproc, suite_sections as S
+    from cluster.bench import inproc, suite_compiled as C, suite_sections as S
 
     cfg = load_suite_config(config_path, overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +100,8 @@ def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[st
     section("overlap", lambda: S.overlap(cfg, model))
     section("spec", lambda: S.spec(cfg))
     section("vs_transformers", lambda: S.vs_transformers(cfg, model))
+    section("eos_workload", lambda: C.eos_workload(cfg, out_dir))
+    section("startup", lambda: C.startup(cfg, model, out_dir))
     if {"serving", "routing"} & set(cfg.sections):
         from cluster.bench.serving import LocalCluster
 
@@ -97,6 +109,7 @@ def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[st
             section("serving", lambda: S.serving(cfg, cluster, model))
             section("routing", lambda: S.routing(cfg, cluster))
     section("simulation", lambda: S.simulation(cfg))
+    section("tiers", lambda: S.tiers(cfg, model))
     machine["loadavg_end"] = os.getloadavg()
     summary = build_summary(details, cfg, machine, timings, time.perf_counter() - start)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -159,6 +172,23 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
                                     f"{s['acceptance_by_k'][s['num_draft_tokens']]}; by k: {s['speedup_by_k']}")
     if (o := d.get("overlap")) and "error" not in o:
         out["overlap_speedup"] = f"{o['tok_s_on']} vs {o['tok_s_off']} tok/s"
+    if (t := d.get("tiers")) and "error" not in t:
+        r = {(x["router"], x["tiers"]): x for x in t["results"]}
+        on, off = r.get(("hybrid_prefix", True)), r.get(("hybrid_prefix", False))
+        if on and off:
+            out["tiers_prefill_ratio"] = f"computed {on['computed_fraction']} vs {off['computed_fraction']}"
+            out["tiers_ttft_ratio"] = (f"{on['mean_ttft_s']} vs {off['mean_ttft_s']} s ({on['mean_ttft_steps']} vs "
+                                       f"{off['mean_ttft_steps']} steps); needs an idle machine")
+        if on and (ray := r.get(("ray_prefix", True))):
+            out["tiers_cached_vs_ray"] = f"cached {on['cached_fraction']} vs {ray['cached_fraction']}"
+        m = t["multi_turn"]
+        out["multi_turn_turn2_hits"] = f"host tier on {m['host']['turn2_hits']}/20, off {m['device']['turn2_hits']}/20"
+    if (e := d.get("eos_workload")) and "error" not in e:
+        out["eos_workload_speedup"] = (f"{e['engine_tok_s']} vs {e['hf_tok_s']} tok/s, {e['num_parameters'] / 1e6:.0f}M "
+                                       f"parameters, {len(e['output_lens'])} requests, batch {e['batch']}")
+    if (s := d.get("startup")) and "error" not in s:
+        out["startup_cold_s"] = f"eager start-up {s['startup_eager_s']} s; batch sizes {s['batch_sizes']}"
+        out["startup_warm_s"] = "the same, over the cache the cold run filled"
     return out
 
 
@@ -178,4 +208,8 @@ def format_table(summary: dict[str, Any]) -> str:
                   "", "```", sim["table"], "```", "",
                   f"Same cache-pressure replay with the default chunk {dt['chunk_size']} and grid "
                   f"{dt['track_interval']}:", "", "```", sim["default_engine_table"], "```"]
+    tiers = _dig(summary, ("details", "tiers"))
+    if tiers and "table" in tiers:
+        lines += ["", "Checkpoint tiers, slot_pressure over in-process replicas (bench/tiers.py):", "",
+                  "```", tiers["table"], "```"]
     return "\n".join(lines)

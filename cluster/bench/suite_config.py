@@ -61,9 +61,40 @@ class OverlapCfg(_Strict):
     output_len: int = Field(32, ge=1)
 
 
+class CompileCfg(_Strict):
+    """``compile.*`` of every suite engine; each section compiles one bucket, its own batch."""
+    enabled: bool = True
+    cache_dir: str | None = None          # None: inductor's default (persists across runs)
+
+
+class EosWorkloadCfg(_Strict):
+    """Continuous batching's case on a ~100M Qwen3-Next with real head dims: outputs of
+    sampled lengths, each request stopping at its own (as at EOS)."""
+    num_prompts: int = Field(24, ge=1)
+    batch: int = Field(8, ge=1)                   # engine concurrency = HF batch size
+    min_prompt_len: int = Field(32, ge=1)
+    max_prompt_len: int = Field(256, ge=1)
+    min_output_len: int = Field(4, ge=1)
+    max_output_len: int = Field(128, ge=1)
+    repeats: int | None = Field(1, ge=1)          # None: the suite's repeats
+
+
+class StartupCfg(_Strict):
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+
+
 class SimulationCfg(_Strict):
     replicas: list[int] = Field(default_factory=lambda: [8, 16, 32])
     workloads: list[str] = Field(default_factory=lambda: ["cache_pressure", "multi_turn"])
+
+
+class TiersCfg(_Strict):
+    """bench/tiers.py: slot_pressure over in-process replicas, and the multi-turn case."""
+
+    num_replicas: int = Field(4, ge=1)
+    num_sessions: int = Field(16, ge=1)
+    num_turns: int = Field(3, ge=1)
+    routers: list[str] = Field(default_factory=lambda: ["hybrid_prefix", "ray_prefix"])
 
 
 class SuiteConfig(_Strict):
@@ -78,10 +109,15 @@ class SuiteConfig(_Strict):
     spec: SpecCfg
     overlap: OverlapCfg = OverlapCfg()
     simulation: SimulationCfg = SimulationCfg()
+    tiers: TiersCfg = TiersCfg()
+    compile: CompileCfg = CompileCfg()
+    eos_workload: EosWorkloadCfg = EosWorkloadCfg()
+    startup: StartupCfg = StartupCfg()
     sections: list[str] = Field(default_factory=lambda: list(SECTIONS))
 
 
-SECTIONS = ("overlap", "spec", "vs_transformers", "serving", "routing", "simulation")
+SECTIONS = ("overlap", "spec", "vs_transformers", "eos_workload", "startup", "serving", "routing",
+            "simulation", "tiers")
 
 
 def load_suite_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> SuiteConfig:
@@ -108,16 +144,18 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 class Goal(NamedTuple):
-    op: str                               # ">=" or "<="
+    op: str                               # ">=", "<=", or "report" (a figure without a goal)
     bound: float
     what: str
 
     def met(self, value: float | None) -> bool | None:
-        if value is None:
+        if value is None or self.op == "report":
             return None
         return value >= self.bound if self.op == ">=" else value <= self.bound
 
     def text(self) -> str:
+        if self.op == "report":
+            return "(reported)"
         return f"{'≥' if self.op == '>=' else '≤'} {self.bound:g}"
 
 
@@ -131,4 +169,12 @@ GOALS: dict[str, Goal] = {
     "routing_load_max_min": Goal("<=", 1.5, "requests per replica max ÷ min, hybrid_prefix"),
     "spec_tpot_speedup": Goal(">=", 1.4, "TPOT spec off ÷ on, batch 1"),
     "overlap_speedup": Goal(">=", 1.0, "throughput overlap on ÷ off, batch 16"),
+    "tiers_prefill_ratio": Goal("<=", 0.5, "computed prefill fraction tiers on ÷ device only, slot_pressure"),
+    "tiers_ttft_ratio": Goal("<=", 0.6, "mean TTFT tiers on ÷ device only, slot_pressure"),
+    "tiers_cached_vs_ray": Goal(">=", 1.15, "cached fraction hybrid_prefix ÷ Ray's rule, tiers on, slot_pressure"),
+    "multi_turn_turn2_hits": Goal(">=", 20, "turn-2 prompts resuming from their turn-1 prompt, of 20, host tier on"),
+    "eos_workload_speedup": Goal(">=", 2.0, "engine ÷ transformers generate, ~100M Qwen3-Next, "
+                                            "outputs ending at sampled lengths"),
+    "startup_cold_s": Goal("report", 0.0, "engine start-up with compilation, empty compile cache"),
+    "startup_warm_s": Goal("report", 0.0, "engine start-up with compilation, warm compile cache"),
 }

@@ -43,7 +43,7 @@ def overlap(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
     c = cfg.overlap
     rng = random.Random(1)
     prompts = [_ids(rng, c.prompt_len) for _ in range(c.batch)]
-    llms = {on: LLM(model=str(model), **inproc.CPU, cache={"max_kv_tokens": 16384},
+    llms = {on: LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, c.batch), cache={"max_kv_tokens": 16384},
                     scheduler={"overlap": on, "max_running_requests": max(64, c.batch)}) for on in (True, False)}
     samples = inproc.interleaved({f"overlap_{'on' if on else 'off'}": (lambda llm=llm: inproc.throughput_run(
         llm, prompts, c.output_len)) for on, llm in llms.items()}, c.repeats or cfg.repeats)
@@ -77,9 +77,10 @@ def spec(cfg: SuiteConfig) -> dict[str, Any]:
     model, trained = spec_model(cfg)
     default_k = SpecConfig().num_draft_tokens
     ks = [default_k] + [k for k in cfg.spec.sweep if k != default_k]
-    llms = {"off": LLM(model=str(model), **inproc.CPU)}
+    engine = inproc.engine_kwargs(cfg.compile, 1)
+    llms = {"off": LLM(model=str(model), **engine)}
     for k in ks:
-        llms[f"k{k}"] = LLM(model=str(model), **inproc.CPU, spec={"method": "mtp", "num_draft_tokens": k})
+        llms[f"k{k}"] = LLM(model=str(model), **engine, spec={"method": "mtp", "num_draft_tokens": k})
     prompts = [llms["off"].encode(p) for p in cfg.spec.prompts]
     # Interleaved per prompt (off, k, k', ... on the same prompt back to back), so every
     # variant sees the same moments of the machine; best per (variant, prompt), then the
@@ -105,7 +106,7 @@ def vs_transformers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
     c = cfg.vs_transformers
     rng = random.Random(2)
     prompts = [_ids(rng, rng.randint(c.min_prompt_len, c.max_prompt_len)) for _ in range(c.num_prompts)]
-    llm = LLM(model=str(model), **inproc.CPU, cache={"max_kv_tokens": 32768})
+    llm = LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, c.num_prompts), cache={"max_kv_tokens": 32768})
     hf = inproc.HFGenerate(model)
     samples = inproc.interleaved({"run_batch_s": lambda: inproc.run_batch_seconds(llm, prompts, c.output_len),
                                   "hf_batched_s": lambda: hf.seconds(prompts, c.output_len)}, cfg.repeats)
@@ -136,7 +137,8 @@ def _warm(app: Any) -> None:
 def serving(cfg: SuiteConfig, cluster: Any, model: Path) -> dict[str, Any]:
     from workers.llm import LLM
 
-    engine = {**inproc.CPU, "model": str(model), "cache": {"max_kv_tokens": 16384}}
+    engine = {**inproc.engine_kwargs(cfg.compile, cfg.serving_efficiency.batch), "model": str(model),
+              "cache": {"max_kv_tokens": 16384}}
     on = cluster.deploy("bench-cache-on", engine, "hybrid_prefix", REPLICA)
     off = cluster.deploy("bench-cache-off", {**engine, "cache": {"max_kv_tokens": 16384,
                                                                    "enable_prefix_cache": False}},
@@ -146,7 +148,8 @@ def serving(cfg: SuiteConfig, cluster: Any, model: Path) -> dict[str, Any]:
         _warm(off)
         out: dict[str, Any] = {"deploy_s": _r(on.deploy_s + off.deploy_s, 1)}
         out["prefix_cache"] = _prefix_cache(cfg, on, off)
-        llms = [LLM(model=str(model), **inproc.CPU, cache={"max_kv_tokens": 16384}) for _ in range(2)]
+        llms = [LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, cfg.serving_efficiency.batch),
+                    cache={"max_kv_tokens": 16384}) for _ in range(2)]
         out["efficiency"] = _efficiency(cfg, on, *llms)
         return out
     finally:
@@ -285,3 +288,21 @@ def simulation(cfg: SuiteConfig) -> dict[str, Any]:
     return {"table": format_table(results), "settings": asdict(settings), "results": [asdict(r) for r in results],
             "default_engine_table": format_table(defaults), "default_engine_settings": asdict(plain),
             "default_engine_results": [asdict(r) for r in defaults]}
+
+
+def tiers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
+    """Issue 17: slot_pressure, tiers on vs device only and our router vs Ray's rule, on
+    in-process replicas (bench/tiers.py); the 20-conversation multi-turn case."""
+    from dataclasses import asdict
+
+    from cluster.bench import tiers as T
+    from cluster.bench.workloads import load_workload
+
+    t = cfg.tiers
+    sessions = load_workload("slot_pressure", {"num_sessions": t.num_sessions, "num_turns": t.num_turns}).sessions
+    settings = T.ClusterSettings(num_replicas=t.num_replicas)
+    results = [T.run_one(model, sessions, router, on, settings) for router in t.routers for on in (False, True)]
+    multi = {("host" if host else "device"): T.multi_turn_case(model, "extra_buffer_lazy", host)
+             for host in (False, True)}
+    return {"results": [asdict(r) for r in results], "goals": T.goals(results), "multi_turn": multi,
+            "settings": asdict(settings), "table": T.format_table(results)}

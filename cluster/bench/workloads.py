@@ -23,6 +23,13 @@ Kinds (parameters as in the field names of each spec):
 - ``multi_turn``: ``num_sessions`` chats of ``num_turns`` turns; turn 1 is a system
   prompt plus a first message, every later turn appends the previous answer and a
   ``user_len``-token message.
+- ``slot_pressure``: agentic sessions (issue 17). ``num_sessions`` agents share
+  ``num_toolsets`` system prompts (tool definitions, ``system_len`` tokens); turn 1 is the
+  system prompt plus a ``task_len`` task, every later turn appends the previous answer, a
+  tool output of ``tool_output_len`` tokens (± ``tool_output_range``) and a short
+  ``instruction_len`` instruction, so contexts grow by a few hundred tokens a turn. Sized
+  to have more live sessions than the cluster holds device checkpoints (the caller sizes
+  the replicas, e.g. ``bench/tiers.py`` with a Qwen3-Next slot-to-KV ratio).
 
 Same spec and seed -> the same sessions, byte for byte; ``seed`` in the YAML can be
 overridden (the CLI's ``--seed``).
@@ -152,8 +159,21 @@ class MultiTurnSpec(_Spec):
     output_len: int = Field(32, ge=1)
 
 
+class SlotPressureSpec(_Spec):
+    kind: Literal["slot_pressure"] = "slot_pressure"
+    num_sessions: int = Field(32, ge=1)
+    num_turns: int = Field(4, ge=1)
+    num_toolsets: int = Field(4, ge=1)
+    system_len: int = Field(192, ge=0)
+    task_len: int = Field(48, ge=1)
+    tool_output_len: int = Field(96, ge=1)
+    tool_output_range: float = Field(0.5, ge=0.0, lt=1.0)
+    instruction_len: int = Field(12, ge=1)
+    output_len: int = Field(24, ge=1)
+
+
 WorkloadSpec = Annotated[Union[RandomSpec, SharedPrefixSpec, PrefixRepetitionSpec, CachePressureSpec,
-                               MultiTurnSpec], Field(discriminator="kind")]
+                               MultiTurnSpec, SlotPressureSpec], Field(discriminator="kind")]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(WorkloadSpec)
 
 
@@ -275,9 +295,24 @@ def _multi_turn(spec: MultiTurnSpec) -> tuple[list[Session], list[Session], dict
     return sessions, [], {}
 
 
+def _slot_pressure(spec: SlotPressureSpec) -> tuple[list[Session], list[Session], dict[str, Any]]:
+    ids = _Ids(spec)
+    toolsets = [ids.draw(spec.system_len) for _ in range(spec.num_toolsets)]
+    sessions = []
+    for i in range(spec.num_sessions):
+        turns = [Turn(ids.draw(spec.task_len), spec.output_len)]
+        for _ in range(spec.num_turns - 1):
+            tool = ids.draw(ids.length(spec.tool_output_len, spec.tool_output_range))
+            turns.append(Turn(tool + ids.draw(spec.instruction_len), spec.output_len))
+        sessions.append(Session(i, f"toolset-{i % spec.num_toolsets}", toolsets[i % spec.num_toolsets],
+                                tuple(turns)))
+    final = [len(s.shared_ids) + sum(len(t.user_ids) + t.max_tokens for t in s.turns) for s in sessions]
+    return sessions, [], {"mean_final_context": round(sum(final) / len(final), 1)}
+
+
 _GENERATORS: dict[str, Callable[[Any], tuple[list[Session], list[Session], dict[str, Any]]]] = {
     "random": _random, "shared_prefix": _shared_prefix, "prefix_repetition": _prefix_repetition,
-    "cache_pressure": _cache_pressure, "multi_turn": _multi_turn}
+    "cache_pressure": _cache_pressure, "multi_turn": _multi_turn, "slot_pressure": _slot_pressure}
 
 
 def build(spec: Any, name: str | None = None) -> Workload:

@@ -33,6 +33,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 
 from cluster.routing.routing_policy import REASONS
 from workers.request import FinishReason
+from workers.stats import LABEL_VALUES as TIER_LABEL_VALUES
 from workers.stats import LABELLED_COUNTERS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -47,13 +48,15 @@ BUCKETS = {
 }
 ROUTER_DECISIONS = "hybridserve_router_decisions_total"
 # The engine's fixed label sets (workers/checkpoints.py, workers/cache/records.py,
-# workers/request.py); values outside them are still exported when counted.
+# workers/request.py, the tiers' in workers/stats.py); values outside them are still
+# exported when counted.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "hybridserve_mamba_donations_skipped_total": ("prefill_finished", "prefill_unfinished",
                                                   "decode_finished", "decode"),
     "hybridserve_mamba_checkpoints_inserted_total": ("prefill", "decode", "finish"),
     "hybridserve_invariant_violations_total": tuple(f"I{i}" for i in range(1, 11)),
     "hybridserve_requests_total": tuple(r.value for r in FinishReason),
+    **TIER_LABEL_VALUES,
 }
 
 

@@ -1,9 +1,10 @@
 """``HybridPrefixRouter``: the Serve ``RequestRouter`` of the engine deployment (Ray edge).
 
 One instance lives in every process holding a handle to ``EngineReplica`` (the ingress
-replicas); the shared state is the router actor's ``PrefixIndex``. Per ``generate``
+replicas); the shared state is the router actor's tiered ``PrefixIndex``. Per ``generate``
 call it reads the prompt's token ids from the request (``GenerateRequest``), asks the
-actor for each replica's deepest usable checkpoint, reads loads from Serve's queue
+actor for each replica's deepest usable checkpoint on its device and in its host tier,
+and the cluster store's, reads loads from Serve's queue
 length cache (probing what is missing), and lets ``routing_policy.decide`` rank the
 replicas. Any error on that path -- actor timeout, bad request shape -- falls back to
 power of two, counted as ``fallback``; routing never fails because of the index.
@@ -49,6 +50,7 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, policy: str = "hybrid_prefix", model_name: str = "",
                          load_penalty_tokens: float = 16.0, imbalance_abs: int = 8,
                          imbalance_rel: float = 1.5, min_match_tokens: int = 16,
+                         host_hit_value: float = 0.9, store_hit_value: float = 0.5,
                          index_timeout_s: float = 0.5, forget_after_s: float = 30.0,
                          metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
                          push_interval_s: float = 1.0, index_actor: Any = None,
@@ -57,7 +59,8 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if policy not in POLICIES:
             raise ValueError(f"router policy must be one of {POLICIES}, got {policy!r}")
         self._policy = policy
-        self._settings = RouterSettings(load_penalty_tokens, imbalance_abs, imbalance_rel, min_match_tokens)
+        self._settings = RouterSettings(load_penalty_tokens, imbalance_abs, imbalance_rel, min_match_tokens,
+                                        host_hit_value, store_hit_value)
         self._model_name = model_name
         self._index_timeout_s = index_timeout_s
         self._push_interval_s = push_interval_s
@@ -135,7 +138,8 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         loads = await self._loads(candidates)
         report = await asyncio.wait_for(report_ref, self._index_timeout_s)  # type: ignore[arg-type]
         now = time.monotonic()
-        views = views_from(ids, report.depths, loads, report.sizes, self._recent.counts(now))
+        views = views_from(ids, report.depths, loads, report.sizes, self._recent.counts(now),
+                           report.host_depths, report.store_depth)
         decision = decide_and_record(views, self._settings, self._recent, now, self._rng)
         return [[by_id[rid] for rid in rank] for rank in decision.ranks], decision.reason
 

@@ -4,16 +4,23 @@ Per request, for every candidate replica we know:
 - ``depth``: tokens covered by its deepest Mamba checkpoint on the prompt's path, capped
   at ``len(prompt) - 1`` (the last prompt token must be computed to get logits, and a
   recurrent state cannot be rolled back, so a checkpoint at the full length is unusable);
+  ``host_depth`` the same in its host tier, ``store_depth`` in the cluster store (the
+  same for every replica: any of them can fetch it);
 - ``load``: its ongoing requests (Serve's queue length; unknown counts as 0);
 - ``num_checkpoints``: how much it caches overall (spreads cold prompts).
 
+``expected_saved`` is the recompute a replica is expected to save: the best of its device
+depth, its host depth times ``host_hit_value`` and the store's depth times
+``store_hit_value`` (a host hit costs a host -> device copy, a store hit a fetch over the
+network and may be declined by the cost model; the values are those costs' discounts).
+
 Decision, in order:
-1. ``cold``: no replica has ``depth >= min_match_tokens`` -> least loaded first, then the
+1. ``cold``: no replica expects to save ``min_match_tokens`` -> least loaded first, then the
    smallest index (so distinct prefixes spread out), random among ties. "Loaded" counts
    the cold placements this router made in the last few seconds (``RecentPlacements``):
    until Serve's queue-length cache and the replica's checkpoint events catch up, a burst
    of new prefixes would otherwise all see the same least-loaded replica.
-2. score = depth - load_penalty_tokens * load; the best score is the preferred replica.
+2. score = expected_saved - load_penalty_tokens * load; the best score is preferred.
 3. ``imbalanced`` (checked per request, against the preferred replica only): its load
    exceeds the least loaded by more than ``imbalance_abs`` AND by more than a factor
    ``imbalance_rel`` -> least loaded first.
@@ -38,8 +45,13 @@ class RouterSettings:
     imbalance_abs: int = 8
     imbalance_rel: float = 1.5
     min_match_tokens: int = 16
+    host_hit_value: float = 0.9           # a host-tier token saves this much of a device one
+    store_hit_value: float = 0.5          # ... and a cluster-store token
 
     def __post_init__(self) -> None:
+        if not (0 <= self.store_hit_value <= self.host_hit_value <= 1):
+            raise ValueError(f"tier values must satisfy 0 <= store_hit_value ({self.store_hit_value}) <= "
+                             f"host_hit_value ({self.host_hit_value}) <= 1")
         if self.load_penalty_tokens < 0 or self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
             raise ValueError(
                 f"router settings out of range: load_penalty_tokens={self.load_penalty_tokens} "
@@ -55,6 +67,8 @@ class ReplicaView(NamedTuple):
     load: int
     num_checkpoints: int = 0
     recent_cold: int = 0                  # this router's cold placements not yet visible
+    host_depth: int = 0
+    store_depth: int = 0
 
 
 class RecentPlacements:
@@ -96,17 +110,25 @@ def decide(views: Sequence[ReplicaView], settings: RouterSettings,
     rng = rng or random.Random()
     shuffled = list(views)
     rng.shuffle(shuffled)                 # ties are broken at random, not by list order
-    if max(v.depth for v in views) < settings.min_match_tokens:
+    saved = {v.replica_id: expected_saved(v, settings) for v in views}
+    if max(saved.values()) < settings.min_match_tokens:
         ordered = sorted(shuffled, key=lambda v: (v.load + v.recent_cold, v.num_checkpoints))
         return RoutingDecision(_least_loaded_ranks(ordered), "cold", 0)
-    by_score = sorted(shuffled, key=lambda v: (-_score(v, settings), v.load))
+    by_score = sorted(shuffled, key=lambda v: (-(saved[v.replica_id] - settings.load_penalty_tokens * v.load),
+                                               v.load))
     best = by_score[0]
     min_load = min(v.load for v in views)
     if is_imbalanced(best.load, min_load, settings):
-        ordered = sorted(shuffled, key=lambda v: (v.load, -v.depth))
-        return RoutingDecision(_least_loaded_ranks(ordered), "imbalanced", ordered[0].depth)
+        ordered = sorted(shuffled, key=lambda v: (v.load, -saved[v.replica_id]))
+        return RoutingDecision(_least_loaded_ranks(ordered), "imbalanced", round(saved[ordered[0].replica_id]))
     rest = [v.replica_id for v in by_score[1:]]
-    return RoutingDecision([[best.replica_id]] + ([rest] if rest else []), "prefix", best.depth)
+    return RoutingDecision([[best.replica_id]] + ([rest] if rest else []), "prefix", round(saved[best.replica_id]))
+
+
+def expected_saved(view: ReplicaView, settings: RouterSettings) -> float:
+    """Prompt tokens a replica is expected not to recompute (see the module docstring)."""
+    return max(float(view.depth), settings.host_hit_value * view.host_depth,
+               settings.store_hit_value * view.store_depth)
 
 
 def is_imbalanced(load: int, min_load: int, settings: RouterSettings) -> bool:
@@ -115,11 +137,11 @@ def is_imbalanced(load: int, min_load: int, settings: RouterSettings) -> bool:
 
 
 def views_from(candidates: Sequence[str], depths: Mapping[str, int], loads: Mapping[str, int | None],
-               sizes: Mapping[str, int] | None = None,
-               recent_cold: Mapping[str, int] | None = None) -> list[ReplicaView]:
-    sizes, recent_cold = sizes or {}, recent_cold or {}
+               sizes: Mapping[str, int] | None = None, recent_cold: Mapping[str, int] | None = None,
+               host_depths: Mapping[str, int] | None = None, store_depth: int = 0) -> list[ReplicaView]:
+    sizes, recent_cold, host_depths = sizes or {}, recent_cold or {}, host_depths or {}
     return [ReplicaView(r, int(depths.get(r, 0)), int(loads.get(r) or 0), int(sizes.get(r, 0)),
-                        int(recent_cold.get(r, 0)))
+                        int(recent_cold.get(r, 0)), int(host_depths.get(r, 0)), int(store_depth))
             for r in candidates]
 
 
@@ -130,10 +152,6 @@ def decide_and_record(views: Sequence[ReplicaView], settings: RouterSettings, re
     if decision.reason == "cold":
         recent.add(decision.ranks[0][0], now)
     return decision
-
-
-def _score(view: ReplicaView, settings: RouterSettings) -> float:
-    return view.depth - settings.load_penalty_tokens * view.load
 
 
 def _least_loaded_ranks(ordered: list[ReplicaView]) -> list[list[str]]:

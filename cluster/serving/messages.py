@@ -77,5 +77,6 @@ class ReplicaStats:
     has_unfinished: bool                  # the engine still holds requests
     pools: dict[str, int]                 # free/used/usable KV pages and Mamba slots
     counters: dict[str, object] = field(default_factory=dict)  # EngineStats.snapshot()
+    node_id: str = ""                     # the Ray node the replica runs on (empty without Ray)
     loop: dict[str, float] = field(default_factory=dict)       # EngineLoop.times: steps, step wall and CPU s
     pid: int = 0                          # the replica's process (per-process CPU in the hop bench)

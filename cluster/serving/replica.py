@@ -6,6 +6,11 @@ one publisher task that, every ``events_interval_s``, sends the engine's new che
 events to the router actor, and every ``stats_interval_s`` sends stats to the metrics
 actor and a heartbeat to the router actor.
 
+With ``cache.cluster_store_bytes`` the replica also talks to the app's checkpoint store
+(``cluster/store``): prompts are offered to its ``StoreClient`` before they are queued
+(fetch when cheaper than recomputing), the publisher commits what the engine demoted to
+its host tier, and the store-tier events go to the router index with the others.
+
 Methods: ``generate`` (streaming; cancelling the call aborts the request in the engine),
 ``model_info``, ``flush_cache``, ``stats``, ``check_health`` (Serve calls it). Calls with
 ``target_replica`` are routed to that replica by ``HybridPrefixRouter``.
@@ -18,12 +23,15 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
-from cluster.actors import get_index_actor, get_metrics_actor
+from cluster.actors import get_index_actor, get_metrics_actor, get_store_actor
 from cluster.serving.messages import GenerateRequest, ModelInfo
 from cluster.serving.replica_core import ReplicaCore, StreamItem, StreamPacing, drain_cache_events
+from cluster.store.actor import RayStoreBackend
+from cluster.store.client import FetchSettings, StoreClient
 from configs.schema import HybridServeConfig
 
 logger = logging.getLogger(__name__)
@@ -44,6 +52,7 @@ class ReplicaOptions(BaseModel):
 
     model_name: str = ""
     num_cpus: float = Field(1.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)   # custom Ray resources per replica (pinning)
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: int = Field(512, ge=-1)       # -1: unbounded (Serve's default)
     stats_interval_s: float = Field(1.0, gt=0)
@@ -56,6 +65,11 @@ class ReplicaOptions(BaseModel):
     stream_items_per_s: float = Field(100.0, ge=0)  # all streams together; 0: no budget
     max_stream_interval_s: float = Field(0.25, ge=0)
     forget_after_s: float = Field(30.0, gt=0)
+    # The cluster store's fetch-or-recompute cost model: priors of the measured throughputs.
+    store_bandwidth_bytes_per_s: float = Field(1e9, gt=0)
+    store_latency_s: float = Field(0.002, ge=0)
+    prefill_tokens_per_s: float = Field(2000.0, gt=0)
+    store_fetch_timeout_s: float = Field(10.0, gt=0)
 
 
 class EngineReplica:
@@ -66,16 +80,28 @@ class EngineReplica:
         self._replica_id = ctx.replica_id.to_full_id_str()
         rank = getattr(ctx, "rank", None)
         self._label = str(rank.rank) if rank is not None else ctx.replica_tag
-        pacing = StreamPacing(self._opts.stream_interval_s, self._opts.stream_items_per_s,
-                              self._opts.max_stream_interval_s)
-        self._core = await ReplicaCore.create(self._config, pacing)
         self._index = get_index_actor(ctx.app_name, self._opts.forget_after_s)
         self._metrics = get_metrics_actor(ctx.app_name, self._config.server.host, self._config.metrics.port)
+        self._store = self._store_client(ctx.app_name)
+        pacing = StreamPacing(self._opts.stream_interval_s, self._opts.stream_items_per_s,
+                              self._opts.max_stream_interval_s)
+        self._core = await ReplicaCore.create(self._config, pacing, fetcher=self._store)
         self._lock = asyncio.Lock()         # orders event pushes against flush + clear
         self._index.apply.remote(self._replica_id, [])
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
         logger.info("replica %s (rank %s) ready: max_model_len=%d", self._replica_id, self._label,
                     self._core.loop.engine.max_model_len)
+
+    def _store_client(self, app_name: str) -> StoreClient | None:
+        budget = self._config.cache.cluster_store_bytes
+        if not budget:
+            return None
+        o = self._opts
+        actor = get_store_actor(app_name, budget, o.model_name, self._metrics)
+        settings = FetchSettings(o.store_bandwidth_bytes_per_s, o.store_latency_s, o.prefill_tokens_per_s,
+                                 timeout_s=o.store_fetch_timeout_s)
+        return StoreClient(RayStoreBackend(actor, o.store_fetch_timeout_s), self._config.cache.page_size,
+                           self._replica_id, settings)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         async for item in self._core.generate(req):
@@ -88,10 +114,14 @@ class EngineReplica:
         async with self._lock:
             flushed = await self._core.flush_cache()
             self._index.clear.remote(self._replica_id)
+            if self._store is not None:            # later prompts start cold everywhere
+                await self._store.clear()
+                self._index.clear_store.remote()
         return {"replica_id": self._replica_id, "replica_label": self._label, "flushed": flushed}
 
     async def stats(self, target_replica: str | None = None) -> dict[str, Any]:
-        return dataclasses.asdict(await self._core.stats(self._replica_id, self._label))
+        stats = await self._core.stats(self._replica_id, self._label)
+        return dataclasses.asdict(dataclasses.replace(stats, node_id=ray.get_runtime_context().get_node_id()))
 
     async def check_health(self) -> None:
         self._core.check_health()
@@ -114,6 +144,8 @@ class EngineReplica:
     async def _publish_events(self) -> None:
         async with self._lock:
             events = await self._core.loop.run(drain_cache_events)
+            if self._store is not None:
+                events += await self._store.commit_pending(self._core.loop)
             if events:
                 self._index.apply.remote(self._replica_id, events)
 

@@ -10,14 +10,19 @@ The engine is built by ``build_engine``: a plain ``Engine``, or for
 ``parallel.tensor_parallel_size > 1`` a ``TPEngine`` with Ray worker ranks (``cluster/serving/tp.py``).
 Optional engine features are reached through ``_call_optional`` so this layer works
 with an engine that does not have them yet (they are reported as absent, not faked).
+
+With a ``fetcher`` (the cluster store's ``StoreClient``), every prompt is first offered to
+it: it may place a checkpoint fetched from the store in the engine's host tier before the
+request is queued (``cluster/store/client.py``); a failing fetcher never fails a request.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from cluster.serving.engine_loop import EngineLoop
 from cluster.serving.messages import (Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo,
@@ -26,6 +31,11 @@ from configs.schema import HybridServeConfig
 from workers.outputs import RequestOutput
 
 StreamItem = Accepted | GenerateError | list[GenerateChunk]
+logger = logging.getLogger(__name__)
+
+
+class Fetcher(Protocol):
+    async def prefetch(self, loop: EngineLoop, token_ids: list[int]) -> str: ...
 
 
 class PublishPayload(NamedTuple):
@@ -139,16 +149,19 @@ class ReplicaCore:
     """``pacing``: when each stream sends its next item (``StreamPacing``; a float is its
     ``interval_s`` alone)."""
 
-    def __init__(self, loop: EngineLoop, config: HybridServeConfig, pacing: StreamPacing | float = 0.0) -> None:
+    def __init__(self, loop: EngineLoop, config: HybridServeConfig, pacing: StreamPacing | float = 0.0,
+                 fetcher: Fetcher | None = None) -> None:
         self.loop = loop
         self.config = config
         self.pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))
+        self.fetcher = fetcher
 
     @classmethod
-    async def create(cls, config: HybridServeConfig, pacing: StreamPacing | float = 0.0) -> ReplicaCore:
+    async def create(cls, config: HybridServeConfig, pacing: StreamPacing | float = 0.0,
+                     fetcher: Fetcher | None = None) -> ReplicaCore:
         pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))  # refused before the build
         loop = await EngineLoop.create(lambda: build_engine(config))
-        return cls(loop, config, pacing)
+        return cls(loop, config, pacing, fetcher)
 
     def model_info(self) -> ModelInfo:
         engine = self.loop.engine
@@ -156,6 +169,11 @@ class ReplicaCore:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         rids = [f"{req.request_id}-{j}" for j in range(req.num_choices)]
+        if self.fetcher is not None:
+            try:
+                await self.fetcher.prefetch(self.loop, req.prompt_token_ids)
+            except Exception:  # noqa: BLE001 - the store is an optimisation; the request runs anyway
+                logger.warning("prefetch from the checkpoint store failed", exc_info=True)
         try:
             stream = await self.loop.submit(rids, req.prompt_token_ids, req.params)
         except ValueError as exc:
@@ -196,7 +214,8 @@ class ReplicaCore:
 
         def read(engine: Any) -> ReplicaStats:
             return ReplicaStats(replica_id, label, num_streams, bool(engine.has_unfinished()),
-                                pool_counts(engine), engine.stats.snapshot(), times, os.getpid())
+                                pool_counts(engine), engine.stats.snapshot(), loop=times,
+                                pid=os.getpid())
 
         return await self.loop.run(read)
 

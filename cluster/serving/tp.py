@@ -120,7 +120,7 @@ def build_tp_engine(config: HybridServeConfig) -> Any:
     ).remote(payload, rank, rendezvous, torch.get_num_threads()) for rank in range(1, world)]
     workers = RayWorkers(actors, [a.run.remote() for a in actors], owned)
     try:
-        wait_joined(store, world, workers.check_health)
+        wait_joined(store, rendezvous, workers.check_health)
         tp_group = TPGroup(rendezvous, 0, resolve_device(config.device), store)
         engine = TPEngine(config, tp_group, workers)
     except BaseException:

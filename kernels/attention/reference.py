@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.memo import TensorMemo
+from kernels.static import scatter_rows_, tracing
 
 
 def check_window(window: int | None) -> None:
@@ -34,9 +35,8 @@ def check_heads(q: Tensor, k: Tensor) -> None:
 
 
 def write_kv(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, out_loc: Tensor) -> None:
-    loc = out_loc.long()
-    k_pool[loc] = k.to(k_pool.dtype)
-    v_pool[loc] = v.to(v_pool.dtype)
+    scatter_rows_(k_pool, out_loc, k)
+    scatter_rows_(v_pool, out_loc, v)
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor,
     """The attention half of ``paged_attention_torch``, over pools that already hold the new
     tokens: q [T, Hq, D]; k_pool [L_total, Hkv, D]; v_pool [L_total, Hkv, Dv] (any strides:
     MLA passes a view of its latent pool) -> [T, Hq, Dv]."""
+    if tracing():           # a compiled step: uniform rows, no host-built plan
+        return attend_uniform(q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window)
     # The plan depends on the batch metadata (and the window) only: built by the first
     # attention layer of a step, reused by the others (kernels.memo).
     groups = _plans.get((page_table, cu_seqlens, seq_lens), (page_size, window),
@@ -78,6 +80,30 @@ def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor,
     for group in groups:
         _attend(q, k_pool, v_pool, group, scale, out)
     return out
+
+
+def attend_uniform(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor,
+                   seq_lens: Tensor, page_size: int, scale: float,
+                   window: int | None = None) -> Tensor:
+    """``attend_paged`` for a batch whose B sequences all bring T / B new tokens (a padded
+    decode or verify step), without a host read: one SDPA over every page of the table
+    ([B, max_pages]), keys past each query's position masked. What a traced or captured step
+    runs; the same attention as the planned path (extra keys are masked out)."""
+    num_seqs, max_pages = page_table.shape
+    q_len, ctx = q.shape[0] // num_seqs, max_pages * page_size
+    offsets = torch.arange(page_size, device=q.device)
+    locs = (page_table.long()[:, :, None] * page_size + offsets).reshape(num_seqs, ctx)  # [B, L]
+    keys = k_pool[locs].to(q.dtype).transpose(1, 2)                       # [B, Hkv, L, D]
+    values = v_pool[locs].to(q.dtype).transpose(1, 2)
+    queries = q.view(num_seqs, q_len, *q.shape[1:]).transpose(1, 2)       # [B, Hq, Q, D]
+    abs_q = seq_lens.long()[:, None] - q_len + torch.arange(q_len, device=q.device)   # [B, Q]
+    keys_pos = torch.arange(ctx, device=q.device)[None, None, :]
+    mask = keys_pos <= abs_q[:, :, None]                                  # [B, Q, L]
+    if window is not None:
+        mask &= keys_pos > abs_q[:, :, None] - window
+    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
+                                       scale=scale, enable_gqa=True)       # [B, Hq, Q, Dv]
+    return o.transpose(1, 2).reshape(q.shape[0], q.shape[1], v_pool.shape[-1])
 
 
 def _plan(page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, page_size: int,

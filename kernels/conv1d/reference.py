@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import SeqPlan, make_plan
+from kernels.static import scatter_rows_
 
 
 def check_shapes(x: Tensor, weight: Tensor, conv_states: Tensor, activation: str | None) -> None:
@@ -104,7 +105,7 @@ def causal_conv1d_update_torch(x: Tensor, weight: Tensor, bias: Tensor | None,
     slots = slot_ids.long()
     window = torch.cat([conv_states[slots].float(), x.float()[:, :, None]], dim=2)  # [B, D, W]
     out = _apply_taps(list(window.unbind(2)), weight, bias, activation)
-    conv_states[slots] = window[:, :, 1:].to(conv_states.dtype)
+    scatter_rows_(conv_states, slots, window[:, :, 1:])
     return out.to(x.dtype)
 
 
@@ -123,6 +124,6 @@ def causal_conv1d_verify_torch(x: Tensor, weight: Tensor, bias: Tensor | None, c
     out = _apply_taps(taps, weight, bias, activation).reshape(num_seqs * seq_len, dim)
     after = window.unfold(2, hist, 1)[:, :, 1:, :]                     # [B, D, T, W-1]: after token t
     dst = state_dst_slots.long().view(num_seqs, seq_len)
-    conv_states[dst] = after.permute(0, 2, 1, 3).to(conv_states.dtype)
-    conv_states[slots] = window[:, :, seq_len:].to(conv_states.dtype)
+    scatter_rows_(conv_states, dst.reshape(-1), after.permute(0, 2, 1, 3).reshape(-1, dim, hist))
+    scatter_rows_(conv_states, slots, window[:, :, seq_len:])
     return out.to(x.dtype)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kernels import OnStep, run_chunks, scan_varlen
+from kernels.static import scatter_rows_
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
 RECURRENT_MAX_LEN = 16
@@ -69,7 +70,7 @@ def gated_delta_rule_update_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     s = states[slots].float()                                           # a copy [B, H, K, V]
     o = gdn_step(_expand_heads(qf, num_heads, 1), _expand_heads(kf, num_heads, 1), v.float(),
                  g.float().exp(), beta.float(), s)
-    states[slots] = s.to(states.dtype)
+    scatter_rows_(states, slots, s)
     return o.to(v.dtype)
 
 
@@ -94,8 +95,8 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     outs = []
     for t in range(seq_len):
         outs.append(gdn_step(q4[:, t], k4[:, t], v4[:, t], decay[:, t], b4[:, t], s))
-        states[dst[:, t]] = s.to(states.dtype)
-    states[slots] = s.to(states.dtype)
+        scatter_rows_(states, dst[:, t], s)
+    scatter_rows_(states, slots, s)
     return torch.stack(outs, dim=1).reshape(v.shape).to(v.dtype)
 
 

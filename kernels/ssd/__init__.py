@@ -21,9 +21,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from kernels import backend, unit_layout
-from kernels.ssd.reference import discretize_dt, ssd_update_torch, ssd_varlen_torch
+from kernels.ssd.reference import discretize_dt, ssd_update_torch, ssd_varlen_torch, ssd_verify_torch
 
-__all__ = ["discretize_dt", "ssd_update", "ssd_varlen"]
+__all__ = ["discretize_dt", "ssd_update", "ssd_varlen", "ssd_verify"]
 
 
 def ssd_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
@@ -59,3 +59,18 @@ def ssd_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
         return ssd_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
                                  has_initial_state, dt_softplus, dt_limit)
     return ssd_update_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, dt_softplus, dt_limit)
+
+
+def ssd_verify(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+               dt_bias: Tensor, states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
+               has_initial_state: Tensor, state_dst_slots: Tensor, seq_len: int,
+               dt_softplus: bool = True,
+               dt_limit: tuple[float, float] = (0.0, float("inf"))) -> Tensor:
+    """Speculative-verify fast path (``ForwardBatch.verify_len``): every sequence has
+    ``seq_len`` tokens, an initial state and a snapshot slot at every token. Equals
+    ``ssd_varlen`` on that batch (bitwise on the torch path)."""
+    if backend.use_triton(x):
+        return ssd_varlen(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
+                          has_initial_state, dt_softplus, dt_limit, state_dst_slots=state_dst_slots)
+    return ssd_verify_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, state_dst_slots,
+                            seq_len, dt_softplus, dt_limit)

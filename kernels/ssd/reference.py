@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import OnStep, scan_varlen
+from kernels.static import scatter_rows_
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
 RECURRENT_MAX_LEN = 16
@@ -110,7 +111,35 @@ def ssd_update_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: 
     slots = slot_ids.long()
     s = states[slots].float()                                           # a copy [B, H, P, N]
     y = ssd_step(xf * step[..., None], (step * A.float()).exp(), B.float(), C.float(), s)
-    states[slots] = s.to(states.dtype)
+    scatter_rows_(states, slots, s)
+    return (y + D.float()[:, None] * xf).to(x.dtype)
+
+
+def ssd_verify_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+                     dt_bias: Tensor, states: Tensor, slot_ids: Tensor, state_dst_slots: Tensor,
+                     seq_len: int, dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
+    """B sequences of exactly ``seq_len`` tokens (sequence-major rows), every one with an
+    initial state and a snapshot slot at every token: ``seq_len`` batched ``ssd_step``s, each
+    followed by its snapshot write -- what the varlen path does for such a batch, without
+    building its plan (bitwise equal; no host read, so it can be traced or captured)."""
+    check_shapes(x, dt, B, C, states)
+    num_seqs = slot_ids.shape[0]
+    xf = x.float()
+    step = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)           # [B*T, H]
+    slots = slot_ids.long()
+    s = states[slots].float()                                           # a copy [B, H, P, N]
+
+    def rows(t: Tensor) -> Tensor:                                      # [B*T, ...] -> [B, T, ...]
+        return t.reshape(num_seqs, seq_len, *t.shape[1:])
+    step4, b4, c4 = rows(step), rows(B.float()), rows(C.float())
+    decay, xdt = (step4 * A.float()).exp(), rows(xf) * step4[..., None]
+    dst = state_dst_slots.long().view(num_seqs, seq_len)
+    outs = []
+    for t in range(seq_len):
+        outs.append(ssd_step(xdt[:, t], decay[:, t], b4[:, t], c4[:, t], s))
+        scatter_rows_(states, dst[:, t], s)
+    scatter_rows_(states, slots, s)
+    y = torch.stack(outs, dim=1).reshape(x.shape)
     return (y + D.float()[:, None] * xf).to(x.dtype)
 
 

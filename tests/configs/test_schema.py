@@ -56,3 +56,13 @@ def test_presets_load(preset):
     from pathlib import Path
 
     load_config(Path(__file__).resolve().parents[2] / "configs" / "presets" / preset)
+
+
+def test_compile_section_checks_its_sizes_and_tp():
+    cfg = load_config(overrides={"compile.enabled": True, "compile.batch_sizes": [1, 4]})
+    assert cfg.compile.enabled and cfg.compile.batch_sizes == (1, 4) and cfg.compile.cache_dir is None
+    for bad in ([], [4, 1], [0, 2], [2, 2]):
+        with pytest.raises(ValueError, match="compile.batch_sizes"):
+            load_config(overrides={"compile": {"batch_sizes": bad}})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        load_config(overrides={"compile.enabled": True, "parallel.tensor_parallel_size": 2})

@@ -4,22 +4,25 @@ HBM bandwidth bound, with CUDA graphs off and on.
 The model has Qwen3-Next's real head dims (attention 16 query / 2 KV heads of 256; GDN 16 key
 / 32 value heads of 128), hidden 2048 and 16 layers (12 GDN, 4 attention), with a dense
 SwiGLU MLP (5632) in every layer: 1.07B parameters in bf16, drawn on the GPU (no checkpoint
-on disk). Dense rather than MoE because our MoE layer reads its per-expert token counts on
-the host (``workers/models/moe.py``), which no CUDA graph can hold.
+on disk). Dense rather than MoE: eagerly our MoE layer reads its per-expert token counts on
+the host (``workers/models/moe.py``; only its traced formulation, which compiled steps run,
+is free of host reads), and the hand-captured graph below runs the step as it is.
 
 Per batch size, one decode step at context ``CONTEXT`` (every sequence decoding its next
 token):
 - eager: the model's forward and logits on a decode-only ``ForwardBatch``, every op in its
   Triton kernel (GDN update, conv update, norms, paged attention: the ``triton`` backend, so
   FlashInfer, whose plain wrappers a graph cannot hold, is left out even where installed);
-- CUDA graph: the same step captured by hand with ``torch.cuda.CUDAGraph`` and replayed. The
-  engine's compiled-step path (issue 16 item 1) does not exist yet; TODO(compiled-steps):
-  time the engine's own graphs here once it does. The graph's logits are checked against the
-  eager step's on the same pool contents; a step that reads the host (``host_reads``) is
-  named and not captured. The dry run (CPU) runs the same bookkeeping without a graph;
+- CUDA graph: the same step captured by hand with ``torch.cuda.CUDAGraph`` and replayed
+  (the ops take their traced formulation while the stream captures: ``kernels.static``). The
+  graph's logits are checked against the eager step's on the same pool contents; a step that
+  reads the host (``host_reads``) is named and not captured. The dry run (CPU) runs the same
+  bookkeeping without a graph;
 - engine: tokens/s of ``Engine.step`` decoding (scheduler, sampling, output processing
-  included; eager; the ``auto`` backend), from two runs that differ only in their number of
-  decode steps.
+  included; the ``auto`` backend), from two runs that differ only in their number of decode
+  steps: eager, and with the engine's compiled steps (``compile.enabled``, one bucket of the
+  row's batch size: inductor + CUDA graphs, ``workers/compiled``). The compiled engine runs on
+  the GPU only (the dry run's CPU would spend its stage budget compiling).
 
 The bound counts what a step must move at least once: every weight, each sequence's
 recurrent states (read and written, fp32) and its KV, over ``--bandwidth-gbs`` (4.8 TB/s).
@@ -53,7 +56,8 @@ BATCHES, TOY_BATCHES = [1, 32, 128], [2]
 CONTEXT, PAGE_SIZE = 512, 16
 ENGINE_PROMPT, ENGINE_WARM, ENGINE_STEPS = 32, 4, 32
 COLUMNS = ["batch", "context", "GB/step", "bound tok/s", "eager ms", "eager tok/s", "eager % bound",
-           "graph ms", "graph tok/s", "graph % bound", "graph vs eager logits", "engine tok/s"]
+           "graph ms", "graph tok/s", "graph % bound", "graph vs eager logits", "engine tok/s",
+           "engine compiled tok/s"]
 
 
 class Bench(NamedTuple):
@@ -150,8 +154,10 @@ def graph_step(step: Step, pools: Any, capture: Capture) -> tuple[Callable[[], A
     return replay, compare(logits, eager, 1e-2, 1e-2)
 
 
-def engine_tok_s(bench: Bench, batch: int, device: torch.device, dtype: torch.dtype) -> float:
-    """Decode tokens/s of the engine (eager): (long run - short run) / their extra tokens."""
+def engine_tok_s(bench: Bench, batch: int, device: torch.device, dtype: torch.dtype,
+                 compiled: bool = False) -> float:
+    """Decode tokens/s of the engine (eager, or with its compiled steps at bucket ``batch``):
+    (long run - short run) / their extra tokens."""
     from configs.schema import load_config
     from workers.engine import Engine
     from workers.loader import LoadedModel
@@ -165,7 +171,8 @@ def engine_tok_s(bench: Bench, batch: int, device: torch.device, dtype: torch.dt
         cache={"page_size": PAGE_SIZE, "max_kv_tokens": batch * tokens,
                "enable_prefix_cache": False},
         scheduler={"max_running_requests": batch, "max_batch_tokens": 8192,
-                   "chunked_prefill_size": 4096}))
+                   "chunked_prefill_size": 4096},
+        compile={"enabled": compiled, "batch_sizes": [batch]}))
     engine = engine_cls(config)
     ids = itertools.count()
     gen = torch.Generator().manual_seed(1)
@@ -206,6 +213,8 @@ def bench_batch(bench: Bench, batch: int, device: torch.device, dtype: torch.dty
         graph_ms, graph_cell, graph_ok = _graph_columns(step, pools, capture, iters)
         del pools
     engine = _engine_or_error(bench, batch, device, dtype)
+    compiled = (_engine_or_error(bench, batch, device, dtype, compiled=True) if device.type == "cuda"
+                else "n/a (dry run)")
 
     def tok_s(ms: float | None) -> float | None:
         return None if ms is None else batch * 1e3 / ms
@@ -213,8 +222,9 @@ def bench_batch(bench: Bench, batch: int, device: torch.device, dtype: torch.dty
     def pct(ms: float | None) -> str | None:
         return None if ms is None else f"{100 * bound_ms / ms:.1f}%"
     cells = [batch, CONTEXT, nbytes / 1e9, tok_s(bound_ms), eager_ms, tok_s(eager_ms),
-             pct(eager_ms), graph_ms, tok_s(graph_ms), pct(graph_ms), graph_cell, engine]
-    return cells, graph_ok and not isinstance(engine, str)
+             pct(eager_ms), graph_ms, tok_s(graph_ms), pct(graph_ms), graph_cell, engine, compiled]
+    return cells, graph_ok and not isinstance(engine, str) and (device.type != "cuda"
+                                                               or not isinstance(compiled, str))
 
 
 def _graph_columns(step: Step, pools: Any, capture: Capture,
@@ -233,9 +243,10 @@ def _graph_columns(step: Step, pools: Any, capture: Capture,
     return _time(replay, iters), cell, graph.ok
 
 
-def _engine_or_error(bench: Bench, batch: int, device: torch.device, dtype: torch.dtype) -> object:
+def _engine_or_error(bench: Bench, batch: int, device: torch.device, dtype: torch.dtype,
+                     compiled: bool = False) -> object:
     try:
-        return engine_tok_s(bench, batch, device, dtype)
+        return engine_tok_s(bench, batch, device, dtype, compiled)
     except Exception as exc:         # the forward numbers stand without the engine's
         traceback.print_exc()
         return f"{type(exc).__name__}: {exc}"[:120]

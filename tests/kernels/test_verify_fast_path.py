@@ -1,4 +1,4 @@
-"""The speculative-verify fast path: B sequences of T tokens, each with an initial state and a
+"""The speculative-verify fast path (conv1d, GDN, SSD): B sequences of T tokens, each with an initial state and a
 snapshot slot at every token. Each verify op equals its varlen op on that batch, bitwise:
 outputs and whole pools (live slots, every snapshot slot, untouched slots)."""
 from __future__ import annotations
@@ -8,6 +8,8 @@ import torch
 
 from kernels.conv1d import causal_conv1d_varlen, causal_conv1d_verify
 from kernels.gdn import gated_delta_rule_varlen, gated_delta_rule_verify
+from kernels.ssd import ssd_varlen, ssd_verify
+from tests.kernels.varlen_cases import ssd_inputs
 from workers.forward_batch import uniform_snapshot_len
 
 NUM_SEQS = 3
@@ -53,6 +55,22 @@ def test_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads):
     out = gated_delta_rule_verify(q, k, v, g, beta, fast_pool, case.cu_seqlens, case.slot_ids,
                                   case.has_initial_state, case.state_dst_slots, seq_len)
     assert torch.equal(out, ref) and torch.equal(fast_pool, ref_pool)
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 4])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ssd_verify_equals_varlen(varlen_case, seq_len, groups):
+    case = verify_case(varlen_case, seq_len, seed=20 + seq_len)
+    inp = ssd_inputs(case.num_tokens, case.num_slots, seed=seq_len, heads=4, groups=groups,
+                     p_dim=6, n_dim=8)
+    args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")]
+    ref_pool, fast_pool = inp["states"].clone(), inp["states"].clone()
+    ref = ssd_varlen(*args, ref_pool, case.cu_seqlens, case.slot_ids, case.has_initial_state,
+                     dt_limit=(0.0, 5.0), state_dst_slots=case.state_dst_slots)
+    out = ssd_verify(*args, fast_pool, case.cu_seqlens, case.slot_ids, case.has_initial_state,
+                     case.state_dst_slots, seq_len, dt_limit=(0.0, 5.0))
+    assert torch.equal(out, ref) and torch.equal(fast_pool, ref_pool)
+    assert not torch.equal(fast_pool, inp["states"])
 
 
 def test_the_rule_needs_equal_lengths_states_and_every_snapshot():

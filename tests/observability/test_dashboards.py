@@ -17,19 +17,26 @@ from cluster.observability.dashboards import CLUSTER, DASHBOARDS, ENGINE
 from cluster.observability.dashboards.model import metric_names, substitute, variables_in
 from cluster.observability.dashboards.writer import OUT_DIR, file_name, render, stale_files
 from cluster.observability.metrics_registry import MetricsRegistry
-from workers.stats import EngineStats
+from cluster.store.checkpoint_store import CheckpointStore
+from workers.stats import STORE_COUNTERS, STORE_GAUGES, EngineStats
 
 GRAFANA_BUILTINS = {"__rate_interval": "1m", "__range": "5m", "__interval": "15s"}
-HYBRIDSERVE_LABELS = {"model", "replica", "le", "phase", "path", "invariant", "finish_reason", "reason"}
+HYBRIDSERVE_LABELS = {"model", "replica", "le", "phase", "path", "invariant", "finish_reason", "reason",
+                      "tier", "outcome", "direction"}
 # What the issue asks each dashboard to show (a title may cover several items).
 REQUIRED_PANELS = {
     ENGINE.uid: {"Time to first token", "Time per output token", "End-to-end request latency",
                  "Request throughput", "Token throughput", "Running and waiting requests",
                  "KV and Mamba pool usage", "Prefix cache hit ratio", "Checkpoints inserted and evicted",
                  "Donations made and skipped", "Pending-slot allocation failures", "In-place track writes",
-                 "Invariant violations", "Speculative acceptance rate", "Preemptions"},
+                 "Invariant violations", "Speculative acceptance rate", "Preemptions",
+                 # issue 17: hits by tier, promotions, demotions, fetches, bytes moved, host KV
+                 # with no checkpoint under it
+                 "Cache hits by tier", "Promotions and demotions", "Bytes moved between tiers",
+                 "Store fetches and commits", "Host tier usage", "Host KV with no checkpoint under it"},
     CLUSTER.uid: {"Load per replica", "Router decisions by reason", "Cache-hit share per replica",
-                  "Serve request rate", "Serve error rate", "Serve HTTP latency"},
+                  "Serve request rate", "Serve error rate", "Serve HTTP latency",
+                  "Store objects", "Store bytes"},
 }
 
 
@@ -40,6 +47,9 @@ def exported_names() -> set[str]:
     for name in stats.observations:
         stats.observe(name, 0.01)
     reg.update_replica("m", "0", stats.snapshot(), stats.drain_observations())
+    store = CheckpointStore(1).stats()
+    assert set(store) == set(STORE_GAUGES + STORE_COUNTERS)          # the store pushes workers/stats names
+    reg.update_replica("m", "store", store, {})
     reg.add_router_decisions("m", {"prefix": 1})
 
     class Collector:

@@ -2,7 +2,7 @@
 dashboard panel's PromQL, asked through Prometheus's HTTP API, returns data.
 
 The app (two replicas, MTP speculation, invariant checks, some forced track-slot
-allocation failures) runs on the session's Ray cluster; Prometheus (Debian's package,
+allocation failures, the host tier and the cluster store) runs on the session's Ray cluster; Prometheus (Debian's package,
 ``deploy/prometheus/install.sh``) scrapes its metrics actor and Ray's metrics agent on
 127.0.0.1 every second, with the shipped alert rules loaded. The load runs until every
 panel has a finite value (or a deadline), mixing cache hits, streaming and a few 404s
@@ -30,7 +30,7 @@ from cluster.observability.dashboards.model import metric_names, substitute
 from cluster.observability.prometheus_local import (ALERTS, LocalPrometheus, ScrapeJob, find_prometheus,
                                                     local_ray_targets)
 from tests.conftest import ServeSession
-from tests.e2e.conftest import FAST_PUBLISH, DeployedApp, deploy
+from tests.e2e.conftest import FAST_PUBLISH, SMALL_ENGINE, DeployedApp, deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 APP = "obs"
@@ -50,6 +50,7 @@ MAY_STAY_ZERO = {
     ("Donations made and skipped", "skipped {{path}}"),   # needs a pending writer at donation time
 }
 ENGINE_LABELS = {"__name__", "job", "instance", "model", "replica", "le", "phase", "path", "invariant",
+                 "tier", "outcome", "direction",
                  "finish_reason", "reason"}
 
 
@@ -136,8 +137,11 @@ def live(serve_session: ServeSession, tiny_qwen_dir) -> Iterator[Live]:
         pytest.skip("prometheus is not installed and could not be: run deploy/prometheus/install.sh as root")
     from ray import serve
 
+    tiers = {**SMALL_ENGINE["cache"], "host_mamba_slots": 16, "host_kv_tokens": 1024,
+             "cluster_store_bytes": 64 << 20}                  # the tier and store panels have series
     app = deploy(serve_session, APP, str(tiny_qwen_dir),
                  overrides={"parallel": {"num_replicas": 2}, "spec": {"method": "mtp", "num_draft_tokens": 2},
+                            "cache": tiers,
                             "debug": {"check_invariants": True, "fail_pending_alloc_prob": 0.3}},
                  args={"model_name": APP, "replica": {**FAST_PUBLISH, "stats_interval_s": 0.5}})
     try:

@@ -94,7 +94,8 @@ def test_no_unbounded_labels():
     reg.update_replica("m", "0", st.snapshot(), st.drain_observations())
     reg.add_router_decisions("m", {"prefix": 1})
     names = {name for key in scrape(reg) for name, _ in key[1]}
-    assert names <= {"model", "replica", "finish_reason", "phase", "path", "invariant", "le", "reason"}
+    assert names <= {"model", "replica", "finish_reason", "phase", "path", "invariant", "le", "reason",
+                     "tier", "outcome", "direction"}
 
 
 def test_known_label_values_are_exported_at_zero():

@@ -5,8 +5,10 @@ A case draws the prefix cache on or off, a strategy, page size, track interval, 
 (0-4), overlap, chunk and
 budget, concurrency, KV and Mamba pool sizes (down to a KV pool that holds the longest
 request alone and a single Mamba slot), forced pending-allocation failures, stop tokens,
-aborts (half of them retried at once under the same request id) and an acceptance script
-(toy). Its workload shares system prompts whose lengths sit
+aborts (half of them retried at once under the same request id), an acceptance script
+(toy), and the host tier (``cache.host_mamba_slots`` 1-64 and ``host_kv_tokens`` from half
+the longest request up; forced transfer failures ``debug.fail_transfer_prob`` 0 / 0.3 / 1):
+small pools then demote and promote all the time. Its workload shares system prompts whose lengths sit
 at the checkpoint grid and page boundaries +- 1, and runs three rounds: the prompts, the
 same prompts newest first, and follow-up turns (prompt + part of its output + a new token).
 
@@ -16,13 +18,13 @@ Oracles, per request and per step:
   cut at the context limit (an aborted request: a prefix of it);
 - invariants: ``engine.check_invariants()`` after every step (counted by invariant);
 - state: toy -- every tree node's slot holds exactly H(path) (``Sim`` checks every node
-  after every step); real -- ``debug.state_oracle_sample=1`` recomputes every published
-  checkpoint by a fresh prefill;
+  after every step, host tree included); real -- ``debug.state_oracle_sample=1``
+  recomputes every published checkpoint by a fresh prefill (promoted ones included);
 - liveness: every round finishes within ``step_bound`` steps (a request that fits the pools
   alone always finishes; see its docstring).
 
-``python -m tests.sim.fuzz --toy 400 --real 40 [--guard-off]`` prints the counts; the test
-files run short versions (and the long ones under ``slow``).
+``python -m tests.sim.fuzz --toy 400 --real 40 [--guard-off] [--tiers]`` prints the counts;
+the test files run short versions (and the long ones under ``slow``).
 """
 from __future__ import annotations
 
@@ -78,7 +80,10 @@ class Case:
         return k if first and self.script_kind == "first_all" else salt
 
 
-def draw(seed: int, guard_off: bool = False) -> Case:
+def draw(seed: int, guard_off: bool = False, tiers: bool = False) -> Case:
+    """One case. ``tiers``: always the prefix cache with the host tier, and a device slot
+    pool with room for checkpoints (at least one beyond the running requests' live slots),
+    so that evictions demote and later rounds promote; the other fields as drawn."""
     rng = random.Random(seed)
     strategy = rng.choice(["extra_buffer", "extra_buffer_lazy", "extra_buffer_lazy", "no_buffer"])
     page = rng.choice([1, 1, 2, 4] if strategy == "no_buffer" else [1, 1, 2, 4, 8, 16])
@@ -109,8 +114,19 @@ def draw(seed: int, guard_off: bool = False) -> Case:
         "debug": {"fail_pending_alloc_prob": rng.choice([0.0, 0.0, 0.3, 1.0]),
                   "disable_alias_guard": guard_off},
     }
-    return Case(seed, overrides, grid, page, k, max_tokens, rng.choice([0.0, 0.3]),
+    case = Case(seed, overrides, grid, page, k, max_tokens, rng.choice([0.0, 0.3]),
                 rng.choice([0.0, 0.0, 0.05]), rng.choice(["first_all", "salted", "none", "all"]), bases)
+    # Drawn last, so that every field above stays what it was for a seed (LIVELOCK_SEEDS).
+    cache = overrides["cache"]
+    host = rng.random() < 0.6
+    if tiers:
+        cache["enable_prefix_cache"] = host = True
+        cache["max_mamba_slots"] = max(slots, max_running + 1)
+    if cache["enable_prefix_cache"] and host:
+        cache["host_mamba_slots"] = rng.choice([1, 2, 4, 16, 64])
+        cache["host_kv_tokens"] = max(page, rng.choice([tight // 2, tight, 4 * tight, 16384]))
+        overrides["debug"]["fail_transfer_prob"] = rng.choice([0.0, 0.0, 0.2, 0.5, 1.0])
+    return case
 
 
 @dataclass
@@ -127,11 +143,17 @@ class Tally:
     crashes: int = 0
     hits: int = 0
     preemptions: int = 0
+    steps: int = 0
+    tiered: int = 0               # configurations with the host tier on
+    demotions: int = 0            # checkpoints copied device -> host
+    promotions: int = 0           # ... and host -> device
+    transfer_failures: int = 0    # forced copy failures (both directions)
     examples: list[str] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
         for name in ("configs", "requests", "divergences", "state_checks", "state_mismatches",
-                     "livelocks", "crashes", "hits", "preemptions"):
+                     "livelocks", "crashes", "hits", "preemptions", "steps", "tiered", "demotions",
+                     "promotions", "transfer_failures"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.violations.update(other.violations)
         self.examples += other.examples[: max(0, 5 - len(self.examples))]
@@ -250,6 +272,7 @@ def run_round(target, case: Case, rng: random.Random, prompts: list[list[int]], 
     for _ in range(bound):
         if not e.has_unfinished():
             break
+        t.steps += 1
         for i, rid in enumerate(ids):
             if case.abort_prob and rid in e.requests and rng.random() < case.abort_prob:
                 out = e.abort(rid)
@@ -299,15 +322,21 @@ def run_case(target, case: Case) -> Tally:
     s = target.engine.stats.snapshot()
     t.hits += s["hybridserve_prefix_hit_tokens_total"]
     t.preemptions += s["hybridserve_preemptions_total"]
+    demoted, promoted = s["hybridserve_tier_demotions_total"], s["hybridserve_tier_promotions_total"]
+    t.tiered += target.engine.cache.host is not None
+    t.demotions += demoted.get("demoted", 0)
+    t.promotions += promoted.get("promoted", 0)
+    t.transfer_failures += demoted.get("failed", 0) + promoted.get("failed", 0)
     return t
 
 
-def fuzz(model_dir, seeds, real: bool = False, guard_off: bool = False, control: Control | None = None) -> Tally:
+def fuzz(model_dir, seeds, real: bool = False, guard_off: bool = False, control: Control | None = None,
+         tiers: bool = False) -> Tally:
     total = Tally()
     if real and control is None:
         control = Control(model_dir)
     for seed in seeds:
-        case = draw(seed, guard_off)
+        case = draw(seed, guard_off, tiers)
         target = RealTarget(model_dir, case, control) if real else ToyTarget(model_dir, case)
         try:
             total.add(run_case(target, case))
@@ -327,16 +356,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--real", type=int, default=20, help="real tiny-model configurations")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--guard-off", action="store_true", help="debug.disable_alias_guard (sensitivity)")
+    ap.add_argument("--tiers", action="store_true", help="every case with the host tier on")
     args = ap.parse_args(argv)
     model_dir = make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()), seed=0, mtp=True)
     for kind, n in (("toy", args.toy), ("real", args.real)):
         if n:
             t = fuzz(model_dir, range(args.first_seed, args.first_seed + n), real=kind == "real",
-                     guard_off=args.guard_off)
-            print(f"{kind}: configs {t.configs}, requests {t.requests}, divergences {t.divergences}, "
-                  f"violations {dict(t.violations)}, state checks {t.state_checks}, mismatches "
-                  f"{t.state_mismatches}, livelocks {t.livelocks}, crashes {t.crashes}, hit tokens "
-                  f"{t.hits}, preemptions {t.preemptions}")
+                     guard_off=args.guard_off, tiers=args.tiers)
+            print(f"{kind}: configs {t.configs} ({t.tiered} with the host tier), requests {t.requests}, "
+                  f"steps {t.steps}, divergences {t.divergences}, violations {dict(t.violations)}, state "
+                  f"checks {t.state_checks}, mismatches {t.state_mismatches}, livelocks {t.livelocks}, "
+                  f"crashes {t.crashes}, hit tokens {t.hits}, preemptions {t.preemptions}, demotions "
+                  f"{t.demotions}, promotions {t.promotions}, forced transfer failures {t.transfer_failures}")
             for line in t.examples:
                 print("  ", line[:200])
 

@@ -9,7 +9,9 @@ but it makes every slot's content final, so the oracles read a deterministic sta
 
 - I1 (toy): every tree node with a checkpoint holds exactly H(node depth) of its path. A node
   that does not is an *aliased donation*: its slot was given to the tree while a launched
-  batch wrote something else into it (or it was labelled with the wrong depth).
+  batch wrote something else into it (or it was labelled with the wrong depth). With the
+  host tier on (``toy_tiers``), the host tree's nodes are checked against the host pool
+  the same way (a demotion that copied the wrong slot, or kept a failed copy).
 - I2/I3/I6-I9: ``engine.check_invariants()`` (bookkeeping), counted per invariant.
 - I4 (toy): a running request's keep label names the state in its keep slot (checked when
   no launched batch still writes the slot), and its live slot holds the state after its
@@ -25,6 +27,7 @@ from typing import Any
 
 from configs.schema import load_config
 from tests.sim.toy import AcceptScript, ToyRunner, ToyState, ToyVocab, chain, default_script
+from tests.sim.toy_tiers import install_toy_tiers
 from workers.cache import CheckpointInserted
 from workers.engine import Engine
 from workers.outputs import RequestOutput
@@ -50,6 +53,7 @@ class Alias:
 @dataclass
 class Oracles:
     aliased: dict[tuple[int, int, int], Alias] = field(default_factory=dict)
+    host_aliased: dict[tuple[int, int, int], Alias] = field(default_factory=dict)   # host tier nodes
     violations: Counter = field(default_factory=Counter)     # invariant -> distinct messages
     violation_messages: set[tuple[str, str]] = field(default_factory=set)
     keep_label_mismatches: list[tuple[int, str, int, int]] = field(default_factory=list)
@@ -60,7 +64,7 @@ class Oracles:
 
     @property
     def num_aliased(self) -> int:
-        return len(self.aliased)
+        return len(self.aliased) + len(self.host_aliased)
 
 
 class Sim:
@@ -75,9 +79,11 @@ class Sim:
         self.config = load_config(overrides=_merge(base, overrides or {}))
         self.engine = Engine(self.config)
         self.runner = ToyRunner.install(self.engine, script)
+        self.host_storage = install_toy_tiers(self.engine, self.runner)
         self.vocab: ToyVocab = self.runner.vocab
         self.oracles = Oracles()
         self._node_state: dict[int, ToyState] = {}
+        self._host_state: dict[int, ToyState] = {}
         self._ids = 0
 
     def close(self) -> None:
@@ -135,29 +141,35 @@ class Sim:
                 o.violations[v.invariant] += 1
         pool, tree, ledger = self.runner.pool, e.cache.tree, e.slot_ledger
         if tree is not None:
-            for node in tree.iter_nodes():
-                ckpt = node.checkpoint
-                if ckpt is None:
-                    continue
-                o.node_checks += 1
-                true = self._node_state.get(node.node_id)
-                if true is None:
-                    true = self._node_state[node.node_id] = chain(tree.path_tokens(node))
-                held = pool[ckpt.slot]
-                if held != true:
-                    key = (node.node_id, ckpt.slot, ckpt.batch_id)
-                    o.aliased.setdefault(key, Alias(node.node_id, ckpt.slot, node.depth, held.depth,
-                                                    ckpt.batch_id))
+            self._check_tree(tree, pool, self._node_state, o.aliased)
+        if e.cache.host is not None and self.host_storage is not None:
+            self._check_tree(e.cache.host.tree, self.host_storage.host_pool, self._host_state, o.host_aliased)
         for req in e.scheduler.running:
             c = req.cache
             if c.keep_depth is not None and c.keep_slot is not None and not ledger.has_writers(c.keep_slot):
                 if pool[c.keep_slot] != chain(req.token_slice(0, c.keep_depth)):
                     o.keep_label_mismatches.append((o.steps, req.request_id, c.keep_depth,
                                                     pool[c.keep_slot].depth))
-            if req.inflight_batch is None and req.mamba_slot is not None and req.num_computed_tokens > 0:
+            if (req.inflight_batch is None and req.mamba_slot is not None and req.num_computed_tokens > 0
+                    and c.cow_src is None and c.promotion is None):   # else the live slot is not written yet
                 if pool[req.mamba_slot] != chain(req.token_slice(0, req.num_computed_tokens)):
                     o.live_mismatches.append((o.steps, req.request_id, req.num_computed_tokens,
                                               pool[req.mamba_slot].depth))
+
+    def _check_tree(self, tree, pool, known: dict[int, ToyState], aliased: dict) -> None:
+        """I1 on data: every checkpoint node's slot holds exactly H(its path)."""
+        for node in tree.iter_nodes():
+            ckpt = node.checkpoint
+            if ckpt is None:
+                continue
+            self.oracles.node_checks += 1
+            true = known.get(node.node_id)
+            if true is None:
+                true = known[node.node_id] = chain(tree.path_tokens(node))
+            held = pool[ckpt.slot]
+            if held != true:
+                key = (node.node_id, ckpt.slot, ckpt.batch_id)
+                aliased.setdefault(key, Alias(node.node_id, ckpt.slot, node.depth, held.depth, ckpt.batch_id))
 
     # -- reading results ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -6,10 +6,13 @@ State, at every point between calls:
   checkpoint (``TreeOwner``). Slot 0 is the dummy write target: never handed out, never
   owned, never registered as written. free + request-owned + tree-owned == num_slots - 1.
 - I3: ``writers_of(slot)`` are launched batches whose results are not processed yet and
-  that will write the slot. While a slot has one, its holder may not change: ``free``
+  that will write the slot (a copy into the slot from another tier is such a writer too).
+  ``readers_of(slot)`` are transfers copying the slot's content out to another tier that
+  have not completed. While a slot has either, its holder may not change: ``free``
   raises, ``transfer`` refuses (returns False) and ``may_move`` is False. A role change
   inside one request (``relabel``, e.g. pending -> keep) is not a change of holder and is
-  allowed. A batch may only be registered on a request-owned slot.
+  allowed. A writer may only be registered on a request-owned slot; a reader on any
+  owned slot (a tree checkpoint being demoted is the usual one).
 
 Content (I4): ``record_write(slot, depth, batch)`` is called with what the runner reports
 it actually wrote, when that batch's result is processed (batches complete in launch
@@ -21,7 +24,8 @@ keeps it (the state moves with the slot).
 
 ``guard_writers=False`` turns the I3 refusals off (writers are still recorded, and
 ``check`` reports every writer whose slot changed holder). It exists only so that a test
-can show the keep-slot aliasing bug coming back (``debug.disable_alias_guard``).
+can show the keep-slot aliasing bug coming back (``debug.disable_alias_guard``). Readers
+are always guarded.
 """
 from __future__ import annotations
 
@@ -95,7 +99,7 @@ class SlotLedger:
     raise), ``free``/``free_request`` (owned -> free; raise OwnershipError on a double free
     or a pending writer), ``transfer`` (holder change; False when refused for a writer),
     ``relabel`` (role change inside one request), ``add_writer``/``complete_batch``,
-    ``record_write`` (content).
+    ``add_reader``/``complete_reader`` (transfers out), ``record_write`` (content).
     Slot numbers outside 1 .. num_slots - 1 raise ValueError everywhere.
     """
 
@@ -109,6 +113,9 @@ class SlotLedger:
         # slot -> {batch_id: holder when the batch was registered}; batch_id -> slots.
         self._writers: dict[int, dict[int, Owner]] = {}
         self._batch_slots: dict[int, set[int]] = {}
+        # The same for transfers reading slots: slot -> {transfer_id: holder}; id -> slots.
+        self._readers: dict[int, dict[int, Owner]] = {}
+        self._read_slots: dict[int, set[int]] = {}
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -164,9 +171,17 @@ class SlotLedger:
         self._check_range(slot)
         return slot in self._writers
 
+    def readers_of(self, slot: int) -> frozenset[int]:
+        self._check_range(slot)
+        return frozenset(self._readers.get(slot, ()))
+
+    def has_readers(self, slot: int) -> bool:
+        self._check_range(slot)
+        return slot in self._readers
+
     def may_move(self, slot: int) -> bool:
         """Whether the slot's holder may change now (free, transfer, donate, insert)."""
-        return not self.guard_writers or not self.has_writers(slot)
+        return (not self.guard_writers or not self.has_writers(slot)) and not self.has_readers(slot)
 
     def is_batch_pending(self, batch_id: int) -> bool:
         return batch_id in self._batch_slots
@@ -191,7 +206,8 @@ class SlotLedger:
         owner = self._owned(slot, "free")
         if not self.may_move(slot):
             raise OwnershipError(
-                f"free of slot {slot} ({owner}) with pending writer batches {sorted(self._writers[slot])}")
+                f"free of slot {slot} ({owner}) with pending writer batches "
+                f"{sorted(self._writers.get(slot, ()))} / readers {sorted(self._readers.get(slot, ()))}")
         self._clear_owner(slot)
         self._content.pop(slot, None)
         self._free.free([slot])
@@ -239,13 +255,19 @@ class SlotLedger:
 
         Returns the slots it was registered on (sorted); an unknown batch is a no-op.
         """
-        slots = self._batch_slots.pop(batch_id, set())
-        for slot in slots:
-            writers = self._writers[slot]
-            del writers[batch_id]
-            if not writers:
-                del self._writers[slot]
-        return sorted(slots)
+        return _drop_entry(self._writers, self._batch_slots, batch_id)
+
+    # ---- readers (transfers out of a slot) ----------------------------------------------
+    def add_reader(self, slot: int, transfer_id: int) -> None:
+        """Record that transfer ``transfer_id`` copies the slot's content out until
+        ``complete_reader``; meanwhile the slot may not change holder or be freed."""
+        owner = self._owned(slot, "add_reader")
+        self._readers.setdefault(slot, {})[transfer_id] = owner
+        self._read_slots.setdefault(transfer_id, set()).add(slot)
+
+    def complete_reader(self, transfer_id: int) -> list[int]:
+        """The transfer has read what it copies: drop it from every slot's readers."""
+        return _drop_entry(self._readers, self._read_slots, transfer_id)
 
     # ---- content -----------------------------------------------------------------------
     def record_write(self, slot: int, depth: int, batch_id: int) -> None:
@@ -255,8 +277,10 @@ class SlotLedger:
 
     # ---- invariants --------------------------------------------------------------------
     def check(self) -> list[Violation]:
-        """I2 (exclusive ownership, conservation) and I3 (no holder change under a writer)."""
-        return _check_ownership(self) + _check_writers(self)
+        """I2 (exclusive ownership, conservation) and I3 (no holder change under a writer
+        or a reader)."""
+        return (_check_ownership(self) + _check_pending(self, self._writers, self._batch_slots, "batch")
+                + _check_pending(self, self._readers, self._read_slots, "reading transfer"))
 
     # ---- internals ---------------------------------------------------------------------
     def _check_range(self, slot: int) -> None:
@@ -312,18 +336,30 @@ def _check_ownership(ledger: SlotLedger) -> list[Violation]:
     return out
 
 
-def _check_writers(ledger: SlotLedger) -> list[Violation]:
+def _drop_entry(by_slot: dict[int, dict[int, Owner]], by_id: dict[int, set[int]], entry_id: int) -> list[int]:
+    """Remove one writer or reader from both maps; returns its slots (sorted)."""
+    slots = by_id.pop(entry_id, set())
+    for slot in slots:
+        entries = by_slot[slot]
+        del entries[entry_id]
+        if not entries:
+            del by_slot[slot]
+    return sorted(slots)
+
+
+def _check_pending(ledger: SlotLedger, by_slot: dict[int, dict[int, Owner]], by_id: dict[int, set[int]],
+                   what: str) -> list[Violation]:
     out: list[Violation] = []
-    by_batch: dict[int, set[int]] = {}
-    for slot, writers in ledger._writers.items():
-        if not writers:
-            out.append(Violation("I3", f"slot {slot}: empty writer entry"))
+    index: dict[int, set[int]] = {}
+    for slot, entries in by_slot.items():
+        if not entries:
+            out.append(Violation("I3", f"slot {slot}: empty {what} entry"))
         owner = ledger._owner.get(slot)
-        for batch_id, registered in writers.items():
-            by_batch.setdefault(batch_id, set()).add(slot)
+        for entry_id, registered in entries.items():
+            index.setdefault(entry_id, set()).add(slot)
             if owner is None or not same_holder(registered, owner):
                 out.append(Violation("I3", f"slot {slot} changed holder from {registered} to {owner} while "
-                                           f"batch {batch_id} is pending"))
-    if by_batch != ledger._batch_slots:
-        out.append(Violation("I3", f"batch index {ledger._batch_slots} != writer map {by_batch}"))
+                                           f"{what} {entry_id} is pending"))
+    if index != by_id:
+        out.append(Violation("I3", f"{what} index {by_id} != slot map {index}"))
     return out

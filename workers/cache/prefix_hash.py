@@ -31,3 +31,13 @@ def extend_prefix_hash(parent_hash: bytes, token_ids: Sequence[int], page_size: 
 def prefix_hash(token_ids: Sequence[int], page_size: int) -> bytes:
     """H(len(token_ids)); ``token_ids`` must be whole pages (the tree never stores partial ones)."""
     return extend_prefix_hash(ROOT_PREFIX_HASH, token_ids, page_size)
+
+
+def prefix_hash_chain(token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """[H(page_size), H(2 page_size), ...] over the whole pages of ``token_ids`` (a trailing
+    partial page is ignored): the keys a checkpoint store is looked up with."""
+    chain, digest = [], ROOT_PREFIX_HASH
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        digest = extend_prefix_hash(digest, token_ids[start:start + page_size], page_size)
+        chain.append(digest)
+    return chain

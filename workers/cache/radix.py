@@ -60,17 +60,24 @@ class RadixCache:
       free unlocked pages to ``page_allocator`` and unlocked checkpoint slots to the ledger.
       Locked nodes are never evicted; locked checkpoints never freed. Lock the matched node
       before evicting if you still need to read its checkpoint (COW source).
-    ``on_event`` (optional) receives ``CheckpointInserted`` / ``CheckpointEvicted``.
+    ``on_event`` (optional) receives ``CheckpointInserted`` / ``CheckpointEvicted`` (tagged
+    with ``tier``). ``on_drop`` (optional) is called with a node whose checkpoint eviction is
+    about to free (the path and its slot are still intact): the host tier demotes it there.
+    It must have finished reading the slot when it returns (the slot is freed next, and
+    ``ledger.free`` raises while a reader is registered); ``flush`` never calls it.
     """
 
     def __init__(self, page_size: int, page_allocator: IdAllocator, ledger: SlotLedger,
-                 on_event: Callable[[CacheEvent], None] | None = None) -> None:
+                 on_event: Callable[[CacheEvent], None] | None = None,
+                 on_drop: Callable[[TreeNode], None] | None = None, tier: str = "device") -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.page_allocator = page_allocator
         self.ledger = ledger
         self._on_event = on_event
+        self._on_drop = on_drop
+        self.tier = tier
         self.root = TreeNode(ROOT_NODE_ID, None, (), [], ROOT_PREFIX_HASH)
         self._next_node_id = ROOT_NODE_ID + 1
         self._clock = 0
@@ -122,6 +129,14 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def path_page_ids(self, node: TreeNode) -> list[int]:
+        """The tree's KV pages for [0, node.depth)."""
+        pages: list[list[int]] = []
+        while not node.is_root:
+            pages.append(node.page_ids)
+            node = node.parent  # type: ignore[assignment]
+        return [p for chunk in reversed(pages) for p in chunk]
 
     def path_tokens(self, node: TreeNode) -> tuple[int, ...]:
         """The tokens [0, node.depth) of the node's path."""
@@ -246,10 +261,14 @@ class RadixCache:
         return freed
 
     def flush(self) -> EvictResult:
-        """Drop everything unlocked; with nothing locked the tree ends empty."""
-        freed = self.evict_checkpoints(self.num_evictable_checkpoints)
-        # Every unlocked subtree ends in unlocked checkpoint leaves, so nothing is left here.
-        freed = freed.plus(self.evict_kv(self.num_evictable_pages))
+        """Drop everything unlocked (nothing is demoted); with nothing locked the tree ends empty."""
+        on_drop, self._on_drop = self._on_drop, None
+        try:
+            freed = self.evict_checkpoints(self.num_evictable_checkpoints)
+            # Every unlocked subtree ends in unlocked checkpoint leaves, so nothing is left here.
+            freed = freed.plus(self.evict_kv(self.num_evictable_pages))
+        finally:
+            self._on_drop = on_drop
         self._leaves.maybe_compact(self._current_leaves(), self.num_nodes)
         return freed
 
@@ -313,7 +332,7 @@ class RadixCache:
         self._checkpoints.add(node)
         self._evictable_checkpoints += 1
         if self._on_event is not None:
-            self._on_event(CheckpointInserted(node.depth, node.prefix_hash, toks[:node.depth]))
+            self._on_event(CheckpointInserted(node.depth, node.prefix_hash, toks[:node.depth], self.tier))
 
     def _touch(self, node: TreeNode, mamba: bool) -> None:
         """Stamp root..node as just used in the full LRU (and the node in the mamba LRU)."""
@@ -339,12 +358,14 @@ class RadixCache:
     def _drop_checkpoint(self, node: TreeNode) -> None:
         checkpoint = node.checkpoint
         assert checkpoint is not None and node.mamba_lock == 0, node
+        if self._on_drop is not None:
+            self._on_drop(node)
         self.ledger.free(checkpoint.slot)
         node.checkpoint = None
         self._checkpoints.remove(node)
         self._evictable_checkpoints -= 1
         if self._on_event is not None:
-            self._on_event(CheckpointEvicted(node.depth, node.prefix_hash, self.path_tokens(node)))
+            self._on_event(CheckpointEvicted(node.depth, node.prefix_hash, self.path_tokens(node), self.tier))
 
     def _delete_leaf(self, leaf: TreeNode) -> EvictResult:
         """Delete an unlocked leaf, then each ancestor that becomes a tombstone leaf (I6)."""

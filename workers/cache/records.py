@@ -51,22 +51,27 @@ class EvictResult(NamedTuple):
 NOTHING_EVICTED = EvictResult(0, 0)
 
 
+TIERS = ("device", "host", "store")     # where a checkpoint lives (events and metrics say which)
+
+
 @dataclass(frozen=True)
 class CheckpointInserted:
-    """The tree now holds a checkpoint for ``token_ids`` (length ``depth``)."""
+    """The ``tier``'s tree now holds a checkpoint for ``token_ids`` (length ``depth``)."""
 
     depth: int
     prefix_hash: bytes
     token_ids: tuple[int, ...]
+    tier: str = "device"
 
 
 @dataclass(frozen=True)
 class CheckpointEvicted:
-    """The tree dropped its checkpoint for ``token_ids`` (tombstoned or deleted)."""
+    """The ``tier``'s tree dropped its checkpoint for ``token_ids`` (tombstoned or deleted)."""
 
     depth: int
     prefix_hash: bytes
     token_ids: tuple[int, ...]
+    tier: str = "device"
 
 
 CacheEvent = Union[CheckpointInserted, CheckpointEvicted]

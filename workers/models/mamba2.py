@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ssd import ssd_update, ssd_varlen
+from kernels.ssd import ssd_update, ssd_varlen, ssd_verify
 from workers.models.layers import CausalConv1d, GatedRMSNorm, LayerContext, linear, param
 from workers.state_spec import StateKind, StateRef, conv_ssm_kind
 
@@ -108,8 +108,10 @@ class Mamba2Mixer(nn.Module):
         key = (self.dims, like.device, like.dtype)
         if self._scale is None or self._scale[0] != key:
             assert self.dims.proj_multipliers is not None
-            mults = torch.tensor(self.dims.proj_multipliers, dtype=torch.float32)
-            scale = mults.repeat_interleave(torch.tensor(self.dims.proj_segments))
+            # built from host lists (no tensor-valued repeats): a compiled step may build it
+            per_channel = [m for m, n in zip(self.dims.proj_multipliers, self.dims.proj_segments)
+                           for _ in range(n)]
+            scale = torch.tensor(per_channel, dtype=torch.float32)
             self._scale = (key, scale.to(device=like.device, dtype=like.dtype))
         return self._scale[1]
 
@@ -132,6 +134,11 @@ class Mamba2Mixer(nn.Module):
         if batch.decode_only:
             y = ssd_update(x, dt, a, b, c, self.D, self.dt_bias, state["ssm"],
                            batch.mamba_slot_ids, dt_softplus=True, dt_limit=d.dt_limit)
+        elif batch.verify_len:      # T tokens per sequence, a snapshot at each: same result
+            assert batch.state_dst_slots is not None
+            y = ssd_verify(x, dt, a, b, c, self.D, self.dt_bias, state["ssm"], batch.cu_seqlens,
+                           batch.mamba_slot_ids, batch.has_initial_state, batch.state_dst_slots,
+                           batch.verify_len, dt_softplus=True, dt_limit=d.dt_limit)
         else:
             y = ssd_varlen(x, dt, a, b, c, self.D, self.dt_bias, state["ssm"],
                            batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,

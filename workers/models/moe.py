@@ -24,6 +24,10 @@ Qwen3.5-MoE checkpoints may also ship the experts fused, as transformers holds t
 
 The expert loop (one host sync per layer for the per-expert token counts) is the CPU
 reference; a fused MoE kernel can replace ``_routed`` later without touching the weights.
+A traced step (``kernels.static.tracing``: a compiled decode / verify step) cannot read the
+counts, so it takes a static formulation of the same sums: each (token, choice) row through
+its expert's gathered weights when there are fewer rows than experts, else every expert on
+every token weighted by a dense ``[T, E]`` combine matrix (zeros where not chosen).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.static import tracing
 from workers.models.layers import DenseMLP, activation, linear, param
 from workers.models.weights import WeightTarget, module_targets, split, whole
 
@@ -134,6 +139,8 @@ class SparseMoE(nn.Module):
         return (weights * d.routed_scaling_factor).to(x.dtype), top_ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if tracing():
+            return self._routed_static(x, weights, ids)
         k = self.dims.top_k
         flat_ids = ids.reshape(-1)                               # [T*k], row r = token r // k
         order = torch.argsort(flat_ids, stable=True)
@@ -155,6 +162,31 @@ class SparseMoE(nn.Module):
             # would be equal but is very slow on CPU for small inputs (torch 2.13)
             out[tokens] += y * flat_weights[rows, None]
         return out
+
+    def _expert(self, h: torch.Tensor, up_w: torch.Tensor, gate_w: torch.Tensor | None,
+                down_w: torch.Tensor, spec_in: str, spec_out: str) -> torch.Tensor:
+        """Expert MLPs batched by einsum: ``spec_in`` for gate / up, ``spec_out`` for down."""
+        up = torch.einsum(spec_in, h, up_w)
+        inner = self.act(up) if gate_w is None else self.act(torch.einsum(spec_in, h, gate_w)) * up
+        return torch.einsum(spec_out, inner, down_w)
+
+    def _routed_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``_routed`` without a host read (see the module docstring); shapes decide the form."""
+        num_tokens, k = ids.shape
+        ids, order = ids.sort(dim=-1)                  # the loop's order: experts ascending
+        weights = weights.gather(1, order)
+        if num_tokens * k < self.dims.num_experts:     # gathered: read T*k experts
+            flat = ids.reshape(-1)
+            h = x.repeat_interleave(k, dim=0)          # [T*k, H], row r = token r // k
+            gate = None if self.w_gate is None else self.w_gate[flat]
+            y = self._expert(h, self.w_up[flat], gate, self.w_down[flat],
+                             "rh,rih->ri", "ri,rhi->rh")                          # [T*k, H]
+            return (y * weights.reshape(-1, 1)).view(num_tokens, k, -1).sum(dim=1)
+        combine = torch.zeros(num_tokens, self.dims.num_experts, dtype=weights.dtype,
+                              device=x.device).scatter(1, ids, weights)          # [T, E]
+        y = self._expert(x, self.w_up, self.w_gate, self.w_down,
+                         "th,eih->eti", "eti,ehi->eth")                           # [E, T, H]
+        return (y * combine.t()[:, :, None]).sum(dim=0)
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         if self.dims.style == "granite":

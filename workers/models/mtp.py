@@ -107,8 +107,14 @@ class MtpHeadBase(nn.Module):
     def forward(self, batch: ForwardBatch, hidden_prev: torch.Tensor, pools: DevicePools,
                 layer: int = 0) -> torch.Tensor:
         """batch.input_ids = x_{s+1}; batch.positions = s; hidden_prev [T, H]. -> h' [T, H]."""
+        return self.forward_tokens(batch.input_ids, batch, hidden_prev, pools, layer)
+
+    def forward_tokens(self, tokens: torch.Tensor, batch: ForwardBatch, hidden_prev: torch.Tensor,
+                       pools: DevicePools, layer: int = 0) -> torch.Tensor:
+        """``forward`` with x_{s+1} given apart (``batch.input_ids`` unread): a compiled draft
+        chain feeds each step the drafts of the step before."""
         target = self.target
-        emb = target.model.embedding(batch.input_ids)
+        emb = target.model.embedding(tokens)
         rope = target.rotary.tables(batch.positions, emb.dtype) if target.rotary is not None else None
         return self.predict(layer, emb, hidden_prev.to(emb.dtype), LayerContext(batch, pools, rope))
 

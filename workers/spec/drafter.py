@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.compiled.draft_chain import CompiledChain
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.sampler import _filter_top_k_top_p
@@ -54,6 +55,7 @@ class MtpDrafter:
         self.layer_out = torch.zeros(num_slots, max(self.num_layers - 1, 0), hidden_size,
                                      dtype=target.dtype, device=device)
         self.layer_out_key: list[tuple[str, int] | None] = [None] * num_slots
+        self.compiled_chain: CompiledChain | None = None    # set by workers.compiled.build_compiled
 
     def _batch(self, spans: list[MtpSpan], starts: list[int], lengths: list[int],
                ids: torch.Tensor) -> ForwardBatch:
@@ -111,6 +113,13 @@ class MtpDrafter:
 
     def _chain(self, spans: list[MtpSpan], hidden: torch.Tensor, last_pos: list[int]) -> None:
         slots = torch.tensor([s.live_slot for s in spans], device=self.device)
+        chain = self.compiled_chain
+        greedy = all(s.params is None or s.params.is_greedy for s in spans)
+        size = chain.pick(len(spans), greedy) if chain is not None else None
+        if size is not None:                  # the whole chain in one compiled call
+            assert chain is not None
+            self.draft_tokens[slots] = chain.run(hidden, last_pos, [s.page_ids for s in spans], size)
+            return
         for j in range(self.k):
             tokens = self._draw(self.target.compute_logits(hidden), spans, slots, j)
             self.draft_tokens[slots, j] = tokens

@@ -23,11 +23,14 @@ from workers.tp.messages import PoolLayout
 from workers.tp.runner import DropRecordingBank, TPModelRunner
 from workers.tp.shard import shard_model, shard_module
 
+STOP_GRACE_S = 10.0           # how long ranks 1..N-1 may take to exit after Stop
+
 
 class WorkerHandles(Protocol):
     def check_health(self) -> None: ...      # raise when a rank has died
 
-    def shutdown(self) -> None: ...
+    # End the ranks: wait up to ``timeout_s`` for them to exit after ``Stop``, then force.
+    def shutdown(self, timeout_s: float = ...) -> None: ...
 
 
 class TPEngine(Engine):
@@ -42,8 +45,8 @@ class TPEngine(Engine):
         self.tp, self.workers = group, workers
         try:
             super().__init__(config, tokenizer)
-        except BaseException:
-            group.abort()                 # ranks waiting for the layout fail now
+        except BaseException as exc:
+            group.abort(f"rank 0 failed while starting: {exc!r}")   # ranks waiting for the layout fail now
             raise
 
     def _load_model(self, model_dir: Path) -> LoadedModel:
@@ -72,18 +75,23 @@ class TPEngine(Engine):
                           self.slot_ledger.num_slots, self.max_model_len, mtp_kv, _name(kv.dtype))
 
     def check_workers(self) -> None:
-        """Raise when another rank of the group has died (the replica's health check)."""
+        """Raise when another rank of the group has died, or the group has failed (it
+        never steps again): the replica's health check."""
         if self.workers is not None:
             self.workers.check_health()
+        if self.tp.closed:
+            raise RuntimeError(f"tensor-parallel group closed: {self.tp.closed_reason}")
 
     def shutdown(self) -> None:
-        """Stop ranks 1..N-1 after the launched steps; safe to call twice."""
+        """Stop ranks 1..N-1 after the launched steps; safe to call twice. Bounded: the
+        ``Stop`` by the group's timeout, then the ranks' exit by ``STOP_GRACE_S`` (none
+        when the group has failed: they will not exit on their own), then they are killed."""
         try:
             self.runner.shutdown()
         finally:
             if self.workers is not None:
-                self.workers.shutdown()
-            self.tp.abort()
+                self.workers.shutdown(0.0 if self.tp.closed else STOP_GRACE_S)
+            self.tp.abort("shut down")
 
 
 def _name(dtype) -> str:

@@ -19,6 +19,8 @@ from workers.loader import load_config
 from workers.tp.engine import TPEngine
 from workers.tp.shard import validate_tp
 
+KILL_WAIT_S = 2.0             # how long a signalled rank may take to exit
+
 
 def _worker_main(config: dict[str, Any], rank: int, rendezvous: Rendezvous, num_threads: int) -> None:
     from workers.tp.worker import TPWorker
@@ -36,11 +38,15 @@ class LocalWorkers:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited with code {p.exitcode}")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Wait up to ``timeout_s`` for each rank to exit, then SIGTERM, then SIGKILL: a
+        stopped process, or one whose SIGTERM handler cannot run, outlives SIGTERM, and
+        multiprocessing's exit handler would then wait for it without a bound."""
         for p in self.procs:
             p.join(timeout_s)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout_s)
+            for end in (p.terminate, p.kill):
+                if p.is_alive():
+                    end()
+                    p.join(KILL_WAIT_S)
 
 
 def build_local_engine(config: HybridServeConfig) -> Engine:
@@ -57,11 +63,9 @@ def build_local_engine(config: HybridServeConfig) -> Engine:
         p.start()
     workers = LocalWorkers(procs)
     try:
-        wait_joined(store, world, workers.check_health)
+        wait_joined(store, rendezvous, workers.check_health)
         group = TPGroup(rendezvous, 0, resolve_device(config.device), store)
         return TPEngine(config, group, workers)
     except BaseException:
-        for p in procs:
-            p.terminate()
-        workers.shutdown()
+        workers.shutdown(timeout_s=0.0)
         raise

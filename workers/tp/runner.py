@@ -87,24 +87,39 @@ class TPModelRunner(ModelRunner):
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
         def run() -> StepResult:
-            self.group.broadcast_bytes(payload)
-            result = self._execute(view, params, gens)   # the same view as every other rank
-            if self.check_consistency:
-                check_consistent(self.group, result, self.drafter, self.num_steps)
+            step = self.num_steps
+            try:
+                self.group.broadcast_bytes(payload)
+                result = self._execute(view, params, gens)   # the same view as every other rank
+                if self.check_consistency:
+                    check_consistent(self.group, result, self.drafter, step)
+            except BaseException as exc:
+                # The ranks no longer agree on the next op: close the group, so that the
+                # others fail at once and every later step here fails at once, naming this.
+                self.group.abort(f"step {step} failed on rank 0: {exc!r}")
+                raise
             self.num_steps += 1
             return result
         return run
 
     def shutdown(self) -> None:
-        """Stop the other ranks after every launched step, then the forward thread."""
+        """Stop the other ranks after every launched step, then the forward thread.
+        Bounded: ``Stop`` waits at most the group's timeout for a rank to take it."""
         if not self._stopped:
             self._stopped = True
             stop = pickle.dumps(Stop())
             try:
                 if self._executor is not None:
-                    self._executor.submit(self.group.broadcast_bytes, stop).result()
+                    self._executor.submit(self._send_stop, stop).result()
                 else:
-                    self.group.broadcast_bytes(stop)
-            except RuntimeError:          # a rank is gone already: nothing left to stop
+                    self._send_stop(stop)
+            except RuntimeError:          # a rank is gone or stalled: its launcher ends it
                 logger.warning("could not send Stop to the tensor-parallel ranks", exc_info=True)
         super().shutdown()
+
+    def _send_stop(self, stop: bytes) -> None:
+        try:
+            self.group.broadcast_bytes(stop)
+        except BaseException as exc:
+            self.group.abort(f"Stop failed: {exc!r}")
+            raise

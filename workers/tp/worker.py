@@ -6,10 +6,13 @@ checkpoint and shards it exactly as rank 0 does, receives rank 0's ``PoolLayout`
 builds its pools and MTP drafter with those sizes, then ``run()`` executes every
 ``StepMessage`` with ``ModelRunner._execute`` (the same code path as rank 0) until
 ``Stop``. Any error aborts the group so that rank 0 fails at once, and is re-raised.
+Waiting for rank 0's next message (the layout, each step, ``Stop``) is the one wait
+without the group's bound (``idle``, see ``workers.tp.comm``).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -39,15 +42,15 @@ class TPWorker:
         self.group = TPGroup(rendezvous, rank, self.device)
         try:
             self._build(config)
-        except BaseException:
-            self.group.abort()
+        except BaseException as exc:
+            self.group.abort(f"rank {rank} failed while starting: {exc!r}")
             raise
 
     def _build(self, config: HybridServeConfig) -> None:
         torch.manual_seed(config.seed)
         model = load_model(config.model_dir(), resolve_dtype(config.dtype, self.device), self.device).model
         shard_model(model, self.group)
-        layout: PoolLayout = self.group.broadcast_object()
+        layout: PoolLayout = self.group.broadcast_object(idle=True)   # rank 0 builds meanwhile
         spec = model.cache_spec().with_layers(ATTENTION, layout.num_kv_layers)   # + the MTP head's
         pools = build_pools(spec, layout.num_pages, layout.page_size, layout.num_mamba_slots,
                             getattr(torch, layout.dtype), self.device)
@@ -71,17 +74,9 @@ class TPWorker:
         return self.group.rank
 
     def run(self) -> int:
-        """Execute rank 0's steps until ``Stop``; returns the number of steps run."""
-        try:
-            while True:
-                msg = self.group.broadcast_object()
-                if isinstance(msg, Stop):
-                    return self.num_steps
-                self.step(msg)
-        except BaseException:
-            logger.exception("tensor-parallel rank %d failed", self.rank)
-            self.group.abort()
-            raise
+        """Execute rank 0's steps until ``Stop`` (``serve_steps``); returns the number run."""
+        serve_steps(self.group, self.step)
+        return self.num_steps
 
     def step(self, msg: StepMessage) -> StepResult:
         for handle in msg.dropped:
@@ -93,3 +88,22 @@ class TPWorker:
             check_consistent(self.group, result, self.runner.drafter, self.num_steps)
         self.num_steps += 1
         return result
+
+
+def serve_steps(group: TPGroup, step: Callable[[StepMessage], object]) -> int:
+    """Ranks 1..N-1: run each of rank 0's step messages until ``Stop``; returns how many ran.
+
+    A message is waited for idle (``IDLE_TIMEOUT``: the engine may idle for days); what
+    a step waits for inside is bounded by the group's timeout. An error aborts the group,
+    so that rank 0 fails at once rather than at its timeout, and is re-raised.
+    """
+    num_steps = 0
+    try:
+        while not isinstance(msg := group.broadcast_object(idle=True), Stop):
+            step(msg)
+            num_steps += 1
+        return num_steps
+    except BaseException as exc:
+        logger.exception("tensor-parallel rank %d failed after %d steps", group.rank, num_steps)
+        group.abort(f"rank {group.rank} failed after {num_steps} steps: {exc!r}")
+        raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from cluster.observability.dashboards.model import Dashboard, Panel, Row, Target, Variable
 from cluster.observability.dashboards.promql import gauge, quantile, rate, ratio
+from cluster.observability.dashboards.tiers import TIERS
 
 SEL = 'model=~"$model", replica=~"$replica"'
 PERCENTILES = (0.5, 0.9, 0.99)
@@ -111,8 +112,8 @@ ENGINE = Dashboard(
     uid="hybridserve-engine",
     title="hybridserve / Engine",
     description="Per-replica engine metrics of hybridserve (latency, throughput, pools, "
-                "prefix cache, Mamba checkpoints, invariants, speculation).",
-    rows=(LATENCY, THROUGHPUT, POOLS, CHECKPOINTS, CORRECTNESS),
+                "prefix cache, Mamba checkpoints, checkpoint tiers, invariants, speculation).",
+    rows=(LATENCY, THROUGHPUT, POOLS, CHECKPOINTS, TIERS, CORRECTNESS),
     variables=(Variable("model", "Model", "label_values(hybridserve_num_running_requests, model)"),
                Variable("replica", "Replica",
                         'label_values(hybridserve_num_running_requests{model=~"$model"}, replica)')),

@@ -1,34 +1,11 @@
 """The TP process group over real gloo sockets, ranks as threads of this process."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from workers.tp.comm import TPGroup, open_rendezvous, wait_joined
-
-
-def run_group(world: int, fn) -> list:
-    store, rendezvous = open_rendezvous("127.0.0.1", world)
-    results: list = [None] * world
-    errors: list = [None] * world
-
-    def body(rank: int) -> None:
-        try:
-            group = TPGroup(rendezvous, rank, torch.device("cpu"), store if rank == 0 else None)
-            results[rank] = fn(group)
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(1, world)]
-    for t in threads:
-        t.start()
-    wait_joined(store, world)
-    body(0)
-    for t in threads:
-        t.join(60)
-    return [e if e is not None else r for r, e in zip(results, errors)]
+from tests.workers.tp.groups import run_group
+from workers.tp.comm import TPGroup, open_rendezvous
 
 
 def test_all_reduce_and_broadcast():

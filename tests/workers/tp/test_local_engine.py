@@ -7,12 +7,16 @@ their decisions (tokens, acceptance, drafts) after every step.
 
 Qwen3-Next then mixes greedy rows with seeded and unseeded sampling rows (sampling must agree
 across ranks too) and rank 1 is killed: the health check and the next step fail at once
-instead of hanging.
+instead of hanging. A rank that is stopped instead (alive, holding its sockets) fails the next
+step within the group's bound and shutdown kills it; when rank 0 fails mid-step, rank 1 exits
+at once.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
+from datetime import timedelta
 
 import pytest
 
@@ -97,4 +101,69 @@ def test_tp2_sampling_agrees_and_a_dead_rank_fails_fast(tiny_qwen_dir):
         with pytest.raises(RuntimeError, match=r"(?i)connection|peer|closed"):
             llm.generate_ids(prompts[:1], [GREEDY])
     finally:
+        llm.shutdown()
+
+
+BOUND_S = 1.5           # rank 0's peer bound in the failure tests (set after the start)
+SLACK_S = 15.0          # process and scheduling delays on a loaded machine
+ONE_REQUEST = (random_prompts(512, [6], seed=4)[:1],
+               [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)])
+
+
+def small_tp2(tiny_checkpoint):
+    """A TP = 2 engine of a cheap family, and its rank 1's process."""
+    llm = make_llm(tiny_checkpoint("mamba2"), parallel={"tensor_parallel_size": 2})
+    return llm, llm.engine.workers.procs[0]
+
+
+@pytest.mark.timeout(300)
+def test_tp2_a_stalled_rank_fails_the_next_step_within_the_bound(tiny_checkpoint):
+    """SIGSTOP: rank 1 cannot post its receive, and a gloo send waits for it, so rank 0's
+    next send is bounded by the group's timeout alone -- behind it wait the forward thread,
+    ``shutdown`` and pytest's exit. A stopped process also outlives SIGTERM: shutdown must
+    kill it, or multiprocessing's exit handler waits for it forever."""
+    llm, rank1 = small_tp2(tiny_checkpoint)
+    try:
+        assert len(llm.generate_ids(*ONE_REQUEST)[0].token_ids) == 3        # the group works
+        llm.engine.tp.timeout = timedelta(seconds=BOUND_S)
+        os.kill(rank1.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"(?i)timed out"):
+            llm.generate_ids(*ONE_REQUEST)
+        assert time.monotonic() - start < BOUND_S + SLACK_S
+        with pytest.raises(RuntimeError, match=r"closed: step \d+ failed on rank 0"):
+            llm.generate_ids(*ONE_REQUEST)                                   # at once
+        with pytest.raises(RuntimeError, match=r"group closed: step \d+ failed on rank 0"):
+            llm.engine.check_workers()                   # the replica's health check fails
+        llm.shutdown()                                       # no Stop to send: kill rank 1
+        assert time.monotonic() - start < BOUND_S + 2 * SLACK_S
+        assert not rank1.is_alive()
+    finally:
+        if rank1.is_alive():
+            os.kill(rank1.pid, signal.SIGKILL)
+        llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_tp2_rank_0_failing_mid_step_ends_rank_1_at_once(tiny_checkpoint, monkeypatch):
+    """Rank 0 fails after sending a step (rank 1 then waits in the step's first all-reduce):
+    rank 0 closes the group, so rank 1 fails and exits now rather than at its bound (300 s),
+    and shutdown does not wait on it."""
+    llm, rank1 = small_tp2(tiny_checkpoint)
+    try:
+        assert len(llm.generate_ids(*ONE_REQUEST)[0].token_ids) == 3
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("rank 0 broke before its forward")
+        monkeypatch.setattr(llm.engine.runner, "_execute", broken)
+        with pytest.raises(RuntimeError, match="rank 0 broke before its forward"):
+            llm.generate_ids(*ONE_REQUEST)
+        rank1.join(SLACK_S)
+        assert rank1.exitcode == 1
+        start = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - start < SLACK_S
+    finally:
+        if rank1.is_alive():
+            os.kill(rank1.pid, signal.SIGKILL)
         llm.shutdown()

@@ -1,0 +1,279 @@
+"""Issue 17's measurements with real engines in one process: tiers on vs device only, and
+our router against Ray's ``PrefixCacheAffinityRouter`` rule and round robin.
+
+    python -m cluster.bench.tiers [--replicas 4] [--sessions 32] [--routers ...] [--json]
+    python -m cluster.bench.tiers --multi-turn        # the 20-conversation turn-2 case only
+
+``slot_pressure`` (agentic sessions whose contexts grow by tool outputs) over
+``--replicas`` engines on the tiny model, each sized with Qwen3-Next's slot-to-KV ratio
+(``slot_kv_tokens``: one recurrent-state slot weighs ~3,000 tokens of KV, so a replica of
+24k KV tokens holds 8 slots, its running requests' included), with more live sessions than
+the cluster holds device checkpoints. ``tiers`` adds a host tier of ``host_factor`` times
+the device budget per replica and a cluster store (``LocalStoreBackend``: the same client
+and cost model as on Ray, without the network). Routers are the ones ``routing_sim``
+drives: ours over the real tiered index fed the engines' real events (device, host,
+store), Ray's rule over Ray's own ``PrefixTree``, round robin.
+
+What is real: engines, caches, tiers, store client, routers. What is not: the network
+(replicas are stepped round robin in this process, sessions arrive every ``arrival_steps``
+steps and think ``think_steps`` steps between turns). Reported per (router, tiers):
+computed prefill fraction and cached fraction (counts: valid on a loaded machine), and
+mean TTFT in global steps (deterministic) and in seconds (needs an idle machine).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.bench.sim_routers import make_router
+from cluster.bench.workloads import Session, load_workload
+from cluster.store.checkpoint_store import CheckpointStore
+from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin")
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    num_replicas: int = 4
+    kv_tokens: int = 24576            # device KV per replica
+    slot_kv_tokens: int = 3072        # Qwen3-Next-80B: one slot (36 GDN layers) ~ 3,150 KV tokens
+    host_factor: int = 8              # host tier per replica, in device budgets
+    max_running: int = 3
+    page_size: int = 16
+    track_interval: int = 64
+    chunk: int = 256
+    store_bytes: int = 1 << 30
+    arrival_steps: int = 2
+    think_steps: int = 6
+    seed: int = 0
+
+    @property
+    def num_slots(self) -> int:
+        return max(self.kv_tokens // self.slot_kv_tokens, self.max_running + 1)
+
+    def engine(self, model: Path, tiers: bool) -> dict[str, Any]:
+        cache = {"page_size": self.page_size, "max_kv_tokens": self.kv_tokens, "max_mamba_slots": self.num_slots,
+                 "mamba_track_interval": self.track_interval}
+        if tiers:
+            cache.update(host_mamba_slots=self.host_factor * self.num_slots,
+                         host_kv_tokens=self.host_factor * self.kv_tokens, cluster_store_bytes=self.store_bytes)
+        return {"model": str(model), "device": "cpu", "dtype": "float32", "seed": self.seed, "cache": cache,
+                "scheduler": {"max_running_requests": self.max_running, "chunked_prefill_size": self.chunk,
+                              "max_batch_tokens": max(self.chunk, 512)}}
+
+
+@dataclass
+class TiersResult:
+    router: str
+    tiers: bool
+    num_requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_fraction: float
+    cached_fraction: float
+    mean_ttft_steps: float
+    mean_ttft_s: float
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    store: dict[str, int] = field(default_factory=dict)
+
+
+class _Direct:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def run(self, fn: Any) -> Any:
+        return fn(self.engine)
+
+
+@dataclass
+class _Live:
+    session: Session
+    turn: int
+    prompt: list[int]
+    replica: str
+    step: int
+    wall: float
+    first_step: int | None = None
+    first_wall: float | None = None
+
+
+class _Cluster:
+    def __init__(self, model: Path, s: ClusterSettings, tiers: bool, router: str) -> None:
+        self.s, self.tiers = s, tiers
+        self.names = [f"r{i}" for i in range(s.num_replicas)]
+        self.llms = {n: LLM(**s.engine(model, tiers)) for n in self.names}
+        self.router = make_router(router, self.names, random.Random(s.seed))
+        backend = LocalStoreBackend(CheckpointStore(s.store_bytes)) if tiers else None
+        self.store = backend.store if backend else None
+        slow = FetchSettings(prefill_tokens_per_s=500.0)       # CPU prefill of the tiny model, roughly
+        self.clients = {n: StoreClient(backend, s.page_size, n, slow) for n in self.names} if backend else {}
+
+        self.step_no = 0
+
+    def _submit(self, rid: str, live: _Live) -> None:
+        engine = self.llms[live.replica].engine
+        if self.clients:
+            asyncio.run(self.clients[live.replica].prefetch(_Direct(engine), live.prompt))
+        params = SamplingParams(max_tokens=live.session.turns[live.turn].max_tokens, temperature=0.0,
+                                ignore_eos=True)
+        engine.add_request(rid, live.prompt, params)
+
+    def run(self, sessions: Sequence[Session]) -> list[tuple[_Live, Any]]:
+        due: list[tuple[int, int, Session, int, list[int]]] = [
+            (i * self.s.arrival_steps, i, sess, 0, list(sess.shared_ids)) for i, sess in enumerate(sessions)]
+        live: dict[str, _Live] = {}
+        done: list[tuple[_Live, Any]] = []
+        while due or live:
+            due.sort(key=lambda d: (d[0], d[1]))
+            while due and due[0][0] <= self.step_no:
+                _, i, sess, turn, history = due.pop(0)
+                prompt = history + list(sess.turns[turn].user_ids)
+                loads = {n: sum(v.replica == n for v in live.values()) for n in self.names}
+                replica = self.router.choose(prompt, loads, float(self.step_no))
+                self.router.on_routed(prompt, replica, float(self.step_no))
+                rid = f"s{sess.session_id}-t{turn}"
+                live[rid] = _Live(sess, turn, prompt, replica, self.step_no, time.perf_counter())
+                self._submit(rid, live[rid])
+            self.step_no += 1
+            for name, llm in self.llms.items():
+                if llm.engine.has_unfinished():
+                    self._step(name, llm, live, done, due)
+                self._publish(name, llm)
+        return done
+
+    def _step(self, name: str, llm: LLM, live: dict[str, _Live], done: list, due: list) -> None:
+        for out in llm.engine.step():
+            item = live.get(out.request_id)
+            if item is None:
+                continue
+            if item.first_step is None and out.new_token_ids:
+                item.first_step, item.first_wall = self.step_no, time.perf_counter()
+            if out.finished:
+                del live[out.request_id]
+                done.append((item, out))
+                if item.turn + 1 < len(item.session.turns):
+                    history = item.prompt + list(out.token_ids)
+                    due.append((self.step_no + self.s.think_steps, item.session.session_id, item.session,
+                                item.turn + 1, history))
+
+    def _publish(self, name: str, llm: LLM) -> None:
+        events = llm.engine.drain_cache_events()
+        if self.clients:
+            events += asyncio.run(self.clients[name].commit_pending(_Direct(llm.engine)))
+        if events:
+            self.router.on_events(name, events)
+
+
+def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
+            s: ClusterSettings = ClusterSettings()) -> TiersResult:
+    cluster = _Cluster(model, s, tiers, router)
+    done = cluster.run(sessions)
+    prompt = sum(len(item.prompt) for item, _ in done)
+    cached = sum(out.cached_tokens for _, out in done)
+    ttft_steps = [item.first_step - item.step for item, _ in done if item.first_step is not None]
+    ttft_s = [item.first_wall - item.wall for item, _ in done if item.first_wall is not None]
+    hits: dict[str, int] = {}
+    for llm in cluster.llms.values():
+        for tier, n in llm.stats()["hybridserve_cache_hits_total"].items():
+            hits[tier] = hits.get(tier, 0) + n
+    store = cluster.store.stats() if cluster.store else {}
+    return TiersResult(router, tiers, len(done), prompt, cached, round(1 - cached / prompt, 4),
+                       round(cached / prompt, 4), round(sum(ttft_steps) / len(ttft_steps), 2),
+                       round(sum(ttft_s) / len(ttft_s), 4), hits, {k: int(v) for k, v in store.items()})
+
+
+def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
+    """The issue's ratios: tiers vs device only (ours), ours vs Ray's rule (tiers on)."""
+    by = {(r.router, r.tiers): r for r in results}
+    ours, device, ray = by.get(("hybrid_prefix", True)), by.get(("hybrid_prefix", False)), by.get(("ray_prefix", True))
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    return {"computed_prefill_tiers_over_device": ratio(ours and ours.computed_fraction, device and device.computed_fraction),
+            "ttft_steps_tiers_over_device": ratio(ours and ours.mean_ttft_steps, device and device.mean_ttft_steps),
+            "ttft_s_tiers_over_device": ratio(ours and ours.mean_ttft_s, device and device.mean_ttft_s),
+            "cached_vs_ray": ratio(ours and ours.cached_fraction, ray and ray.cached_fraction)}
+
+
+def multi_turn_case(model: Path, strategy: str, host: bool, seed: int = 21) -> dict[str, Any]:
+    """The issue's case on one engine: 24 slots, 4 running, 20 conversations over 5 system
+    prompts; how many turn-2 prompts resume from (at least) their turn-1 prompt."""
+    rng = random.Random(seed)
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    cache: dict[str, Any] = {"page_size": 4, "max_kv_tokens": 4096, "max_mamba_slots": 24,
+                             "mamba_strategy": strategy, "mamba_track_interval": 16}
+    if host:
+        cache.update(host_mamba_slots=96, host_kv_tokens=4096)
+    llm = LLM(model=str(model), device="cpu", dtype="float32", cache=cache,
+              scheduler={"max_running_requests": 4})
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    systems = [draw(24) for _ in range(5)]
+    turn1 = [systems[i % 5] + draw(6 + i % 7) for i in range(20)]
+    outs1 = llm.generate_ids(turn1, [params] * 20)
+    turn2 = [p + o.token_ids + draw(4) for p, o in zip(turn1, outs1)]
+    outs2 = llm.generate_ids(turn2, [params] * 20)
+    hits = sum(o.cached_tokens >= (len(p) - 1) // 4 * 4 for p, o in zip(turn1, outs2))
+    return {"strategy": strategy, "host_tier": host, "turn2_hits": hits, "of": 20,
+            "hits_by_tier": dict(llm.stats()["hybridserve_cache_hits_total"])}
+
+
+def format_table(results: Sequence[TiersResult]) -> str:
+    lines = [f"{'router':<15}{'tiers':>6}{'requests':>9}{'computed':>10}{'cached':>8}{'ttft steps':>11}"
+             f"{'ttft s':>8}  hits by tier"]
+    for r in results:
+        lines.append(f"{r.router:<15}{'on' if r.tiers else 'off':>6}{r.num_requests:>9}{r.computed_fraction:>10.3f}"
+                     f"{r.cached_fraction:>8.3f}{r.mean_ttft_steps:>11.2f}{r.mean_ttft_s:>8.3f}  {r.hits_by_tier}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import os
+    import tempfile
+
+    from workers.models.tiny import make_tiny_checkpoint
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="default: a random tiny Qwen3-Next")
+    ap.add_argument("--replicas", type=int, default=ClusterSettings.num_replicas)
+    ap.add_argument("--sessions", type=int, default=None, help="override the workload's num_sessions")
+    ap.add_argument("--turns", type=int, default=None)
+    ap.add_argument("--toolsets", type=int, default=None, help="override num_toolsets (system prompts)")
+    ap.add_argument("--routers", nargs="+", default=list(ROUTERS))
+    ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    model = args.model or make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()) / "m", seed=0)
+    if args.multi_turn:
+        for strategy in ("extra_buffer", "extra_buffer_lazy"):
+            for host in (False, True):
+                print(json.dumps(multi_turn_case(model, strategy, host)))
+        return
+    overrides = {k: v for k, v in (("num_sessions", args.sessions), ("num_turns", args.turns),
+                                   ("num_toolsets", args.toolsets)) if v}
+    sessions = load_workload("slot_pressure", overrides).sessions
+    s = ClusterSettings(num_replicas=args.replicas)
+    results = [run_one(model, sessions, r, t, s) for r in args.routers for t in (False, True)]
+    if args.json:
+        for r in results:
+            print(json.dumps(asdict(r)))
+    else:
+        print(format_table(results))
+    print(json.dumps({**goals(results), "loadavg": os.getloadavg()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Issue 17's benchmark runs (``cluster/bench/tiers.py``) on a small ``slot_pressure``: the
+workload's shape, and the in-process cluster with tiers off and on for our router and
+Ray's rule -- counts only (every figure here is a count or a count of steps; seconds are
+reported, not checked)."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.bench import tiers as T
+from cluster.bench.workloads import load_workload
+
+SMALL = {"num_sessions": 6, "num_turns": 3, "num_toolsets": 2, "system_len": 48, "task_len": 16,
+         "tool_output_len": 24, "instruction_len": 4, "output_len": 4}
+# Two replicas of 4 slots each (2 running): the 6 sessions' checkpoints do not fit on device.
+SETTINGS = T.ClusterSettings(num_replicas=2, kv_tokens=2048, slot_kv_tokens=512, host_factor=4,
+                             max_running=2, page_size=8, track_interval=16, chunk=128, arrival_steps=1,
+                             think_steps=2)
+
+
+def test_slot_pressure_contexts_grow_by_tool_outputs_every_turn():
+    w = load_workload("slot_pressure", SMALL)
+    assert len(w.sessions) == 6 and {s.group for s in w.sessions} == {"toolset-0", "toolset-1"}
+    for s in w.sessions:
+        assert len(s.shared_ids) == 48 and len(s.turns) == 3 and len(s.turns[0].user_ids) == 16
+        assert all(12 + 4 <= len(t.user_ids) <= 36 + 4 for t in s.turns[1:])   # tool output +- 50 %, instruction
+
+
+@pytest.fixture(scope="module")
+def results(tiny_qwen_dir):
+    sessions = load_workload("slot_pressure", SMALL).sessions
+    return [T.run_one(tiny_qwen_dir, sessions, router, on, SETTINGS)
+            for router in ("hybrid_prefix", "ray_prefix") for on in (False, True)]
+
+
+def test_every_turn_runs_and_the_tiers_serve_more_of_the_prompts(results):
+    by = {(r.router, r.tiers): r for r in results}
+    for r in results:
+        assert r.num_requests == 18 and 0 <= r.cached_tokens < r.prompt_tokens
+        assert r.computed_fraction == pytest.approx(1 - r.cached_fraction, abs=1e-3)
+    on, off = by[("hybrid_prefix", True)], by[("hybrid_prefix", False)]
+    assert on.cached_tokens > off.cached_tokens, (on, off)
+    assert on.hits_by_tier.get("host", 0) + on.hits_by_tier.get("store", 0) > 0, on.hits_by_tier
+    assert set(off.hits_by_tier) <= {"device"} and on.store.get("hybridserve_store_objects", 0) > 0, (off, on.store)
+    g = T.goals(results)
+    assert g["computed_prefill_tiers_over_device"] == round(on.computed_fraction / off.computed_fraction, 3)
+    assert g["cached_vs_ray"] is not None and "hybrid_prefix" in T.format_table(results)

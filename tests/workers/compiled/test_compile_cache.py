@@ -1,0 +1,29 @@
+"""The persistent compile cache: an engine started again over a warm ``compile.cache_dir``
+compiles nothing (inductor's FX-graph cache hits, no miss), and still gives the eager
+engine's greedy output. A restart is modelled in-process: ``torch._dynamo.reset()`` drops
+every compiled frame, so the second engine traces again and must find its graphs on disk."""
+from __future__ import annotations
+
+import torch
+
+from tests.workers.engine.helpers import make_llm, random_prompts
+from workers.compiled.cache import cache_counters
+from workers.sampling_params import SamplingParams
+
+P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_warm_restart_compiles_nothing(tiny_granite_dir, compile_cache_dir):
+    settings = {"enabled": True, "batch_sizes": (2,), "cache_dir": str(compile_cache_dir)}
+    make_llm(tiny_granite_dir, compile=settings)             # cold or warm: fills the cache
+    torch._dynamo.reset()
+    before = cache_counters()
+    llm = make_llm(tiny_granite_dir, compile=settings)
+    after = cache_counters()
+    assert after["fxgraph_cache_miss"] == before["fxgraph_cache_miss"], (before, after)
+    assert after["fxgraph_cache_hit"] > before["fxgraph_cache_hit"], (before, after)
+    prompts = random_prompts(llm.engine.vocab_size, [6, 9], seed=4)
+    eager = make_llm(tiny_granite_dir)
+    assert ([o.token_ids for o in llm.generate_ids(prompts, [P] * 2)]
+            == [o.token_ids for o in eager.generate_ids(prompts, [P] * 2)])
+    assert llm.engine.runner.compiled.num_calls[(2, 1)] > 0

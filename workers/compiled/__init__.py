@@ -1,0 +1,37 @@
+"""Compiled steps (issue 16): shape-static decode and verify steps and the greedy MTP draft
+chain per batch-size bucket, and the persistent compile cache. ``build_compiled`` is what the
+engine calls."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from configs.schema import HybridServeConfig
+from workers.compiled.draft_chain import CompiledChain
+from workers.compiled.steps import Bucket, CompiledSteps
+from workers.device_pools import DevicePools
+
+__all__ = ["Bucket", "CompiledChain", "CompiledSteps", "build_compiled"]
+
+
+def build_compiled(config: HybridServeConfig, model: torch.nn.Module, pools: DevicePools,
+                   device: torch.device, max_model_len: int, drafter: Any | None) -> CompiledSteps | None:
+    """The compiled steps of ``config.compile`` (decode, and verify of 1 + k rows with a
+    drafter, whose ``compiled_chain`` this sets), every bucket compiled before this returns;
+    None when ``compile.enabled`` is off."""
+    if not config.compile.enabled:
+        return None
+    page_size = config.cache.page_size
+    max_pages = math.ceil(max_model_len / page_size)
+    k = drafter.k if drafter is not None else 0
+    steps = CompiledSteps(model, pools, config.compile, device, max_pages=max_pages,
+                          page_size=page_size, verify_lens=(k + 1,) if k else ())
+    steps.warm_up()
+    if drafter is not None:
+        chain = CompiledChain(drafter.mtp, model, pools, config.compile, device, k, page_size,
+                              max_model_len, max_pages)
+        chain.warm_up(int(model.model.embedding.weight.shape[1]), model.dtype)
+        drafter.compiled_chain = chain
+    return steps

@@ -1,0 +1,164 @@
+"""The greedy MTP draft chain as one compiled call per batch-size bucket.
+
+After the drafter's catch-up forward, a drafting sequence holds h = the head's output at its
+last row (position p), and d_1 = argmax(lm_head(h)); chained step j = 1 .. k-1 runs MTP layer
+``j % N`` on (h, d_j) at position p + j and drafts d_{j+1}. ``MtpDrafter._chain`` runs that
+as k logits / argmaxes and k - 1 head forwards built on the host; here the whole chain is one
+compiled callable (inductor on CPU, CUDA graphs on GPU) of static shapes per bucket: B
+sequences padded to a size of ``compile.batch_sizes``. Greedy only (a sampled draft needs the
+request's generator and keeps its distribution): a batch with a sampling request, or larger
+than every bucket, takes the eager chain.
+
+Rows past the model length (a chained row of a sequence near ``max_model_len``, which the
+eager chain drops) are clamped to the last position and write KV location 0: their drafts
+are never verified (the scheduler caps a verify's drafts at the model length). Padding
+sequences: hidden zeros, position p = 0, page-table row of page 0; their drafts are dropped.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from configs.schema import CompileConfig
+from workers.compiled.cache import compile_kwargs, compile_options, configure_cache
+from workers.compiled.steps import MIN_PAGES
+from workers.device_pools import DevicePools
+from workers.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledChain:
+    """k greedy drafts for B sequences in one call (forward thread only): ``run`` from the
+    head's output at each sequence's last row, ``run_verified`` from a verify's rows (the
+    head's catch-up included). ``num_calls[size]`` / ``num_verify_calls[size]`` count them."""
+
+    def __init__(self, mtp: torch.nn.Module, target: torch.nn.Module, pools: DevicePools,
+                 config: CompileConfig, device: torch.device, num_drafts: int, page_size: int,
+                 max_model_len: int, max_pages: int) -> None:
+        self.mtp, self.target, self.pools, self.device = mtp, target, pools, device
+        self.sizes = tuple(config.batch_sizes)
+        self.k, self.page_size, self.max_model_len = num_drafts, page_size, max_model_len
+        self.num_layers = int(getattr(mtp, "num_layers", 1))
+        self.max_pages = max(max_pages, MIN_PAGES)
+        self.on_gpu = device.type == "cuda"
+        configure_cache(config.cache_dir)
+        self._compiled: Callable[[Tensor, tuple[ForwardBatch, ...]], Tensor] = torch.compile(
+            self._chain, dynamic=None, fullgraph=True,
+            **compile_kwargs(self.on_gpu))
+        self._compiled_verify: Callable[..., Tensor] = torch.compile(
+            self._verify_chain, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu))
+        self.num_calls = {size: 0 for size in self.sizes}
+        self.num_verify_calls = {size: 0 for size in self.sizes}
+
+    def _verify_chain(self, hidden_rows: Tensor, ids: Tensor, catch_up: ForwardBatch, last: Tensor,
+                      batches: tuple[ForwardBatch, ...]) -> Tensor:
+        """The drafter's whole work after a verify of R rows per sequence: the head's catch-up
+        on every row (x_{s+1} = ``ids``, the target's hidden ``hidden_rows`` [B*R, H]), then the
+        chain from each sequence's last accepted row (``last`` [B], flat row ids)."""
+        out = self.mtp.forward_tokens(ids, catch_up, hidden_rows, self.pools, layer=0)
+        return self._chain(out[last], batches)
+
+    def _chain(self, hidden: Tensor, batches: tuple[ForwardBatch, ...]) -> Tensor:
+        """hidden [B, H] at position p -> drafts [B, k] (``batches[j-1]``: step j's rows)."""
+        tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+        drafts = [tokens]
+        for j, fb in enumerate(batches, 1):
+            hidden = self.mtp.forward_tokens(tokens, fb, hidden, self.pools, layer=j % self.num_layers)
+            tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
+
+    def pick(self, num_seqs: int, greedy: bool) -> int | None:
+        """The bucket a chain of ``num_seqs`` sequences runs in, or None (eager)."""
+        if not greedy:
+            return None
+        return next((size for size in self.sizes if size >= num_seqs), None)
+
+    def _table(self, page_ids: list[list[int]], size: int) -> Tensor:
+        width = max(max((len(p) for p in page_ids), default=0), MIN_PAGES)
+        pages = self.max_pages if self.on_gpu else width
+        return torch.tensor([p + [0] * (pages - len(p)) for p in page_ids] + [[0] * pages] * (size - len(page_ids)),
+                            dtype=torch.int32, device=self.device)
+
+    def run(self, hidden: Tensor, last_pos: list[int], page_ids: list[list[int]], size: int) -> Tensor:
+        """Drafts [n, k] of n sequences whose last caught-up row is ``last_pos`` (hidden [n, H])."""
+        n = len(last_pos)
+        table = self._table(page_ids, size)
+        pos = torch.tensor(last_pos + [0] * (size - n), dtype=torch.int64, device=self.device)
+        with compile_options(recompile_limit=4 * len(self.sizes) + 8):
+            drafts = self._compiled(F.pad(hidden, (0, 0, 0, size - n)), self._batches(pos, table))
+        self.num_calls[size] += 1
+        return drafts[:n].clone() if self.on_gpu else drafts[:n]
+
+    def run_verified(self, hidden_rows: Tensor, next_ids: list[list[int]], starts: list[int],
+                     page_ids: list[list[int]], size: int) -> Tensor:
+        """Drafts [n, k] after a verify of R = k + 1 rows per sequence (``hidden_rows`` [n*R, H]):
+        sequence b accepted ``len(next_ids[b]) - 1`` drafts, its rows from position
+        ``starts[b]`` continue with ``next_ids[b]``. Rows past a sequence's accepted ones (and
+        padding sequences) write KV location 0; their outputs are dropped."""
+        n, rows, ps = len(starts), self.k + 1, self.page_size
+        widths = [len(x) for x in next_ids]
+        ids = [x + [0] * (rows - len(x)) for x in next_ids] + [[0] * rows] * (size - n)
+        starts_all = starts + [0] * (size - n)
+        out_loc = [page_ids[b][(s + i) // ps] * ps + (s + i) % ps if b < n and i < widths[b] else 0
+                   for b, s in enumerate(starts_all) for i in range(rows)]
+        table = self._table(page_ids, size)
+        if not self.on_gpu:
+            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
+
+        def t(values: list[int], dtype: torch.dtype = torch.int64) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        cu = torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=self.device)
+        flat_ids = t([i for row in ids for i in row])
+        catch_up = ForwardBatch(
+            input_ids=flat_ids, positions=t([s + i for s in starts_all for i in range(rows)]), cu_seqlens=cu,
+            seq_lens=t([s + rows for s in starts_all], torch.int32), out_loc=t(out_loc), page_table=table,
+            mamba_slot_ids=cu[:-1] * 0, has_initial_state=cu[:-1] < 0, logits_indices=flat_ids, page_size=ps)
+        last = [b * rows + w - 1 for b, w in enumerate(widths)] + [b * rows for b in range(n, size)]
+        last_pos = t([s + w - 1 for s, w in zip(starts, widths)] + [0] * (size - n))
+        hidden = F.pad(hidden_rows, (0, 0, 0, (size - n) * rows))
+        with compile_options(recompile_limit=4 * len(self.sizes) + 8):
+            drafts = self._compiled_verify(hidden, flat_ids, catch_up, t(last), self._batches(last_pos, table))
+        self.num_verify_calls[size] += 1
+        return drafts[:n].clone() if self.on_gpu else drafts[:n]
+
+    def warm_up(self, hidden_size: int, dtype: torch.dtype) -> float:
+        """Compile every bucket now (chains of padding sequences); returns the seconds taken."""
+        start = time.monotonic()
+        for n, size in enumerate(self.sizes, 1):
+            logger.info("compiling the draft chain (k=%d) for batch size %d (%d of %d)",
+                        self.k, size, n, len(self.sizes))
+            with torch.inference_mode():
+                self.run(torch.zeros(0, hidden_size, dtype=dtype, device=self.device), [], [], size)
+                self.run_verified(torch.zeros(0, hidden_size, dtype=dtype, device=self.device), [], [], [], size)
+            self.num_calls[size] -= 1
+            self.num_verify_calls[size] -= 1
+        seconds = time.monotonic() - start
+        logger.info("compiled %d draft chains in %.1f s", len(self.sizes), seconds)
+        return seconds
+
+    def _batches(self, last_pos: Tensor, table: Tensor) -> tuple[ForwardBatch, ...]:
+        """The k - 1 chained steps' batches: step j's row of sequence b sits at last_pos + j."""
+        size, ps, dev = int(last_pos.shape[0]), self.page_size, self.device
+        if not self.on_gpu:
+            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
+        cu = torch.arange(size + 1, dtype=torch.int32, device=dev)
+        unused = torch.zeros(size, dtype=torch.int64, device=dev)        # input_ids: fed apart
+        batches = []
+        for j in range(1, self.k):
+            ahead = last_pos + j
+            pos = ahead.clamp(max=self.max_model_len - 1)
+            index = (pos // ps).clamp(max=int(table.shape[1]) - 1)         # padding rows' page 0
+            page = table.long().gather(1, index[:, None])[:, 0]
+            loc = torch.where(ahead < self.max_model_len, page * ps + pos % ps, 0)
+            batches.append(ForwardBatch(
+                input_ids=unused, positions=pos, cu_seqlens=cu, seq_lens=(pos + 1).to(torch.int32),
+                out_loc=loc, page_table=table, mamba_slot_ids=cu[:-1] * 0,
+                has_initial_state=cu[:-1] < 0, logits_indices=unused, page_size=ps))
+        return tuple(batches)

@@ -1,0 +1,143 @@
+"""Compiled decode and verify steps: one shape-static callable per batch-size bucket.
+
+A decode-only batch of B sequences (``ForwardBatch.decode_only``) or, under speculation, a
+verify batch of B sequences of T = 1 + k rows each (``ForwardBatch.verify_len``), is
+padded up to the smallest size of ``compile.batch_sizes`` that holds it, and the padded
+batch runs the model's forward and ``compute_logits`` through ``torch.compile``: inductor on
+CPU, inductor with CUDA graphs on GPU (``mode="reduce-overhead"``). Larger batches, prefill
+and mixed batches stay eager. Ops inside take their traced formulation
+(``kernels.static.tracing``: no host read, static shapes).
+
+Padding sequences (invariant, what makes padding harmless): T rows of token 0 at position
+0, T context tokens, KV location 0 (the dummy page 0), Mamba slot 0 (the dummy slot) and
+snapshot slot 0, an empty page-table row; their outputs are dropped. Every op is
+row- or sequence-independent, so a padding sequence never changes a real one.
+
+Shapes per bucket: the batch dims are static (one graph per bucket, compiled at start-up by
+``warm_up``). On CPU the page-table width stays symbolic (``mark_dynamic``, at least 2
+pages), so one graph serves every context length; on GPU the table is padded to the
+engine's maximum pages per sequence, so every replay of a captured graph has the same shapes.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from configs.schema import CompileConfig
+from workers.compiled.cache import compile_kwargs, cache_counters, compile_options, configure_cache
+from workers.device_pools import DevicePools
+from workers.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+MIN_PAGES = 2       # dynamo specialises sizes 0 and 1: a symbolic width starts at 2
+
+
+class Bucket(NamedTuple):
+    size: int           # sequences, padded
+    rows: int           # rows per sequence: 1 (decode) or T (verify)
+
+
+class CompiledSteps:
+    """The compiled steps of one model over its pools (forward thread only).
+
+    ``num_calls[bucket]`` counts the steps each bucket ran (what tests read to see which
+    path ran); ``pick(fb)`` says whether a batch takes a compiled step, ``run`` runs it.
+    """
+
+    def __init__(self, model: torch.nn.Module, pools: DevicePools, config: CompileConfig,
+                 device: torch.device, max_pages: int, page_size: int,
+                 verify_lens: tuple[int, ...] = ()) -> None:
+        self.model, self.pools, self.device = model, pools, device
+        self.sizes = tuple(config.batch_sizes)
+        self.verify_lens = verify_lens
+        self.max_pages, self.page_size = max(max_pages, MIN_PAGES), page_size
+        self.on_gpu = device.type == "cuda"
+        configure_cache(config.cache_dir)
+        if self.on_gpu:                   # captured graphs may write the pools in place
+            for t in [*pools.kv.tensors(), *pools.mamba.tensors()]:
+                torch._dynamo.mark_static_address(t)
+        self._compiled: Callable[[ForwardBatch], tuple[Tensor, Tensor]] = torch.compile(
+            self._step, dynamic=None, fullgraph=True,    # static but the marked page dim
+            **compile_kwargs(self.on_gpu))
+        # Under speculation every decode is a verify (a plain decode step is rare: a request
+        # that has not drafted yet), so only the verify steps are compiled then.
+        self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)
+        self.num_calls = {bucket: 0 for bucket in self.buckets}
+
+    def _step(self, fb: ForwardBatch) -> tuple[Tensor, Tensor]:
+        hidden = self.model.forward(fb, self.pools)
+        return hidden, self.model.compute_logits(hidden)
+
+    def pick(self, fb: ForwardBatch) -> Bucket | None:
+        """The bucket a batch runs in, or None: eager (another kind of batch, or too large)."""
+        # a verify of 1-token rows (every row snapshotted) is no decode step: eager
+        rows = 1 if fb.decode_only else (fb.verify_len if fb.verify_len > 1 else 0)
+        return next((b for b in self.buckets if b.rows == rows and b.size >= fb.num_seqs), None)
+
+    def run(self, fb: ForwardBatch, bucket: Bucket) -> tuple[Tensor, Tensor]:
+        """(hidden [T, H], logits [T, V] float32) of the T real rows, through ``bucket``."""
+        num_tokens = fb.num_tokens
+        with self._options():
+            hidden, logits = self._compiled(self._pad(fb, bucket))
+        self.num_calls[bucket] += 1
+        if self.on_gpu:          # a graph's outputs are rewritten by its next replay
+            hidden, logits = hidden.clone(), logits.clone()
+        return hidden[:num_tokens], logits[:num_tokens]
+
+    def warm_up(self) -> float:
+        """Compile every bucket now (batches of padding only); returns the seconds taken."""
+        start = time.monotonic()
+        for n, bucket in enumerate(self.buckets, 1):
+            t0 = time.monotonic()
+            kind = "decode" if bucket.rows == 1 else f"verify ({bucket.rows} rows)"
+            logger.info("compiling the %s step for batch size %d (%d of %d)", kind, bucket.size,
+                        n, len(self.buckets))
+            with torch.inference_mode(), self._options():
+                self._compiled(self._pad(self._empty(bucket.rows), bucket))
+            logger.info("%s step, batch size %d: ready in %.1f s", kind, bucket.size, time.monotonic() - t0)
+        seconds = time.monotonic() - start
+        logger.info("compiled %d steps in %.1f s (cache %s)", len(self.buckets), seconds, cache_counters())
+        return seconds
+
+    # -- padding ---------------------------------------------------------------------------
+    def _options(self) -> AbstractContextManager:
+        return compile_options(recompile_limit=2 * len(self.buckets) + 8)
+
+    def _empty(self, rows: int) -> ForwardBatch:
+        """A batch of no sequences of the kind ``rows`` names (``_pad`` fills it)."""
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+        i32 = torch.int32
+        return ForwardBatch(zeros(0), zeros(0), zeros(1, dtype=i32), zeros(0, dtype=i32), zeros(0),
+                            zeros(0, 1, dtype=i32), zeros(0, dtype=i32), zeros(0, dtype=torch.bool),
+                            zeros(0), self.page_size,
+                            state_dst_slots=None if rows == 1 else zeros(0, dtype=i32),
+                            decode_only=rows == 1, verify_len=0 if rows == 1 else rows)
+
+    def _pad(self, fb: ForwardBatch, bucket: Bucket) -> ForwardBatch:
+        size, rows = bucket
+        extra = size - fb.num_seqs
+        pad_rows = (0, extra * rows)
+        width = int(fb.page_table.shape[1])
+        pages = self.max_pages if self.on_gpu else max(width, MIN_PAGES)
+        table = F.pad(fb.page_table, (0, pages - width, 0, extra))
+        if not self.on_gpu:
+            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
+        cu = torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=self.device)
+        dst = None if fb.state_dst_slots is None or rows == 1 else F.pad(fb.state_dst_slots, pad_rows)
+        return ForwardBatch(
+            input_ids=F.pad(fb.input_ids, pad_rows), positions=F.pad(fb.positions, pad_rows),
+            cu_seqlens=cu, seq_lens=F.pad(fb.seq_lens, (0, extra), value=rows),
+            out_loc=F.pad(fb.out_loc, pad_rows), page_table=table,
+            mamba_slot_ids=F.pad(fb.mamba_slot_ids, (0, extra)),
+            has_initial_state=torch.ones(size, dtype=torch.bool, device=self.device),
+            logits_indices=torch.arange(size * rows, device=self.device), page_size=fb.page_size,
+            state_dst_slots=dst, decode_only=rows == 1, verify_len=0 if rows == 1 else rows)
