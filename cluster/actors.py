@@ -4,9 +4,11 @@ metrics actor and (with ``cache.cluster_store_bytes``) the checkpoint store.
 All are detached, named after the Serve application, in the ``hybridserve`` namespace,
 and created by whoever needs them first (a replica, a router, the ingress) with
 ``get_if_exists``, so creation order does not matter and a restarted consumer finds the
-same actor. They are placed on the head node when there is one (softly: anywhere else if
-it cannot take them), so that losing a worker node loses no app state but that node's
-replicas. They are registered with the Serve controller to die on ``serve.shutdown()``;
+same actor. They are pinned to the head node when Ray names one, so that losing a worker
+node loses no app state but that node's replicas. The affinity is hard: a soft one was
+seen to land the store on the creating replica's worker node (the worker's raylet decides,
+on a resource view that may lag), and the cluster does not outlive its head anyway (the
+GCS lives there). They are registered with the Serve controller to die on ``serve.shutdown()``;
 deleting one app leaves its actors until then (they hold no CPU).
 """
 from __future__ import annotations
@@ -39,11 +41,11 @@ def store_actor_name(app_name: str) -> str:
 
 
 def head_node_strategy() -> Any:
-    """Prefer the head node (soft affinity); None when Ray names no head node."""
+    """The head node (hard affinity: see the module docstring); None when Ray names no head."""
     try:
         for node in ray.nodes():
             if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-                return NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)
+                return NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
     except Exception:  # noqa: BLE001 - placement is a preference, never a failure
         logger.debug("could not find the head node", exc_info=True)
     return None

@@ -71,6 +71,7 @@ class CheckpointStoreActor:
         with self._lock:
             entries = self._store.entries()
             return {**self._store.stats(), "budget_bytes": self._store.budget_bytes,
+                    "node_id": ray.get_runtime_context().get_node_id(),
                     "owners": sorted({e.owner for e in entries}),
                     "entries": [(e.key, e.depth, e.owner) for e in entries]}
 

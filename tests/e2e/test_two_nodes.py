@@ -58,11 +58,13 @@ def test_worker_node_dies_the_store_survives_and_nothing_is_wrong(cluster, tiny_
     assert sorted(nodes.values()) == ["head", "worker"], nodes
     owner_nodes = {key: node_of(owner, nodes) for key, owner in first["store_owners"].items()}
     assert set(owner_nodes.values()) == {"head", "worker"}, first["store_owners"]
+    assert first["store_node"] == "head"              # pinned there, whichever replica created it
 
     cluster.kill_worker()
     second = cluster.run_driver(common + ["--first", json.dumps(first), "phase2"], timeout_s=600)
     print(f"\n[two nodes] store objects before the kill {first['store_objects']}, after {second['store_after']}; "
-          f"fetch outcomes after it {second['fetches']}; cached {second['cached']}")
+          f"fetch outcomes after it {second['fetches']}; cached {second['cached']}; hits by tier {second['hits']}; "
+          f"committed {sorted(first['store_owners'].values())}; store on the {first['store_node']}")
     assert set(second["replica_nodes"].values()) == {"head"} and len(second["replica_nodes"]) == 2
     assert second["wrong"] == []                      # no request got a wrong answer
     assert second["fetches"].get("fetched", 0) >= 1   # the store's objects are used
