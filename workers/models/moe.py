@@ -22,10 +22,11 @@ Qwen3.5-MoE checkpoints may also ship the experts fused, as transformers holds t
 ``experts.gate_up_proj`` [E, 2I, H] = cat(gate, up) per expert and ``experts.down_proj``
 [E, H, I]; ``unfuse_expert_tensors`` renames those to the per-expert layout (views).
 
-The expert loop (one host sync per layer for the per-expert token counts) is the CPU
-reference; a fused MoE kernel can replace ``_routed`` later without touching the weights.
-A traced step (``kernels.static.tracing``: a compiled decode / verify step) cannot read the
-counts, so it takes a static formulation of the same sums: each (token, choice) row through
+The expert loop (``moe_experts.expert_loop``: one host read per layer for the per-expert
+row counts) is the reference and the eager path; a compiled CPU step runs the same loop as
+one opaque op (``hybridserve::moe_experts``: on CPU the counts are host memory). A step a
+CUDA graph captures (or one checked under ``kernels.static.static_formulation``) cannot read
+the counts, so it takes a static formulation of the same sums: each (token, choice) row through
 its expert's gathered weights when there are fewer rows than experts, else every expert on
 every token weighted by a dense ``[T, E]`` combine matrix (zeros where not chosen).
 """
@@ -40,6 +41,7 @@ from torch import nn
 
 from kernels.static import tracing
 from workers.models.layers import DenseMLP, activation, linear, param
+from workers.models.moe_experts import expert_loop, moe_experts
 from workers.models.weights import WeightTarget, module_targets, split, whole
 
 STYLES = ("qwen", "granite", "sigmoid_grouped")
@@ -139,29 +141,12 @@ class SparseMoE(nn.Module):
         return (weights * d.routed_scaling_factor).to(x.dtype), top_ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if tracing():
-            return self._routed_static(x, weights, ids)
-        k = self.dims.top_k
-        flat_ids = ids.reshape(-1)                               # [T*k], row r = token r // k
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.dims.num_experts).tolist()
-        flat_weights = weights.reshape(-1)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = order[start:start + n]
-            start += n
-            tokens = rows // k
-            h = x[tokens]
-            up = F.linear(h, self.w_up[e])
-            inner = self.act(up) if self.w_gate is None else self.act(F.linear(h, self.w_gate[e])) * up
-            y = F.linear(inner, self.w_down[e])
-            # a token picks an expert at most once, so ``tokens`` has no repeats; index_add_
-            # would be equal but is very slow on CPU for small inputs (torch 2.13)
-            out[tokens] += y * flat_weights[rows, None]
-        return out
+        d = self.dims
+        if not tracing():
+            return expert_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
+        if x.device.type == "cpu" and torch.compiler.is_compiling():     # see moe_experts.py
+            return moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
+        return self._routed_static(x, weights, ids)
 
     def _expert(self, h: torch.Tensor, up_w: torch.Tensor, gate_w: torch.Tensor | None,
                 down_w: torch.Tensor, spec_in: str, spec_out: str) -> torch.Tensor:

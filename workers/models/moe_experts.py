@@ -1,0 +1,61 @@
+"""The routed experts of a top-k MoE as a loop over the experts that were chosen.
+
+``expert_loop`` is the reference: the (token, choice) rows sorted by expert, each chosen
+expert's MLP on its rows, the outputs weighted and added per token. It reads the per-expert
+row counts on the host (``.tolist()``), so it computes only the chosen rows (T*k of them, as
+transformers' expert loop does) where a static formulation computes every expert on every
+token.
+
+``hybridserve::moe_experts`` is the same loop as one opaque op for a compiled CPU step:
+inductor cannot trace a data-dependent loop, but on CPU reading the counts is a read of host
+memory (no device sync), so the op keeps the loop's arithmetic -- and its numerics, exactly
+the eager path's -- inside a compiled graph. A CUDA graph cannot hold it: GPU steps keep the
+static formulation (``SparseMoE._routed_static``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from workers.models.layers import activation
+
+
+def expert_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
+                w_down: Tensor, act: str) -> Tensor:
+    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H]; experts are
+    ``down(act(gate(x)) * up(x))``, or ``down(act(up(x)))`` without a gate."""
+    fn = activation(act)
+    k = ids.shape[1]
+    flat_ids = ids.reshape(-1)                               # [T*k], row r = token r // k
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w_up.shape[0]).tolist()
+    flat_weights = weights.reshape(-1)
+    out = torch.zeros(x.shape[0], w_down.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = order[start:start + n]
+        start += n
+        tokens = rows // k
+        h = x[tokens]
+        up = F.linear(h, w_up[e])
+        inner = fn(up) if w_gate is None else fn(F.linear(h, w_gate[e])) * up
+        y = F.linear(inner, w_down[e])
+        # a token picks an expert at most once, so ``tokens`` has no repeats; index_add_
+        # would be equal but is very slow on CPU for small inputs (torch 2.13)
+        out[tokens] += y * flat_weights[rows, None]
+    return out
+
+
+@torch.library.custom_op("hybridserve::moe_experts", mutates_args=(), device_types="cpu")
+def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
+                w_down: Tensor, act: str) -> Tensor:
+    return expert_loop(x, weights, ids, w_gate, w_up, w_down, act)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
+                      w_down: Tensor, act: str) -> Tensor:
+    return x.new_empty(x.shape[0], w_down.shape[1])
