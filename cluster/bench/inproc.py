@@ -26,12 +26,17 @@ from workers.sampling_params import SamplingParams
 CPU = {"device": "cpu", "dtype": "float32"}
 
 
-def engine_kwargs(compile_cfg: Any, batch: int) -> dict[str, Any]:
+def engine_kwargs(compile_cfg: Any, batch: int, all_sizes: bool = False) -> dict[str, Any]:
     """``LLM`` keyword overrides of a suite engine: the CPU settings and, when the suite
-    compiles, one compiled bucket of ``batch`` (smaller batches pad up to it)."""
+    compiles, one compiled bucket of ``batch`` (smaller batches pad up to it), or with
+    ``all_sizes`` the default buckets below it too (a batch whose size varies: continuous
+    batching's tail runs in the bucket that holds it, as with the default config)."""
     if not compile_cfg.enabled:
         return dict(CPU)
-    return {**CPU, "compile": {"enabled": True, "batch_sizes": [batch], "cache_dir": compile_cfg.cache_dir}}
+    from configs.schema import CompileConfig
+
+    sizes = [b for b in CompileConfig().batch_sizes if b < batch] + [batch] if all_sizes else [batch]
+    return {**CPU, "compile": {"enabled": True, "batch_sizes": sizes, "cache_dir": compile_cfg.cache_dir}}
 
 
 def make_bench_model(out_dir: Path) -> Path:

@@ -92,7 +92,7 @@ def eos_workload(cfg: SuiteConfig, out_dir: Path) -> dict[str, Any]:
     c = cfg.eos_workload
     model = make_model_100m(out_dir / "models" / "qwen3-next-100m")
     prompts, lengths = _workload(c)
-    llm = LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, c.batch),
+    llm = LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, c.batch, all_sizes=True),
               cache={"max_kv_tokens": 32768}, scheduler={"max_running_requests": c.batch})
     hf = inproc.HFGenerate(model)
     samples = inproc.interleaved({"engine_s": lambda: _engine_seconds(llm, prompts, lengths),

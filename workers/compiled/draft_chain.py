@@ -48,21 +48,41 @@ class CompiledChain:
         self.max_pages = max(max_pages, MIN_PAGES)
         self.on_gpu = device.type == "cuda"
         configure_cache(config.cache_dir)
-        self._compiled: Callable[[Tensor, tuple[ForwardBatch, ...]], Tensor] = torch.compile(
-            self._chain, dynamic=None, fullgraph=True,
-            **compile_kwargs(self.on_gpu))
-        self._compiled_verify: Callable[..., Tensor] = torch.compile(
+        self._compiled: Callable[[Tensor, Tensor, Tensor], Tensor] = torch.compile(
+            self._chain_from, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu))
+        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] = torch.compile(
             self._verify_chain, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu))
         self.num_calls = {size: 0 for size in self.sizes}
         self.num_verify_calls = {size: 0 for size in self.sizes}
 
-    def _verify_chain(self, hidden_rows: Tensor, ids: Tensor, catch_up: ForwardBatch, last: Tensor,
-                      batches: tuple[ForwardBatch, ...]) -> Tensor:
+    # -- traced: every batch is built from a few tensors inside the graph (few inputs to
+    # -- guard, no host work per step) ---------------------------------------------------------
+    def _verify_chain(self, hidden_rows: Tensor, ids: Tensor, starts: Tensor, widths: Tensor,
+                      table: Tensor) -> Tensor:
         """The drafter's whole work after a verify of R rows per sequence: the head's catch-up
-        on every row (x_{s+1} = ``ids``, the target's hidden ``hidden_rows`` [B*R, H]), then the
-        chain from each sequence's last accepted row (``last`` [B], flat row ids)."""
-        out = self.mtp.forward_tokens(ids, catch_up, hidden_rows, self.pools, layer=0)
-        return self._chain(out[last], batches)
+        on every row (x_{s+1} = ``ids`` [B, R], the target's hidden ``hidden_rows`` [B*R, H],
+        rows from position ``starts`` [B], the first ``widths`` [B] of them accepted + 1), then
+        the chain from each sequence's last accepted row. Rows past ``widths`` write KV
+        location 0 (their outputs are dropped)."""
+        size, rows = ids.shape
+        ps, dev = self.page_size, self.device
+        pos = starts[:, None] + torch.arange(rows, device=dev)                   # [B, R]
+        index = (pos // ps).clamp(max=table.shape[1] - 1)
+        page = table.long().gather(1, index)
+        out_loc = torch.where(torch.arange(rows, device=dev) < widths[:, None], page * ps + pos % ps, 0)
+        cu = torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=dev)
+        flat_ids = ids.reshape(-1)
+        catch_up = ForwardBatch(
+            input_ids=flat_ids, positions=pos.reshape(-1), cu_seqlens=cu, seq_lens=(starts + rows).to(torch.int32),
+            out_loc=out_loc.reshape(-1), page_table=table, mamba_slot_ids=cu[:-1] * 0,
+            has_initial_state=cu[:-1] < 0, logits_indices=flat_ids, page_size=ps)
+        out = self.mtp.forward_tokens(flat_ids, catch_up, hidden_rows, self.pools, layer=0)
+        last = torch.arange(size, device=dev) * rows + widths - 1
+        return self._chain_from(out[last], starts + widths - 1, table)
+
+    def _chain_from(self, hidden: Tensor, last_pos: Tensor, table: Tensor) -> Tensor:
+        """hidden [B, H] at position ``last_pos`` [B] -> drafts [B, k]."""
+        return self._chain(hidden, self._batches(last_pos, table))
 
     def _chain(self, hidden: Tensor, batches: tuple[ForwardBatch, ...]) -> Tensor:
         """hidden [B, H] at position p -> drafts [B, k] (``batches[j-1]``: step j's rows)."""
@@ -74,6 +94,25 @@ class CompiledChain:
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 
+    def _batches(self, last_pos: Tensor, table: Tensor) -> tuple[ForwardBatch, ...]:
+        """The k - 1 chained steps' batches: step j's row of sequence b sits at last_pos + j."""
+        size, ps, dev = last_pos.shape[0], self.page_size, self.device
+        cu = torch.arange(size + 1, dtype=torch.int32, device=dev)
+        unused = torch.zeros(size, dtype=torch.int64, device=dev)        # input_ids: fed apart
+        batches = []
+        for j in range(1, self.k):
+            ahead = last_pos + j
+            pos = ahead.clamp(max=self.max_model_len - 1)
+            index = (pos // ps).clamp(max=table.shape[1] - 1)               # padding rows' page 0
+            page = table.long().gather(1, index[:, None])[:, 0]
+            loc = torch.where(ahead < self.max_model_len, page * ps + pos % ps, 0)
+            batches.append(ForwardBatch(
+                input_ids=unused, positions=pos, cu_seqlens=cu, seq_lens=(pos + 1).to(torch.int32),
+                out_loc=loc, page_table=table, mamba_slot_ids=cu[:-1] * 0,
+                has_initial_state=cu[:-1] < 0, logits_indices=unused, page_size=ps))
+        return tuple(batches)
+
+    # -- host side ---------------------------------------------------------------------------
     def pick(self, num_seqs: int, greedy: bool) -> int | None:
         """The bucket a chain of ``num_seqs`` sequences runs in, or None (eager)."""
         if not greedy:
@@ -83,8 +122,11 @@ class CompiledChain:
     def _table(self, page_ids: list[list[int]], size: int) -> Tensor:
         width = max(max((len(p) for p in page_ids), default=0), MIN_PAGES)
         pages = self.max_pages if self.on_gpu else width
-        return torch.tensor([p + [0] * (pages - len(p)) for p in page_ids] + [[0] * pages] * (size - len(page_ids)),
-                            dtype=torch.int32, device=self.device)
+        table = torch.tensor([p + [0] * (pages - len(p)) for p in page_ids] + [[0] * pages] * (size - len(page_ids)),
+                             dtype=torch.int32, device=self.device)
+        if not self.on_gpu:
+            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
+        return table
 
     def run(self, hidden: Tensor, last_pos: list[int], page_ids: list[list[int]], size: int) -> Tensor:
         """Drafts [n, k] of n sequences whose last caught-up row is ``last_pos`` (hidden [n, H])."""
@@ -92,7 +134,7 @@ class CompiledChain:
         table = self._table(page_ids, size)
         pos = torch.tensor(last_pos + [0] * (size - n), dtype=torch.int64, device=self.device)
         with compile_options(recompile_limit=4 * len(self.sizes) + 8):
-            drafts = self._compiled(F.pad(hidden, (0, 0, 0, size - n)), self._batches(pos, table))
+            drafts = self._compiled(F.pad(hidden, (0, 0, 0, size - n)), pos, table)
         self.num_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
@@ -100,31 +142,17 @@ class CompiledChain:
                      page_ids: list[list[int]], size: int) -> Tensor:
         """Drafts [n, k] after a verify of R = k + 1 rows per sequence (``hidden_rows`` [n*R, H]):
         sequence b accepted ``len(next_ids[b]) - 1`` drafts, its rows from position
-        ``starts[b]`` continue with ``next_ids[b]``. Rows past a sequence's accepted ones (and
-        padding sequences) write KV location 0; their outputs are dropped."""
-        n, rows, ps = len(starts), self.k + 1, self.page_size
-        widths = [len(x) for x in next_ids]
-        ids = [x + [0] * (rows - len(x)) for x in next_ids] + [[0] * rows] * (size - n)
-        starts_all = starts + [0] * (size - n)
-        out_loc = [page_ids[b][(s + i) // ps] * ps + (s + i) % ps if b < n and i < widths[b] else 0
-                   for b, s in enumerate(starts_all) for i in range(rows)]
-        table = self._table(page_ids, size)
-        if not self.on_gpu:
-            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
-
-        def t(values: list[int], dtype: torch.dtype = torch.int64) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-        cu = torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=self.device)
-        flat_ids = t([i for row in ids for i in row])
-        catch_up = ForwardBatch(
-            input_ids=flat_ids, positions=t([s + i for s in starts_all for i in range(rows)]), cu_seqlens=cu,
-            seq_lens=t([s + rows for s in starts_all], torch.int32), out_loc=t(out_loc), page_table=table,
-            mamba_slot_ids=cu[:-1] * 0, has_initial_state=cu[:-1] < 0, logits_indices=flat_ids, page_size=ps)
-        last = [b * rows + w - 1 for b, w in enumerate(widths)] + [b * rows for b in range(n, size)]
-        last_pos = t([s + w - 1 for s, w in zip(starts, widths)] + [0] * (size - n))
+        ``starts[b]`` continue with ``next_ids[b]``. Padding sequences: one row at position 0
+        of page 0 (KV location 0); their drafts are dropped."""
+        n, rows = len(starts), self.k + 1
+        ids = torch.tensor([x + [0] * (rows - len(x)) for x in next_ids] + [[0] * rows] * (size - n),
+                           dtype=torch.int64, device=self.device)
+        # one host->device copy for both: starts and widths (padding: 0 and 1)
+        meta = torch.tensor([starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
+                            dtype=torch.int64, device=self.device)
         hidden = F.pad(hidden_rows, (0, 0, 0, (size - n) * rows))
         with compile_options(recompile_limit=4 * len(self.sizes) + 8):
-            drafts = self._compiled_verify(hidden, flat_ids, catch_up, t(last), self._batches(last_pos, table))
+            drafts = self._compiled_verify(hidden, ids, meta[0], meta[1], self._table(page_ids, size))
         self.num_verify_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
@@ -142,23 +170,3 @@ class CompiledChain:
         seconds = time.monotonic() - start
         logger.info("compiled %d draft chains in %.1f s", len(self.sizes), seconds)
         return seconds
-
-    def _batches(self, last_pos: Tensor, table: Tensor) -> tuple[ForwardBatch, ...]:
-        """The k - 1 chained steps' batches: step j's row of sequence b sits at last_pos + j."""
-        size, ps, dev = int(last_pos.shape[0]), self.page_size, self.device
-        if not self.on_gpu:
-            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
-        cu = torch.arange(size + 1, dtype=torch.int32, device=dev)
-        unused = torch.zeros(size, dtype=torch.int64, device=dev)        # input_ids: fed apart
-        batches = []
-        for j in range(1, self.k):
-            ahead = last_pos + j
-            pos = ahead.clamp(max=self.max_model_len - 1)
-            index = (pos // ps).clamp(max=int(table.shape[1]) - 1)         # padding rows' page 0
-            page = table.long().gather(1, index[:, None])[:, 0]
-            loc = torch.where(ahead < self.max_model_len, page * ps + pos % ps, 0)
-            batches.append(ForwardBatch(
-                input_ids=unused, positions=pos, cu_seqlens=cu, seq_lens=(pos + 1).to(torch.int32),
-                out_loc=loc, page_table=table, mamba_slot_ids=cu[:-1] * 0,
-                has_initial_state=cu[:-1] < 0, logits_indices=unused, page_size=ps))
-        return tuple(batches)
