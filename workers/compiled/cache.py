@@ -11,7 +11,7 @@ restart did not recompile.
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +36,34 @@ def configure_cache(cache_dir: str | None) -> str:
     return current()
 
 
-def compile_kwargs(on_gpu: bool) -> dict[str, Any]:
+def compile_kwargs(on_gpu: bool, pack_weights: bool = False) -> dict[str, Any]:
     """``torch.compile`` arguments of a compiled step besides the function: CUDA graphs on a
     GPU; no guards on the modules (the served model and its MTP head never change once built,
-    and checking their parameters costs more than a small step: ~0.5 ms a call on the CPU)."""
+    and checking their parameters costs more than a small step: ~0.5 ms a call on the CPU);
+    on CPU with ``pack_weights``, inductor's CPU GEMM templates autotuned against ATen (they
+    pay off on frozen, prepacked weights: ``compile_options(freeze=True)``)."""
     options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if on_gpu:
         options["triton.cudagraphs"] = True        # what mode="reduce-overhead" sets
+    elif pack_weights:
+        options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     return {"options": options}
 
 
-def compile_options(recompile_limit: int) -> AbstractContextManager:
+def compile_options(recompile_limit: int, freeze: bool = False) -> AbstractContextManager:
     """Dynamo settings of a compiled step: shapes stay as marked (no automatic dynamic
-    batch dim after a second bucket), and one graph per bucket fits the recompile limit."""
-    return torch._dynamo.config.patch(automatic_dynamic_shapes=False,
-                                      recompile_limit=recompile_limit)
+    batch dim after a second bucket), and one graph per bucket fits the recompile limit.
+    ``freeze``: inductor folds the parameters into the graph as constants (its ``freezing``
+    is read from the global config when a graph compiles, not from ``torch.compile``'s
+    options, so it is patched around every call that may compile)."""
+    import torch._inductor.config as inductor_config
+
+    stack = ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False,
+                                                   recompile_limit=recompile_limit))
+    if freeze:
+        stack.enter_context(inductor_config.patch(freezing=True))
+    return stack
 
 
 def cache_counters() -> dict[str, int]:

@@ -47,11 +47,12 @@ class CompiledChain:
         self.num_layers = int(getattr(mtp, "num_layers", 1))
         self.max_pages = max(max_pages, MIN_PAGES)
         self.on_gpu = device.type == "cuda"
+        self.freeze = config.pack_weights and not self.on_gpu
         configure_cache(config.cache_dir)
         self._compiled: Callable[[Tensor, Tensor, Tensor], Tensor] = torch.compile(
-            self._chain_from, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu))
+            self._chain_from, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu, self.freeze))
         self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] = torch.compile(
-            self._verify_chain, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu))
+            self._verify_chain, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu, self.freeze))
         self.num_calls = {size: 0 for size in self.sizes}
         self.num_verify_calls = {size: 0 for size in self.sizes}
 
@@ -133,7 +134,7 @@ class CompiledChain:
         n = len(last_pos)
         table = self._table(page_ids, size)
         pos = torch.tensor(last_pos + [0] * (size - n), dtype=torch.int64, device=self.device)
-        with compile_options(recompile_limit=4 * len(self.sizes) + 8):
+        with compile_options(recompile_limit=4 * len(self.sizes) + 8, freeze=self.freeze):
             drafts = self._compiled(F.pad(hidden, (0, 0, 0, size - n)), pos, table)
         self.num_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
@@ -151,7 +152,7 @@ class CompiledChain:
         meta = torch.tensor([starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
                             dtype=torch.int64, device=self.device)
         hidden = F.pad(hidden_rows, (0, 0, 0, (size - n) * rows))
-        with compile_options(recompile_limit=4 * len(self.sizes) + 8):
+        with compile_options(recompile_limit=4 * len(self.sizes) + 8, freeze=self.freeze):
             drafts = self._compiled_verify(hidden, ids, meta[0], meta[1], self._table(page_ids, size))
         self.num_verify_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]

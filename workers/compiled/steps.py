@@ -60,13 +60,14 @@ class CompiledSteps:
         self.verify_lens = verify_lens
         self.max_pages, self.page_size = max(max_pages, MIN_PAGES), page_size
         self.on_gpu = device.type == "cuda"
+        self.freeze = config.pack_weights and not self.on_gpu
         configure_cache(config.cache_dir)
         if self.on_gpu:                   # captured graphs may write the pools in place
             for t in [*pools.kv.tensors(), *pools.mamba.tensors()]:
                 torch._dynamo.mark_static_address(t)
         self._compiled: Callable[[ForwardBatch], tuple[Tensor, Tensor]] = torch.compile(
             self._step, dynamic=None, fullgraph=True,    # static but the marked page dim
-            **compile_kwargs(self.on_gpu))
+            **compile_kwargs(self.on_gpu, self.freeze))
         # Under speculation every decode is a verify (a plain decode step is rare: a request
         # that has not drafted yet), so only the verify steps are compiled then.
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)
@@ -109,7 +110,7 @@ class CompiledSteps:
 
     # -- padding ---------------------------------------------------------------------------
     def _options(self) -> AbstractContextManager:
-        return compile_options(recompile_limit=2 * len(self.buckets) + 8)
+        return compile_options(recompile_limit=2 * len(self.buckets) + 8, freeze=self.freeze)
 
     def _empty(self, rows: int) -> ForwardBatch:
         """A batch of no sequences of the kind ``rows`` names (``_pad`` fills it)."""
