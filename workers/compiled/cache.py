@@ -46,7 +46,8 @@ def compile_kwargs(on_gpu: bool, pack_weights: bool = False) -> dict[str, Any]:
     if on_gpu:
         options["triton.cudagraphs"] = True        # what mode="reduce-overhead" sets
     elif pack_weights:
-        options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+        options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+                       autotune_num_choices_displayed=0)     # no per-GEMM tables on stderr
     return {"options": options}
 
 
