@@ -57,10 +57,12 @@ class BatchSampler:
                verify: list[VerifyRows | None],
                draft_q: Callable[[VerifyRows], torch.Tensor]) -> Decision:
         raw = logits.float()
-        drafts = _drafts(input_ids, verify)
+        # The drafts are read with the picked tokens (one read), unless the grammar masks
+        # need them before the logits are processed.
+        drafts = _drafts(input_ids, verify) if si.grammar else None
         x = self.process(si, raw, input_ids, drafts)
         if any(v is not None for v in verify):
-            tokens, accepted = self._verify(si, x, params, gens, verify, drafts, draft_q)
+            tokens, accepted = self._verify(si, x, input_ids, params, gens, verify, drafts, draft_q)
         else:
             tokens = [[t] for t in self._sample(si, x, params, gens).tolist()]
             accepted = [None] * len(tokens)
@@ -68,8 +70,9 @@ class BatchSampler:
         return Decision(tokens, self._logprobs(si, raw, tokens, params), accepted)
 
     def process(self, si: SamplingInputs, raw: torch.Tensor, input_ids: torch.Tensor,
-                drafts: list[list[int]]) -> torch.Tensor:
-        """The processed logits of every row (``raw`` itself when nothing applies)."""
+                drafts: list[list[int]] | None) -> torch.Tensor:
+        """The processed logits of every row (``raw`` itself when nothing applies); ``drafts``
+        (host lists per sequence) are read only by the grammar masks."""
         if not (si.bias or si.blocked or si.penalties or si.bad_words or si.grammar):
             return raw
         x = raw.clone()
@@ -86,6 +89,7 @@ class BatchSampler:
             apply_penalties(x, p.rows, seen, counts, p.repetition, p.frequency, p.presence)
         if si.grammar:
             assert self.grammars is not None, "structured output without a grammar compiler"
+            assert drafts is not None, "grammar masks need the drafts"
             mask = self.grammars.bitmask(si.grammar, si.widths, [drafts[g.seq] for g in si.grammar])
             apply_bitmask(x, mask)
             if si.blocked is not None or si.bad_words is not None:
@@ -108,9 +112,10 @@ class BatchSampler:
         drawn = draw(probs, self.generators.shared, self._seeded(rows, params, gens, rows))
         return torch.where(si.filters.greedy, best, drawn)
 
-    def _verify(self, si: SamplingInputs, x: torch.Tensor, params: list[SamplingParams],
-                gens: list[torch.Generator], verify: list[VerifyRows | None], drafts: list[list[int]],
-                draft_q: Callable[[VerifyRows], torch.Tensor]) -> tuple[list[list[int]], list[int | None]]:
+    def _verify(self, si: SamplingInputs, x: torch.Tensor, input_ids: torch.Tensor,
+                params: list[SamplingParams], gens: list[torch.Generator], verify: list[VerifyRows | None],
+                drafts: list[list[int]] | None, draft_q: Callable[[VerifyRows], torch.Tensor]
+                ) -> tuple[list[list[int]], list[int | None]]:
         firsts = [0, *accumulate(si.widths)]
         best = x.argmax(dim=-1)
         probs = None if si.filters is None else torch.softmax(filter_rows(x, si.filters), dim=-1)
@@ -119,7 +124,12 @@ class BatchSampler:
             plain = [n for n, v in enumerate(verify) if v is None]
             drawn = draw(probs, self.generators.shared, self._seeded(firsts, params, gens, plain))
             picked = torch.where(si.filters.greedy, best, drawn)
-        host = picked.tolist()
+        if drafts is None:                   # one read for the picked tokens and the drafts
+            rows = _draft_rows(verify)
+            both = torch.cat([picked, input_ids[torch.tensor(rows, dtype=torch.int64, device=x.device)]]).tolist()
+            host, drafts = both[:picked.shape[0]], _split_drafts(both[picked.shape[0]:], verify)
+        else:
+            host = picked.tolist()
         tokens: list[list[int]] = []
         accepted: list[int | None] = []
         for n, v in enumerate(verify):
@@ -162,15 +172,23 @@ class BatchSampler:
         return out
 
 
-def _drafts(input_ids: torch.Tensor, verify: list[VerifyRows | None]) -> list[list[int]]:
-    """Each sampling sequence's draft tokens (host lists; empty unless a verify): one read."""
-    rows = [r for v in verify if v is not None for r in range(v.first_row + 1, v.first_row + 1 + v.num_drafts)]
-    if not rows:
-        return [[] for _ in verify]
-    flat = input_ids[torch.tensor(rows, dtype=torch.int64, device=input_ids.device)].tolist()
+def _draft_rows(verify: list[VerifyRows | None]) -> list[int]:
+    return [r for v in verify if v is not None for r in range(v.first_row + 1, v.first_row + 1 + v.num_drafts)]
+
+
+def _split_drafts(flat: list[int], verify: list[VerifyRows | None]) -> list[list[int]]:
+    """Per sampling sequence its drafts, from the drafts of every verify in batch order."""
     out, at = [], 0
     for v in verify:
         k = 0 if v is None else v.num_drafts
         out.append(flat[at: at + k])
         at += k
     return out
+
+
+def _drafts(input_ids: torch.Tensor, verify: list[VerifyRows | None]) -> list[list[int]]:
+    """Each sampling sequence's draft tokens (host lists; empty unless a verify): one read."""
+    rows = _draft_rows(verify)
+    if not rows:
+        return [[] for _ in verify]
+    return _split_drafts(input_ids[torch.tensor(rows, dtype=torch.int64, device=input_ids.device)].tolist(), verify)
