@@ -10,6 +10,7 @@ restart did not recompile.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
@@ -18,6 +19,26 @@ from typing import Any
 import torch
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# Graphs of one step function per process: dynamo counts every engine's graphs of a code
+# object against one limit (a process may hold several engines: tests, the bench suite).
+RECOMPILE_LIMIT = 256
+_owners = itertools.count(1)
+
+
+def new_owner() -> int:
+    """A key unique to one compiled step's owner (an engine's ``CompiledSteps`` / chain) in
+    this process; see ``check_owner``."""
+    return next(_owners)
+
+
+def check_owner(owner: int) -> None:
+    """Called at the top of a traced step with its owner's key: dynamo then guards the graph
+    on that key, so one engine never runs a graph another engine compiled. (Module guards are
+    skipped -- ``compile_kwargs`` -- and with ``pack_weights`` a graph holds its engine's
+    weights as constants: two engines of equal shapes in one process would otherwise share
+    a graph, and the second would run with the first one's weights.)"""
+    if owner < 1:
+        raise ValueError(f"compiled step owner key {owner} must be >= 1")
 
 
 def configure_cache(cache_dir: str | None) -> str:
@@ -47,13 +68,14 @@ def compile_kwargs(on_gpu: bool, pack_weights: bool = False) -> dict[str, Any]:
         options["triton.cudagraphs"] = True        # what mode="reduce-overhead" sets
     elif pack_weights:
         options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
-                       autotune_num_choices_displayed=0)     # no per-GEMM tables on stderr
+                       autotune_num_choices_displayed=0,      # no per-GEMM tables on stderr
+                       max_autotune_report_choices_stats=False)
     return {"options": options}
 
 
-def compile_options(recompile_limit: int, freeze: bool = False) -> AbstractContextManager:
+def compile_options(freeze: bool = False) -> AbstractContextManager:
     """Dynamo settings of a compiled step: shapes stay as marked (no automatic dynamic
-    batch dim after a second bucket), and one graph per bucket fits the recompile limit.
+    batch dim after a second bucket), and every engine's graphs fit the recompile limit.
     ``freeze``: inductor folds the parameters into the graph as constants (its ``freezing``
     is read from the global config when a graph compiles, not from ``torch.compile``'s
     options, so it is patched around every call that may compile)."""
@@ -61,7 +83,7 @@ def compile_options(recompile_limit: int, freeze: bool = False) -> AbstractConte
 
     stack = ExitStack()
     stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False,
-                                                   recompile_limit=recompile_limit))
+                                                   recompile_limit=RECOMPILE_LIMIT))
     if freeze:
         stack.enter_context(inductor_config.patch(freezing=True))
     return stack

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from configs.schema import CompileConfig
-from workers.compiled.cache import compile_kwargs, compile_options, configure_cache
+from workers.compiled.cache import check_owner, compile_kwargs, compile_options, configure_cache, new_owner
 from workers.compiled.steps import MIN_PAGES
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
@@ -49,9 +49,10 @@ class CompiledChain:
         self.on_gpu = device.type == "cuda"
         self.freeze = config.pack_weights and not self.on_gpu
         configure_cache(config.cache_dir)
-        self._compiled: Callable[[Tensor, Tensor, Tensor], Tensor] = torch.compile(
+        self.owner = new_owner()
+        self._compiled: Callable[[Tensor, Tensor, Tensor, int], Tensor] = torch.compile(
             self._chain_from, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu, self.freeze))
-        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] = torch.compile(
+        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor] = torch.compile(
             self._verify_chain, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu, self.freeze))
         self.num_calls = {size: 0 for size in self.sizes}
         self.num_verify_calls = {size: 0 for size in self.sizes}
@@ -59,12 +60,13 @@ class CompiledChain:
     # -- traced: every batch is built from a few tensors inside the graph (few inputs to
     # -- guard, no host work per step) ---------------------------------------------------------
     def _verify_chain(self, hidden_rows: Tensor, ids: Tensor, starts: Tensor, widths: Tensor,
-                      table: Tensor) -> Tensor:
+                      table: Tensor, owner: int) -> Tensor:
         """The drafter's whole work after a verify of R rows per sequence: the head's catch-up
         on every row (x_{s+1} = ``ids`` [B, R], the target's hidden ``hidden_rows`` [B*R, H],
         rows from position ``starts`` [B], the first ``widths`` [B] of them accepted + 1), then
         the chain from each sequence's last accepted row. Rows past ``widths`` write KV
         location 0 (their outputs are dropped)."""
+        check_owner(owner)
         size, rows = ids.shape
         ps, dev = self.page_size, self.device
         pos = starts[:, None] + torch.arange(rows, device=dev)                   # [B, R]
@@ -79,10 +81,11 @@ class CompiledChain:
             has_initial_state=cu[:-1] < 0, logits_indices=flat_ids, page_size=ps)
         out = self.mtp.forward_tokens(flat_ids, catch_up, hidden_rows, self.pools, layer=0)
         last = torch.arange(size, device=dev) * rows + widths - 1
-        return self._chain_from(out[last], starts + widths - 1, table)
+        return self._chain(out[last], self._batches(starts + widths - 1, table))
 
-    def _chain_from(self, hidden: Tensor, last_pos: Tensor, table: Tensor) -> Tensor:
+    def _chain_from(self, hidden: Tensor, last_pos: Tensor, table: Tensor, owner: int) -> Tensor:
         """hidden [B, H] at position ``last_pos`` [B] -> drafts [B, k]."""
+        check_owner(owner)
         return self._chain(hidden, self._batches(last_pos, table))
 
     def _chain(self, hidden: Tensor, batches: tuple[ForwardBatch, ...]) -> Tensor:
@@ -134,8 +137,8 @@ class CompiledChain:
         n = len(last_pos)
         table = self._table(page_ids, size)
         pos = torch.tensor(last_pos + [0] * (size - n), dtype=torch.int64, device=self.device)
-        with compile_options(recompile_limit=4 * len(self.sizes) + 8, freeze=self.freeze):
-            drafts = self._compiled(F.pad(hidden, (0, 0, 0, size - n)), pos, table)
+        with compile_options(freeze=self.freeze):
+            drafts = self._compiled(F.pad(hidden, (0, 0, 0, size - n)), pos, table, self.owner)
         self.num_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
@@ -152,8 +155,8 @@ class CompiledChain:
         meta = torch.tensor([starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
                             dtype=torch.int64, device=self.device)
         hidden = F.pad(hidden_rows, (0, 0, 0, (size - n) * rows))
-        with compile_options(recompile_limit=4 * len(self.sizes) + 8, freeze=self.freeze):
-            drafts = self._compiled_verify(hidden, ids, meta[0], meta[1], self._table(page_ids, size))
+        with compile_options(freeze=self.freeze):
+            drafts = self._compiled_verify(hidden, ids, meta[0], meta[1], self._table(page_ids, size), self.owner)
         self.num_verify_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 

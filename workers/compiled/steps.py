@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from configs.schema import CompileConfig
-from workers.compiled.cache import compile_kwargs, cache_counters, compile_options, configure_cache
+from workers.compiled.cache import (cache_counters, check_owner, compile_kwargs, compile_options, configure_cache,
+                                    new_owner)
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 
@@ -65,7 +66,8 @@ class CompiledSteps:
         if self.on_gpu:                   # captured graphs may write the pools in place
             for t in [*pools.kv.tensors(), *pools.mamba.tensors()]:
                 torch._dynamo.mark_static_address(t)
-        self._compiled: Callable[[ForwardBatch], tuple[Tensor, Tensor]] = torch.compile(
+        self.owner = new_owner()
+        self._compiled: Callable[[ForwardBatch, int], tuple[Tensor, Tensor]] = torch.compile(
             self._step, dynamic=None, fullgraph=True,    # static but the marked page dim
             **compile_kwargs(self.on_gpu, self.freeze))
         # Under speculation every decode is a verify (a plain decode step is rare: a request
@@ -73,7 +75,8 @@ class CompiledSteps:
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)
         self.num_calls = {bucket: 0 for bucket in self.buckets}
 
-    def _step(self, fb: ForwardBatch) -> tuple[Tensor, Tensor]:
+    def _step(self, fb: ForwardBatch, owner: int) -> tuple[Tensor, Tensor]:
+        check_owner(owner)
         hidden = self.model.forward(fb, self.pools)
         return hidden, self.model.compute_logits(hidden)
 
@@ -87,7 +90,7 @@ class CompiledSteps:
         """(hidden [T, H], logits [T, V] float32) of the T real rows, through ``bucket``."""
         num_tokens = fb.num_tokens
         with self._options():
-            hidden, logits = self._compiled(self._pad(fb, bucket))
+            hidden, logits = self._compiled(self._pad(fb, bucket), self.owner)
         self.num_calls[bucket] += 1
         if self.on_gpu:          # a graph's outputs are rewritten by its next replay
             hidden, logits = hidden.clone(), logits.clone()
@@ -102,7 +105,7 @@ class CompiledSteps:
             logger.info("compiling the %s step for batch size %d (%d of %d)", kind, bucket.size,
                         n, len(self.buckets))
             with torch.inference_mode(), self._options():
-                self._compiled(self._pad(self._empty(bucket.rows), bucket))
+                self._compiled(self._pad(self._empty(bucket.rows), bucket), self.owner)
             logger.info("%s step, batch size %d: ready in %.1f s", kind, bucket.size, time.monotonic() - t0)
         seconds = time.monotonic() - start
         logger.info("compiled %d steps in %.1f s (cache %s)", len(self.buckets), seconds, cache_counters())
@@ -110,7 +113,7 @@ class CompiledSteps:
 
     # -- padding ---------------------------------------------------------------------------
     def _options(self) -> AbstractContextManager:
-        return compile_options(recompile_limit=2 * len(self.buckets) + 8, freeze=self.freeze)
+        return compile_options(freeze=self.freeze)
 
     def _empty(self, rows: int) -> ForwardBatch:
         """A batch of no sequences of the kind ``rows`` names (``_pad`` fills it)."""
