@@ -14,8 +14,12 @@ later prompt that shares only a prefix of this one, such as a system prompt, fin
 checkpoint without a second request first writing the branching point -- and the
 branching point of a partial match; the
 kernels snapshot the state at that position inside the chunk, and the scheduler cuts a
-chunk that would hold two) and multiples of the track grid
-``lcm(mamba_track_interval, page_size)`` reached at the end of a step (decode, verify).
+chunk that would hold two), multiples of the track grid
+``lcm(mamba_track_interval, page_size)`` reached at the end of a step (decode, verify), and
+the end of the output (``output_target``: the last page-aligned position a request that
+runs to ``max_tokens`` computes; published at its finish, so that the next turn of a
+conversation, which appends to the answer, resumes past the answer instead of from the
+prompt).
 
 Safety (DESIGN §4 ledger rules): every slot a launched batch writes is registered as a
 pending writer; ``donate`` never moves a slot with a pending writer: it skips, counts
@@ -115,11 +119,17 @@ class CheckpointTracker:
         ps, c = self.page_size, req.cache
         last_reachable = ((req.num_tokens - 1) // ps) * ps
         grid_below = (last_reachable // self.grid) * self.grid
-        c.targets = sorted({t for t in (kv_depth, grid_below, last_reachable)
+        c.targets = sorted({t for t in (kv_depth, grid_below, last_reachable, self.output_target(req))
                             if t > req.num_computed_tokens and t >= ps})
         c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
         if self.strategy == "extra_buffer":
             c.next_slot = self._alloc(req, SlotRole.PENDING, evict=True)
+
+    def output_target(self, req: Request) -> int:
+        """The deepest page-aligned state a request that runs to ``max_tokens`` computes:
+        its last sampled token is never fed, so H(prompt + max_tokens - 1) is the last."""
+        last = req.num_prompt_tokens + req.params.max_tokens - 1
+        return (last // self.page_size) * self.page_size
 
     def _alloc(self, req: Request, role: SlotRole, evict: bool) -> int | None:
         return self.m.alloc_slot(RequestOwner(req.handle, role), evict=evict)
@@ -179,6 +189,7 @@ class CheckpointTracker:
             return None
         if seq.is_verify:
             crossing = (seq.start // self.grid + 1) * self.grid
+            crossing = min([crossing] + [t for t in seq.request.cache.targets if seq.start < t])
             return crossing if crossing <= seq.end else None
         within = [t for t in seq.request.cache.targets if seq.start < t <= seq.end]
         if within:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.sim_routers import make_router
+from cluster.bench.tiers_explain import Explainer, format_explanation
 from cluster.bench.workloads import Session, load_workload
 from cluster.store.checkpoint_store import CheckpointStore
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
@@ -85,6 +86,7 @@ class TiersResult:
     mean_ttft_s: float
     hits_by_tier: dict[str, int] = field(default_factory=dict)
     store: dict[str, int] = field(default_factory=dict)
+    explain: dict[str, Any] = field(default_factory=dict)    # tiers_explain.Explanation.as_dict
 
 
 class _Direct:
@@ -117,13 +119,14 @@ class _Cluster:
         self.store = backend.store if backend else None
         slow = FetchSettings(prefill_tokens_per_s=500.0)       # CPU prefill of the tiny model, roughly
         self.clients = {n: StoreClient(backend, s.page_size, n, slow) for n in self.names} if backend else {}
-
+        self.explainer = Explainer({n: llm.engine for n, llm in self.llms.items()}, self.store, s.page_size)
         self.step_no = 0
 
     def _submit(self, rid: str, live: _Live) -> None:
         engine = self.llms[live.replica].engine
         if self.clients:
-            asyncio.run(self.clients[live.replica].prefetch(_Direct(engine), live.prompt))
+            outcome = asyncio.run(self.clients[live.replica].prefetch(_Direct(engine), live.prompt))
+            self.explainer.on_fetch(rid, outcome)
         params = SamplingParams(max_tokens=live.session.turns[live.turn].max_tokens, temperature=0.0,
                                 ignore_eos=True)
         engine.add_request(rid, live.prompt, params)
@@ -142,6 +145,8 @@ class _Cluster:
                 replica = self.router.choose(prompt, loads, float(self.step_no))
                 self.router.on_routed(prompt, replica, float(self.step_no))
                 rid = f"s{sess.session_id}-t{turn}"
+                previous = len(history) - sess.turns[turn - 1].max_tokens if turn else 0
+                self.explainer.on_route(rid, prompt, replica, len(sess.shared_ids), previous)
                 live[rid] = _Live(sess, turn, prompt, replica, self.step_no, time.perf_counter())
                 self._submit(rid, live[rid])
             self.step_no += 1
@@ -158,9 +163,11 @@ class _Cluster:
                 continue
             if item.first_step is None and out.new_token_ids:
                 item.first_step, item.first_wall = self.step_no, time.perf_counter()
+                self.explainer.on_prefilled(item.prompt)
             if out.finished:
                 del live[out.request_id]
                 done.append((item, out))
+                self.explainer.on_done(out.request_id, item.prompt + list(out.token_ids), out.cached_tokens)
                 if item.turn + 1 < len(item.session.turns):
                     history = item.prompt + list(out.token_ids)
                     due.append((self.step_no + self.s.think_steps, item.session.session_id, item.session,
@@ -172,6 +179,7 @@ class _Cluster:
             events += asyncio.run(self.clients[name].commit_pending(_Direct(llm.engine)))
         if events:
             self.router.on_events(name, events)
+            self.explainer.on_events(events)
 
 
 def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
@@ -189,7 +197,8 @@ def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
     store = cluster.store.stats() if cluster.store else {}
     return TiersResult(router, tiers, len(done), prompt, cached, round(1 - cached / prompt, 4),
                        round(cached / prompt, 4), round(sum(ttft_steps) / len(ttft_steps), 2),
-                       round(sum(ttft_s) / len(ttft_s), 4), hits, {k: int(v) for k, v in store.items()})
+                       round(sum(ttft_s) / len(ttft_s), 4), hits, {k: int(v) for k, v in store.items()},
+                       cluster.explainer.result.as_dict())
 
 
 def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
@@ -255,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--routers", nargs="+", default=list(ROUTERS))
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--explain", action="store_true", help="computed prompt tokens by cause (tiers_explain.py)")
     args = ap.parse_args(argv)
     model = args.model or make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()) / "m", seed=0)
     if args.multi_turn:
@@ -272,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(asdict(r)))
     else:
         print(format_table(results))
+    if args.explain:
+        print(format_explanation([(r.router, r.tiers, r.explain) for r in results]))
     print(json.dumps({**goals(results), "loadavg": os.getloadavg()}))
 
 
