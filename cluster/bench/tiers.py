@@ -35,10 +35,11 @@ from typing import Any
 from cluster.bench.sim_routers import make_router
 from cluster.bench.tiers_explain import Explainer, format_explanation
 from cluster.bench.workloads import Session, load_workload
-from cluster.store.checkpoint_store import CheckpointStore
+from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
+from workers.tiers.payload import CheckpointPayload
 
 ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin")
 
@@ -48,12 +49,14 @@ class ClusterSettings:
     num_replicas: int = 4
     kv_tokens: int = 24576            # device KV per replica
     slot_kv_tokens: int = 3072        # Qwen3-Next-80B: one slot (36 GDN layers) ~ 3,150 KV tokens
-    host_factor: int = 8              # host tier per replica, in device budgets
+    host_factor: int = 4              # host tier per replica, in device budgets (see ``engine``)
     max_running: int = 3
     page_size: int = 16
     track_interval: int = 64
     chunk: int = 256
-    store_bytes: int = 1 << 30
+    store_factor: float = 4.0         # cluster store, in replica device budgets (see ``store_budget``)
+    store_kv_tokens_per_s: float = 200_000.0   # a fetch's bandwidth, in KV tokens (modelled)
+    prefill_tokens_per_s: float = 10_000.0     # a replica's prefill (modelled), for the cost model
     arrival_steps: int = 2
     think_steps: int = 6
     seed: int = 0
@@ -63,14 +66,40 @@ class ClusterSettings:
         return max(self.kv_tokens // self.slot_kv_tokens, self.max_running + 1)
 
     def engine(self, model: Path, tiers: bool) -> dict[str, Any]:
+        """One replica's engine config. The host tier is ``host_factor`` device budgets: 4
+        models Qwen3-Next-80B on an 8 x H200 node (2 TB of DRAM, ~45 GB of cache per GPU
+        after weights: 4 x 45 GB x 8 = 1.4 TB pinned fits beside the processes; 8 would
+        need 2.9 TB). ``cluster_store_bytes`` only switches the engine's commits on here:
+        the in-process store's budget is ``store_budget``."""
         cache = {"page_size": self.page_size, "max_kv_tokens": self.kv_tokens, "max_mamba_slots": self.num_slots,
                  "mamba_track_interval": self.track_interval}
         if tiers:
             cache.update(host_mamba_slots=self.host_factor * self.num_slots,
-                         host_kv_tokens=self.host_factor * self.kv_tokens, cluster_store_bytes=self.store_bytes)
+                         host_kv_tokens=self.host_factor * self.kv_tokens,
+                         cluster_store_bytes=1 << 30 if self.store_factor > 0 else 0)
         return {"model": str(model), "device": "cpu", "dtype": "float32", "seed": self.seed, "cache": cache,
                 "scheduler": {"max_running_requests": self.max_running, "chunked_prefill_size": self.chunk,
                               "max_batch_tokens": max(self.chunk, 512)}}
+
+    def store_model(self, token_bytes: int, slot_bytes: int) -> tuple[int, int, FetchSettings]:
+        """The store at Qwen3-Next's proportions, from the tiny model's sizes (bytes of one KV
+        token, of one slot): (budget bytes, bytes charged per entry on top of its payload,
+        the fetch cost model's settings).
+
+        The tiny model's slot weighs ~16 KV tokens, not ``slot_kv_tokens``, so its payloads
+        would be all KV and a byte budget would hold ~8x the entries the modelled store
+        does. Each entry is charged its slot at ``slot_kv_tokens`` KV tokens; the budget is
+        ``store_factor`` replica device budgets (KV + slots at that weight: 4 = the
+        cluster's device cache again, in the object store of its nodes). The cost model's
+        throughputs are fixed (not measured from this CPU, so that fetch decisions are
+        counts): ``store_kv_tokens_per_s`` (200k = 5 GB/s at Qwen3-Next's ~24 KiB of KV a
+        token) and ``prefill_tokens_per_s``; a fetch then pays when it saves more than
+        ~150 tokens of prefill, as a 70 MB Qwen3-Next checkpoint does at 5 GB/s."""
+        slot_extra = max(0, self.slot_kv_tokens * token_bytes - slot_bytes)
+        device = self.kv_tokens * token_bytes + self.num_slots * (slot_bytes + slot_extra)
+        fetch = FetchSettings(bandwidth_bytes_per_s=self.store_kv_tokens_per_s * token_bytes,
+                              prefill_tokens_per_s=self.prefill_tokens_per_s, measure=False)
+        return int(self.store_factor * device), slot_extra, fetch
 
 
 @dataclass
@@ -97,6 +126,19 @@ class _Direct:
         return fn(self.engine)
 
 
+class _ModelledStore(LocalStoreBackend):
+    """The in-process store, charging each entry ``slot_extra`` bytes on top of its payload
+    (its slot at the modelled weight, ``ClusterSettings.store_model``)."""
+
+    def __init__(self, store: CheckpointStore, slot_extra: int) -> None:
+        super().__init__(store)
+        self.slot_extra = slot_extra
+
+    async def commit(self, payload: CheckpointPayload, owner: str) -> CommitResult:
+        return self.store.commit(StoreEntry(payload.prefix_hash, payload.depth, payload.token_ids,
+                                            payload.nbytes + self.slot_extra, payload, owner))
+
+
 @dataclass
 class _Live:
     session: Session
@@ -115,10 +157,14 @@ class _Cluster:
         self.names = [f"r{i}" for i in range(s.num_replicas)]
         self.llms = {n: LLM(**s.engine(model, tiers)) for n in self.names}
         self.router = make_router(router, self.names, random.Random(s.seed))
-        backend = LocalStoreBackend(CheckpointStore(s.store_bytes)) if tiers else None
-        self.store = backend.store if backend else None
-        slow = FetchSettings(prefill_tokens_per_s=500.0)       # CPU prefill of the tiny model, roughly
-        self.clients = {n: StoreClient(backend, s.page_size, n, slow) for n in self.names} if backend else {}
+        self.store: CheckpointStore | None = None
+        self.clients: dict[str, StoreClient] = {}
+        if tiers and s.store_factor > 0:
+            storage = self.llms[self.names[0]].engine.cache.host.storage
+            budget, extra, fetch = s.store_model(storage.nbytes(0, 1) // s.page_size, storage.nbytes(1, 0))
+            backend = _ModelledStore(CheckpointStore(budget), extra)
+            self.store = backend.store
+            self.clients = {n: StoreClient(backend, s.page_size, n, fetch) for n in self.names}
         self.explainer = Explainer({n: llm.engine for n, llm in self.llms.items()}, self.store, s.page_size)
         self.step_no = 0
 
@@ -262,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--toolsets", type=int, default=None, help="override num_toolsets (system prompts)")
     ap.add_argument("--routers", nargs="+", default=list(ROUTERS))
+    ap.add_argument("--host-factor", type=int, default=ClusterSettings.host_factor,
+                    help="host tier per replica, in device budgets")
+    ap.add_argument("--store-factor", type=float, default=ClusterSettings.store_factor,
+                    help="cluster store, in replica device budgets (0: no store)")
+    ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--explain", action="store_true", help="computed prompt tokens by cause (tiers_explain.py)")
@@ -275,8 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in (("num_sessions", args.sessions), ("num_turns", args.turns),
                                    ("num_toolsets", args.toolsets)) if v}
     sessions = load_workload("slot_pressure", overrides).sessions
-    s = ClusterSettings(num_replicas=args.replicas)
-    results = [run_one(model, sessions, r, t, s) for r in args.routers for t in (False, True)]
+    s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
+                        store_factor=args.store_factor)
+    modes = (True,) if args.tiers_only else (False, True)
+    results = [run_one(model, sessions, r, t, s) for r in args.routers for t in modes]
     if args.json:
         for r in results:
             print(json.dumps(asdict(r)))
