@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.sim_routers import make_router
-from cluster.bench.tiers_explain import Explainer, format_explanation
+from cluster.bench.tiers_explain import Explainer, format_explanation  # noqa: F401 - re-exported
 from cluster.bench.workloads import Session, load_workload
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
@@ -94,7 +94,7 @@ class ClusterSettings:
         throughputs are fixed (not measured from this CPU, so that fetch decisions are
         counts): ``store_kv_tokens_per_s`` (200k = 5 GB/s at Qwen3-Next's ~24 KiB of KV a
         token) and ``prefill_tokens_per_s``; a fetch then pays when it saves more than
-        ~150 tokens of prefill, as a 70 MB Qwen3-Next checkpoint does at 5 GB/s."""
+        ~200 tokens of prefill (a ~75 MB Qwen3-Next checkpoint at 5 GB/s against 10k tokens/s)."""
         slot_extra = max(0, self.slot_kv_tokens * token_bytes - slot_bytes)
         device = self.kv_tokens * token_bytes + self.num_slots * (slot_bytes + slot_extra)
         fetch = FetchSettings(bandwidth_bytes_per_s=self.store_kv_tokens_per_s * token_bytes,

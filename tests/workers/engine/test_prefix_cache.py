@@ -115,15 +115,7 @@ def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy, pressure):
         assert o2.cached_tokens <= len(p) + len(o1.token_ids)
 
 
-@pytest.mark.parametrize("spec", [False, True])
-@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
-def test_next_turn_resumes_past_the_answer(tiny_model_dir, tiny_mtp_model_dir, strategy, spec):
-    """The end-of-output checkpoint (``CheckpointTracker.output_target``): a turn-2 prompt
-    (turn 1 + its 10-token answer + new text) resumes at the last page boundary the answer
-    reached, not at turn 1's prompt end. The track grid (256) is beyond every context
-    here, so no grid point can do it instead; with MTP the verify writes it."""
-    model = tiny_mtp_model_dir if spec else tiny_model_dir
-    extra = {"spec": {"method": "mtp", "num_draft_tokens": 3}} if spec else {}
+def check_resumes_past_the_answer(model, strategy, **extra):
     llm = cached_llm(model, strategy, interval=256, cache={"max_mamba_slots": 160}, **extra)
     off = make_llm(model, cache={"enable_prefix_cache": False})
     vocab = llm.engine.vocab_size
@@ -136,6 +128,21 @@ def test_next_turn_resumes_past_the_answer(tiny_model_dir, tiny_mtp_model_dir, s
     past = [((len(p) + P.max_tokens - 1) // 4) * 4 for p in turn1]
     assert [o.cached_tokens for o in outs2] == past, [len(p) for p in turn1]
     assert llm.stats()["hybridserve_invariant_violations_total"] == {}
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_next_turn_resumes_past_the_answer(tiny_model_dir, strategy):
+    """The end-of-output checkpoint (``CheckpointTracker.output_target``): a turn-2 prompt
+    (turn 1 + its 10-token answer + new text) resumes at the last page boundary the answer
+    reached, not at turn 1's prompt end. The track grid (256) is beyond every context
+    here, so no grid point can do it instead."""
+    check_resumes_past_the_answer(tiny_model_dir, strategy)
+
+
+def test_next_turn_resumes_past_the_answer_with_mtp(tiny_mtp_model_dir):
+    """The same when a verify (MTP, 3 drafts) crosses the end-of-output target."""
+    check_resumes_past_the_answer(tiny_mtp_model_dir, "extra_buffer_lazy",
+                                  spec={"method": "mtp", "num_draft_tokens": 3})
 
 
 def test_branch_point_becomes_reusable(tiny_model_dir):
