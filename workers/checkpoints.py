@@ -173,9 +173,9 @@ class CheckpointTracker:
                 c.cow_src = None
             depth = self._checkpoint_depth(seq)
             if depth is not None:
-                dest = self._destination(req)
+                phase = "prefill" if seq.start < req.num_prompt_tokens else "decode"
+                dest = self._destination(req, phase)
                 if dest is not None:
-                    phase = "prefill" if seq.start < req.num_prompt_tokens else "decode"
                     tracks.append(TrackWrite(i, req, dest[0], depth, phase, dest[1], batch.batch_id))
         return StepPlan(batch, tuple(cow), tuple(tracks))
 
@@ -196,7 +196,7 @@ class CheckpointTracker:
             return within[-1]
         return seq.end if seq.end % self.grid == 0 else None
 
-    def _destination(self, req: Request) -> tuple[int, bool] | None:
+    def _destination(self, req: Request, phase: str) -> tuple[int, bool] | None:
         """Where this batch writes the request's checkpoint: (slot, in place into keep).
 
         The second slot (``next`` / ``pending``) when no in-flight batch writes it; else
@@ -215,6 +215,10 @@ class CheckpointTracker:
                 if c.pending_slot is None:
                     self.m.stats.inc("hybridserve_mamba_pending_alloc_failures_total")
             second = c.pending_slot
+        if c.keep_slot is None and not self._idle(second):   # given up at the last publication
+            # Only a prompt checkpoint may evict another for its slot: a decode one saves
+            # the next turn at most the answer, less than what it would evict.
+            c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=phase == "prefill")
         if self._idle(second):
             return second, False  # type: ignore[return-value]
         if self._idle_keep(req) or (second is None and c.keep_slot is not None):
@@ -344,6 +348,11 @@ class CheckpointTracker:
             tree.unlock(c.locked_node)  # type: ignore[arg-type]
         c.locked_node = result.node
         c.keep_depth = None
+        if c.published is not None and c.published is not result.node:
+            # This request's own shallower checkpoint on the same path: its next turn
+            # resumes from the new one, so under slot pressure it goes before others'.
+            tree.age_checkpoint(c.published)  # type: ignore[arg-type]
+        c.published = result.node
         if result.duplicate_checkpoint:
             stats.inc("hybridserve_mamba_duplicate_inserts_total")
             return
@@ -352,6 +361,9 @@ class CheckpointTracker:
         self.m.on_publish(slot, tokens)
         if slot == req.mamba_slot:              # no_buffer gave away the live slot itself
             req.mamba_slot = None
+        # No new keep slot now: a running request that holds one it has nothing to write
+        # into starves the admissions of others (3 running with live + keep + their
+        # published checkpoint fill 8 slots and the third never checkpoints its prompt).
+        # The next write goes to the second slot (``next`` / ``pending``) or, when that is
+        # missing or busy, into a keep slot taken then (``_destination``).
         c.keep_slot = None
-        if not finished:                        # a later write may need a free slot now
-            c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
