@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.sim_routers import make_router
+from cluster.routing.routing_policy import RouterSettings
 from cluster.bench.tiers_explain import Explainer, format_explanation  # noqa: F401 - re-exported
 from cluster.bench.workloads import Session, load_workload
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
@@ -126,6 +128,15 @@ class _Direct:
         return fn(self.engine)
 
 
+def fetch_break_even_tokens(nbytes: int, fetch: FetchSettings) -> int:
+    """The fewest tokens whose prefill a fetch of ``nbytes`` beats under ``fetch``'s fixed
+    throughputs (``FetchCost.should_fetch``): the router's ``store_min_gain_tokens``, so
+    that it credits the store only where the replica would fetch (``nbytes``: a slot at
+    the modelled weight; a path's KV adds a little, so long paths are credited early)."""
+    fetch_s = fetch.latency_s + nbytes / fetch.bandwidth_bytes_per_s
+    return math.ceil(fetch_s * fetch.prefill_tokens_per_s / (1.0 - fetch.margin))
+
+
 class _ModelledStore(LocalStoreBackend):
     """The in-process store, charging each entry ``slot_extra`` bytes on top of its payload
     (its slot at the modelled weight, ``ClusterSettings.store_model``)."""
@@ -156,15 +167,18 @@ class _Cluster:
         self.s, self.tiers = s, tiers
         self.names = [f"r{i}" for i in range(s.num_replicas)]
         self.llms = {n: LLM(**s.engine(model, tiers)) for n in self.names}
-        self.router = make_router(router, self.names, random.Random(s.seed))
         self.store: CheckpointStore | None = None
         self.clients: dict[str, StoreClient] = {}
+        settings = None
         if tiers and s.store_factor > 0:
             storage = self.llms[self.names[0]].engine.cache.host.storage
             budget, extra, fetch = s.store_model(storage.nbytes(0, 1) // s.page_size, storage.nbytes(1, 0))
             backend = _ModelledStore(CheckpointStore(budget), extra)
             self.store = backend.store
             self.clients = {n: StoreClient(backend, s.page_size, n, fetch) for n in self.names}
+            gain = fetch_break_even_tokens(extra + storage.nbytes(1, 0), fetch)
+            settings = RouterSettings(store_min_gain_tokens=gain)
+        self.router = make_router(router, self.names, random.Random(s.seed), settings)
         self.explainer = Explainer({n: llm.engine for n, llm in self.llms.items()}, self.store, s.page_size)
         self.step_no = 0
 
