@@ -348,11 +348,6 @@ class CheckpointTracker:
             tree.unlock(c.locked_node)  # type: ignore[arg-type]
         c.locked_node = result.node
         c.keep_depth = None
-        if c.published is not None and c.published is not result.node:
-            # This request's own shallower checkpoint on the same path: its next turn
-            # resumes from the new one, so under slot pressure it goes before others'.
-            tree.age_checkpoint(c.published)  # type: ignore[arg-type]
-        c.published = result.node
         if result.duplicate_checkpoint:
             stats.inc("hybridserve_mamba_duplicate_inserts_total")
             return

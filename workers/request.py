@@ -49,8 +49,6 @@ class RequestCacheState:
       forward (a prefix hit); the lock on ``locked_node`` keeps it alive until then.
     - ``promotion``: a pending host -> device copy of a deeper checkpoint into the live (and
       keep) slot (``workers/tiers/promotion.py``); the request gets no work until it ends.
-    - ``published``: the node of the last checkpoint this request published itself; a
-      deeper one on its path supersedes it (``CheckpointTracker._insert`` ages it).
     """
 
     num_tree_pages: int = 0
@@ -64,7 +62,6 @@ class RequestCacheState:
     targets: list[int] = field(default_factory=list)
     cow_src: int | None = None
     promotion: object | None = None
-    published: object | None = None
 
 
 @dataclass

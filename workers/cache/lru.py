@@ -83,10 +83,6 @@ class CheckpointLru:
     def touch(self, node: TreeNode) -> None:
         self._order.move_to_end(node.node_id)
 
-    def age(self, node: TreeNode) -> None:
-        """Make ``node`` the oldest: the next checkpoint eviction takes it first."""
-        self._order.move_to_end(node.node_id, last=False)
-
     def remove(self, node: TreeNode) -> None:
         del self._order[node.node_id]
 

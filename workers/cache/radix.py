@@ -245,14 +245,6 @@ class RadixCache:
         self._leaves.restore()
         return freed
 
-    def age_checkpoint(self, node: TreeNode) -> None:
-        """Put ``node``'s checkpoint first in line for eviction (a deeper one supersedes
-        it); a node that no longer holds one, or has left the tree, is ignored."""
-        if node.alive and node.checkpoint is not None and node in self._checkpoints:
-            oldest = next(iter(self._checkpoints))
-            node.mamba_stamp = min(node.mamba_stamp, oldest.mamba_stamp)     # I8: stamps stay ordered
-            self._checkpoints.age(node)
-
     def evict_checkpoints(self, num_checkpoints: int) -> EvictResult:
         """Free up to ``num_checkpoints`` checkpoint slots, least recently used unlocked
         first: an inner node becomes a tombstone (KV kept), a leaf is deleted."""

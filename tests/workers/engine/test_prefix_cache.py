@@ -46,6 +46,16 @@ def run_one_by_one(llm, prompts):
     return outs, offered
 
 
+def two_turns(llm, new_lens: list[int], seed: int):
+    """Conversations of growing length: turn 1, its outputs, turn 2 = turn 1 + its output
+    + new text of ``new_lens``."""
+    vocab, n = llm.engine.vocab_size, len(new_lens)
+    turn1 = random_prompts(vocab, [9 + 3 * i for i in range(n)], seed=seed)
+    outs1 = llm.generate_ids(turn1, [P] * n)
+    news = random_prompts(vocab, new_lens, seed=seed + 1)
+    return turn1, outs1, [p + o.token_ids + q for p, o, q in zip(turn1, outs1, news)]
+
+
 @pytest.fixture(scope="module")
 def control(tiny_model_dir):
     off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
@@ -101,11 +111,7 @@ def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy, pressure):
     llm = cached_llm(tiny_model_dir, strategy, page_size=page,
                      cache={"max_mamba_slots": 24 if pressure else 160})
     off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
-    vocab = llm.engine.vocab_size
-    turn1 = random_prompts(vocab, [9 + 3 * i for i in range(16)], seed=5)
-    outs1 = llm.generate_ids(turn1, [P] * 16)
-    news = random_prompts(vocab, [3 + i % 5 for i in range(16)], seed=6)
-    turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, news)]
+    turn1, outs1, turn2 = two_turns(llm, [3 + i % 5 for i in range(16)], seed=5)
     outs2, offered = run_one_by_one(llm, turn2)
     assert [o.token_ids for o in outs2] == [o.token_ids for o in off.generate_ids(turn2, [P] * 16)]
     assert [o.cached_tokens for o in outs2] == offered
@@ -118,11 +124,7 @@ def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy, pressure):
 def check_resumes_past_the_answer(model, strategy, **extra):
     llm = cached_llm(model, strategy, interval=256, cache={"max_mamba_slots": 160}, **extra)
     off = make_llm(model, cache={"enable_prefix_cache": False})
-    vocab = llm.engine.vocab_size
-    turn1 = random_prompts(vocab, [9 + 3 * i for i in range(8)], seed=15)
-    outs1 = llm.generate_ids(turn1, [P] * 8)
-    news = random_prompts(vocab, [3 + i % 4 for i in range(8)], seed=16)
-    turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, news)]
+    turn1, _, turn2 = two_turns(llm, [3 + i % 4 for i in range(8)], seed=15)
     outs2 = llm.generate_ids(turn2, [P] * 8)
     assert [o.token_ids for o in outs2] == [o.token_ids for o in off.generate_ids(turn2, [P] * 8)]
     past = [((len(p) + P.max_tokens - 1) // 4) * 4 for p in turn1]
