@@ -215,10 +215,10 @@ class CheckpointTracker:
                 if c.pending_slot is None:
                     self.m.stats.inc("hybridserve_mamba_pending_alloc_failures_total")
             second = c.pending_slot
-        if c.keep_slot is None and not self._idle(second):   # given up at the last publication
-            # Only a prompt checkpoint may evict another for its slot: a decode one saves
-            # the next turn at most the answer, less than what it would evict.
-            c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=phase == "prefill")
+            if c.keep_slot is None and not self._idle(second):   # given up at the last publication
+                # Only a prompt checkpoint may evict another for its slot: a decode one
+                # saves the next turn at most the answer, less than what it would evict.
+                c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=phase == "prefill")
         if self._idle(second):
             return second, False  # type: ignore[return-value]
         if self._idle_keep(req) or (second is None and c.keep_slot is not None):
@@ -356,9 +356,11 @@ class CheckpointTracker:
         self.m.on_publish(slot, tokens)
         if slot == req.mamba_slot:              # no_buffer gave away the live slot itself
             req.mamba_slot = None
-        # No new keep slot now: a running request that holds one it has nothing to write
-        # into starves the admissions of others (3 running with live + keep + their
-        # published checkpoint fill 8 slots and the third never checkpoints its prompt).
-        # The next write goes to the second slot (``next`` / ``pending``) or, when that is
-        # missing or busy, into a keep slot taken then (``_destination``).
         c.keep_slot = None
+        if not finished and self.strategy == "extra_buffer":    # its two track slots are owned
+            c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
+        # Lazy takes no new keep slot now: one held with nothing to write into starves the
+        # admissions of others (3 running with live + keep + their published checkpoint
+        # fill 8 slots and the third never checkpoints its prompt). Its next write goes to
+        # a borrowed pending slot or, without one, into a keep slot taken then
+        # (``_destination``).
