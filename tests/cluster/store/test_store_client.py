@@ -103,8 +103,8 @@ def test_lost_and_invalid_objects_are_recomputed(pair):
     store, a, b, backend = pair
     prompt = committed_prompt(a, StoreClient(backend, 4, "a"), a.engine.vocab_size)
     slow = FetchSettings(prefill_tokens_per_s=1.0)
-    entries = store.entries()
-    deepest = max(entries, key=lambda e: e.depth)
+    on_path = [e for e in store.entries() if tuple(prompt[:e.depth]) == e.token_ids]   # not its answer's
+    deepest = max(on_path, key=lambda e: e.depth)
     store._entries[deepest.key] = replace(deepest, ref=replace(deepest.ref, fingerprint="another model"))
     assert asyncio.run(StoreClient(backend, 4, "b", slow).prefetch(Direct(b.engine), prompt + [5])) == "invalid"
     store._entries[deepest.key] = replace(deepest, ref=None)                  # its node died
