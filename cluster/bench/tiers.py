@@ -2,6 +2,7 @@
 our router against Ray's ``PrefixCacheAffinityRouter`` rule and round robin.
 
     python -m cluster.bench.tiers [--replicas 4] [--sessions 32] [--routers ...] [--json]
+                                  [--explain] [--host-factor 4] [--store-factor 4] [--tiers-only]
     python -m cluster.bench.tiers --multi-turn        # the 20-conversation turn-2 case only
 
 ``slot_pressure`` (agentic sessions whose contexts grow by tool outputs) over
@@ -10,7 +11,9 @@ our router against Ray's ``PrefixCacheAffinityRouter`` rule and round robin.
 24k KV tokens holds 8 slots, its running requests' included), with more live sessions than
 the cluster holds device checkpoints. ``tiers`` adds a host tier of ``host_factor`` times
 the device budget per replica and a cluster store (``LocalStoreBackend``: the same client
-and cost model as on Ray, without the network). Routers are the ones ``routing_sim``
+and cost model as on Ray, without the network; sized and costed at Qwen3-Next's
+proportions, ``ClusterSettings.store_model``; the router credits the store from the cost
+model's break-even on, ``fetch_break_even_tokens``). Routers are the ones ``routing_sim``
 drives: ours over the real tiered index fed the engines' real events (device, host,
 store), Ray's rule over Ray's own ``PrefixTree``, round robin.
 
@@ -18,7 +21,8 @@ What is real: engines, caches, tiers, store client, routers. What is not: the ne
 (replicas are stepped round robin in this process, sessions arrive every ``arrival_steps``
 steps and think ``think_steps`` steps between turns). Reported per (router, tiers):
 computed prefill fraction and cached fraction (counts: valid on a loaded machine), and
-mean TTFT in global steps (deterministic) and in seconds (needs an idle machine).
+mean TTFT in global steps (deterministic) and in seconds (needs an idle machine), and
+``explain``: the computed prompt tokens by cause and the oracle (``tiers_explain.py``).
 """
 from __future__ import annotations
 
