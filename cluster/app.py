@@ -41,6 +41,7 @@ class RouterOptions(_Strict):
     min_match_tokens: int = Field(16, ge=1)
     host_hit_value: float = Field(0.9, ge=0, le=1)       # routing_policy.expected_saved
     store_hit_value: float = Field(0.5, ge=0, le=1)
+    store_min_gain_tokens: int = Field(0, ge=0)          # the fetch cost model's break-even
     index_timeout_s: float = Field(0.5, gt=0)
     push_interval_s: float = Field(1.0, gt=0)
 

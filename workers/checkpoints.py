@@ -14,8 +14,12 @@ later prompt that shares only a prefix of this one, such as a system prompt, fin
 checkpoint without a second request first writing the branching point -- and the
 branching point of a partial match; the
 kernels snapshot the state at that position inside the chunk, and the scheduler cuts a
-chunk that would hold two) and multiples of the track grid
-``lcm(mamba_track_interval, page_size)`` reached at the end of a step (decode, verify).
+chunk that would hold two), multiples of the track grid
+``lcm(mamba_track_interval, page_size)`` reached at the end of a step (decode, verify), and
+the end of the output (``output_target``: the last page-aligned position a request that
+runs to ``max_tokens`` computes; published at its finish, so that the next turn of a
+conversation, which appends to the answer, resumes past the answer instead of from the
+prompt).
 
 Safety (DESIGN §4 ledger rules): every slot a launched batch writes is registered as a
 pending writer; ``donate`` never moves a slot with a pending writer: it skips, counts
@@ -115,11 +119,17 @@ class CheckpointTracker:
         ps, c = self.page_size, req.cache
         last_reachable = ((req.num_tokens - 1) // ps) * ps
         grid_below = (last_reachable // self.grid) * self.grid
-        c.targets = sorted({t for t in (kv_depth, grid_below, last_reachable)
+        c.targets = sorted({t for t in (kv_depth, grid_below, last_reachable, self.output_target(req))
                             if t > req.num_computed_tokens and t >= ps})
         c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
         if self.strategy == "extra_buffer":
             c.next_slot = self._alloc(req, SlotRole.PENDING, evict=True)
+
+    def output_target(self, req: Request) -> int:
+        """The deepest page-aligned state a request that runs to ``max_tokens`` computes:
+        its last sampled token is never fed, so H(prompt + max_tokens - 1) is the last."""
+        last = req.num_prompt_tokens + req.params.max_tokens - 1
+        return (last // self.page_size) * self.page_size
 
     def _alloc(self, req: Request, role: SlotRole, evict: bool) -> int | None:
         return self.m.alloc_slot(RequestOwner(req.handle, role), evict=evict)
@@ -163,9 +173,9 @@ class CheckpointTracker:
                 c.cow_src = None
             depth = self._checkpoint_depth(seq)
             if depth is not None:
-                dest = self._destination(req)
+                phase = "prefill" if seq.start < req.num_prompt_tokens else "decode"
+                dest = self._destination(req, phase)
                 if dest is not None:
-                    phase = "prefill" if seq.start < req.num_prompt_tokens else "decode"
                     tracks.append(TrackWrite(i, req, dest[0], depth, phase, dest[1], batch.batch_id))
         return StepPlan(batch, tuple(cow), tuple(tracks))
 
@@ -179,13 +189,14 @@ class CheckpointTracker:
             return None
         if seq.is_verify:
             crossing = (seq.start // self.grid + 1) * self.grid
+            crossing = min([crossing] + [t for t in seq.request.cache.targets if seq.start < t])
             return crossing if crossing <= seq.end else None
         within = [t for t in seq.request.cache.targets if seq.start < t <= seq.end]
         if within:
             return within[-1]
         return seq.end if seq.end % self.grid == 0 else None
 
-    def _destination(self, req: Request) -> tuple[int, bool] | None:
+    def _destination(self, req: Request, phase: str) -> tuple[int, bool] | None:
         """Where this batch writes the request's checkpoint: (slot, in place into keep).
 
         The second slot (``next`` / ``pending``) when no in-flight batch writes it; else
@@ -204,6 +215,10 @@ class CheckpointTracker:
                 if c.pending_slot is None:
                     self.m.stats.inc("hybridserve_mamba_pending_alloc_failures_total")
             second = c.pending_slot
+            if c.keep_slot is None and not self._idle(second):   # given up at the last publication
+                # Only a prompt checkpoint may evict another for its slot: a decode one
+                # saves the next turn at most the answer, less than what it would evict.
+                c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=phase == "prefill")
         if self._idle(second):
             return second, False  # type: ignore[return-value]
         if self._idle_keep(req) or (second is None and c.keep_slot is not None):
@@ -342,5 +357,10 @@ class CheckpointTracker:
         if slot == req.mamba_slot:              # no_buffer gave away the live slot itself
             req.mamba_slot = None
         c.keep_slot = None
-        if not finished:                        # a later write may need a free slot now
+        if not finished and self.strategy == "extra_buffer":    # its two track slots are owned
             c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
+        # Lazy takes no new keep slot now: one held with nothing to write into starves the
+        # admissions of others (3 running with live + keep + their published checkpoint
+        # fill 8 slots and the third never checkpoints its prompt). Its next write goes to
+        # a borrowed pending slot or, without one, into a keep slot taken then
+        # (``_destination``).

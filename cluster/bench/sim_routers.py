@@ -189,7 +189,11 @@ def _least_loaded(ids: Sequence[str], loads: dict[str, int], rng: random.Random)
     return rng.choice(sorted(r for r in ids if loads[r] == low))
 
 
-def make_router(name: str, replicas: Sequence[str], rng: random.Random) -> SimRouter:
+def make_router(name: str, replicas: Sequence[str], rng: random.Random,
+                settings: RouterSettings | None = None) -> SimRouter:
+    """``settings`` are the hybrid routers' (``RouterSettings()`` when None)."""
+    if settings is not None and name in ("hybrid_prefix", "hybrid_prefix_kv"):
+        return (HybridPrefixSim if name == "hybrid_prefix" else HybridPrefixKvSim)(replicas, rng, settings)
     makers: dict[str, Callable[[Sequence[str], random.Random], SimRouter]] = {
         "hybrid_prefix": HybridPrefixSim, "hybrid_prefix_kv": HybridPrefixKvSim,
         "ray_prefix": RayPrefixSim,

@@ -180,7 +180,8 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
             out["tiers_ttft_ratio"] = (f"{on['mean_ttft_s']} vs {off['mean_ttft_s']} s ({on['mean_ttft_steps']} vs "
                                        f"{off['mean_ttft_steps']} steps); needs an idle machine")
         if on and (ray := r.get(("ray_prefix", True))):
-            out["tiers_cached_vs_ray"] = f"cached {on['cached_fraction']} vs {ray['cached_fraction']}"
+            oracle = on.get("explain", {}).get("oracle_cached_fraction")
+            out["tiers_cached_vs_ray"] = f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; oracle {oracle}"
         m = t["multi_turn"]
         out["multi_turn_turn2_hits"] = f"host tier on {m['host']['turn2_hits']}/20, off {m['device']['turn2_hits']}/20"
     if (e := d.get("eos_workload")) and "error" not in e:
@@ -211,5 +212,5 @@ def format_table(summary: dict[str, Any]) -> str:
     tiers = _dig(summary, ("details", "tiers"))
     if tiers and "table" in tiers:
         lines += ["", "Checkpoint tiers, slot_pressure over in-process replicas (bench/tiers.py):", "",
-                  "```", tiers["table"], "```"]
+                  "```", tiers["table"], "", tiers.get("explain_table", ""), "```"]
     return "\n".join(lines)

@@ -92,8 +92,8 @@ class TiersCfg(_Strict):
     """bench/tiers.py: slot_pressure over in-process replicas, and the multi-turn case."""
 
     num_replicas: int = Field(4, ge=1)
-    num_sessions: int = Field(16, ge=1)
-    num_turns: int = Field(3, ge=1)
+    num_sessions: int = Field(32, ge=1)
+    num_turns: int = Field(4, ge=1)
     routers: list[str] = Field(default_factory=lambda: ["hybrid_prefix", "ray_prefix"])
 
 

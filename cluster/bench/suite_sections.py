@@ -304,5 +304,6 @@ def tiers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
     results = [T.run_one(model, sessions, router, on, settings) for router in t.routers for on in (False, True)]
     multi = {("host" if host else "device"): T.multi_turn_case(model, "extra_buffer_lazy", host)
              for host in (False, True)}
+    explain = T.format_explanation([(r.router, r.tiers, r.explain) for r in results])
     return {"results": [asdict(r) for r in results], "goals": T.goals(results), "multi_turn": multi,
-            "settings": asdict(settings), "table": T.format_table(results)}
+            "settings": asdict(settings), "table": T.format_table(results), "explain_table": explain}

@@ -2,6 +2,7 @@
 our router against Ray's ``PrefixCacheAffinityRouter`` rule and round robin.
 
     python -m cluster.bench.tiers [--replicas 4] [--sessions 32] [--routers ...] [--json]
+                                  [--explain] [--host-factor 4] [--store-factor 4] [--tiers-only]
     python -m cluster.bench.tiers --multi-turn        # the 20-conversation turn-2 case only
 
 ``slot_pressure`` (agentic sessions whose contexts grow by tool outputs) over
@@ -10,7 +11,9 @@ our router against Ray's ``PrefixCacheAffinityRouter`` rule and round robin.
 24k KV tokens holds 8 slots, its running requests' included), with more live sessions than
 the cluster holds device checkpoints. ``tiers`` adds a host tier of ``host_factor`` times
 the device budget per replica and a cluster store (``LocalStoreBackend``: the same client
-and cost model as on Ray, without the network). Routers are the ones ``routing_sim``
+and cost model as on Ray, without the network; sized and costed at Qwen3-Next's
+proportions, ``ClusterSettings.store_model``; the router credits the store from the cost
+model's break-even on, ``fetch_break_even_tokens``). Routers are the ones ``routing_sim``
 drives: ours over the real tiered index fed the engines' real events (device, host,
 store), Ray's rule over Ray's own ``PrefixTree``, round robin.
 
@@ -18,13 +21,15 @@ What is real: engines, caches, tiers, store client, routers. What is not: the ne
 (replicas are stepped round robin in this process, sessions arrive every ``arrival_steps``
 steps and think ``think_steps`` steps between turns). Reported per (router, tiers):
 computed prefill fraction and cached fraction (counts: valid on a loaded machine), and
-mean TTFT in global steps (deterministic) and in seconds (needs an idle machine).
+mean TTFT in global steps (deterministic) and in seconds (needs an idle machine), and
+``explain``: the computed prompt tokens by cause and the oracle (``tiers_explain.py``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -33,11 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.sim_routers import make_router
+from cluster.routing.routing_policy import RouterSettings
+from cluster.bench.tiers_explain import Explainer, format_explanation  # noqa: F401 - re-exported
 from cluster.bench.workloads import Session, load_workload
-from cluster.store.checkpoint_store import CheckpointStore
+from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
+from workers.tiers.payload import CheckpointPayload
 
 ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin")
 
@@ -47,12 +55,14 @@ class ClusterSettings:
     num_replicas: int = 4
     kv_tokens: int = 24576            # device KV per replica
     slot_kv_tokens: int = 3072        # Qwen3-Next-80B: one slot (36 GDN layers) ~ 3,150 KV tokens
-    host_factor: int = 8              # host tier per replica, in device budgets
+    host_factor: int = 4              # host tier per replica, in device budgets (see ``engine``)
     max_running: int = 3
     page_size: int = 16
     track_interval: int = 64
     chunk: int = 256
-    store_bytes: int = 1 << 30
+    store_factor: float = 4.0         # cluster store, in replica device budgets (see ``store_budget``)
+    store_kv_tokens_per_s: float = 200_000.0   # a fetch's bandwidth, in KV tokens (modelled)
+    prefill_tokens_per_s: float = 10_000.0     # a replica's prefill (modelled), for the cost model
     arrival_steps: int = 2
     think_steps: int = 6
     seed: int = 0
@@ -62,14 +72,40 @@ class ClusterSettings:
         return max(self.kv_tokens // self.slot_kv_tokens, self.max_running + 1)
 
     def engine(self, model: Path, tiers: bool) -> dict[str, Any]:
+        """One replica's engine config. The host tier is ``host_factor`` device budgets: 4
+        models Qwen3-Next-80B on an 8 x H200 node (2 TB of DRAM, ~45 GB of cache per GPU
+        after weights: 4 x 45 GB x 8 = 1.4 TB pinned fits beside the processes; 8 would
+        need 2.9 TB). ``cluster_store_bytes`` only switches the engine's commits on here:
+        the in-process store's budget is ``store_budget``."""
         cache = {"page_size": self.page_size, "max_kv_tokens": self.kv_tokens, "max_mamba_slots": self.num_slots,
                  "mamba_track_interval": self.track_interval}
         if tiers:
             cache.update(host_mamba_slots=self.host_factor * self.num_slots,
-                         host_kv_tokens=self.host_factor * self.kv_tokens, cluster_store_bytes=self.store_bytes)
+                         host_kv_tokens=self.host_factor * self.kv_tokens,
+                         cluster_store_bytes=1 << 30 if self.store_factor > 0 else 0)
         return {"model": str(model), "device": "cpu", "dtype": "float32", "seed": self.seed, "cache": cache,
                 "scheduler": {"max_running_requests": self.max_running, "chunked_prefill_size": self.chunk,
                               "max_batch_tokens": max(self.chunk, 512)}}
+
+    def store_model(self, token_bytes: int, slot_bytes: int) -> tuple[int, int, FetchSettings]:
+        """The store at Qwen3-Next's proportions, from the tiny model's sizes (bytes of one KV
+        token, of one slot): (budget bytes, bytes charged per entry on top of its payload,
+        the fetch cost model's settings).
+
+        The tiny model's slot weighs ~16 KV tokens, not ``slot_kv_tokens``, so its payloads
+        would be all KV and a byte budget would hold ~8x the entries the modelled store
+        does. Each entry is charged its slot at ``slot_kv_tokens`` KV tokens; the budget is
+        ``store_factor`` replica device budgets (KV + slots at that weight: 4 = the
+        cluster's device cache again, in the object store of its nodes). The cost model's
+        throughputs are fixed (not measured from this CPU, so that fetch decisions are
+        counts): ``store_kv_tokens_per_s`` (200k = 5 GB/s at Qwen3-Next's ~24 KiB of KV a
+        token) and ``prefill_tokens_per_s``; a fetch then pays when it saves more than
+        ~200 tokens of prefill (a ~75 MB Qwen3-Next checkpoint at 5 GB/s against 10k tokens/s)."""
+        slot_extra = max(0, self.slot_kv_tokens * token_bytes - slot_bytes)
+        device = self.kv_tokens * token_bytes + self.num_slots * (slot_bytes + slot_extra)
+        fetch = FetchSettings(bandwidth_bytes_per_s=self.store_kv_tokens_per_s * token_bytes,
+                              prefill_tokens_per_s=self.prefill_tokens_per_s, measure=False)
+        return int(self.store_factor * device), slot_extra, fetch
 
 
 @dataclass
@@ -85,6 +121,7 @@ class TiersResult:
     mean_ttft_s: float
     hits_by_tier: dict[str, int] = field(default_factory=dict)
     store: dict[str, int] = field(default_factory=dict)
+    explain: dict[str, Any] = field(default_factory=dict)    # tiers_explain.Explanation.as_dict
 
 
 class _Direct:
@@ -93,6 +130,28 @@ class _Direct:
 
     async def run(self, fn: Any) -> Any:
         return fn(self.engine)
+
+
+def fetch_break_even_tokens(nbytes: int, fetch: FetchSettings) -> int:
+    """The fewest tokens whose prefill a fetch of ``nbytes`` beats under ``fetch``'s fixed
+    throughputs (``FetchCost.should_fetch``): the router's ``store_min_gain_tokens``, so
+    that it credits the store only where the replica would fetch (``nbytes``: a slot at
+    the modelled weight; a path's KV adds a little, so long paths are credited early)."""
+    fetch_s = fetch.latency_s + nbytes / fetch.bandwidth_bytes_per_s
+    return math.ceil(fetch_s * fetch.prefill_tokens_per_s / (1.0 - fetch.margin))
+
+
+class _ModelledStore(LocalStoreBackend):
+    """The in-process store, charging each entry ``slot_extra`` bytes on top of its payload
+    (its slot at the modelled weight, ``ClusterSettings.store_model``)."""
+
+    def __init__(self, store: CheckpointStore, slot_extra: int) -> None:
+        super().__init__(store)
+        self.slot_extra = slot_extra
+
+    async def commit(self, payload: CheckpointPayload, owner: str) -> CommitResult:
+        return self.store.commit(StoreEntry(payload.prefix_hash, payload.depth, payload.token_ids,
+                                            payload.nbytes + self.slot_extra, payload, owner))
 
 
 @dataclass
@@ -112,18 +171,26 @@ class _Cluster:
         self.s, self.tiers = s, tiers
         self.names = [f"r{i}" for i in range(s.num_replicas)]
         self.llms = {n: LLM(**s.engine(model, tiers)) for n in self.names}
-        self.router = make_router(router, self.names, random.Random(s.seed))
-        backend = LocalStoreBackend(CheckpointStore(s.store_bytes)) if tiers else None
-        self.store = backend.store if backend else None
-        slow = FetchSettings(prefill_tokens_per_s=500.0)       # CPU prefill of the tiny model, roughly
-        self.clients = {n: StoreClient(backend, s.page_size, n, slow) for n in self.names} if backend else {}
-
+        self.store: CheckpointStore | None = None
+        self.clients: dict[str, StoreClient] = {}
+        settings = None
+        if tiers and s.store_factor > 0:
+            storage = self.llms[self.names[0]].engine.cache.host.storage
+            budget, extra, fetch = s.store_model(storage.nbytes(0, 1) // s.page_size, storage.nbytes(1, 0))
+            backend = _ModelledStore(CheckpointStore(budget), extra)
+            self.store = backend.store
+            self.clients = {n: StoreClient(backend, s.page_size, n, fetch) for n in self.names}
+            gain = fetch_break_even_tokens(extra + storage.nbytes(1, 0), fetch)
+            settings = RouterSettings(store_min_gain_tokens=gain)
+        self.router = make_router(router, self.names, random.Random(s.seed), settings)
+        self.explainer = Explainer({n: llm.engine for n, llm in self.llms.items()}, self.store, s.page_size)
         self.step_no = 0
 
     def _submit(self, rid: str, live: _Live) -> None:
         engine = self.llms[live.replica].engine
         if self.clients:
-            asyncio.run(self.clients[live.replica].prefetch(_Direct(engine), live.prompt))
+            outcome = asyncio.run(self.clients[live.replica].prefetch(_Direct(engine), live.prompt))
+            self.explainer.on_fetch(rid, outcome)
         params = SamplingParams(max_tokens=live.session.turns[live.turn].max_tokens, temperature=0.0,
                                 ignore_eos=True)
         engine.add_request(rid, live.prompt, params)
@@ -142,6 +209,8 @@ class _Cluster:
                 replica = self.router.choose(prompt, loads, float(self.step_no))
                 self.router.on_routed(prompt, replica, float(self.step_no))
                 rid = f"s{sess.session_id}-t{turn}"
+                previous = len(history) - sess.turns[turn - 1].max_tokens if turn else 0
+                self.explainer.on_route(rid, prompt, replica, len(sess.shared_ids), previous)
                 live[rid] = _Live(sess, turn, prompt, replica, self.step_no, time.perf_counter())
                 self._submit(rid, live[rid])
             self.step_no += 1
@@ -158,9 +227,11 @@ class _Cluster:
                 continue
             if item.first_step is None and out.new_token_ids:
                 item.first_step, item.first_wall = self.step_no, time.perf_counter()
+                self.explainer.on_prefilled(item.prompt)
             if out.finished:
                 del live[out.request_id]
                 done.append((item, out))
+                self.explainer.on_done(out.request_id, item.prompt + list(out.token_ids), out.cached_tokens)
                 if item.turn + 1 < len(item.session.turns):
                     history = item.prompt + list(out.token_ids)
                     due.append((self.step_no + self.s.think_steps, item.session.session_id, item.session,
@@ -172,6 +243,7 @@ class _Cluster:
             events += asyncio.run(self.clients[name].commit_pending(_Direct(llm.engine)))
         if events:
             self.router.on_events(name, events)
+            self.explainer.on_events(events)
 
 
 def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
@@ -189,7 +261,8 @@ def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
     store = cluster.store.stats() if cluster.store else {}
     return TiersResult(router, tiers, len(done), prompt, cached, round(1 - cached / prompt, 4),
                        round(cached / prompt, 4), round(sum(ttft_steps) / len(ttft_steps), 2),
-                       round(sum(ttft_s) / len(ttft_s), 4), hits, {k: int(v) for k, v in store.items()})
+                       round(sum(ttft_s) / len(ttft_s), 4), hits, {k: int(v) for k, v in store.items()},
+                       cluster.explainer.result.as_dict())
 
 
 def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
@@ -253,8 +326,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--toolsets", type=int, default=None, help="override num_toolsets (system prompts)")
     ap.add_argument("--routers", nargs="+", default=list(ROUTERS))
+    ap.add_argument("--host-factor", type=int, default=ClusterSettings.host_factor,
+                    help="host tier per replica, in device budgets")
+    ap.add_argument("--store-factor", type=float, default=ClusterSettings.store_factor,
+                    help="cluster store, in replica device budgets (0: no store)")
+    ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--explain", action="store_true", help="computed prompt tokens by cause (tiers_explain.py)")
     args = ap.parse_args(argv)
     model = args.model or make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()) / "m", seed=0)
     if args.multi_turn:
@@ -265,13 +344,17 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in (("num_sessions", args.sessions), ("num_turns", args.turns),
                                    ("num_toolsets", args.toolsets)) if v}
     sessions = load_workload("slot_pressure", overrides).sessions
-    s = ClusterSettings(num_replicas=args.replicas)
-    results = [run_one(model, sessions, r, t, s) for r in args.routers for t in (False, True)]
+    s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
+                        store_factor=args.store_factor)
+    modes = (True,) if args.tiers_only else (False, True)
+    results = [run_one(model, sessions, r, t, s) for r in args.routers for t in modes]
     if args.json:
         for r in results:
             print(json.dumps(asdict(r)))
     else:
         print(format_table(results))
+    if args.explain:
+        print(format_explanation([(r.router, r.tiers, r.explain) for r in results]))
     print(json.dumps({**goals(results), "loadavg": os.getloadavg()}))
 
 

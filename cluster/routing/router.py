@@ -51,6 +51,7 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                          load_penalty_tokens: float = 16.0, imbalance_abs: int = 8,
                          imbalance_rel: float = 1.5, min_match_tokens: int = 16,
                          host_hit_value: float = 0.9, store_hit_value: float = 0.5,
+                         store_min_gain_tokens: int = 0,
                          index_timeout_s: float = 0.5, forget_after_s: float = 30.0,
                          metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
                          push_interval_s: float = 1.0, index_actor: Any = None,
@@ -60,7 +61,7 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             raise ValueError(f"router policy must be one of {POLICIES}, got {policy!r}")
         self._policy = policy
         self._settings = RouterSettings(load_penalty_tokens, imbalance_abs, imbalance_rel, min_match_tokens,
-                                        host_hit_value, store_hit_value)
+                                        host_hit_value, store_hit_value, store_min_gain_tokens)
         self._model_name = model_name
         self._index_timeout_s = index_timeout_s
         self._push_interval_s = push_interval_s

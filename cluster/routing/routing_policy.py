@@ -12,7 +12,11 @@ Per request, for every candidate replica we know:
 ``expected_saved`` is the recompute a replica is expected to save: the best of its device
 depth, its host depth times ``host_hit_value`` and the store's depth times
 ``store_hit_value`` (a host hit costs a host -> device copy, a store hit a fetch over the
-network and may be declined by the cost model; the values are those costs' discounts).
+network; the values are those costs' discounts). The store counts only where the replica
+would fetch: its entry must be ``store_min_gain_tokens`` deeper than the replica's own
+device or host depth (the fetch cost model's break-even, ``workers/tiers/cost.py``:
+shallower gains are recomputed, so crediting them sends a request where it computes
+everything the store was supposed to save).
 
 Decision, in order:
 1. ``cold``: no replica expects to save ``min_match_tokens`` -> least loaded first, then the
@@ -47,6 +51,7 @@ class RouterSettings:
     min_match_tokens: int = 16
     host_hit_value: float = 0.9           # a host-tier token saves this much of a device one
     store_hit_value: float = 0.5          # ... and a cluster-store token
+    store_min_gain_tokens: int = 0        # a store entry must beat the local depth by this
 
     def __post_init__(self) -> None:
         if not (0 <= self.store_hit_value <= self.host_hit_value <= 1):
@@ -57,6 +62,8 @@ class RouterSettings:
                 f"router settings out of range: load_penalty_tokens={self.load_penalty_tokens} "
                 f"(>= 0), imbalance_abs={self.imbalance_abs} (>= 0), "
                 f"imbalance_rel={self.imbalance_rel} (>= 1)")
+        if self.store_min_gain_tokens < 0:
+            raise ValueError(f"store_min_gain_tokens must be >= 0, got {self.store_min_gain_tokens}")
         if self.min_match_tokens < 1:
             raise ValueError(f"min_match_tokens must be >= 1, got {self.min_match_tokens}")
 
@@ -127,8 +134,9 @@ def decide(views: Sequence[ReplicaView], settings: RouterSettings,
 
 def expected_saved(view: ReplicaView, settings: RouterSettings) -> float:
     """Prompt tokens a replica is expected not to recompute (see the module docstring)."""
+    fetches = view.store_depth - max(view.depth, view.host_depth) >= max(settings.store_min_gain_tokens, 1)
     return max(float(view.depth), settings.host_hit_value * view.host_depth,
-               settings.store_hit_value * view.store_depth)
+               settings.store_hit_value * view.store_depth if fetches else 0.0)
 
 
 def is_imbalanced(load: int, min_load: int, settings: RouterSettings) -> bool:

@@ -59,13 +59,17 @@ class EngineRunner(Protocol):
 
 @dataclass(frozen=True)
 class FetchSettings:
-    """Priors of the measured throughputs, and the fetch's own limits."""
+    """Priors of the measured throughputs, and the fetch's own limits. ``measure=False``
+    keeps the throughputs at these values (a modelled deployment: the in-process benchmark,
+    whose CPU timings say nothing about the network or the prefill it models, and whose
+    fetch decisions must not depend on the machine's load)."""
 
     bandwidth_bytes_per_s: float = 1e9
     latency_s: float = 0.002
     prefill_tokens_per_s: float = 2000.0
     margin: float = 0.1
     timeout_s: float = 10.0
+    measure: bool = True
 
 
 class LocalStoreBackend:
@@ -146,12 +150,13 @@ class StoreClient:
         except StoreObjectLost:
             await self.backend.drop(hit.key)
             return "lost"
-        self.bandwidth.observe(hit.nbytes, time.monotonic() - start)
+        if self.settings.measure:
+            self.bandwidth.observe(hit.nbytes, time.monotonic() - start)
         placed = await loop.run(lambda e: _import(e, payload, hit))
         return {"imported": "fetched", "present": "present", "host_full": "host_full"}.get(placed, "invalid")
 
     def _observe_forward(self, totals: tuple[float, float]) -> None:
-        if self._forward is not None:
+        if self._forward is not None and self.settings.measure:
             self.prefill.observe(totals[0] - self._forward[0], totals[1] - self._forward[1])
         self._forward = totals
 

@@ -44,3 +44,22 @@ def test_every_turn_runs_and_the_tiers_serve_more_of_the_prompts(results):
     g = T.goals(results)
     assert g["computed_prefill_tiers_over_device"] == round(on.computed_fraction / off.computed_fraction, 3)
     assert g["cached_vs_ray"] is not None and "hybrid_prefix" in T.format_table(results)
+
+
+def test_the_store_is_modelled_at_qwen3_next_proportions():
+    """``ClusterSettings.store_model``: each entry is charged its slot at ``slot_kv_tokens``
+    KV tokens, the budget is ``store_factor`` replica device budgets at that weight, and the
+    fixed cost model fetches a default-sized entry (a slot and a 400-token path) only when
+    it saves more than ~200 tokens of prefill."""
+    from workers.tiers.cost import FetchCost
+
+    s = T.ClusterSettings()
+    budget, extra, fetch = s.store_model(token_bytes=1024, slot_bytes=16896)
+    assert extra == 3072 * 1024 - 16896 and not fetch.measure
+    assert budget == int(4.0 * (24576 * 1024 + s.num_slots * 3072 * 1024))
+    entry = 16896 + extra + 400 * 1024
+
+    def fetches(tokens: int) -> bool:
+        return FetchCost(entry, tokens, fetch.bandwidth_bytes_per_s, fetch.prefill_tokens_per_s,
+                         fetch.latency_s, fetch.margin).should_fetch
+    assert not fetches(150) and fetches(250)

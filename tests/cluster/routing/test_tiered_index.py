@@ -44,6 +44,22 @@ def test_expected_saved_weighs_each_tier():
         RouterSettings(host_hit_value=0.2, store_hit_value=0.5)
 
 
+def test_the_store_counts_only_where_the_replica_would_fetch():
+    """``store_min_gain_tokens`` (the fetch cost model's break-even): a store entry less than
+    that deeper than what the replica holds would be recomputed, so it earns nothing --
+    crediting it sent first turns to idle replicas that then computed their whole prompt."""
+    s = RouterSettings(store_min_gain_tokens=200)
+    assert expected_saved(ReplicaView("idle", 0, 0, store_depth=192), s) == 0           # refused: 192 < 200
+    assert expected_saved(ReplicaView("idle", 0, 0, store_depth=256), s) == 128         # fetched
+    assert expected_saved(ReplicaView("a", 192, 0, store_depth=384), RouterSettings()) == 192
+    assert expected_saved(ReplicaView("a", 0, 0, host_depth=100, store_depth=250), s) == 90
+    views = views_from(["busy", "idle"], {"busy": 192}, {"busy": 6, "idle": 0}, store_depth=192)
+    assert decide(views, RouterSettings(), random.Random(0)).ranks[0] == ["idle"]   # 96 - 0 ties 192 - 96
+    assert decide(views, s, random.Random(0)).ranks[0] == ["busy"]
+    with pytest.raises(ValueError, match="store_min_gain_tokens"):
+        RouterSettings(store_min_gain_tokens=-1)
+
+
 def test_a_host_checkpoint_attracts_and_the_store_lets_load_win():
     s = RouterSettings(load_penalty_tokens=16, min_match_tokens=16)
     rng = random.Random(0)

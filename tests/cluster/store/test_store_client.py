@@ -73,6 +73,24 @@ def test_a_checkpoint_committed_by_one_replica_is_fetched_by_another(tiny_qwen_d
     assert asyncio.run(fetcher.prefetch(Direct(b.engine), follow)) == "none"
 
 
+@pytest.mark.parametrize("measure", [True, False])
+def test_a_modelled_cost_model_keeps_its_throughputs(pair, measure):
+    """``FetchSettings.measure=False`` (the in-process benchmark): the fetch and the engine's
+    forward steps leave the throughputs at the configured values, so a fetch decision does
+    not depend on this machine's timings; measured, both move."""
+    store, a, b, backend = pair
+    vocab = a.engine.vocab_size
+    prompt = committed_prompt(a, StoreClient(backend, 4, "a"), vocab)
+    settings = FetchSettings(bandwidth_bytes_per_s=1e15, prefill_tokens_per_s=1.0, latency_s=0.0, measure=measure)
+    client = StoreClient(backend, 4, "b", settings)
+    b.generate_ids([random_prompts(vocab, [30], seed=8)[0]], [P])        # forward steps to observe
+    assert asyncio.run(client.prefetch(Direct(b.engine), prompt + [7])) == "fetched"
+    b.generate_ids([random_prompts(vocab, [30], seed=9)[0]], [P])
+    asyncio.run(client.prefetch(Direct(b.engine), random_prompts(vocab, [30], seed=10)[0]))
+    moved = (client.bandwidth.value != 1e15, client.prefill.value != 1.0)
+    assert moved == ((True, True) if measure else (False, False)), (client.bandwidth.value, client.prefill.value)
+
+
 def test_the_cost_model_can_choose_to_recompute(pair):
     store, a, b, backend = pair
     prompt = committed_prompt(a, StoreClient(backend, 4, "a"), a.engine.vocab_size)
@@ -85,8 +103,8 @@ def test_lost_and_invalid_objects_are_recomputed(pair):
     store, a, b, backend = pair
     prompt = committed_prompt(a, StoreClient(backend, 4, "a"), a.engine.vocab_size)
     slow = FetchSettings(prefill_tokens_per_s=1.0)
-    entries = store.entries()
-    deepest = max(entries, key=lambda e: e.depth)
+    on_path = [e for e in store.entries() if tuple(prompt[:e.depth]) == e.token_ids]   # not its answer's
+    deepest = max(on_path, key=lambda e: e.depth)
     store._entries[deepest.key] = replace(deepest, ref=replace(deepest.ref, fingerprint="another model"))
     assert asyncio.run(StoreClient(backend, 4, "b", slow).prefetch(Direct(b.engine), prompt + [5])) == "invalid"
     store._entries[deepest.key] = replace(deepest, ref=None)                  # its node died

@@ -46,6 +46,16 @@ def run_one_by_one(llm, prompts):
     return outs, offered
 
 
+def two_turns(llm, new_lens: list[int], seed: int):
+    """Conversations of growing length: turn 1, its outputs, turn 2 = turn 1 + its output
+    + new text of ``new_lens``."""
+    vocab, n = llm.engine.vocab_size, len(new_lens)
+    turn1 = random_prompts(vocab, [9 + 3 * i for i in range(n)], seed=seed)
+    outs1 = llm.generate_ids(turn1, [P] * n)
+    news = random_prompts(vocab, new_lens, seed=seed + 1)
+    return turn1, outs1, [p + o.token_ids + q for p, o, q in zip(turn1, outs1, news)]
+
+
 @pytest.fixture(scope="module")
 def control(tiny_model_dir):
     off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
@@ -101,11 +111,7 @@ def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy, pressure):
     llm = cached_llm(tiny_model_dir, strategy, page_size=page,
                      cache={"max_mamba_slots": 24 if pressure else 160})
     off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
-    vocab = llm.engine.vocab_size
-    turn1 = random_prompts(vocab, [9 + 3 * i for i in range(16)], seed=5)
-    outs1 = llm.generate_ids(turn1, [P] * 16)
-    news = random_prompts(vocab, [3 + i % 5 for i in range(16)], seed=6)
-    turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, news)]
+    turn1, outs1, turn2 = two_turns(llm, [3 + i % 5 for i in range(16)], seed=5)
     outs2, offered = run_one_by_one(llm, turn2)
     assert [o.token_ids for o in outs2] == [o.token_ids for o in off.generate_ids(turn2, [P] * 16)]
     assert [o.cached_tokens for o in outs2] == offered
@@ -113,6 +119,32 @@ def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy, pressure):
     assert all(reused) if not pressure else llm.stats()["hybridserve_mamba_checkpoints_evicted_total"] > 0
     for p, o1, o2 in zip(turn1, outs1, outs2):
         assert o2.cached_tokens <= len(p) + len(o1.token_ids)
+
+
+def check_resumes_past_the_answer(model, strategy, **extra):
+    llm = cached_llm(model, strategy, interval=256, cache={"max_mamba_slots": 160}, **extra)
+    off = make_llm(model, cache={"enable_prefix_cache": False})
+    turn1, _, turn2 = two_turns(llm, [3 + i % 4 for i in range(8)], seed=15)
+    outs2 = llm.generate_ids(turn2, [P] * 8)
+    assert [o.token_ids for o in outs2] == [o.token_ids for o in off.generate_ids(turn2, [P] * 8)]
+    past = [((len(p) + P.max_tokens - 1) // 4) * 4 for p in turn1]
+    assert [o.cached_tokens for o in outs2] == past, [len(p) for p in turn1]
+    assert llm.stats()["hybridserve_invariant_violations_total"] == {}
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_next_turn_resumes_past_the_answer(tiny_model_dir, strategy):
+    """The end-of-output checkpoint (``CheckpointTracker.output_target``): a turn-2 prompt
+    (turn 1 + its 10-token answer + new text) resumes at the last page boundary the answer
+    reached, not at turn 1's prompt end. The track grid (256) is beyond every context
+    here, so no grid point can do it instead."""
+    check_resumes_past_the_answer(tiny_model_dir, strategy)
+
+
+def test_next_turn_resumes_past_the_answer_with_mtp(tiny_mtp_model_dir):
+    """The same when a verify (MTP, 3 drafts) crosses the end-of-output target."""
+    check_resumes_past_the_answer(tiny_mtp_model_dir, "extra_buffer_lazy",
+                                  spec={"method": "mtp", "num_draft_tokens": 3})
 
 
 def test_branch_point_becomes_reusable(tiny_model_dir):

@@ -152,12 +152,16 @@ def test_a_failed_promotion_recomputes_from_the_device_hit(tiny_qwen_dir):
 
 
 def test_failed_demotions_and_a_full_host_tier_drop_never_block(tiny_qwen_dir):
-    """One host slot and broken copies: evictions still free device slots at once."""
+    """One host slot and broken copies: evictions still free device slots at once. The
+    prompts share a system prompt: once its checkpoint fills the single host slot, a
+    deeper one on its path cannot evict it (the demotion reuses its pages): host full."""
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
     for host_slots, fail in ((1, 0.0), (32, 1.0)):
         llm = tiered_llm(tiny_qwen_dir, cache={"max_mamba_slots": 6, "host_mamba_slots": host_slots},
                          debug={"fail_transfer_prob": fail}, scheduler={"max_running_requests": 2})
-        prompts = random_prompts(llm.engine.vocab_size, [9 + 3 * i for i in range(8)], seed=11)
+        vocab = llm.engine.vocab_size
+        system = random_prompts(vocab, [12], seed=10)[0]
+        prompts = [system + q for q in random_prompts(vocab, [1 + 3 * i for i in range(8)], seed=11)]
         got = llm.generate_ids(prompts, [P] * 8) + llm.generate_ids(prompts, [P] * 8)
         want = off.generate_ids(prompts, [P] * 8)
         assert [o.token_ids for o in got] == [o.token_ids for o in want] * 2
