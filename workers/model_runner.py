@@ -115,6 +115,9 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in plan.cow], dtype=torch.int64, device=self.device)
             self.pools.mamba.copy_slot(src, dst)
         hidden, all_logits = self._forward(fb)
+        if prepared.copy_src is not None:             # snapshots of a decode batch (step_inputs)
+            assert prepared.copy_dst is not None
+            self.pools.mamba.copy_slot(prepared.copy_src, prepared.copy_dst)
         si = prepared.sampling.on(self.device) if prepared.sampling is not None else None
         if si is not None:
             self.sampler.begin(si)

@@ -68,6 +68,10 @@ class PreparedStep:
     # ``fb.cu_seqlens``: the drafter's inputs are built from them, not read back.
     row_ids: tuple[int, ...] = ()
     cu_seqlens: tuple[int, ...] = ()
+    # A decode batch's snapshots, copied live slot -> snapshot slot after the forward
+    # (``prepare_step``: the batch itself runs as a plain decode step); None: no copies.
+    copy_src: torch.Tensor | None = None
+    copy_dst: torch.Tensor | None = None
 
 
 class _Rows:
@@ -145,6 +149,13 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
     snapshots = plan.tracks or verify
     has_init = [s.start > 0 for s in batch.seqs]
     num_new = [s.num_new_tokens for s in batch.seqs]
+    # A decode batch (one token per sequence) whose snapshots are all of that token: the
+    # state after it is the live slot's own, so the batch runs as a decode step (compiled
+    # where a bucket fits) and the runner copies live -> snapshot slot after the forward.
+    decode_copies: list[tuple[int, int]] = []
+    if snapshots and not verify and is_decode_only(num_new, has_init, None):
+        decode_copies = [(s.request.mamba_slot, d) for s, d in zip(batch.seqs, rows.dst) if d]
+        snapshots = ()
     fb = ForwardBatch(
         input_ids=t(rows.ids, torch.int64), positions=t(rows.positions, torch.int64),
         cu_seqlens=t(cu, torch.int32), seq_lens=t([s.end for s in batch.seqs], torch.int32),
@@ -153,7 +164,7 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         has_initial_state=t(has_init, torch.bool),
         logits_indices=t(rows.logits, torch.int64), page_size=page_size,
         state_dst_slots=t(rows.dst, torch.int32) if snapshots else None,
-        decode_only=is_decode_only(num_new, has_init, rows.dst),
+        decode_only=is_decode_only(num_new, has_init, None if decode_copies else rows.dst),
         verify_len=uniform_snapshot_len(num_new, has_init, rows.dst if snapshots else None))
     return PreparedStep(
         plan, fb, opt([r for r, _ in rows.future]), opt([s for _, s in rows.future]),
@@ -161,7 +172,8 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         opt([i for _, _, i in rows.drafts]), tuple(verify), tuple(next_tokens),
         tuple(tuple(s.request.page_ids) for s in batch.seqs),
         tuple(s.request.mamba_slot for s in batch.seqs), tuple(rows.writes),
-        row_ids=_host_ids(rows), cu_seqlens=tuple(cu))
+        row_ids=_host_ids(rows), cu_seqlens=tuple(cu),
+        copy_src=opt([a for a, _ in decode_copies]), copy_dst=opt([d for _, d in decode_copies]))
 
 
 def _host_ids(rows: _Rows) -> tuple[int, ...]:

@@ -71,3 +71,24 @@ def test_static_drafts_equal_the_eager_drafters(monkeypatch, tiny_qwen_dir):
     assert torch.equal(static.engine.drafter.draft_tokens, eager.engine.drafter.draft_tokens)
     keys = ("hybridserve_spec_draft_tokens_total", "hybridserve_spec_accepted_tokens_total")
     assert [static.stats()[k] for k in keys] == [eager.stats()[k] for k in keys]
+
+
+def test_decode_steps_with_a_checkpoint_stay_compiled(monkeypatch, tiny_qwen_dir):
+    """A decode step that also checkpoints (a track-grid crossing, the end of the output) is
+    still a decode step: it runs in its bucket and the runner copies the live slot into the
+    checkpoint slot afterwards, so every one of a request's decode steps is compiled (an
+    eager step per checkpoint before) and greedy output equals the cache-off engine's."""
+    monkeypatch.setattr(torch, "compile", EagerStatic())
+    llm = make_llm(tiny_qwen_dir, cache={"mamba_track_interval": 8}, compile={"enabled": True, "batch_sizes": (1,)})
+    ref = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
+    prompt = random_prompts(llm.engine.vocab_size, [6], seed=7)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    steps = llm.engine.runner.compiled
+    before = sum(steps.num_calls.values())
+    out = llm.generate_ids(prompt, [params])[0]
+    assert sum(steps.num_calls.values()) - before == params.max_tokens - 1
+    assert out.token_ids == ref.generate_ids(prompt, [params])[0].token_ids
+    turn2 = [prompt[0] + out.token_ids[:12]]
+    again = llm.generate_ids(turn2, [params])[0]
+    assert again.cached_tokens >= 16          # a checkpoint written by a compiled decode step
+    assert again.token_ids == ref.generate_ids(turn2, [params])[0].token_ids
