@@ -206,6 +206,9 @@ class ToyRunner:
                 if dst is not None and dst[t]:
                     pool[dst[t]] = state
             pool[live[b]] = state
+        if prepared.copy_src is not None:          # a decode batch's snapshots, as ModelRunner
+            for src, d in zip(prepared.copy_src.tolist(), prepared.copy_dst.tolist()):
+                pool[d] = pool[src]
         # Sampling (greedy) or verify + commit.
         verify = {v.seq_index: v for v in prepared.verify}
         writes = list(prepared.writes)
