@@ -270,6 +270,7 @@ class Engine:
         result: StepResult = future.result()
         self.stats.observe("hybridserve_step_duration_seconds", result.forward_seconds)
         self.stats.inc("hybridserve_forward_tokens_total", batch.num_tokens)
+        self.stats.inc("hybridserve_engine_steps_total", label="compiled" if result.compiled else "eager")
         if result.gap_seconds is not None:
             self.stats.observe("hybridserve_step_gap_seconds", result.gap_seconds)
         self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))

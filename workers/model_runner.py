@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from workers.checkpoints import StepPlan
-from workers.compiled import CompiledSteps
+from workers.compiled import Bucket, CompiledSteps
 from workers.device_pools import DevicePools
 from workers.request import Request, TokenLogprob
 from workers.sampler import GeneratorBank
@@ -49,6 +49,7 @@ class StepResult:
     gap_seconds: float | None = None           # forward thread idle before this step
     # Per sequence that asked for prompt logprobs: (batch index, first prompt position, entries).
     prompt_logprobs: tuple[tuple[int, int, list[TokenLogprob]], ...] = ()
+    compiled: bool = False                     # the forward ran a compiled step (else eager)
 
 
 class ModelRunner:
@@ -114,7 +115,8 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in plan.cow], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in plan.cow], dtype=torch.int64, device=self.device)
             self.pools.mamba.copy_slot(src, dst)
-        hidden, all_logits = self._forward(fb)
+        bucket = self.compiled.pick(fb) if self.compiled is not None else None
+        hidden, all_logits = self._forward(fb, bucket)
         if prepared.copy_src is not None:             # snapshots of a decode batch (step_inputs)
             assert prepared.copy_dst is not None
             self.pools.mamba.copy_slot(prepared.copy_src, prepared.copy_dst)
@@ -139,11 +141,12 @@ class ModelRunner:
         if self.drafter is not None and not self._draft_verified(prepared, hidden, tokens, params):
             self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
         self._last_end = time.monotonic()
-        return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap, prompt)
+        return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap, prompt,
+                          compiled=bucket is not None)
 
-    def _forward(self, fb) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden [T, H], logits of every row or None): a compiled step where one fits."""
-        bucket = self.compiled.pick(fb) if self.compiled is not None else None
+    def _forward(self, fb, bucket: Bucket | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [T, H], logits of every row or None): the compiled step of ``bucket``
+        (``CompiledSteps.pick``), eager where none fits."""
         if bucket is None:
             return self.model.forward(fb, self.pools), None
         assert self.compiled is not None

@@ -32,6 +32,7 @@ LABELLED_COUNTERS = {
     "hybridserve_mamba_checkpoints_inserted_total": "phase",
     "hybridserve_invariant_violations_total": "invariant",
     "hybridserve_requests_total": "finish_reason",
+    "hybridserve_engine_steps_total": "path",              # compiled (a compile.* bucket) or eager
     # The tiers (workers/tiers): device -> host, host -> device, the cluster store.
     "hybridserve_cache_hits_total": "tier",                # requests whose prompt hit, by deepest tier
     "hybridserve_cache_hit_tokens_total": "tier",          # ... and the prompt tokens it served
@@ -43,6 +44,7 @@ LABELLED_COUNTERS = {
 }
 # Fixed label values of the labelled counters above (exported at 0 until counted).
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "hybridserve_engine_steps_total": ("compiled", "eager"),
     "hybridserve_cache_hits_total": ("device", "host", "store"),
     "hybridserve_cache_hit_tokens_total": ("device", "host", "store"),
     "hybridserve_tier_demotions_total": ("demoted", "copied", "present", "host_full", "failed"),

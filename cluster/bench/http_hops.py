@@ -3,7 +3,7 @@ of the serving path, and the CPU every process of a real Ray Serve cluster spend
 
     python -m cluster.bench.http_hops [--batch 8 --prompt-len 32 --output-len 64 --repeats 2]
         [--stream-interval-s 0.05 --stream-items-per-s 100] [--model DIR] [--no-serve | --serve-only]
-        [--out hops.json]
+        [--eager] [--out hops.json]
 
 In one process, no Ray, each layer on top of the one before (best of ``repeats``
 interleaved runs; decode tok/s = batch / mean TPOT, TPOT = (last - first token) / (n - 1)):
@@ -21,6 +21,10 @@ Through Ray Serve (``LocalCluster``, the suite's replica options), HTTP -> proxy
 ms per output token of each process of the cluster (``proc_cpu``: the replica, the ingress,
 the proxy, the client (this process), Serve's controller, Ray's own processes) and of
 their busiest threads, and the engine's step and idle times (``/debug/replicas`` ``loop``).
+
+Every engine (bare, in-process layers, the replica) compiles its decode step for one bucket
+of ``--batch`` as the suite's engines do (``suite_config.CompileCfg``); ``--eager`` runs
+them uncompiled.
 
 A hop's cost is its layer's us per token minus the layer's below. On a shared 2-core
 machine every figure is an indication: the load average is reported with them.
@@ -55,6 +59,14 @@ def pacing(args: argparse.Namespace) -> Any:
         given["stream_items_per_s"] = args.stream_items_per_s
     opts = ReplicaOptions(**given)
     return StreamPacing(opts.stream_interval_s, opts.stream_items_per_s, opts.max_stream_interval_s)
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The engines' overrides: the suite's CPU settings and compile bucket, 16k KV tokens."""
+    from cluster.bench.suite_config import CompileCfg
+
+    return {**inproc.engine_kwargs(CompileCfg(enabled=not args.eager), args.batch),
+            "cache": {"max_kv_tokens": 16384}}
 
 
 def _prompts(seed: int, batch: int, prompt_len: int) -> list[list[int]]:
@@ -125,7 +137,7 @@ async def in_process(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     from configs.schema import load_config
     from workers.llm import LLM
 
-    engine_cfg = {**inproc.CPU, "cache": {"max_kv_tokens": 16384}}
+    engine_cfg = engine_settings(args)
     bare_llm, engine_llm = (LLM(model=str(model), **engine_cfg) for _ in range(2))
     config = load_config(overrides={**engine_cfg, "model": str(model)})
     core = await ReplicaCore.create(config, pacing(args))
@@ -186,7 +198,9 @@ def _serve_run(app: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     zero = {"num_steps": 0, "step_wall_s": 0.0, "step_cpu_s": 0.0, "step_gap_s": 0.0}   # a replica without loop times
     loop = {k: rep1.get("loop", zero)[k] - rep0.get("loop", zero)[k] for k in zero}
     cpu_ms = ms_per_unit_by_role(delta, tokens, pids)
-    return {"tok_s": args.batch / (res.metrics.tpot_ms.mean / 1000), "tokens": tokens,
+    paths = [rep.get("counters", {}).get("hybridserve_engine_steps_total", {}) for rep in (rep0, rep1)]
+    return {"steps_by_path": {p: paths[1].get(p, 0) - paths[0].get(p, 0) for p in ("compiled", "eager")},
+            "tok_s": args.batch / (res.metrics.tpot_ms.mean / 1000), "tokens": tokens,
             "itl_ms_median": round(res.metrics.itl_ms.median, 1),
             "items_per_request": round(sum(len(r.itl) + 1 for r in res.records) / len(res.records), 1),
             "cpu_ms_per_token": cpu_ms, "top_threads_ms_per_token": threads,
@@ -200,7 +214,7 @@ def through_serve(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     from cluster.bench.serving import LocalCluster
     from cluster.bench.suite_sections import REPLICA, _warm
 
-    engine = {**inproc.CPU, "model": str(model), "cache": {"max_kv_tokens": 16384}}
+    engine = {**engine_settings(args), "model": str(model)}
     p = pacing(args)
     with LocalCluster() as cluster:
         app = cluster.deploy("hops", engine, "hybrid_prefix", {**REPLICA, "stream_interval_s": p.interval_s,
@@ -231,7 +245,8 @@ def report(result: dict[str, Any]) -> str:
                      f"(in process): replica {best['replica_gap_us']:.1f}, ingress {best['ingress_gap_us']:.1f} us/token")
     if "serve" in result:
         s = result["serve"]
-        lines.append(f"stream items per request {s['items_per_request']}, ITL median {s['itl_ms_median']} ms")
+        lines.append(f"stream items per request {s['items_per_request']}, ITL median {s['itl_ms_median']} ms; "
+                     f"replica steps by path {s['steps_by_path']}")
         lines.append(f"engine steps in the replica: {s['engine_step_wall_us_per_token']} us/token wall, "
                      f"{s['engine_step_cpu_us_per_token']} us/token CPU of the stepping thread (with overlap the "
                      f"forward runs on another), idle between steps "
@@ -256,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the suite's bench model)")
     ap.add_argument("--no-serve", action="store_true", help="only the in-process layers (no Ray)")
     ap.add_argument("--serve-only", action="store_true", help="only the Ray Serve path")
+    ap.add_argument("--eager", action="store_true", help="no compiled steps (default: the suite's bucket)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1:

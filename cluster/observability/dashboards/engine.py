@@ -51,7 +51,12 @@ THROUGHPUT = Row("Throughput and scheduling", (
           (Target(quantile(0.5, "hybridserve_step_duration_seconds", SEL), "step p50"),
            Target(quantile(0.99, "hybridserve_step_duration_seconds", SEL), "step p99"),
            Target(quantile(0.5, "hybridserve_step_gap_seconds", SEL), "gap p50"),
-           Target(quantile(0.99, "hybridserve_step_gap_seconds", SEL), "gap p99")), unit="s", width=24),
+           Target(quantile(0.99, "hybridserve_step_gap_seconds", SEL), "gap p99")), unit="s", width=16),
+    Panel("Compiled and eager steps", "Engine steps per second by path, by replica: compiled (a "
+          "compile.batch_sizes bucket: decode, verify) or eager (prefill, mixed, above the largest "
+          "bucket). Decode steps running eager with compilation on cost their compiled speed.",
+          (Target(rate("hybridserve_engine_steps_total", SEL, ("replica", "path")), "{{path}} {{replica}}"),),
+          unit="ops", width=8),
 ))
 
 POOLS = Row("Pools and prefix cache", (
