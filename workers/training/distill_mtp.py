@@ -5,8 +5,8 @@
 Only ``mtp.*`` is trained; every ``model.*`` tensor is written back byte for byte (asserted,
 and the main model's logits are checked unchanged after the save). A draft is accepted when
 it equals the *main model's* greedy token, so the targets are the main model's own
-next-token distributions (soft cross-entropy, i.e. KL up to a constant, plus
-``hard_weight`` x CE to its argmax), not the text.
+next-token distributions (KL(main || draft), plus ``hard_weight`` x CE to its argmax),
+not the text.
 
 Data: a window of the training text (``prompt_len`` tokens, random per batch) continued by
 the main model's own greedy decoding up to ``seq_len`` tokens, as the engine's sequences
@@ -278,7 +278,9 @@ def save_head(model_dir: Path, model, mtp: MtpHead, before: dict[str, torch.Tens
     if set(new) != old_mtp:
         raise RuntimeError(f"MTP tensor names differ: {sorted(set(new) ^ old_mtp)[:4]}")
     tensors.update(new)
+    mode = path.stat().st_mode & 0o777              # save_file writes 0600: keep the file's mode
     save_file(dict(sorted(tensors.items())), str(path), metadata=metadata)
+    path.chmod(mode)
 
 
 def engine_acceptance(model_dir: Path, ks: list[int], output_len: int = 48) -> dict[int, float]:

@@ -145,10 +145,14 @@ def write_distill_section(out_dir: Path, info: dict[str, Any]) -> None:
     path.write_text(text)
 
 
+def _given(j: int) -> str:
+    return "" if j == 0 else " (given draft 1 accepted)" if j == 1 else f" (given drafts 1..{j} accepted)"
+
+
 def _distill(info: dict[str, Any]) -> str:
     s, t = info["settings"], info["train"]
     before, after = info["before"], info["after"]
-    rows = [f"| draft {j + 1} (given drafts < {j + 1} accepted) | {b:.3f} | **{a:.3f}** |"
+    rows = [f"| draft {j + 1}{_given(j)} | {b:.3f} | **{a:.3f}** |"
             for j, (b, a) in enumerate(zip(before["chain"]["conditional"], after["chain"]["conditional"]))]
     rows.append(f"| accepted drafts per {s['k']}-chain (mean) | {before['chain']['mean_accepted']:.3f} | "
                 f"**{after['chain']['mean_accepted']:.3f}** |")
@@ -177,7 +181,7 @@ the MTP rows of the table above are of the head before it):
 ```
 
 (`workers/training/distill_mtp.py`.) Targets are the main model's own next-token
-distributions (soft CE + {s["hard_weight"]}·CE to its argmax), not the text; data are
+distributions (KL(main ‖ draft) + {s["hard_weight"]}·CE to its argmax), not the text; data are
 training-text prompts of {s["min_prompt"]}–{s["max_prompt"]} tokens continued by the main model's greedy
 decoding to {s["seq_len"]} tokens (prompt anchors weighted {s["text_weight"]}). The {s["k"]}-step draft chain is
 unrolled as the engine runs it (step j feeds the head's own previous output and token
