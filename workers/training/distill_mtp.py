@@ -73,6 +73,7 @@ class DistillSettings:
     threads: int = 1
     eval_prompts: tuple[int, ...] = (16, 48, 96)   # held-out prompt lengths, 16 prompts each
     eval_per_length: int = 16
+    text_eval_len: int = 256            # train_default's one-step metric: 64 windows of this
     heldout_percent: int = 3
 
     def __post_init__(self) -> None:
@@ -321,7 +322,7 @@ def run(model_dir: Path, s: DistillSettings, command: str, log=print, max_files:
     model, mtp = td.load_saved(model_dir)
     before_state = main_state(model)
     batches = eval_sequences(model, heldout, s)
-    windows = td.eval_windows(heldout, 64, 256)
+    windows = td.eval_windows(heldout, 64, s.text_eval_len)
     ev_before = {"chain": chain_acceptance(model, mtp, batches, s.k),
                  "one_step_text": td.evaluate(model, mtp, windows)["mtp_acceptance"]}
     eng_before = engine_acceptance(model_dir, list(range(1, s.k + 1))) if engine_check else None

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.workers.models.test_mtp_head import mtp_harness
-from tests.workers.training.test_train_default import TINY_SHAPE
+from tests.workers.training.test_train_default import TINY_SHAPE, trained  # noqa: F401 (fixture)
 from workers.loader import load_model
 from workers.spec.drafter import MtpSpan
 from workers.sampling_params import SamplingParams
@@ -32,7 +32,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def tiny_settings(**kw) -> dm.DistillSettings:
     base = dict(seq_len=24, min_prompt=4, max_prompt=8, batch_size=2, lr=1e-2, amp=False,
-                steps=20, minutes=2.0, warmup_steps=1, eval_prompts=(4, 8), eval_per_length=2)
+                steps=20, minutes=2.0, warmup_steps=1, eval_prompts=(4, 8), eval_per_length=2,
+                text_eval_len=32)
     return dm.DistillSettings(**{**base, **kw})
 
 
@@ -134,3 +135,23 @@ def test_readme_section_is_replaced_in_place(tmp_path) -> None:
     assert text.count("## Distilled MTP head") == 1 and text.endswith("## Greedy samples\n\ny\n")
     assert "| draft 3 (given drafts 1..2 accepted) | 0.300 | **0.700** |" in text
     assert "| k = 1 | 0.500 | **0.600** |" in text
+
+
+@pytest.mark.parametrize("engine_check", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_run_rewrites_only_the_head_and_the_readme(trained, tmp_path, engine_check) -> None:
+    """The script end to end on the tiny trained dir: evaluations before/after (the
+    engine's too, in the slow variant), main tensors byte-identical, README section."""
+    ckpt = tmp_path / "m"
+    shutil.copytree(trained[0], ckpt)
+    old = load_file(str(ckpt / "model.safetensors"))
+    info = dm.run(ckpt, tiny_settings(steps=3), "cmd", log=lambda *a: None, max_files=12,
+                  engine_check=engine_check)
+    new = load_file(str(ckpt / "model.safetensors"))
+    assert all(torch.equal(old[k], new[k]) for k in old if k.startswith("model."))
+    assert info["train"]["steps"] == 3
+    readme = (ckpt / "README.md").read_text()
+    assert readme.index("## Distilled MTP head") < readme.index("## Greedy samples")
+    if engine_check:
+        assert set(info["engine_after"]) == {1, 2, 3}
+        assert all(0.0 <= a <= 1.0 for a in info["engine_after"].values())
+        assert "| k = 3 |" in readme
