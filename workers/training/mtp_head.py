@@ -69,14 +69,21 @@ class MtpHead(nn.Module):
 
         Returns the ``mtp.norm`` output [B, T, H]; ``lm_head`` of it predicts token t + 2.
         """
+        t = hidden.shape[1]
+        mask = torch.full((t, t), float("-inf"), dtype=hidden.dtype, device=hidden.device).triu(1)
+        return self.rows(hidden, next_embeds, position_ids, mask)
+
+    def rows(self, hidden: torch.Tensor, next_embeds: torch.Tensor, position_ids: torch.Tensor,
+             mask: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        """``forward`` with the attention mask [T, S] (additive) given, S = keys in ``cache``
+        plus these T rows; ``cache`` (an object with transformers' ``Cache.update(k, v,
+        layer_idx)``) holds the keys/values of earlier rows, as a chained draft step sees them."""
         x = torch.cat([self.pre_fc_norm_embedding(next_embeds),
                        self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.fc(x)
-        t = x.shape[1]
-        mask = torch.full((t, t), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
         pos = self.rotary_emb(x, position_ids)
-        x = self.layers[0](x, position_embeddings=pos, attention_mask=mask[None, None],
-                           position_ids=position_ids)
+        x = self.layers[0](x, position_embeddings=pos, attention_mask=mask.to(x.dtype)[None, None],
+                           position_ids=position_ids, cache=cache)
         return self.norm(x)
 
     def checkpoint_tensors(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

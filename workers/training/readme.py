@@ -120,3 +120,83 @@ Greedy (temperature 0) continuations, {info["sample_tokens"]} new tokens:
 
 {samples}
 """
+
+
+DISTILL_HEADING = "## Distilled MTP head"
+_SAMPLES_HEADING = "## Greedy samples"
+
+
+def write_distill_section(out_dir: Path, info: dict[str, Any]) -> None:
+    """Put (or replace) the "Distilled MTP head" section of an existing README, from the
+    ``info`` that ``distill_mtp.run`` collects, before the greedy samples (which it does
+    not change: the main model is untouched)."""
+    path = out_dir / "README.md"
+    text = path.read_text() if path.exists() else ""
+    section = _distill(info)
+    if DISTILL_HEADING in text:
+        head, rest = text.split(DISTILL_HEADING, 1)
+        tail = rest[rest.index(_SAMPLES_HEADING):] if _SAMPLES_HEADING in rest else ""
+        text = head + section + tail
+    elif _SAMPLES_HEADING in text:
+        head, tail = text.split(_SAMPLES_HEADING, 1)
+        text = head + section + _SAMPLES_HEADING + tail
+    else:
+        text = text + "\n" + section
+    path.write_text(text)
+
+
+def _given(j: int) -> str:
+    return "" if j == 0 else " (given draft 1 accepted)" if j == 1 else f" (given drafts 1..{j} accepted)"
+
+
+def _distill(info: dict[str, Any]) -> str:
+    s, t = info["settings"], info["train"]
+    before, after = info["before"], info["after"]
+    rows = [f"| draft {j + 1}{_given(j)} | {b:.3f} | **{a:.3f}** |"
+            for j, (b, a) in enumerate(zip(before["chain"]["conditional"], after["chain"]["conditional"]))]
+    rows.append(f"| accepted drafts per {s['k']}-chain (mean) | {before['chain']['mean_accepted']:.3f} | "
+                f"**{after['chain']['mean_accepted']:.3f}** |")
+    rows.append(f"| one-step acceptance on held-out text (the table above's metric) | "
+                f"{before['one_step_text']:.3f} | {after['one_step_text']:.3f} |")
+    eng = ""
+    if info.get("engine_before") and info.get("engine_after"):
+        eng_rows = "\n".join(f"| k = {k} | {info['engine_before'][k]:.3f} | **{info['engine_after'][k]:.3f}** |"
+                             for k in info["engine_before"])
+        eng = f"""
+The engine's own acceptance (accepted ÷ drafted, `num_draft_tokens` = k, greedy, batch 1,
+the bench suite's three `spec` prompts × 48 tokens, float32):
+
+| engine | before | after |
+|---|---|---|
+{eng_rows}
+"""
+    return f"""{DISTILL_HEADING}
+
+The shipped `mtp.*` tensors are the head above fine-tuned alone by self-distillation from
+the frozen main model (every `model.*` tensor is byte-identical to the joint training's;
+the MTP rows of the table above are of the head before it):
+
+```
+{info["command"]}
+```
+
+(`workers/training/distill_mtp.py`.) Targets are the main model's own next-token
+distributions (KL(main ‖ draft) + {s["hard_weight"]}·CE to its argmax), not the text; data are
+training-text prompts of {s["min_prompt"]}–{s["max_prompt"]} tokens continued by the main model's greedy
+decoding to {s["seq_len"]} tokens (prompt anchors weighted {s["text_weight"]}). The {s["k"]}-step draft chain is
+unrolled as the engine runs it (step j feeds the head's own previous output and token
+x_{{s+j}}; its attention sees the catch-up rows ≤ s and its own chained rows), steps
+weighted {", ".join(str(w) for w in s["step_weights"][:s["k"]])}. AdamW lr {s["lr"]} (cosine to {s["min_lr_ratio"]}×), batch {s["batch_size"]};
+{t["steps"]} steps, **{t["train_seconds"] / 60:.1f} min** of training, {s["threads"]} CPU thread
+({info["total_seconds"] / 60:.1f} min for the whole script, evaluations included).
+
+Held-out acceptance of greedy drafts (a draft is right when it equals the main model's
+greedy token), over every position of {len(s["eval_prompts"])}×{s["eval_per_length"]} held-out prompts
+(lengths {", ".join(map(str, s["eval_prompts"]))}) continued greedily to {s["seq_len"]} tokens
+({after["chain"]["anchors"]:,} anchors):
+
+| chain position | before | after |
+|---|---|---|
+{chr(10).join(rows)}
+{eng}
+"""

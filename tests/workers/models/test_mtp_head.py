@@ -74,10 +74,9 @@ def test_models_without_a_head(tiny_granite_dir, tiny_qwen_dir, tmp_path):
         model.build_mtp_head(kv_index=2)
 
 
-def catch_up(model, prompt: list[int], chunks: list[int], next_token: int):
-    """The target prefills ``prompt`` in ``chunks``; the drafter catches up after each one
-    and drafts after the last. -> (drafts, the head's KV at positions 0..len-1
-    [its KV layers, L, ...])."""
+def mtp_harness(model, num_drafts: int = 3) -> tuple[Harness, MtpDrafter]:
+    """A harness whose KV pool has the head's layers too (garbage-filled), and a drafter of
+    ``num_drafts`` on it (eager chain)."""
     spec = model.cache_spec()
     num_kv = spec.num_layers(ATTENTION)
     h = Harness(model, max_seqs=2, max_tokens=64)
@@ -87,8 +86,17 @@ def catch_up(model, prompt: list[int], chunks: list[int], next_token: int):
     pools.mamba = h.pools.mamba
     h.pools = pools
     h.pools.kv.k.fill_(1e4)
-    drafter = MtpDrafter(model.build_mtp_head(num_kv), model, h.pools, 3, h.page_size,
+    drafter = MtpDrafter(model.build_mtp_head(num_kv), model, h.pools, num_drafts, h.page_size,
                          256, h.pools.mamba.num_slots, torch.device("cpu"))
+    return h, drafter
+
+
+def catch_up(model, prompt: list[int], chunks: list[int], next_token: int):
+    """The target prefills ``prompt`` in ``chunks``; the drafter catches up after each one
+    and drafts after the last. -> (drafts, the head's KV at positions 0..len-1
+    [its KV layers, L, ...])."""
+    num_kv = model.cache_spec().num_layers(ATTENTION)
+    h, drafter = mtp_harness(model)
     start = 0
     with torch.inference_mode():
         for i, n in enumerate(chunks):
