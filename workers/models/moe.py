@@ -23,12 +23,14 @@ Qwen3.5-MoE checkpoints may also ship the experts fused, as transformers holds t
 [E, H, I]; ``unfuse_expert_tensors`` renames those to the per-expert layout (views).
 
 The expert loop (``moe_experts.expert_loop``: one host read per layer for the per-expert
-row counts) is the reference and the eager path; a compiled CPU step runs the same loop as
-one opaque op (``hybridserve::moe_experts``: on CPU the counts are host memory). A step a
-CUDA graph captures (or one checked under ``kernels.static.static_formulation``) cannot read
-the counts, so it takes a static formulation of the same sums: each (token, choice) row through
-its expert's gathered weights when there are fewer rows than experts, else every expert on
-every token weighted by a dense ``[T, E]`` combine matrix (zeros where not chosen).
+row counts) is the reference and the eager path. A step a CUDA graph captures (or one
+checked under ``kernels.static.static_formulation``) cannot read the counts, so it takes a
+static formulation of the same sums; a compiled CPU step takes it too where it is the
+cheaper (``static_is_cheaper``: small batches), else the loop as one opaque op
+(``hybridserve::moe_experts``: on CPU the counts are host memory). The static formulation:
+each (token, choice) row through its expert's gathered weights when there are fewer rows
+than experts, else every expert on every token weighted by a dense ``[T, E]`` combine
+matrix (zeros where not chosen).
 """
 from __future__ import annotations
 
@@ -80,6 +82,21 @@ class MoeDims:
             if self.top_k > self.topk_groups * (self.num_experts // g):
                 raise ValueError(f"num_experts_per_tok={self.top_k} exceeds the experts of "
                                  f"topk_group={self.topk_groups} groups")
+
+
+# A compiled CPU step's choice between the static formulation and the expert loop op. The
+# loop pays a fixed cost per chosen expert (~30 us: slicing, three small GEMMs, the scatter)
+# on top of its T*k rows; the dense form computes T*E rows in two batched GEMMs, the
+# gathered one reads T*k experts' weights. Measured on the 2-core CPU (compiled, packed,
+# one thread; H 256-768, I 192-384): gathered beats the loop at every T*k < E (T = 1: 41 vs
+# 102 us, E 4; 106 vs 207 us, E 8, H 768), dense beats it while T*E <= 32*k (E 8, k 2:
+# T = 8 350 vs 376 us, T = 16 660 vs 525 us; E 4: T = 16 270 vs 319 us).
+DENSE_ROWS_PER_CHOICE = 32
+
+
+def static_is_cheaper(num_tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether a compiled CPU step takes ``_routed_static`` over the loop op (see above)."""
+    return num_tokens * top_k < num_experts or num_tokens * num_experts <= DENSE_ROWS_PER_CHOICE * top_k
 
 
 class SparseMoE(nn.Module):
@@ -144,7 +161,8 @@ class SparseMoE(nn.Module):
         d = self.dims
         if not tracing():
             return expert_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
-        if x.device.type == "cpu" and torch.compiler.is_compiling():     # see moe_experts.py
+        if (x.device.type == "cpu" and torch.compiler.is_compiling()
+                and not static_is_cheaper(x.shape[0], d.num_experts, d.top_k)):   # see moe_experts.py
             return moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
         return self._routed_static(x, weights, ids)
 

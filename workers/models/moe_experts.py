@@ -6,7 +6,8 @@ row counts on the host (``.tolist()``), so it computes only the chosen rows (T*k
 transformers' expert loop does) where a static formulation computes every expert on every
 token.
 
-``hybridserve::moe_experts`` is the same loop as one opaque op for a compiled CPU step:
+``hybridserve::moe_experts`` is the same loop as one opaque op for a compiled CPU step of a
+batch too large for the static formulation to be the cheaper (``moe.static_is_cheaper``):
 inductor cannot trace a data-dependent loop, but on CPU reading the counts is a read of host
 memory (no device sync), so the op keeps the loop's arithmetic -- and its numerics, exactly
 the eager path's -- inside a compiled graph. A CUDA graph cannot hold it: GPU steps keep the

@@ -26,3 +26,32 @@ def test_static_routing_equals_the_loop(num_tokens, style, gated):
     weights, ids = layer._route(x)
     torch.testing.assert_close(layer._routed_static(x, weights, ids), layer._routed(x, weights, ids),
                                atol=1e-6, rtol=1e-5)
+
+
+def test_compiled_cpu_step_takes_the_cheaper_formulation(monkeypatch):
+    """Compiled on CPU: the static formulation for small batches, the loop op beyond
+    ``static_is_cheaper`` (6 experts, top-2: static up to T*E <= 64, i.e. 10 tokens); both
+    equal the eager loop."""
+    import workers.models.moe as moe_module
+
+    assert moe_module.static_is_cheaper(2, 6, 2) and moe_module.static_is_cheaper(10, 6, 2)
+    assert not moe_module.static_is_cheaper(11, 6, 2)
+    assert moe_module.static_is_cheaper(8, 8, 2) and not moe_module.static_is_cheaper(8, 8, 1)
+    traced_ops: list[int] = []
+    loop_op = moe_module.moe_experts
+
+    def counting_op(x, *args):
+        traced_ops.append(x.shape[0])
+        return loop_op(x, *args)
+
+    monkeypatch.setattr(moe_module, "moe_experts", counting_op)
+    layer = moe("qwen", True, seed=3)
+    for num_tokens, takes_loop in ((3, False), (16, True)):
+        traced_ops.clear()
+        torch._dynamo.reset()
+        x = torch.randn(num_tokens, 16, generator=torch.Generator().manual_seed(num_tokens))
+        weights, ids = layer._route(x)
+        with torch.inference_mode():
+            compiled = torch.compile(layer._routed, dynamic=False)(x, weights, ids)
+        assert bool(traced_ops) == takes_loop, (num_tokens, traced_ops)
+        torch.testing.assert_close(compiled, layer._routed(x, weights, ids), atol=1e-6, rtol=1e-5)
