@@ -154,7 +154,8 @@ class CacheManager:
             self._write_through(match)
         if match is not None:
             self._record_lookup(req, match, count_hit=promotion is None)
-        self.tracker.on_admit(req, match.kv_depth if match is not None else 0)
+        resume = max(req.num_computed_tokens, promotion.depth if promotion is not None else 0)
+        self.tracker.on_admit(req, match.kv_depth if match is not None else 0, resume)
         if promotion is not None:
             assert self.promotions is not None
             req.page_ids.extend(promotion.page_ids)

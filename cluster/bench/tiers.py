@@ -40,6 +40,7 @@ from typing import Any
 from cluster.bench.sim_routers import make_router
 from cluster.routing.routing_policy import RouterSettings
 from cluster.bench.tiers_explain import Explainer, format_explanation  # noqa: F401 - re-exported
+from cluster.bench.tiers_ttft import StepCost, StepLog, fit_step_cost, format_split, ttft_split
 from cluster.bench.workloads import Session, load_workload
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
@@ -122,6 +123,7 @@ class TiersResult:
     hits_by_tier: dict[str, int] = field(default_factory=dict)
     store: dict[str, int] = field(default_factory=dict)
     explain: dict[str, Any] = field(default_factory=dict)    # tiers_explain.Explanation.as_dict
+    split: dict[str, float] = field(default_factory=dict)    # tiers_ttft.ttft_split: queue vs prefill
 
 
 class _Direct:
@@ -167,10 +169,12 @@ class _Live:
 
 
 class _Cluster:
-    def __init__(self, model: Path, s: ClusterSettings, tiers: bool, router: str) -> None:
+    def __init__(self, model: Path, s: ClusterSettings, tiers: bool, router: str,
+                 cost: StepCost = StepCost(), calibrate: bool = False) -> None:
         self.s, self.tiers = s, tiers
         self.names = [f"r{i}" for i in range(s.num_replicas)]
         self.llms = {n: LLM(**s.engine(model, tiers)) for n in self.names}
+        self.logs = {n: StepLog(llm.engine, cost, calibrate) for n, llm in self.llms.items()}
         self.store: CheckpointStore | None = None
         self.clients: dict[str, StoreClient] = {}
         settings = None
@@ -212,6 +216,7 @@ class _Cluster:
                 previous = len(history) - sess.turns[turn - 1].max_tokens if turn else 0
                 self.explainer.on_route(rid, prompt, replica, len(sess.shared_ids), previous)
                 live[rid] = _Live(sess, turn, prompt, replica, self.step_no, time.perf_counter())
+                self.logs[replica].on_arrival(rid, self.step_no)
                 self._submit(rid, live[rid])
             self.step_no += 1
             for name, llm in self.llms.items():
@@ -221,12 +226,15 @@ class _Cluster:
         return done
 
     def _step(self, name: str, llm: LLM, live: dict[str, _Live], done: list, due: list) -> None:
-        for out in llm.engine.step():
+        outs = llm.engine.step()
+        self.logs[name].after_step(self.step_no)
+        for out in outs:
             item = live.get(out.request_id)
             if item is None:
                 continue
             if item.first_step is None and out.new_token_ids:
                 item.first_step, item.first_wall = self.step_no, time.perf_counter()
+                self.logs[name].on_first_token(out.request_id, self.step_no)
                 self.explainer.on_prefilled(item.prompt)
             if out.finished:
                 del live[out.request_id]
@@ -247,9 +255,13 @@ class _Cluster:
 
 
 def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
-            s: ClusterSettings = ClusterSettings()) -> TiersResult:
-    cluster = _Cluster(model, s, tiers, router)
+            s: ClusterSettings = ClusterSettings(), cost: StepCost = StepCost(),
+            samples: list[tuple[int, int, float]] | None = None) -> TiersResult:
+    """One run; ``samples`` (if given) collects every step's (computed, rows, seconds)."""
+    cluster = _Cluster(model, s, tiers, router, cost, calibrate=samples is not None)
     done = cluster.run(sessions)
+    if samples is not None:
+        samples.extend(x for log in cluster.logs.values() for x in log.samples)
     prompt = sum(len(item.prompt) for item, _ in done)
     cached = sum(out.cached_tokens for _, out in done)
     ttft_steps = [item.first_step - item.step for item, _ in done if item.first_step is not None]
@@ -262,7 +274,7 @@ def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
     return TiersResult(router, tiers, len(done), prompt, cached, round(1 - cached / prompt, 4),
                        round(cached / prompt, 4), round(sum(ttft_steps) / len(ttft_steps), 2),
                        round(sum(ttft_s) / len(ttft_s), 4), hits, {k: int(v) for k, v in store.items()},
-                       cluster.explainer.result.as_dict())
+                       cluster.explainer.result.as_dict(), ttft_split(cluster.logs.values()))
 
 
 def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
@@ -276,6 +288,8 @@ def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
     return {"computed_prefill_tiers_over_device": ratio(ours and ours.computed_fraction, device and device.computed_fraction),
             "ttft_steps_tiers_over_device": ratio(ours and ours.mean_ttft_steps, device and device.mean_ttft_steps),
             "ttft_s_tiers_over_device": ratio(ours and ours.mean_ttft_s, device and device.mean_ttft_s),
+            "ttft_model_s_tiers_over_device": ratio(ours and ours.split["ttft_model_s"],
+                                                    device and device.split["ttft_model_s"]),
             "cached_vs_ray": ratio(ours and ours.cached_fraction, ray and ray.cached_fraction)}
 
 
@@ -330,10 +344,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="host tier per replica, in device budgets")
     ap.add_argument("--store-factor", type=float, default=ClusterSettings.store_factor,
                     help="cluster store, in replica device budgets (0: no store)")
+    ap.add_argument("--think-steps", type=int, default=ClusterSettings.think_steps,
+                    help="steps between a turn's answer and the next turn (the tool call)")
+    ap.add_argument("--arrival-steps", type=int, default=ClusterSettings.arrival_steps,
+                    help="steps between two sessions' first turns")
     ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--explain", action="store_true", help="computed prompt tokens by cause (tiers_explain.py)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="fit the modelled step cost (tiers_ttft.StepCost) to this machine's step times, then use it")
     args = ap.parse_args(argv)
     model = args.model or make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()) / "m", seed=0)
     if args.multi_turn:
@@ -345,14 +365,23 @@ def main(argv: list[str] | None = None) -> None:
                                    ("num_toolsets", args.toolsets)) if v}
     sessions = load_workload("slot_pressure", overrides).sessions
     s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
-                        store_factor=args.store_factor)
+                        store_factor=args.store_factor, think_steps=args.think_steps,
+                        arrival_steps=args.arrival_steps)
     modes = (True,) if args.tiers_only else (False, True)
-    results = [run_one(model, sessions, r, t, s) for r in args.routers for t in modes]
+    cost = StepCost()
+    if args.calibrate:
+        samples: list[tuple[int, int, float]] = []
+        for t in modes:
+            run_one(model, sessions, args.routers[0], t, s, cost, samples)
+        cost = fit_step_cost(samples)
+        print(json.dumps({"calibrated_step_cost": asdict(cost), "steps": len(samples)}))
+    results = [run_one(model, sessions, r, t, s, cost) for r in args.routers for t in modes]
     if args.json:
         for r in results:
             print(json.dumps(asdict(r)))
     else:
         print(format_table(results))
+        print(format_split([(r.router, r.tiers, r.split) for r in results], cost))
     if args.explain:
         print(format_explanation([(r.router, r.tiers, r.explain) for r in results]))
     print(json.dumps({**goals(results), "loadavg": os.getloadavg()}))
