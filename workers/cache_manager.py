@@ -177,6 +177,16 @@ class CacheManager:
             return None
         return self.promotions.plan(req.all_token_ids[: req.max_cached_prefix], match, self.alloc_pages)
 
+    def cached_depth(self, req: Request) -> int:
+        """The deepest checkpoint (device or host tier) a waiting request could resume from
+        if admitted now; read-only (no LRU order moves), for the scheduler's ``lpm`` policy."""
+        limit = req.max_cached_prefix
+        if self.tree is None or limit <= 0:
+            return 0
+        usable = req.all_token_ids[:limit]
+        device = self.tree.peek(usable).depth
+        return max(device, self.host.peek(usable).depth) if self.host is not None else device
+
     def _match(self, req: Request) -> MatchResult | None:
         limit = req.max_cached_prefix        # prompt logprobs still missing cap the hit
         if self.tree is None or req.page_ids or limit <= 0:

@@ -66,6 +66,7 @@ class ClusterSettings:
     prefill_tokens_per_s: float = 10_000.0     # a replica's prefill (modelled), for the cost model
     arrival_steps: int = 2
     think_steps: int = 6
+    policy: str = "fcfs"              # scheduler.policy of every replica (fcfs | lpm)
     seed: int = 0
 
     @property
@@ -86,7 +87,7 @@ class ClusterSettings:
                          cluster_store_bytes=1 << 30 if self.store_factor > 0 else 0)
         return {"model": str(model), "device": "cpu", "dtype": "float32", "seed": self.seed, "cache": cache,
                 "scheduler": {"max_running_requests": self.max_running, "chunked_prefill_size": self.chunk,
-                              "max_batch_tokens": max(self.chunk, 512)}}
+                              "max_batch_tokens": max(self.chunk, 512), "policy": self.policy}}
 
     def store_model(self, token_bytes: int, slot_bytes: int) -> tuple[int, int, FetchSettings]:
         """The store at Qwen3-Next's proportions, from the tiny model's sizes (bytes of one KV
@@ -348,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="steps between a turn's answer and the next turn (the tool call)")
     ap.add_argument("--arrival-steps", type=int, default=ClusterSettings.arrival_steps,
                     help="steps between two sessions' first turns")
+    ap.add_argument("--policy", choices=("fcfs", "lpm"), default=ClusterSettings.policy,
+                    help="the replicas' scheduler.policy (waiting-queue order)")
     ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
@@ -366,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     sessions = load_workload("slot_pressure", overrides).sessions
     s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
                         store_factor=args.store_factor, think_steps=args.think_steps,
-                        arrival_steps=args.arrival_steps)
+                        arrival_steps=args.arrival_steps, policy=args.policy)
     modes = (True,) if args.tiers_only else (False, True)
     cost = StepCost()
     if args.calibrate:

@@ -134,9 +134,11 @@ def _mean(values: list[float]) -> float:
 
 def ttft_split(logs: Iterable[StepLog]) -> dict[str, float]:
     """Means over requests with a first token: TTFT, queue wait and prefill, in steps and in
-    modelled seconds (``ttft = queue + prefill`` in both units)."""
+    modelled seconds (``ttft = queue + prefill`` in both units); the longest TTFT in steps
+    (what a queue-reordering policy could starve)."""
     done = [t for log in logs for t in log.times.values() if t.first_step is not None]
-    out: dict[str, float] = {"requests": len(done)}
+    out: dict[str, float] = {"requests": len(done),
+                             "max_ttft_steps": max((t.first_step - t.arrival_step for t in done), default=0)}
     for unit, arrival, admit, first in (("steps", "arrival_step", "admit_step", "first_step"),
                                         ("model_s", "arrival_clock", "admit_clock", "first_clock")):
         out[f"ttft_{unit}"] = round(_mean([getattr(t, first) - getattr(t, arrival) for t in done]), 4)
@@ -150,9 +152,9 @@ def format_split(rows: Sequence[tuple[str, bool, dict[str, float]]], cost: StepC
     lines = [f"mean TTFT = queue wait + prefill, in global steps and modelled seconds "
              f"(a={cost.a:.4g} s + b={cost.b:.3g} s/token + c={cost.c:.3g} s/decode row; tiers_ttft.py):",
              f"{'router':<15}{'tiers':>6}{'ttft st':>9}{'queue st':>9}{'prefill st':>11}"
-             f"{'ttft ms':>9}{'queue ms':>9}{'prefill ms':>11}"]
+             f"{'ttft ms':>9}{'queue ms':>9}{'prefill ms':>11}{'max st':>8}"]
     for router, tiers, sp in rows:
         lines.append(f"{router:<15}{'on' if tiers else 'off':>6}{sp['ttft_steps']:>9.2f}{sp['queue_steps']:>9.2f}"
                      f"{sp['prefill_steps']:>11.2f}{1e3 * sp['ttft_model_s']:>9.1f}{1e3 * sp['queue_model_s']:>9.1f}"
-                     f"{1e3 * sp['prefill_model_s']:>11.1f}")
+                     f"{1e3 * sp['prefill_model_s']:>11.1f}{sp['max_ttft_steps']:>8}")
     return "\n".join(lines)
