@@ -64,7 +64,7 @@ class ClusterSettings:
     store_factor: float = 4.0         # cluster store, in replica device budgets (see ``store_budget``)
     store_kv_tokens_per_s: float = 200_000.0   # a fetch's bandwidth, in KV tokens (modelled)
     prefill_tokens_per_s: float = 10_000.0     # a replica's prefill (modelled), for the cost model
-    arrival_steps: int = 2
+    arrival_steps: float = 2.0
     think_steps: int = 6
     policy: str = "fcfs"              # scheduler.policy of every replica (fcfs | lpm)
     seed: int = 0
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="cluster store, in replica device budgets (0: no store)")
     ap.add_argument("--think-steps", type=int, default=ClusterSettings.think_steps,
                     help="steps between a turn's answer and the next turn (the tool call)")
-    ap.add_argument("--arrival-steps", type=int, default=ClusterSettings.arrival_steps,
+    ap.add_argument("--arrival-steps", type=float, default=ClusterSettings.arrival_steps,
                     help="steps between two sessions' first turns")
     ap.add_argument("--policy", choices=("fcfs", "lpm"), default=ClusterSettings.policy,
                     help="the replicas' scheduler.policy (waiting-queue order)")
