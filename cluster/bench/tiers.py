@@ -33,13 +33,14 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from cluster.bench.sim_routers import make_router
 from cluster.routing.routing_policy import RouterSettings
 from cluster.bench.tiers_explain import Explainer, format_explanation  # noqa: F401 - re-exported
+from cluster.bench.tiers_multi_turn import multi_turn_case  # noqa: F401 - re-exported
 from cluster.bench.tiers_ttft import StepCost, StepLog, fit_step_cost, format_split, ttft_split
 from cluster.bench.workloads import Session, load_workload
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
@@ -64,10 +65,29 @@ class ClusterSettings:
     store_factor: float = 4.0         # cluster store, in replica device budgets (see ``store_budget``)
     store_kv_tokens_per_s: float = 200_000.0   # a fetch's bandwidth, in KV tokens (modelled)
     prefill_tokens_per_s: float = 10_000.0     # a replica's prefill (modelled), for the cost model
-    arrival_steps: float = 2.0
+    arrival_steps: float = 2.0        # overloaded: see ``below_capacity``
     think_steps: int = 6
     policy: str = "fcfs"              # scheduler.policy of every replica (fcfs | lpm)
+    load_penalty_tokens: float = RouterSettings.load_penalty_tokens   # our router's load term
     seed: int = 0
+
+    def below_capacity(self) -> ClusterSettings:
+        """The operating point for TTFT (BENCHMARKS.md, issue 17's TTFT goal): these settings
+        with the session clock of a serving benchmark, below the cluster's capacity.
+
+        The defaults overload the cluster (sessions every 2 steps, 6 steps between turns):
+        TTFT there is the queue's length under any cache (32.9 of 33.9 steps are queue).
+        ``think_steps`` 60: a tool call between turns (code, search) takes a second or more;
+        a modelled step of these replicas costs ~20 ms (``tiers_ttft.StepCost``), so 60 steps
+        ~ 1.2 s (6 steps ~ 0.1 s is no tool call). ``arrival_steps`` 6: sessions start below
+        the cluster's capacity: 12 running slots, a request holds one ~27 steps (24
+        decodes), so 32 sessions alternating ~27 busy and ~60 thinking steps keep ~10 of 12
+        slots busy.
+        ``load_penalty_tokens`` 128 (the router's default is 16): with 16 a queued request
+        weighs less than a tenth of a 192-token system prompt, so ours kept each tool set's
+        sessions on one replica (61 / 3 / 61 / 3 requests) and TTFT was that imbalance's
+        queue; at 128 it spreads them (queue ~0) and TTFT is prefill, which the tiers cut."""
+        return replace(self, think_steps=60, arrival_steps=6.0, load_penalty_tokens=128.0)
 
     @property
     def num_slots(self) -> int:
@@ -178,7 +198,7 @@ class _Cluster:
         self.logs = {n: StepLog(llm.engine, cost, calibrate) for n, llm in self.llms.items()}
         self.store: CheckpointStore | None = None
         self.clients: dict[str, StoreClient] = {}
-        settings = None
+        settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens)
         if tiers and s.store_factor > 0:
             storage = self.llms[self.names[0]].engine.cache.host.storage
             budget, extra, fetch = s.store_model(storage.nbytes(0, 1) // s.page_size, storage.nbytes(1, 0))
@@ -186,7 +206,7 @@ class _Cluster:
             self.store = backend.store
             self.clients = {n: StoreClient(backend, s.page_size, n, fetch) for n in self.names}
             gain = fetch_break_even_tokens(extra + storage.nbytes(1, 0), fetch)
-            settings = RouterSettings(store_min_gain_tokens=gain)
+            settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens, store_min_gain_tokens=gain)
         self.router = make_router(router, self.names, random.Random(s.seed), settings)
         self.explainer = Explainer({n: llm.engine for n, llm in self.llms.items()}, self.store, s.page_size)
         self.step_no = 0
@@ -294,31 +314,6 @@ def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
             "cached_vs_ray": ratio(ours and ours.cached_fraction, ray and ray.cached_fraction)}
 
 
-def multi_turn_case(model: Path, strategy: str, host: bool, seed: int = 21) -> dict[str, Any]:
-    """The issue's case on one engine: 24 slots, 4 running, 20 conversations over 5 system
-    prompts; how many turn-2 prompts resume from (at least) their turn-1 prompt."""
-    rng = random.Random(seed)
-
-    def draw(n: int) -> list[int]:
-        return [rng.randrange(3, 500) for _ in range(n)]
-
-    cache: dict[str, Any] = {"page_size": 4, "max_kv_tokens": 4096, "max_mamba_slots": 24,
-                             "mamba_strategy": strategy, "mamba_track_interval": 16}
-    if host:
-        cache.update(host_mamba_slots=96, host_kv_tokens=4096)
-    llm = LLM(model=str(model), device="cpu", dtype="float32", cache=cache,
-              scheduler={"max_running_requests": 4})
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    systems = [draw(24) for _ in range(5)]
-    turn1 = [systems[i % 5] + draw(6 + i % 7) for i in range(20)]
-    outs1 = llm.generate_ids(turn1, [params] * 20)
-    turn2 = [p + o.token_ids + draw(4) for p, o in zip(turn1, outs1)]
-    outs2 = llm.generate_ids(turn2, [params] * 20)
-    hits = sum(o.cached_tokens >= (len(p) - 1) // 4 * 4 for p, o in zip(turn1, outs2))
-    return {"strategy": strategy, "host_tier": host, "turn2_hits": hits, "of": 20,
-            "hits_by_tier": dict(llm.stats()["hybridserve_cache_hits_total"])}
-
-
 def format_table(results: Sequence[TiersResult]) -> str:
     lines = [f"{'router':<15}{'tiers':>6}{'requests':>9}{'computed':>10}{'cached':>8}{'ttft steps':>11}"
              f"{'ttft s':>8}  hits by tier"]
@@ -328,12 +323,7 @@ def format_table(results: Sequence[TiersResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import os
-    import tempfile
-
-    from workers.models.tiny import make_tiny_checkpoint
-
+def _arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="default: a random tiny Qwen3-Next")
     ap.add_argument("--replicas", type=int, default=ClusterSettings.num_replicas)
@@ -351,13 +341,26 @@ def main(argv: list[str] | None = None) -> None:
                     help="steps between two sessions' first turns")
     ap.add_argument("--policy", choices=("fcfs", "lpm"), default=ClusterSettings.policy,
                     help="the replicas' scheduler.policy (waiting-queue order)")
+    ap.add_argument("--load-penalty-tokens", type=float, default=ClusterSettings.load_penalty_tokens,
+                    help="our router's RouterSettings.load_penalty_tokens (cached tokens worth one queued request)")
+    ap.add_argument("--below-capacity", action="store_true",
+                    help="ClusterSettings.below_capacity(): think 60, sessions every 6 steps, load penalty 128")
     ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--explain", action="store_true", help="computed prompt tokens by cause (tiers_explain.py)")
     ap.add_argument("--calibrate", action="store_true",
                     help="fit the modelled step cost (tiers_ttft.StepCost) to this machine's step times, then use it")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    import os
+    import tempfile
+
+    from workers.models.tiny import make_tiny_checkpoint
+
+    args = _arg_parser().parse_args(argv)
     model = args.model or make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()) / "m", seed=0)
     if args.multi_turn:
         for strategy in ("extra_buffer", "extra_buffer_lazy"):
@@ -369,7 +372,10 @@ def main(argv: list[str] | None = None) -> None:
     sessions = load_workload("slot_pressure", overrides).sessions
     s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
                         store_factor=args.store_factor, think_steps=args.think_steps,
-                        arrival_steps=args.arrival_steps, policy=args.policy)
+                        arrival_steps=args.arrival_steps, policy=args.policy,
+                        load_penalty_tokens=args.load_penalty_tokens)
+    if args.below_capacity:
+        s = s.below_capacity()
     modes = (True,) if args.tiers_only else (False, True)
     cost = StepCost()
     if args.calibrate:

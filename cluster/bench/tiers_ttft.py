@@ -1,9 +1,12 @@
 """TTFT split into queue wait and prefill, in steps and in modelled time (``bench/tiers.py``).
 
-Per request: ``queue`` = arrival -> admitted (the request joins its replica's running
-batch, for the first time), ``prefill`` = admitted -> first token. Both are counted in
-global steps of the in-process cluster and in **modelled** seconds: each replica keeps a
-clock advanced, per launched batch, by ``StepCost``
+Per request: ``queue`` = arrival -> admitted, ``prefill`` = admitted -> first token. In
+global steps of the in-process cluster: admitted = the step it joins its replica's running
+requests, first token = the step whose output carries it (one step after its batch, under
+the overlap lag). In **modelled** seconds, on a clock per replica that each launched batch
+advances by its ``StepCost`` (forwards back to back): arrival = the replica's clock then
+(the end of its batch in flight), admitted = the start of the first batch holding the
+request, first token = the end of the batch that samples it. The modelled cost is
 
     cost = a + b * computed prompt tokens + c * decode rows
 
@@ -89,11 +92,13 @@ class StepLog:
         self.times: dict[str, RequestTimes] = {}
         self.samples: list[tuple[int, int, float]] = []
         self._shapes: dict[int, tuple[int, int]] = {}
+        self._sampled: dict[str, float] = {}      # request id -> end of the batch sampling its first token
         launch = engine.scheduler.on_launch
 
         def on_launch(batch: ScheduledBatch) -> None:
             shape = batch_shape(batch)
-            self.clock += cost(*shape)
+            start, self.clock = self.clock, self.clock + cost(*shape)
+            self._stamp(batch, start)
             if calibrate:
                 self._shapes[batch.batch_id] = shape
             launch(batch)
@@ -109,6 +114,16 @@ class StepLog:
 
             engine._process = on_process
 
+    def _stamp(self, batch: ScheduledBatch, start: float) -> None:
+        for seq in batch.seqs:
+            t = self.times.get(seq.request.request_id)
+            if t is None:
+                continue
+            if t.admit_clock is None:
+                t.admit_clock = start
+            if seq.samples and seq.request.request_id not in self._sampled:
+                self._sampled[seq.request.request_id] = self.clock
+
     def on_arrival(self, rid: str, step: int) -> None:
         self.times[rid] = RequestTimes(step, self.clock)
 
@@ -118,14 +133,16 @@ class StepLog:
         for req in self.engine.scheduler.running:
             t = self.times.get(req.request_id)
             if t is not None and t.admit_step is None:
-                t.admit_step, t.admit_clock = step, self.clock
+                t.admit_step = step
 
     def on_first_token(self, rid: str, step: int) -> None:
         t = self.times[rid]
         if t.first_step is None:
-            t.first_step, t.first_clock = step, self.clock
+            t.first_step, t.first_clock = step, self._sampled.pop(rid, self.clock)
             if t.admit_step is None:        # admitted and sampled within one step (no overlap)
-                t.admit_step, t.admit_clock = step, self.clock
+                t.admit_step = step
+            if t.admit_clock is None:
+                t.admit_clock = t.first_clock
 
 
 def _mean(values: list[float]) -> float:
