@@ -22,7 +22,10 @@ What is real: engines, caches, tiers, store client, routers. What is not: the ne
 steps and think ``think_steps`` steps between turns). Reported per (router, tiers):
 computed prefill fraction and cached fraction (counts: valid on a loaded machine), and
 mean TTFT in global steps (deterministic) and in seconds (needs an idle machine), and
-``explain``: the computed prompt tokens by cause and the oracle (``tiers_explain.py``).
+``explain``: the computed prompt tokens by cause and the oracle (``tiers_explain.py``), and
+``split``: TTFT as queue wait + prefill, in steps and modelled seconds (``tiers_ttft.py``).
+The defaults overload the cluster; ``--below-capacity`` (``ClusterSettings.below_capacity``)
+is the operating point of a serving benchmark, where TTFT is not the queue's length.
 """
 from __future__ import annotations
 
