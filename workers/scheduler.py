@@ -231,20 +231,25 @@ class Scheduler:
             if victim is request:
                 return False
 
-    def _next_waiting(self) -> int:
-        """The index in ``waiting`` of the request to admit next (see the module doc)."""
+    def _next_waiting(self, depths: dict[int, int]) -> int:
+        """The index in ``waiting`` of the request to admit next (see the module doc).
+        ``depths`` memoizes cached depths by handle for one ``_admit`` call (one step)."""
         if self.config.policy == "fcfs":
             return 0
         window = range(min(len(self.waiting), LPM_WINDOW))
         due = next((i for i in window if self.waiting[i].num_bypassed >= self.config.lpm_max_bypass), None)
         if due is not None:
             return due
-        depths = [self.cache.cached_depth(self.waiting[i]) for i in window]
-        return max(window, key=lambda i: (depths[i], -i))
+        for i in window:
+            r = self.waiting[i]
+            if r.handle not in depths:
+                depths[r.handle] = self.cache.cached_depth(r)
+        return max(window, key=lambda i: (depths[self.waiting[i].handle], -i))
 
     def _admit(self, budget: int, seqs: list[ScheduledSeq]) -> None:
+        depths: dict[int, int] = {}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            at = self._next_waiting()
+            at = self._next_waiting(depths)
             request = self.waiting[at]
             if not self.cache.admit(request):
                 break
