@@ -58,10 +58,18 @@ class CacheConfig(_Frozen):
 
 
 class SchedulerConfig(_Frozen):
+    """``policy`` orders admission from the waiting queue: ``fcfs`` (arrival order) or
+    ``lpm`` (longest cached prefix first, device or host tier, like SGLang's
+    ``--schedule-policy lpm``; ties in arrival order). Under ``lpm`` a waiting request lets
+    at most ``lpm_max_bypass`` younger requests be admitted before it; then it is next.
+    Only the order changes: greedy outputs are the same under both."""
+
     max_running_requests: int = Field(64, ge=1)
     max_batch_tokens: int = Field(4096, ge=1)
     chunked_prefill_size: int = Field(512, ge=1)
     overlap: bool = True
+    policy: Literal["fcfs", "lpm"] = "fcfs"
+    lpm_max_bypass: int = Field(8, ge=0)
 
 
 class SpecConfig(_Frozen):

@@ -154,7 +154,8 @@ class CacheManager:
             self._write_through(match)
         if match is not None:
             self._record_lookup(req, match, count_hit=promotion is None)
-        self.tracker.on_admit(req, match.kv_depth if match is not None else 0)
+        resume = max(req.num_computed_tokens, promotion.depth if promotion is not None else 0)
+        self.tracker.on_admit(req, match.kv_depth if match is not None else 0, resume)
         if promotion is not None:
             assert self.promotions is not None
             req.page_ids.extend(promotion.page_ids)
@@ -175,6 +176,16 @@ class CacheManager:
         if self.promotions is None or match is None:
             return None
         return self.promotions.plan(req.all_token_ids[: req.max_cached_prefix], match, self.alloc_pages)
+
+    def cached_depth(self, req: Request) -> int:
+        """The deepest checkpoint (device or host tier) a waiting request could resume from
+        if admitted now; read-only (no LRU order moves), for the scheduler's ``lpm`` policy."""
+        limit = req.max_cached_prefix
+        if self.tree is None or limit <= 0:
+            return 0
+        usable = req.all_token_ids[:limit]
+        device = self.tree.peek(usable).depth
+        return max(device, self.host.peek(usable).depth) if self.host is not None else device
 
     def _match(self, req: Request) -> MatchResult | None:
         limit = req.max_cached_prefix        # prompt logprobs still missing cap the hit

@@ -9,9 +9,10 @@ Strategies (``cache.mamba_strategy``, DESIGN §4):
   borrowed per write without eviction; when that fails, the write goes in place into keep.
 
 Checkpoint depths: prefill targets (the last page-aligned position a later match can
-reach, ``((L - 1) // page) * page``, the deepest track-grid point at or below it -- so a
-later prompt that shares only a prefix of this one, such as a system prompt, finds a
-checkpoint without a second request first writing the branching point -- and the
+reach, ``((L - 1) // page) * page``, for a prompt resuming from no checkpoint the deepest
+track-grid point at or below it -- so a later prompt that shares only a prefix of this
+one, such as a system prompt, finds a checkpoint without a second request first writing
+the branching point; a resumed prompt skips it, ``prefill_grid_target`` -- and the
 branching point of a partial match; the
 kernels snapshot the state at that position inside the chunk, and the scheduler cuts a
 chunk that would hold two), multiples of the track grid
@@ -113,17 +114,32 @@ class CheckpointTracker:
         return self.strategy in ("extra_buffer", "extra_buffer_lazy")
 
     # -- admission -------------------------------------------------------------------------
-    def on_admit(self, req: Request, kv_depth: int) -> None:
+    def on_admit(self, req: Request, kv_depth: int, resume_depth: int = 0) -> None:
+        """Plan the request's checkpoint targets. ``resume_depth``: the checkpoint its prefill
+        starts from (a device hit, or a promotion being copied in); the grid target is only
+        for a prompt resuming from none (see ``prefill_grid_target``)."""
         if not self.tracks:
             return
         ps, c = self.page_size, req.cache
         last_reachable = ((req.num_tokens - 1) // ps) * ps
-        grid_below = (last_reachable // self.grid) * self.grid
+        grid_below = self.prefill_grid_target(last_reachable, resume_depth)
         c.targets = sorted({t for t in (kv_depth, grid_below, last_reachable, self.output_target(req))
                             if t > req.num_computed_tokens and t >= ps})
         c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
         if self.strategy == "extra_buffer":
             c.next_slot = self._alloc(req, SlotRole.PENDING, evict=True)
+
+    def prefill_grid_target(self, last_reachable: int, resume_depth: int) -> int:
+        """The deepest grid point at or below ``last_reachable`` for a prompt resuming from no
+        checkpoint (0 = none otherwise). It exists for a prefix seen the first time that
+        later prompts share only in part (a system prompt); it costs a step, since a chunk
+        holding two targets is cut at the first. A prompt that resumes from a checkpoint
+        continues its own context (the next turn of a conversation, which extends the
+        prompt's end or the answer's); its branch points are written when a prompt first
+        diverges there (``kv_depth``), so a grid cut would only add a step to its TTFT."""
+        if resume_depth > 0:
+            return 0
+        return (last_reachable // self.grid) * self.grid
 
     def output_target(self, req: Request) -> int:
         """The deepest page-aligned state a request that runs to ``max_tokens`` computes:

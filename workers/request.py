@@ -99,6 +99,7 @@ class Request:
     has_drafts: bool = False             # the MTP head drafted after this request's last sample
     cache: RequestCacheState = field(default_factory=lambda: RequestCacheState())
     num_preemptions: int = 0
+    num_bypassed: int = 0                # younger requests admitted while it waited (lpm's bound)
     first_token_time: float | None = None
     finished_time: float | None = None
 

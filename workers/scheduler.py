@@ -10,9 +10,19 @@ Pure bookkeeping: ints and lists, no tensors. One call to ``schedule`` decides o
    now (evicting unlocked cached prefixes first); when that still fails, the youngest
    running request is preempted (resources freed, ``num_computed_tokens`` reset to 0,
    back into the queue at its arrival position) until the allocation fits.
-2. Waiting requests are admitted in arrival order while a live Mamba slot, pages and budget
-   exist and fewer than ``max_running_requests`` run. Admission may reuse a cached prefix
-   and never preempts; it is skipped in a step that preempted or stalled a request.
+2. Waiting requests are admitted while a live Mamba slot, pages and budget exist and
+   fewer than ``max_running_requests`` run, in the order of ``scheduler.policy``: ``fcfs``
+   (arrival order) or ``lpm`` (the longest cached prefix first, ``_next_waiting``).
+   Admission may reuse a cached prefix and never preempts; it stops at the first request
+   the policy picks that does not fit, and is skipped in a step that preempted or stalled
+   a request.
+
+Fairness under ``lpm``: every admission of a younger request counts one bypass against
+each older waiting request; the oldest waiting request bypassed ``lpm_max_bypass`` times
+is picked next (and stays picked until it is admitted). A request is therefore admitted
+after at most ``lpm_max_bypass`` younger ones (plus those older than it): no starvation.
+``waiting`` stays in arrival order (a preempted request goes back to its place); only the
+pick changes.
 
 Liveness (DESIGN §4 rule 6): a request that fits the pools alone always finishes. The
 oldest request is never a victim while a younger one exists, so it always progresses:
@@ -38,6 +48,7 @@ Invariant: after ``schedule``, every running request holds a live slot and at le
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 
 from configs.schema import SchedulerConfig
@@ -46,6 +57,9 @@ from workers.request import Request, RequestStatus
 from workers.scheduler_types import ScheduledBatch, ScheduledSeq
 
 __all__ = ["Scheduler", "ScheduledBatch", "ScheduledSeq", "pages_needed"]
+
+
+LPM_WINDOW = 128     # lpm looks this deep into the queue (SGLang falls back to fcfs past 128)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -217,9 +231,26 @@ class Scheduler:
             if victim is request:
                 return False
 
+    def _next_waiting(self, depths: dict[int, int]) -> int:
+        """The index in ``waiting`` of the request to admit next (see the module doc).
+        ``depths`` memoizes cached depths by handle for one ``_admit`` call (one step)."""
+        if self.config.policy == "fcfs":
+            return 0
+        window = range(min(len(self.waiting), LPM_WINDOW))
+        due = next((i for i in window if self.waiting[i].num_bypassed >= self.config.lpm_max_bypass), None)
+        if due is not None:
+            return due
+        for i in window:
+            r = self.waiting[i]
+            if r.handle not in depths:
+                depths[r.handle] = self.cache.cached_depth(r)
+        return max(window, key=lambda i: (depths[self.waiting[i].handle], -i))
+
     def _admit(self, budget: int, seqs: list[ScheduledSeq]) -> None:
+        depths: dict[int, int] = {}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            request = self.waiting[0]
+            at = self._next_waiting(depths)
+            request = self.waiting[at]
             if not self.cache.admit(request):
                 break
             n, new = 0, []
@@ -230,7 +261,9 @@ class Scheduler:
                     self.cache.release(request, finished=False)
                     request.num_computed_tokens = 0
                     break
-            self.waiting.popleft()
+            del self.waiting[at]
+            for older in itertools.islice(self.waiting, at):
+                older.num_bypassed += 1
             request.page_ids.extend(new)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.handle)

@@ -40,7 +40,7 @@ HEADLINE = {                      # summary key -> (section, path inside its res
     "spec_tpot_speedup": ("spec", ("spec_tpot_speedup",)),
     "overlap_speedup": ("overlap", ("overlap_speedup",)),
     "tiers_prefill_ratio": ("tiers", ("goals", "computed_prefill_tiers_over_device")),
-    "tiers_ttft_ratio": ("tiers", ("goals", "ttft_s_tiers_over_device")),
+    "tiers_ttft_ratio": ("tiers", ("below_capacity", "goals", "ttft_model_s_tiers_over_device")),
     "tiers_cached_vs_ray": ("tiers", ("goals", "cached_vs_ray")),
     "multi_turn_turn2_hits": ("tiers", ("multi_turn", "host", "turn2_hits")),
     "eos_workload_speedup": ("eos_workload", ("eos_workload_speedup",)),
@@ -177,8 +177,13 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
         on, off = r.get(("hybrid_prefix", True)), r.get(("hybrid_prefix", False))
         if on and off:
             out["tiers_prefill_ratio"] = f"computed {on['computed_fraction']} vs {off['computed_fraction']}"
-            out["tiers_ttft_ratio"] = (f"{on['mean_ttft_s']} vs {off['mean_ttft_s']} s ({on['mean_ttft_steps']} vs "
-                                       f"{off['mean_ttft_steps']} steps); needs an idle machine")
+            low = {(x["router"], x["tiers"]): x for x in t["below_capacity"]["results"]}
+            lon, loff = low[("hybrid_prefix", True)]["split"], low[("hybrid_prefix", False)]["split"]
+            out["tiers_ttft_ratio"] = (
+                f"below capacity, modelled {lon['ttft_model_s']} vs {loff['ttft_model_s']} s (queue "
+                f"{lon['queue_model_s']} vs {loff['queue_model_s']}), {lon['ttft_steps']} vs {loff['ttft_steps']} "
+                f"steps; overloaded (the other goals' point) modelled {on['split']['ttft_model_s']} vs "
+                f"{off['split']['ttft_model_s']} s, {on['mean_ttft_steps']} vs {off['mean_ttft_steps']} steps")
         if on and (ray := r.get(("ray_prefix", True))):
             oracle = on.get("explain", {}).get("oracle_cached_fraction")
             out["tiers_cached_vs_ray"] = f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; oracle {oracle}"

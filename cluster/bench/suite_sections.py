@@ -305,5 +305,12 @@ def tiers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
     multi = {("host" if host else "device"): T.multi_turn_case(model, "extra_buffer_lazy", host)
              for host in (False, True)}
     explain = T.format_explanation([(r.router, r.tiers, r.explain) for r in results])
+    low = settings.below_capacity()           # TTFT's operating point (its docstring says why)
+    below = [T.run_one(model, sessions, router, on, low) for router in t.routers for on in (False, True)]
     return {"results": [asdict(r) for r in results], "goals": T.goals(results), "multi_turn": multi,
-            "settings": asdict(settings), "table": T.format_table(results), "explain_table": explain}
+            "settings": asdict(settings), "table": T.format_table(results), "explain_table": explain,
+            "split_table": T.format_split([(r.router, r.tiers, r.split) for r in results], T.StepCost()),
+            "below_capacity": {"results": [asdict(r) for r in below], "goals": T.goals(below),
+                               "settings": asdict(low), "table": T.format_table(below),
+                               "split_table": T.format_split([(r.router, r.tiers, r.split) for r in below],
+                                                             T.StepCost())}}

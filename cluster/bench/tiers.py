@@ -22,7 +22,10 @@ What is real: engines, caches, tiers, store client, routers. What is not: the ne
 steps and think ``think_steps`` steps between turns). Reported per (router, tiers):
 computed prefill fraction and cached fraction (counts: valid on a loaded machine), and
 mean TTFT in global steps (deterministic) and in seconds (needs an idle machine), and
-``explain``: the computed prompt tokens by cause and the oracle (``tiers_explain.py``).
+``explain``: the computed prompt tokens by cause and the oracle (``tiers_explain.py``), and
+``split``: TTFT as queue wait + prefill, in steps and modelled seconds (``tiers_ttft.py``).
+The defaults overload the cluster; ``--below-capacity`` (``ClusterSettings.below_capacity``)
+is the operating point of a serving benchmark, where TTFT is not the queue's length.
 """
 from __future__ import annotations
 
@@ -33,13 +36,15 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from cluster.bench.sim_routers import make_router
 from cluster.routing.routing_policy import RouterSettings
 from cluster.bench.tiers_explain import Explainer, format_explanation  # noqa: F401 - re-exported
+from cluster.bench.tiers_multi_turn import multi_turn_case  # noqa: F401 - re-exported
+from cluster.bench.tiers_ttft import StepCost, StepLog, fit_step_cost, format_split, ttft_split
 from cluster.bench.workloads import Session, load_workload
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
@@ -63,9 +68,29 @@ class ClusterSettings:
     store_factor: float = 4.0         # cluster store, in replica device budgets (see ``store_budget``)
     store_kv_tokens_per_s: float = 200_000.0   # a fetch's bandwidth, in KV tokens (modelled)
     prefill_tokens_per_s: float = 10_000.0     # a replica's prefill (modelled), for the cost model
-    arrival_steps: int = 2
+    arrival_steps: float = 2.0        # overloaded: see ``below_capacity``
     think_steps: int = 6
+    policy: str = "fcfs"              # scheduler.policy of every replica (fcfs | lpm)
+    load_penalty_tokens: float = RouterSettings.load_penalty_tokens   # our router's load term
     seed: int = 0
+
+    def below_capacity(self) -> ClusterSettings:
+        """The operating point for TTFT (BENCHMARKS.md, issue 17's TTFT goal): these settings
+        with the session clock of a serving benchmark, below the cluster's capacity.
+
+        The defaults overload the cluster (sessions every 2 steps, 6 steps between turns):
+        TTFT there is the queue's length under any cache (32.9 of 33.9 steps are queue).
+        ``think_steps`` 60: a tool call between turns (code, search) takes a second or more;
+        a modelled step of these replicas costs ~20 ms (``tiers_ttft.StepCost``), so 60 steps
+        ~ 1.2 s (6 steps ~ 0.1 s is no tool call). ``arrival_steps`` 6: sessions start below
+        the cluster's capacity: 12 running slots, a request holds one ~27 steps (24
+        decodes), so 32 sessions alternating ~27 busy and ~60 thinking steps keep ~10 of 12
+        slots busy.
+        ``load_penalty_tokens`` 128 (the router's default is 16): with 16 a queued request
+        weighs less than a tenth of a 192-token system prompt, so ours kept each tool set's
+        sessions on one replica (61 / 3 / 61 / 3 requests) and TTFT was that imbalance's
+        queue; at 128 it spreads them (queue ~0) and TTFT is prefill, which the tiers cut."""
+        return replace(self, think_steps=60, arrival_steps=6.0, load_penalty_tokens=128.0)
 
     @property
     def num_slots(self) -> int:
@@ -85,7 +110,7 @@ class ClusterSettings:
                          cluster_store_bytes=1 << 30 if self.store_factor > 0 else 0)
         return {"model": str(model), "device": "cpu", "dtype": "float32", "seed": self.seed, "cache": cache,
                 "scheduler": {"max_running_requests": self.max_running, "chunked_prefill_size": self.chunk,
-                              "max_batch_tokens": max(self.chunk, 512)}}
+                              "max_batch_tokens": max(self.chunk, 512), "policy": self.policy}}
 
     def store_model(self, token_bytes: int, slot_bytes: int) -> tuple[int, int, FetchSettings]:
         """The store at Qwen3-Next's proportions, from the tiny model's sizes (bytes of one KV
@@ -122,6 +147,7 @@ class TiersResult:
     hits_by_tier: dict[str, int] = field(default_factory=dict)
     store: dict[str, int] = field(default_factory=dict)
     explain: dict[str, Any] = field(default_factory=dict)    # tiers_explain.Explanation.as_dict
+    split: dict[str, float] = field(default_factory=dict)    # tiers_ttft.ttft_split: queue vs prefill
 
 
 class _Direct:
@@ -167,13 +193,15 @@ class _Live:
 
 
 class _Cluster:
-    def __init__(self, model: Path, s: ClusterSettings, tiers: bool, router: str) -> None:
+    def __init__(self, model: Path, s: ClusterSettings, tiers: bool, router: str,
+                 cost: StepCost = StepCost(), calibrate: bool = False) -> None:
         self.s, self.tiers = s, tiers
         self.names = [f"r{i}" for i in range(s.num_replicas)]
         self.llms = {n: LLM(**s.engine(model, tiers)) for n in self.names}
+        self.logs = {n: StepLog(llm.engine, cost, calibrate) for n, llm in self.llms.items()}
         self.store: CheckpointStore | None = None
         self.clients: dict[str, StoreClient] = {}
-        settings = None
+        settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens)
         if tiers and s.store_factor > 0:
             storage = self.llms[self.names[0]].engine.cache.host.storage
             budget, extra, fetch = s.store_model(storage.nbytes(0, 1) // s.page_size, storage.nbytes(1, 0))
@@ -181,7 +209,7 @@ class _Cluster:
             self.store = backend.store
             self.clients = {n: StoreClient(backend, s.page_size, n, fetch) for n in self.names}
             gain = fetch_break_even_tokens(extra + storage.nbytes(1, 0), fetch)
-            settings = RouterSettings(store_min_gain_tokens=gain)
+            settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens, store_min_gain_tokens=gain)
         self.router = make_router(router, self.names, random.Random(s.seed), settings)
         self.explainer = Explainer({n: llm.engine for n, llm in self.llms.items()}, self.store, s.page_size)
         self.step_no = 0
@@ -212,6 +240,7 @@ class _Cluster:
                 previous = len(history) - sess.turns[turn - 1].max_tokens if turn else 0
                 self.explainer.on_route(rid, prompt, replica, len(sess.shared_ids), previous)
                 live[rid] = _Live(sess, turn, prompt, replica, self.step_no, time.perf_counter())
+                self.logs[replica].on_arrival(rid, self.step_no)
                 self._submit(rid, live[rid])
             self.step_no += 1
             for name, llm in self.llms.items():
@@ -221,12 +250,15 @@ class _Cluster:
         return done
 
     def _step(self, name: str, llm: LLM, live: dict[str, _Live], done: list, due: list) -> None:
-        for out in llm.engine.step():
+        outs = llm.engine.step()
+        self.logs[name].after_step(self.step_no)
+        for out in outs:
             item = live.get(out.request_id)
             if item is None:
                 continue
             if item.first_step is None and out.new_token_ids:
                 item.first_step, item.first_wall = self.step_no, time.perf_counter()
+                self.logs[name].on_first_token(out.request_id, self.step_no)
                 self.explainer.on_prefilled(item.prompt)
             if out.finished:
                 del live[out.request_id]
@@ -247,9 +279,13 @@ class _Cluster:
 
 
 def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
-            s: ClusterSettings = ClusterSettings()) -> TiersResult:
-    cluster = _Cluster(model, s, tiers, router)
+            s: ClusterSettings = ClusterSettings(), cost: StepCost = StepCost(),
+            samples: list[tuple[int, int, float]] | None = None) -> TiersResult:
+    """One run; ``samples`` (if given) collects every step's (computed, rows, seconds)."""
+    cluster = _Cluster(model, s, tiers, router, cost, calibrate=samples is not None)
     done = cluster.run(sessions)
+    if samples is not None:
+        samples.extend(x for log in cluster.logs.values() for x in log.samples)
     prompt = sum(len(item.prompt) for item, _ in done)
     cached = sum(out.cached_tokens for _, out in done)
     ttft_steps = [item.first_step - item.step for item, _ in done if item.first_step is not None]
@@ -262,7 +298,7 @@ def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
     return TiersResult(router, tiers, len(done), prompt, cached, round(1 - cached / prompt, 4),
                        round(cached / prompt, 4), round(sum(ttft_steps) / len(ttft_steps), 2),
                        round(sum(ttft_s) / len(ttft_s), 4), hits, {k: int(v) for k, v in store.items()},
-                       cluster.explainer.result.as_dict())
+                       cluster.explainer.result.as_dict(), ttft_split(cluster.logs.values()))
 
 
 def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
@@ -276,32 +312,9 @@ def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
     return {"computed_prefill_tiers_over_device": ratio(ours and ours.computed_fraction, device and device.computed_fraction),
             "ttft_steps_tiers_over_device": ratio(ours and ours.mean_ttft_steps, device and device.mean_ttft_steps),
             "ttft_s_tiers_over_device": ratio(ours and ours.mean_ttft_s, device and device.mean_ttft_s),
+            "ttft_model_s_tiers_over_device": ratio(ours and ours.split["ttft_model_s"],
+                                                    device and device.split["ttft_model_s"]),
             "cached_vs_ray": ratio(ours and ours.cached_fraction, ray and ray.cached_fraction)}
-
-
-def multi_turn_case(model: Path, strategy: str, host: bool, seed: int = 21) -> dict[str, Any]:
-    """The issue's case on one engine: 24 slots, 4 running, 20 conversations over 5 system
-    prompts; how many turn-2 prompts resume from (at least) their turn-1 prompt."""
-    rng = random.Random(seed)
-
-    def draw(n: int) -> list[int]:
-        return [rng.randrange(3, 500) for _ in range(n)]
-
-    cache: dict[str, Any] = {"page_size": 4, "max_kv_tokens": 4096, "max_mamba_slots": 24,
-                             "mamba_strategy": strategy, "mamba_track_interval": 16}
-    if host:
-        cache.update(host_mamba_slots=96, host_kv_tokens=4096)
-    llm = LLM(model=str(model), device="cpu", dtype="float32", cache=cache,
-              scheduler={"max_running_requests": 4})
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    systems = [draw(24) for _ in range(5)]
-    turn1 = [systems[i % 5] + draw(6 + i % 7) for i in range(20)]
-    outs1 = llm.generate_ids(turn1, [params] * 20)
-    turn2 = [p + o.token_ids + draw(4) for p, o in zip(turn1, outs1)]
-    outs2 = llm.generate_ids(turn2, [params] * 20)
-    hits = sum(o.cached_tokens >= (len(p) - 1) // 4 * 4 for p, o in zip(turn1, outs2))
-    return {"strategy": strategy, "host_tier": host, "turn2_hits": hits, "of": 20,
-            "hits_by_tier": dict(llm.stats()["hybridserve_cache_hits_total"])}
 
 
 def format_table(results: Sequence[TiersResult]) -> str:
@@ -313,12 +326,7 @@ def format_table(results: Sequence[TiersResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import os
-    import tempfile
-
-    from workers.models.tiny import make_tiny_checkpoint
-
+def _arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="default: a random tiny Qwen3-Next")
     ap.add_argument("--replicas", type=int, default=ClusterSettings.num_replicas)
@@ -330,11 +338,32 @@ def main(argv: list[str] | None = None) -> None:
                     help="host tier per replica, in device budgets")
     ap.add_argument("--store-factor", type=float, default=ClusterSettings.store_factor,
                     help="cluster store, in replica device budgets (0: no store)")
+    ap.add_argument("--think-steps", type=int, default=ClusterSettings.think_steps,
+                    help="steps between a turn's answer and the next turn (the tool call)")
+    ap.add_argument("--arrival-steps", type=float, default=ClusterSettings.arrival_steps,
+                    help="steps between two sessions' first turns")
+    ap.add_argument("--policy", choices=("fcfs", "lpm"), default=ClusterSettings.policy,
+                    help="the replicas' scheduler.policy (waiting-queue order)")
+    ap.add_argument("--load-penalty-tokens", type=float, default=ClusterSettings.load_penalty_tokens,
+                    help="our router's RouterSettings.load_penalty_tokens (cached tokens worth one queued request)")
+    ap.add_argument("--below-capacity", action="store_true",
+                    help="ClusterSettings.below_capacity(): think 60, sessions every 6 steps, load penalty 128")
     ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--explain", action="store_true", help="computed prompt tokens by cause (tiers_explain.py)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="fit the modelled step cost (tiers_ttft.StepCost) to this machine's step times, then use it")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    import os
+    import tempfile
+
+    from workers.models.tiny import make_tiny_checkpoint
+
+    args = _arg_parser().parse_args(argv)
     model = args.model or make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()) / "m", seed=0)
     if args.multi_turn:
         for strategy in ("extra_buffer", "extra_buffer_lazy"):
@@ -345,14 +374,26 @@ def main(argv: list[str] | None = None) -> None:
                                    ("num_toolsets", args.toolsets)) if v}
     sessions = load_workload("slot_pressure", overrides).sessions
     s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
-                        store_factor=args.store_factor)
+                        store_factor=args.store_factor, think_steps=args.think_steps,
+                        arrival_steps=args.arrival_steps, policy=args.policy,
+                        load_penalty_tokens=args.load_penalty_tokens)
+    if args.below_capacity:
+        s = s.below_capacity()
     modes = (True,) if args.tiers_only else (False, True)
-    results = [run_one(model, sessions, r, t, s) for r in args.routers for t in modes]
+    cost = StepCost()
+    if args.calibrate:
+        samples: list[tuple[int, int, float]] = []
+        for t in modes:
+            run_one(model, sessions, args.routers[0], t, s, cost, samples)
+        cost = fit_step_cost(samples)
+        print(json.dumps({"calibrated_step_cost": asdict(cost), "steps": len(samples)}))
+    results = [run_one(model, sessions, r, t, s, cost) for r in args.routers for t in modes]
     if args.json:
         for r in results:
             print(json.dumps(asdict(r)))
     else:
         print(format_table(results))
+        print(format_split([(r.router, r.tiers, r.split) for r in results], cost))
     if args.explain:
         print(format_explanation([(r.router, r.tiers, r.explain) for r in results]))
     print(json.dumps({**goals(results), "loadavg": os.getloadavg()}))

@@ -46,6 +46,18 @@ def test_every_turn_runs_and_the_tiers_serve_more_of_the_prompts(results):
     assert g["cached_vs_ray"] is not None and "hybrid_prefix" in T.format_table(results)
 
 
+def test_ttft_split_matches_the_runs_ttft(results):
+    """Queue wait + prefill = TTFT (steps, modelled seconds), over every request, and the
+    steps agree with the run's own mean TTFT; a modelled step costs at least ``a``."""
+    for r in results:
+        sp = r.split
+        assert sp["requests"] == r.num_requests
+        assert sp["ttft_steps"] == pytest.approx(r.mean_ttft_steps, abs=0.01)
+        assert sp["queue_steps"] + sp["prefill_steps"] == pytest.approx(sp["ttft_steps"], abs=1e-3)
+        assert sp["queue_model_s"] + sp["prefill_model_s"] == pytest.approx(sp["ttft_model_s"], abs=1e-3)
+        assert sp["prefill_steps"] >= 1 and sp["prefill_model_s"] >= T.StepCost().a * sp["prefill_steps"] * 0.99
+
+
 def test_the_store_is_modelled_at_qwen3_next_proportions():
     """``ClusterSettings.store_model``: each entry is charged its slot at ``slot_kv_tokens``
     KV tokens, the budget is ``store_factor`` replica device budgets at that weight, and the

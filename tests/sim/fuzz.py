@@ -3,7 +3,7 @@ with liveness and state oracles, on the toy model (exact, fast) and on a real ti
 
 A case draws the prefix cache on or off, a strategy, page size, track interval, MTP drafts
 (0-4), overlap, chunk and
-budget, concurrency, KV and Mamba pool sizes (down to a KV pool that holds the longest
+budget, concurrency, the waiting queue's policy (``fcfs`` or ``lpm`` with a bypass bound), KV and Mamba pool sizes (down to a KV pool that holds the longest
 request alone and a single Mamba slot), forced pending-allocation failures, stop tokens,
 aborts (half of them retried at once under the same request id), an acceptance script
 (toy), and the host tier (``cache.host_mamba_slots`` 1-64 and ``host_kv_tokens`` from half
@@ -126,6 +126,8 @@ def draw(seed: int, guard_off: bool = False, tiers: bool = False) -> Case:
         cache["host_mamba_slots"] = rng.choice([1, 2, 4, 16, 64])
         cache["host_kv_tokens"] = max(page, rng.choice([tight // 2, tight, 4 * tight, 16384]))
         overrides["debug"]["fail_transfer_prob"] = rng.choice([0.0, 0.0, 0.2, 0.5, 1.0])
+    if rng.random() < 0.5:              # the waiting queue's order (drawn last, for the same reason)
+        overrides["scheduler"].update(policy="lpm", lpm_max_bypass=rng.choice([0, 1, 4, 8]))
     return case
 
 

@@ -92,3 +92,44 @@ def test_release_returns_everything():
     sched.release(r)
     assert pages.num_free == pages.num_usable and slots.num_free == slots.num_usable
     assert not sched.has_work()
+
+
+def admission_order(sched, depths):
+    """Admit one request at a time (max_running_requests=1) under stubbed cached depths;
+    returns the request ids in the order they were admitted."""
+    sched.cache.cached_depth = lambda r: depths[r.request_id]
+    order = []
+    while sched.waiting:
+        sched.schedule()
+        (r,) = sched.running
+        order.append(r.request_id)
+        sched.release(r, finished=True)
+    return order
+
+
+def queue(sched, ids):
+    for h, rid in enumerate(ids, start=1):
+        r = req(rid, 8)
+        r.handle = h
+        sched.add(r)
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    depths = {"a": 0, "b": 8, "c": 16, "d": 8}
+    fcfs, _, _ = make(max_running_requests=1)
+    queue(fcfs, "abcd")
+    assert admission_order(fcfs, depths) == list("abcd")
+    lpm, _, _ = make(max_running_requests=1, policy="lpm")
+    queue(lpm, "abcd")
+    assert admission_order(lpm, depths) == list("cbda")      # ties in arrival order
+
+
+def test_lpm_bypass_bound_prevents_starvation():
+    """A cold request at the head lets exactly ``lpm_max_bypass`` cached ones pass."""
+    depths = {"a": 0, **{c: 16 for c in "bcdef"}}
+    sched, _, _ = make(max_running_requests=1, policy="lpm", lpm_max_bypass=2)
+    queue(sched, "abcdef")
+    assert admission_order(sched, depths) == list("bcadef")
+    unbounded, _, _ = make(max_running_requests=1, policy="lpm", lpm_max_bypass=100)
+    queue(unbounded, "abcdef")
+    assert admission_order(unbounded, depths)[-1] == "a"

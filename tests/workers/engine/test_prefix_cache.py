@@ -173,6 +173,46 @@ def test_grid_point_below_the_prompt_end_serves_the_next_question(tiny_model_dir
     assert [o.token_ids for o in outs] == [o.token_ids for o in off.generate_ids([a, b], [P, P])]
 
 
+def prefill_chunks(llm) -> dict[str, list[tuple[int, int]]]:
+    """Record every prefill chunk (start, end) the scheduler launches, per request id."""
+    chunks: dict[str, list[tuple[int, int]]] = {}
+    scheduler = llm.engine.scheduler
+    launch = scheduler.on_launch
+
+    def on_launch(batch):
+        for seq in batch.seqs:
+            if seq.start < seq.request.num_prompt_tokens:
+                chunks.setdefault(seq.request.request_id, []).append((seq.start, seq.end))
+        launch(batch)
+
+    scheduler.on_launch = on_launch
+    return chunks
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_resumed_prompt_prefills_in_one_chunk(tiny_model_dir, strategy):
+    """A cold prompt is cut at its grid point (16: grid 8, last page 20) so that a system
+    prompt gets a checkpoint; the next turn, resuming from the answer's end (32), skips the
+    grid point (40) below its last page (44): one chunk, one step to its first token
+    (cut at 40, it took two), the same tokens as cache-off."""
+    llm = cached_llm(tiny_model_dir, strategy)
+    off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
+    vocab = llm.engine.vocab_size
+    system, question, new = random_prompts(vocab, [16, 7, 13], seed=21)
+    turn1 = system + question
+    out1 = llm.generate_ids([turn1], [P])[0]
+    turn2 = turn1 + out1.token_ids + new
+    chunks = prefill_chunks(llm)
+    out2 = llm.generate_ids([turn2], [P])[0]
+    assert out2.cached_tokens == 32
+    assert list(chunks.values()) == [[(32, 46)]]
+    assert [out1.token_ids, out2.token_ids] == [o.token_ids for o in off.generate_ids([turn1, turn2], [P, P])]
+    fresh = cached_llm(tiny_model_dir, strategy)
+    cold = prefill_chunks(fresh)
+    fresh.generate_ids([turn1], [P])
+    assert list(cold.values()) == [[(0, 16), (16, 23)]]
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("chunk", [5, 13, 64])
 def test_boundary_sweep(tiny_qwen_dir, page_size, chunk):
