@@ -32,7 +32,8 @@ def test_cpu_delta_counts_a_busy_child_and_its_threads():
 def test_in_process_layers_run_and_report(tiny_qwen_dir, tmp_path):
     out = tmp_path / "hops.json"
     result = main(["--model", str(tiny_qwen_dir), "--no-serve", "--batch", "2", "--prompt-len", "8",
-                   "--output-len", "6", "--repeats", "1", "--stream-interval-s", "0", "--out", str(out)])
+                   "--output-len", "6", "--repeats", "1", "--stream-interval-s", "0", "--eager",
+                   "--out", str(out)])     # eager: the layers, not compilation (tests/workers/compiled)
     best = result["in_process"]["tok_s"]
     assert all(best[name] > 0 for name in LAYERS) and all(best[name] >= 0 for name in EXTRA)
     assert "ingress" in report(result) and out.is_file()
