@@ -137,7 +137,7 @@ class CompiledChain:
         n = len(last_pos)
         table = self._table(page_ids, size)
         pos = torch.tensor(last_pos + [0] * (size - n), dtype=torch.int64, device=self.device)
-        with compile_options(freeze=self.freeze):
+        with compile_options(freeze=self.freeze, cpp_wrapper=not self.on_gpu):
             drafts = self._compiled(F.pad(hidden, (0, 0, 0, size - n)), pos, table, self.owner)
         self.num_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
@@ -155,7 +155,7 @@ class CompiledChain:
         meta = torch.tensor([starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
                             dtype=torch.int64, device=self.device)
         hidden = F.pad(hidden_rows, (0, 0, 0, (size - n) * rows))
-        with compile_options(freeze=self.freeze):
+        with compile_options(freeze=self.freeze, cpp_wrapper=not self.on_gpu):
             drafts = self._compiled_verify(hidden, ids, meta[0], meta[1], self._table(page_ids, size), self.owner)
         self.num_verify_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]

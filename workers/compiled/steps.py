@@ -113,7 +113,7 @@ class CompiledSteps:
 
     # -- padding ---------------------------------------------------------------------------
     def _options(self) -> AbstractContextManager:
-        return compile_options(freeze=self.freeze)
+        return compile_options(freeze=self.freeze, cpp_wrapper=not self.on_gpu)
 
     def _empty(self, rows: int) -> ForwardBatch:
         """A batch of no sequences of the kind ``rows`` names (``_pad`` fills it)."""
