@@ -194,8 +194,16 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
                                        f"parameters, {len(e['output_lens'])} requests, batch {e['batch']}")
     if (s := d.get("startup")) and "error" not in s:
         out["startup_cold_s"] = f"eager start-up {s['startup_eager_s']} s; batch sizes {s['batch_sizes']}"
-        out["startup_warm_s"] = "the same, over the cache the cold run filled"
+        out["startup_warm_s"] = "the same, over the cache the cold run filled" + _cache_note(s.get("cache_warm"))
     return out
+
+
+def _cache_note(cache: dict[str, int] | None) -> str:
+    """What the warm start-up's FX-graph cache did (frozen graphs are refused: bypasses)."""
+    if not cache:
+        return ""
+    return (f" (FX-graph cache: {cache['fxgraph_cache_hit']} hits, {cache['fxgraph_cache_miss']} misses, "
+            f"{cache['fxgraph_cache_bypass']} refused)")
 
 
 def format_table(summary: dict[str, Any]) -> str:

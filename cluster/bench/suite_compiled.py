@@ -15,13 +15,14 @@ with an empty compile cache (cold), and compiled again over that cache (warm).
 """
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from cluster.bench import inproc
 from cluster.bench.suite_config import SuiteConfig
@@ -107,32 +108,41 @@ def eos_workload(cfg: SuiteConfig, out_dir: Path) -> dict[str, Any]:
 
 
 _STARTUP = """
-import sys, time
+import json, sys, time
 t0 = time.perf_counter()
 from workers.llm import LLM
 LLM(model=sys.argv[1], device="cpu", dtype="float32",
     compile={"enabled": sys.argv[2] == "1", "batch_sizes": [int(b) for b in sys.argv[3].split(",")],
              "cache_dir": sys.argv[4]})
-print(f"STARTUP {time.perf_counter() - t0:.3f}")
+seconds = time.perf_counter() - t0
+from workers.compiled.cache import cache_counters
+print("STARTUP " + json.dumps({"seconds": seconds, "cache": cache_counters()}))
 """
 
 
-def _startup_seconds(model: Path, compiled: bool, sizes: list[int], cache_dir: Path) -> float:
+class StartupRun(NamedTuple):
+    seconds: float
+    cache: dict[str, int]             # ``cache_counters()`` at the end of the start-up
+
+
+def _startup_run(model: Path, compiled: bool, sizes: list[int], cache_dir: Path) -> StartupRun:
     out = subprocess.run([sys.executable, "-c", _STARTUP, str(model), "1" if compiled else "0",
                           ",".join(map(str, sizes)), str(cache_dir)],
                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1800, check=True)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("STARTUP ")]
     if not line:
         raise RuntimeError(f"start-up run printed no time: {out.stderr[-500:]}")
-    return float(line[-1].split()[1])
+    got = json.loads(line[-1].removeprefix("STARTUP "))
+    return StartupRun(float(got["seconds"]), got["cache"])
 
 
 def startup(cfg: SuiteConfig, model: Path, out_dir: Path) -> dict[str, Any]:
     sizes = cfg.startup.batch_sizes
     cache = out_dir / "startup-compile-cache"
     shutil.rmtree(cache, ignore_errors=True)
-    eager = _startup_seconds(model, False, sizes, cache)
-    cold = _startup_seconds(model, True, sizes, cache)
-    warm = _startup_seconds(model, True, sizes, cache)
-    return {"startup_cold_s": round(cold, 1), "startup_warm_s": round(warm, 1),
-            "startup_eager_s": round(eager, 1), "batch_sizes": sizes, "model": str(model)}
+    eager = _startup_run(model, False, sizes, cache)
+    cold = _startup_run(model, True, sizes, cache)
+    warm = _startup_run(model, True, sizes, cache)
+    return {"startup_cold_s": round(cold.seconds, 1), "startup_warm_s": round(warm.seconds, 1),
+            "startup_eager_s": round(eager.seconds, 1), "cache_cold": cold.cache, "cache_warm": warm.cache,
+            "batch_sizes": sizes, "model": str(model)}

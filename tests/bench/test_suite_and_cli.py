@@ -41,6 +41,15 @@ def test_summary_and_table_from_section_results():
     json.dumps(s)
 
 
+def test_startup_row_says_what_the_warm_cache_refused():
+    cache = {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 12}
+    details = {"startup": {"startup_cold_s": 400.0, "startup_warm_s": 250.0, "startup_eager_s": 4.0,
+                           "batch_sizes": [1, 2], "cache_warm": cache}}
+    s = build_summary(details, load_suite_config(), {"cpu": "x"}, {"startup": 1.0}, 3.0)
+    assert s["startup_warm_s"] == 250.0
+    assert "0 hits, 0 misses, 12 refused" in s["notes"]["startup_warm_s"]
+
+
 def test_bench_command_runs_a_workload_and_writes_json(tmp_path, capsys):
     out = tmp_path / "r.json"
     with FakeOpenAI(first_delay_s=0.01, token_delay_s=0.0) as server:

@@ -2,11 +2,17 @@
 
 Inductor keeps its FX-graph cache (compiled kernels per graph) and the AOT-autograd cache
 (the traced, functionalised graphs) under ``TORCHINDUCTOR_CACHE_DIR``; with both on, a
-restart re-traces the step with dynamo (seconds) but compiles nothing again.
+restart re-traces the step with dynamo (seconds) but compiles nothing again -- for graphs
+the caches accept. Frozen graphs (``compile_options(freeze=True)``, i.e. ``pack_weights``)
+are refused by both in torch 2.13: AOT-autograd's cache bypasses any graph with freezing on,
+and the FX-graph cache bypasses graphs holding mkldnn-packed weights ("mkldnn tensors
+unpickleable"); with ``cpp.weight_prepack`` off the FX cache would hit, but inductor then
+chooses plain ATen GEMMs, i.e. unpacked speed. So a warm restart with packed weights lowers
+every graph again (reusing its GEMM autotuning choices and compiled C++ from disk).
 ``configure_cache(dir)`` points that directory at ``compile.cache_dir`` (process-wide: the
 directory is an environment variable inductor reads at each lookup) and turns both caches
-on. ``cache_counters()`` reads inductor's hit / miss counters, the evidence that a warm
-restart did not recompile.
+on. ``cache_counters()`` reads inductor's hit / miss / bypass counters, the evidence that a
+warm restart did not recompile (or why it did).
 """
 from __future__ import annotations
 
@@ -95,12 +101,15 @@ def compile_options(freeze: bool = False, cpp_wrapper: bool = False) -> Abstract
 
 
 def cache_counters() -> dict[str, int]:
-    """Inductor's FX-graph cache and AOT-autograd cache hits / misses so far (process-wide)."""
+    """Inductor's FX-graph cache and AOT-autograd cache hits / misses / bypasses so far
+    (process-wide; a bypass is a graph the cache refused, see the module docstring)."""
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
     aot = counters["aot_autograd"]
     return {"fxgraph_cache_hit": int(inductor["fxgraph_cache_hit"]),
             "fxgraph_cache_miss": int(inductor["fxgraph_cache_miss"]),
+            "fxgraph_cache_bypass": int(inductor["fxgraph_cache_bypass"]),
             "autograd_cache_hit": int(aot["autograd_cache_hit"]),
-            "autograd_cache_miss": int(aot["autograd_cache_miss"])}
+            "autograd_cache_miss": int(aot["autograd_cache_miss"]),
+            "autograd_cache_bypass": int(aot["autograd_cache_bypass"])}

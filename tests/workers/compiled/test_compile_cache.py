@@ -4,9 +4,10 @@ engine's greedy output. A restart is modelled in-process: ``torch._dynamo.reset(
 every compiled frame, so the second engine traces again and must find its graphs on disk.
 
 With ``pack_weights`` (the CPU default) inductor freezes the weights into each graph, and
-AOT-autograd's cache refuses frozen graphs: a warm restart lowers the graphs again but finds
-its compiled kernels and GEMM autotuning choices on disk (the suite's ``startup_warm_s``
-measures it), so the no-recompile contract is tested with ``pack_weights`` off."""
+both caches refuse frozen graphs with packed weights (``workers/compiled/cache.py`` says
+why): a warm restart lowers the graphs again but finds its compiled C++ and GEMM autotuning
+choices on disk (the suite's ``startup_warm_s`` measures it and counts the refusals), so the
+no-recompile contract is tested with ``pack_weights`` off."""
 from __future__ import annotations
 
 import torch
