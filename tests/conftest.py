@@ -23,6 +23,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FAMILIES = sorted(TINY_FAMILIES)
 MTP_FAMILIES = sorted(name for name, f in TINY_FAMILIES.items() if f.has_mtp)
+# One family per kind of recurrent state and per engine path it takes: GDN with MTP
+# (qwen3_next; qwen3_5, the layout people serve), Mamba2 / SSD (granitemoehybrid; nemotron_h,
+# with MTP), Mamba1 (jamba), KDA + MLA (kimi_linear), lightning attention (minimax), short
+# convolutions (lfm2). A test marked ``core_families`` runs the other families only in
+# ``make test-slow`` (every family still loads and matches transformers in ``make test``).
+CORE_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h", "jamba", "kimi_linear",
+                           "minimax", "lfm2"})
+assert CORE_FAMILIES <= set(FAMILIES), CORE_FAMILIES - set(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,23 @@ def serve_session() -> Iterator[ServeSession]:
     yield ServeSession(port, ray.get_runtime_context().gcs_address)
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.hookimpl(tryfirst=True)          # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.core_families(all_families_for={"strategy": "x"}, families=...)``: the
+    test's items of a family outside ``families`` (default ``CORE_FAMILIES``) become ``slow``,
+    except those whose parameters match ``all_families_for`` (those run for every family)."""
+    for item in items:
+        mark = item.get_closest_marker("core_families")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        family = params.get("tiny_model")
+        if mark is None or family is None or family in mark.kwargs.get("families", CORE_FAMILIES):
+            continue
+        keep = mark.kwargs.get("all_families_for")
+        if keep and all(params.get(k) == v for k, v in keep.items()):
+            continue
+        item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config):

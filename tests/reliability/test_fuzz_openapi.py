@@ -111,7 +111,7 @@ def fuzz_all(app, schema: Any, max_examples: int) -> None:
 
 
 def test_fuzz_openapi_short(app, schema):
-    fuzz_all(app, schema, max_examples=100)
+    fuzz_all(app, schema, max_examples=50)
 
 
 @pytest.mark.slow

@@ -123,6 +123,7 @@ def unconstrained(model_dir: str, shape: Shape) -> tuple[list[list[int]], Run]:
     return prompts, run
 
 
+@pytest.mark.core_families
 @pytest.mark.parametrize("shape", SHAPES)
 def test_in_process_all_complete_by_recompute(tiny_model_dir, shape: Shape) -> None:
     prompts, reference = unconstrained(str(tiny_model_dir), shape)

@@ -27,6 +27,10 @@ PROMPTS = [
     # > 16 tokens: the prefill takes the chunked kernels
     "The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat by the door",
 ]
+# The families that between them run every Triton kernel of TORCH_REFS: GDN (qwen3_next),
+# SSD (granitemoehybrid), selective scan (jamba), KDA + MLA (kimi_linear); conv1d, the norms
+# and paged attention in all of them. The other families run these tests in ``slow``.
+KERNEL_FAMILIES = frozenset({"qwen3_next", "granitemoehybrid", "jamba", "kimi_linear"})
 TORCH_REFS = [(kernels.gdn, "gated_delta_rule_varlen_torch"), (kernels.ssd, "ssd_varlen_torch"),
               (kernels.conv1d, "causal_conv1d_varlen_torch"),
               (kernels.conv1d, "causal_conv1d_update_torch"), (kernels.norm, "rms_norm_torch"),
@@ -64,6 +68,7 @@ def _forbidden(*args, **kwargs):
     raise AssertionError("a torch reference ran on the forced Triton path")
 
 
+@pytest.mark.core_families(families=KERNEL_FAMILIES)
 def test_greedy_tokens_equal(tiny_model_dir, device, monkeypatch):
     with backend.use_backend("torch"):
         want = greedy_tokens(tiny_model_dir, device)
@@ -75,6 +80,7 @@ def test_greedy_tokens_equal(tiny_model_dir, device, monkeypatch):
     assert len({t for seq in want for t in seq}) > 4      # not a collapsed, trivial output
 
 
+@pytest.mark.core_families(families=KERNEL_FAMILIES)
 def test_prefix_cache_snapshots_equal(tiny_model_dir, device, monkeypatch):
     """Checkpoints every 4 tokens mid-prompt, then prompts that resume from them."""
     stem = PROMPTS[-1]

@@ -17,6 +17,7 @@ def reference(tiny_model_dir):
     return prompts, greedy_tokens(llm, prompts)
 
 
+@pytest.mark.core_families(all_families_for={"chunk": 7})
 @pytest.mark.parametrize("chunk", [1, 7, 16, 4096])
 def test_chunked_prefill_invariance(tiny_model_dir, reference, chunk):
     prompts, expected = reference
@@ -25,6 +26,7 @@ def test_chunked_prefill_invariance(tiny_model_dir, reference, chunk):
     assert greedy_tokens(llm, prompts) == expected
 
 
+@pytest.mark.core_families
 def test_batch_size_and_position_invariance(tiny_model_dir, reference):
     prompts, expected = reference
     llm = make_llm(tiny_model_dir)

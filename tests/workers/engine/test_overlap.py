@@ -23,6 +23,7 @@ def control(tiny_model_dir):
     return prompts, [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))]
 
 
+@pytest.mark.core_families(all_families_for={"strategy": "extra_buffer_lazy"})   # the default
 @pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
 def test_overlap_on_off_identical(tiny_model_dir, control, strategy):
     prompts, expected = control

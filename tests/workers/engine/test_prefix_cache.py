@@ -10,11 +10,13 @@ import random
 
 import pytest
 
+from configs.schema import CacheConfig
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.cache import CheckpointInserted
 from workers.sampling_params import SamplingParams
 
 STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
+DEFAULT_STRATEGY = CacheConfig().mamba_strategy    # runs for every family; the others on CORE_FAMILIES
 P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
@@ -63,6 +65,7 @@ def control(tiny_model_dir):
     return prompts, [o.token_ids for o in off.generate_ids(prompts, [P] * len(prompts))]
 
 
+@pytest.mark.core_families(all_families_for={"strategy": DEFAULT_STRATEGY})
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_shared_prefix_differential(tiny_model_dir, control, strategy):
     prompts, expected = control
@@ -101,6 +104,7 @@ def test_repeat_hits_exact_prefill_target(tiny_model_dir, strategy):
     assert [o.cached_tokens for o in second] == [((len(p) - 1) // 4) * 4 for p in prompts]
 
 
+@pytest.mark.core_families(all_families_for={"strategy": DEFAULT_STRATEGY})
 @pytest.mark.parametrize("pressure", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy, pressure):
@@ -231,6 +235,7 @@ def test_boundary_sweep(tiny_qwen_dir, page_size, chunk):
     assert [o.cached_tokens for o in second] == [((n - 1) // page_size) * page_size for n in lengths]
 
 
+@pytest.mark.core_families(all_families_for={"strategy": DEFAULT_STRATEGY})
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_exhausted_pool_serves_everything(tiny_model_dir, strategy):
     # Exactly one slot per running request: no room for any checkpoint.

@@ -59,6 +59,7 @@ def engine_options(has_mtp: bool) -> dict:
     return options
 
 
+@pytest.mark.core_families
 def test_tp_equals_tp1(tiny_model):
     family, path = tiny_model.family, tiny_model.path
     prompts = prompts_with_shared_prefix()
