@@ -12,6 +12,8 @@ Two things differ when a step is traced or captured instead of run eagerly:
   declares that it mutates ``dst``. Without it, AOT functionalization turns an index write
   into a pool view (``pool[layer][slots] = state``) into an out-of-place ``index_put`` on the
   whole pool tensor plus a copy back: every step would copy every pool (tens of MB).
+  On CPU, once ``kernels.native_ops.load()`` succeeded, the op traced is its C++ twin
+  ``hybridserve_native::scatter_rows`` (no GIL, no interpreter inside a compiled step).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+
+from kernels import native_ops
 
 _forced = threading.local()
 
@@ -65,6 +69,10 @@ def scatter_rows_(dst: Tensor, index: Tensor, src: Tensor) -> None:
     index = index.long()
     src = src.to(dst.dtype)
     if torch.compiler.is_compiling():
-        _scatter_rows(dst, index, src.reshape(index.shape[0], *dst.shape[1:]))
+        rows = src.reshape(index.shape[0], *dst.shape[1:])
+        if dst.device.type == "cpu" and native_ops.loaded():
+            torch.ops.hybridserve_native.scatter_rows(dst, index, rows)
+        else:
+            _scatter_rows(dst, index, rows)
     else:
         dst[index] = src

@@ -268,6 +268,7 @@ class Engine:
 
     def _process(self, batch: ScheduledBatch, plan: StepPlan, future: Future) -> list[RequestOutput]:
         result: StepResult = future.result()
+        self.runner.wait_started()     # overlap: the next step's forward first (ModelRunner.wait_started)
         self.stats.observe("hybridserve_step_duration_seconds", result.forward_seconds)
         self.stats.inc("hybridserve_forward_tokens_total", batch.num_tokens)
         self.stats.inc("hybridserve_engine_steps_total", label="compiled" if result.compiled else "eager")

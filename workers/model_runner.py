@@ -13,6 +13,7 @@ grid-crossing state) from the scratch snapshots into the live / track slots.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +69,8 @@ class ModelRunner:
         self.last_token = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hybridserve-forward") if overlap else None
         self._last_end: float | None = None
+        self._latest_started: threading.Event | None = None   # scheduler thread: the last launch's
+        self._starting: threading.Event | None = None         # forward thread: the running step's
 
     def launch(self, plan: StepPlan) -> Future[StepResult]:
         prepared = prepare_step(plan, self.page_size, self.device, self.scratch_base)
@@ -77,10 +80,30 @@ class ModelRunner:
         gens = [self.generators.get(s.request.handle, s.request.params.seed) for s in sampling]
         run = self._bind(prepared, params, gens)
         if self._executor is not None:
-            return self._executor.submit(run)
+            started = self._latest_started = threading.Event()
+            return self._executor.submit(self._signalled, run, started)
         done: Future[StepResult] = Future()
         done.set_result(run())
         return done
+
+    def _signalled(self, run: Callable[[], StepResult], started: threading.Event) -> StepResult:
+        """Forward thread: ``run`` with ``started`` set once its forward is entered (or it fails)."""
+        self._starting = started
+        try:
+            return run()
+        finally:
+            started.set()
+            self._starting = None
+
+    def wait_started(self) -> None:
+        """Scheduler thread, overlap: return once the last launched step has entered its
+        forward. The host work that follows (processing the step before, scheduling the next)
+        then runs while the forward runs without the GIL (a compiled step) instead of holding
+        the GIL the forward thread needs to get there: on a CPU that start-up (filling
+        placeholders, padding, the compiled call's guards) otherwise waits for the whole of
+        the host work, about a millisecond a step."""
+        if self._latest_started is not None:
+            self._latest_started.wait()
 
     def _bind(self, prepared: PreparedStep, params: list[SamplingParams], gens) -> Callable[[], StepResult]:
         """Hook: one step's work, bound on the scheduler thread (TP also ships it to the other ranks)."""
@@ -148,9 +171,14 @@ class ModelRunner:
         """(hidden [T, H], logits of every row or None): the compiled step of ``bucket``
         (``CompiledSteps.pick``), eager where none fits."""
         if bucket is None:
+            self._mark_started()
             return self.model.forward(fb, self.pools), None
         assert self.compiled is not None
-        return self.compiled.run(fb, bucket)
+        return self.compiled.run(fb, bucket, on_enter=self._mark_started)
+
+    def _mark_started(self) -> None:
+        if self._starting is not None:
+            self._starting.set()
 
     def _fill_placeholders(self, prepared: PreparedStep) -> None:
         ids = prepared.fb.input_ids

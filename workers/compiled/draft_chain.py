@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from configs.schema import CompileConfig
+from kernels import native_ops
 from workers.compiled.cache import check_owner, compile_kwargs, compile_options, configure_cache, new_owner
 from workers.compiled.steps import MIN_PAGES
 from workers.device_pools import DevicePools
@@ -49,6 +50,8 @@ class CompiledChain:
         self.on_gpu = device.type == "cuda"
         self.freeze = config.pack_weights and not self.on_gpu
         configure_cache(config.cache_dir)
+        if not self.on_gpu:
+            native_ops.load()             # the pool writes in C++ (kernels/native_ops.py)
         self.owner = new_owner()
         self._compiled: Callable[[Tensor, Tensor, Tensor, int], Tensor] = torch.compile(
             self._chain_from, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu, self.freeze))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from configs.schema import CompileConfig
+from kernels import native_ops
 from workers.compiled.cache import (cache_counters, check_owner, compile_kwargs, compile_options, configure_cache,
                                     new_owner)
 from workers.device_pools import DevicePools
@@ -63,6 +64,8 @@ class CompiledSteps:
         self.on_gpu = device.type == "cuda"
         self.freeze = config.pack_weights and not self.on_gpu
         configure_cache(config.cache_dir)
+        if not self.on_gpu:
+            native_ops.load()             # the pool writes in C++ (kernels/native_ops.py)
         if self.on_gpu:                   # captured graphs may write the pools in place
             for t in [*pools.kv.tensors(), *pools.mamba.tensors()]:
                 torch._dynamo.mark_static_address(t)
@@ -86,11 +89,16 @@ class CompiledSteps:
         rows = 1 if fb.decode_only else (fb.verify_len if fb.verify_len > 1 else 0)
         return next((b for b in self.buckets if b.rows == rows and b.size >= fb.num_seqs), None)
 
-    def run(self, fb: ForwardBatch, bucket: Bucket) -> tuple[Tensor, Tensor]:
-        """(hidden [T, H], logits [T, V] float32) of the T real rows, through ``bucket``."""
+    def run(self, fb: ForwardBatch, bucket: Bucket,
+            on_enter: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
+        """(hidden [T, H], logits [T, V] float32) of the T real rows, through ``bucket``;
+        ``on_enter`` is called once the inputs are padded, just before the compiled call."""
         num_tokens = fb.num_tokens
+        padded = self._pad(fb, bucket)
+        if on_enter is not None:
+            on_enter()
         with self._options():
-            hidden, logits = self._compiled(self._pad(fb, bucket), self.owner)
+            hidden, logits = self._compiled(padded, self.owner)
         self.num_calls[bucket] += 1
         if self.on_gpu:          # a graph's outputs are rewritten by its next replay
             hidden, logits = hidden.clone(), logits.clone()

@@ -27,7 +27,8 @@ row counts) is the reference and the eager path. A step a CUDA graph captures (o
 checked under ``kernels.static.static_formulation``) cannot read the counts, so it takes a
 static formulation of the same sums; a compiled CPU step takes it too where it is the
 cheaper (``static_is_cheaper``: small batches), else the loop as one opaque op
-(``hybridserve::moe_experts``: on CPU the counts are host memory). The static formulation:
+(``hybridserve::moe_experts``: on CPU the counts are host memory; its C++ twin
+``hybridserve_native::moe_experts`` once ``kernels.native_ops`` loaded). The static formulation:
 each (token, choice) row through its expert's gathered weights when there are fewer rows
 than experts, else every expert on every token weighted by a dense ``[T, E]`` combine
 matrix (zeros where not chosen).
@@ -43,7 +44,7 @@ from torch import nn
 
 from kernels.static import tracing
 from workers.models.layers import DenseMLP, activation, linear, param
-from workers.models.moe_experts import expert_loop, moe_experts
+from workers.models.moe_experts import expert_loop, expert_loop_op
 from workers.models.weights import WeightTarget, module_targets, split, whole
 
 STYLES = ("qwen", "granite", "sigmoid_grouped")
@@ -163,7 +164,7 @@ class SparseMoE(nn.Module):
             return expert_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
         if (x.device.type == "cpu" and torch.compiler.is_compiling()
                 and not static_is_cheaper(x.shape[0], d.num_experts, d.top_k)):   # see moe_experts.py
-            return moe_experts(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
+            return expert_loop_op()(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
         return self._routed_static(x, weights, ids)
 
     def _expert(self, h: torch.Tensor, up_w: torch.Tensor, gate_w: torch.Tensor | None,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import native_ops
 from workers.models.layers import activation
 
 
@@ -60,3 +61,10 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, 
 def _moe_experts_fake(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
                       w_down: Tensor, act: str) -> Tensor:
     return x.new_empty(x.shape[0], w_down.shape[1])
+
+
+def expert_loop_op():
+    """The loop as one opaque op for a compiled CPU step: its C++ twin
+    ``hybridserve_native::moe_experts`` once ``kernels.native_ops`` loaded (no GIL, no
+    interpreter inside the step), else the Python op."""
+    return torch.ops.hybridserve_native.moe_experts if native_ops.loaded() else moe_experts

@@ -2,7 +2,8 @@
 families: greedy output identical with overlap on (and speculation on Qwen3-Next, whose
 tiny checkpoint has an MTP head: compiled verify steps and draft chains), at every bucket
 size, at a batch size between two buckets and above the largest (eager); after start-up
-nothing compiles again; the switch off builds no compiled step.
+nothing compiles again; the steps write the pools with the C++ op, never calling back into
+Python; the switch off builds no compiled step.
 
 The reference runs every variant off (compile, speculation, overlap, prefix cache). One
 compiled engine per family is shared by the module (compilation is slow on two cores)."""
@@ -11,6 +12,8 @@ from __future__ import annotations
 import pytest
 from torch._dynamo.utils import counters
 
+from kernels import native_ops
+from kernels.static import _scatter_rows
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.compiled import Bucket
 from workers.sampling_params import SamplingParams
@@ -72,3 +75,27 @@ def test_the_switch_off_builds_no_compiled_step(reference):
     llm = reference[0]
     assert llm.config.compile.enabled is False
     assert llm.engine.runner.compiled is None
+
+
+def test_compiled_steps_write_the_pools_without_python(family, reference, compiled):
+    """A compiled CPU step calls no Python op (``kernels/native_ops.py``): the Python pool
+    write, counted here through its CPU kernel, is never entered while compiled decode,
+    verify and draft-chain steps run (eager prefills write with plain indexing)."""
+    assert native_ops.loaded(), native_ops.failure()
+    _, prompts, expected = reference
+    steps = compiled.engine.runner.compiled
+    before = sum(steps.num_calls.values())
+    entered: list[int] = []
+
+    def counting(dst, index, src):
+        entered.append(int(index.numel()))
+        dst.index_copy_(0, index, src)
+
+    _scatter_rows.register_kernel("cpu")(counting)
+    try:
+        got = [o.token_ids for o in compiled.generate_ids(prompts[:3], [P] * 3)]
+    finally:
+        _scatter_rows.register_kernel("cpu")(lambda dst, index, src: dst.index_copy_(0, index, src))
+    assert got == expected[3]
+    assert sum(steps.num_calls.values()) > before
+    assert entered == []

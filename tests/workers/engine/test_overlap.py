@@ -52,3 +52,41 @@ def test_overlap_stops_exactly_and_frees_everything(tiny_qwen_dir):
     counts = e.pool_counts()
     assert counts["kv_pages_free"] + counts["kv_pages_cached"] == counts["kv_pages_usable"]
     assert counts["mamba_slots_free"] + counts["mamba_slots_cached"] == counts["mamba_slots_usable"]
+
+
+def test_host_work_waits_until_the_next_forward_has_started(tiny_qwen_dir):
+    """Under overlap a step's outputs are processed only once the step launched after it has
+    entered its forward (``ModelRunner.wait_started``): the host work then runs beside the
+    forward instead of holding the GIL the forward thread needs to get there. The forward
+    thread is slowed before each forward, so without the wait the processing would win."""
+    import threading
+    import time
+
+    llm = make_llm(tiny_qwen_dir, scheduler={"overlap": True})
+    engine, runner = llm.engine, llm.engine.runner
+    events: list[tuple[str, int]] = []
+    fill, mark, process = runner._fill_placeholders, runner._mark_started, engine._process
+    step_of = threading.local()
+
+    def slow_fill(prepared):
+        time.sleep(0.02)
+        step_of.batch = prepared.plan.batch.batch_id
+        fill(prepared)
+
+    def marked():
+        if runner._starting is not None and not runner._starting.is_set():
+            events.append(("started", step_of.batch))
+        mark()
+
+    def processed(batch, plan, future):
+        out = process(batch, plan, future)
+        events.append(("processed", batch.batch_id))
+        return out
+
+    runner._fill_placeholders, runner._mark_started, engine._process = slow_fill, marked, processed
+    prompts = random_prompts(engine.vocab_size, [5, 9, 7], seed=3)
+    llm.generate_ids(prompts, [P] * len(prompts))
+    order = {e: i for i, e in enumerate(events)}
+    launched_after = [b for kind, b in events if kind == "processed" and ("started", b + 1) in order]
+    assert len(launched_after) >= 8, events
+    assert all(order[("started", b + 1)] < order[("processed", b)] for b in launched_after), events

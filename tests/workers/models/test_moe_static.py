@@ -28,23 +28,32 @@ def test_static_routing_equals_the_loop(num_tokens, style, gated):
                                atol=1e-6, rtol=1e-5)
 
 
-def test_compiled_cpu_step_takes_the_cheaper_formulation(monkeypatch):
+@pytest.mark.parametrize("native", [False, True])
+def test_compiled_cpu_step_takes_the_cheaper_formulation(monkeypatch, native):
     """Compiled on CPU: the static formulation for small batches, the loop op beyond
-    ``static_is_cheaper`` (6 experts, top-2: static up to T*E <= 64, i.e. 10 tokens); both
-    equal the eager loop."""
+    ``static_is_cheaper`` (6 experts, top-2: static up to T*E <= 64, i.e. 10 tokens) -- the
+    C++ op once ``kernels.native_ops`` loaded, else the Python op; all equal the eager loop."""
     import workers.models.moe as moe_module
+    from kernels import native_ops
 
     assert moe_module.static_is_cheaper(2, 6, 2) and moe_module.static_is_cheaper(10, 6, 2)
     assert not moe_module.static_is_cheaper(11, 6, 2)
     assert moe_module.static_is_cheaper(8, 8, 2) and not moe_module.static_is_cheaper(8, 8, 1)
-    traced_ops: list[int] = []
-    loop_op = moe_module.moe_experts
+    if native:
+        assert native_ops.load(), native_ops.failure()
+    monkeypatch.setitem(native_ops._state, "loaded", native)
+    traced_ops: list[tuple[str, int]] = []
+    pick = moe_module.expert_loop_op
 
-    def counting_op(x, *args):
-        traced_ops.append(x.shape[0])
-        return loop_op(x, *args)
+    def counting_pick():
+        op = pick()
 
-    monkeypatch.setattr(moe_module, "moe_experts", counting_op)
+        def counting_op(x, *args):
+            traced_ops.append((str(op), x.shape[0]))
+            return op(x, *args)
+        return counting_op
+
+    monkeypatch.setattr(moe_module, "expert_loop_op", counting_pick)
     layer = moe("qwen", True, seed=3)
     for num_tokens, takes_loop in ((3, False), (16, True)):
         traced_ops.clear()
@@ -54,4 +63,6 @@ def test_compiled_cpu_step_takes_the_cheaper_formulation(monkeypatch):
         with torch.inference_mode():
             compiled = torch.compile(layer._routed, dynamic=False)(x, weights, ids)
         assert bool(traced_ops) == takes_loop, (num_tokens, traced_ops)
+        assert all(("hybridserve_native" in name) == native for name, _ in traced_ops), traced_ops
         torch.testing.assert_close(compiled, layer._routed(x, weights, ids), atol=1e-6, rtol=1e-5)
+    torch._dynamo.reset()
