@@ -19,6 +19,7 @@ from configs.schema import HybridServeConfig
 from workers.cache import CacheEvent, Violation
 from workers.cache_manager import CacheManager
 from workers.device_pools import build_pools
+from workers.host_memory import retain_freed_memory
 from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
 from workers.checkpoints import StepPlan
@@ -69,6 +70,8 @@ class Engine:
                              f"parallel.tensor_parallel_size=1, got {config.parallel.tensor_parallel_size}")
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()          # forwards off the main thread (workers/host_memory.py)
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model_dir())
         if not (model_dir / "config.json").exists():
