@@ -147,6 +147,9 @@ class ToyRunner:
     def drop_request(self, req) -> None:
         """A request finished: the toy keeps no per-request sampling state."""
 
+    def wait_started(self) -> None:
+        """The toy's forward is Python throughout (it holds the GIL): nothing to wait for."""
+
     # -- the scheduler thread ---------------------------------------------------------------
     def launch(self, plan: StepPlan) -> Future[StepResult]:
         prepared = prepare_step(plan, self.page_size, torch.device("cpu"), self.scratch_base)
