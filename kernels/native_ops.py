@@ -104,7 +104,7 @@ def build_dir() -> Path:
 
 
 def load() -> bool:
-    """Build and load the native op (at most once per process); True when it is usable."""
+    """Build and load the native ops (at most once per process); True when they are usable."""
     with _lock:
         if "loaded" not in _state:
             _state["loaded"] = _build()
@@ -112,12 +112,12 @@ def load() -> bool:
 
 
 def loaded() -> bool:
-    """Whether ``load()`` ran and the native op is usable (what tracing reads)."""
+    """Whether ``load()`` ran and the native ops are usable (what tracing reads)."""
     return bool(_state.get("loaded"))
 
 
 def failure() -> str | None:
-    """Why the native op could not be built, if ``load()`` failed."""
+    """Why the native ops could not be built, if ``load()`` failed."""
     error = _state.get("error")
     return None if error is None else str(error)
 
@@ -130,8 +130,8 @@ def _build() -> bool:
                     extra_cflags=["-O2"], verbose=False)
     except Exception as exc:          # no compiler / ninja / headers: the Python op stays
         _state["error"] = f"{type(exc).__name__}: {exc}"
-        logger.warning("compiled CPU steps keep the Python pool-write op (each call takes the "
-                       "GIL): the native op did not build: %s", _state["error"])
+        logger.warning("compiled CPU steps keep the Python pool-write and expert-loop ops (each "
+                       "call takes the GIL): the native ops did not build: %s", _state["error"])
         return False
     torch.library.register_fake(f"{NAME}::scatter_rows")(_scatter_rows_fake)
     torch.library.register_fake(f"{NAME}::moe_experts")(_moe_experts_fake)
