@@ -28,11 +28,15 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_linear
+
 logger = logging.getLogger(__name__)
 
 NAME = "hybridserve_native"
 SOURCE = r"""
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 // dst[index] = src along dim 0, in place (the rows of a state pool).
@@ -48,6 +52,24 @@ at::Tensor activate(const at::Tensor& x, const std::string& act) {
   if (act == "relu") return at::relu(x);
   if (act == "relu2") return at::square(at::relu(x));
   TORCH_CHECK(false, "moe_experts: activation ", act, " is not supported");
+}
+
+// kernels/cpu_linear.py linear (no bias, no autograd, never traced here): oneDNN from
+// MIN_ROWS rows and MIN_MACS multiply-adds in fp32 where the build has it, else at::linear.
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
+  static const std::optional<c10::OperatorHandle> onednn =
+      at::hasMKLDNN() ? c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""})
+                      : std::nullopt;
+  const int64_t rows = x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
+  if (onednn.has_value() && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+      w.is_contiguous() && w.dim() == 2 && rows >= @MIN_ROWS@ &&
+      rows * w.size(1) * w.size(0) >= @MIN_MACS@) {
+    torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), std::string("")};
+    onednn->callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  return at::linear(x, w);
 }
 
 // workers/models/moe_experts.py expert_loop, op for op (the same kernels, the same order).
@@ -69,10 +91,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
     start += n;
     at::Tensor tokens = at::div(rows, k, "floor");
     at::Tensor h = at::index(x, {tokens});
-    at::Tensor up = at::linear(h, w_up.select(0, e));
+    at::Tensor up = dense(h, w_up.select(0, e));
     at::Tensor inner = w_gate.has_value()
-        ? activate(at::linear(h, w_gate->select(0, e)), act) * up : activate(up, act);
-    at::Tensor y = at::linear(inner, w_down.select(0, e));
+        ? activate(dense(h, w_gate->select(0, e)), act) * up : activate(up, act);
+    at::Tensor y = dense(inner, w_down.select(0, e));
     at::Tensor acc = at::index(out, {tokens});
     acc.add_(y * at::index(flat_weights, {rows}).unsqueeze(1));
     out.index_put_({tokens}, acc);
@@ -91,6 +113,8 @@ TORCH_LIBRARY_IMPL(hybridserve_native, CPU, m) {
   m.impl("moe_experts", &moe_experts);
 }
 """
+
+SOURCE = SOURCE.replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS))
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}       # "loaded": bool, once load() ran; "error": str

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native_ops
+from kernels import cpu_linear, native_ops
 from kernels.static import _scatter_rows
 from workers.models.moe_experts import expert_loop
 
@@ -44,11 +44,14 @@ def test_the_native_op_traces_with_a_fake():
 
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_the_native_expert_loop_equals_the_python_loop_bit_for_bit(act, gated):
-    """Same kernels in the same order: equal, not just close (greedy outputs depend on it)."""
+@pytest.mark.parametrize("size", ["decode", "prefill"])
+def test_the_native_expert_loop_equals_the_python_loop_bit_for_bit(act, gated, size):
+    """Same kernels in the same order: equal, not just close (greedy outputs depend on it).
+    ``prefill``: experts of ~200 rows, where both take oneDNN (``kernels/cpu_linear.py``)."""
     assert native_ops.load(), native_ops.failure()
     gen = torch.Generator().manual_seed(1)
-    t, h, i, e, k = 13, 24, 20, 6, 2
+    t, h, i, e, k = (13, 24, 20, 6, 2) if size == "decode" else (600, 256, 320, 6, 2)
+    assert cpu_linear.use_onednn(t * k // e, h, i) is (size == "prefill")
     x = torch.randn(t, h, generator=gen)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     ids[:, 0] = ids[:, 0].clamp(max=e - 2)         # expert e - 1 chosen rarely, some never
@@ -58,6 +61,17 @@ def test_the_native_expert_loop_equals_the_python_loop_bit_for_bit(act, gated):
     want = expert_loop(x, weights, ids, w_gate, w_up, w_down, act)
     got = torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, act)
     assert torch.equal(got, want)
+    if size == "prefill":                 # oneDNN's sums differ from MKL's at these sizes
+        assert not torch.equal(want, _aten_loop(x, weights, ids, w_gate, w_up, w_down, act))
+
+
+def _aten_loop(*args):
+    saved = cpu_linear.MIN_ROWS
+    cpu_linear.MIN_ROWS = 1 << 62
+    try:
+        return expert_loop(*args)
+    finally:
+        cpu_linear.MIN_ROWS = saved
 
 
 def test_the_native_expert_loop_refuses_an_unknown_activation():

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import cpu_linear
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.models.layers import LayerContext, RMSNorm, RotaryEmbedding
@@ -206,7 +207,7 @@ class HybridForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embedding.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        logits = cpu_linear.linear(hidden, weight)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         if self.logits_multiplier != 1.0:

@@ -16,10 +16,9 @@ static formulation (``SparseMoE._routed_static``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import native_ops
+from kernels import cpu_linear, native_ops
 from workers.models.layers import activation
 
 
@@ -42,9 +41,9 @@ def expert_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, 
         start += n
         tokens = rows // k
         h = x[tokens]
-        up = F.linear(h, w_up[e])
-        inner = fn(up) if w_gate is None else fn(F.linear(h, w_gate[e])) * up
-        y = F.linear(inner, w_down[e])
+        up = cpu_linear.linear(h, w_up[e])
+        inner = fn(up) if w_gate is None else fn(cpu_linear.linear(h, w_gate[e])) * up
+        y = cpu_linear.linear(inner, w_down[e])
         # a token picks an expert at most once, so ``tokens`` has no repeats; index_add_
         # would be equal but is very slow on CPU for small inputs (torch 2.13)
         out[tokens] += y * flat_weights[rows, None]

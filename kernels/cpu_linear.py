@@ -1,0 +1,69 @@
+"""fp32 linear layers on CPU through oneDNN where it beats MKL's sgemm.
+
+torch's CPU build runs ``F.linear`` in fp32 on MKL's sgemm. On the AMD machine this project
+is measured on (Zen 5, AVX-512, torch 2.13, one thread) that sgemm runs at ~85 GFLOP/s at
+every size, while oneDNN's ``mkldnn::_linear_pointwise`` on the same plain weight (no
+packing, no copy kept) runs at 190-220 GFLOP/s from ~64 rows up, and ~2x at two threads
+too: a prefill's projections and expert MLPs take half the time. oneDNN pays a fixed cost
+per call, so it loses on small products; ``use_onednn`` takes it from ``MIN_ROWS`` rows and
+``MIN_MACS`` multiply-adds up (measured crossovers: 256 x 512 weights at 16 rows, 256 x 8 at
+1024 rows, 2048 x 4096 at 4 rows).
+
+The choice depends on shapes only, so it is the same wherever the same shapes run (the C++
+expert loop in ``kernels/native_ops.py`` applies the same rule with the same constants), and
+oneDNN's rows do not depend on the other rows of the call (a row computed alone equals the
+same row inside a larger batch). Under ``torch.compile`` (a traced step) and wherever
+autograd needs the product, ``F.linear`` runs: inductor picks its own kernels (packed oneDNN
+weights with ``compile.pack_weights``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+MIN_ROWS = 4
+MIN_MACS = 1 << 21
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this torch build has oneDNN and its linear op."""
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def use_onednn(rows: int, in_features: int, out_features: int) -> bool:
+    """The shape rule (see the module docstring): rows x in x out multiply-adds."""
+    return rows >= MIN_ROWS and rows * in_features * out_features >= MIN_MACS
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, through oneDNN where ``use_onednn`` says so (fp32, CPU,
+    no autograd, not traced)."""
+    if _eligible(x, weight, bias) and use_onednn(x.numel() // max(x.shape[-1], 1), weight.shape[1],
+                                                 weight.shape[0]):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _eligible(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if torch.compiler.is_compiling() or not available() or not weight.is_contiguous() or weight.dim() != 2:
+        return False
+    if bias is not None and bias.dtype != torch.float32:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                              or (bias is not None and bias.requires_grad)))
+
+
+class Linear(torch.nn.Linear):
+    """``nn.Linear`` (same parameters, same checkpoint names) whose forward is ``linear``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)

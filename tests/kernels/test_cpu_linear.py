@@ -1,0 +1,65 @@
+"""``kernels/cpu_linear.py``: oneDNN where the shape rule says so, ``F.linear`` elsewhere."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN")
+
+
+def _onednn(x, w, b=None):
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+@pytest.mark.parametrize("rows, k, m", [(1, 256, 768), (3, 2048, 4096), (8, 256, 512), (128, 256, 8),
+                                        (16, 256, 512), (4, 2048, 4096), (300, 256, 768), (1024, 256, 8)])
+def test_the_rule_picks_the_kernel_and_both_agree_with_aten(rows, k, m):
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(m, generator=gen)
+    onednn = rows >= 4 and rows * k * m >= 1 << 21
+    assert cpu_linear.use_onednn(rows, k, m) is onednn
+    got = cpu_linear.linear(x, w, b)
+    assert torch.equal(got, _onednn(x, w, b) if onednn else F.linear(x, w, b))
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_does_not_depend_on_the_other_rows_of_its_call():
+    """What prefix caching and chunked prefill rely on: a prompt's rows computed in any split."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(1000, 256, generator=gen), torch.randn(768, 256, generator=gen)
+    whole = cpu_linear.linear(x, w)
+    for lo, hi in ((0, 64), (37, 337), (500, 1000), (999, 1000 - 0)):
+        if cpu_linear.use_onednn(hi - lo, 256, 768):
+            assert torch.equal(cpu_linear.linear(x[lo:hi], w), whole[lo:hi]), (lo, hi)
+
+
+def test_three_dimensional_inputs_and_the_module():
+    lin = cpu_linear.Linear(256, 512, bias=True)
+    assert isinstance(lin, torch.nn.Linear) and set(lin.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 50, 256)
+    with torch.inference_mode():
+        got = lin(x)
+    assert got.shape == (2, 50, 512)
+    assert torch.equal(got, _onednn(x, lin.weight, lin.bias))
+
+
+def test_autograd_other_dtypes_and_traced_steps_keep_f_linear():
+    w = torch.randn(512, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+    y = cpu_linear.linear(x, w)
+    assert y.grad_fn is not None and torch.equal(y, F.linear(x, w))
+    xb, wb = x.bfloat16(), w.detach().bfloat16()
+    assert torch.equal(cpu_linear.linear(xb, wb), F.linear(xb, wb))
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return gm
+
+    traced = torch.compile(lambda a, b: cpu_linear.linear(a, b), backend=backend, fullgraph=True)
+    with torch.inference_mode():
+        traced(x, w.detach())
+    assert graphs and "mkldnn" not in graphs[0] and "linear" in graphs[0]
