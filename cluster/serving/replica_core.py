@@ -11,8 +11,8 @@ The engine is built by ``build_engine``: a plain ``Engine``, or for
 Optional engine features are reached through ``_call_optional`` so this layer works
 with an engine that does not have them yet (they are reported as absent, not faked).
 
-With a ``fetcher`` (the cluster store's ``StoreClient``), every prompt is first offered to
-it: it may place a checkpoint fetched from the store in the engine's host tier before the
+With a ``fetcher`` (the cluster store's ``StoreClient``), every prompt that can read the
+cache (``wants_cache``) is first offered to it: it may place a checkpoint fetched from the store in the engine's host tier before the
 request is queued (``cluster/store/client.py``); a failing fetcher never fails a request.
 """
 from __future__ import annotations
@@ -43,6 +43,13 @@ class PublishPayload(NamedTuple):
     snapshot: dict[str, object]           # EngineStats.snapshot(): cumulative counters
     observations: dict[str, list[float]]  # histogram values since the last payload
     pools: dict[str, int]
+
+
+def wants_cache(req: GenerateRequest) -> bool:
+    """Whether a cached prefix can serve any choice of ``req``. A choice asking for
+    ``prompt_logprobs`` needs the logits of every prompt position, so it reads no cache
+    (``Request.max_cached_prefix``); a store fetch for it would move bytes nobody reads."""
+    return any(p.prompt_logprobs is None for p in req.params)
 
 
 def check_supported(config: HybridServeConfig) -> None:
@@ -169,7 +176,7 @@ class ReplicaCore:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         rids = [f"{req.request_id}-{j}" for j in range(req.num_choices)]
-        if self.fetcher is not None:
+        if self.fetcher is not None and wants_cache(req):
             try:
                 await self.fetcher.prefetch(self.loop, req.prompt_token_ids)
             except Exception:  # noqa: BLE001 - the store is an optimisation; the request runs anyway

@@ -253,3 +253,28 @@ def test_an_engine_waiting_on_other_threads_is_polled_not_spun():
         return engine.steps
     steps = run(go())
     assert 2 <= steps <= 0.2 / IDLE_POLL_S + 50, steps          # a spin makes ~10^5
+
+
+class RecordingFetcher:
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    async def prefetch(self, loop: EngineLoop, token_ids: list[int]) -> str:
+        self.prompts.append(list(token_ids))
+        return "none"
+
+
+def test_the_store_is_not_asked_for_prompts_that_read_no_cache():
+    """A choice that wants prompt_logprobs computes every prompt position: a fetch for a
+    request of only such choices would move a checkpoint nobody reads."""
+    async def go():
+        fetcher = RecordingFetcher()
+        loop = await EngineLoop.create(lambda: FakeEngine())
+        core = ReplicaCore(loop, load_config(), fetcher=fetcher)
+        logprobs = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        await collect(core, GenerateRequest("a", [1, 2], [logprobs]))
+        await collect(core, GenerateRequest("b", [3, 4], [logprobs, SamplingParams(max_tokens=1)]))
+        await collect(core, GenerateRequest("c", [5, 6], [SamplingParams(max_tokens=1)]))
+        await loop.shutdown()
+        return fetcher.prompts
+    assert run(go()) == [[3, 4], [5, 6]]
