@@ -35,13 +35,15 @@ class _Strict(BaseModel):
 class RouterOptions(_Strict):
     """``HybridPrefixRouter`` tunables (see ``routing_policy``)."""
 
-    load_penalty_tokens: float = Field(16.0, ge=0)
+    load_penalty_tokens: float = Field(16.0, ge=0)       # the floor of the learnt penalty (routing_policy)
+    load_penalty_auto: bool = True                       # off: the penalty is load_penalty_tokens
     imbalance_abs: int = Field(8, ge=0)
     imbalance_rel: float = Field(1.5, ge=1.0)
     min_match_tokens: int = Field(16, ge=1)
     host_hit_value: float = Field(0.9, ge=0, le=1)       # routing_policy.expected_saved
     store_hit_value: float = Field(0.5, ge=0, le=1)
     store_min_gain_tokens: int = Field(0, ge=0)          # the fetch cost model's break-even
+    replica_capacity: int = Field(0, ge=0)               # 0: the engine's scheduler.max_running_requests
     index_timeout_s: float = Field(0.5, gt=0)
     push_interval_s: float = Field(1.0, gt=0)
 
@@ -111,6 +113,15 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return build_app_from_config(config, parsed)
 
 
+def router_kwargs(config: HybridServeConfig, args: AppArgs, model_name: str, forget_after_s: float) -> dict[str, Any]:
+    """``HybridPrefixRouter.initialize_state``'s kwargs; ``replica_capacity`` 0 becomes the
+    engine's ``scheduler.max_running_requests`` (what ``routing_policy.load_cost`` needs)."""
+    return {"policy": config.router.policy, "model_name": model_name, "metrics_host": config.server.host,
+            "metrics_port": config.metrics.port, "forget_after_s": forget_after_s,
+            **args.router.model_dump(),
+            "replica_capacity": args.router.replica_capacity or config.scheduler.max_running_requests}
+
+
 def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None,
                           request_router_config: RequestRouterConfig | None = None) -> Application:
     """``request_router_config``: route the engine replicas with another Serve request
@@ -119,9 +130,7 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
     check_supported(config)
     model_name = args.model_name or default_model_name(config)
     replica = args.replica.model_copy(update={"model_name": model_name})
-    router_kwargs = {"policy": config.router.policy, "model_name": model_name,
-                     "metrics_host": config.server.host, "metrics_port": config.metrics.port,
-                     "forget_after_s": replica.forget_after_s, **args.router.model_dump()}
+    kwargs = router_kwargs(config, args, model_name, replica.forget_after_s)
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=config.parallel.num_replicas,
         max_ongoing_requests=replica.max_ongoing_requests,
@@ -131,7 +140,7 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
         graceful_shutdown_wait_loop_s=replica.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
         request_router_config=request_router_config or RequestRouterConfig(
-            request_router_class=HybridPrefixRouter, request_router_kwargs=router_kwargs),
+            request_router_class=HybridPrefixRouter, request_router_kwargs=kwargs),
         **replica_placement(config, replica),
     ).bind(config.model_dump(mode="json"), replica.model_dump())
     opts = args.ingress

@@ -40,7 +40,7 @@ from typing import Any
 from cluster.bench.client import arrival_times
 from cluster.bench.sim_routers import PROPOSED, ROUTERS, Event, make_router
 from cluster.bench.workloads import Session, Workload, load_workload
-from cluster.routing.routing_policy import max_usable_depth
+from cluster.routing.routing_policy import RouterSettings, max_usable_depth
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 
 __all__ = ["PROPOSED", "ROUTERS", "SimReplica", "SimResult", "SimSettings", "format_table", "run_grid",
@@ -178,7 +178,8 @@ class _Simulation:
         self.s, self.workload = s, workload
         self.names = [f"r{i:02d}" for i in range(s.num_replicas)]
         self.rng = random.Random(s.seed)
-        self.router = make_router(router_name, self.names, self.rng)
+        self.router = make_router(router_name, self.names, self.rng,
+                                  RouterSettings(replica_capacity=s.max_batch))
         self.replicas = {r: SimReplica(s) for r in self.names}
         self.ongoing = dict.fromkeys(self.names, 0)
         self.busy = dict.fromkeys(self.names, 0)

@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from cluster.routing.router_actor import RouterIndexState
-from cluster.routing.routing_policy import (RecentPlacements, RouterSettings, decide_and_record,
-                                            max_usable_depth, views_from)
+from cluster.routing.routing_policy import RouterSettings, RouterState, max_usable_depth, views_from
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 
 ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin", "pow2")
@@ -40,18 +39,18 @@ class HybridPrefixSim:
         for r in replicas:
             self.state.apply(r, [])
         self.settings, self.rng = settings, rng
-        self.recent = RecentPlacements()
+        self.routing = RouterState(settings)
 
     def choose(self, tokens: Sequence[int], loads: dict[str, int], now: float) -> str:
         ids = list(loads)
         report = self.state.match(tokens, ids, max_usable_depth(len(tokens)))
-        return self._decide(ids, report.depths, loads, now, report.host_depths, report.store_depth)
+        return self._decide(tokens, ids, report.depths, loads, now, report.host_depths, report.store_depth)
 
-    def _decide(self, ids: list[str], depths: dict[str, int], loads: dict[str, int], now: float,
-                host_depths: dict[str, int] | None = None, store_depth: int = 0) -> str:
+    def _decide(self, tokens: Sequence[int], ids: list[str], depths: dict[str, int], loads: dict[str, int],
+                now: float, host_depths: dict[str, int] | None = None, store_depth: int = 0) -> str:
         sizes = {r: self.index.num_checkpoints(r) for r in ids}
-        views = views_from(ids, depths, loads, sizes, self.recent.counts(now), host_depths, store_depth)
-        return decide_and_record(views, self.settings, self.recent, now, self.rng).ranks[0][0]
+        views = views_from(ids, depths, loads, sizes, self.routing.recent.counts(now), host_depths, store_depth)
+        return self.routing.decide(views, len(tokens), now, self.rng).ranks[0][0]
 
     def on_routed(self, tokens: Sequence[int], replica: str, now: float) -> None:
         pass
@@ -94,7 +93,7 @@ class HybridPrefixKvSim(HybridPrefixSim):
                 break
             for r in owners:
                 depths[r] = max(depths.get(r, 0), i * self.page)
-        return self._decide(ids, depths, loads, now)
+        return self._decide(tokens, ids, depths, loads, now)
 
     def on_events(self, replica: str, events: Sequence[Event]) -> None:
         super().on_events(replica, events)

@@ -40,7 +40,7 @@ HEADLINE = {                      # summary key -> (section, path inside its res
     "spec_tpot_speedup": ("spec", ("spec_tpot_speedup",)),
     "overlap_speedup": ("overlap", ("overlap_speedup",)),
     "tiers_prefill_ratio": ("tiers", ("goals", "computed_prefill_tiers_over_device")),
-    "tiers_ttft_ratio": ("tiers", ("below_capacity", "goals", "ttft_model_s_tiers_over_device")),
+    "tiers_ttft_ratio": ("tiers", ("goals", "ttft_model_s_tiers_over_device")),
     "tiers_cached_vs_ray": ("tiers", ("goals", "cached_vs_ray")),
     "multi_turn_turn2_hits": ("tiers", ("multi_turn", "host", "turn2_hits")),
     "eos_workload_speedup": ("eos_workload", ("eos_workload_speedup",)),
@@ -175,18 +175,22 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
     if (t := d.get("tiers")) and "error" not in t:
         r = {(x["router"], x["tiers"]): x for x in t["results"]}
         on, off = r.get(("hybrid_prefix", True)), r.get(("hybrid_prefix", False))
+        over = {(x["router"], x["tiers"]): x for x in t["overloaded"]["results"]}
+        oon, ooff, og = over.get(("hybrid_prefix", True)), over.get(("hybrid_prefix", False)), t["overloaded"]["goals"]
         if on and off:
-            out["tiers_prefill_ratio"] = f"computed {on['computed_fraction']} vs {off['computed_fraction']}"
-            low = {(x["router"], x["tiers"]): x for x in t["below_capacity"]["results"]}
-            lon, loff = low[("hybrid_prefix", True)]["split"], low[("hybrid_prefix", False)]["split"]
+            point = f"below capacity, host tier {t['settings']['host_factor']} device budgets"
+            out["tiers_prefill_ratio"] = (f"{point}: computed {on['computed_fraction']} vs {off['computed_fraction']}; "
+                                          f"overloaded {og['computed_prefill_tiers_over_device']}")
+            lon, loff = on["split"], off["split"]
             out["tiers_ttft_ratio"] = (
-                f"below capacity, modelled {lon['ttft_model_s']} vs {loff['ttft_model_s']} s (queue "
+                f"{point}: modelled {lon['ttft_model_s']} vs {loff['ttft_model_s']} s (queue "
                 f"{lon['queue_model_s']} vs {loff['queue_model_s']}), {lon['ttft_steps']} vs {loff['ttft_steps']} "
-                f"steps; overloaded (the other goals' point) modelled {on['split']['ttft_model_s']} vs "
-                f"{off['split']['ttft_model_s']} s, {on['mean_ttft_steps']} vs {off['mean_ttft_steps']} steps")
+                f"steps; overloaded {og['ttft_model_s_tiers_over_device']}"
+                + (f" ({oon['split']['ttft_model_s']} vs {ooff['split']['ttft_model_s']} s)" if oon and ooff else ""))
         if on and (ray := r.get(("ray_prefix", True))):
             oracle = on.get("explain", {}).get("oracle_cached_fraction")
-            out["tiers_cached_vs_ray"] = f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; oracle {oracle}"
+            out["tiers_cached_vs_ray"] = (f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; oracle {oracle}; "
+                                          f"overloaded {og['cached_vs_ray']}")
         m = t["multi_turn"]
         out["multi_turn_turn2_hits"] = f"host tier on {m['host']['turn2_hits']}/20, off {m['device']['turn2_hits']}/20"
     if (e := d.get("eos_workload")) and "error" not in e:
@@ -224,6 +228,10 @@ def format_table(summary: dict[str, Any]) -> str:
                   f"{dt['track_interval']}:", "", "```", sim["default_engine_table"], "```"]
     tiers = _dig(summary, ("details", "tiers"))
     if tiers and "table" in tiers:
-        lines += ["", "Checkpoint tiers, slot_pressure over in-process replicas (bench/tiers.py):", "",
-                  "```", tiers["table"], "", tiers.get("explain_table", ""), "```"]
+        lines += ["", "Checkpoint tiers, slot_pressure over in-process replicas (bench/tiers.py), below "
+                  "capacity (the goals' point):", "",
+                  "```", tiers["table"], "", tiers.get("split_table", ""), "", tiers.get("explain_table", ""), "```"]
+        if (over := tiers.get("overloaded")) and "table" in over:
+            lines += ["", "The same, overloaded (the workload's defaults):", "", "```", over["table"], "",
+                      over.get("split_table", ""), "```"]
     return "\n".join(lines)

@@ -94,6 +94,7 @@ class TiersCfg(_Strict):
     num_replicas: int = Field(4, ge=1)
     num_sessions: int = Field(32, ge=1)
     num_turns: int = Field(4, ge=1)
+    host_factor: int = Field(2, ge=1)     # host tier per replica, in device budgets (ClusterSettings.engine)
     routers: list[str] = Field(default_factory=lambda: ["hybrid_prefix", "ray_prefix"])
 
 

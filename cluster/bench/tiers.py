@@ -60,7 +60,7 @@ class ClusterSettings:
     num_replicas: int = 4
     kv_tokens: int = 24576            # device KV per replica
     slot_kv_tokens: int = 3072        # Qwen3-Next-80B: one slot (36 GDN layers) ~ 3,150 KV tokens
-    host_factor: int = 4              # host tier per replica, in device budgets (see ``engine``)
+    host_factor: int = 2              # host tier per replica, in device budgets (see ``engine``)
     max_running: int = 3
     page_size: int = 16
     track_interval: int = 64
@@ -71,7 +71,8 @@ class ClusterSettings:
     arrival_steps: float = 2.0        # overloaded: see ``below_capacity``
     think_steps: int = 6
     policy: str = "fcfs"              # scheduler.policy of every replica (fcfs | lpm)
-    load_penalty_tokens: float = RouterSettings.load_penalty_tokens   # our router's load term
+    load_penalty_tokens: float = RouterSettings.load_penalty_tokens   # our router's load term (floor)
+    load_penalty_auto: bool = RouterSettings.load_penalty_auto        # learnt (routing_policy.LoadPenalty)
     seed: int = 0
 
     def below_capacity(self) -> ClusterSettings:
@@ -86,22 +87,26 @@ class ClusterSettings:
         the cluster's capacity: 12 running slots, a request holds one ~27 steps (24
         decodes), so 32 sessions alternating ~27 busy and ~60 thinking steps keep ~10 of 12
         slots busy.
-        ``load_penalty_tokens`` 128 (the router's default is 16): with 16 a queued request
-        weighs less than a tenth of a 192-token system prompt, so ours kept each tool set's
+        The router runs its defaults: with a fixed load penalty of 16 tokens a queued request
+        weighed less than a tenth of a 192-token system prompt, so ours kept each tool set's
         sessions on one replica (61 / 3 / 61 / 3 requests) and TTFT was that imbalance's
-        queue; at 128 it spreads them (queue ~0) and TTFT is prefill, which the tiers cut."""
-        return replace(self, think_steps=60, arrival_steps=6.0, load_penalty_tokens=128.0)
+        queue; the learnt penalty (``routing_policy.LoadPenalty``: the prefill a routed
+        request computes, ~120-250 tokens here) spreads them and TTFT is prefill, which the
+        tiers cut."""
+        return replace(self, think_steps=60, arrival_steps=6.0)
 
     @property
     def num_slots(self) -> int:
         return max(self.kv_tokens // self.slot_kv_tokens, self.max_running + 1)
 
     def engine(self, model: Path, tiers: bool) -> dict[str, Any]:
-        """One replica's engine config. The host tier is ``host_factor`` device budgets: 4
-        models Qwen3-Next-80B on an 8 x H200 node (2 TB of DRAM, ~45 GB of cache per GPU
-        after weights: 4 x 45 GB x 8 = 1.4 TB pinned fits beside the processes; 8 would
-        need 2.9 TB). ``cluster_store_bytes`` only switches the engine's commits on here:
-        the in-process store's budget is ``store_budget``."""
+        """One replica's engine config. The host tier is ``host_factor`` device budgets,
+        modelled on Qwen3-Next-80B on an 8 x H200 node (2 TB of DRAM, ~45 GB of cache per
+        GPU after weights): 2 pins 2 x 45 GB x 8 = 0.72 TB, which leaves room beside Ray's
+        object store (30 % of DRAM, at most 200 GB, where the cluster store lives) and the
+        processes; 4 (1.44 TB) is the most such a node could pin, 8 (2.9 TB) does not fit.
+        ``cluster_store_bytes`` only switches the engine's commits on here: the in-process
+        store's budget is ``store_budget``."""
         cache = {"page_size": self.page_size, "max_kv_tokens": self.kv_tokens, "max_mamba_slots": self.num_slots,
                  "mamba_track_interval": self.track_interval}
         if tiers:
@@ -201,7 +206,8 @@ class _Cluster:
         self.logs = {n: StepLog(llm.engine, cost, calibrate) for n, llm in self.llms.items()}
         self.store: CheckpointStore | None = None
         self.clients: dict[str, StoreClient] = {}
-        settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens)
+        settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens, load_penalty_auto=s.load_penalty_auto,
+                                  replica_capacity=s.max_running)
         if tiers and s.store_factor > 0:
             storage = self.llms[self.names[0]].engine.cache.host.storage
             budget, extra, fetch = s.store_model(storage.nbytes(0, 1) // s.page_size, storage.nbytes(1, 0))
@@ -209,7 +215,7 @@ class _Cluster:
             self.store = backend.store
             self.clients = {n: StoreClient(backend, s.page_size, n, fetch) for n in self.names}
             gain = fetch_break_even_tokens(extra + storage.nbytes(1, 0), fetch)
-            settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens, store_min_gain_tokens=gain)
+            settings = replace(settings, store_min_gain_tokens=gain)
         self.router = make_router(router, self.names, random.Random(s.seed), settings)
         self.explainer = Explainer({n: llm.engine for n, llm in self.llms.items()}, self.store, s.page_size)
         self.step_no = 0
@@ -345,9 +351,11 @@ def _arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policy", choices=("fcfs", "lpm"), default=ClusterSettings.policy,
                     help="the replicas' scheduler.policy (waiting-queue order)")
     ap.add_argument("--load-penalty-tokens", type=float, default=ClusterSettings.load_penalty_tokens,
-                    help="our router's RouterSettings.load_penalty_tokens (cached tokens worth one queued request)")
+                    help="our router's RouterSettings.load_penalty_tokens (the floor of the learnt penalty)")
+    ap.add_argument("--fixed-load-penalty", action="store_true",
+                    help="RouterSettings.load_penalty_auto off: the penalty is --load-penalty-tokens")
     ap.add_argument("--below-capacity", action="store_true",
-                    help="ClusterSettings.below_capacity(): think 60, sessions every 6 steps, load penalty 128")
+                    help="ClusterSettings.below_capacity(): think 60, sessions every 6 steps")
     ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
@@ -376,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
                         store_factor=args.store_factor, think_steps=args.think_steps,
                         arrival_steps=args.arrival_steps, policy=args.policy,
-                        load_penalty_tokens=args.load_penalty_tokens)
+                        load_penalty_tokens=args.load_penalty_tokens, load_penalty_auto=not args.fixed_load_penalty)
     if args.below_capacity:
         s = s.below_capacity()
     modes = (True,) if args.tiers_only else (False, True)

@@ -31,8 +31,7 @@ from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequ
                                       RequestRouter, RunningReplica)
 
 from cluster.actors import get_index_actor, get_metrics_actor
-from cluster.routing.routing_policy import (RecentPlacements, RouterSettings, decide_and_record,
-                                            max_usable_depth, views_from)
+from cluster.routing.routing_policy import RouterSettings, RouterState, max_usable_depth, views_from
 
 logger = logging.getLogger(__name__)
 POLICIES = ("hybrid_prefix", "pow2", "round_robin")
@@ -48,10 +47,10 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None
 
 class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, policy: str = "hybrid_prefix", model_name: str = "",
-                         load_penalty_tokens: float = 16.0, imbalance_abs: int = 8,
+                         load_penalty_tokens: float = 16.0, load_penalty_auto: bool = True, imbalance_abs: int = 8,
                          imbalance_rel: float = 1.5, min_match_tokens: int = 16,
                          host_hit_value: float = 0.9, store_hit_value: float = 0.5,
-                         store_min_gain_tokens: int = 0,
+                         store_min_gain_tokens: int = 0, replica_capacity: int = 0,
                          index_timeout_s: float = 0.5, forget_after_s: float = 30.0,
                          metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
                          push_interval_s: float = 1.0, index_actor: Any = None,
@@ -60,13 +59,16 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if policy not in POLICIES:
             raise ValueError(f"router policy must be one of {POLICIES}, got {policy!r}")
         self._policy = policy
-        self._settings = RouterSettings(load_penalty_tokens, imbalance_abs, imbalance_rel, min_match_tokens,
-                                        host_hit_value, store_hit_value, store_min_gain_tokens)
+        self._settings = RouterSettings(
+            load_penalty_tokens=load_penalty_tokens, load_penalty_auto=load_penalty_auto,
+            imbalance_abs=imbalance_abs, imbalance_rel=imbalance_rel, min_match_tokens=min_match_tokens,
+            host_hit_value=host_hit_value, store_hit_value=store_hit_value,
+            store_min_gain_tokens=store_min_gain_tokens, replica_capacity=replica_capacity)
         self._model_name = model_name
         self._index_timeout_s = index_timeout_s
         self._push_interval_s = push_interval_s
         self._rng = random.Random()
-        self._recent = RecentPlacements()      # cold placements the index and loads do not show yet
+        self._state = RouterState(self._settings)  # cold placements not yet visible; the load penalty
         self._rr_counter = self._rng.randrange(1 << 16)
         self._decisions: Counter[str] = Counter()
         self._push_task: asyncio.Task[None] | None = None
@@ -139,9 +141,9 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         loads = await self._loads(candidates)
         report = await asyncio.wait_for(report_ref, self._index_timeout_s)  # type: ignore[arg-type]
         now = time.monotonic()
-        views = views_from(ids, report.depths, loads, report.sizes, self._recent.counts(now),
+        views = views_from(ids, report.depths, loads, report.sizes, self._state.recent.counts(now),
                            report.host_depths, report.store_depth)
-        decision = decide_and_record(views, self._settings, self._recent, now, self._rng)
+        decision = self._state.decide(views, len(tokens), now, self._rng)
         return [[by_id[rid] for rid in rank] for rank in decision.ranks], decision.reason
 
     async def _loads(self, candidates: list[RunningReplica]) -> dict[str, int | None]:

@@ -24,7 +24,17 @@ Decision, in order:
    the cold placements this router made in the last few seconds (``RecentPlacements``):
    until Serve's queue-length cache and the replica's checkpoint events catch up, a burst
    of new prefixes would otherwise all see the same least-loaded replica.
-2. score = expected_saved - load_penalty_tokens * load; the best score is preferred.
+2. score = expected_saved - load_cost(load); the best score is preferred. Both are prefill
+   tokens. With ``replica_capacity`` C known (the engine's ``max_running_requests``), a
+   newcomer to a replica running fewer than C requests starts at once and shares its steps
+   (a decode row each: ``load_penalty_tokens`` per ongoing request), while each request
+   beyond C - 1 makes it wait for a slot: ``LoadPenalty.tokens`` each, the prefill a routed
+   request is expected to compute (its prompt minus its first choice's expected saving),
+   averaged over this router's recent decisions and never below ``load_penalty_tokens``.
+   With C unknown (0) every ongoing request costs ``LoadPenalty.tokens``; with
+   ``load_penalty_auto`` off that is ``load_penalty_tokens``. A waiting slot costs more
+   than the prefill in front of it (the running requests' decodes), so this undercounts a
+   queue; the imbalance gate below bounds what that can cost.
 3. ``imbalanced`` (checked per request, against the preferred replica only): its load
    exceeds the least loaded by more than ``imbalance_abs`` AND by more than a factor
    ``imbalance_rel`` -> least loaded first.
@@ -45,7 +55,9 @@ REASONS = ("prefix", "imbalanced", "cold", "fallback")
 
 @dataclass(frozen=True)
 class RouterSettings:
-    load_penalty_tokens: float = 16.0     # tokens of cached prefix worth one queued request
+    load_penalty_tokens: float = 16.0     # tokens of cached prefix worth one ongoing request (floor)
+    load_penalty_auto: bool = True        # learn it from the prefill routed requests compute
+    replica_capacity: int = 0             # requests a replica runs at once (0: unknown; see load_cost)
     imbalance_abs: int = 8
     imbalance_rel: float = 1.5
     min_match_tokens: int = 16
@@ -62,6 +74,8 @@ class RouterSettings:
                 f"router settings out of range: load_penalty_tokens={self.load_penalty_tokens} "
                 f"(>= 0), imbalance_abs={self.imbalance_abs} (>= 0), "
                 f"imbalance_rel={self.imbalance_rel} (>= 1)")
+        if self.replica_capacity < 0:
+            raise ValueError(f"replica_capacity must be >= 0 (0: unknown), got {self.replica_capacity}")
         if self.store_min_gain_tokens < 0:
             raise ValueError(f"store_min_gain_tokens must be >= 0, got {self.store_min_gain_tokens}")
         if self.min_match_tokens < 1:
@@ -110,10 +124,34 @@ def max_usable_depth(prompt_len: int) -> int:
     return max(prompt_len - 1, 0)
 
 
+class LoadPenalty:
+    """The prefill tokens one ongoing request on a replica is worth (module docstring,
+    step 2): an exponential average, weight ``alpha`` per decision, of the prompt tokens a
+    routed request is expected to compute; starts at and never drops below
+    ``load_penalty_tokens``, and stays there with ``load_penalty_auto`` off."""
+
+    def __init__(self, settings: RouterSettings, alpha: float = 1 / 32) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.floor, self.auto, self.alpha = settings.load_penalty_tokens, settings.load_penalty_auto, alpha
+        self._mean: float | None = None
+
+    @property
+    def tokens(self) -> float:
+        return self.floor if self._mean is None or not self.auto else max(self.floor, self._mean)
+
+    def observe(self, prompt_len: int, expected_saved: int) -> None:
+        computed = max(prompt_len - expected_saved, 1)
+        self._mean = computed if self._mean is None else self._mean + self.alpha * (computed - self._mean)
+
+
 def decide(views: Sequence[ReplicaView], settings: RouterSettings,
-           rng: random.Random | None = None) -> RoutingDecision:
+           rng: random.Random | None = None, penalty: float | None = None) -> RoutingDecision:
+    """The decision of the module docstring; ``penalty`` (``LoadPenalty.tokens``) replaces
+    ``settings.load_penalty_tokens`` when given."""
     if not views:
         raise ValueError("no candidate replicas to route to")
+    penalty = settings.load_penalty_tokens if penalty is None else penalty
     rng = rng or random.Random()
     shuffled = list(views)
     rng.shuffle(shuffled)                 # ties are broken at random, not by list order
@@ -121,7 +159,7 @@ def decide(views: Sequence[ReplicaView], settings: RouterSettings,
     if max(saved.values()) < settings.min_match_tokens:
         ordered = sorted(shuffled, key=lambda v: (v.load + v.recent_cold, v.num_checkpoints))
         return RoutingDecision(_least_loaded_ranks(ordered), "cold", 0)
-    by_score = sorted(shuffled, key=lambda v: (-(saved[v.replica_id] - settings.load_penalty_tokens * v.load),
+    by_score = sorted(shuffled, key=lambda v: (-(saved[v.replica_id] - load_cost(v.load, settings, penalty)),
                                                v.load))
     best = by_score[0]
     min_load = min(v.load for v in views)
@@ -130,6 +168,14 @@ def decide(views: Sequence[ReplicaView], settings: RouterSettings,
         return RoutingDecision(_least_loaded_ranks(ordered), "imbalanced", round(saved[ordered[0].replica_id]))
     rest = [v.replica_id for v in by_score[1:]]
     return RoutingDecision([[best.replica_id]] + ([rest] if rest else []), "prefix", round(saved[best.replica_id]))
+
+
+def load_cost(load: int, settings: RouterSettings, penalty: float) -> float:
+    """The prefill tokens ``load`` ongoing requests cost a newcomer (module docstring, step 2)."""
+    if settings.replica_capacity <= 0:
+        return penalty * load
+    waiting = max(0, load + 1 - settings.replica_capacity)
+    return settings.load_penalty_tokens * (load - waiting) + penalty * waiting
 
 
 def expected_saved(view: ReplicaView, settings: RouterSettings) -> float:
@@ -153,13 +199,22 @@ def views_from(candidates: Sequence[str], depths: Mapping[str, int], loads: Mapp
             for r in candidates]
 
 
-def decide_and_record(views: Sequence[ReplicaView], settings: RouterSettings, recent: RecentPlacements,
-                      now: float, rng: random.Random | None = None) -> RoutingDecision:
-    """``decide``, remembering a cold placement in ``recent`` (views must carry its counts)."""
-    decision = decide(views, settings, rng)
-    if decision.reason == "cold":
-        recent.add(decision.ranks[0][0], now)
-    return decision
+class RouterState:
+    """What one router learns from its own decisions: recent cold placements (views must
+    carry ``recent.counts``) and the load penalty."""
+
+    def __init__(self, settings: RouterSettings, recent: RecentPlacements | None = None) -> None:
+        self.settings = settings
+        self.recent = recent or RecentPlacements()
+        self.penalty = LoadPenalty(settings)
+
+    def decide(self, views: Sequence[ReplicaView], prompt_len: int, now: float,
+               rng: random.Random | None = None) -> RoutingDecision:
+        decision = decide(views, self.settings, rng, self.penalty.tokens)
+        if decision.reason == "cold":
+            self.recent.add(decision.ranks[0][0], now)
+        self.penalty.observe(prompt_len, decision.depth)
+        return decision
 
 
 def _least_loaded_ranks(ordered: list[ReplicaView]) -> list[list[str]]:

@@ -68,3 +68,25 @@ def test_bench_command_runs_a_workload_and_writes_json(tmp_path, capsys):
 def test_bench_command_needs_a_url_or_the_suite():
     assert main(["bench", "--workload", "random"]) == 2
     assert main(["bench", "suite"]) == 2
+
+
+def test_the_tiers_goals_are_read_at_one_operating_point():
+    def row(router, on, computed, ttft):
+        split = {"ttft_model_s": ttft, "queue_model_s": 0.0, "ttft_steps": 2.0}
+        return {"router": router, "tiers": on, "computed_fraction": computed, "cached_fraction": 1 - computed,
+                "mean_ttft_steps": 2.0, "split": split, "explain": {"oracle_cached_fraction": 0.77}}
+
+    def point(scale):
+        rows = [row("hybrid_prefix", False, 0.6, 0.06), row("hybrid_prefix", True, 0.3 * scale, 0.03 * scale),
+                row("ray_prefix", True, 0.5, 0.7)]
+        goals = {"computed_prefill_tiers_over_device": 0.5 * scale, "ttft_model_s_tiers_over_device": 0.5 * scale,
+                 "cached_vs_ray": round(0.7 / 0.5, 3)}
+        return {"results": rows, "goals": goals, "settings": {"host_factor": 2}, "table": "t", "split_table": "s"}
+
+    tiers = {**point(1.0), "overloaded": point(1.5),
+             "multi_turn": {"host": {"turn2_hits": 20}, "device": {"turn2_hits": 0}}}
+    s = build_summary({"tiers": tiers}, load_suite_config(), {"cpu": "x"}, {"tiers": 1.0}, 3.0)
+    assert (s["tiers_prefill_ratio"], s["tiers_ttft_ratio"], s["tiers_cached_vs_ray"]) == (0.5, 0.5, 1.4)
+    assert "below capacity, host tier 2" in s["notes"]["tiers_ttft_ratio"]
+    assert "overloaded 0.75" in s["notes"]["tiers_prefill_ratio"]
+    assert "The same, overloaded" in format_table(s)

@@ -53,3 +53,11 @@ def test_tensor_parallel_replicas_get_one_bundle_per_rank():
 def test_endpoint_urls_show_a_reachable_host():
     config = load_config(overrides={"server": {"host": "0.0.0.0", "port": 8123}, "metrics.port": 9999})
     assert endpoint_urls(config) == ("http://127.0.0.1:8123/v1", "http://127.0.0.1:9999/metrics")
+
+
+def test_the_router_knows_how_many_requests_a_replica_runs_at_once():
+    from cluster.app import router_kwargs
+
+    config = load_config(overrides={"scheduler.max_running_requests": 7})
+    assert router_kwargs(config, AppArgs(), "m", 30.0)["replica_capacity"] == 7
+    assert router_kwargs(config, AppArgs(router={"replica_capacity": 2}), "m", 30.0)["replica_capacity"] == 2

@@ -7,8 +7,9 @@ from collections import Counter
 import pytest
 
 from cluster.routing.router_actor import RouterIndexState
-from cluster.routing.routing_policy import (RecentPlacements, ReplicaView, RouterSettings, decide,
-                                            decide_and_record, is_imbalanced, max_usable_depth, views_from)
+from cluster.routing.routing_policy import (LoadPenalty, RecentPlacements, ReplicaView, RouterSettings,
+                                            RouterState, decide, is_imbalanced, load_cost, max_usable_depth,
+                                            views_from)
 from workers.cache.records import CheckpointInserted
 
 S = RouterSettings(load_penalty_tokens=16, imbalance_abs=8, imbalance_rel=1.5, min_match_tokens=16)
@@ -51,14 +52,15 @@ def test_a_burst_of_cold_prompts_spreads_before_loads_and_the_index_catch_up():
     """Loads and checkpoint counts are stale within a burst (all 0 here): the router's own
     recent cold placements count as load, so eight new prefixes land two per replica."""
     recent, rng = RecentPlacements(window_s=2.0), random.Random(0)
+    state = RouterState(RouterSettings(), recent)
     placed = []
     for _ in range(8):
         views = views_from(["a", "b", "c", "d"], {}, {}, {}, recent.counts(now=10.0))
-        placed.append(decide_and_record(views, RouterSettings(), recent, 10.0, rng).ranks[0][0])
+        placed.append(state.decide(views, 64, 10.0, rng).ranks[0][0])
     assert Counter(placed) == {"a": 2, "b": 2, "c": 2, "d": 2}
     assert recent.counts(now=12.5) == {}                          # out of the window: forgotten
     views = views_from(["a", "b"], {"a": 40}, {}, {}, {"a": 5})
-    assert decide_and_record(views, RouterSettings(), recent, 13.0, rng).reason == "prefix"
+    assert state.decide(views, 64, 13.0, rng).reason == "prefix"
     assert recent.counts(now=13.0) == {}                          # only cold placements count
 
 
@@ -107,3 +109,44 @@ def test_router_state_matches_and_forgets_silent_replicas():
     assert state.match(list(tokens) + [99], ["r1"], 8).depths == {"r1": 0}
     state.forget(["r2"])
     assert state.summary()["replicas"] == []
+
+
+def test_the_load_penalty_learns_the_prefill_routed_requests_compute():
+    learnt = LoadPenalty(RouterSettings(load_penalty_tokens=16), alpha=0.5)
+    assert learnt.tokens == 16                                    # nothing seen: the floor
+    learnt.observe(400, 100)                                      # computes 300
+    assert learnt.tokens == 300
+    learnt.observe(400, 300)                                      # computes 100: mean 200
+    assert learnt.tokens == 200
+    for _ in range(20):
+        learnt.observe(400, 399)                                  # all cached: down to the floor
+    assert learnt.tokens == 16
+    fixed = LoadPenalty(RouterSettings(load_penalty_tokens=16, load_penalty_auto=False), alpha=0.5)
+    fixed.observe(400, 100)
+    assert fixed.tokens == 16
+
+
+def test_a_learnt_penalty_spreads_what_a_fixed_one_piles_on_one_replica():
+    """b holds a 192-token system prompt and 3 ongoing requests. With 16 tokens per request
+    it wins (192 - 48 > 0); once the router has seen requests compute ~300 tokens each, a
+    queued request there costs more than the prefix saves, and the idle replica wins."""
+    views = [ReplicaView("a", 0, 0), ReplicaView("b", 192, 3)]
+    fixed = RouterState(RouterSettings(load_penalty_auto=False))
+    learnt = RouterState(RouterSettings())
+    for _ in range(200):
+        fixed.penalty.observe(500, 200)
+        learnt.penalty.observe(500, 200)
+    assert fixed.decide(views, 500, 0.0, random.Random(0)).ranks[0] == ["b"]
+    assert learnt.decide(views, 500, 0.0, random.Random(0)).ranks[0] == ["a"]
+
+
+def test_below_its_capacity_a_replica_costs_a_decode_row_per_request_beyond_it_a_wait():
+    """Capacity 3: a replica running 2 has room, so a newcomer only shares its steps (16
+    tokens a request); at 3 and beyond each request is a wait for a slot (the learnt 300)."""
+    s = RouterSettings(load_penalty_tokens=16, replica_capacity=3)
+    assert [load_cost(n, s, 300.0) for n in range(5)] == [0, 16, 32, 332, 632]
+    assert load_cost(4, RouterSettings(load_penalty_tokens=16), 300.0) == 1200   # capacity unknown
+    views = [ReplicaView("a", 0, 0), ReplicaView("b", 192, 2)]
+    assert decide(views, s, random.Random(0), penalty=300.0).ranks[0] == ["b"]   # room: the prefix wins
+    views = [ReplicaView("a", 0, 0), ReplicaView("b", 192, 3)]
+    assert decide(views, s, random.Random(0), penalty=300.0).ranks[0] == ["a"]   # full: the idle one
