@@ -2,6 +2,7 @@
 the main thread does not page its activations in again at every step."""
 from __future__ import annotations
 
+import gc
 import random
 import resource
 
@@ -24,9 +25,10 @@ def test_overlap_prefills_do_not_fault_their_memory_in_again(tmp_path):
     rng = random.Random(0)
     prompts = [[rng.randrange(16, 200) for _ in range(64)] for _ in range(16)]
     params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * len(prompts)
-    faults = []
-    for _ in range(3):
+    faults = []                 # the whole process's: anything else alive in it adds, so best of 4
+    for _ in range(5):
         llm.flush_cache()
+        gc.collect()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         llm.generate_ids(prompts, params)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
