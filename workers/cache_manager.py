@@ -50,7 +50,9 @@ class CacheManager:
         self.stats = stats
         self.pages = IdAllocator(num_pages, "KV page")
         self.ledger = SlotLedger(num_slots, guard_writers=not debug.disable_alias_guard)
-        self.events: list[CacheEvent] = []
+        # None until a consumer asks (``record_events``: a replica's publisher, a bench): an
+        # engine nobody drains (an offline ``LLM``) would hold every event of its life.
+        self.events: list[CacheEvent] | None = None
         self.tree: RadixCache | None = None
         self.host: HostTier | None = None
         self.promotions: Promotions | None = None
@@ -76,13 +78,22 @@ class CacheManager:
     def _on_event(self, event: CacheEvent) -> None:
         if isinstance(event, CheckpointEvicted) and event.tier == "device":
             self.stats.inc("hybridserve_mamba_checkpoints_evicted_total")
-        self.events.append(event)
+        if self.events is not None:
+            self.events.append(event)
 
     def _demote(self, node: TreeNode) -> None:
         assert self.host is not None and self.tree is not None
         self.host.demote(self.tree, node)
 
+    def record_events(self) -> None:
+        """Keep cache events from now on, for ``drain_events``."""
+        if self.events is None:
+            self.events = []
+
     def drain_events(self) -> list[CacheEvent]:
+        """The events since the last drain ([] while not recording)."""
+        if self.events is None:
+            return []
         events, self.events = self.events, []
         return events
 

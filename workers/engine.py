@@ -322,6 +322,11 @@ class Engine:
         """Empty the prefix cache (what running requests lock stays). Returns checkpoints freed."""
         return self.cache.flush()
 
+    def record_cache_events(self) -> None:
+        """Keep checkpoint events for ``drain_cache_events`` (off by default: unread, they
+        would grow with every checkpoint the engine ever inserts or evicts)."""
+        self.cache.record_events()
+
     def drain_cache_events(self) -> list[CacheEvent]:
         return self.cache.drain_events()
 

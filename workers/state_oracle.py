@@ -15,6 +15,7 @@ by a host-tier promotion that writes it at once, outside launch order (``workers
 """
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from workers.device_pools import build_pools
 from workers.forward_batch import ForwardBatch
 
+logger = logging.getLogger(__name__)
 RTOL = 1e-3            # chunked vs one-shot prefill differ by rounding; a wrong depth by O(1)
 
 
@@ -46,6 +48,11 @@ def fresh_prefill_states(model: torch.nn.Module, token_ids: list[int], page_size
         page_size=page_size)
     model.forward(fb, pools)
     return pools.mamba.slot_states(1)
+
+
+def state_errors(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> list[tuple[float, float]]:
+    return [(round(float((g.float() - w.float()).abs().max()), 6), round(float(w.float().abs().max()), 6))
+            for g, w in zip(got, want)]
 
 
 def states_match(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
@@ -75,4 +82,8 @@ class StateOracle:
     @torch.inference_mode()
     def check(self, held: tuple[torch.Tensor, ...], token_ids: list[int]) -> bool:
         want = fresh_prefill_states(self.model, token_ids, self.page_size, self.device, self.dtype)
-        return states_match(held, want)
+        ok = states_match(held, want)
+        if not ok:
+            logger.warning("state oracle mismatch at depth %d: %s (max |got - want|, max |want| per state)",
+                           len(token_ids), state_errors(held, want))
+        return ok

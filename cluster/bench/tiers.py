@@ -203,6 +203,8 @@ class _Cluster:
         self.s, self.tiers = s, tiers
         self.names = [f"r{i}" for i in range(s.num_replicas)]
         self.llms = {n: LLM(**s.engine(model, tiers)) for n in self.names}
+        for llm in self.llms.values():
+            llm.engine.record_cache_events()          # the router index is fed them (``_publish``)
         self.logs = {n: StepLog(llm.engine, cost, calibrate) for n, llm in self.llms.items()}
         self.store: CheckpointStore | None = None
         self.clients: dict[str, StoreClient] = {}

@@ -93,6 +93,12 @@ def pool_counts(engine: Any) -> dict[str, int]:
             "mamba_slots_free": slots.num_free, "mamba_slots_usable": slots.num_usable}
 
 
+def _publishing(engine: Any) -> Any:
+    """The engine, keeping the cache events ``publish_payload`` sends the router index."""
+    _call_optional(engine, "record_cache_events")
+    return engine
+
+
 def drain_cache_events(engine: Any) -> list[Any]:
     events = _call_optional(engine, "drain_cache_events")
     return list(events) if events is not None else []
@@ -167,7 +173,7 @@ class ReplicaCore:
     async def create(cls, config: HybridServeConfig, pacing: StreamPacing | float = 0.0,
                      fetcher: Fetcher | None = None) -> ReplicaCore:
         pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))  # refused before the build
-        loop = await EngineLoop.create(lambda: build_engine(config))
+        loop = await EngineLoop.create(lambda: _publishing(build_engine(config)))
         return cls(loop, config, pacing, fetcher)
 
     def model_info(self) -> ModelInfo:

@@ -78,6 +78,7 @@ class Sim:
                 "debug": {"check_invariants": False}}   # the harness checks them itself
         self.config = load_config(overrides=_merge(base, overrides or {}))
         self.engine = Engine(self.config)
+        self.engine.record_cache_events()
         self.runner = ToyRunner.install(self.engine, script)
         self.host_storage = install_toy_tiers(self.engine, self.runner)
         self.vocab: ToyVocab = self.runner.vocab

@@ -72,6 +72,7 @@ def test_shared_prefix_differential(tiny_model_dir, control, strategy):
     # 40 usable slots and 600 KV tokens for 64 prompts: evictions are forced.
     llm = cached_llm(tiny_model_dir, strategy, interval=64,
                      cache={"max_mamba_slots": 40, "max_kv_tokens": 600})
+    llm.engine.record_cache_events()
     first = llm.generate_ids(prompts, [P] * len(prompts))
     assert [o.token_ids for o in first] == expected
     second, offered = run_one_by_one(llm, prompts)
@@ -252,6 +253,7 @@ def test_exhausted_pool_serves_everything(tiny_model_dir, strategy):
 
 def test_cache_counters_and_flush(tiny_qwen_dir):
     llm = cached_llm(tiny_qwen_dir, "extra_buffer_lazy")
+    llm.engine.record_cache_events()
     prompts = random_prompts(llm.engine.vocab_size, [10, 18])
     llm.generate_ids(prompts, [P] * 2)
     llm.generate_ids(prompts, [P] * 2)
@@ -264,3 +266,17 @@ def test_cache_counters_and_flush(tiny_qwen_dir):
     assert events and all(e.depth % 4 == 0 for e in events)
     llm.flush_cache()
     assert llm.generate_ids(prompts, [P] * 2)[0].cached_tokens == 0
+
+
+def test_an_engine_nobody_drains_keeps_no_cache_events(tiny_qwen_dir):
+    """An offline LLM publishes to nobody: its events would grow with every checkpoint it
+    ever inserted or evicted (the soak's replicas drain theirs, an in-process LLM did not)."""
+    llm = cached_llm(tiny_qwen_dir, "extra_buffer_lazy", cache={"max_mamba_slots": 8})
+    prompts = random_prompts(llm.engine.vocab_size, [20, 28, 36, 44])
+    for _ in range(3):
+        llm.generate_ids(prompts, [P] * len(prompts))
+    assert llm.stats()["hybridserve_mamba_checkpoints_inserted_total"]["prefill"] > 0
+    assert llm.engine.cache.events is None and llm.engine.drain_cache_events() == []
+    llm.engine.record_cache_events()
+    llm.flush_cache()
+    assert llm.engine.drain_cache_events()                  # recording: the flush's evictions
