@@ -12,8 +12,10 @@ Optional engine features are reached through ``_call_optional`` so this layer wo
 with an engine that does not have them yet (they are reported as absent, not faked).
 
 With a ``fetcher`` (the cluster store's ``StoreClient``), every prompt that can read the
-cache (``wants_cache``) is first offered to it: it may place a checkpoint fetched from the store in the engine's host tier before the
-request is queued (``cluster/store/client.py``); a failing fetcher never fails a request.
+cache (``wants_cache``) is first offered to it: it may place a checkpoint fetched from the
+store in the engine's host tier before the request is queued (``cluster/store/client.py``);
+a failing fetcher never fails a request. The engine keeps its cache events for the router
+index (``_publishing``).
 """
 from __future__ import annotations
 
