@@ -38,7 +38,7 @@ class HybridPrefixSim:
         self.index = self.state.index
         for r in replicas:
             self.state.apply(r, [])
-        self.settings, self.rng = settings, rng
+        self.rng = rng
         self.routing = RouterState(settings)
 
     def choose(self, tokens: Sequence[int], loads: dict[str, int], now: float) -> str:
