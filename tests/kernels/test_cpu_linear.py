@@ -63,3 +63,47 @@ def test_autograd_other_dtypes_and_traced_steps_keep_f_linear():
     with torch.inference_mode():
         traced(x, w.detach())
     assert graphs and "mkldnn" not in graphs[0] and "linear" in graphs[0]
+
+
+_RSS_PROBE = """
+import os, sys
+{prelude}
+import torch
+from kernels import cpu_linear
+torch.set_num_threads(1)
+def rss():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) // 1024
+weights = [torch.randn(768, 256), torch.randn(512, 256)]
+for rows in range(64, 96):
+    for w in weights: cpu_linear.linear(torch.randn(rows, 256), w)
+before = rss()
+for rows in range(96, 416):                 # 640 new (rows, weight) shapes
+    for w in weights: cpu_linear.linear(torch.randn(rows, 256), w)
+print(rss() - before, *(os.environ.get(n) for n in cpu_linear.CACHE_VARS))
+"""
+
+
+def _probe(prelude: str = "") -> list[str]:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in __import__("os").environ.items() if k not in cpu_linear.CACHE_VARS}
+    done = subprocess.run([sys.executable, "-c", _RSS_PROBE.format(prelude=prelude)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout.split()
+
+
+@pytest.mark.skipif(not cpu_linear.available(), reason="no oneDNN in this torch build")
+def test_new_row_counts_do_not_grow_memory_without_bound():
+    """A server's prefills come in ever new row counts: oneDNN's shape caches stay capped
+    (640 new shapes: ~400 MiB with the default 1,024-entry caches, ~30 capped)."""
+    grown, *caps = _probe()
+    assert caps == [str(cpu_linear.ONEDNN_CACHE_CAPACITY)] * 2
+    assert int(grown) < 120, f"RSS grew {grown} MiB over 640 new shapes"
+
+
+def test_a_cache_size_the_environment_sets_wins():
+    _, *caps = _probe('os.environ["LRU_CACHE_CAPACITY"] = "8"')
+    assert caps == ["8", str(cpu_linear.ONEDNN_CACHE_CAPACITY)]
