@@ -25,15 +25,20 @@ def check_shapes(x: Tensor, weight: Tensor, conv_states: Tensor, activation: str
 
 
 def _apply_taps(taps: list[Tensor], weight: Tensor, bias: Tensor | None,
-                activation: str | None) -> Tensor:
-    """sum_w taps[w] * weight[:, w] (+ bias), activated; taps[w] [N, D] fp32, newest last.
+                activation: str | None, rows: Tensor | None = None) -> Tensor:
+    """sum_w taps[w] * weight[:, w] (+ bias), activated; taps[w] [N, D] fp32, newest last;
+    ``rows``: only those rows of the sum are kept (before the bias and the activation).
 
-    The one accumulation order shared by the varlen and update paths (bitwise equal results).
+    The one accumulation order shared by the varlen and update paths (bitwise equal results:
+    the products and sums are exact per element wherever a row sits; the activation, whose
+    vectorised and scalar forms differ in the last bit, runs on the kept rows alone).
     """
     cols = weight.float().unbind(1)                                   # W views [D]: one op
     acc = taps[0] * cols[0]
     for w in range(1, len(taps)):
         acc = acc + taps[w] * cols[w]
+    if rows is not None:
+        acc = acc[rows]
     if bias is not None:
         acc = acc + bias.float()
     return F.silu(acc) if activation is not None else acc
@@ -50,8 +55,12 @@ def causal_conv1d_varlen_torch(x: Tensor, weight: Tensor, bias: Tensor | None,
     if x.shape[0] == 0 or num_seqs == 0:
         return x.new_empty(x.shape)
     ext, tok_rows = _extended_inputs(x, conv_states, cu_seqlens, slot_ids, has_initial_state, hist)
-    taps = [ext[tok_rows - hist + w] for w in range(width)]
-    out = _apply_taps(taps, weight, bias, activation)
+    # Every window of ext (row j: the W inputs ending at ext row j + W-1), from W contiguous
+    # views, then the tokens' rows: one gather instead of W; the windows that straddle two
+    # blocks are dropped. Elementwise, so each row equals the gathered taps' row bitwise.
+    windows = ext.shape[0] - hist
+    taps = [ext[w:w + windows] for w in range(width)]
+    out = _apply_taps(taps, weight, bias, activation, rows=tok_rows - hist)
     _write_states(ext, tok_rows, conv_states, plan, slot_ids, hist)
     return out.to(x.dtype)
 
