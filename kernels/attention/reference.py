@@ -86,24 +86,37 @@ def attend_uniform(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor
                    seq_lens: Tensor, page_size: int, scale: float,
                    window: int | None = None) -> Tensor:
     """``attend_paged`` for a batch whose B sequences all bring T / B new tokens (a padded
-    decode or verify step), without a host read: one SDPA over every page of the table
-    ([B, max_pages]), keys past each query's position masked. What a traced or captured step
-    runs; the same attention as the planned path (extra keys are masked out)."""
+    decode or verify step), without a host read: every page of the table ([B, max_pages]),
+    keys past each query's position masked. What a traced or captured step runs; the same
+    attention as the planned path (extra keys are masked out).
+
+    Written as products and sums over gathered pool rows, not as SDPA over gathered copies:
+    inductor fuses each gather into its reduction, so K and V are read once, in place, and
+    the padding pages (all page 0) stay in cache. bench-15m's batch-16 decode, contexts up
+    to 544 tokens, compiled, one thread: 1.4-2.4 ms -> 0.8-1.0 ms a layer. Sums over the
+    context run over a page's offsets, then over the pages: a single sum over a dynamic
+    length would make inductor guard on its size (cpp ``need_use_acc_helper``: 4,096)."""
     num_seqs, max_pages = page_table.shape
-    q_len, ctx = q.shape[0] // num_seqs, max_pages * page_size
+    q_len = q.shape[0] // num_seqs
+    kv_heads, head_dim = k_pool.shape[1], q.shape[2]
+    group = q.shape[1] // kv_heads
     offsets = torch.arange(page_size, device=q.device)
-    locs = (page_table.long()[:, :, None] * page_size + offsets).reshape(num_seqs, ctx)  # [B, L]
-    keys = k_pool[locs].to(q.dtype).transpose(1, 2)                       # [B, Hkv, L, D]
-    values = v_pool[locs].to(q.dtype).transpose(1, 2)
-    queries = q.view(num_seqs, q_len, *q.shape[1:]).transpose(1, 2)       # [B, Hq, Q, D]
+    locs = page_table.long()[:, :, None] * page_size + offsets            # [B, N, P]
+    queries = q.view(num_seqs, q_len, 1, 1, kv_heads, group, head_dim)    # [B, Q, 1, 1, Hkv, G, D]
+    keys = k_pool[locs].to(q.dtype)[:, None, :, :, :, None, :]            # [B, 1, N, P, Hkv, 1, D]
+    scores = (queries * keys).sum(-1) * scale                             # [B, Q, N, P, Hkv, G]
     abs_q = seq_lens.long()[:, None] - q_len + torch.arange(q_len, device=q.device)   # [B, Q]
-    keys_pos = torch.arange(ctx, device=q.device)[None, None, :]
-    mask = keys_pos <= abs_q[:, :, None]                                  # [B, Q, L]
+    keys_pos = (torch.arange(max_pages, device=q.device)[:, None] * page_size + offsets)[None, None]
+    mask = keys_pos <= abs_q[:, :, None, None]                            # [B, Q, N, P]
     if window is not None:
-        mask &= keys_pos > abs_q[:, :, None] - window
-    o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
-                                       scale=scale, enable_gqa=True)       # [B, Hq, Q, Dv]
-    return o.transpose(1, 2).reshape(q.shape[0], q.shape[1], v_pool.shape[-1])
+        mask &= keys_pos > abs_q[:, :, None, None] - window
+    scores = scores.masked_fill(~mask[..., None, None], float("-inf"))
+    top = scores.amax(dim=(2, 3), keepdim=True)                          # key 0 is always visible
+    weights = (scores - top).exp()                                        # 0 where masked
+    total = weights.sum(3).sum(2)                                         # [B, Q, Hkv, G]
+    values = v_pool[locs].to(q.dtype)[:, None, :, :, :, None, :]          # [B, 1, N, P, Hkv, 1, Dv]
+    o = (weights[..., None] * values).sum(3).sum(2) / total[..., None]   # [B, Q, Hkv, G, Dv]
+    return o.reshape(q.shape[0], q.shape[1], v_pool.shape[-1])
 
 
 def _plan(page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, page_size: int,
