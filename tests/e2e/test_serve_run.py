@@ -1,4 +1,4 @@
-"""``serve run deploy/serve.yaml`` starts its own local cluster, answers, and stops on Ctrl-C."""
+"""``serve run deploy/serve.yaml`` starts its own local cluster, answers, and stops on SIGINT."""
 from __future__ import annotations
 
 import contextlib
