@@ -89,8 +89,11 @@ def test_rank_0s_abort_frees_the_ranks_that_took_part():
     once -- but gloo closes only that pair, and rank 2 waits for the broadcast (its bound is
     long) until rank 0's abort closes the rest, even while the failed op's traceback lives."""
     rank_1_gone, rank_2_done = threading.Event(), threading.Event()
+    connected = threading.Barrier(3)    # every rank's mesh is up before rank 1 fails: an
+                                        # earlier abort can fail a peer's connect instead
 
     def fn(group: TPGroup):
+        connected.wait(LONG_S)
         if group.rank == 1:
             group.abort("rank 1 failed")
             rank_1_gone.set()
