@@ -6,7 +6,7 @@ import torch
 
 from kernels import cpu_linear, native_ops
 from kernels.static import _scatter_rows
-from workers.models.moe_experts import expert_loop
+from workers.models.moe_experts import expert_loop, reference_loop
 
 
 def test_the_native_op_builds_here():
@@ -42,36 +42,72 @@ def test_the_native_op_traces_with_a_fake():
     assert pool[[1, 4]].eq(1).all() and pool[[0, 2, 3, 5]].eq(0).all()
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2"])
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("size", ["decode", "prefill"])
-def test_the_native_expert_loop_equals_the_python_loop_bit_for_bit(act, gated, size):
-    """Same kernels in the same order: equal, not just close (greedy outputs depend on it).
-    ``prefill``: experts of ~200 rows, where both take oneDNN (``kernels/cpu_linear.py``)."""
-    assert native_ops.load(), native_ops.failure()
-    gen = torch.Generator().manual_seed(1)
-    t, h, i, e, k = (13, 24, 20, 6, 2) if size == "decode" else (600, 256, 320, 6, 2)
-    assert cpu_linear.use_onednn(t * k // e, h, i) is (size == "prefill")
+ACTS = ["silu", "gelu", "gelu_pytorch_tanh", "relu", "relu2"]
+
+
+def _experts(gen, t, h, i, e, k, gated, out=None):
     x = torch.randn(t, h, generator=gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    ids[:, 0] = ids[:, 0].clamp(max=e - 2)         # expert e - 1 chosen rarely, some never
+    # distinct experts per token; the last expert only on every 5th token (so few rows)
+    ids = torch.stack([torch.randperm(e if r % 5 == 0 else e - 1, generator=gen)[:k] for r in range(t)])
     weights = torch.rand(t, k, generator=gen)
     w_gate = torch.randn(e, i, h, generator=gen) if gated else None
-    w_up, w_down = torch.randn(e, i, h, generator=gen), torch.randn(e, h, i, generator=gen)
-    want = expert_loop(x, weights, ids, w_gate, w_up, w_down, act)
-    got = torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, act)
-    assert torch.equal(got, want)
-    if size == "prefill":                 # oneDNN's sums differ from MKL's at these sizes
-        assert not torch.equal(want, _aten_loop(x, weights, ids, w_gate, w_up, w_down, act))
+    w_up, w_down = torch.randn(e, i, h, generator=gen), torch.randn(e, out or h, i, generator=gen)
+    return x, weights, ids, w_gate, w_up, w_down
 
 
-def _aten_loop(*args):
-    saved = cpu_linear.MIN_ROWS
-    cpu_linear.MIN_ROWS = 1 << 62
-    try:
-        return expert_loop(*args)
-    finally:
-        cpu_linear.MIN_ROWS = saved
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_native_expert_loop_equals_the_python_loop_bit_for_bit_on_many_rows(act, gated):
+    """Experts of ~200 rows: the same kernels in the same order (both take oneDNN,
+    ``kernels/cpu_linear.py``), so equal, not just close."""
+    assert native_ops.load(), native_ops.failure()
+    args = _experts(torch.Generator().manual_seed(1), 600, 256, 320, 6, 2, gated)
+    assert cpu_linear.use_onednn(600 * 2 // 6, 256, 320)
+    want = reference_loop(*args, act)
+    assert torch.equal(torch.ops.hybridserve_native.moe_experts(*args, act), want)
+    assert torch.equal(expert_loop(*args, act), want)          # the eager path is the native loop
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dims", [(24, 20, 24), (32, 48, 32), (17, 33, 40), (256, 256, 256)])
+def test_the_few_rows_experts_match_the_python_loop(act, gated, dims):
+    """Decode-sized experts (1-8 rows each, and one of 9+ on the ATen path) through the fused
+    kernel: close to the Python loop at every K tail (K % 16 != 0), with H_out != H."""
+    assert native_ops.load(), native_ops.failure()
+    h, i, out = dims
+    for t in (1, 3, 13, 40):
+        args = _experts(torch.Generator().manual_seed(t), t, h, i, 6, 2, gated, out)
+        want = reference_loop(*args, act)
+        got = torch.ops.hybridserve_native.moe_experts(*args, act)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_few_rows_token_gets_the_same_bits_alone_or_in_a_batch():
+    """The fused kernel's sums per row do not depend on the other rows of the expert (each
+    row's dot products run in one order), so a token's output is its own."""
+    assert native_ops.load(), native_ops.failure()
+    x, weights, ids, w_gate, w_up, w_down = _experts(torch.Generator().manual_seed(3), 12, 40, 56, 6, 2, True)
+    assert int(torch.bincount(ids.flatten()).max()) <= 8        # every expert on the fused path
+    both = torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, "silu")
+    for t in range(12):
+        alone = torch.ops.hybridserve_native.moe_experts(x[t:t + 1], weights[t:t + 1], ids[t:t + 1],
+                                                         w_gate, w_up, w_down, "silu")
+        assert torch.equal(alone[0], both[t])
+
+
+def test_the_few_rows_experts_read_strided_expert_views():
+    """Granite's fused [E, 2I, H] input weight arrives as gate / up views (rows I*H apart
+    per expert, not contiguous as a whole); the kernel reads them in place."""
+    assert native_ops.load(), native_ops.failure()
+    gen = torch.Generator().manual_seed(4)
+    x, weights, ids, _, _, w_down = _experts(gen, 5, 32, 24, 4, 2, False)
+    fused = torch.randn(4, 48, 32, generator=gen)
+    w_gate, w_up = fused[:, :24], fused[:, 24:]
+    assert not w_up.is_contiguous()
+    want = reference_loop(x, weights, ids, w_gate, w_up, w_down, "silu")
+    got = torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, "silu")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_the_native_expert_loop_refuses_an_unknown_activation():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import backend
+from kernels import backend, native_ops
 from tests.gpu import bench_decode
 from tests.gpu.host_reads import host_reads
 
@@ -24,8 +24,10 @@ def test_dense_decode_step_has_no_host_reads():
         assert host_reads(step) == []
 
 
-def test_the_detector_sees_host_reads():
-    """The MoE layer (its expert loop) reads its per-expert counts on the host: the detector must say so."""
+def test_the_detector_sees_host_reads(monkeypatch):
+    """The MoE layer (its Python expert loop: the C++ one reads in C++, unseen) reads its
+    per-expert counts on the host: the detector must say so."""
+    monkeypatch.setitem(native_ops._state, "loaded", False)
     moe = dict(bench_decode.TOY, mlp_only_layers=[])
     step = _decode_step(moe)
     with backend.use_backend("triton"), torch.inference_mode():

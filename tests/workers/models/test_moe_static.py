@@ -30,9 +30,10 @@ def test_static_routing_equals_the_loop(num_tokens, style, gated):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_compiled_cpu_step_takes_the_cheaper_formulation(monkeypatch, native):
-    """Compiled on CPU: the static formulation for small batches, the loop op beyond
-    ``static_is_cheaper`` (6 experts, top-2: static up to T*E <= 64, i.e. 10 tokens) -- the
-    C++ op once ``kernels.native_ops`` loaded, else the Python op; all equal the eager loop."""
+    """Compiled on CPU: with the C++ loop (``kernels.native_ops`` loaded, fp32) the loop op at
+    every size; with the Python op the static formulation for small batches and the loop beyond
+    ``static_is_cheaper`` (6 experts, top-2: static up to T*E <= 64, i.e. 10 tokens); all
+    equal the eager loop."""
     import workers.models.moe as moe_module
     from kernels import native_ops
 
@@ -55,7 +56,7 @@ def test_compiled_cpu_step_takes_the_cheaper_formulation(monkeypatch, native):
 
     monkeypatch.setattr(moe_module, "expert_loop_op", counting_pick)
     layer = moe("qwen", True, seed=3)
-    for num_tokens, takes_loop in ((3, False), (16, True)):
+    for num_tokens, takes_loop in ((3, native), (16, True)):
         traced_ops.clear()
         torch._dynamo.reset()
         x = torch.randn(num_tokens, 16, generator=torch.Generator().manual_seed(num_tokens))

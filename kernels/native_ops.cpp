@@ -1,0 +1,242 @@
+// The native ops of kernels/native_ops.py (built by it with load_inline; @NAME@ tokens are
+// filled in there from kernels/cpu_linear.py).
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+// dst[index] = src along dim 0, in place (the rows of a state pool).
+void scatter_rows(at::Tensor dst, const at::Tensor& index, const at::Tensor& src) {
+  dst.index_copy_(0, index, src);
+}
+
+// The activations of workers/models/layers.py ACTIVATIONS, by HF name.
+at::Tensor activate(const at::Tensor& x, const std::string& act) {
+  if (act == "silu" || act == "swish") return at::silu(x);
+  if (act == "gelu") return at::gelu(x);
+  if (act == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
+  if (act == "relu") return at::relu(x);
+  if (act == "relu2") return at::square(at::relu(x));
+  TORCH_CHECK(false, "moe_experts: activation ", act, " is not supported");
+}
+
+// kernels/cpu_linear.py linear (no bias, no autograd, never traced here): oneDNN from
+// MIN_ROWS rows and MIN_MACS multiply-adds in fp32 where the build has it, else at::linear.
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
+  static const std::optional<c10::OperatorHandle> onednn =
+      at::hasMKLDNN() ? c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""})
+                      : std::nullopt;
+  const int64_t rows = x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
+  if (onednn.has_value() && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+      w.is_contiguous() && w.dim() == 2 && rows >= @MIN_ROWS@ &&
+      rows * w.size(1) * w.size(0) >= @MIN_MACS@) {
+    torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), std::string("")};
+    onednn->callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  return at::linear(x, w);
+}
+
+// ---- The few-rows expert MLP: fp32, at most SMALL_ROWS rows an expert (a decode step's) ----
+//
+// A decode step reads every chosen expert's weights once for a handful of rows, so its time
+// is the weights' bytes: the loop's three ATen GEMMs an expert (MKL's small-M sgemm) and ~8
+// ATen ops of glue ran at ~45 % of a plain read's bandwidth on bench-15m. Here each weight
+// row is read once, as 16-float vectors, against all the expert's rows at once (R
+// accumulators, B weight rows in flight), and the glue is plain loops over host memory.
+// Its sums are not MKL's (a row's dot product is 16 lanes, then a fixed tree): callers take
+// this path by shape alone (few_rows), so equal shapes give equal bits everywhere.
+namespace {
+
+constexpr int64_t SMALL_ROWS = 8;
+constexpr int64_t ROW_ALIGN = 64;
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline __attribute__((always_inline)) v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline __attribute__((always_inline)) float hsum(v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// y[r * ldy + n0 + b] = x[r] . w[(n0 + b) * ldw], r < R, b < B (the K tail in scalar).
+template <int R, int B>
+inline __attribute__((always_inline)) void rows_block(const float* const* x, const float* w, int64_t ldw,
+                                                      int64_t n0, int64_t K, float* y, int64_t ldy) {
+  const int64_t k16 = K & ~int64_t(15);
+  v16 acc[B][R];
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[b][r] = v16{};
+  for (int64_t k = 0; k < k16; k += 16) {
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      const v16 wv = load16(w + (n0 + b) * ldw + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[b][r] += wv * load16(x[r] + k);
+    }
+  }
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* wn = w + (n0 + b) * ldw;
+      float s = hsum(acc[b][r]);
+      for (int64_t k = k16; k < K; ++k) s += x[r][k] * wn[k];
+      y[r * ldy + n0 + b] = s;
+    }
+}
+
+template <int R>
+inline __attribute__((always_inline)) void rows_gemm(const float* const* x, const float* w, int64_t ldw,
+                                                     int64_t N, int64_t K, float* y, int64_t ldy) {
+  constexpr int B = R <= 4 ? 4 : 2;      // B x R accumulators stay in registers
+  int64_t n = 0;
+  for (; n + B <= N; n += B) rows_block<R, B>(x, w, ldw, n, K, y, ldy);
+  for (; n < N; ++n) rows_block<R, 1>(x, w, ldw, n, K, y, ldy);
+}
+
+// y [rows, ldy] = x @ w^T for rows <= SMALL_ROWS: x[r] points at row r's K floats, w is
+// N rows of K floats, ldw apart. One binary, the widest vectors the machine has.
+#if defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void few_rows_gemm(const float* const* x, int64_t rows, const float* w, int64_t ldw, int64_t N,
+                   int64_t K, float* y, int64_t ldy) {
+  switch (rows) {
+    case 1: rows_gemm<1>(x, w, ldw, N, K, y, ldy); break;
+    case 2: rows_gemm<2>(x, w, ldw, N, K, y, ldy); break;
+    case 3: rows_gemm<3>(x, w, ldw, N, K, y, ldy); break;
+    case 4: rows_gemm<4>(x, w, ldw, N, K, y, ldy); break;
+    case 5: rows_gemm<5>(x, w, ldw, N, K, y, ldy); break;
+    case 6: rows_gemm<6>(x, w, ldw, N, K, y, ldy); break;
+    case 7: rows_gemm<7>(x, w, ldw, N, K, y, ldy); break;
+    case 8: rows_gemm<8>(x, w, ldw, N, K, y, ldy); break;
+    default: TORCH_CHECK(false, "few_rows_gemm: ", rows, " rows (at most ", SMALL_ROWS, ")");
+  }
+}
+
+bool rows_contiguous(const at::Tensor& w) { return w.stride(-1) == 1; }
+
+// Whether expert e's n rows take the few-rows path: a shape rule, the same for every caller.
+bool few_rows(int64_t n, const at::Tensor& x, const std::optional<at::Tensor>& w_gate,
+              const at::Tensor& w_up, const at::Tensor& w_down) {
+  return n <= SMALL_ROWS && x.scalar_type() == at::kFloat && w_up.scalar_type() == at::kFloat &&
+         w_down.scalar_type() == at::kFloat && rows_contiguous(w_up) && rows_contiguous(w_down) &&
+         (!w_gate.has_value() || (w_gate->scalar_type() == at::kFloat && rows_contiguous(*w_gate)));
+}
+
+// out[token(r)] += weight(r) * expert(x[token(r)]) for the n (token, choice) rows `rows` of
+// expert e; x is contiguous fp32 [T, H], out is [T, H].
+void expert_few_rows(const at::Tensor& x, const int64_t* rows, int64_t n, int64_t k,
+                     const float* flat_weights, const std::optional<at::Tensor>& w_gate,
+                     const at::Tensor& w_up, const at::Tensor& w_down, int64_t e,
+                     const std::string& act, at::Tensor& out) {
+  const int64_t H = x.size(1), I = w_up.size(1), HO = w_down.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* h[SMALL_ROWS];
+  for (int64_t j = 0; j < n; ++j) h[j] = xp + (rows[j] / k) * H;
+  const at::Tensor up_w = w_up.select(0, e), down_w = w_down.select(0, e);
+  // Rows ROW_ALIGN floats apart, the padding zero: ATen's vectorised activations finish a
+  // length that is not a multiple of their vector pair with the scalar formula (other bits),
+  // so at a padded width every element takes the vector formula whatever n is.
+  const int64_t ld = (I + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+  at::Tensor up = at::zeros({n, ld}, x.options());
+  few_rows_gemm(h, n, up_w.data_ptr<float>(), up_w.stride(0), I, H, up.data_ptr<float>(), ld);
+  at::Tensor inner;
+  if (w_gate.has_value()) {
+    const at::Tensor gate_w = w_gate->select(0, e);
+    at::Tensor gate = at::zeros({n, ld}, x.options());
+    few_rows_gemm(h, n, gate_w.data_ptr<float>(), gate_w.stride(0), I, H, gate.data_ptr<float>(), ld);
+    inner = activate(gate, act);
+    inner.mul_(up);
+  } else {
+    inner = activate(up, act);
+  }
+  TORCH_CHECK(inner.is_contiguous());
+  const float* ip = inner.data_ptr<float>();
+  const float* in_rows[SMALL_ROWS];
+  for (int64_t j = 0; j < n; ++j) in_rows[j] = ip + j * ld;
+  at::Tensor y = at::empty({n, HO}, x.options());
+  float* yp = y.data_ptr<float>();
+  few_rows_gemm(in_rows, n, down_w.data_ptr<float>(), down_w.stride(0), HO, I, yp, HO);
+  float* op = out.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j) {
+    float* o = op + (rows[j] / k) * HO;
+    const float wr = flat_weights[rows[j]];
+    const float* yj = yp + j * HO;
+    for (int64_t c = 0; c < HO; ++c) o[c] += yj[c] * wr;
+  }
+}
+
+}  // namespace
+
+// workers/models/moe_experts.py expert_loop: the (token, choice) rows in expert order (a
+// stable counting sort), each chosen expert's MLP on its rows, weighted and added per token,
+// experts ascending. An expert with few rows takes expert_few_rows, the others the loop's
+// ATen kernels (oneDNN or at::linear, as cpu_linear.linear), op for op as the Python loop.
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights, const at::Tensor& ids,
+                       const std::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
+                       const at::Tensor& w_down, std::string act) {
+  const int64_t k = ids.size(1), num_experts = w_up.size(0), num_rows = ids.numel();
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t* id = flat_ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(num_experts + 1, 0);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < num_experts, "moe_experts: expert id ", id[r], " of ", num_experts);
+    ++start[id[r] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
+  at::Tensor order = at::empty({num_rows}, flat_ids.options());
+  int64_t* ord = order.data_ptr<int64_t>();
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t r = 0; r < num_rows; ++r) ord[next[id[r]]++] = r;
+  const at::Tensor flat_weights = weights.reshape({-1}).contiguous();
+  at::Tensor out = at::zeros({x.size(0), w_down.size(1)}, x.options());
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    if (few_rows(n, x, w_gate, w_up, w_down) && flat_weights.scalar_type() == at::kFloat) {
+      expert_few_rows(x, ord + start[e], n, k, flat_weights.data_ptr<float>(), w_gate, w_up, w_down,
+                      e, act, out);
+      continue;
+    }
+    at::Tensor rows = order.slice(0, start[e], start[e] + n);
+    at::Tensor tokens = at::div(rows, k, "floor");
+    at::Tensor h = at::index(x, {tokens});
+    at::Tensor up = dense(h, w_up.select(0, e));
+    at::Tensor inner = w_gate.has_value()
+        ? activate(dense(h, w_gate->select(0, e)), act) * up : activate(up, act);
+    at::Tensor y = dense(inner, w_down.select(0, e));
+    at::Tensor acc = at::index(out, {tokens});
+    acc.add_(y * at::index(flat_weights, {rows}).unsqueeze(1));
+    out.index_put_({tokens}, acc);
+  }
+  return out;
+}
+
+TORCH_LIBRARY(hybridserve_native, m) {
+  m.def("scatter_rows(Tensor(a!) dst, Tensor index, Tensor src) -> ()");
+  m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor? w_gate, Tensor w_up, "
+        "Tensor w_down, str act) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybridserve_native, CPU, m) {
+  m.impl("scatter_rows", &scatter_rows);
+  m.impl("moe_experts", &moe_experts);
+}
