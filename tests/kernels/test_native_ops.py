@@ -72,11 +72,12 @@ def test_the_native_expert_loop_equals_the_python_loop_bit_for_bit_on_many_rows(
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("dims", [(24, 20, 24), (32, 48, 32), (17, 33, 40), (256, 256, 256)])
 def test_the_few_rows_experts_match_the_python_loop(act, gated, dims):
-    """Decode-sized experts (1-8 rows each, and one of 9+ on the ATen path) through the fused
-    kernel: close to the Python loop at every K tail (K % 16 != 0), with H_out != H."""
+    """Decode-sized experts (1-16 rows each; at 100 tokens 17+, the ATen path, in the same
+    call) through the fused kernel: close to the Python loop at every K tail (K % 16 != 0),
+    with H_out != H."""
     assert native_ops.load(), native_ops.failure()
     h, i, out = dims
-    for t in (1, 3, 13, 40):
+    for t in (1, 3, 13, 40, 100):
         args = _experts(torch.Generator().manual_seed(t), t, h, i, 6, 2, gated, out)
         want = reference_loop(*args, act)
         got = torch.ops.hybridserve_native.moe_experts(*args, act)
@@ -88,7 +89,7 @@ def test_a_few_rows_token_gets_the_same_bits_alone_or_in_a_batch():
     row's dot products run in one order), so a token's output is its own."""
     assert native_ops.load(), native_ops.failure()
     x, weights, ids, w_gate, w_up, w_down = _experts(torch.Generator().manual_seed(3), 12, 40, 56, 6, 2, True)
-    assert int(torch.bincount(ids.flatten()).max()) <= 8        # every expert on the fused path
+    assert int(torch.bincount(ids.flatten()).max()) <= 16       # every expert on the fused path
     both = torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, "silu")
     for t in range(12):
         alone = torch.ops.hybridserve_native.moe_experts(x[t:t + 1], weights[t:t + 1], ids[t:t + 1],

@@ -205,7 +205,9 @@ def test_whole_model_logits(family_model, tiny_model):
 
     for got in run_ranks(tiny_model.family.tp_world, rank):
         for g, e in zip(got, expected):
-            torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+            # sharded sums run in another order: bailing_hybrid's prefill logits (|x| <= ~5)
+            # differ by up to 9e-5 with MKL's experts, 1.2e-4 with the fused few-rows ones
+            torch.testing.assert_close(g, e, atol=2e-4, rtol=0)
 
 
 def test_pool_shard_shapes(family_model):
