@@ -11,16 +11,16 @@ scheduler thread under ``scheduler.overlap``, or a replica's Ray and event-loop 
 for up to the interpreter's switch interval (5 ms).
 
 ``load()`` builds (once per machine: the build is cached under torch's extension directory,
-``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, keyed by the torch version and
-the source; concurrent builders wait on the build's lock) and loads ``hybridserve_native::scatter_rows`` and
-``hybridserve_native::moe_experts`` from ``native_ops.cpp``, with the Python ops' schemas,
-and registers their fakes. The pool write is the same ATen kernel. The expert loop is the
-Python loop op for op for experts with many rows; an expert with few rows (a decode step's)
-takes a fused fp32 kernel there that streams its weights once (see the .cpp), so once the
-ops loaded the eager path calls the native loop too (``moe_experts.expert_loop``) and eager
-and compiled steps compute the same bits. Compiled CPU steps trace with them when they loaded; when they cannot
-be built (no compiler, no ninja) they trace with the Python ops, as before, and the reason
-is logged once.
+``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, keyed by the torch version, the
+source and the flags; concurrent builders wait on the build's lock) and loads
+``hybridserve_native::scatter_rows`` and ``hybridserve_native::moe_experts`` from
+``native_ops.cpp``, with the Python ops' schemas, and registers their fakes. The pool write
+is the same ATen kernel. The expert loop is the Python loop op for op for experts with many
+rows; an expert with few fp32 rows (a decode step's) takes a fused kernel there that streams
+its weights once (see the .cpp), so once the ops loaded the eager path calls the native loop
+too (``moe_experts.expert_loop``) and eager and compiled steps compute the same bits.
+Compiled CPU steps trace with them when they loaded; when they cannot be built (no compiler,
+no ninja) they trace with the Python ops, as before, and the reason is logged once.
 """
 from __future__ import annotations
 
