@@ -28,7 +28,7 @@ from workers.models.layers import activation
 def expert_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
                 w_down: Tensor, act: str) -> Tensor:
     """The eager routed experts: the native loop on CPU where it builds, else ``reference_loop``."""
-    if x.device.type == "cpu" and native_ops.load():
+    if x.device.type == "cpu" and (native_ops.loaded() or native_ops.load()):   # no lock once loaded
         return torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, act)
     return reference_loop(x, weights, ids, w_gate, w_up, w_down, act)
 
