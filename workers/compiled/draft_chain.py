@@ -53,10 +53,11 @@ class CompiledChain:
         if not self.on_gpu:
             native_ops.load()             # the pool writes in C++ (kernels/native_ops.py)
         self.owner = new_owner()
+        kwargs = compile_kwargs(self.on_gpu, self.freeze, gemm_templates=False)   # ATen GEMMs (see there)
         self._compiled: Callable[[Tensor, Tensor, Tensor, int], Tensor] = torch.compile(
-            self._chain_from, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu, self.freeze))
+            self._chain_from, dynamic=None, fullgraph=True, **kwargs)
         self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor] = torch.compile(
-            self._verify_chain, dynamic=None, fullgraph=True, **compile_kwargs(self.on_gpu, self.freeze))
+            self._verify_chain, dynamic=None, fullgraph=True, **kwargs)
         self.num_calls = {size: 0 for size in self.sizes}
         self.num_verify_calls = {size: 0 for size in self.sizes}
 

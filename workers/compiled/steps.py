@@ -72,7 +72,7 @@ class CompiledSteps:
         self.owner = new_owner()
         self._compiled: Callable[[ForwardBatch, int], tuple[Tensor, Tensor]] = torch.compile(
             self._step, dynamic=None, fullgraph=True,    # static but the marked page dim
-            **compile_kwargs(self.on_gpu, self.freeze))
+            **compile_kwargs(self.on_gpu, self.freeze, gemm_templates=not verify_lens))
         # Under speculation every decode is a verify (a plain decode step is rare: a request
         # that has not drafted yet), so only the verify steps are compiled then.
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)

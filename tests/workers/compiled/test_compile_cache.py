@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.compiled.cache import cache_counters
+from workers.compiled.cache import cache_counters, compile_kwargs
 from workers.sampling_params import SamplingParams
 
 P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -33,3 +33,12 @@ def test_warm_restart_compiles_nothing(tiny_granite_dir, compile_cache_dir):
     assert ([o.token_ids for o in llm.generate_ids(prompts, [P] * 2)]
             == [o.token_ids for o in eager.generate_ids(prompts, [P] * 2)])
     assert llm.engine.runner.compiled.num_calls[(2, 1)] > 0
+
+
+def test_speculation_steps_compile_with_aten_gemms():
+    """Decode steps autotune inductor's CPU GEMM templates; verify steps and the draft chain
+    do not (``compile_kwargs``: the templates chosen alone ran slower inside them)."""
+    decode = compile_kwargs(on_gpu=False, pack_weights=True)["options"]
+    spec = compile_kwargs(on_gpu=False, pack_weights=True, gemm_templates=False)["options"]
+    assert decode.get("max_autotune") and "CPP" in decode["max_autotune_gemm_backends"]
+    assert not spec.get("max_autotune") and "max_autotune_gemm_backends" not in spec
