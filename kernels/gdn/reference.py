@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kernels import OnStep, run_chunks, scan_varlen
+from kernels.decay import decay_exp
 from kernels.static import scatter_rows_
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
@@ -178,14 +179,14 @@ def _gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     beta = beta.transpose(0, 1)[..., None]                              # [H, c, 1]
     lower = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
     # decay[h, i, j] = b_i / b_j for j <= i, else 0 (masked before exp: no overflow)
-    decay = (log_b[:, :, None] - log_b[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+    decay = decay_exp((log_b[:, :, None] - log_b[:, None, :]).masked_fill(~lower, float("-inf")))
     a = (beta * (k @ k.transpose(1, 2)) * decay).tril(-1)
     system = a + torch.eye(c, dtype=a.dtype, device=a.device)
+    b = decay_exp(log_b)[..., None]                                     # b_i  [H, c, 1]
     w_v = torch.linalg.solve_triangular(system, beta * v, upper=False, unitriangular=True)
-    w_k = torch.linalg.solve_triangular(system, beta * log_b.exp()[..., None] * k,
-                                        upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(system, beta * b * k, upper=False, unitriangular=True)
     u = w_v - w_k @ s                                                   # [H, c, V]
-    o = log_b.exp()[..., None] * (q @ s) + ((q @ k.transpose(1, 2)) * decay) @ u
-    to_end = (log_b[:, -1:] - log_b).exp()[..., None]                   # b_c / b_j  [H, c, 1]
-    s_new = log_b[:, -1].exp()[:, None, None] * s + (k * to_end).transpose(1, 2) @ u
+    o = b * (q @ s) + ((q @ k.transpose(1, 2)) * decay) @ u
+    to_end = decay_exp(log_b[:, -1:] - log_b)[..., None]                # b_c / b_j  [H, c, 1]
+    s_new = decay_exp(log_b[:, -1])[:, None, None] * s + (k * to_end).transpose(1, 2) @ u
     return o.transpose(0, 1), s_new

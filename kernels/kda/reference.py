@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kernels import OnStep, run_chunks, scan_varlen
+from kernels.decay import decay_exp
 from kernels.gdn.reference import delta_rule_step, normalized_qk
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
@@ -140,15 +141,15 @@ def _kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     beta = beta.transpose(0, 1)[..., None]                              # [H, c, 1]
     lower = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
     diff = (log_b[:, :, None, :] - log_b[:, None, :, :])                # [H, c, c, K]: b_i - b_j
-    decay = diff.masked_fill(~lower[None, :, :, None], float("-inf")).exp()
+    decay = decay_exp(diff.masked_fill(~lower[None, :, :, None], float("-inf")))
     a = (beta * torch.einsum("hid,hjd,hijd->hij", k, k, decay)).tril(-1)
     system = a + torch.eye(c, dtype=a.dtype, device=a.device)
     w_v = torch.linalg.solve_triangular(system, beta * v, upper=False, unitriangular=True)
-    w_k = torch.linalg.solve_triangular(system, beta * (k * log_b.exp()), upper=False,
-                                        unitriangular=True)
+    b = decay_exp(log_b)                                                # [H, c, K]
+    w_k = torch.linalg.solve_triangular(system, beta * (k * b), upper=False, unitriangular=True)
     u = w_v - w_k @ s                                                   # [H, c, V]
     qk = torch.einsum("hid,hjd,hijd->hij", q, k, decay)                 # lower incl. diagonal
-    o = (q * log_b.exp()) @ s + qk @ u
-    to_end = (log_b[:, -1:, :] - log_b).exp()                           # [H, c, K]
-    s_new = log_b[:, -1, :, None].exp() * s + (k * to_end).transpose(1, 2) @ u
+    o = (q * b) @ s + qk @ u
+    to_end = decay_exp(log_b[:, -1:, :] - log_b)                        # [H, c, K]
+    s_new = decay_exp(log_b[:, -1, :, None]) * s + (k * to_end).transpose(1, 2) @ u
     return o.transpose(0, 1), s_new

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import OnStep, scan_varlen
+from kernels.decay import decay_exp
 from kernels.static import scatter_rows_
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
@@ -169,9 +170,9 @@ def _ssd_chunk(x: Tensor, step: Tensor, b: Tensor, c: Tensor, A: Tensor,
     xdt = (x * step[..., None]).transpose(0, 1)                         # [H, n, P]
     log_a = (step * A).transpose(0, 1).cumsum(-1)                       # [H, n]
     lower = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-    decay = (log_a[:, :, None] - log_a[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+    decay = decay_exp((log_a[:, :, None] - log_a[:, None, :]).masked_fill(~lower, float("-inf")))
     y = ((c @ b.transpose(1, 2)) * decay) @ xdt                         # [H, n, P]
-    y = y + log_a.exp()[..., None] * (c @ s.transpose(1, 2))           # S0 C_i: [H, n, P]
-    to_end = (log_a[:, -1:] - log_a).exp()[..., None]                   # [H, n, 1]
-    s_new = log_a[:, -1].exp()[:, None, None] * s + (xdt * to_end).transpose(1, 2) @ b
+    y = y + decay_exp(log_a)[..., None] * (c @ s.transpose(1, 2))      # S0 C_i: [H, n, P]
+    to_end = decay_exp(log_a[:, -1:] - log_a)[..., None]                # [H, n, 1]
+    s_new = decay_exp(log_a[:, -1])[:, None, None] * s + (xdt * to_end).transpose(1, 2) @ b
     return y.transpose(0, 1), s_new
