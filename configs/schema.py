@@ -95,7 +95,8 @@ class CompileConfig(_Frozen):
     # kernels run on weights packed ahead of time (``max_autotune``, backends CPP + ATen):
     # ~1.7x a batch-1 decode step of the tiny bench model, ~3x a 4-row matmul. Costs a
     # packed copy of the matmul weights per compiled graph and a longer cold compile
-    # (autotuning each GEMM shape once; the persistent cache keeps the choices). GPU: unused.
+    # (autotuning each GEMM shape once; the persistent cache keeps the choices). Verify steps
+    # and the MTP draft chain keep ATen's packed GEMMs (workers/compiled/cache.py). GPU: unused.
     pack_weights: bool = True
 
     @model_validator(mode="after")

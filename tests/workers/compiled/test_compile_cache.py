@@ -42,3 +42,27 @@ def test_speculation_steps_compile_with_aten_gemms():
     spec = compile_kwargs(on_gpu=False, pack_weights=True, gemm_templates=False)["options"]
     assert decode.get("max_autotune") and "CPP" in decode["max_autotune_gemm_backends"]
     assert not spec.get("max_autotune") and "max_autotune_gemm_backends" not in spec
+
+
+def test_verify_steps_and_chain_ask_for_aten_gemms(monkeypatch):
+    """The wiring: decode steps ask for the templates, verify steps and the chain do not
+    (their constructors compile nothing: ``torch.compile`` is lazy)."""
+    import workers.compiled.draft_chain as chain_mod
+    import workers.compiled.steps as steps_mod
+    from configs.schema import CompileConfig
+
+    asked: list[tuple[str, bool]] = []
+
+    def spy(module: str):
+        def record(on_gpu: bool, pack_weights: bool = False, gemm_templates: bool = True):
+            asked.append((module, gemm_templates))
+            return compile_kwargs(on_gpu, pack_weights, gemm_templates)
+        return record
+    monkeypatch.setattr(steps_mod, "compile_kwargs", spy("steps"))
+    monkeypatch.setattr(chain_mod, "compile_kwargs", spy("chain"))
+    config, cpu, model = CompileConfig(enabled=True, batch_sizes=(1,)), torch.device("cpu"), torch.nn.Identity()
+    steps_mod.CompiledSteps(model, None, config, cpu, max_pages=4, page_size=16)
+    steps_mod.CompiledSteps(model, None, config, cpu, max_pages=4, page_size=16, verify_lens=(4,))
+    chain_mod.CompiledChain(model, model, None, config, cpu, num_drafts=3, page_size=16, max_model_len=64,
+                            max_pages=4)
+    assert asked == [("steps", True), ("steps", False), ("chain", False)]
