@@ -6,7 +6,8 @@ the ``use_backend`` context manager override it, e.g. in tests):
 - ``auto`` (default): on CUDA tensors the Triton kernels, and for attention FlashInfer where
   it can run (``gpu`` extra installed, fp16/bf16, a head dim in ``FLASHINFER_HEAD_DIMS``),
   else the Triton paged-attention kernel (fp32, head dims such as 32 or 80, no FlashInfer);
-  the torch reference on CPU tensors (the CPU production path).
+  on CPU tensors the torch reference, and the C++ loops where an op has one
+  (``use_native``: the GDN recurrence), which together are the CPU production path.
 - ``torch``: the torch reference everywhere, also on CUDA (a GPU oracle for the kernels).
 - ``triton``: Triton for every op, attention included (never FlashInfer), wherever the
   tensors are. On CPU tensors this needs ``TRITON_INTERPRET=1`` set before the kernel
@@ -73,6 +74,12 @@ def use_backend(value: str | Backend) -> Iterator[Backend]:
         yield parse_backend(value)
     finally:
         set_backend(old)
+
+
+def use_native(t: torch.Tensor) -> bool:
+    """Should a recurrent op on CPU tensor ``t`` run its C++ loop (``kernels/native_*.cpp``)
+    rather than the torch reference? Under ``auto`` only: ``torch`` keeps the reference."""
+    return _backend is Backend.AUTO and t.device.type == "cpu"
 
 
 def use_triton(t: torch.Tensor) -> bool:

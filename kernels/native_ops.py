@@ -14,7 +14,10 @@ for up to the interpreter's switch interval (5 ms).
 ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, keyed by the torch version, the
 source and the flags; concurrent builders wait on the build's lock) and loads
 ``hybridserve_native::scatter_rows`` and ``hybridserve_native::moe_experts`` from
-``native_ops.cpp``, with the Python ops' schemas, and registers their fakes. The pool write
+``native_ops.cpp``, with the Python ops' schemas, and the Gated DeltaNet recurrence
+``hybridserve_native::gdn_recurrent_pool`` / ``gdn_recurrent_dense`` from ``native_gdn.cpp``
+(``kernels/gdn/cpu.py``, the CPU path of every per-token GDN step, eager or compiled), and
+registers their fakes. The pool write
 is the same ATen kernel. The expert loop is the Python loop op for op for experts with many
 rows; an expert with few fp32 rows (a decode step's) takes a fused kernel there that streams
 its weights once (see the .cpp), so once the ops loaded the eager path calls the native loop
@@ -36,7 +39,9 @@ from kernels import cpu_linear
 logger = logging.getLogger(__name__)
 
 NAME = "hybridserve_native"
-SOURCE = (Path(__file__).with_suffix(".cpp").read_text()
+# native_ops.cpp, then each op file that adds to the library (one extension, one build)
+SOURCES = ("native_ops.cpp", "native_gdn.cpp")
+SOURCE = ("\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
           .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS)))
 
 _lock = threading.Lock()
@@ -82,6 +87,8 @@ def _build() -> bool:
         return False
     torch.library.register_fake(f"{NAME}::scatter_rows")(_scatter_rows_fake)
     torch.library.register_fake(f"{NAME}::moe_experts")(_moe_experts_fake)
+    torch.library.register_fake(f"{NAME}::gdn_recurrent_pool")(_gdn_pool_fake)
+    torch.library.register_fake(f"{NAME}::gdn_recurrent_dense")(_gdn_dense_fake)
     return True
 
 
@@ -92,3 +99,13 @@ def _scatter_rows_fake(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor
 def _moe_experts_fake(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate: torch.Tensor | None,
                       w_up: torch.Tensor, w_down: torch.Tensor, act: str) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_down.shape[1])
+
+
+def _gdn_pool_fake(states: torch.Tensor, slots: torch.Tensor, dst: torch.Tensor | None, q: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    return v.new_empty(v.shape)          # v is [rows, H, V]
+
+
+def _gdn_dense_fake(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+    return v.new_empty(v.shape)

@@ -7,7 +7,8 @@ Per value head, with state S [K, V] (HF/FLA layout), q/k l2-normalised over K an
     S_t   = S' + k_t u_t^T
     o_t   = S_t^T q_t
 
-Files (the fla template): ``reference`` (torch: the ground truth and the CPU path),
+Files (the fla template): ``reference`` (torch: the ground truth), ``cpu`` (the CPU path:
+the per-token recurrence in C++, ``kernels/native_gdn.cpp``, the chunked form from the reference),
 ``triton_recurrent`` (fused per-token kernel: decode and speculative verify, snapshot after
 any token), ``triton_chunk`` (chunked WY prefill), ``triton_varlen`` (the launcher).
 ``kernels.backend`` picks one per call.
@@ -22,6 +23,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from kernels import backend, unit_layout
+from kernels.gdn.cpu import gated_delta_rule_update_cpu, gated_delta_rule_varlen_cpu, gated_delta_rule_verify_cpu
 from kernels.gdn.reference import (gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
                                    gated_delta_rule_verify_torch, l2norm)
 
@@ -42,6 +44,9 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         return gated_delta_rule_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
                                               has_initial_state, scale, use_qk_l2norm,
                                               chunk_size, state_dst_slots)
+    if backend.use_native(v):
+        return gated_delta_rule_varlen_cpu(q, k, v, g, beta, states, cu_seqlens, slot_ids, has_initial_state,
+                                           scale, use_qk_l2norm, chunk_size, state_dst_slots)
     return gated_delta_rule_varlen_torch(q, k, v, g, beta, states, cu_seqlens, slot_ids,
                                          has_initial_state, scale, use_qk_l2norm, chunk_size,
                                          state_dst_slots)
@@ -61,6 +66,8 @@ def gated_delta_rule_update(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         cu_seqlens, has_initial_state = unit_layout(slot_ids)
         return gated_delta_rule_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
                                               has_initial_state, scale, use_qk_l2norm)
+    if backend.use_native(v):
+        return gated_delta_rule_update_cpu(q, k, v, g, beta, states, slot_ids, scale, use_qk_l2norm)
     return gated_delta_rule_update_torch(q, k, v, g, beta, states, slot_ids, scale, use_qk_l2norm)
 
 
@@ -75,5 +82,8 @@ def gated_delta_rule_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         return gated_delta_rule_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
                                        has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                        state_dst_slots=state_dst_slots)
+    if backend.use_native(v):
+        return gated_delta_rule_verify_cpu(q, k, v, g, beta, states, slot_ids, state_dst_slots, seq_len, scale,
+                                           use_qk_l2norm)
     return gated_delta_rule_verify_torch(q, k, v, g, beta, states, slot_ids, state_dst_slots,
                                          seq_len, scale, use_qk_l2norm)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import scan_varlen
+from kernels import backend, scan_varlen
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen
 from kernels.gdn.reference import gdn_recurrent
@@ -50,7 +50,13 @@ def test_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias):
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k_heads", [2, 4])               # grouped and one key head per value head
-def test_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ loop on CPU, the reference
+def test_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads, kernels):
+    with backend.use_backend(kernels):
+        _check_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads)
+
+
+def _check_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads):
     case = decode_case(varlen_case, seed=2)
     gen = torch.Generator().manual_seed(2)
     heads, k_dim, v_dim = 4, 8, 6

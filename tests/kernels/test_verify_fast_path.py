@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import backend
 from kernels.conv1d import causal_conv1d_varlen, causal_conv1d_verify
 from kernels.gdn import gated_delta_rule_varlen, gated_delta_rule_verify
 from kernels.ssd import ssd_varlen, ssd_verify
@@ -41,7 +42,13 @@ def test_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype):
 
 @pytest.mark.parametrize("seq_len", [1, 3, 4])
 @pytest.mark.parametrize("k_heads", [2, 4])
-def test_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ loop on CPU, the reference
+def test_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads, kernels):
+    with backend.use_backend(kernels):
+        _check_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads)
+
+
+def _check_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads):
     case = verify_case(varlen_case, seq_len, seed=10 + seq_len)
     gen = torch.Generator().manual_seed(seq_len)
     heads, k_dim, v_dim, n = 4, 8, 6, case.num_tokens

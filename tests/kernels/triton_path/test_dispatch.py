@@ -126,13 +126,25 @@ def _calls():
     ]
 
 
+# Ops whose CPU path under ``auto`` is a C++ loop (``backend.use_native``), not the reference.
+NATIVE = {"gated_delta_rule_varlen_torch": "gated_delta_rule_varlen_cpu"}
+
+
+def _boom_native(*args, **kwargs):
+    raise AssertionError("the native loop ran")
+
+
 @cpu_only
 @pytest.mark.parametrize("index", range(len(_calls())))
 def test_each_op_follows_the_switch(index, monkeypatch):
     module, name, call = _calls()[index]
     monkeypatch.setattr(module, name, _boom)
+    if name in NATIVE:
+        monkeypatch.setattr(module, NATIVE[name], _boom_native)
     with backend.use_backend("triton"):
         assert call().isfinite().all()                 # ran the Triton kernel
-    for setting in ("torch", "auto"):                  # CPU tensors: the reference
-        with backend.use_backend(setting), pytest.raises(AssertionError, match="reference ran"):
-            call()
+    with backend.use_backend("torch"), pytest.raises(AssertionError, match="reference ran"):
+        call()
+    with backend.use_backend("auto"), pytest.raises(  # CPU tensors: the reference or a C++ loop
+            AssertionError, match="native loop ran" if name in NATIVE else "reference ran"):
+        call()
