@@ -1,30 +1,32 @@
-// Gated DeltaNet's per-token recurrence on CPU (kernels/gdn/cpu.py), fp32, states in place.
-// Appended to native_ops.cpp by kernels/native_ops.py (one extension, one build).
+// Gated DeltaNet's recurrence on CPU (kernels/gdn/cpu.py): a varlen batch over a state pool,
+// in place. Appended to native_ops.cpp by kernels/native_ops.py (one extension, one build).
 #include <cmath>
 //
 // Per value head, with the state S [K, V] (rows of V floats) and one token (decay = exp(g),
 // taken here with std::exp so that every caller gets the same decay from the same g):
 //     S' = decay * S;   u = beta * (v - S'^T k);   S = S' + k u^T;   o = S^T q.
 // Column j of u, S and o depends on column j of S alone, so the kernel walks S in blocks
-// of COLS columns and runs every token of the head on a block before the next one: a block
-// of K x COLS floats (32 KiB at K = 128) stays in L1 across its two passes (pass 1: S'^T k;
-// pass 2: write S, accumulate S^T q) and across tokens, and S is read from memory once and
-// written once per call however many tokens it has. The torch path reads it five times
-// (gather, decay, two products, scatter) per token.
+// of GDN_COLS columns and runs every token of a sequence on a block before the next one: a
+// block of K x 64 floats (32 KiB at K = 128) stays in L1 across its two passes (pass 1:
+// S'^T k; pass 2: write S, accumulate S^T q) and across tokens. S is read from the pool once
+// and written once per call however many tokens the sequence has. Every token runs the
+// recurrence -- no chunked form: on one core this loop beats the torch chunked form 2x at
+// 128 x 128 heads and 6x at 64 x 64, and it gives a prefill token the same bits as a decode.
 //
 // Numerics: each column's sums run over the K rows in order (one multiply-add chain per
 // lane), so a column's bits depend on neither the block width, the vector width, the number
-// of sequences or heads in the call, the thread count, nor whether its tokens arrive in one
-// call or several (the state is carried in fp32 between calls). Every CPU path of kernels/gdn
-// (decode, verify, the recurrent segments of a varlen batch) runs this loop, so a token gets
-// the same bits in whichever kind of batch it is computed. They are not the torch
-// reference's bits (its products are MKL's); tests compare the two with a tolerance.
+// of sequences or heads in the call, the thread count, nor how a sequence's tokens are split
+// into calls (the state is carried in the pool between calls; a pool of bf16 / fp16 rounds it
+// there, as the torch path does). Every CPU path of kernels/gdn (decode, verify, prefill and
+// mixed batches, eager or compiled) is this loop, so a token gets the same bits in whichever
+// kind of batch it is computed. They are not the torch reference's bits (its products are
+// MKL's, its long segments chunked); tests compare the two with a tolerance.
 namespace {
 
 constexpr int GDN_COLS = 64;      // 4 vectors of 16 floats
 
-// The rows of one call: row r of q, k is q + r * qk_row (its head h / r_heads at
-// + (h / r_heads) * K); of v, o: + r * vo_row + h * V; of g, beta: + r * gb_row + h.
+// The rows of one call: row r of q, k is q + r * qk_row (its key head kh at + kh * K); of
+// v, o: + r * vo_row + h * V; of g, beta: + r * gb_row + h.
 struct GdnRows {
   const float* q;
   const float* k;
@@ -50,11 +52,32 @@ inline __attribute__((always_inline)) GdnToken gdn_token(const GdnRows& in, int6
           in.o + r * in.vo_row + h * V + j0, std::exp(in.g[r * in.gb_row + h]), in.beta[r * in.gb_row + h]};
 }
 
-// Columns [j0, j0 + w) of S into the snapshot of token t, if it has one.
-inline __attribute__((always_inline)) void gdn_snapshot(float* const* snap, int64_t t, const float* S, int64_t K,
+// Where the states after some rows go: snap[t] (or null) is the head's [K, V] state in a pool
+// of `dtype` (float, bfloat16 or half).
+struct GdnSnaps {
+  char* const* snap;
+  at::ScalarType dtype;
+};
+
+// Columns [j0, j0 + w) of the fp32 state S into `dst`, a [K, V] state of `dtype`.
+void store_cols(char* dst, at::ScalarType dtype, const float* S, int64_t K, int64_t V, int64_t j0, int64_t w) {
+  for (int64_t i = 0; i < K; ++i) {
+    const float* src = S + i * V + j0;
+    if (dtype == at::kFloat) {
+      std::memcpy(reinterpret_cast<float*>(dst) + i * V + j0, src, w * sizeof(float));
+    } else if (dtype == at::kBFloat16) {
+      c10::BFloat16* d = reinterpret_cast<c10::BFloat16*>(dst) + i * V + j0;
+      for (int64_t j = 0; j < w; ++j) d[j] = c10::BFloat16(src[j]);
+    } else {
+      c10::Half* d = reinterpret_cast<c10::Half*>(dst) + i * V + j0;
+      for (int64_t j = 0; j < w; ++j) d[j] = c10::Half(src[j]);
+    }
+  }
+}
+
+inline __attribute__((always_inline)) void gdn_snapshot(const GdnSnaps& snaps, int64_t t, const float* S, int64_t K,
                                                         int64_t V, int64_t j0, int64_t w) {
-  if (snap == nullptr || snap[t] == nullptr) return;
-  for (int64_t i = 0; i < K; ++i) std::memcpy(snap[t] + i * V + j0, S + i * V + j0, w * sizeof(float));
+  if (snaps.snap != nullptr && snaps.snap[t] != nullptr) store_cols(snaps.snap[t], snaps.dtype, S, K, V, j0, w);
 }
 
 typedef float gdn_v16 __attribute__((vector_size(64)));
@@ -67,51 +90,50 @@ inline __attribute__((always_inline)) gdn_v16 gdn_load(const float* p) {
 
 inline __attribute__((always_inline)) void gdn_store(float* p, gdn_v16 x) { std::memcpy(p, &x, sizeof x); }
 
-// Columns [j0, j0 + 16 * NV) of one head's state S, tokens rows[0..T). snap[t] (or null):
-// where the state after token t is copied (same layout as S).
+// Columns [j0, j0 + 16 * NV) of one head's state S, rows row0 .. row0 + n - 1 in order.
 template <int NV>
 inline __attribute__((always_inline)) void gdn_block_vec(float* S, int64_t K, int64_t V, int64_t j0,
-                                                         const GdnRows& in, const int64_t* rows, int64_t T,
-                                                         int64_t h, int64_t kh, float* const* snap) {
-  for (int64_t t = 0; t < T; ++t) {
-    const GdnToken tok = gdn_token(in, rows[t], K, V, h, kh, j0);
+                                                         const GdnRows& in, int64_t row0, int64_t n, int64_t h,
+                                                         int64_t kh, const GdnSnaps& snaps) {
+  for (int64_t t = 0; t < n; ++t) {
+    const GdnToken tok = gdn_token(in, row0 + t, K, V, h, kh, j0);
     const float d = tok.decay;
     gdn_v16 pred[NV], u[NV], acc[NV];
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) pred[n] = gdn_v16{};
+    for (int c = 0; c < NV; ++c) pred[c] = gdn_v16{};
     for (int64_t i = 0; i < K; ++i) {
       const float ki = tok.k[i];
       const float* row = S + i * V + j0;
 #pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) pred[n] += ki * (d * gdn_load(row + 16 * n));
+      for (int c = 0; c < NV; ++c) pred[c] += ki * (d * gdn_load(row + 16 * c));
     }
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) {
-      u[n] = tok.beta * (gdn_load(tok.v + 16 * n) - pred[n]);
-      acc[n] = gdn_v16{};
+    for (int c = 0; c < NV; ++c) {
+      u[c] = tok.beta * (gdn_load(tok.v + 16 * c) - pred[c]);
+      acc[c] = gdn_v16{};
     }
     for (int64_t i = 0; i < K; ++i) {
       const float ki = tok.k[i], qi = tok.q[i];
       float* row = S + i * V + j0;
 #pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) {
-        const gdn_v16 s = d * gdn_load(row + 16 * n) + ki * u[n];
-        gdn_store(row + 16 * n, s);
-        acc[n] += qi * s;
+      for (int c = 0; c < NV; ++c) {
+        const gdn_v16 s = d * gdn_load(row + 16 * c) + ki * u[c];
+        gdn_store(row + 16 * c, s);
+        acc[c] += qi * s;
       }
     }
 #pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) gdn_store(tok.o + 16 * n, acc[n]);
-    gdn_snapshot(snap, t, S, K, V, j0, 16 * NV);
+    for (int c = 0; c < NV; ++c) gdn_store(tok.o + 16 * c, acc[c]);
+    gdn_snapshot(snaps, t, S, K, V, j0, 16 * NV);
   }
 }
 
 // The same for the last V % 16 columns, one at a time (the same chains as a vector lane).
 inline __attribute__((always_inline)) void gdn_block_tail(float* S, int64_t K, int64_t V, int64_t j0, int64_t w,
-                                                          const GdnRows& in, const int64_t* rows, int64_t T,
-                                                          int64_t h, int64_t kh, float* const* snap) {
-  for (int64_t t = 0; t < T; ++t) {
-    const GdnToken tok = gdn_token(in, rows[t], K, V, h, kh, j0);
+                                                          const GdnRows& in, int64_t row0, int64_t n, int64_t h,
+                                                          int64_t kh, const GdnSnaps& snaps) {
+  for (int64_t t = 0; t < n; ++t) {
+    const GdnToken tok = gdn_token(in, row0 + t, K, V, h, kh, j0);
     for (int64_t j = 0; j < w; ++j) {
       float* col = S + j0 + j;
       float pred = 0.0f, acc = 0.0f;
@@ -124,36 +146,56 @@ inline __attribute__((always_inline)) void gdn_block_tail(float* S, int64_t K, i
       }
       tok.o[j] = acc;
     }
-    gdn_snapshot(snap, t, S, K, V, j0, w);
+    gdn_snapshot(snaps, t, S, K, V, j0, w);
   }
 }
 
-// Every column block of one head's state S [K, V], tokens rows[0..T).
+// Every column block of one head's fp32 state S [K, V], rows row0 .. row0 + n - 1.
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void gdn_head(float* S, int64_t K, int64_t V, const GdnRows& in, const int64_t* rows, int64_t T, int64_t h,
-              int64_t kh, float* const* snap) {
+void gdn_head(float* S, int64_t K, int64_t V, const GdnRows& in, int64_t row0, int64_t n, int64_t h, int64_t kh,
+              const GdnSnaps& snaps) {
   int64_t j0 = 0;
-  for (; j0 + GDN_COLS <= V; j0 += GDN_COLS) gdn_block_vec<GDN_COLS / 16>(S, K, V, j0, in, rows, T, h, kh, snap);
+  for (; j0 + GDN_COLS <= V; j0 += GDN_COLS) gdn_block_vec<GDN_COLS / 16>(S, K, V, j0, in, row0, n, h, kh, snaps);
   switch ((V - j0) / 16) {
-    case 3: gdn_block_vec<3>(S, K, V, j0, in, rows, T, h, kh, snap); j0 += 48; break;
-    case 2: gdn_block_vec<2>(S, K, V, j0, in, rows, T, h, kh, snap); j0 += 32; break;
-    case 1: gdn_block_vec<1>(S, K, V, j0, in, rows, T, h, kh, snap); j0 += 16; break;
+    case 3: gdn_block_vec<3>(S, K, V, j0, in, row0, n, h, kh, snaps); j0 += 48; break;
+    case 2: gdn_block_vec<2>(S, K, V, j0, in, row0, n, h, kh, snaps); j0 += 32; break;
+    case 1: gdn_block_vec<1>(S, K, V, j0, in, row0, n, h, kh, snaps); j0 += 16; break;
     default: break;
   }
-  if (j0 < V) gdn_block_tail(S, K, V, j0, V - j0, in, rows, T, h, kh, snap);
+  if (j0 < V) gdn_block_tail(S, K, V, j0, V - j0, in, row0, n, h, kh, snaps);
+}
+
+// One head of one sequence: its state from the pool (zeros without an initial state), every
+// row, the state back. An fp32 pool is worked on in place; another dtype through an fp32 copy.
+void gdn_pool_head(char* state, at::ScalarType dtype, bool initial, int64_t K, int64_t V, const GdnRows& in,
+                   int64_t row0, int64_t n, int64_t h, int64_t kh, const GdnSnaps& snaps) {
+  std::vector<float> copy;
+  float* S = reinterpret_cast<float*>(state);
+  if (dtype != at::kFloat) {
+    copy.assign(K * V, 0.0f);
+    S = copy.data();
+    for (int64_t e = 0; initial && e < K * V; ++e) {
+      S[e] = dtype == at::kBFloat16 ? float(reinterpret_cast<c10::BFloat16*>(state)[e])
+                                    : float(reinterpret_cast<c10::Half*>(state)[e]);
+    }
+  } else if (!initial) {
+    std::memset(S, 0, K * V * sizeof(float));
+  }
+  gdn_head(S, K, V, in, row0, n, h, kh, snaps);
+  if (dtype != at::kFloat) store_cols(state, dtype, S, K, V, 0, V);
 }
 
 void check_gdn_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& g, const at::Tensor& beta, int64_t H, int64_t K, int64_t V) {
+                      const at::Tensor& g, const at::Tensor& beta, int64_t rows, int64_t H, int64_t K, int64_t V) {
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
                 "gdn_recurrent: inputs must be contiguous fp32 CPU tensors");
   }
-  const int64_t rows = v.numel() / (H * V);
   TORCH_CHECK(v.numel() == rows * H * V && g.numel() == rows * H && beta.numel() == rows * H,
-              "gdn_recurrent: v / g / beta sizes disagree with H=", H, " V=", V);
+              "gdn_recurrent: v / g / beta sizes ", v.sizes(), " / ", g.sizes(), " / ", beta.sizes(),
+              " disagree with ", rows, " rows, H=", H, " V=", V);
   if (rows == 0) return;
   const int64_t key_heads = q.numel() / (rows * K);
   TORCH_CHECK(q.sizes() == k.sizes() && key_heads > 0 && q.numel() == rows * key_heads * K &&
@@ -161,102 +203,95 @@ void check_gdn_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               "gdn_recurrent: q / k ", q.sizes(), " do not fit ", rows, " rows of K=", K, " and H=", H);
 }
 
-// Every head of `num_seqs` sequences of T rows each (rows b*T .. b*T+T-1), sequence b's
-// state at seq_state[b] ([H, K, V]); snaps[b*T + t] (or null) receives the state after row t.
-at::Tensor gdn_run(const std::vector<float*>& seq_state, const std::vector<float*>& snaps, int64_t T,
-                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& g, const at::Tensor& beta, int64_t H, int64_t K, int64_t V) {
-  check_gdn_inputs(q, k, v, g, beta, H, K, V);
-  const int64_t num_seqs = static_cast<int64_t>(seq_state.size()), rows = num_seqs * T;
-  TORCH_CHECK(v.numel() == rows * H * V, "gdn_recurrent: ", v.numel() / (H * V), " rows for ",
-              num_seqs, " sequences of ", T);
+// A [S, H, K, V] pool whose slots hold contiguous [H, K, V] states of fp32, bf16 or fp16.
+struct GdnPool {
+  char* base;
+  int64_t slot_bytes, num_slots;
+  at::ScalarType dtype;
+
+  char* slot(int64_t s) const {
+    TORCH_CHECK(s >= 0 && s < num_slots, "gdn_recurrent: slot ", s, " of ", num_slots);
+    return base + s * slot_bytes;
+  }
+};
+
+GdnPool gdn_pool(at::Tensor& states) {
+  const at::ScalarType dtype = states.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && states.dim() == 4 &&
+                  states.device().is_cpu() && states.size(1) > 0 && states.size(2) > 0 && states.size(3) > 0 &&
+                  states.stride(3) == 1 && states.stride(2) == states.size(3) &&
+                  states.stride(1) == states.size(2) * states.size(3),
+              "gdn_recurrent: states must be a CPU [S, H, K, V] pool of fp32 / bf16 / fp16 with contiguous "
+              "slots, got ", states.sizes(), " ", dtype);
+  const int64_t elem = states.element_size();
+  return {static_cast<char*>(states.data_ptr()), states.stride(0) * elem, states.size(0), dtype};
+}
+
+std::vector<int64_t> as_longs(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+}  // namespace
+
+// kernels/gdn/cpu.py: the varlen batch of kernels/__init__.py's conventions over a pool,
+// in place. Sequence b owns rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1, starts from
+// states[slots[b]] (zeros where has_initial_state[b] is false; None: every one present)
+// and leaves its last state there; where dst[r] != 0 (dst: None, or one slot per row) the
+// state after row r is also written to states[dst[r]]. Sequences run one after another,
+// each one's heads in parallel: live slots must be distinct and no snapshot slot another
+// sequence's live slot (padding sequences may all use the dummy slot 0). -> o [T, H, V].
+at::Tensor gdn_recurrent(at::Tensor states, const at::Tensor& cu_seqlens, const at::Tensor& slots,
+                         const std::optional<at::Tensor>& has_initial_state, const std::optional<at::Tensor>& dst,
+                         const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                         const at::Tensor& beta) {
+  const GdnPool pool = gdn_pool(states);
+  const int64_t H = states.size(1), K = states.size(2), V = states.size(3);
+  const std::vector<int64_t> cu = as_longs(cu_seqlens), slot = as_longs(slots);
+  const int64_t num_seqs = static_cast<int64_t>(cu.size()) - 1, rows = v.numel() / (H * V);
+  TORCH_CHECK(num_seqs >= 0 && static_cast<int64_t>(slot.size()) == num_seqs && cu[0] == 0 &&
+                  cu[num_seqs] == rows && std::is_sorted(cu.begin(), cu.end()),
+              "gdn_recurrent: cu_seqlens ", cu_seqlens.sizes(), " must rise from 0 to the ", rows,
+              " rows, one entry more than the ", slot.size(), " slots");
+  check_gdn_inputs(q, k, v, g, beta, rows, H, K, V);
+  std::vector<int64_t> initial(num_seqs, 1), snap_slot;
+  if (has_initial_state.has_value()) initial = as_longs(*has_initial_state);
+  if (dst.has_value()) snap_slot = as_longs(*dst);
+  TORCH_CHECK(static_cast<int64_t>(initial.size()) == num_seqs &&
+                  (!dst.has_value() || static_cast<int64_t>(snap_slot.size()) == rows),
+              "gdn_recurrent: has_initial_state / dst sizes do not fit ", num_seqs, " sequences of ", rows, " rows");
   at::Tensor out = at::empty({rows, H, V}, v.options());
   const int64_t key_heads = rows > 0 ? q.numel() / (rows * K) : 1, r_heads = H / key_heads;
   const GdnRows in{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
                    beta.data_ptr<float>(), out.data_ptr<float>(), key_heads * K, H * V, H};
-  const int64_t head = K * V;
-  // Sequences one after another (padding sequences may share the dummy slot 0), heads in
-  // parallel: a head's state and outputs are its own.
-  std::vector<int64_t> row_ids(T);
-  std::vector<float*> head_snaps(T);
+  const int64_t head_bytes = K * V * states.element_size();
   for (int64_t b = 0; b < num_seqs; ++b) {
-    for (int64_t t = 0; t < T; ++t) row_ids[t] = b * T + t;
-    const bool any_snap = !snaps.empty();
+    const int64_t row0 = cu[b], n = cu[b + 1] - cu[b];
+    if (n == 0) continue;                          // untouched, as the conventions say
+    char* live = pool.slot(slot[b]);
+    std::vector<char*> snap_rows;
+    for (int64_t t = 0; t < n && !snap_slot.empty(); ++t) {
+      snap_rows.push_back(snap_slot[row0 + t] == 0 ? nullptr : pool.slot(snap_slot[row0 + t]));
+    }
     at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-      std::vector<float*> local(T);
+      std::vector<char*> head_snaps(snap_rows.size());
       for (int64_t h = h0; h < h1; ++h) {
-        for (int64_t t = 0; t < T && any_snap; ++t) {
-          float* base = snaps[b * T + t];
-          local[t] = base == nullptr ? nullptr : base + h * head;
+        for (size_t t = 0; t < snap_rows.size(); ++t) {
+          head_snaps[t] = snap_rows[t] == nullptr ? nullptr : snap_rows[t] + h * head_bytes;
         }
-        gdn_head(seq_state[b] + h * head, K, V, in, row_ids.data(), T, h, h / r_heads,
-                 any_snap ? local.data() : nullptr);
+        const GdnSnaps snaps{snap_rows.empty() ? nullptr : head_snaps.data(), pool.dtype};
+        gdn_pool_head(live + h * head_bytes, pool.dtype, initial[b] != 0, K, V, in, row0, n, h, h / r_heads, snaps);
       }
     });
   }
   return out;
 }
 
-float* state_row(at::Tensor& states, int64_t slot) {
-  TORCH_CHECK(slot >= 0 && slot < states.size(0), "gdn_recurrent: slot ", slot, " of ", states.size(0));
-  return states.data_ptr<float>() + slot * states.stride(0);
-}
-
-void check_states(const at::Tensor& states) {
-  TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() == 4 &&
-                  states.size(1) > 0 && states.size(2) > 0 && states.size(3) > 0,
-              "gdn_recurrent: states must be a contiguous fp32 [S, H, K, V] tensor, got ", states.sizes());
-}
-
-}  // namespace
-
-// kernels/gdn/cpu.py pool form (decode, verify): B = slots.numel() sequences of T = rows / B
-// rows each, the live state of sequence b at states[slots[b]], updated in place; dst [B*T]
-// (or None): where dst[r] != 0 the state after row r is also written to states[dst[r]].
-at::Tensor gdn_recurrent_pool(at::Tensor states, const at::Tensor& slots, const std::optional<at::Tensor>& dst,
-                              const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& g, const at::Tensor& beta) {
-  check_states(states);
-  const int64_t H = states.size(1), K = states.size(2), V = states.size(3);
-  const at::Tensor slot_ids = slots.to(at::kLong).contiguous();
-  const int64_t num_seqs = slot_ids.numel(), rows = v.numel() / (H * V);
-  TORCH_CHECK(num_seqs > 0 ? rows % num_seqs == 0 : rows == 0, "gdn_recurrent: ", rows,
-              " rows for ", num_seqs, " sequences");
-  const int64_t T = num_seqs > 0 ? rows / num_seqs : 0;
-  std::vector<float*> seq_state(num_seqs), snaps;
-  for (int64_t b = 0; b < num_seqs; ++b) seq_state[b] = state_row(states, slot_ids.data_ptr<int64_t>()[b]);
-  if (dst.has_value()) {
-    const at::Tensor d = dst->to(at::kLong).contiguous();
-    TORCH_CHECK(d.numel() == rows, "gdn_recurrent: ", d.numel(), " snapshot slots for ", rows, " rows");
-    snaps.resize(rows);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t slot = d.data_ptr<int64_t>()[r];
-      snaps[r] = slot == 0 ? nullptr : state_row(states, slot);
-    }
-  }
-  return gdn_run(seq_state, snaps, T, q, k, v, g, beta, H, K, V);
-}
-
-// kernels/gdn/cpu.py dense form (a varlen batch's recurrent segments): s [n, H, K, V], the
-// states of n sequences of L = rows / n rows each, updated in place; no snapshots.
-at::Tensor gdn_recurrent_dense(at::Tensor s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& g, const at::Tensor& beta) {
-  check_states(s);
-  const int64_t n = s.size(0), H = s.size(1), K = s.size(2), V = s.size(3);
-  const int64_t rows = v.numel() / (H * V);
-  TORCH_CHECK(n > 0 ? rows % n == 0 : rows == 0, "gdn_recurrent: ", rows, " rows for ", n, " states");
-  std::vector<float*> seq_state(n);
-  for (int64_t b = 0; b < n; ++b) seq_state[b] = state_row(s, b);
-  return gdn_run(seq_state, {}, n > 0 ? rows / n : 0, q, k, v, g, beta, H, K, V);
-}
-
 TORCH_LIBRARY_FRAGMENT(hybridserve_native, m) {
-  m.def("gdn_recurrent_pool(Tensor(a!) states, Tensor slots, Tensor? dst, Tensor q, Tensor k, Tensor v, "
-        "Tensor g, Tensor beta) -> Tensor");
-  m.def("gdn_recurrent_dense(Tensor(a!) s, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
+  m.def("gdn_recurrent(Tensor(a!) states, Tensor cu_seqlens, Tensor slots, Tensor? has_initial_state, "
+        "Tensor? dst, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybridserve_native, CPU, m) {
-  m.impl("gdn_recurrent_pool", &gdn_recurrent_pool);
-  m.impl("gdn_recurrent_dense", &gdn_recurrent_dense);
+  m.impl("gdn_recurrent", &gdn_recurrent);
 }

@@ -15,9 +15,8 @@ for up to the interpreter's switch interval (5 ms).
 source and the flags; concurrent builders wait on the build's lock) and loads
 ``hybridserve_native::scatter_rows`` and ``hybridserve_native::moe_experts`` from
 ``native_ops.cpp``, with the Python ops' schemas, and the Gated DeltaNet recurrence
-``hybridserve_native::gdn_recurrent_pool`` / ``gdn_recurrent_dense`` from ``native_gdn.cpp``
-(``kernels/gdn/cpu.py``, the CPU path of every per-token GDN step, eager or compiled), and
-registers their fakes. The pool write
+``hybridserve_native::gdn_recurrent`` from ``native_gdn.cpp`` (``kernels/gdn/cpu.py``: the
+CPU path of every GDN batch, eager or compiled), and registers their fakes. The pool write
 is the same ATen kernel. The expert loop is the Python loop op for op for experts with many
 rows; an expert with few fp32 rows (a decode step's) takes a fused kernel there that streams
 its weights once (see the .cpp), so once the ops loaded the eager path calls the native loop
@@ -87,8 +86,7 @@ def _build() -> bool:
         return False
     torch.library.register_fake(f"{NAME}::scatter_rows")(_scatter_rows_fake)
     torch.library.register_fake(f"{NAME}::moe_experts")(_moe_experts_fake)
-    torch.library.register_fake(f"{NAME}::gdn_recurrent_pool")(_gdn_pool_fake)
-    torch.library.register_fake(f"{NAME}::gdn_recurrent_dense")(_gdn_dense_fake)
+    torch.library.register_fake(f"{NAME}::gdn_recurrent")(_gdn_recurrent_fake)
     return True
 
 
@@ -101,11 +99,7 @@ def _moe_experts_fake(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return x.new_empty(x.shape[0], w_down.shape[1])
 
 
-def _gdn_pool_fake(states: torch.Tensor, slots: torch.Tensor, dst: torch.Tensor | None, q: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    return v.new_empty(v.shape)          # v is [rows, H, V]
-
-
-def _gdn_dense_fake(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-                    beta: torch.Tensor) -> torch.Tensor:
-    return v.new_empty(v.shape)
+def _gdn_recurrent_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                        has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, q: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    return v.new_empty(v.shape)          # v is [T, H, V]

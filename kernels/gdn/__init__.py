@@ -8,7 +8,7 @@ Per value head, with state S [K, V] (HF/FLA layout), q/k l2-normalised over K an
     o_t   = S_t^T q_t
 
 Files (the fla template): ``reference`` (torch: the ground truth), ``cpu`` (the CPU path:
-the per-token recurrence in C++, ``kernels/native_gdn.cpp``, the chunked form from the reference),
+every token through the recurrence in C++, ``kernels/native_gdn.cpp``),
 ``triton_recurrent`` (fused per-token kernel: decode and speculative verify, snapshot after
 any token), ``triton_chunk`` (chunked WY prefill), ``triton_varlen`` (the launcher).
 ``kernels.backend`` picks one per call.
@@ -83,7 +83,7 @@ def gated_delta_rule_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
                                        has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                        state_dst_slots=state_dst_slots)
     if backend.use_native(v):
-        return gated_delta_rule_verify_cpu(q, k, v, g, beta, states, slot_ids, state_dst_slots, seq_len, scale,
-                                           use_qk_l2norm)
+        return gated_delta_rule_verify_cpu(q, k, v, g, beta, states, cu_seqlens, slot_ids, state_dst_slots,
+                                           seq_len, scale, use_qk_l2norm)
     return gated_delta_rule_verify_torch(q, k, v, g, beta, states, slot_ids, state_dst_slots,
                                          seq_len, scale, use_qk_l2norm)

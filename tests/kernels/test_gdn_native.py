@@ -1,7 +1,7 @@
 """The CPU path of Gated DeltaNet (``kernels/gdn/cpu.py``, the C++ loop of
 ``kernels/native_gdn.cpp``): close to the torch reference, and the same bits for a token
-whichever call computes it -- decode, verify, a varlen batch's recurrent segments, alone or
-batched, in one call or token by token, on one thread or two, eager or compiled."""
+whichever call computes it -- decode, verify, prefill or mixed, alone or batched, in one call
+or token by token, on one thread or two, eager or compiled."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,6 @@ import torch
 
 from kernels import backend, native_ops
 from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen, gated_delta_rule_verify
-from kernels.gdn.cpu import native_recurrent
 
 # (key heads, value heads, K, V): GQA, V with 16-column blocks below 64 and a scalar tail,
 # an odd K, the ~100M bench model's 128 x 128
@@ -85,35 +84,34 @@ def test_a_verify_is_its_decode_steps_bit_for_bit(dims):
     assert torch.equal(verified[slots.long()], stepped[slots.long()])
 
 
-def test_the_varlen_driver_gets_the_same_bits_as_decode():
-    """Mixed lengths (the padded branch of ``scan_varlen``, a long sequence through the
-    chunked form) with snapshots: a 1-token sequence in it equals its decode update, and a
-    3-token sequence equals three decode updates."""
+def test_a_varlen_batch_gets_the_same_bits_as_decode():
+    """Mixed lengths, one without an initial state, one of length 0, snapshots: every token
+    of every sequence (a 40-token prefill too) equals its decode update, one at a time."""
     hk, h, k_dim, v_dim = 2, 4, 16, 32
-    lens = [1, 3, 40]
+    lens, init = [1, 3, 0, 40], [True, True, True, False]
     inputs = _inputs(sum(lens), hk, h, k_dim, v_dim, seed=5)
-    pool = _pool(8, h, k_dim, v_dim, seed=6)
-    cu = torch.tensor([0, 1, 4, 44], dtype=torch.int32)
-    slots = torch.tensor([1, 2, 3], dtype=torch.int32)
+    pool = _pool(9, h, k_dim, v_dim, seed=6)
+    cu = torch.tensor([0, 1, 4, 4, 44], dtype=torch.int32)
+    slots = torch.tensor([1, 2, 6, 3], dtype=torch.int32)
     dst = torch.zeros(44, dtype=torch.int32)
-    dst[2] = 5                                        # after the 3-token sequence's second token
+    dst[2], dst[20] = 5, 7                            # after row 2 (sequence 1), row 20 (sequence 3)
     varlen = pool.clone()
-    out = gated_delta_rule_varlen(*inputs, varlen, cu, slots, torch.ones(3, dtype=torch.bool),
-                                  state_dst_slots=dst)
+    out = gated_delta_rule_varlen(*inputs, varlen, cu, slots, torch.tensor(init), state_dst_slots=dst)
     stepped = pool.clone()
-    for rows, slot in (([0], 1), ([1, 2, 3], 2)):
-        for r in rows:
+    stepped[3] = 0.0                                  # no initial state: from zeros
+    for first, n, slot in ((0, 1, 1), (1, 3, 2), (4, 40, 3)):
+        for r in range(first, first + n):
             o = gated_delta_rule_update(*(x[[r]] for x in inputs), stepped, torch.tensor([slot], dtype=torch.int32))
-            assert torch.equal(o, out[[r]])
-            if r == 2:
-                assert torch.equal(varlen[5], stepped[2])
+            assert torch.equal(o, out[[r]]), r
+            if dst[r]:
+                assert torch.equal(varlen[dst[r]], stepped[slot])
         assert torch.equal(varlen[slot], stepped[slot])
+    assert torch.equal(varlen[6], pool[6]) and torch.equal(varlen[8], pool[8])     # length 0; a spare
     with backend.use_backend("torch"):
         ref_pool = pool.clone()
-        ref = gated_delta_rule_varlen(*inputs, ref_pool, cu, slots, torch.ones(3, dtype=torch.bool),
-                                      state_dst_slots=dst)
+        ref = gated_delta_rule_varlen(*inputs, ref_pool, cu, slots, torch.tensor(init), state_dst_slots=dst)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(varlen, ref_pool, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(varlen[1:], ref_pool[1:], rtol=1e-4, atol=1e-4)
 
 
 def test_a_sequence_alone_equals_it_in_a_batch_on_any_thread_count():
@@ -136,34 +134,18 @@ def test_a_sequence_alone_equals_it_in_a_batch_on_any_thread_count():
     assert torch.equal(o, results[0][0][[5]]) and torch.equal(alone[6], results[0][1][6])
 
 
-def test_padded_steps_leave_the_state_exactly_as_it_was():
-    """``native_recurrent`` as the varlen driver calls it: step 2 of sequence 0 is padding."""
-    q, k, v, g, beta = (x.view(2, 3, *x.shape[1:]) for x in _inputs(6, 2, 4, 8, 16, seed=9))
-    valid = torch.tensor([[True, True, False], [True, True, True]])
-    s0 = _pool(2, 4, 8, 16, seed=10)
-    _, s_pad = native_recurrent((q, k, v, g, beta), valid, s0.clone())
-    _, s_two = native_recurrent((q[:1, :2], k[:1, :2], v[:1, :2], g[:1, :2], beta[:1, :2]),
-                                valid[:1, :2], s0[:1].clone())
-    assert torch.equal(s_pad[0], s_two[0])
-    steps = []
-    s_step = s0.clone()
-    o_all, s_all = native_recurrent((q, k, v, g, beta), valid, s0.clone())
-    o_cb, s_cb = native_recurrent((q, k, v, g, beta), valid, s_step, lambda i, s: steps.append(s.clone()))
-    assert torch.equal(o_all, o_cb) and torch.equal(s_all, s_cb) and len(steps) == 3
-    assert torch.equal(steps[2][0], steps[1][0])
-
-
-def test_a_bf16_pool_takes_the_same_loop_on_copies():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_pool_takes_the_same_loop_on_copies(dtype):
     hk, h, k_dim, v_dim = 2, 4, 16, 32
     inputs = _inputs(6, hk, h, k_dim, v_dim, seed=11)
     pool = _pool(10, h, k_dim, v_dim, seed=12)
-    half = pool.to(torch.bfloat16)
+    half = pool.to(dtype)
     want_pool = half.float()
     out_half, dst = _verify(inputs, half, 2, 3)
     out_fp32, _ = _verify(inputs, want_pool, 2, 3)
     assert torch.equal(out_half, out_fp32)          # the states were read from the same values
     touched = torch.cat([torch.tensor([1, 2]), dst.long()])
-    assert torch.equal(half[touched], want_pool[touched].to(torch.bfloat16))
+    assert torch.equal(half[touched], want_pool[touched].to(dtype))
 
 
 def test_the_loop_compiles_and_writes_the_pool():
@@ -199,10 +181,15 @@ def test_autograd_takes_the_reference():
 def test_bad_shapes_are_refused_with_the_sizes():
     pool = _pool(4, 2, 8, 8, seed=17)
     q, k, v, g, beta = _inputs(3, 1, 2, 8, 8, seed=18)
-    with pytest.raises(RuntimeError, match="rows for 2 sequences"):
-        torch.ops.hybridserve_native.gdn_recurrent_pool(pool, torch.tensor([1, 2]), None, q, k, v, g, beta)
+    op = torch.ops.hybridserve_native.gdn_recurrent
+    cu = torch.tensor([0, 1, 3])
+    with pytest.raises(RuntimeError, match="must rise from 0 to the 3 rows"):
+        op(pool, torch.tensor([0, 1, 2]), torch.tensor([1, 2]), None, None, q, k, v, g, beta)
     with pytest.raises(RuntimeError, match="slot 9 of 4"):
-        torch.ops.hybridserve_native.gdn_recurrent_pool(pool, torch.tensor([9, 1, 2]), None, q, k, v, g, beta)
+        op(pool, cu, torch.tensor([9, 1]), None, None, q, k, v, g, beta)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
-        torch.ops.hybridserve_native.gdn_recurrent_pool(pool, torch.tensor([1, 2, 3]), None, q.double(), k, v, g,
-                                                        beta)
+        op(pool, cu, torch.tensor([1, 2]), None, None, q.double(), k, v, g, beta)
+    with pytest.raises(RuntimeError, match="dst sizes"):
+        op(pool, cu, torch.tensor([1, 2]), None, torch.tensor([0, 3]), q, k, v, g, beta)
+    with pytest.raises(RuntimeError, match="fp32 / bf16 / fp16"):
+        op(pool.double(), cu, torch.tensor([1, 2]), None, None, q, k, v, g, beta)
