@@ -1,6 +1,5 @@
 // Gated DeltaNet's recurrence on CPU (kernels/gdn/cpu.py): a varlen batch over a state pool,
-// in place. Appended to native_ops.cpp by kernels/native_ops.py (one extension, one build).
-#include <cmath>
+// in place. One translation unit with native_common.cpp and native_ops.cpp (kernels/native_ops.py).
 //
 // Per value head, with the state S [K, V] (rows of V floats) and one token (decay = exp(g),
 // taken here with std::exp so that every caller gets the same decay from the same g):
@@ -65,12 +64,8 @@ void store_cols(char* dst, at::ScalarType dtype, const float* S, int64_t K, int6
     const float* src = S + i * V + j0;
     if (dtype == at::kFloat) {
       std::memcpy(reinterpret_cast<float*>(dst) + i * V + j0, src, w * sizeof(float));
-    } else if (dtype == at::kBFloat16) {
-      c10::BFloat16* d = reinterpret_cast<c10::BFloat16*>(dst) + i * V + j0;
-      for (int64_t j = 0; j < w; ++j) d[j] = c10::BFloat16(src[j]);
     } else {
-      c10::Half* d = reinterpret_cast<c10::Half*>(dst) + i * V + j0;
-      for (int64_t j = 0; j < w; ++j) d[j] = c10::Half(src[j]);
+      for (int64_t j = 0; j < w; ++j) store_state(dst, dtype, i * V + j0 + j, src[j]);
     }
   }
 }
@@ -80,16 +75,6 @@ inline __attribute__((always_inline)) void gdn_snapshot(const GdnSnaps& snaps, i
   if (snaps.snap != nullptr && snaps.snap[t] != nullptr) store_cols(snaps.snap[t], snaps.dtype, S, K, V, j0, w);
 }
 
-typedef float gdn_v16 __attribute__((vector_size(64)));
-
-inline __attribute__((always_inline)) gdn_v16 gdn_load(const float* p) {
-  gdn_v16 x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-
-inline __attribute__((always_inline)) void gdn_store(float* p, gdn_v16 x) { std::memcpy(p, &x, sizeof x); }
-
 // Columns [j0, j0 + 16 * NV) of one head's state S, rows row0 .. row0 + n - 1 in order.
 template <int NV>
 inline __attribute__((always_inline)) void gdn_block_vec(float* S, int64_t K, int64_t V, int64_t j0,
@@ -98,32 +83,32 @@ inline __attribute__((always_inline)) void gdn_block_vec(float* S, int64_t K, in
   for (int64_t t = 0; t < n; ++t) {
     const GdnToken tok = gdn_token(in, row0 + t, K, V, h, kh, j0);
     const float d = tok.decay;
-    gdn_v16 pred[NV], u[NV], acc[NV];
+    v16 pred[NV], u[NV], acc[NV];
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) pred[c] = gdn_v16{};
+    for (int c = 0; c < NV; ++c) pred[c] = v16{};
     for (int64_t i = 0; i < K; ++i) {
       const float ki = tok.k[i];
       const float* row = S + i * V + j0;
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) pred[c] += ki * (d * gdn_load(row + 16 * c));
+      for (int c = 0; c < NV; ++c) pred[c] += ki * (d * load16(row + 16 * c));
     }
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) {
-      u[c] = tok.beta * (gdn_load(tok.v + 16 * c) - pred[c]);
-      acc[c] = gdn_v16{};
+      u[c] = tok.beta * (load16(tok.v + 16 * c) - pred[c]);
+      acc[c] = v16{};
     }
     for (int64_t i = 0; i < K; ++i) {
       const float ki = tok.k[i], qi = tok.q[i];
       float* row = S + i * V + j0;
 #pragma GCC unroll 4
       for (int c = 0; c < NV; ++c) {
-        const gdn_v16 s = d * gdn_load(row + 16 * c) + ki * u[c];
-        gdn_store(row + 16 * c, s);
+        const v16 s = d * load16(row + 16 * c) + ki * u[c];
+        store16(row + 16 * c, s);
         acc[c] += qi * s;
       }
     }
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) gdn_store(tok.o + 16 * c, acc[c]);
+    for (int c = 0; c < NV; ++c) store16(tok.o + 16 * c, acc[c]);
     gdn_snapshot(snaps, t, S, K, V, j0, 16 * NV);
   }
 }
@@ -176,10 +161,7 @@ void gdn_pool_head(char* state, at::ScalarType dtype, bool initial, int64_t K, i
   if (dtype != at::kFloat) {
     copy.assign(K * V, 0.0f);
     S = copy.data();
-    for (int64_t e = 0; initial && e < K * V; ++e) {
-      S[e] = dtype == at::kBFloat16 ? float(reinterpret_cast<c10::BFloat16*>(state)[e])
-                                    : float(reinterpret_cast<c10::Half*>(state)[e]);
-    }
+    for (int64_t e = 0; initial && e < K * V; ++e) S[e] = load_state(state, dtype, e);
   } else if (!initial) {
     std::memset(S, 0, K * V * sizeof(float));
   }
@@ -203,33 +185,13 @@ void check_gdn_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               "gdn_recurrent: q / k ", q.sizes(), " do not fit ", rows, " rows of K=", K, " and H=", H);
 }
 
-// A [S, H, K, V] pool whose slots hold contiguous [H, K, V] states of fp32, bf16 or fp16.
-struct GdnPool {
-  char* base;
-  int64_t slot_bytes, num_slots;
-  at::ScalarType dtype;
-
-  char* slot(int64_t s) const {
-    TORCH_CHECK(s >= 0 && s < num_slots, "gdn_recurrent: slot ", s, " of ", num_slots);
-    return base + s * slot_bytes;
-  }
-};
-
-GdnPool gdn_pool(at::Tensor& states) {
-  const at::ScalarType dtype = states.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && states.dim() == 4 &&
-                  states.device().is_cpu() && states.size(1) > 0 && states.size(2) > 0 && states.size(3) > 0 &&
-                  states.stride(3) == 1 && states.stride(2) == states.size(3) &&
-                  states.stride(1) == states.size(2) * states.size(3),
+StatePool gdn_pool(at::Tensor& states) {
+  TORCH_CHECK(is_state_dtype(states.scalar_type()) && states.dim() == 4 && states.device().is_cpu() &&
+                  states.size(1) > 0 && states.size(2) > 0 && states.size(3) > 0 && states.stride(3) == 1 &&
+                  states.stride(2) == states.size(3) && states.stride(1) == states.size(2) * states.size(3),
               "gdn_recurrent: states must be a CPU [S, H, K, V] pool of fp32 / bf16 / fp16 with contiguous "
-              "slots, got ", states.sizes(), " ", dtype);
-  const int64_t elem = states.element_size();
-  return {static_cast<char*>(states.data_ptr()), states.stride(0) * elem, states.size(0), dtype};
-}
-
-std::vector<int64_t> as_longs(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+              "slots, got ", states.sizes(), " ", states.scalar_type());
+  return state_pool("gdn_recurrent", states);
 }
 
 }  // namespace
@@ -245,33 +207,23 @@ at::Tensor gdn_recurrent(at::Tensor states, const at::Tensor& cu_seqlens, const 
                          const std::optional<at::Tensor>& has_initial_state, const std::optional<at::Tensor>& dst,
                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                          const at::Tensor& beta) {
-  const GdnPool pool = gdn_pool(states);
+  const StatePool pool = gdn_pool(states);
   const int64_t H = states.size(1), K = states.size(2), V = states.size(3);
-  const std::vector<int64_t> cu = as_longs(cu_seqlens), slot = as_longs(slots);
-  const int64_t num_seqs = static_cast<int64_t>(cu.size()) - 1, rows = v.numel() / (H * V);
-  TORCH_CHECK(num_seqs >= 0 && static_cast<int64_t>(slot.size()) == num_seqs && cu[0] == 0 &&
-                  cu[num_seqs] == rows && std::is_sorted(cu.begin(), cu.end()),
-              "gdn_recurrent: cu_seqlens ", cu_seqlens.sizes(), " must rise from 0 to the ", rows,
-              " rows, one entry more than the ", slot.size(), " slots");
+  const int64_t rows = v.numel() / (H * V);
+  const VarlenBatch batch = varlen_batch("gdn_recurrent", cu_seqlens, slots, has_initial_state, dst, rows);
   check_gdn_inputs(q, k, v, g, beta, rows, H, K, V);
-  std::vector<int64_t> initial(num_seqs, 1), snap_slot;
-  if (has_initial_state.has_value()) initial = as_longs(*has_initial_state);
-  if (dst.has_value()) snap_slot = as_longs(*dst);
-  TORCH_CHECK(static_cast<int64_t>(initial.size()) == num_seqs &&
-                  (!dst.has_value() || static_cast<int64_t>(snap_slot.size()) == rows),
-              "gdn_recurrent: has_initial_state / dst sizes do not fit ", num_seqs, " sequences of ", rows, " rows");
   at::Tensor out = at::empty({rows, H, V}, v.options());
   const int64_t key_heads = rows > 0 ? q.numel() / (rows * K) : 1, r_heads = H / key_heads;
   const GdnRows in{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
                    beta.data_ptr<float>(), out.data_ptr<float>(), key_heads * K, H * V, H};
   const int64_t head_bytes = K * V * states.element_size();
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t row0 = cu[b], n = cu[b + 1] - cu[b];
+  for (int64_t b = 0; b < batch.num_seqs(); ++b) {
+    const int64_t row0 = batch.cu[b], n = batch.cu[b + 1] - batch.cu[b];
     if (n == 0) continue;                          // untouched, as the conventions say
-    char* live = pool.slot(slot[b]);
+    char* live = pool.slot(batch.slot[b]);
     std::vector<char*> snap_rows;
-    for (int64_t t = 0; t < n && !snap_slot.empty(); ++t) {
-      snap_rows.push_back(snap_slot[row0 + t] == 0 ? nullptr : pool.slot(snap_slot[row0 + t]));
+    for (int64_t t = 0; t < n && !batch.dst.empty(); ++t) {
+      snap_rows.push_back(batch.dst[row0 + t] == 0 ? nullptr : pool.slot(batch.dst[row0 + t]));
     }
     at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
       std::vector<char*> head_snaps(snap_rows.size());
@@ -280,7 +232,7 @@ at::Tensor gdn_recurrent(at::Tensor states, const at::Tensor& cu_seqlens, const 
           head_snaps[t] = snap_rows[t] == nullptr ? nullptr : snap_rows[t] + h * head_bytes;
         }
         const GdnSnaps snaps{snap_rows.empty() ? nullptr : head_snaps.data(), pool.dtype};
-        gdn_pool_head(live + h * head_bytes, pool.dtype, initial[b] != 0, K, V, in, row0, n, h, h / r_heads, snaps);
+        gdn_pool_head(live + h * head_bytes, pool.dtype, batch.initial[b] != 0, K, V, in, row0, n, h, h / r_heads, snaps);
       }
     });
   }

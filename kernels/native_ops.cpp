@@ -1,12 +1,5 @@
-// The native ops of kernels/native_ops.py (built by it with load_inline; @NAME@ tokens are
-// filled in there from kernels/cpu_linear.py).
-#include <ATen/ATen.h>
-#include <ATen/Context.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
-
-#include <cstring>
-#include <vector>
+// The native ops of kernels/native_ops.py (built by it with load_inline, after
+// native_common.cpp; @NAME@ tokens are filled in there from kernels/cpu_linear.py).
 
 // dst[index] = src along dim 0, in place (the rows of a state pool).
 void scatter_rows(at::Tensor dst, const at::Tensor& index, const at::Tensor& src) {
@@ -56,14 +49,6 @@ namespace {
 
 constexpr int64_t SMALL_ROWS = 16;
 constexpr int64_t ROW_ALIGN = 64;
-
-typedef float v16 __attribute__((vector_size(64)));
-
-inline __attribute__((always_inline)) v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 inline __attribute__((always_inline)) float hsum(v16 v) {
   typedef float v8 __attribute__((vector_size(32)));

@@ -16,7 +16,9 @@ source and the flags; concurrent builders wait on the build's lock) and loads
 ``hybridserve_native::scatter_rows`` and ``hybridserve_native::moe_experts`` from
 ``native_ops.cpp``, with the Python ops' schemas, and the Gated DeltaNet recurrence
 ``hybridserve_native::gdn_recurrent`` from ``native_gdn.cpp`` (``kernels/gdn/cpu.py``: the
-CPU path of every GDN batch, eager or compiled), and registers their fakes. The pool write
+CPU path of every GDN batch, eager or compiled) and the causal conv1d
+``hybridserve_native::causal_conv1d`` from ``native_conv.cpp`` (``kernels/conv1d/cpu.py``),
+and registers their fakes. The pool write
 is the same ATen kernel. The expert loop is the Python loop op for op for experts with many
 rows; an expert with few fp32 rows (a decode step's) takes a fused kernel there that streams
 its weights once (see the .cpp), so once the ops loaded the eager path calls the native loop
@@ -38,8 +40,9 @@ from kernels import cpu_linear
 logger = logging.getLogger(__name__)
 
 NAME = "hybridserve_native"
-# native_ops.cpp, then each op file that adds to the library (one extension, one build)
-SOURCES = ("native_ops.cpp", "native_gdn.cpp")
+# One translation unit (one extension, one build): the shared helpers, native_ops.cpp (which
+# defines the library), then each file that adds ops to it.
+SOURCES = ("native_common.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp")
 SOURCE = ("\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
           .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS)))
 
@@ -87,6 +90,7 @@ def _build() -> bool:
     torch.library.register_fake(f"{NAME}::scatter_rows")(_scatter_rows_fake)
     torch.library.register_fake(f"{NAME}::moe_experts")(_moe_experts_fake)
     torch.library.register_fake(f"{NAME}::gdn_recurrent")(_gdn_recurrent_fake)
+    torch.library.register_fake(f"{NAME}::causal_conv1d")(_causal_conv1d_fake)
     return True
 
 
@@ -103,3 +107,9 @@ def _gdn_recurrent_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: t
                         has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, q: torch.Tensor,
                         k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return v.new_empty(v.shape)          # v is [T, H, V]
+
+
+def _causal_conv1d_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                        has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, x: torch.Tensor,
+                        weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    return x.new_empty(x.shape)          # x is [T, D]

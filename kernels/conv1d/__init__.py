@@ -5,14 +5,16 @@ Sequence b is convolved over ``initial W-1 inputs ++ x_b`` (the initial inputs c
 slot holds the last W-1 *pre-activation inputs*, oldest first; snapshot slots
 (``state_dst_slots``) get the W-1 inputs ending at their token.
 
-Files: ``reference`` (torch: the ground truth and the CPU path), ``triton_conv`` (varlen
-prefill/verify, state writes, and the one-token update). ``kernels.backend`` picks one.
+Files: ``reference`` (torch: the ground truth), ``cpu`` (the CPU path: one C++ pass over the
+rows, ``kernels/native_conv.cpp``), ``triton_conv`` (varlen prefill/verify, state writes, and
+the one-token update). ``kernels.backend`` picks one.
 """
 from __future__ import annotations
 
 from torch import Tensor
 
 from kernels import backend
+from kernels.conv1d.cpu import causal_conv1d_update_cpu, causal_conv1d_varlen_cpu, causal_conv1d_verify_cpu
 from kernels.conv1d.reference import (causal_conv1d_update_torch, causal_conv1d_varlen_torch,
                                       causal_conv1d_verify_torch)
 
@@ -31,6 +33,9 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
         from kernels.conv1d.triton_conv import causal_conv1d_varlen_triton
         return causal_conv1d_varlen_triton(x, weight, bias, conv_states, cu_seqlens, slot_ids,
                                            has_initial_state, activation, state_dst_slots)
+    if backend.use_native(x):
+        return causal_conv1d_varlen_cpu(x, weight, bias, conv_states, cu_seqlens, slot_ids, has_initial_state,
+                                        activation, state_dst_slots)
     return causal_conv1d_varlen_torch(x, weight, bias, conv_states, cu_seqlens, slot_ids,
                                       has_initial_state, activation, state_dst_slots)
 
@@ -44,6 +49,8 @@ def causal_conv1d_update(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
     if backend.use_triton(x):
         from kernels.conv1d.triton_conv import causal_conv1d_update_triton
         return causal_conv1d_update_triton(x, weight, bias, conv_states, slot_ids, activation)
+    if backend.use_native(x):
+        return causal_conv1d_update_cpu(x, weight, bias, conv_states, slot_ids, activation)
     return causal_conv1d_update_torch(x, weight, bias, conv_states, slot_ids, activation)
 
 
@@ -56,5 +63,8 @@ def causal_conv1d_verify(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
     if backend.use_triton(x):
         return causal_conv1d_varlen(x, weight, bias, conv_states, cu_seqlens, slot_ids,
                                     has_initial_state, activation, state_dst_slots)
+    if backend.use_native(x):
+        return causal_conv1d_verify_cpu(x, weight, bias, conv_states, cu_seqlens, slot_ids, state_dst_slots,
+                                        seq_len, activation)
     return causal_conv1d_verify_torch(x, weight, bias, conv_states, slot_ids, state_dst_slots,
                                       seq_len, activation)

@@ -1,6 +1,8 @@
 """Shared fixtures for the kernel tests: random varlen batches over a slot pool."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,3 +66,15 @@ def max_abs_diff() -> Callable[[torch.Tensor, torch.Tensor], float]:
         assert a.shape == b.shape, (a.shape, b.shape)
         return 0.0 if a.numel() == 0 else float((a.float() - b.float()).abs().max())
     return diff
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside the block (tests that a kernel's
+    bits do not depend on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

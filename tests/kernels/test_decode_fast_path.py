@@ -31,7 +31,13 @@ def strided(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_bias", [False, True])
-def test_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ pass on CPU, the reference
+def test_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias, kernels):
+    with backend.use_backend(kernels):
+        _check_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias)
+
+
+def _check_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias):
     case = decode_case(varlen_case, seed=1)
     gen = torch.Generator().manual_seed(1)
     dim, width = 12, 4

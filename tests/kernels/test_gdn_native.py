@@ -9,6 +9,7 @@ import torch
 
 from kernels import backend, native_ops
 from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen, gated_delta_rule_verify
+from tests.kernels.conftest import torch_threads
 
 # (key heads, value heads, K, V): GQA, V with 16-column blocks below 64 and a scalar tail,
 # an odd K, the ~100M bench model's 128 x 128
@@ -119,15 +120,11 @@ def test_a_sequence_alone_equals_it_in_a_batch_on_any_thread_count():
     inputs = _inputs(8, hk, h, k_dim, v_dim, seed=7)
     pool = _pool(10, h, k_dim, v_dim, seed=8)
     slots = torch.arange(1, 9, dtype=torch.int32)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    results = []
+    for n in (1, 2):
+        with torch_threads(n):
             batched = pool.clone()
             results.append((gated_delta_rule_update(*inputs, batched, slots), batched))
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     alone = pool.clone()
     o = gated_delta_rule_update(*(x[[5]] for x in inputs), alone, slots[[5]])

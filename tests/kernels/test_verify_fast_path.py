@@ -24,7 +24,13 @@ def verify_case(varlen_case, seq_len: int, seed: int):
 
 @pytest.mark.parametrize("seq_len", [1, 2, 4])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ pass on CPU, the reference
+def test_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype, kernels):
+    with backend.use_backend(kernels):
+        _check_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype)
+
+
+def _check_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype):
     case = verify_case(varlen_case, seq_len, seed=seq_len)
     gen = torch.Generator().manual_seed(seq_len)
     dim, width = 10, 4

@@ -1,0 +1,75 @@
+"""Depthwise causal conv1d on CPU: one C++ pass over the rows (``kernels/native_conv.cpp``).
+
+Under the ``auto`` backend every CPU conv batch -- decode, speculative verify, prefill and
+mixed -- is one call of ``hybridserve_native::causal_conv1d`` on the state pool, in place
+(initial inputs, live and snapshot windows as the module docstring of ``kernels.conv1d``
+says), its SiLU included (one formula for every element: ATen's takes another for the ragged
+end of a vectorised loop). Each output element is the same chain of operations wherever its
+row sits, so a token's conv gets the same bits in any kind of batch; the reference's (no FMA,
+ATen's silu) are within a tolerance (``tests/kernels/test_conv1d_native.py``).
+Where the native ops do not build, or autograd must see the op, the torch reference runs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels import native_ops
+from kernels.conv1d.reference import (causal_conv1d_update_torch, causal_conv1d_varlen_torch,
+                                      causal_conv1d_verify_torch, check_shapes)
+
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_WIDTH = 16
+
+
+def usable(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor) -> bool:
+    """CPU tensors, a pool the loop takes (fp32 / bf16 / fp16, contiguous slots), a kernel of
+    2..16 taps, no autograd graph to record, and the native ops built."""
+    tensors = [t for t in (x, weight, bias, conv_states) if t is not None]
+    if any(t.device.type != "cpu" for t in tensors) or conv_states.dtype not in POOL_DTYPES:
+        return False
+    if conv_states.dim() != 3 or not conv_states[0].is_contiguous() or not 2 <= weight.shape[-1] <= MAX_WIDTH:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return native_ops.loaded() or native_ops.load()
+
+
+def causal_conv1d_varlen_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                             cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
+                             activation: str | None, state_dst_slots: Tensor | None) -> Tensor:
+    """``kernels.conv1d.causal_conv1d_varlen`` on CPU (shapes there)."""
+    if not usable(x, weight, bias, conv_states):
+        return causal_conv1d_varlen_torch(x, weight, bias, conv_states, cu_seqlens, slot_ids, has_initial_state,
+                                          activation, state_dst_slots)
+    return _native(x, weight, bias, conv_states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots,
+                   activation)
+
+
+def causal_conv1d_update_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                             slot_ids: Tensor, activation: str | None) -> Tensor:
+    """``kernels.conv1d.causal_conv1d_update`` on CPU (shapes there)."""
+    if not usable(x, weight, bias, conv_states):
+        return causal_conv1d_update_torch(x, weight, bias, conv_states, slot_ids, activation)
+    cu_seqlens = torch.arange(slot_ids.shape[0] + 1, dtype=torch.int32, device=x.device)
+    return _native(x, weight, bias, conv_states, cu_seqlens, slot_ids, None, None, activation)
+
+
+def causal_conv1d_verify_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                             cu_seqlens: Tensor, slot_ids: Tensor, state_dst_slots: Tensor, seq_len: int,
+                             activation: str | None) -> Tensor:
+    """``kernels.conv1d.causal_conv1d_verify`` on CPU (shapes there)."""
+    if not usable(x, weight, bias, conv_states):
+        return causal_conv1d_verify_torch(x, weight, bias, conv_states, slot_ids, state_dst_slots, seq_len,
+                                          activation)
+    return _native(x, weight, bias, conv_states, cu_seqlens, slot_ids, None, state_dst_slots, activation)
+
+
+def _native(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor, cu_seqlens: Tensor,
+            slot_ids: Tensor, has_initial_state: Tensor | None, state_dst_slots: Tensor | None,
+            activation: str | None) -> Tensor:
+    check_shapes(x, weight, conv_states, activation)
+    out = torch.ops.hybridserve_native.causal_conv1d(conv_states, cu_seqlens, slot_ids, has_initial_state,
+                                                     state_dst_slots, x.float().contiguous(), weight, bias,
+                                                     activation is not None)
+    return out.to(x.dtype)
