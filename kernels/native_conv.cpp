@@ -16,36 +16,6 @@ namespace {
 
 constexpr int64_t CONV_MAX_WIDTH = 16;
 
-// silu(x) = x / (1 + exp(-x)), exp by range reduction (x = n ln2 + r, |r| <= ln2 / 2) and a
-// degree-6 polynomial: within ~2 ulp of libm, and one formula for every element, where ATen's
-// silu takes a scalar formula for the ragged end of a vectorised loop (other bits for the
-// same value, depending on where the element sits). Lanes are independent.
-template <typename F, typename I>
-inline __attribute__((always_inline)) F silu_of(F x) {
-  const F lo = F{} - 87.3f, hi = F{} + 88.7f;
-  F a = -x;
-  a = a < lo ? lo : a;                           // NaN stays NaN (both compares false)
-  a = a > hi ? hi : a;
-  const F shifter = F{} + 12582912.0f;           // 1.5 * 2^23: adding it rounds to an integer
-  const F t = a * 1.44269504f + shifter;
-  const F n = t - shifter;
-  const F r = (a - n * 0.693145752f) - n * 1.42860677e-06f;
-  F p = r * (1.0f / 720) + (1.0f / 120);
-  p = p * r + (1.0f / 24);
-  p = p * r + (1.0f / 6);
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  I bits;
-  std::memcpy(&bits, &t, sizeof bits);
-  I shifter_bits;
-  std::memcpy(&shifter_bits, &shifter, sizeof shifter_bits);
-  const I scale_bits = (bits - shifter_bits + 127) << 23;   // 2^n
-  F scale;
-  std::memcpy(&scale, &scale_bits, sizeof scale);
-  return x / (1.0f + p * scale);
-}
-
 // One sequence's inputs: row j (j >= -(W-1), relative to its first row) is x's row or, for
 // j < 0, one of the W-1 initial inputs held in `hist` ([W-1, D], oldest first).
 struct ConvSeq {
