@@ -75,6 +75,11 @@ class SchedulerConfig(_Frozen):
 class SpecConfig(_Frozen):
     method: Literal["none", "mtp", "draft"] = "none"
     num_draft_tokens: int = Field(3, ge=1)
+    # The tokens the drafter scores (SGLang's speculative token map, FR-Spec): "auto" takes the
+    # model directory's draft_vocab.json when it has one, else every token; null: every
+    # token; a path: that file ({"token_ids": [...]}, most frequent first). Drafts only:
+    # verification scores the whole vocabulary, so outputs are unchanged (greedy: exactly).
+    draft_vocab: str | None = "auto"
 
 
 class CompileConfig(_Frozen):

@@ -31,7 +31,7 @@ def build_compiled(config: HybridServeConfig, model: torch.nn.Module, pools: Dev
     steps.warm_up()
     if drafter is not None:
         chain = CompiledChain(drafter.mtp, model, pools, config.compile, device, k, page_size,
-                              max_model_len, max_pages)
+                              max_model_len, max_pages, drafter.vocab)
         chain.warm_up(int(model.model.embedding.weight.shape[1]), model.dtype)
         drafter.compiled_chain = chain
     return steps

@@ -30,6 +30,7 @@ from workers.compiled.cache import check_owner, compile_kwargs, compile_options,
 from workers.compiled.steps import MIN_PAGES
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
+from workers.spec.draft_vocab import DraftVocab
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class CompiledChain:
 
     def __init__(self, mtp: torch.nn.Module, target: torch.nn.Module, pools: DevicePools,
                  config: CompileConfig, device: torch.device, num_drafts: int, page_size: int,
-                 max_model_len: int, max_pages: int) -> None:
+                 max_model_len: int, max_pages: int, vocab: DraftVocab | None = None) -> None:
         self.mtp, self.target, self.pools, self.device = mtp, target, pools, device
+        self.vocab = vocab or DraftVocab()
         self.sizes = tuple(config.batch_sizes)
         self.k, self.page_size, self.max_model_len = num_drafts, page_size, max_model_len
         self.num_layers = int(getattr(mtp, "num_layers", 1))
@@ -94,13 +96,17 @@ class CompiledChain:
 
     def _chain(self, hidden: Tensor, batches: tuple[ForwardBatch, ...]) -> Tensor:
         """hidden [B, H] at position p -> drafts [B, k] (``batches[j-1]``: step j's rows)."""
-        tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+        tokens = self._argmax(hidden)
         drafts = [tokens]
         for j, fb in enumerate(batches, 1):
             hidden = self.mtp.forward_tokens(tokens, fb, hidden, self.pools, layer=j % self.num_layers)
-            tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+            tokens = self._argmax(hidden)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
+
+    def _argmax(self, hidden: Tensor) -> Tensor:
+        """The greedy draft of each row, over the drafter's vocabulary (``DraftVocab``)."""
+        return self.vocab.tokens(self.vocab.logits(self.target, hidden).argmax(dim=-1))
 
     def _batches(self, last_pos: Tensor, table: Tensor) -> tuple[ForwardBatch, ...]:
         """The k - 1 chained steps' batches: step j's row of sequence b sits at last_pos + j."""

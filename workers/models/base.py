@@ -206,7 +206,15 @@ class HybridForCausalLM(nn.Module):
         return out if out.dtype == self.dtype else out.to(self.dtype)   # fp32 residual streams
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embedding.weight if self.lm_head is None else self.lm_head.weight
+        return self.logits_from(hidden, self.lm_head_weight())
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H]: the lm-head's rows (the tied embedding where there is no lm_head)."""
+        return self.model.embedding.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits_from(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of ``hidden`` against ``weight`` (the lm-head's rows, or some of them:
+        ``workers/spec/draft_vocab.py``), with the model's logit scaling."""
         logits = cpu_linear.linear(hidden, weight)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling

@@ -23,6 +23,7 @@ import torch
 
 from workers.compiled.draft_chain import CompiledChain
 from workers.device_pools import DevicePools
+from workers.spec.draft_vocab import DraftVocab
 from workers.forward_batch import ForwardBatch
 from workers.sampler import _filter_top_k_top_p
 from workers.sampling_params import SamplingParams
@@ -43,8 +44,9 @@ class MtpSpan:
 class MtpDrafter:
     def __init__(self, mtp: torch.nn.Module, target: torch.nn.Module, pools: DevicePools,
                  num_drafts: int, page_size: int, max_model_len: int, num_slots: int,
-                 device: torch.device) -> None:
+                 device: torch.device, vocab: DraftVocab | None = None) -> None:
         self.mtp, self.target, self.pools = mtp, target, pools
+        self.vocab = vocab or DraftVocab()
         self.k, self.page_size, self.max_model_len = num_drafts, page_size, max_model_len
         self.device = device
         self.draft_tokens = torch.zeros(num_slots, num_drafts, dtype=torch.int64, device=device)
@@ -121,7 +123,7 @@ class MtpDrafter:
             self.draft_tokens[slots] = chain.run(hidden, last_pos, [s.page_ids for s in spans], size)
             return
         for j in range(self.k):
-            tokens = self._draw(self.target.compute_logits(hidden), spans, slots, j)
+            tokens = self._draw(self.vocab.logits(self.target, hidden), spans, slots, j)
             self.draft_tokens[slots, j] = tokens
             pos = [p + 1 + j for p in last_pos]
             keep = [i for i, p in enumerate(pos) if p < self.max_model_len]
@@ -133,14 +135,17 @@ class MtpDrafter:
             spans, slots, last_pos = sub, slots[keep], [last_pos[i] for i in keep]
 
     def _draw(self, logits: torch.Tensor, spans: list[MtpSpan], slots: torch.Tensor, j: int) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
+        """Drafts from logits over the drafter's vocabulary [B, N] (token ids, [B]); a sampled
+        draft's distribution goes to ``draft_probs`` over the whole vocabulary."""
+        index = logits.argmax(dim=-1)
         for i, span in enumerate(spans):
             p = span.params
             if p is None or p.is_greedy:
                 continue
             probs = torch.softmax(_filter_top_k_top_p(logits[i] / p.temperature, p.effective_top_k, p.top_p), -1)
-            tokens[i] = torch.multinomial(probs, 1, generator=span.generator)[0]
+            index[i] = torch.multinomial(probs, 1, generator=span.generator)[0]
+            vocab_size = int(self.target.lm_head_weight().shape[0])
             if self.draft_probs is None:
-                self.draft_probs = torch.zeros(*self.draft_tokens.shape, logits.shape[-1], device=self.device)
-            self.draft_probs[slots[i], j] = probs
-        return tokens
+                self.draft_probs = torch.zeros(*self.draft_tokens.shape, vocab_size, device=self.device)
+            self.draft_probs[slots[i], j] = self.vocab.full(probs, vocab_size)
+        return self.vocab.tokens(index)

@@ -130,12 +130,16 @@ def write_distill_section(out_dir: Path, info: dict[str, Any]) -> None:
     """Put (or replace) the "Distilled MTP head" section of an existing README, from the
     ``info`` that ``distill_mtp.run`` collects, before the greedy samples (which it does
     not change: the main model is untouched)."""
-    path = out_dir / "README.md"
+    put_section(out_dir / "README.md", DISTILL_HEADING, _distill(info))
+
+
+def put_section(path: Path, heading: str, section: str) -> None:
+    """Replace the README's section ``heading`` (to the next "## " heading) by ``section``
+    (which starts with the heading), or put it before the greedy samples, or at the end."""
     text = path.read_text() if path.exists() else ""
-    section = _distill(info)
-    if DISTILL_HEADING in text:
-        head, rest = text.split(DISTILL_HEADING, 1)
-        tail = rest[rest.index(_SAMPLES_HEADING):] if _SAMPLES_HEADING in rest else ""
+    if heading in text:
+        head, rest = text.split(heading, 1)
+        tail = rest[rest.index("\n## ") + 1:] if "\n## " in rest else ""
         text = head + section + tail
     elif _SAMPLES_HEADING in text:
         head, tail = text.split(_SAMPLES_HEADING, 1)
