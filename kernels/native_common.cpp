@@ -25,6 +25,16 @@ inline __attribute__((always_inline)) v16 load16(const float* p) {
 
 inline __attribute__((always_inline)) void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
+// The sum of a vector's lanes, by a fixed tree.
+inline __attribute__((always_inline)) float hsum(v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 // silu(x) = x / (1 + exp(-x)), exp by range reduction (x = n ln2 + r, |r| <= ln2 / 2) and a
 // degree-6 polynomial: within ~2 ulp of libm, and one formula for every element, where ATen's
 // silu takes a scalar formula for the ragged end of a vectorised loop (other bits for the
@@ -98,6 +108,22 @@ void store_state(char* p, at::ScalarType dtype, int64_t i, float v) {
   }
 }
 
+// run(S) on one head's state of `numel` floats in a pool of `dtype`: in place when fp32,
+// else on an fp32 copy rounded back afterwards; S starts at zeros without an initial state.
+template <typename Run>
+void on_fp32_state(char* state, at::ScalarType dtype, bool initial, int64_t numel, Run&& run) {
+  if (dtype == at::kFloat) {
+    float* S = reinterpret_cast<float*>(state);
+    if (!initial) std::memset(S, 0, numel * sizeof(float));
+    run(S);
+    return;
+  }
+  std::vector<float> copy(numel, 0.0f);
+  for (int64_t e = 0; initial && e < numel; ++e) copy[e] = load_state(state, dtype, e);
+  run(copy.data());
+  for (int64_t e = 0; e < numel; ++e) store_state(state, dtype, e, copy[e]);
+}
+
 // Sequence b owns rows cu[b] .. cu[b + 1] - 1 and the live slot slot[b]; initial[b] != 0
 // when it has an initial state; dst (empty, or one slot per row): where the state after a
 // row is also written (0: nowhere).
@@ -122,6 +148,33 @@ VarlenBatch varlen_batch(const char* op, const at::Tensor& cu_seqlens, const at:
                   (!dst.has_value() || static_cast<int64_t>(b.dst.size()) == rows),
               op, ": has_initial_state / dst sizes do not fit ", n, " sequences of ", rows, " rows");
   return b;
+}
+
+// For each sequence with rows, each of its H heads in parallel (a head's state and outputs
+// are its own): fn(head h's state in the pool, the head's snapshot targets after each row
+// (null, or null entries where a row has none), first row, rows, h, has an initial state).
+// Sequences run one after another: padding sequences may share the dummy slot 0.
+template <typename Fn>
+void for_each_head(const VarlenBatch& batch, const StatePool& pool, int64_t H, int64_t head_bytes, Fn&& fn) {
+  for (int64_t b = 0; b < batch.num_seqs(); ++b) {
+    const int64_t row0 = batch.cu[b], n = batch.cu[b + 1] - batch.cu[b];
+    if (n == 0) continue;                          // untouched, as the conventions say
+    char* live = pool.slot(batch.slot[b]);
+    std::vector<char*> snap_rows;
+    for (int64_t t = 0; t < n && !batch.dst.empty(); ++t) {
+      snap_rows.push_back(batch.dst[row0 + t] == 0 ? nullptr : pool.slot(batch.dst[row0 + t]));
+    }
+    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      std::vector<char*> head_snaps(snap_rows.size());
+      for (int64_t h = h0; h < h1; ++h) {
+        for (size_t t = 0; t < snap_rows.size(); ++t) {
+          head_snaps[t] = snap_rows[t] == nullptr ? nullptr : snap_rows[t] + h * head_bytes;
+        }
+        fn(live + h * head_bytes, snap_rows.empty() ? nullptr : head_snaps.data(), row0, n, h,
+           batch.initial[b] != 0);
+      }
+    });
+  }
 }
 
 }  // namespace

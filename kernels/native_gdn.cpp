@@ -152,23 +152,6 @@ void gdn_head(float* S, int64_t K, int64_t V, const GdnRows& in, int64_t row0, i
   if (j0 < V) gdn_block_tail(S, K, V, j0, V - j0, in, row0, n, h, kh, snaps);
 }
 
-// One head of one sequence: its state from the pool (zeros without an initial state), every
-// row, the state back. An fp32 pool is worked on in place; another dtype through an fp32 copy.
-void gdn_pool_head(char* state, at::ScalarType dtype, bool initial, int64_t K, int64_t V, const GdnRows& in,
-                   int64_t row0, int64_t n, int64_t h, int64_t kh, const GdnSnaps& snaps) {
-  std::vector<float> copy;
-  float* S = reinterpret_cast<float*>(state);
-  if (dtype != at::kFloat) {
-    copy.assign(K * V, 0.0f);
-    S = copy.data();
-    for (int64_t e = 0; initial && e < K * V; ++e) S[e] = load_state(state, dtype, e);
-  } else if (!initial) {
-    std::memset(S, 0, K * V * sizeof(float));
-  }
-  gdn_head(S, K, V, in, row0, n, h, kh, snaps);
-  if (dtype != at::kFloat) store_cols(state, dtype, S, K, V, 0, V);
-}
-
 void check_gdn_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& g, const at::Tensor& beta, int64_t rows, int64_t H, int64_t K, int64_t V) {
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta}) {
@@ -201,8 +184,9 @@ StatePool gdn_pool(at::Tensor& states) {
 // states[slots[b]] (zeros where has_initial_state[b] is false; None: every one present)
 // and leaves its last state there; where dst[r] != 0 (dst: None, or one slot per row) the
 // state after row r is also written to states[dst[r]]. Sequences run one after another,
-// each one's heads in parallel: live slots must be distinct and no snapshot slot another
-// sequence's live slot (padding sequences may all use the dummy slot 0). -> o [T, H, V].
+// each one's heads in parallel (for_each_head): live slots must be distinct and no snapshot
+// slot another sequence's live slot (padding sequences may all use the dummy slot 0).
+// -> o [T, H, V].
 at::Tensor gdn_recurrent(at::Tensor states, const at::Tensor& cu_seqlens, const at::Tensor& slots,
                          const std::optional<at::Tensor>& has_initial_state, const std::optional<at::Tensor>& dst,
                          const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -217,25 +201,12 @@ at::Tensor gdn_recurrent(at::Tensor states, const at::Tensor& cu_seqlens, const 
   const GdnRows in{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
                    beta.data_ptr<float>(), out.data_ptr<float>(), key_heads * K, H * V, H};
   const int64_t head_bytes = K * V * states.element_size();
-  for (int64_t b = 0; b < batch.num_seqs(); ++b) {
-    const int64_t row0 = batch.cu[b], n = batch.cu[b + 1] - batch.cu[b];
-    if (n == 0) continue;                          // untouched, as the conventions say
-    char* live = pool.slot(batch.slot[b]);
-    std::vector<char*> snap_rows;
-    for (int64_t t = 0; t < n && !batch.dst.empty(); ++t) {
-      snap_rows.push_back(batch.dst[row0 + t] == 0 ? nullptr : pool.slot(batch.dst[row0 + t]));
-    }
-    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-      std::vector<char*> head_snaps(snap_rows.size());
-      for (int64_t h = h0; h < h1; ++h) {
-        for (size_t t = 0; t < snap_rows.size(); ++t) {
-          head_snaps[t] = snap_rows[t] == nullptr ? nullptr : snap_rows[t] + h * head_bytes;
-        }
-        const GdnSnaps snaps{snap_rows.empty() ? nullptr : head_snaps.data(), pool.dtype};
-        gdn_pool_head(live + h * head_bytes, pool.dtype, batch.initial[b] != 0, K, V, in, row0, n, h, h / r_heads, snaps);
-      }
-    });
-  }
+  for_each_head(batch, pool, H, head_bytes,
+                [&](char* state, char* const* snaps, int64_t row0, int64_t n, int64_t h, bool initial) {
+                  const GdnSnaps head_snaps{snaps, pool.dtype};
+                  on_fp32_state(state, pool.dtype, initial, K * V,
+                                [&](float* S) { gdn_head(S, K, V, in, row0, n, h, h / r_heads, head_snaps); });
+                });
   return out;
 }
 

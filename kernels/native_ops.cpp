@@ -50,15 +50,6 @@ namespace {
 constexpr int64_t SMALL_ROWS = 16;
 constexpr int64_t ROW_ALIGN = 64;
 
-inline __attribute__((always_inline)) float hsum(v16 v) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
 // y[r * ldy + n0 + b] = x[r] . w[(n0 + b) * ldw], r < R, b < B (the K tail in scalar).
 template <int R, int B>
 inline __attribute__((always_inline)) void rows_block(const float* const* x, const float* w, int64_t ldw,

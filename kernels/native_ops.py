@@ -17,7 +17,8 @@ source and the flags; concurrent builders wait on the build's lock) and loads
 ``native_ops.cpp``, with the Python ops' schemas, and the Gated DeltaNet recurrence
 ``hybridserve_native::gdn_recurrent`` from ``native_gdn.cpp`` (``kernels/gdn/cpu.py``: the
 CPU path of every GDN batch, eager or compiled) and the causal conv1d
-``hybridserve_native::causal_conv1d`` from ``native_conv.cpp`` (``kernels/conv1d/cpu.py``),
+``hybridserve_native::causal_conv1d`` from ``native_conv.cpp`` (``kernels/conv1d/cpu.py``)
+and Mamba2's ``hybridserve_native::ssd_recurrent`` from ``native_ssd.cpp`` (``kernels/ssd/cpu.py``),
 and registers their fakes. The pool write
 is the same ATen kernel. The expert loop is the Python loop op for op for experts with many
 rows; an expert with few fp32 rows (a decode step's) takes a fused kernel there that streams
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 NAME = "hybridserve_native"
 # One translation unit (one extension, one build): the shared helpers, native_ops.cpp (which
 # defines the library), then each file that adds ops to it.
-SOURCES = ("native_common.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp")
+SOURCES = ("native_common.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp")
 SOURCE = ("\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
           .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS)))
 
@@ -76,6 +77,23 @@ def failure() -> str | None:
     return None if error is None else str(error)
 
 
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)     # pools the native loops take
+
+
+def usable(pool: torch.Tensor, *inputs: torch.Tensor | None) -> bool:
+    """Whether a native loop over a state pool may run: CPU tensors, a pool dtype it takes with
+    each slot contiguous, no autograd graph to record, and the ops built (``load()``, on the
+    first call, once per process)."""
+    tensors = [t for t in (pool, *inputs) if t is not None]
+    if any(t.device.type != "cpu" for t in tensors) or pool.dtype not in POOL_DTYPES:
+        return False
+    if not pool[0].is_contiguous():
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return loaded() or load()
+
+
 def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load_inline
@@ -91,6 +109,7 @@ def _build() -> bool:
     torch.library.register_fake(f"{NAME}::moe_experts")(_moe_experts_fake)
     torch.library.register_fake(f"{NAME}::gdn_recurrent")(_gdn_recurrent_fake)
     torch.library.register_fake(f"{NAME}::causal_conv1d")(_causal_conv1d_fake)
+    torch.library.register_fake(f"{NAME}::ssd_recurrent")(_ssd_recurrent_fake)
     return True
 
 
@@ -113,3 +132,10 @@ def _causal_conv1d_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: t
                         has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, x: torch.Tensor,
                         weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     return x.new_empty(x.shape)          # x is [T, D]
+
+
+def _ssd_recurrent_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                        has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, x: torch.Tensor,
+                        dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        softplus: bool, dt_min: float, dt_max: float) -> torch.Tensor:
+    return x.new_empty(x.shape)          # x is [T, H, P]

@@ -18,21 +18,14 @@ from kernels import native_ops
 from kernels.conv1d.reference import (causal_conv1d_update_torch, causal_conv1d_varlen_torch,
                                       causal_conv1d_verify_torch, check_shapes)
 
-POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_WIDTH = 16
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor) -> bool:
-    """CPU tensors, a pool the loop takes (fp32 / bf16 / fp16, contiguous slots), a kernel of
-    2..16 taps, no autograd graph to record, and the native ops built."""
-    tensors = [t for t in (x, weight, bias, conv_states) if t is not None]
-    if any(t.device.type != "cpu" for t in tensors) or conv_states.dtype not in POOL_DTYPES:
-        return False
-    if conv_states.dim() != 3 or not conv_states[0].is_contiguous() or not 2 <= weight.shape[-1] <= MAX_WIDTH:
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return native_ops.loaded() or native_ops.load()
+    """The native loop's conditions (``native_ops.usable``) on a pool of [S, D, W-1] states,
+    with a kernel of 2..16 taps."""
+    return (conv_states.dim() == 3 and 2 <= weight.shape[-1] <= MAX_WIDTH
+            and native_ops.usable(conv_states, x, weight, bias))
 
 
 def causal_conv1d_varlen_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,

@@ -3,9 +3,11 @@
 Under the ``auto`` backend a CPU batch of any kind -- decode, speculative verify, prefill
 and mixed (``gated_delta_rule_varlen``) -- is one call of ``hybridserve_native::gdn_recurrent``
 on the pool, in place: each sequence's state read once and written once, snapshots copied
-from the loop, no chunked form. So a token gets the same bits whichever kind of batch
-computes it (decode-only, verify, prefill, mixed; compiled or eager; a prefix restored from
-a checkpoint or recomputed).
+from the loop, no chunked form. So from the same inputs a token's recurrence gets the same
+bits whichever kind of batch computes it (decode-only, verify, prefill, mixed; compiled or
+eager; a prefix restored from a checkpoint or recomputed); the model's elementwise ops
+before it (q/k norms, softplus, sigmoid) are ATen's or inductor's, whose last bits can
+depend on a tensor's shape.
 
 The loop's sums are not the reference's (MKL's products, a chunked form for long segments):
 ``tests/kernels/test_gdn_native.py`` holds the two within a tolerance. Where the native ops
@@ -26,21 +28,9 @@ from kernels import native_ops
 from kernels.gdn.reference import (check_shapes, gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
                                    gated_delta_rule_verify_torch, normalized_qk)
 
-POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def usable(states: Tensor, *inputs: Tensor) -> bool:
-    """Whether the native loop may run: CPU tensors, a pool it takes (fp32 / bf16 / fp16,
-    each slot contiguous), no autograd graph to record, and the native ops built (on the
-    first call, once per process)."""
-    tensors = (states, *inputs)
-    if any(t.device.type != "cpu" for t in tensors) or states.dtype not in POOL_DTYPES:
-        return False
-    if states.dim() != 4 or not states[0].is_contiguous():
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return native_ops.loaded() or native_ops.load()
+    """The native loop's conditions (``native_ops.usable``) on a pool of [S, H, K, V] states."""
+    return states.dim() == 4 and native_ops.usable(states, *inputs)
 
 
 def gated_delta_rule_update_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,

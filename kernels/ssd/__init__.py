@@ -6,7 +6,8 @@ Per head h, state S [P, N], group of the head ``h // (H // G)``:
     S_t   = exp(dt'_t * A) * S_{t-1} + dt'_t * x_t B_t^T
     y_t   = S_t C_t + D * x_t
 
-Files: ``reference`` (torch: the ground truth and the CPU path), ``triton_recurrent``
+Files: ``reference`` (torch: the ground truth), ``cpu`` (the CPU path: every token through
+the recurrence in C++, ``kernels/native_ssd.cpp``), ``triton_recurrent``
 (selective state update over short sequences: decode and speculative verify, snapshot after
 any token), ``triton_chunk`` (chunked prefill), ``triton_varlen`` (the launcher).
 ``kernels.backend`` picks one per call.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from kernels import backend, unit_layout
+from kernels.ssd.cpu import ssd_update_cpu, ssd_varlen_cpu, ssd_verify_cpu
 from kernels.ssd.reference import discretize_dt, ssd_update_torch, ssd_varlen_torch, ssd_verify_torch
 
 __all__ = ["discretize_dt", "ssd_update", "ssd_varlen", "ssd_verify"]
@@ -40,6 +42,9 @@ def ssd_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
         return ssd_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
                                  has_initial_state, dt_softplus, dt_limit, chunk_size,
                                  state_dst_slots)
+    if backend.use_native(x):
+        return ssd_varlen_cpu(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, has_initial_state,
+                              dt_softplus, dt_limit, chunk_size, state_dst_slots)
     return ssd_varlen_torch(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
                             has_initial_state, dt_softplus, dt_limit, chunk_size, state_dst_slots)
 
@@ -58,6 +63,8 @@ def ssd_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
         cu_seqlens, has_initial_state = unit_layout(slot_ids)
         return ssd_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
                                  has_initial_state, dt_softplus, dt_limit)
+    if backend.use_native(x):
+        return ssd_update_cpu(x, dt, A, B, C, D, dt_bias, states, slot_ids, dt_softplus, dt_limit)
     return ssd_update_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, dt_softplus, dt_limit)
 
 
@@ -72,5 +79,8 @@ def ssd_verify(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
     if backend.use_triton(x):
         return ssd_varlen(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
                           has_initial_state, dt_softplus, dt_limit, state_dst_slots=state_dst_slots)
+    if backend.use_native(x):
+        return ssd_verify_cpu(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, state_dst_slots, seq_len,
+                              dt_softplus, dt_limit)
     return ssd_verify_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, state_dst_slots,
                             seq_len, dt_softplus, dt_limit)

@@ -83,7 +83,13 @@ def _check_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads):
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dt_limit", [(0.0, float("inf")), (0.01, 0.5)])
-def test_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ loop on CPU, the reference
+def test_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit, kernels):
+    with backend.use_backend(kernels):
+        _check_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit)
+
+
+def _check_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit):
     case = decode_case(varlen_case, seed=3)
     gen = torch.Generator().manual_seed(3)
     heads, groups, p_dim, n_dim = 4, 2, 6, 8

@@ -72,7 +72,13 @@ def _check_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads):
 
 @pytest.mark.parametrize("seq_len", [1, 2, 4])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_ssd_verify_equals_varlen(varlen_case, seq_len, groups):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ loop on CPU, the reference
+def test_ssd_verify_equals_varlen(varlen_case, seq_len, groups, kernels):
+    with backend.use_backend(kernels):
+        _check_ssd_verify_equals_varlen(varlen_case, seq_len, groups)
+
+
+def _check_ssd_verify_equals_varlen(varlen_case, seq_len, groups):
     case = verify_case(varlen_case, seq_len, seed=20 + seq_len)
     inp = ssd_inputs(case.num_tokens, case.num_slots, seed=seq_len, heads=4, groups=groups,
                      p_dim=6, n_dim=8)

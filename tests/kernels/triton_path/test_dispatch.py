@@ -129,7 +129,8 @@ def _calls():
 # Ops whose CPU path under ``auto`` is a C++ loop (``backend.use_native``), not the reference.
 NATIVE = {"gated_delta_rule_varlen_torch": "gated_delta_rule_varlen_cpu",
           "causal_conv1d_varlen_torch": "causal_conv1d_varlen_cpu",
-          "causal_conv1d_update_torch": "causal_conv1d_update_cpu"}
+          "causal_conv1d_update_torch": "causal_conv1d_update_cpu",
+          "ssd_varlen_torch": "ssd_varlen_cpu"}
 
 
 def _boom_native(*args, **kwargs):
