@@ -109,9 +109,10 @@ def attention_impl(q: torch.Tensor, windowed: bool = False) -> AttentionImpl:
     """Which paged attention runs on query ``q`` [T, Hq, D] (see the module docstring).
 
     FlashInfer only under ``auto``, on CUDA, fp16/bf16 (it has no fp32 kernels), a head dim
-    it is built for, installed, and no sliding window (``windowed``: our FlashInfer plans
-    are built once per step for every layer, without ``window_left``); every other CUDA case
-    takes the Triton kernel.
+    it is built for, installed, no sliding window (``windowed``: our FlashInfer plans are
+    built once per step for every layer, without ``window_left``), and not in a step dynamo
+    traces (a compiled step: FlashInfer's wrappers plan on the host, which a graph cannot
+    hold); every other CUDA case takes the Triton kernel.
     """
     backend = _backend
     if backend is Backend.TORCH:
@@ -122,7 +123,8 @@ def attention_impl(q: torch.Tensor, windowed: bool = False) -> AttentionImpl:
             return AttentionImpl.TRITON
         return AttentionImpl.TORCH
     if (backend is Backend.AUTO and not windowed and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in FLASHINFER_HEAD_DIMS and flashinfer_available()):
+            and q.shape[-1] in FLASHINFER_HEAD_DIMS and not torch.compiler.is_compiling()
+            and flashinfer_available()):
         return AttentionImpl.FLASHINFER
     return AttentionImpl.TRITON
 

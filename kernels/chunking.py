@@ -73,6 +73,13 @@ def build_chunk_table(plan: SeqPlan, seqs: list[int], block_t: int,
                       as_tensor(dsts), len(starts))
 
 
+def uniform_plan(num_seqs: int, device: torch.device) -> LaunchPlan:
+    """The plan of ``num_seqs`` sequences of one short length each: all of them in the
+    recurrent launch (``torch.arange`` on the device: no host read, capturable)."""
+    ids = torch.arange(num_seqs, dtype=torch.int32, device=device) if num_seqs else None
+    return LaunchPlan(ids, None)
+
+
 def index_tensor(values: list[int], device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
@@ -90,27 +97,31 @@ def block_size(n: int, lo: int = 16, hi: int | None = None) -> int:
 class LaunchPlan(NamedTuple):
     """Everything host-side a recurrent op's Triton launch needs for one batch."""
 
-    plan: SeqPlan
-    split: LengthSplit
-    short_ids: Tensor | None          # int32 [len(split.short)] on the device
-    chunks: ChunkTable | None         # of split.long
+    short_ids: Tensor | None          # int32 [number of short sequences] on the device
+    chunks: ChunkTable | None         # of the long ones
 
 
 _plans: TensorMemo[LaunchPlan] = TensorMemo()
 
 
 def launch_plan(cu_seqlens: Tensor, state_dst_slots: Tensor | None, recurrent_max_len: int,
-                block_t: int, device: torch.device) -> LaunchPlan:
+                block_t: int, device: torch.device, uniform_len: int = 0) -> LaunchPlan:
     """The launch plan of a batch, memoised on its metadata tensors (``kernels.memo``).
 
     Building it reads ``cu_seqlens`` (and the snapshot slots) on the host: one device sync,
-    paid by the first recurrent layer of a forward step only.
+    paid by the first recurrent layer of a forward step only. A caller that knows every
+    sequence has ``uniform_len`` tokens (decode: 1, verify: 1 + k) passes it: when that is
+    short the plan comes from shapes alone (``uniform_plan``), with no host read -- what a
+    CUDA graph can capture, and a decode step that never syncs.
     """
+    if 0 < uniform_len <= recurrent_max_len:
+        return uniform_plan(cu_seqlens.shape[0] - 1, device)
+
     def build() -> LaunchPlan:
         plan = make_plan(cu_seqlens, state_dst_slots)
         split = split_by_length(plan, recurrent_max_len)
         short_ids = index_tensor(split.short, device) if split.short else None
         chunks = build_chunk_table(plan, split.long, block_t, device) if split.long else None
-        return LaunchPlan(plan, split, short_ids, chunks)
+        return LaunchPlan(short_ids, chunks)
 
     return _plans.get((cu_seqlens, state_dst_slots), (recurrent_max_len, block_t, device), build)

@@ -8,12 +8,14 @@ Contract: a batch-metadata tensor is not modified in place once a forward step h
 (the model runner builds fresh tensors per step). An entry is reused only while every key
 tensor is the same live object (weak references, so a recycled address cannot alias) and,
 outside inference mode, has the same ``_version`` (inference tensors keep no version counter).
+While dynamo traces (a compiled step) nothing is memoised: the value is built in the graph.
 """
 from __future__ import annotations
 
 import weakref
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
+import torch
 from torch import Tensor
 
 T = TypeVar("T")
@@ -36,6 +38,8 @@ class TensorMemo(Generic[T]):
     def get(self, tensors: tuple[Tensor | None, ...], extra: Hashable,
             build: Callable[[], T]) -> T:
         """The value for ``tensors`` (by identity) and ``extra``; ``build()`` on a miss."""
+        if torch.compiler.is_compiling():           # traced tensors have no identity to key on
+            return build()
         key = (tuple(id(t) for t in tensors), extra)
         versions = tuple(_version(t) for t in tensors)
         hit = self._entries.get(key)

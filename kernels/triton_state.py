@@ -1,4 +1,5 @@
-"""Device helpers shared by the recurrent ops' Triton kernels (``kernels.gdn``, ``kernels.ssd``).
+"""Device helpers shared by the recurrent ops' Triton kernels (``kernels.gdn``, ``kernels.ssd``),
+and ``dot`` (the attention kernels' too).
 
 Both ops keep one state per sequence in a contiguous pool [S, H, R, C] (GDN: R, C = K, V;
 SSD: R, C = P, N). A program owns one tile S[h, r-block, c-block] in fp32 registers, reads it
@@ -73,3 +74,12 @@ def store_snapshot(states, dst_slots, i, s_off, s, mask, SLOT: tl.constexpr):
     dst = tl.load(dst_slots + i).to(tl.int64)
     if dst != 0:
         store_state(states, dst, s_off, s, mask, SLOT)
+
+
+@triton.jit
+def dot(a, b, F32_DOTS: tl.constexpr):
+    """``tl.dot``, in IEEE fp32 precision (no tf32) when ``F32_DOTS``: a kernel given fp32
+    activations computes in fp32 (on a GPU a plain fp32 ``tl.dot`` rounds its operands to tf32)."""
+    if F32_DOTS:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend
+from kernels import backend, graph_ops
 from kernels.attention.reference import check_window, paged_attention_torch, write_kv
 
 __all__ = ["paged_attention", "write_kv"]
@@ -43,8 +43,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Ten
         return paged_attention_flashinfer(q, k, v, k_pool, v_pool, out_loc, page_table,
                                           cu_seqlens, seq_lens, page_size, scale)
     if impl is backend.AttentionImpl.TRITON:
-        from kernels.attention.triton_paged import paged_attention_triton
-        return paged_attention_triton(q, k, v, k_pool, v_pool, out_loc, page_table,
-                                      cu_seqlens, seq_lens, page_size, scale, window)
+        return graph_ops.paged_attention(q, k, v, k_pool, v_pool, out_loc, page_table,
+                                         cu_seqlens, seq_lens, page_size, scale, window)
     return paged_attention_torch(q, k, v, k_pool, v_pool, out_loc, page_table, cu_seqlens,
                                  seq_lens, page_size, scale, window)

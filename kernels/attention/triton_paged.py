@@ -40,6 +40,7 @@ from kernels.attention.reference import check_heads, check_window, write_kv
 from kernels.backend import interpreting
 from kernels.chunking import next_pow2
 from kernels.launch_grid import attention_grid
+from kernels.triton_state import dot
 
 LOG2E = 1.0 / math.log(2.0)
 DECODE_ROWS = 16            # tl.dot's smallest M
@@ -58,14 +59,6 @@ def find_tile_seq(cu_seqlens, num_seqs, i_tile, BQ: tl.constexpr):
         lo = tl.where(fits, mid, lo)
         hi = tl.where(fits, hi, mid - 1)
     return lo
-
-
-@triton.jit
-def dot(a, b, F32_DOTS: tl.constexpr):
-    """``tl.dot``, in IEEE fp32 precision (no tf32) when ``F32_DOTS``."""
-    if F32_DOTS:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit

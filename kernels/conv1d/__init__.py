@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend
+from kernels import backend, graph_ops
 from kernels.conv1d.cpu import causal_conv1d_update_cpu, causal_conv1d_varlen_cpu, causal_conv1d_verify_cpu
 from kernels.conv1d.reference import (causal_conv1d_update_torch, causal_conv1d_varlen_torch,
                                       causal_conv1d_verify_torch)
@@ -30,9 +30,8 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
     Updates ``conv_states`` in place (see module docstring).
     """
     if backend.use_triton(x):
-        from kernels.conv1d.triton_conv import causal_conv1d_varlen_triton
-        return causal_conv1d_varlen_triton(x, weight, bias, conv_states, cu_seqlens, slot_ids,
-                                           has_initial_state, activation, state_dst_slots)
+        return graph_ops.conv1d_varlen(x, weight, bias, conv_states, cu_seqlens, slot_ids,
+                                       has_initial_state, activation, state_dst_slots)
     if backend.use_native(x):
         return causal_conv1d_varlen_cpu(x, weight, bias, conv_states, cu_seqlens, slot_ids, has_initial_state,
                                         activation, state_dst_slots)
@@ -47,8 +46,7 @@ def causal_conv1d_update(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
     Equals ``causal_conv1d_varlen`` with every length 1 and every initial state present.
     """
     if backend.use_triton(x):
-        from kernels.conv1d.triton_conv import causal_conv1d_update_triton
-        return causal_conv1d_update_triton(x, weight, bias, conv_states, slot_ids, activation)
+        return graph_ops.conv1d_update(x, weight, bias, conv_states, slot_ids, activation)
     if backend.use_native(x):
         return causal_conv1d_update_cpu(x, weight, bias, conv_states, slot_ids, activation)
     return causal_conv1d_update_torch(x, weight, bias, conv_states, slot_ids, activation)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend, unit_layout
+from kernels import backend, graph_ops, unit_layout
 from kernels.gdn.cpu import gated_delta_rule_update_cpu, gated_delta_rule_varlen_cpu, gated_delta_rule_verify_cpu
 from kernels.gdn.reference import (gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
                                    gated_delta_rule_verify_torch, l2norm)
@@ -40,10 +40,9 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     ``scale`` defaults to K**-0.5. Updates ``states`` in place (live and snapshot slots).
     """
     if backend.use_triton(v):
-        from kernels.gdn.triton_varlen import gated_delta_rule_varlen_triton
-        return gated_delta_rule_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
-                                              has_initial_state, scale, use_qk_l2norm,
-                                              chunk_size, state_dst_slots)
+        return graph_ops.gdn_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
+                                    has_initial_state, scale, use_qk_l2norm,
+                                    chunk_size, state_dst_slots)
     if backend.use_native(v):
         return gated_delta_rule_varlen_cpu(q, k, v, g, beta, states, cu_seqlens, slot_ids, has_initial_state,
                                            scale, use_qk_l2norm, chunk_size, state_dst_slots)
@@ -62,10 +61,9 @@ def gated_delta_rule_update(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     no snapshot slots (bitwise on the torch path: the same step function).
     """
     if backend.use_triton(v):
-        from kernels.gdn.triton_varlen import gated_delta_rule_varlen_triton
         cu_seqlens, has_initial_state = unit_layout(slot_ids)
-        return gated_delta_rule_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
-                                              has_initial_state, scale, use_qk_l2norm)
+        return graph_ops.gdn_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
+                                    has_initial_state, scale, use_qk_l2norm, uniform_len=1)
     if backend.use_native(v):
         return gated_delta_rule_update_cpu(q, k, v, g, beta, states, slot_ids, scale, use_qk_l2norm)
     return gated_delta_rule_update_torch(q, k, v, g, beta, states, slot_ids, scale, use_qk_l2norm)
@@ -79,9 +77,9 @@ def gated_delta_rule_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     ``seq_len`` tokens, an initial state and a snapshot slot at every token. Equals
     ``gated_delta_rule_varlen`` on that batch (bitwise on the torch path)."""
     if backend.use_triton(v):
-        return gated_delta_rule_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
-                                       has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                       state_dst_slots=state_dst_slots)
+        return graph_ops.gdn_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
+                                    has_initial_state, scale, use_qk_l2norm,
+                                    state_dst_slots=state_dst_slots, uniform_len=seq_len)
     if backend.use_native(v):
         return gated_delta_rule_verify_cpu(q, k, v, g, beta, states, cu_seqlens, slot_ids, state_dst_slots,
                                            seq_len, scale, use_qk_l2norm)

@@ -27,15 +27,18 @@ def gated_delta_rule_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
                                    has_initial_state: Tensor, scale: float | None = None,
                                    use_qk_l2norm: bool = True, chunk_size: int = 64,
                                    state_dst_slots: Tensor | None = None,
-                                   recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
+                                   recurrent_max_len: int = RECURRENT_MAX_LEN,
+                                   uniform_len: int = 0) -> Tensor:
     """Contract of ``kernels.gdn.gated_delta_rule_varlen``. ``chunk_size`` picks the chunk
-    tile, clamped to a power of two in [16, 64] (the result does not depend on it)."""
+    tile, clamped to a power of two in [16, 64] (the result does not depend on it).
+    ``uniform_len``: every sequence has that many tokens (decode, verify: ``launch_plan``)."""
     check_shapes(q, k, v, g, beta, states)
     if not states.is_contiguous():
         raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
     block_t = block_size(chunk_size, hi=MAX_BLOCK_T)
-    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, block_t, v.device)
+    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, block_t, v.device,
+                              uniform_len)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     scale = float(scale if scale is not None else k_dim ** -0.5)

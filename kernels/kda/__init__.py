@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend, unit_layout
+from kernels import backend, graph_ops, unit_layout
 from kernels.kda.reference import (DEFAULT_CHUNK, kda_update_torch, kda_varlen_torch,
                                    kda_verify_torch)
 
@@ -38,9 +38,8 @@ def kda_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states:
     Updates ``states`` in place (live and snapshot slots); see ``kernels`` for the contract.
     """
     if backend.use_triton(v):
-        from kernels.kda.triton_varlen import kda_varlen_triton
-        return kda_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
-                                 has_initial_state, scale, use_qk_l2norm, state_dst_slots)
+        return graph_ops.kda_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
+                                    has_initial_state, scale, use_qk_l2norm, state_dst_slots)
     return kda_varlen_torch(q, k, v, g, beta, states, cu_seqlens, slot_ids, has_initial_state,
                             scale, use_qk_l2norm, chunk_size, state_dst_slots)
 
@@ -50,10 +49,9 @@ def kda_update(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states:
     """Decode fast path, one token per sequence: q, k, g [B, H, K]; v [B, H, V]; beta [B, H].
     Reads and updates the live slots ``slot_ids`` in place."""
     if backend.use_triton(v):
-        from kernels.kda.triton_varlen import kda_varlen_triton
         cu_seqlens, has_initial_state = unit_layout(slot_ids)
-        return kda_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
-                                 has_initial_state, scale, use_qk_l2norm)
+        return graph_ops.kda_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
+                                    has_initial_state, scale, use_qk_l2norm, uniform_len=1)
     return kda_update_torch(q, k, v, g, beta, states, slot_ids, scale, use_qk_l2norm)
 
 
@@ -64,7 +62,8 @@ def kda_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states:
     """Speculative-verify fast path: every sequence has ``seq_len`` tokens, an initial state and
     a snapshot slot at every token. Equals ``kda_varlen`` on that batch."""
     if backend.use_triton(v):
-        return kda_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids, has_initial_state,
-                          scale=scale, use_qk_l2norm=use_qk_l2norm, state_dst_slots=state_dst_slots)
+        return graph_ops.kda_varlen(q, k, v, g, beta, states, cu_seqlens, slot_ids,
+                                    has_initial_state, scale, use_qk_l2norm,
+                                    state_dst_slots=state_dst_slots, uniform_len=seq_len)
     return kda_verify_torch(q, k, v, g, beta, states, slot_ids, state_dst_slots, seq_len, scale,
                             use_qk_l2norm)

@@ -27,13 +27,16 @@ def kda_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
                       cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
                       scale: float | None = None, use_qk_l2norm: bool = True,
                       state_dst_slots: Tensor | None = None,
-                      recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
-    """Contract of ``kernels.kda.kda_varlen`` (the chunk tile is fixed: ``BLOCK_T``)."""
+                      recurrent_max_len: int = RECURRENT_MAX_LEN,
+                      uniform_len: int = 0) -> Tensor:
+    """Contract of ``kernels.kda.kda_varlen`` (the chunk tile is fixed: ``BLOCK_T``).
+    ``uniform_len``: every sequence has that many tokens (decode, verify: ``launch_plan``)."""
     check_shapes(q, k, v, g, beta, states)
     if not states.is_contiguous():
         raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
-    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, BLOCK_T, v.device)
+    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, BLOCK_T, v.device,
+                              uniform_len)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     scale = float(scale if scale is not None else k_dim ** -0.5)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend
+from kernels import backend, graph_ops
 from kernels.mla.reference import mla_attention_torch, write_latent
 
 __all__ = ["mla_attention", "write_latent"]
@@ -36,8 +36,7 @@ def mla_attention(q: Tensor, latent: Tensor, pool: Tensor, out_loc: Tensor, page
     Writes ``latent`` into the pool at ``out_loc`` first, then attends.
     """
     if backend.attention_impl(q) is not backend.AttentionImpl.TORCH:      # no FlashInfer MLA
-        from kernels.mla.triton_paged import mla_attention_triton
-        return mla_attention_triton(q, latent, pool, out_loc, page_table, cu_seqlens, seq_lens,
-                                    page_size, scale, latent_dim)
+        return graph_ops.mla_attention(q, latent, pool, out_loc, page_table, cu_seqlens, seq_lens,
+                                       page_size, scale, latent_dim)
     return mla_attention_torch(q, latent, pool, out_loc, page_table, cu_seqlens, seq_lens,
                                page_size, scale, latent_dim)

@@ -25,15 +25,9 @@ from kernels.backend import interpreting
 from kernels.chunking import next_pow2
 from kernels.launch_grid import attention_grid
 from kernels.mla.reference import check_shapes, write_latent
+from kernels.triton_state import dot
 
 LOG2E = 1.0 / math.log(2.0)
-
-
-@triton.jit
-def _dot(a, b, F32_DOTS: tl.constexpr):
-    if F32_DOTS:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -82,14 +76,14 @@ def mla_paged_kernel(
                           other=0.0).to(b_qc.dtype)
             b_kr = tl.load(pool + base[:, None] + R + o_p[None, :],
                            mask=m_pos[:, None] & m_p[None, :], other=0.0).to(b_qr.dtype)
-            b_s = _dot(b_qc, tl.trans(b_c), F32_DOTS) + _dot(b_qr, tl.trans(b_kr), F32_DOTS)
+            b_s = dot(b_qc, tl.trans(b_c), F32_DOTS) + dot(b_qr, tl.trans(b_kr), F32_DOTS)
             visible = m_pos[None, :] & (pos[None, :] <= q_pos[:, None])
             b_s = tl.where(visible, b_s * scale_log2, float("-inf"))   # [BM, BN], log2 units
             m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             b_p = tl.exp2(b_s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(b_p, axis=1)
-            acc = acc * alpha[:, None] + _dot(b_p.to(b_c.dtype), b_c, F32_DOTS)
+            acc = acc * alpha[:, None] + dot(b_p.to(b_c.dtype), b_c, F32_DOTS)
             m_i = m_new
         acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(o + rows[:, None] * R + o_r[None, :], acc.to(o.dtype.element_ty),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend
+from kernels import backend, graph_ops
 from kernels.norm.reference import gated_rms_norm_torch, rms_norm_torch
 
 __all__ = ["gated_rms_norm", "rms_norm"]
@@ -20,8 +20,7 @@ __all__ = ["gated_rms_norm", "rms_norm"]
 def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool = False) -> Tensor:
     """x [..., D], weight [D] -> [..., D] in x.dtype."""
     if backend.use_triton(x):
-        from kernels.norm.triton_norm import rms_norm_triton
-        return rms_norm_triton(x, weight, eps, zero_centered)
+        return graph_ops.rms_norm(x, weight, eps, zero_centered)
     return rms_norm_torch(x, weight, eps, zero_centered)
 
 
@@ -30,6 +29,5 @@ def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float,
     """x, z [..., D], weight [D] -> [..., D] in x.dtype; rms over groups of ``group_size``
     channels (default: all D)."""
     if backend.use_triton(x):
-        from kernels.norm.triton_norm import gated_rms_norm_triton
-        return gated_rms_norm_triton(x, z, weight, eps, group_size, norm_before_gate)
+        return graph_ops.gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
     return gated_rms_norm_torch(x, z, weight, eps, group_size, norm_before_gate)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend, unit_layout
+from kernels import backend, graph_ops, unit_layout
 from kernels.selective_scan.reference import (discretize_dt, selective_scan_update_torch,
                                               selective_scan_varlen_torch)
 
@@ -39,10 +39,9 @@ def selective_scan_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor
     slots). ``chunk_size`` picks the chunk of the chunked path (the result does not depend
     on it beyond rounding)."""
     if backend.use_triton(x):
-        from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
-        return selective_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens,
-                                            slot_ids, has_initial_state, dt_softplus,
-                                            chunk_size, state_dst_slots)
+        return graph_ops.selective_scan_varlen(x, dt, A, B, C, D, dt_bias, states, cu_seqlens,
+                                               slot_ids, has_initial_state, dt_softplus,
+                                               chunk_size, state_dst_slots)
     return selective_scan_varlen_torch(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
                                        has_initial_state, dt_softplus, chunk_size,
                                        state_dst_slots)
@@ -58,8 +57,8 @@ def selective_scan_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor
     snapshot slots (bitwise on the torch path: the same step function).
     """
     if backend.use_triton(x):
-        from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
         cu_seqlens, has_initial_state = unit_layout(slot_ids)
-        return selective_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens,
-                                            slot_ids, has_initial_state, dt_softplus)
+        return graph_ops.selective_scan_varlen(x, dt, A, B, C, D, dt_bias, states, cu_seqlens,
+                                               slot_ids, has_initial_state, dt_softplus,
+                                               uniform_len=1)
     return selective_scan_update_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, dt_softplus)

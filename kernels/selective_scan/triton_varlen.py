@@ -34,14 +34,17 @@ def selective_scan_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C:
                                  cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
                                  dt_softplus: bool = True, chunk_size: int = 64,
                                  state_dst_slots: Tensor | None = None,
-                                 recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
+                                 recurrent_max_len: int = RECURRENT_MAX_LEN,
+                                 uniform_len: int = 0) -> Tensor:
     """Contract of ``kernels.selective_scan.selective_scan_varlen``; ``chunk_size`` is not
-    read (the chunk tile is ``BLOCK_T``: the result does not depend on it beyond rounding)."""
+    read (the chunk tile is ``BLOCK_T``: the result does not depend on it beyond rounding).
+    ``uniform_len``: every sequence has that many tokens (decode: ``launch_plan``)."""
     check_shapes(x, dt, A, B, C, states)
     if not states.is_contiguous():
         raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_channels, state_dim = A.shape
-    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, BLOCK_T, x.device)
+    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, BLOCK_T, x.device,
+                              uniform_len)
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     zeros = torch.zeros(num_channels, dtype=torch.float32, device=x.device)
     A = A.to(device=x.device, dtype=torch.float32).contiguous()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend, unit_layout
+from kernels import backend, graph_ops, unit_layout
 from kernels.ssd.cpu import ssd_update_cpu, ssd_varlen_cpu, ssd_verify_cpu
 from kernels.ssd.reference import discretize_dt, ssd_update_torch, ssd_varlen_torch, ssd_verify_torch
 
@@ -38,10 +38,9 @@ def ssd_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
     Returns y [T, H, P] in x.dtype; updates ``states`` in place (live and snapshot slots).
     """
     if backend.use_triton(x):
-        from kernels.ssd.triton_varlen import ssd_varlen_triton
-        return ssd_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
-                                 has_initial_state, dt_softplus, dt_limit, chunk_size,
-                                 state_dst_slots)
+        return graph_ops.ssd_varlen(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
+                                    has_initial_state, dt_softplus, dt_limit, chunk_size,
+                                    state_dst_slots)
     if backend.use_native(x):
         return ssd_varlen_cpu(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, has_initial_state,
                               dt_softplus, dt_limit, chunk_size, state_dst_slots)
@@ -59,10 +58,9 @@ def ssd_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
     slots (bitwise on the torch path: the same step function).
     """
     if backend.use_triton(x):
-        from kernels.ssd.triton_varlen import ssd_varlen_triton
         cu_seqlens, has_initial_state = unit_layout(slot_ids)
-        return ssd_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
-                                 has_initial_state, dt_softplus, dt_limit)
+        return graph_ops.ssd_varlen(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
+                                    has_initial_state, dt_softplus, dt_limit, uniform_len=1)
     if backend.use_native(x):
         return ssd_update_cpu(x, dt, A, B, C, D, dt_bias, states, slot_ids, dt_softplus, dt_limit)
     return ssd_update_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, dt_softplus, dt_limit)
@@ -77,8 +75,9 @@ def ssd_verify(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
     ``seq_len`` tokens, an initial state and a snapshot slot at every token. Equals
     ``ssd_varlen`` on that batch (bitwise on the torch path)."""
     if backend.use_triton(x):
-        return ssd_varlen(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
-                          has_initial_state, dt_softplus, dt_limit, state_dst_slots=state_dst_slots)
+        return graph_ops.ssd_varlen(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
+                                    has_initial_state, dt_softplus, dt_limit,
+                                    state_dst_slots=state_dst_slots, uniform_len=seq_len)
     if backend.use_native(x):
         return ssd_verify_cpu(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, state_dst_slots, seq_len,
                               dt_softplus, dt_limit)

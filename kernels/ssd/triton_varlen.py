@@ -27,16 +27,19 @@ def ssd_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
                       has_initial_state: Tensor, dt_softplus: bool = True,
                       dt_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = 256,
                       state_dst_slots: Tensor | None = None,
-                      recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
+                      recurrent_max_len: int = RECURRENT_MAX_LEN,
+                      uniform_len: int = 0) -> Tensor:
     """Contract of ``kernels.ssd.ssd_varlen``. ``chunk_size`` picks the chunk tile, clamped
-    to a power of two in [16, 64] (the result does not depend on it)."""
+    to a power of two in [16, 64] (the result does not depend on it).
+    ``uniform_len``: every sequence has that many tokens (decode, verify: ``launch_plan``)."""
     check_shapes(x, dt, B, C, states)
     if not states.is_contiguous():
         raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_heads, head_dim = x.shape[1], x.shape[2]
     groups, state_dim = B.shape[1], B.shape[2]
     block_t = block_size(chunk_size, hi=MAX_BLOCK_T)
-    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, block_t, x.device)
+    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, block_t, x.device,
+                              uniform_len)
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     A, D, dt_bias = (t.to(device=x.device).contiguous() for t in (A, D, dt_bias))
     y = torch.empty_like(x)
@@ -73,8 +76,8 @@ def _launch_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: T
                                          head_dim, block_p)](
         x, dt, A, B, dt_bias, chunk_states, states, slots, has_init, table.seq_ids,
         table.seq_chunk_offsets, table.chunk_starts, table.chunk_lens, table.chunk_dst, *limits,
-        BT=block_t, BP=block_p, num_warps=4, **meta)
+        BT=block_t, BP=block_p, F32_DOTS=x.dtype == torch.float32, num_warps=4, **meta)
     ssd_chunk_output_kernel[chunk_head_grid("ssd_chunk_output", table.num_chunks, num_heads,
                                             head_dim, block_p)](
         x, dt, A, B, C, D, dt_bias, chunk_states, y, table.chunk_starts, table.chunk_lens,
-        *limits, BT=block_t, BP=block_p, num_warps=4, **meta)
+        *limits, BT=block_t, BP=block_p, F32_DOTS=x.dtype == torch.float32, num_warps=4, **meta)

@@ -57,7 +57,12 @@ CONTEXT, PAGE_SIZE = 512, 16
 ENGINE_PROMPT, ENGINE_WARM, ENGINE_STEPS = 32, 4, 32
 COLUMNS = ["batch", "context", "GB/step", "bound tok/s", "eager ms", "eager tok/s", "eager % bound",
            "graph ms", "graph tok/s", "graph % bound", "graph vs eager logits", "engine tok/s",
-           "engine compiled tok/s"]
+           "engine compiled tok/s", "compiled start-up s"]
+
+
+class EngineRun(NamedTuple):
+    tok_s: float                # decode tokens/s
+    startup_s: float            # building the engine, its compiled steps' compilation included
 
 
 class Bench(NamedTuple):
@@ -155,9 +160,9 @@ def graph_step(step: Step, pools: Any, capture: Capture) -> tuple[Callable[[], A
 
 
 def engine_tok_s(bench: Bench, batch: int, device: torch.device, dtype: torch.dtype,
-                 compiled: bool = False) -> float:
+                 compiled: bool = False) -> EngineRun:
     """Decode tokens/s of the engine (eager, or with its compiled steps at bucket ``batch``):
-    (long run - short run) / their extra tokens."""
+    (long run - short run) / their extra tokens; and its start-up time."""
     from configs.schema import load_config
     from workers.engine import Engine
     from workers.loader import LoadedModel
@@ -173,7 +178,9 @@ def engine_tok_s(bench: Bench, batch: int, device: torch.device, dtype: torch.dt
         scheduler={"max_running_requests": batch, "max_batch_tokens": 8192,
                    "chunked_prefill_size": 4096},
         compile={"enabled": compiled, "batch_sizes": [batch]}))
+    t0 = time.perf_counter()
     engine = engine_cls(config)
+    startup_s = time.perf_counter() - t0
     ids = itertools.count()
     gen = torch.Generator().manual_seed(1)
 
@@ -193,7 +200,7 @@ def engine_tok_s(bench: Bench, batch: int, device: torch.device, dtype: torch.dt
         short, long = run(ENGINE_WARM), run(ENGINE_WARM + ENGINE_STEPS)
     finally:
         engine.runner.shutdown()
-    return batch * ENGINE_STEPS / max(long - short, 1e-9)
+    return EngineRun(batch * ENGINE_STEPS / max(long - short, 1e-9), startup_s)
 
 
 def _sync(device: torch.device) -> None:
@@ -215,6 +222,7 @@ def bench_batch(bench: Bench, batch: int, device: torch.device, dtype: torch.dty
     engine = _engine_or_error(bench, batch, device, dtype)
     compiled = (_engine_or_error(bench, batch, device, dtype, compiled=True) if device.type == "cuda"
                 else "n/a (dry run)")
+    startup = compiled.startup_s if isinstance(compiled, EngineRun) else None
 
     def tok_s(ms: float | None) -> float | None:
         return None if ms is None else batch * 1e3 / ms
@@ -222,9 +230,14 @@ def bench_batch(bench: Bench, batch: int, device: torch.device, dtype: torch.dty
     def pct(ms: float | None) -> str | None:
         return None if ms is None else f"{100 * bound_ms / ms:.1f}%"
     cells = [batch, CONTEXT, nbytes / 1e9, tok_s(bound_ms), eager_ms, tok_s(eager_ms),
-             pct(eager_ms), graph_ms, tok_s(graph_ms), pct(graph_ms), graph_cell, engine, compiled]
+             pct(eager_ms), graph_ms, tok_s(graph_ms), pct(graph_ms), graph_cell, _tok_s_cell(engine),
+             _tok_s_cell(compiled), startup]
     return cells, graph_ok and not isinstance(engine, str) and (device.type != "cuda"
                                                                or not isinstance(compiled, str))
+
+
+def _tok_s_cell(run: object) -> object:
+    return run.tok_s if isinstance(run, EngineRun) else run
 
 
 def _graph_columns(step: Step, pools: Any, capture: Capture,

@@ -10,9 +10,15 @@ references on CUDA; then Qwen3-Next with MTP speculation (verify kernels with pe
 states). A second round of prompts shares the first's long prefix, so prefix-cache hits
 resume from checkpoints the kernels wrote.
 
-Two kernels may split a near-tie differently, so a divergence is accepted only where the
-reference's top-2 logprobs are within ``tie`` of each other (tf32 dots in the chunked
-kernels for fp32, bf16 rounding for bf16); the sequence is not compared past it.
+Two kernels may split a near-tie differently, so one divergence per sequence is accepted
+(the sequence is not compared past it): in fp32 where the reference's top-2 logprobs are
+within ``tie`` of each other (tf32 dots in the chunked GDN kernel); in bf16 where each run's
+token is in the other's top-5 (vLLM's ``check_logprobs_close``). bf16 logits come out of a
+bf16 lm-head, in steps of 1/64 at this model's magnitudes, and two bf16 formulations of the
+model differ by several steps: on the CPU, the Triton kernels (interpreter) against the torch
+references, both bf16, diverged in all five sequences, at top-2 gaps of 0.016 to 0.08 (one in
+a three-way tie: the kernels' top-2 tied, without the reference's token), so a fixed gap is no
+test of bf16.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ def prompts(dry_run: bool) -> list[list[str]]:
 
 
 MAX_TOKENS, DRY_RUN_TOKENS = 16, 4
+TOP = 5                 # logprobs returned per token: the bf16 rule's top-k
 TORCH_REFS = [(kernels.gdn, name) for name in ("gated_delta_rule_varlen_torch",
                                                 "gated_delta_rule_update_torch",
                                                 "gated_delta_rule_verify_torch")]
@@ -89,7 +96,7 @@ def generate(model_dir: Path, run: Run, dry_run: bool = False) -> list[Any]:
 
     spec = {"method": "mtp", "num_draft_tokens": 2} if run.spec else {"method": "none"}
     params = SamplingParams(max_tokens=DRY_RUN_TOKENS if dry_run else MAX_TOKENS,
-                            temperature=0.0, ignore_eos=True, logprobs=2)
+                            temperature=0.0, ignore_eos=True, logprobs=TOP)
     with ExitStack() as stack:
         stack.enter_context(backend.use_backend(run.backend))
         if run.backend != "torch":
@@ -102,7 +109,7 @@ def generate(model_dir: Path, run: Run, dry_run: bool = False) -> list[Any]:
             llm.engine.runner.shutdown()
 
 
-def compare_greedy(got: list[Any], want: list[Any], tie: float) -> Outcome:
+def compare_greedy(got: list[Any], want: list[Any], tie: float | None) -> Outcome:
     equal = total = 0
     for g, w in zip(got, want):
         total += len(w.token_ids)
@@ -115,13 +122,18 @@ def compare_greedy(got: list[Any], want: list[Any], tie: float) -> Outcome:
                 continue
             top = w.logprobs[i].top
             gap = top[0][1] - top[1][1]
+            if tie is None:         # bf16: each token in the other's top-5
+                ok = a in {t for t, _ in top} and b in {t for t, _ in g.logprobs[i].top}
+            else:
+                ok = gap <= tie
             return Outcome(equal, total, f"token {i} of {w.prompt[:20]!r}: {a} vs {b}, top-2 gap "
-                           f"{gap:.2g}", gap <= tie)
+                           f"{gap:.2g}", ok)
     return Outcome(equal, total, "", len(got) == len(want))
 
 
-def cases(dry_run: bool) -> list[tuple[str, Run, Run, float]]:
-    """(model, run, reference, tie): the kernels on the device against the torch path.
+def cases(dry_run: bool) -> list[tuple[str, Run, Run, float | None]]:
+    """(model, run, reference, tie): the kernels on the device against the torch path
+    (``tie`` None: the top-5 rule of bf16).
 
     A dry run (CPU, interpreter) takes the MTP case alone: the others run the same code, and
     ``tests/kernels/triton_path/test_model_triton.py`` runs both families that way already.
@@ -134,7 +146,7 @@ def cases(dry_run: bool) -> list[tuple[str, Run, Run, float]]:
     archs = ("qwen3_next", "granitemoehybrid")
     fp32 = [(arch, Run("cuda", "float32", "auto"), Run("cpu", "float32", "torch"), 1e-2)
             for arch in archs]
-    bf16 = [(arch, Run("cuda", "bfloat16", "auto"), Run("cuda", "bfloat16", "torch"), 0.1)
+    bf16 = [(arch, Run("cuda", "bfloat16", "auto"), Run("cuda", "bfloat16", "torch"), None)
             for arch in archs]
     return fp32 + [mtp] + bf16
 

@@ -87,6 +87,10 @@ def test_cuda_attention_rules(installed, monkeypatch):
         assert backend.attention_impl(_cuda_query(torch.bfloat16, 128)) is backend.AttentionImpl.TRITON
     with backend.use_backend("torch"):
         assert backend.attention_impl(_cuda_query(torch.bfloat16, 128)) is backend.AttentionImpl.TORCH
+    # a compiled step (dynamo tracing) never takes FlashInfer: its host-side plans cannot be traced
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with backend.use_backend("auto"):
+        assert backend.attention_impl(_cuda_query(torch.bfloat16, 128)) is backend.AttentionImpl.TRITON
 
 
 def _boom(*args, **kwargs):
