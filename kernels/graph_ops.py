@@ -9,9 +9,11 @@ here:
 
 - eagerly (every step that is not traced) the launcher itself: no op dispatch per call;
 - while dynamo traces, the custom op: opaque to dynamo and inductor, it runs as one call from
-  the compiled graph and is captured into the CUDA graph with the rest (under a capture the
-  launch plans take their static formulation, ``kernels.static.tracing``). So eager and
-  compiled steps launch the same kernels, and a token gets the same bits in both.
+  the compiled graph and is captured into the CUDA graph with the rest. A compiled step is a
+  decode or a verify, whose recurrent launches plan from shapes (``uniform_len``:
+  ``kernels.chunking.uniform_plan``, no host read, nothing memoised), so the capture holds
+  them. So eager and compiled steps launch the same kernels, and a token gets the same bits
+  in both.
 
 Each op declares the pools it writes in place (``mutates_args``: functionalization keeps
 the writes in place; the pools of a compiled GPU step are static addresses) and has a fake
