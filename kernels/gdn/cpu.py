@@ -28,6 +28,7 @@ from kernels import native_ops
 from kernels.gdn.reference import (check_shapes, gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
                                    gated_delta_rule_verify_torch, normalized_qk)
 
+
 def usable(states: Tensor, *inputs: Tensor) -> bool:
     """The native loop's conditions (``native_ops.usable``) on a pool of [S, H, K, V] states."""
     return states.dim() == 4 and native_ops.usable(states, *inputs)

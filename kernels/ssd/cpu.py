@@ -5,9 +5,10 @@ mixed (``ssd_varlen``) -- is one call of ``hybridserve_native::ssd_recurrent`` o
 in place (each sequence's state read once and written once, snapshots from the loop), then
 the D skip. dt' (``reference.discretize_dt``'s rule) and exp(dt' A) are taken in the loop,
 one scalar formula for each (ATen's softplus takes another for a vectorised loop's ragged
-end), so a token gets the same bits whichever kind of batch computes it. The reference's bits (MKL's products, a chunked form for long segments) are
-within a tolerance (``tests/kernels/test_ssd_native.py``). Where the native ops do not
-build, or autograd must see the op, the torch reference runs.
+end), so a token gets the same bits whichever kind of batch computes it. The reference's
+bits (MKL's products, a chunked form for long segments) are within a tolerance
+(``tests/kernels/test_ssd_native.py``). Where the native ops do not build, or autograd must
+see the op, the torch reference runs.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from torch import Tensor
 from kernels import native_ops
 from kernels.ssd.reference import check_shapes, ssd_update_torch, ssd_varlen_torch, ssd_verify_torch
 
+
 def usable(states: Tensor, *inputs: Tensor) -> bool:
-    """The native loop's conditions (``native_ops.usable``) on a pool of [S, H, K, V] states."""
+    """The native loop's conditions (``native_ops.usable``) on a pool of [S, H, P, N] states."""
     return states.dim() == 4 and native_ops.usable(states, *inputs)
 
 
