@@ -135,9 +135,7 @@ class ModelRunner:
         self._fill_placeholders(prepared)
         plan, fb = prepared.plan, prepared.fb
         if plan.cow:
-            src = torch.tensor([s for s, _ in plan.cow], dtype=torch.int64, device=self.device)
-            dst = torch.tensor([d for _, d in plan.cow], dtype=torch.int64, device=self.device)
-            self.pools.mamba.copy_slot(src, dst)
+            self.pools.mamba.copy_slots([s for s, _ in plan.cow], [d for _, d in plan.cow])
         bucket = self.compiled.pick(fb) if self.compiled is not None else None
         hidden, all_logits = self._forward(fb, bucket)
         if prepared.copy_src is not None:             # snapshots of a decode batch (step_inputs)
@@ -196,12 +194,16 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(prepared.plan.batch.seqs) if s.samples]
         verify = [by_seq.get(i) for i in sampling]
         decision = self.sampler.decide(si, prepared.fb.input_ids, logits, params, gens, verify, self._draft_q)
+        sources: list[int] = []
+        destinations: list[int] = []
         for v, n in zip(verify, decision.num_accepted):
             if v is not None and n is not None:
                 src, dst, committed = v.commit(n)
-                self.pools.mamba.copy_slot(torch.tensor(src, device=self.device),
-                                           torch.tensor(dst, device=self.device))
+                sources += src
+                destinations += dst
                 writes.extend(committed)
+        if sources:
+            self.pools.mamba.copy_slots(sources, destinations)
         return decision.token_ids, decision.logprobs, decision.num_accepted
 
     def _draft_q(self, v: VerifyRows) -> torch.Tensor:

@@ -80,6 +80,24 @@ def test_pools_hold_every_kind_and_copy_every_tensor() -> None:
     assert pools.kv.bytes_per_entry() == spec.bytes_per_token(torch.bfloat16)
 
 
+def test_copy_slots_from_host_lists_equals_copy_slot() -> None:
+    """The in-place pair copies give copy_slot's result, overlapping pairs included (read
+    before any write: a slot that is both a source and a destination takes the old state)."""
+    spec = CacheSpec((StateGroup(SHORT_CONV, 2), StateGroup(LIGHTNING, 3)))
+    cases = [([1], [3]), ([1, 2], [3, 4]), ([1, 3], [3, 4]), ([2, 2], [1, 4])]
+    for src, dst in cases:
+        pools = [build_pools(spec, num_pages=3, page_size=4, num_slots=5, dtype=torch.float32,
+                             device=torch.device("cpu")).mamba for _ in range(2)]
+        for pool in pools:
+            for t in pool.tensors():
+                t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
+        pools[0].copy_slot(torch.tensor(src), torch.tensor(dst))
+        pools[1].copy_slots(src, dst)
+        assert all(torch.equal(a, b) for a, b in zip(pools[0].tensors(), pools[1].tensors())), (src, dst)
+    with pytest.raises(ValueError, match="2 sources for 1 destinations"):
+        pools[1].copy_slots([1, 2], [3])
+
+
 def test_no_paged_state_means_page_bookkeeping_only() -> None:
     spec = CacheSpec((StateGroup(conv_ssm_kind("mamba2", 8, 4, (2, 4, 4)), 2),))
     config = load_config(overrides={"cache": {"page_size": 16}})

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from configs.schema import CompileConfig
 from kernels import native_ops
-from workers.compiled.cache import check_owner, compile_kwargs, compile_options, configure_cache, new_owner
+from workers.compiled.cache import CallOptions, check_owner, compile_for_owner, compile_kwargs, configure_cache, new_owner
 from workers.compiled.steps import MIN_PAGES
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
@@ -56,10 +56,11 @@ class CompiledChain:
             native_ops.load()             # the pool writes in C++ (kernels/native_ops.py)
         self.owner = new_owner()
         kwargs = compile_kwargs(self.on_gpu, self.freeze, gemm_templates=False)   # ATen GEMMs (see there)
-        self._compiled: Callable[[Tensor, Tensor, Tensor, int], Tensor] = torch.compile(
-            self._chain_from, dynamic=None, fullgraph=True, **kwargs)
-        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor] = torch.compile(
-            self._verify_chain, dynamic=None, fullgraph=True, **kwargs)
+        self._compiled: Callable[[Tensor, Tensor, Tensor, int], Tensor] = compile_for_owner(
+            self._chain_from, self.owner, dynamic=None, fullgraph=True, **kwargs)
+        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor] = compile_for_owner(
+            self._verify_chain, self.owner, dynamic=None, fullgraph=True, **kwargs)
+        self._call = CallOptions(freeze=self.freeze, cpp_wrapper=not self.on_gpu)
         self.num_calls = {size: 0 for size in self.sizes}
         self.num_verify_calls = {size: 0 for size in self.sizes}
 
@@ -147,8 +148,7 @@ class CompiledChain:
         n = len(last_pos)
         table = self._table(page_ids, size)
         pos = torch.tensor(last_pos + [0] * (size - n), dtype=torch.int64, device=self.device)
-        with compile_options(freeze=self.freeze, cpp_wrapper=not self.on_gpu):
-            drafts = self._compiled(F.pad(hidden, (0, 0, 0, size - n)), pos, table, self.owner)
+        drafts = self._call.call(self._compiled, F.pad(hidden, (0, 0, 0, size - n)), pos, table, self.owner)
         self.num_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
@@ -165,8 +165,8 @@ class CompiledChain:
         meta = torch.tensor([starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
                             dtype=torch.int64, device=self.device)
         hidden = F.pad(hidden_rows, (0, 0, 0, (size - n) * rows))
-        with compile_options(freeze=self.freeze, cpp_wrapper=not self.on_gpu):
-            drafts = self._compiled_verify(hidden, ids, meta[0], meta[1], self._table(page_ids, size), self.owner)
+        drafts = self._call.call(self._compiled_verify, hidden, ids, meta[0], meta[1], self._table(page_ids, size),
+                                 self.owner)
         self.num_verify_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
@@ -181,6 +181,7 @@ class CompiledChain:
                 self.run_verified(torch.zeros(0, hidden_size, dtype=dtype, device=self.device), [], [], [], size)
             self.num_calls[size] -= 1
             self.num_verify_calls[size] -= 1
+        self._call.warm = True           # guards are skipped from now on (CallOptions)
         seconds = time.monotonic() - start
         logger.info("compiled %d draft chains in %.1f s", len(self.sizes), seconds)
         return seconds

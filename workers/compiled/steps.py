@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import torch
@@ -32,8 +31,8 @@ from torch import Tensor
 
 from configs.schema import CompileConfig
 from kernels import native_ops
-from workers.compiled.cache import (cache_counters, check_owner, compile_kwargs, compile_options, configure_cache,
-                                    new_owner)
+from workers.compiled.cache import (CallOptions, cache_counters, check_owner, compile_for_owner, compile_kwargs,
+                                    configure_cache, new_owner)
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 
@@ -70,9 +69,10 @@ class CompiledSteps:
             for t in [*pools.kv.tensors(), *pools.mamba.tensors()]:
                 torch._dynamo.mark_static_address(t)
         self.owner = new_owner()
-        self._compiled: Callable[[ForwardBatch, int], tuple[Tensor, Tensor]] = torch.compile(
-            self._step, dynamic=None, fullgraph=True,    # static but the marked page dim
+        self._compiled: Callable[[ForwardBatch, int], tuple[Tensor, Tensor]] = compile_for_owner(
+            self._step, self.owner, dynamic=None, fullgraph=True,    # static but the marked page dim
             **compile_kwargs(self.on_gpu, self.freeze, gemm_templates=not verify_lens))
+        self._call = CallOptions(freeze=self.freeze, cpp_wrapper=not self.on_gpu)
         # Under speculation every decode is a verify (a plain decode step is rare: a request
         # that has not drafted yet), so only the verify steps are compiled then.
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)
@@ -97,8 +97,7 @@ class CompiledSteps:
         padded = self._pad(fb, bucket)
         if on_enter is not None:
             on_enter()
-        with self._options():
-            hidden, logits = self._compiled(padded, self.owner)
+        hidden, logits = self._call.call(self._compiled, padded, self.owner)
         self.num_calls[bucket] += 1
         if self.on_gpu:          # a graph's outputs are rewritten by its next replay
             hidden, logits = hidden.clone(), logits.clone()
@@ -112,17 +111,15 @@ class CompiledSteps:
             kind = "decode" if bucket.rows == 1 else f"verify ({bucket.rows} rows)"
             logger.info("compiling the %s step for batch size %d (%d of %d)", kind, bucket.size,
                         n, len(self.buckets))
-            with torch.inference_mode(), self._options():
-                self._compiled(self._pad(self._empty(bucket.rows), bucket), self.owner)
+            with torch.inference_mode():
+                self._call.call(self._compiled, self._pad(self._empty(bucket.rows), bucket), self.owner)
             logger.info("%s step, batch size %d: ready in %.1f s", kind, bucket.size, time.monotonic() - t0)
+        self._call.warm = True           # guards are skipped from now on (CallOptions)
         seconds = time.monotonic() - start
         logger.info("compiled %d steps in %.1f s (cache %s)", len(self.buckets), seconds, cache_counters())
         return seconds
 
     # -- padding ---------------------------------------------------------------------------
-    def _options(self) -> AbstractContextManager:
-        return compile_options(freeze=self.freeze, cpp_wrapper=not self.on_gpu)
-
     def _empty(self, rows: int) -> ForwardBatch:
         """A batch of no sequences of the kind ``rows`` names (``_pad`` fills it)."""
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
