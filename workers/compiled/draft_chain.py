@@ -21,13 +21,12 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from configs.schema import CompileConfig
 from kernels import native_ops
 from workers.compiled.cache import CallOptions, check_owner, compile_for_owner, compile_kwargs, configure_cache, new_owner
-from workers.compiled.steps import MIN_PAGES
+from workers.compiled.steps import MIN_PAGES, pad_if_needed
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.spec.draft_vocab import DraftVocab
@@ -148,7 +147,8 @@ class CompiledChain:
         n = len(last_pos)
         table = self._table(page_ids, size)
         pos = torch.tensor(last_pos + [0] * (size - n), dtype=torch.int64, device=self.device)
-        drafts = self._call.call(self._compiled, F.pad(hidden, (0, 0, 0, size - n)), pos, table, self.owner)
+        hidden = pad_if_needed(hidden, (0, 0, 0, size - n))
+        drafts = self._call.call(self._compiled, hidden, pos, table, self.owner)
         self.num_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
@@ -164,7 +164,7 @@ class CompiledChain:
         # one host->device copy for both: starts and widths (padding: 0 and 1)
         meta = torch.tensor([starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
                             dtype=torch.int64, device=self.device)
-        hidden = F.pad(hidden_rows, (0, 0, 0, (size - n) * rows))
+        hidden = pad_if_needed(hidden_rows, (0, 0, 0, (size - n) * rows))
         drafts = self._call.call(self._compiled_verify, hidden, ids, meta[0], meta[1], self._table(page_ids, size),
                                  self.owner)
         self.num_verify_calls[size] += 1

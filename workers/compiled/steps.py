@@ -77,6 +77,7 @@ class CompiledSteps:
         # that has not drafted yet), so only the verify steps are compiled then.
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)
         self.num_calls = {bucket: 0 for bucket in self.buckets}
+        self._bucket_constants: dict[Bucket, tuple[Tensor, Tensor, Tensor]] = {}
 
     def _step(self, fb: ForwardBatch, owner: int) -> tuple[Tensor, Tensor]:
         check_owner(owner)
@@ -134,19 +135,38 @@ class CompiledSteps:
     def _pad(self, fb: ForwardBatch, bucket: Bucket) -> ForwardBatch:
         size, rows = bucket
         extra = size - fb.num_seqs
-        pad_rows = (0, extra * rows)
         width = int(fb.page_table.shape[1])
         pages = self.max_pages if self.on_gpu else max(width, MIN_PAGES)
-        table = F.pad(fb.page_table, (0, pages - width, 0, extra))
+        table = pad_if_needed(fb.page_table, (0, pages - width, 0, extra))
         if not self.on_gpu:
             torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
-        cu = torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=self.device)
-        dst = None if fb.state_dst_slots is None or rows == 1 else F.pad(fb.state_dst_slots, pad_rows)
+        cu, has_initial, logits_indices = self._constants(bucket)
+        by_row, by_seq = (0, extra * rows), (0, extra)
+        dst = None if fb.state_dst_slots is None or rows == 1 else pad_if_needed(fb.state_dst_slots, by_row)
         return ForwardBatch(
-            input_ids=F.pad(fb.input_ids, pad_rows), positions=F.pad(fb.positions, pad_rows),
-            cu_seqlens=cu, seq_lens=F.pad(fb.seq_lens, (0, extra), value=rows),
-            out_loc=F.pad(fb.out_loc, pad_rows), page_table=table,
-            mamba_slot_ids=F.pad(fb.mamba_slot_ids, (0, extra)),
-            has_initial_state=torch.ones(size, dtype=torch.bool, device=self.device),
-            logits_indices=torch.arange(size * rows, device=self.device), page_size=fb.page_size,
+            input_ids=pad_if_needed(fb.input_ids, by_row), positions=pad_if_needed(fb.positions, by_row),
+            cu_seqlens=cu, seq_lens=pad_if_needed(fb.seq_lens, by_seq, value=rows),
+            out_loc=pad_if_needed(fb.out_loc, by_row), page_table=table,
+            mamba_slot_ids=pad_if_needed(fb.mamba_slot_ids, by_seq),
+            has_initial_state=has_initial, logits_indices=logits_indices, page_size=fb.page_size,
             state_dst_slots=dst, decode_only=rows == 1, verify_len=0 if rows == 1 else rows)
+
+    def _constants(self, bucket: Bucket) -> tuple[Tensor, Tensor, Tensor]:
+        """A bucket's inputs that never change (cu_seqlens, has_initial_state, logits_indices),
+        built once: the graph only reads them."""
+        if bucket not in self._bucket_constants:
+            size, rows = bucket
+            self._bucket_constants[bucket] = (
+                torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=self.device),
+                torch.ones(size, dtype=torch.bool, device=self.device),
+                torch.arange(size * rows, device=self.device))
+        return self._bucket_constants[bucket]
+
+
+def pad_if_needed(t: Tensor, pad: tuple[int, ...], value: int = 0) -> Tensor:
+    """``F.pad(t, pad, value=value)``, or ``t`` itself when nothing is padded and ``t`` is
+    what the graph's guards saw at warm-up (a fresh padded copy made in inference mode: a
+    contiguous inference tensor; another kind would make dynamo compile another graph)."""
+    if not any(pad) and t.is_contiguous() and t.is_inference():
+        return t
+    return F.pad(t, pad, value=value)
