@@ -28,8 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-# Graphs of one step function per process: dynamo counts every engine's graphs of a code
-# object against one limit (a process may hold several engines: tests, the bench suite).
+# Graphs of one code object: one owner's buckets (compile_for_owner), with room to spare.
 RECOMPILE_LIMIT = 256
 SKIP_REFUSED = "skip_guard_eval_unsafe"     # in dynamo's error for a recompile under the skip
 _T = TypeVar("_T")
