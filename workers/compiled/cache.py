@@ -107,14 +107,14 @@ def compile_for_owner(method: Callable[..., Any], owner: int, **kwargs: Any) -> 
 
 class CallOptions:
     """The settings a compiled step runs under, built once per owner (``config.patch`` builds
-    a class per call). ``options(skip_guards)`` is the context of one
-    call: dynamo's settings (shapes stay as marked, no automatic dynamic batch dim after a
-    second bucket; every engine's graphs fit the recompile limit); ``freeze``: inductor
-    folds the parameters into the graph as constants (its ``freezing`` is read from the
-    global config when a graph compiles, not from ``torch.compile``'s options, so it is
-    patched around every call that may compile); ``cpp_wrapper`` (CPU steps): the graph's
-    kernels are called from generated C++ instead of Python glue (bench-15m at batch 8,
-    one process, interleaved, idle: bare decode 1184 -> 1265 tok/s, the engine 1042 -> 1165).
+    a class per call); ``call(fn, *args)`` runs one call under them. Dynamo's settings: shapes
+    stay as marked (no automatic dynamic batch dim after a second bucket) and the owner's
+    graphs fit the recompile limit. ``freeze``: inductor folds the parameters into the graph
+    as constants (its ``freezing`` is read from the global config when a graph compiles, not
+    from ``torch.compile``'s options, so it is patched around every call that may compile).
+    ``cpp_wrapper`` (CPU steps): the graph's kernels are called from generated C++ instead of
+    Python glue (bench-15m at batch 8, one process, interleaved, idle: bare decode 1184 ->
+    1265 tok/s, the engine 1042 -> 1165).
 
     ``skip_guards`` (every call after ``warm_up``): dynamo checks only the guards that tell
     the owner's graphs apart -- its tensors' shapes, dtypes and strides, and any guard that
@@ -138,7 +138,7 @@ class CallOptions:
         self.warm = False             # set by the owner's warm_up once every bucket is compiled
 
     @contextmanager
-    def options(self, skip_guards: bool = False) -> Iterator[None]:
+    def _options(self, skip_guards: bool = False) -> Iterator[None]:
         with ExitStack() as stack:
             for patch in self._patches:
                 stack.enter_context(patch)
@@ -151,16 +151,16 @@ class CallOptions:
         same (dynamo refuses to compile under the skip, before running anything) is logged
         and runs again with every guard, compiling it."""
         if not self.warm:
-            with self.options():
+            with self._options():
                 return fn(*args)
         try:
-            with self.options(skip_guards=True):
+            with self._options(skip_guards=True):
                 return fn(*args)
         except RuntimeError as e:
             if SKIP_REFUSED not in str(e):
                 raise
         logger.warning("a compiled step needed a graph its warm-up did not compile; compiling it now")
-        with self.options():
+        with self._options():
             return fn(*args)
 
 
