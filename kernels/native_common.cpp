@@ -65,6 +65,28 @@ inline __attribute__((always_inline)) F silu_of(F x) {
   return x / (1.0f + p * scale);
 }
 
+// out[i] = silu(g[i]) * u[i] for i < n, or silu(g[i]) without u (the vector formula on full
+// lanes, the same formula one element at a time on the tail).
+inline __attribute__((always_inline)) void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const int64_t n16 = n & ~int64_t(15);
+  for (int64_t i = 0; i < n16; i += 16) {
+    const v16 s = silu_of<v16, v16i>(load16(g + i));
+    store16(out + i, u == nullptr ? s : s * load16(u + i));
+  }
+  for (int64_t i = n16; i < n; ++i) {
+    const float s = silu_of<float, int32_t>(g[i]);
+    out[i] = u == nullptr ? s : s * u[i];
+  }
+}
+
+// y row r = silu(g row r) * u row r, rows of D floats ldg / ldu apart, y contiguous.
+#if defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void silu_mul_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows, int64_t D, float* y) {
+  for (int64_t r = 0; r < rows; ++r) silu_mul(g + r * ldg, u + r * ldu, y + r * D, D);
+}
+
 std::vector<int64_t> as_longs(const at::Tensor& t) {
   const at::Tensor c = t.to(at::kLong).contiguous();
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());

@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 NAME = "hybridserve_native"
 # One translation unit (one extension, one build): the shared helpers, native_ops.cpp (which
 # defines the library), then each file that adds ops to it.
-SOURCES = ("native_common.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp")
+SOURCES = ("native_common.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp",
+           "native_fused.cpp")
 SOURCE = ("\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
           .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS)))
 

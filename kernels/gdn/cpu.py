@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import native_ops
-from kernels.gdn.reference import (check_shapes, gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
+from kernels import fused_cpu, native_ops
+from kernels.gdn.reference import (L2NORM_EPS, check_shapes, gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
                                    gated_delta_rule_verify_torch, normalized_qk)
 
 
@@ -70,7 +70,11 @@ def _native(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Te
             slot_ids: Tensor, has_initial_state: Tensor | None, state_dst_slots: Tensor | None,
             scale: float | None, use_qk_l2norm: bool) -> Tensor:
     check_shapes(q, k, v, g, beta, states)
-    qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
+    if use_qk_l2norm and fused_cpu.usable(q, k):        # eager: one pass each (kernels.fused_cpu)
+        q_scale = scale if scale is not None else q.shape[-1] ** -0.5
+        qf, kf = fused_cpu.l2norm_scale(q, L2NORM_EPS, q_scale), fused_cpu.l2norm_scale(k, L2NORM_EPS, 1.0)
+    else:
+        qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
     out = torch.ops.hybridserve_native.gdn_recurrent(
         states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots, qf.contiguous(), kf.contiguous(),
         v.float().contiguous(), g.float().contiguous(), beta.float().contiguous())

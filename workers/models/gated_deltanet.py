@@ -7,7 +7,8 @@ as ``[b_g (r) | a_g (r)]``, with r = Hv / Hk value heads per key head. Value hea
 head is also the natural tensor-parallel shard.
 
 Per token: conv+SiLU over ``cat(q, k, v)``; ``beta = sigmoid(b)``;
-``g = -exp(A_log) * softplus(a + dt_bias)`` (log decay); q, k repeat-interleaved to Hv heads,
+``g = -exp(A_log) * softplus(a + dt_bias)`` (log decay); q, k keep their Hk heads (every
+kernel of ``kernels.gdn`` reads key head h // r for value head h, as HF's repeat_interleave),
 L2-normalised and q scaled by 1/sqrt(Dk) inside the kernel; the recurrent state per slot is
 ``[Hv, Dk, Dv]`` fp32. Output: per-head RMSNorm (plain weight) times ``silu(z)``, then
 ``out_proj``.
@@ -101,7 +102,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
         d = self.dims
         batch, state = ctx.batch, ctx.pools.mamba.layer(ref)
-        num_tokens, r = hidden.shape[0], d.heads_per_group
+        num_tokens = hidden.shape[0]
         mixed_qkv, z, b, a = self.split_projections(hidden)
         mixed_qkv = self.conv1d(mixed_qkv, state["conv"], batch)
         key_dim = d.num_k_heads * d.k_head_dim
@@ -109,8 +110,6 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
         k = k.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
         v = v.reshape(num_tokens, d.num_v_heads, d.v_head_dim)
-        if r > 1:
-            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         beta = torch.sigmoid(b) if d.beta_scale == 1.0 else torch.sigmoid(b) * d.beta_scale
         # The kernels take strided column slices of the projection as they are.

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
+from kernels import cpu_linear, fused_cpu
 from kernels.attention import paged_attention
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
 from kernels.norm import gated_rms_norm, rms_norm
@@ -117,6 +117,8 @@ class RotaryEmbedding:
 
 def apply_rotary(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     """x [T, H, D]: rotate dims ``0:rotary_dim`` by the per-token angles; the rest pass through."""
+    if x.dim() == 3 and fused_cpu.usable(x, *rope):     # eager CPU fp32: one pass (kernels.fused_cpu)
+        return fused_cpu.rope(x, *rope)
     cos, sin = rope[0][:, None, :], rope[1][:, None, :]
     rot_dim = cos.shape[-1]
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
@@ -245,6 +247,7 @@ class DenseMLP(nn.Module):
         self.down_proj = linear(intermediate_size, hidden_size, bias, dtype)
         self.fused_names = fused_names
         self.act = activation(act)
+        self.fused_silu = act in ("silu", "swish") and gate_multiplier == 1.0   # kernels.fused_cpu may take it
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
         self.gate_up_proj_adapter_list: LoraAdapters | None = None
         if adapter_rank:
@@ -265,9 +268,15 @@ class DenseMLP(nn.Module):
             if adapter is not None and self.gate_up_proj_adapter_list is not None:
                 ag, au = self.gate_up_proj_adapter_list(x, adapter)
                 g, u = g + ag, u + au
-            h = self.act(g if self.gate_multiplier == 1.0 else g * self.gate_multiplier) * u
+            h = self._inner(g, u)
         out = self.down_proj(h)
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
+
+    def _inner(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """act(g * gm) * u: one fused pass on CPU fp32 for SiLU (``kernels.fused_cpu``)."""
+        if self.fused_silu and fused_cpu.usable(g, u):
+            return fused_cpu.silu_and_mul(g, u)
+        return self.act(g if self.gate_multiplier == 1.0 else g * self.gate_multiplier) * u
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         targets: dict[str, WeightTarget] = {}

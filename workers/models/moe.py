@@ -134,7 +134,7 @@ class SparseMoE(nn.Module):
         h = x if expert_input is None else expert_input
         out = self._routed(h, *self._route(x))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = torch.addcmul(out, torch.sigmoid(self.shared_expert_gate(x)), self.shared_expert(x))
         return out
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

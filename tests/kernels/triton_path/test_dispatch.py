@@ -13,7 +13,7 @@ import kernels.gdn
 import kernels.norm
 import kernels.selective_scan
 import kernels.ssd
-from kernels import backend
+from kernels import backend, fused_cpu
 
 # The CPU rules: on a CUDA machine "auto" picks Triton and forced Triton needs no interpreter.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dispatch rules")
@@ -135,6 +135,8 @@ NATIVE = {"gated_delta_rule_varlen_torch": "gated_delta_rule_varlen_cpu",
           "causal_conv1d_varlen_torch": "causal_conv1d_varlen_cpu",
           "causal_conv1d_update_torch": "causal_conv1d_update_cpu",
           "ssd_varlen_torch": "ssd_varlen_cpu"}
+# Norms whose eager CPU fp32 path under ``auto`` is a fused C++ kernel (``kernels.fused_cpu``).
+FUSED = {"rms_norm_torch": "rms_norm", "gated_rms_norm_torch": "gated_rms_norm"}
 
 
 def _boom_native(*args, **kwargs):
@@ -148,10 +150,12 @@ def test_each_op_follows_the_switch(index, monkeypatch):
     monkeypatch.setattr(module, name, _boom)
     if name in NATIVE:
         monkeypatch.setattr(module, NATIVE[name], _boom_native)
+    if name in FUSED:
+        monkeypatch.setattr(fused_cpu, FUSED[name], _boom_native)
     with backend.use_backend("triton"):
         assert call().isfinite().all()                 # ran the Triton kernel
     with backend.use_backend("torch"), pytest.raises(AssertionError, match="reference ran"):
         call()
     with backend.use_backend("auto"), pytest.raises(  # CPU tensors: the reference or a C++ loop
-            AssertionError, match="native loop ran" if name in NATIVE else "reference ran"):
+            AssertionError, match="native loop ran" if name in NATIVE or name in FUSED else "reference ran"):
         call()
