@@ -1,18 +1,23 @@
 """fp32 linear layers on CPU through oneDNN where it beats MKL's sgemm.
 
-torch's CPU build runs ``F.linear`` in fp32 on MKL's sgemm. On the AMD machine this project
-is measured on (Zen 5, AVX-512, torch 2.13, one thread) that sgemm runs at ~85 GFLOP/s at
-every size, while oneDNN's ``mkldnn::_linear_pointwise`` on the same plain weight (no
-packing, no copy kept) runs at 190-220 GFLOP/s from ~64 rows up, and ~2x at two threads
-too: a prefill's projections and expert MLPs take half the time. oneDNN pays a fixed cost
-per call, so it loses on small products; ``use_onednn`` takes it from ``MIN_ROWS`` rows and
-``MIN_MACS`` multiply-adds up (measured crossovers: 256 x 512 weights at 16 rows, 256 x 8 at
-1024 rows, 2048 x 4096 at 4 rows).
+torch's CPU build runs ``F.linear`` in fp32 on MKL's sgemm. On an AMD CPU (Zen 5, AVX-512,
+torch 2.13, one thread) that sgemm runs at ~85 GFLOP/s at every size, while oneDNN's
+``mkldnn::_linear_pointwise`` on the same plain weight (no packing, no copy kept) runs at
+190-220 GFLOP/s from ~64 rows up, and ~2x at two threads too: a prefill's projections and
+expert MLPs take half the time. oneDNN pays a fixed cost per call, so it loses on small
+products; ``use_onednn`` takes it from ``MIN_ROWS`` rows and ``MIN_MACS`` multiply-adds up
+(measured crossovers: 256 x 512 weights at 16 rows, 256 x 8 at 1024 rows, 2048 x 4096 at 4
+rows). On an Intel CPU MKL is the faster (``prefers_onednn`` is False there): on the 2-core
+Xeon (AVX-512, one thread) oneDNN took 0.98-1.12x MKL's time from 1,024 rows, 1.05-1.3x at
+64-256 rows and 1.35-3.8x below, and the suite's run-batch of bench-15m ran 9 % faster on
+MKL. The choice is per machine (the CPU's vendor), never per call, so a machine computes a
+shape one way.
 
 The choice depends on shapes only, so it is the same wherever the same shapes run (the C++
 expert loop in ``kernels/native_ops.py`` applies the same rule with the same constants), and
 oneDNN's rows do not depend on the other rows of the call (a row computed alone equals the
-same row inside a larger batch). Under ``torch.compile`` (a traced step) and wherever
+same row inside a larger batch); MKL's do not from 16 rows on (below, a small-M kernel sums
+in another order), as ``tests/kernels/test_cpu_linear.py`` checks on the machine it runs on. Under ``torch.compile`` (a traced step) and wherever
 autograd needs the product, ``F.linear`` runs: inductor picks its own kernels (packed oneDNN
 weights with ``compile.pack_weights``).
 
@@ -58,9 +63,29 @@ def available() -> bool:
         return False
 
 
+@functools.cache
+def prefers_onednn() -> bool:
+    """Whether this machine takes oneDNN at all: not on an Intel CPU, where MKL is the faster
+    (see the module docstring); an unknown vendor keeps oneDNN."""
+    return available() and cpu_vendor() != "GenuineIntel"
+
+
+def cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), "" where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def use_onednn(rows: int, in_features: int, out_features: int) -> bool:
-    """The shape rule (see the module docstring): rows x in x out multiply-adds."""
-    return rows >= MIN_ROWS and rows * in_features * out_features >= MIN_MACS
+    """The shape rule (see the module docstring): rows x in x out multiply-adds, on a machine
+    that prefers oneDNN."""
+    return prefers_onednn() and rows >= MIN_ROWS and rows * in_features * out_features >= MIN_MACS
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

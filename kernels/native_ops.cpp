@@ -17,13 +17,14 @@ at::Tensor activate(const at::Tensor& x, const std::string& act) {
 }
 
 // kernels/cpu_linear.py linear (no bias, no autograd, never traced here): oneDNN from
-// MIN_ROWS rows and MIN_MACS multiply-adds in fp32 where the build has it, else at::linear.
+// MIN_ROWS rows and MIN_MACS multiply-adds in fp32 where the build has it and the machine
+// prefers it (cpu_linear.prefers_onednn), else at::linear.
 at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
   static const std::optional<c10::OperatorHandle> onednn =
       at::hasMKLDNN() ? c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""})
                       : std::nullopt;
   const int64_t rows = x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
-  if (onednn.has_value() && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+  if (@PREFERS_ONEDNN@ && onednn.has_value() && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
       w.is_contiguous() && w.dim() == 2 && rows >= @MIN_ROWS@ &&
       rows * w.size(1) * w.size(0) >= @MIN_MACS@) {
     torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"),

@@ -19,7 +19,9 @@ source and the flags; concurrent builders wait on the build's lock) and loads
 CPU path of every GDN batch, eager or compiled) and the causal conv1d
 ``hybridserve_native::causal_conv1d`` from ``native_conv.cpp`` (``kernels/conv1d/cpu.py``)
 and Mamba2's ``hybridserve_native::ssd_recurrent`` from ``native_ssd.cpp`` (``kernels/ssd/cpu.py``),
-and registers their fakes. The pool write
+and registers their fakes; and the eager forward's fused elementwise ops (RMSNorm, gated
+RMSNorm, SiLU * up, L2 norm, RoPE) from ``native_fused.cpp`` (``kernels/fused_cpu.py``, never
+traced). The pool write
 is the same ATen kernel. The expert loop is the Python loop op for op for experts with many
 rows; an expert with few fp32 rows (a decode step's) takes a fused kernel there that streams
 its weights once (see the .cpp), so once the ops loaded the eager path calls the native loop
@@ -46,7 +48,8 @@ NAME = "hybridserve_native"
 SOURCES = ("native_common.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp",
            "native_fused.cpp")
 SOURCE = ("\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
-          .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS)))
+          .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS))
+          .replace("@PREFERS_ONEDNN@", "true" if cpu_linear.prefers_onednn() else "false"))
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}       # "loaded": bool, once load() ran; "error": str

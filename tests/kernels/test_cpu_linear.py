@@ -19,21 +19,27 @@ def _onednn(x, w, b=None):
 def test_the_rule_picks_the_kernel_and_both_agree_with_aten(rows, k, m):
     gen = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(rows, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(m, generator=gen)
-    onednn = rows >= 4 and rows * k * m >= 1 << 21
+    onednn = cpu_linear.prefers_onednn() and rows >= 4 and rows * k * m >= 1 << 21
     assert cpu_linear.use_onednn(rows, k, m) is onednn
     got = cpu_linear.linear(x, w, b)
     assert torch.equal(got, _onednn(x, w, b) if onednn else F.linear(x, w, b))
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
-def test_a_row_does_not_depend_on_the_other_rows_of_its_call():
-    """What prefix caching and chunked prefill rely on: a prompt's rows computed in any split."""
+@pytest.mark.parametrize("k, m", [(256, 768), (512, 256), (1024, 1024)])
+def test_a_row_does_not_depend_on_the_other_rows_of_its_call(k, m):
+    """What prefix caching and chunked prefill rely on: a prompt's rows computed in any split
+    (oneDNN from its MIN_ROWS, MKL from 16 rows: what this machine's library does)."""
     gen = torch.Generator().manual_seed(1)
-    x, w = torch.randn(1000, 256, generator=gen), torch.randn(768, 256, generator=gen)
+    x, w = torch.randn(1000, k, generator=gen), torch.randn(m, k, generator=gen)
     whole = cpu_linear.linear(x, w)
-    for lo, hi in ((0, 64), (37, 337), (500, 1000), (999, 1000 - 0)):
-        if cpu_linear.use_onednn(hi - lo, 256, 768):
+    for lo, hi in ((0, 64), (37, 337), (500, 1000), (999, 1000 - 0), (100, 116), (3, 7)):
+        if cpu_linear.use_onednn(hi - lo, k, m) or (not cpu_linear.prefers_onednn() and hi - lo >= 16):
             assert torch.equal(cpu_linear.linear(x[lo:hi], w), whole[lo:hi]), (lo, hi)
+
+
+def test_the_vendor_decides_the_library():
+    assert cpu_linear.prefers_onednn() is (cpu_linear.available() and cpu_linear.cpu_vendor() != "GenuineIntel")
 
 
 def test_three_dimensional_inputs_and_the_module():
@@ -43,7 +49,8 @@ def test_three_dimensional_inputs_and_the_module():
     with torch.inference_mode():
         got = lin(x)
     assert got.shape == (2, 50, 512)
-    assert torch.equal(got, _onednn(x, lin.weight, lin.bias))
+    kernel = _onednn if cpu_linear.prefers_onednn() else F.linear
+    assert torch.equal(got, kernel(x, lin.weight, lin.bias))
 
 
 def test_autograd_other_dtypes_and_traced_steps_keep_f_linear():

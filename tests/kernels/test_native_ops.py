@@ -58,12 +58,12 @@ def _experts(gen, t, h, i, e, k, gated, out=None):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("gated", [True, False])
 def test_the_native_expert_loop_matches_the_python_loop_on_many_rows(act, gated):
-    """Experts of ~200 rows: the same GEMMs (both take oneDNN, ``kernels/cpu_linear.py``).
+    """Experts of ~200 rows: the same GEMMs (both follow ``kernels/cpu_linear.py``'s rule).
     Without the fused SiLU glue the same ATen ops in the same order too, so equal, not just
     close; a gated SiLU expert's glue is C++ (``silu_of``, the weighted add): close."""
     assert native_ops.load(), native_ops.failure()
     args = _experts(torch.Generator().manual_seed(1), 600, 256, 320, 6, 2, gated)
-    assert cpu_linear.use_onednn(600 * 2 // 6, 256, 320)
+    assert cpu_linear.use_onednn(600 * 2 // 6, 256, 320) is cpu_linear.prefers_onednn()
     want = reference_loop(*args, act)
     got = torch.ops.hybridserve_native.moe_experts(*args, act)
     assert torch.equal(expert_loop(*args, act), got)           # the eager path is the native loop
