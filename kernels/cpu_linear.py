@@ -13,11 +13,12 @@ Xeon (AVX-512, one thread) oneDNN took 0.98-1.12x MKL's time from 1,024 rows, 1.
 MKL. The choice is per machine (the CPU's vendor), never per call, so a machine computes a
 shape one way.
 
-The choice depends on shapes only, so it is the same wherever the same shapes run (the C++
-expert loop in ``kernels/native_ops.py`` applies the same rule with the same constants), and
-oneDNN's rows do not depend on the other rows of the call (a row computed alone equals the
-same row inside a larger batch); MKL's do not from 16 rows on (below, a small-M kernel sums
-in another order), as ``tests/kernels/test_cpu_linear.py`` checks on the machine it runs on. Under ``torch.compile`` (a traced step) and wherever
+On a given machine the choice depends on shapes only, so it is the same wherever the same
+shapes run (the C++ expert loop in ``kernels/native_ops.py`` applies the same rule with the
+same constants). A row does not depend on the other rows of its call (a row computed alone
+equals the same row inside a larger batch): oneDNN's from ``MIN_ROWS``, MKL's from 16 rows on
+(below, a small-M kernel sums in another order), as ``tests/kernels/test_cpu_linear.py``
+checks on the machine it runs on. Under ``torch.compile`` (a traced step) and wherever
 autograd needs the product, ``F.linear`` runs: inductor picks its own kernels (packed oneDNN
 weights with ``compile.pack_weights``).
 

@@ -27,7 +27,8 @@ inline __attribute__((always_inline)) float sum_squares(const float* v, int64_t 
 }
 
 // y[i] = (x[i] * s) * w[i], then * gate[i] when a gate is given, for i < n.
-inline __attribute__((always_inline)) void scale_mul(const float* x, float s, const float* w, const float* gate, float* y, int64_t n) {
+inline __attribute__((always_inline)) void scale_mul(const float* x, float s, const float* w, const float* gate,
+                                                     float* y, int64_t n) {
   const int64_t n16 = n & ~int64_t(15);
   const v16 sv = v16{} + s;
   for (int64_t i = 0; i < n16; i += 16) {
