@@ -20,6 +20,7 @@ from kernels import backend, native_ops
 
 
 def usable(*tensors: Tensor) -> bool:
+    """Whether the fused kernels may take these tensors (the rule in the module docstring)."""
     if torch.compiler.is_compiling() or not backend.use_native(tensors[0]):
         return False
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):

@@ -6,8 +6,9 @@ on the pool, in place: each sequence's state read once and written once, snapsho
 from the loop, no chunked form. So from the same inputs a token's recurrence gets the same
 bits whichever kind of batch computes it (decode-only, verify, prefill, mixed; compiled or
 eager; a prefix restored from a checkpoint or recomputed); the model's elementwise ops
-before it (q/k norms, softplus, sigmoid) are ATen's or inductor's, whose last bits can
-depend on a tensor's shape.
+before it (softplus, sigmoid; the q/k L2 norms of a compiled step) are ATen's or inductor's,
+whose last bits can depend on a tensor's shape. An eager call normalises q / k with the
+fused C++ kernel (``kernels.fused_cpu.l2norm_scale``: each row's bits its own).
 
 The loop's sums are not the reference's (MKL's products, a chunked form for long segments):
 ``tests/kernels/test_gdn_native.py`` holds the two within a tolerance. Where the native ops
@@ -25,8 +26,8 @@ import torch
 from torch import Tensor
 
 from kernels import fused_cpu, native_ops
-from kernels.gdn.reference import (L2NORM_EPS, check_shapes, gated_delta_rule_update_torch, gated_delta_rule_varlen_torch,
-                                   gated_delta_rule_verify_torch, normalized_qk)
+from kernels.gdn.reference import (L2NORM_EPS, check_shapes, gated_delta_rule_update_torch,
+                                   gated_delta_rule_varlen_torch, gated_delta_rule_verify_torch, normalized_qk)
 
 
 def usable(states: Tensor, *inputs: Tensor) -> bool:
