@@ -120,10 +120,10 @@ at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Te
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void l2norm_rows(const float* x, int64_t ldx, int64_t rows, int64_t D, float eps, float scale, float* y) {
-  const std::vector<float> ones(D, scale);
+  const std::vector<float> scales(D, scale);        // scale_mul takes a per-channel weight
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * ldx;
-    scale_mul(xr, 1.0f / std::sqrt(sum_squares(xr, D) + eps), ones.data(), nullptr, y + r * D, D);
+    scale_mul(xr, 1.0f / std::sqrt(sum_squares(xr, D) + eps), scales.data(), nullptr, y + r * D, D);
   }
 }
 
