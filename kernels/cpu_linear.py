@@ -1,4 +1,5 @@
-"""fp32 linear layers on CPU through oneDNN where it beats MKL's sgemm.
+"""fp32 linear layers on CPU through oneDNN where it beats MKL's sgemm (the projections call
+it through ``kernels/dense.py``, which takes products of a few rows to its own kernel first).
 
 torch's CPU build runs ``F.linear`` in fp32 on MKL's sgemm. On an AMD CPU (Zen 5, AVX-512,
 torch 2.13, one thread) that sgemm runs at ~85 GFLOP/s at every size, while oneDNN's
@@ -108,9 +109,3 @@ def _eligible(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                               or (bias is not None and bias.requires_grad)))
 
-
-class Linear(torch.nn.Linear):
-    """``nn.Linear`` (same parameters, same checkpoint names) whose forward is ``linear``."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)

@@ -39,85 +39,15 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
 //
 // A decode step reads every chosen expert's weights once for a handful of rows, so its time
 // is the weights' bytes: the loop's three ATen GEMMs an expert (MKL's small-M sgemm) and ~8
-// ATen ops of glue ran at ~45 % of a plain read's bandwidth on bench-15m. Here each weight
-// row is read once, as 16-float vectors, against all the expert's rows at once (R
-// accumulators, B weight rows in flight), and the glue is plain loops over host memory: an
-// expert of 4-16 rows in 0.45-0.75x the time of the ATen loop's at 256 x 256 and 1024 x 512.
-// Its sums are not MKL's (a row's dot product is 16 lanes, then a fixed tree): callers take
+// ATen ops of glue ran at ~45 % of a plain read's bandwidth on bench-15m. Here the GEMMs are
+// native_gemm.cpp's few_rows_gemm (each weight row read once against all the expert's rows)
+// and the glue is plain loops over host memory: an expert of 4-16 rows in 0.45-0.75x the
+// time of the ATen loop's at 256 x 256 and 1024 x 512. Its sums are not MKL's: callers take
 // this path by shape alone (few_rows), so equal shapes give equal bits everywhere, and a
 // row's bits do not depend on the other rows.
 namespace {
 
-constexpr int64_t SMALL_ROWS = 16;
 constexpr int64_t ROW_ALIGN = 64;
-
-// y[r * ldy + n0 + b] = x[r] . w[(n0 + b) * ldw], r < R, b < B (the K tail in scalar).
-template <int R, int B>
-inline __attribute__((always_inline)) void rows_block(const float* const* x, const float* w, int64_t ldw,
-                                                      int64_t n0, int64_t K, float* y, int64_t ldy) {
-  const int64_t k16 = K & ~int64_t(15);
-  v16 acc[B][R];
-#pragma GCC unroll 16
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[b][r] = v16{};
-  for (int64_t k = 0; k < k16; k += 16) {
-#pragma GCC unroll 16
-    for (int b = 0; b < B; ++b) {
-      const v16 wv = load16(w + (n0 + b) * ldw + k);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[b][r] += wv * load16(x[r] + k);
-    }
-  }
-#pragma GCC unroll 16
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const float* wn = w + (n0 + b) * ldw;
-      float s = hsum(acc[b][r]);
-      for (int64_t k = k16; k < K; ++k) s += x[r][k] * wn[k];
-      y[r * ldy + n0 + b] = s;
-    }
-}
-
-template <int R>
-inline __attribute__((always_inline)) void rows_gemm(const float* const* x, const float* w, int64_t ldw,
-                                                     int64_t N, int64_t K, float* y, int64_t ldy) {
-  constexpr int B = R <= 4 ? 4 : R <= 8 ? 2 : 1;   // B x R accumulators stay in registers
-  int64_t n = 0;
-  for (; n + B <= N; n += B) rows_block<R, B>(x, w, ldw, n, K, y, ldy);
-  for (; n < N; ++n) rows_block<R, 1>(x, w, ldw, n, K, y, ldy);
-}
-
-// y [rows, ldy] = x @ w^T for rows <= SMALL_ROWS: x[r] points at row r's K floats, w is
-// N rows of K floats, ldw apart. One binary, the widest vectors the machine has.
-#if defined(__x86_64__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-void few_rows_gemm(const float* const* x, int64_t rows, const float* w, int64_t ldw, int64_t N,
-                   int64_t K, float* y, int64_t ldy) {
-  switch (rows) {
-    case 1: rows_gemm<1>(x, w, ldw, N, K, y, ldy); break;
-    case 2: rows_gemm<2>(x, w, ldw, N, K, y, ldy); break;
-    case 3: rows_gemm<3>(x, w, ldw, N, K, y, ldy); break;
-    case 4: rows_gemm<4>(x, w, ldw, N, K, y, ldy); break;
-    case 5: rows_gemm<5>(x, w, ldw, N, K, y, ldy); break;
-    case 6: rows_gemm<6>(x, w, ldw, N, K, y, ldy); break;
-    case 7: rows_gemm<7>(x, w, ldw, N, K, y, ldy); break;
-    case 8: rows_gemm<8>(x, w, ldw, N, K, y, ldy); break;
-    case 9: rows_gemm<9>(x, w, ldw, N, K, y, ldy); break;
-    case 10: rows_gemm<10>(x, w, ldw, N, K, y, ldy); break;
-    case 11: rows_gemm<11>(x, w, ldw, N, K, y, ldy); break;
-    case 12: rows_gemm<12>(x, w, ldw, N, K, y, ldy); break;
-    case 13: rows_gemm<13>(x, w, ldw, N, K, y, ldy); break;
-    case 14: rows_gemm<14>(x, w, ldw, N, K, y, ldy); break;
-    case 15: rows_gemm<15>(x, w, ldw, N, K, y, ldy); break;
-    case 16: rows_gemm<16>(x, w, ldw, N, K, y, ldy); break;
-    default: TORCH_CHECK(false, "few_rows_gemm: ", rows, " rows (at most ", SMALL_ROWS, ")");
-  }
-}
-
-bool rows_contiguous(const at::Tensor& w) { return w.stride(-1) == 1; }
 
 // Whether expert e's n rows take the few-rows path: a shape rule, the same for every caller.
 bool few_rows(int64_t n, const at::Tensor& x, const std::optional<at::Tensor>& w_gate,

@@ -19,9 +19,10 @@ source and the flags; concurrent builders wait on the build's lock) and loads
 CPU path of every GDN batch, eager or compiled) and the causal conv1d
 ``hybridserve_native::causal_conv1d`` from ``native_conv.cpp`` (``kernels/conv1d/cpu.py``)
 and Mamba2's ``hybridserve_native::ssd_recurrent`` from ``native_ssd.cpp`` (``kernels/ssd/cpu.py``),
-and registers their fakes; and the eager forward's fused elementwise ops (RMSNorm, gated
-RMSNorm, SiLU * up, L2 norm, RoPE) from ``native_fused.cpp`` (``kernels/fused_cpu.py``, never
-traced). The pool write
+and the few-rows product ``hybridserve_native::few_rows_linear`` from ``native_gemm.cpp``
+(``kernels/dense.py``: every projection of 1-8 fp32 rows, eager or compiled), and registers
+their fakes; and the eager forward's fused elementwise ops (RMSNorm, gated RMSNorm, SiLU *
+up, L2 norm, RoPE) from ``native_fused.cpp`` (``kernels/fused_cpu.py``, never traced). The pool write
 is the same ATen kernel. The expert loop is the Python loop op for op for experts with many
 rows; an expert with few fp32 rows (a decode step's) takes a fused kernel there that streams
 its weights once (see the .cpp), so once the ops loaded the eager path calls the native loop
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 NAME = "hybridserve_native"
 # One translation unit (one extension, one build): the shared helpers, native_ops.cpp (which
 # defines the library), then each file that adds ops to it.
-SOURCES = ("native_common.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp",
+SOURCES = ("native_common.cpp", "native_gemm.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp",
            "native_fused.cpp")
 SOURCE = ("\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
           .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS))
@@ -114,6 +115,7 @@ def _build() -> bool:
     torch.library.register_fake(f"{NAME}::gdn_recurrent")(_gdn_recurrent_fake)
     torch.library.register_fake(f"{NAME}::causal_conv1d")(_causal_conv1d_fake)
     torch.library.register_fake(f"{NAME}::ssd_recurrent")(_ssd_recurrent_fake)
+    torch.library.register_fake(f"{NAME}::few_rows_linear")(_few_rows_linear_fake)
     return True
 
 
@@ -124,6 +126,10 @@ def _scatter_rows_fake(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor
 def _moe_experts_fake(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate: torch.Tensor | None,
                       w_up: torch.Tensor, w_down: torch.Tensor, act: str) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_down.shape[1])
+
+
+def _few_rows_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def _gdn_recurrent_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,

@@ -42,17 +42,6 @@ def test_the_vendor_decides_the_library():
     assert cpu_linear.prefers_onednn() is (cpu_linear.available() and cpu_linear.cpu_vendor() != "GenuineIntel")
 
 
-def test_three_dimensional_inputs_and_the_module():
-    lin = cpu_linear.Linear(256, 512, bias=True)
-    assert isinstance(lin, torch.nn.Linear) and set(lin.state_dict()) == {"weight", "bias"}
-    x = torch.randn(2, 50, 256)
-    with torch.inference_mode():
-        got = lin(x)
-    assert got.shape == (2, 50, 512)
-    kernel = _onednn if cpu_linear.prefers_onednn() else F.linear
-    assert torch.equal(got, kernel(x, lin.weight, lin.bias))
-
-
 def test_autograd_other_dtypes_and_traced_steps_keep_f_linear():
     w = torch.randn(512, 256, requires_grad=True)
     x = torch.randn(64, 256)

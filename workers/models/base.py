@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import cpu_linear
+from kernels import dense
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.models.layers import LayerContext, RMSNorm, RotaryEmbedding
@@ -219,7 +219,7 @@ class HybridForCausalLM(nn.Module):
     def logits_from(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """fp32 logits of ``hidden`` against ``weight`` (the lm-head's rows, or some of them:
         ``workers/spec/draft_vocab.py``), with the model's logit scaling."""
-        logits = cpu_linear.linear(hidden, weight)
+        logits = dense.linear(hidden, weight)
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         if self.logits_multiplier != 1.0:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear, fused_cpu
+from kernels import dense, fused_cpu
 from kernels.attention import paged_attention
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
 from kernels.norm import gated_rms_norm, rms_norm
@@ -56,9 +56,9 @@ def activation(name: str, field: str = "hidden_act") -> Callable[[torch.Tensor],
 
 
 def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    """A projection: ``nn.Linear`` whose CPU fp32 forward takes oneDNN where it is faster
-    (``kernels/cpu_linear.py``)."""
-    return cpu_linear.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    """A projection: ``nn.Linear`` whose CPU fp32 forward takes the few-rows kernel or the
+    faster library (``kernels/dense.py``)."""
+    return dense.Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
 def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
