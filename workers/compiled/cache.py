@@ -83,7 +83,10 @@ def compile_kwargs(on_gpu: bool, pack_weights: bool = False, gemm_templates: boo
     cold (the chain's 1-row lm-head: 463 us a call against MKL's packed 4-row one at 139 us).
     Trained tiny model, batch 1, k = 3, interleaved best of 5 over 3 prompts, Intel Xeon:
     TPOT 2.99 -> 2.81 ms with the spec step's templates off (plain decode 2.91 vs 2.98 ms:
-    the decode steps keep them), and the four engines compiled in 247 s instead of 432 s."""
+    the decode steps keep them), and the four engines compiled in 247 s instead of 432 s.
+    Since then a projection of at most ``kernels.dense.FEW_ROWS`` rows calls the few-rows
+    kernel in every step (an extern op: neither templates nor ATen's GEMM), so this choice
+    concerns larger batches only."""
     options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if on_gpu:
         options["triton.cudagraphs"] = True        # what mode="reduce-overhead" sets
