@@ -9,8 +9,8 @@ overlaps little of its arithmetic with that read. ``hybridserve_native::few_rows
 thread; the .cpp has the figures). It runs eager and traced alike: inductor calls it as an
 extern kernel (its fake gives the shape), so a compiled step and the eager forward compute
 those rows with the same bits. An output is one dot product in a fixed order, so a row's
-bits depend on that row alone, never on the row count: a verify's row is bit-equal to the
-decode step that computes the same token, whatever the batch.
+bits depend on that row alone, never on the row count: a projection gives a verify's row
+the bits it gives the same input in a decode step, whatever the batch.
 
 Above ``FEW_ROWS`` rows (from 12 rows MKL's packed product is as fast), and where the kernel
 does not apply (the ``torch`` kernel backend, autograd, other dtypes, a weight whose rows are
