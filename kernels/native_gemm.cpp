@@ -112,7 +112,7 @@ bool rows_contiguous(const at::Tensor& w) { return w.stride(-1) == 1; }
 
 }  // namespace
 
-// kernels/cpu_linear.py's few-rows product: x [..., K] fp32 of at most SMALL_ROWS rows, weight
+// kernels/dense.py's few-rows product: x [..., K] fp32 of at most SMALL_ROWS rows, weight
 // [N, K] fp32 with contiguous rows, bias [N] fp32 or None -> [..., N] = x @ weight^T (+ bias,
 // added to each finished dot product).
 at::Tensor few_rows_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -120,7 +120,8 @@ at::Tensor few_rows_linear(const at::Tensor& x_in, const at::Tensor& weight, con
                   rows_contiguous(weight) && x_in.dim() >= 1 && x_in.size(-1) == weight.size(1),
               "few_rows_linear: fp32 x [..., K] and weight [N, K] with contiguous rows expected, got ",
               x_in.sizes(), " ", x_in.scalar_type(), " and ", weight.sizes(), " ", weight.scalar_type());
-  const int64_t N = weight.size(0), K = weight.size(1), rows = K > 0 ? x_in.numel() / K : 0;
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t rows = c10::multiply_integers(x_in.sizes().begin(), x_in.sizes().end() - 1);   // K = 0: zeros
   TORCH_CHECK(rows <= SMALL_ROWS, "few_rows_linear: ", rows, " rows (at most ", SMALL_ROWS, ")");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N),
               "few_rows_linear: an fp32 bias of ", N, " elements expected");

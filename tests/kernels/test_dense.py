@@ -101,3 +101,4 @@ def test_bad_inputs_are_refused_with_the_shapes():
         op(rand(2, 16), rand(4, 8), None)
     with pytest.raises(RuntimeError, match="bias of 4 elements"):
         op(rand(2, 16), rand(4, 16), rand(3))
+    assert torch.equal(op(rand(3, 0), rand(4, 0), torch.ones(4)), torch.ones(3, 4))     # K = 0: the bias
