@@ -29,12 +29,17 @@ its weights once (see the .cpp), so once the ops loaded the eager path calls the
 too (``moe_experts.expert_loop``) and eager and compiled steps compute the same bits.
 Compiled CPU steps trace with them when they loaded; when they cannot be built (no compiler,
 no ninja) they trace with the Python ops, as before, and the reason is logged once.
+
+``hold_refs(tensors)`` (``native_refs.cpp``'s ``TensorRefs``) holds one more C++ reference
+to each tensor while the result lives: a compiled call's inputs held so are dropped by the
+graph without taking the GIL (why, in the .cpp; ``workers/compiled/cache.py`` holds them).
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -47,7 +52,7 @@ NAME = "hybridserve_native"
 # One translation unit (one extension, one build): the shared helpers, native_ops.cpp (which
 # defines the library), then each file that adds ops to it.
 SOURCES = ("native_common.cpp", "native_gemm.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp",
-           "native_fused.cpp")
+           "native_fused.cpp", "native_refs.cpp")
 SOURCE = ("\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
           .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS))
           .replace("@PREFERS_ONEDNN@", "true" if cpu_linear.prefers_onednn() else "false"))
@@ -97,6 +102,14 @@ def usable(pool: torch.Tensor, *inputs: torch.Tensor | None) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return loaded() or load()
+
+
+def hold_refs(tensors: Sequence[torch.Tensor]) -> object | None:
+    """One more C++ reference to each of ``tensors`` for as long as the result lives (drop it
+    with the GIL held: any Python code does); None when the native ops are not loaded."""
+    if not loaded():
+        return None
+    return torch.classes.hybridserve_native.TensorRefs(list(tensors))
 
 
 def _build() -> bool:
