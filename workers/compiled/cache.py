@@ -165,7 +165,7 @@ class CallOptions:
         """``fn(*args)``, skipping guards once ``warm``. A call that needs a new graph all the
         same (dynamo refuses to compile under the skip, before running anything) is logged
         and runs again with every guard, compiling it."""
-        refs = native_ops.hold_refs(graph_inputs(args)) if self.hold_inputs else None   # noqa: F841 (held)
+        held = native_ops.hold_refs(graph_inputs(args)) if self.hold_inputs else None   # noqa: F841 (alive for the call)
         if not self.warm:
             with self._options():
                 return fn(*args)
