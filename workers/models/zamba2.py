@@ -11,7 +11,9 @@ and a fused ``gate_up_proj`` MLP with ``hidden_act``, no residual inside the blo
 Each invocation j of a block has its own KV (its own attention ``StateRef``) and, where the
 block owns it, its own LoRA adapters on q, k, v (``use_shared_attention_adapter``) and on the
 MLP's ``[gate | up]``. The checkpoint stores a block's weights under its first hybrid layer
-(``layers.{i}.shared_transformer.*``); later layers that reuse it may repeat them.
+(``layers.{i}.shared_transformer.*``); later layers that reuse it may repeat them. As in
+transformers, the blocks are shared only when ``tie_word_embeddings`` is set (its tie mapping
+covers them): untied, every hybrid layer runs its own copy of its block, each copy required.
 
 The Mamba2 mixer: ``n_mamba_heads`` heads of ``mamba_headdim``, conv bias always on (as in
 transformers, whatever ``use_conv_bias`` says), projection bias ``add_bias_linear``, gated
@@ -140,18 +142,22 @@ class Zamba2ForCausalLM(HybridForCausalLM):
 
     def _build_layers(self, cfg: Any, dtype: torch.dtype,
                       sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
-        num_hybrid = cfg.layers_block_type.count(HYBRID)
-        blocks = [Zamba2SharedBlock(cfg, dtype, tuple(range(b, num_hybrid, cfg.num_mem_blocks)))
-                  for b in range(min(cfg.num_mem_blocks, num_hybrid))]
+        num_hybrid, num_blocks = cfg.layers_block_type.count(HYBRID), cfg.num_mem_blocks
+
+        def new_block(b: int) -> Zamba2SharedBlock:
+            return Zamba2SharedBlock(cfg, dtype, tuple(range(b, num_hybrid, num_blocks)))
+
+        shared = bool(getattr(cfg, "tie_word_embeddings", False))   # see the module docstring
+        blocks = [new_block(b) for b in range(min(num_blocks, num_hybrid))] if shared else []
         layers: list[nn.Module] = []
         invocation = 0
         for kind in cfg.layers_block_type:
             if kind == LINEAR_ATTENTION:
                 layers.append(Zamba2MambaLayer(cfg, dtype, sites))
                 continue
-            block = blocks[invocation % cfg.num_mem_blocks]
-            layers.append(Zamba2HybridLayer(block, invocation < cfg.num_mem_blocks, invocation,
-                                            cfg, dtype, sites))
+            b = invocation % num_blocks
+            block, first_use = (blocks[b], invocation < num_blocks) if shared else (new_block(b), True)
+            layers.append(Zamba2HybridLayer(block, first_use, invocation, cfg, dtype, sites))
             invocation += 1
         return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.workers.models.harness import Harness, random_prompts
+from tests.workers.models.hf_oracle import HFOracle
+from workers.models.base import HybridForCausalLM
 
 TOL = 1e-4
 # 1 token (prefill without state), short (per-token recurrence), and long ones crossing the
@@ -185,21 +187,27 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_config_variants_match_transformers(variant: str, tmp_path) -> None:
-    from tests.workers.models.hf_oracle import HFOracle
     from workers.loader import load_model
     from workers.models.tiny import make_tiny_checkpoint
 
     arch, overrides = VARIANTS[variant]
     ckpt = make_tiny_checkpoint(arch, tmp_path, seed=5, **overrides)
     model, oracle = load_model(ckpt, torch.float32, "cpu").model, HFOracle(ckpt)
-    prompts = random_prompts(model.config.vocab_size, [3, 20, 37], seed=6)
+    check_prefill_and_one_decode(model, oracle, [3, 20, 37], seed=6)
+
+
+def check_prefill_and_one_decode(model: HybridForCausalLM, oracle: HFOracle, lengths: list[int],
+                                 seed: int) -> None:
+    """A batch of random prompts of ``lengths``: prefill logits and one greedy decode step
+    within TOL of the oracle's uncached forward."""
+    prompts = random_prompts(model.config.vocab_size, lengths, seed=seed)
     harness = Harness(model)
     ours = harness.prefill(prompts)
     for prompt, logits in zip(prompts, ours):
-        assert max_diff(logits, oracle.logits(prompt)) <= TOL
+        assert max_diff(logits, oracle.logits(prompt)) <= TOL, f"prompt of {len(prompt)}"
     tokens = [int(x[-1].argmax()) for x in ours]
     for prompt, logits, t in zip(prompts, harness.decode(tokens), tokens):
-        assert max_diff(logits, oracle.logits(prompt + [t])[-1]) <= TOL
+        assert max_diff(logits, oracle.logits(prompt + [t])[-1]) <= TOL, f"decode after {len(prompt)}"
 
 
 def test_bfloat16_model_runs_and_stays_close(tiny_model_dir, our_model) -> None:

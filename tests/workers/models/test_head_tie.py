@@ -1,0 +1,56 @@
+"""Every family against transformers with the head tie the registry does not use.
+
+The registry builds each family with one ``tie_word_embeddings`` (its config's default or the
+registry's choice); these tests flip it, so every family is compared tied and untied. A
+tying class drops ``lm_head.weight`` from a tied checkpoint (the loader must not require it)
+and reads its own ``lm_head.weight`` untied (the loader must use it); Zamba2 also shares its
+attention blocks only when tied. Cheap on purpose: prefill and one decode, no engine.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import FAMILIES
+from tests.workers.models.hf_oracle import HFOracle
+from tests.workers.models.test_vs_transformers import check_prefill_and_one_decode
+
+PROMPT_LENGTHS = [4, 21]           # one prompt crosses the SSD chunk (16)
+
+
+def registry_ties(name: str) -> bool:
+    """The tie the registry's checkpoint of ``name`` has (a VL config's is top-level)."""
+    from workers.models.tiny import tiny_config
+
+    return bool(tiny_config(name, 512, 0).tie_word_embeddings)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_other_head_tie_matches_transformers(name: str, tmp_path) -> None:
+    from workers.loader import load_model
+    from workers.models.tiny import make_tiny_checkpoint
+
+    tie = not registry_ties(name)
+    ckpt = make_tiny_checkpoint(name, tmp_path, seed=3, tie_word_embeddings=tie)
+    model, oracle = load_model(ckpt, torch.float32, "cpu").model, HFOracle(ckpt)
+    assert bool(oracle.model.config.tie_word_embeddings) == tie
+    check_prefill_and_one_decode(model, oracle, PROMPT_LENGTHS, seed=4)
+
+
+def test_untied_zamba2_requires_every_block_copy(tmp_path) -> None:
+    """Untied, a hybrid layer that reuses a block runs its own copy: the copy is required."""
+    from safetensors.torch import load_file, save_file
+
+    from workers.loader import load_model
+    from workers.models.tiny import make_tiny_checkpoint
+    from workers.models.tiny_registry import get_family
+
+    ckpt = make_tiny_checkpoint("zamba2", tmp_path, seed=3, tie_word_embeddings=False)
+    hybrid = [i for i, k in enumerate(get_family("zamba2").config["layers_block_type"])
+              if k == "hybrid"]
+    reuse = f"model.layers.{hybrid[2]}.shared_transformer."    # block 0's second invocation
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if not n.startswith(reuse)},
+              str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"missing .*{reuse}"):
+        load_model(ckpt, torch.float32, "cpu")
