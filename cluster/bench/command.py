@@ -1,9 +1,11 @@
-"""``hybridserve bench``: arguments and the two modes.
+"""``hybridserve bench``: arguments and the three modes.
 
     hybridserve bench --url http://127.0.0.1:8000 --workload shared_prefix \
         [--rate 4 --burstiness 1 --max-concurrency 8 --num-prompts 64 --seed 0 \
          --goodput ttft:2000 tpot:250 --set output_len=16 --out result.json]
     hybridserve bench suite --out DIR [--config SUITE.yaml] [--set key=value ...]
+    hybridserve bench host-overhead [--batch 1 8 32 128 256 512] [--modes default mtp] \
+        [--steps 30 --warmup 5 --json --out result.json]
 
 ``--set`` overrides fields of the workload (run mode) or of the suite config (suite mode).
 """
@@ -18,12 +20,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cluster.bench.host_overhead import add_args as add_host_overhead_args
 from configs.schema import parse_set_items
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("mode", nargs="?", choices=("suite",), default=None,
-                   help="'suite': run the comparison suite (starts its own local cluster)")
+    p.add_argument("mode", nargs="?", choices=("suite", "host-overhead"), default=None,
+                   help="'suite': run the comparison suite (starts its own local cluster); "
+                        "'host-overhead': the engine's host CPU per request and step, in process")
     p.add_argument("--url", default=None, help="server base URL (with or without /v1)")
     p.add_argument("--workload", default="random", help="a name in configs/workloads or a YAML path")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
@@ -43,6 +47,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a workload field (or, in suite mode, a suite field)")
     p.add_argument("--out", default=None, help="run mode: JSON result file; suite mode: output dir")
+    add_host_overhead_args(p.add_argument_group("host-overhead mode (--model: a checkpoint dir instead of the "
+                                  "null model; --seed: the prompts')"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,8 +58,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.out:
             raise ValueError("bench suite needs --out DIR")
         return run_suite(Path(args.out), args.config, parse_set_items(args.overrides))
+    if args.mode == "host-overhead":
+        from cluster.bench import host_overhead
+
+        return host_overhead.run(args)
     if not args.url:
-        raise ValueError("bench needs --url (or the 'suite' mode)")
+        raise ValueError("bench needs --url (or the 'suite' or 'host-overhead' mode)")
     return _run_once(args)
 
 

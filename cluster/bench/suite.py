@@ -1,7 +1,8 @@
 """``hybridserve bench suite --out DIR``: the issue-7 comparisons, one table, ``DIR/summary.json``.
 
 Order: the in-process comparisons (overlap, speculation, run-batch vs transformers, the
-~100M model's EOS workload, start-up time with compilation: ``suite_compiled``), then
+~100M model's EOS workload, start-up time with compilation: ``suite_compiled``, the host
+overhead of a step: ``host_overhead``), then
 one local Ray Serve cluster for the HTTP ones (decode efficiency and prefix cache on one
 replica; three routers over ``routing.num_replicas`` replicas), then the routing
 simulator, then the checkpoint tiers (``bench/tiers.py``, in process). A section that fails is reported with its error and the others still run.
@@ -10,7 +11,9 @@ simulator, then the checkpoint tiers (``bench/tiers.py``, in process). A section
 ``prefix_cache_prefill_fraction``, ``prefix_cache_ttft_ratio``,
 ``routing_hit_ratio_vs_round_robin``, ``routing_hit_ratio_vs_ray``,
 ``routing_load_max_min``, ``spec_tpot_speedup``, ``overlap_speedup``, ``eos_workload_speedup``,
-``startup_cold_s``, ``startup_warm_s``, and issue 17's ``tiers_prefill_ratio``,
+``startup_cold_s``, ``startup_warm_s``, issue 41's host overhead (``host_us_per_step_1``,
+``host_us_per_request_step_128`` / ``_256``, ``mtp_verified_per_request_step_32``,
+``mtp_overlapped_fraction_32``), and issue 17's ``tiers_prefill_ratio``,
 ``tiers_ttft_ratio``, ``tiers_cached_vs_ray``, ``multi_turn_turn2_hits``), ``goals`` (bound
 and met per key), ``details`` (every section's measurements and samples), ``machine``
 and ``config``. The same table is written to ``DIR/table.md``.
@@ -46,6 +49,11 @@ HEADLINE = {                      # summary key -> (section, path inside its res
     "eos_workload_speedup": ("eos_workload", ("eos_workload_speedup",)),
     "startup_cold_s": ("startup", ("startup_cold_s",)),
     "startup_warm_s": ("startup", ("startup_warm_s",)),
+    "host_us_per_step_1": ("host_overhead", ("goals", "host_us_per_step_1")),
+    "host_us_per_request_step_128": ("host_overhead", ("host_us_per_request_step", "128")),
+    "host_us_per_request_step_256": ("host_overhead", ("host_us_per_request_step", "256")),
+    "mtp_verified_per_request_step_32": ("host_overhead", ("goals", "mtp_verified_per_request_step_32")),
+    "mtp_overlapped_fraction_32": ("host_overhead", ("goals", "mtp_overlapped_fraction_32")),
 }
 
 
@@ -102,6 +110,7 @@ def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[st
     section("vs_transformers", lambda: S.vs_transformers(cfg, model))
     section("eos_workload", lambda: C.eos_workload(cfg, out_dir))
     section("startup", lambda: C.startup(cfg, model, out_dir))
+    section("host_overhead", lambda: S.host_overhead(cfg))
     if {"serving", "routing"} & set(cfg.sections):
         from cluster.bench.serving import LocalCluster
 
@@ -196,9 +205,25 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
     if (e := d.get("eos_workload")) and "error" not in e:
         out["eos_workload_speedup"] = (f"{e['engine_tok_s']} vs {e['hf_tok_s']} tok/s, {e['num_parameters'] / 1e6:.0f}M "
                                        f"parameters, {len(e['output_lens'])} requests, batch {e['batch']}")
+    if (h := d.get("host_overhead")) and "error" not in h:
+        out.update(_host_notes(h))
     if (s := d.get("startup")) and "error" not in s:
         out["startup_cold_s"] = f"eager start-up {s['startup_eager_s']} s; batch sizes {s['batch_sizes']}"
         out["startup_warm_s"] = "the same, over the cache the cold run filled" + _cache_note(s.get("cache_warm"))
+    return out
+
+
+def _host_notes(h: dict[str, Any]) -> dict[str, str]:
+    """The host-overhead rows' last column: the per-request figure over every batch size."""
+    per = " / ".join(f"{v}" for v in h["host_us_per_request_step"].values())
+    batches = "/".join(h["host_us_per_request_step"])
+    out = {"host_us_per_step_1": f"us per request-step at batch {batches}: {per}",
+           "host_us_per_request_step_128": f"load {h['loadavg_start'][0]:.1f}-{h['loadavg_end'][0]:.1f}"}
+    if (m := h.get("mtp")):
+        out["host_us_per_request_step_256"] = "MTP k=3: " + " / ".join(
+            f"{v}" for v in m["host_us_per_request_step"].values())
+        out["mtp_verified_per_request_step_32"] = f"by batch {m['verified_per_request_step']}"
+        out["mtp_overlapped_fraction_32"] = f"by batch {m['overlapped_fraction']}"
     return out
 
 

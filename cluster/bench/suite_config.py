@@ -98,6 +98,15 @@ class TiersCfg(_Strict):
     routers: list[str] = Field(default_factory=lambda: ["hybrid_prefix", "ray_prefix"])
 
 
+class HostOverheadCfg(_Strict):
+    """bench/host_overhead.py: the engine's host CPU per request-step on a near-null model."""
+    batches: list[int] = Field(default_factory=lambda: [1, 8, 32, 128, 256, 512])
+    modes: list[str] = Field(default_factory=lambda: ["default", "mtp"])
+    steps: int = Field(30, ge=1)
+    warmup: int = Field(5, ge=0)
+    min_request_steps: int = Field(512, ge=1)
+
+
 class SuiteConfig(_Strict):
     repeats: int = Field(3, ge=1)
     bench_model: str | None = None
@@ -114,11 +123,12 @@ class SuiteConfig(_Strict):
     compile: CompileCfg = CompileCfg()
     eos_workload: EosWorkloadCfg = EosWorkloadCfg()
     startup: StartupCfg = StartupCfg()
+    host_overhead: HostOverheadCfg = HostOverheadCfg()
     sections: list[str] = Field(default_factory=lambda: list(SECTIONS))
 
 
-SECTIONS = ("overlap", "spec", "vs_transformers", "eos_workload", "startup", "serving", "routing",
-            "simulation", "tiers")
+SECTIONS = ("overlap", "spec", "vs_transformers", "eos_workload", "startup", "host_overhead", "serving",
+            "routing", "simulation", "tiers")
 
 
 def load_suite_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> SuiteConfig:
@@ -179,4 +189,11 @@ GOALS: dict[str, Goal] = {
                                             "outputs ending at sampled lengths"),
     "startup_cold_s": Goal("report", 0.0, "engine start-up with compilation, empty compile cache"),
     "startup_warm_s": Goal("report", 0.0, "engine start-up with compilation, warm compile cache"),
+    "host_us_per_step_1": Goal("<=", 150, "host CPU us per step at batch 1, near-null Qwen3-Next, default engine"),
+    "host_us_per_request_step_128": Goal("<=", 15, "host CPU us per request-step at batch 128, the same"),
+    "host_us_per_request_step_256": Goal("<=", 15, "host CPU us per request-step at batch 256, the same"),
+    "mtp_verified_per_request_step_32": Goal(">=", 0.95, "sequences verified per step ÷ batch, MTP k=3 + "
+                                                          "overlap, batch 32"),
+    "mtp_overlapped_fraction_32": Goal(">=", 0.9, "steps launched while the one before was in flight, "
+                                                  "MTP k=3 + overlap, batch 32"),
 }

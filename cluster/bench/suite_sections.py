@@ -1,6 +1,6 @@
 """The suite's measurements, one function per comparison; each returns a plain dict.
 
-In-process (no Ray): ``overlap``, ``spec``, ``vs_transformers``. Through HTTP on a local
+In-process (no Ray): ``overlap``, ``spec``, ``vs_transformers``, ``host_overhead``. Through HTTP on a local
 Serve cluster: ``serving`` (decode efficiency against a bare loop, prefix cache on/off)
 and ``routing`` (three routers on the same replica config and workload). Pure Python:
 ``simulation``. Timed comparisons interleave their two sides and keep each side's best
@@ -118,6 +118,20 @@ def vs_transformers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
             "hf_sequential_tok_s": _r(out_tokens / hf_seq, 1),
             "samples_s": {k: [_r(v, 3) for v in vs] for k, vs in samples.items()},
             "prompt_lens": [len(p) for p in prompts], "output_len": c.output_len, "model": str(model)}
+
+
+def host_overhead(cfg: SuiteConfig) -> dict[str, Any]:
+    """bench/host_overhead.py's result, plus the goals' keys: host us per step at batch 1,
+    MTP's verifies and overlapped fraction at batch 32 (None where a batch was not run)."""
+    from cluster.bench.host_overhead import Settings, run_points
+
+    c = cfg.host_overhead
+    out = run_points(Settings(tuple(c.batches), tuple(c.modes), c.steps, c.warmup, c.min_request_steps))
+    mtp = out.get("mtp", {})
+    out["goals"] = {"host_us_per_step_1": out["host_us_per_step"].get("1"),
+                    "mtp_verified_per_request_step_32": mtp.get("verified_per_request_step", {}).get("32"),
+                    "mtp_overlapped_fraction_32": mtp.get("overlapped_fraction", {}).get("32")}
+    return out
 
 
 # -- through HTTP ----------------------------------------------------------------------------------
