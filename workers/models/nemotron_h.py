@@ -3,10 +3,10 @@
 Block i is ``hidden + mixer(norm(hidden))`` (``backbone.layers.{i}.norm`` / ``.mixer``) with
 the mixer named by ``layers_block_type[i]`` (or the legacy ``hybrid_override_pattern``,
 which transformers converts): ``linear_attention`` = the Mamba2 mixer (gate before the
-norm, dt clamped below at ``time_step_min`` as transformers does), ``full_attention`` =
-GQA without positional encoding, ``mlp`` = ``down(relu2(up(x)))`` without a gate,
-``moe`` = sigmoid-routed, grouped top-k experts of the same ungated MLP shape plus one
-shared expert (``NemotronHMoE``). Names: ``backbone.embeddings``, ``backbone.norm_f``.
+norm, dt clamped to ``time_step_limit``), ``full_attention`` = GQA without positional
+encoding, ``mlp`` = ``down(relu2(up(x)))`` without a gate, ``moe`` = sigmoid-routed, grouped
+top-k experts of the same ungated MLP shape plus one shared expert (``NemotronHMoE``).
+Names: ``backbone.embeddings``, ``backbone.norm_f``.
 
 MTP: a checkpoint's ``mtp.*`` tensors (``num_nextn_predict_layers`` MTP layers of the blocks
 ``mtp_layers_block_type`` names, which transformers 5.24 drops on load) are kept in
@@ -15,9 +15,11 @@ MTP: a checkpoint's ``mtp.*`` tensors (``num_nextn_predict_layers`` MTP layers o
 Fields that transformers ignores but that would mean other math are refused when set away
 from their inert value: ``attention_bias``, ``sliding_window``, ``mamba_proj_bias`` (the
 projections' bias is ``use_bias``), ``n_shared_experts`` != 1, ``residual_in_fp32``.
-Not math: ``expand`` (d_inner is heads x head_dim), ``time_step_limit`` (transformers uses
-``(time_step_min, inf)``), dropout, init and kernel-choice fields. ``tie_word_embeddings``:
-transformers' Nemotron-H never ties, so ``lm_head.weight`` is always its own tensor here too.
+Not math: ``expand`` (d_inner is heads x head_dim), ``time_step_min`` / ``time_step_max`` /
+``time_step_floor`` (dt_bias init; transformers 5.24 also clamped dt below at ``time_step_min``,
+5.25 clamps with ``time_step_limit`` as mamba_ssm and vLLM do), dropout, init and kernel-choice
+fields. ``tie_word_embeddings``: transformers' Nemotron-H never ties, so ``lm_head.weight`` is
+always its own tensor here too.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from workers.models.base import FULL_ATTENTION, LINEAR_ATTENTION, HybridForCausa
 from workers.models.layers import (Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding,
                                    activation, linear)
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from workers.models.mamba2_config import check_mamba_dims
+from workers.models.mamba2_config import check_mamba_dims, time_step_limit
 from workers.models.moe import MoeDims, SparseMoE
 from workers.models.nemotron_h_mtp import NemotronHMtpHead, mtp_layout
 from workers.models.weights import WeightTarget, module_targets
@@ -47,7 +49,7 @@ def mamba_dims(cfg: Any) -> Mamba2Dims:
                       head_dim=cfg.mamba_head_dim, state_size=cfg.ssm_state_size,
                       num_groups=cfg.n_groups, conv_kernel=cfg.conv_kernel,
                       conv_bias=bool(cfg.use_conv_bias), proj_bias=bool(cfg.use_bias),
-                      chunk_size=cfg.chunk_size, dt_limit=(float(cfg.time_step_min), float("inf")),
+                      chunk_size=cfg.chunk_size, dt_limit=time_step_limit(cfg),
                       eps=cfg.layer_norm_epsilon, ssm_dtype=str(cfg.mamba_ssm_cache_dtype))
 
 

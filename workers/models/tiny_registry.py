@@ -13,8 +13,12 @@ The tiny configs are small (hidden 64) but exercise what the family's math does:
 kinds of layers, GQA, SSD chunks of 16 (prompts in the tests cross them), multipliers set
 off 1. ``time_step_min=1e-9`` for Nemotron-H and Zamba2: transformers clamps dt at it (from
 below) only in its chunked prefill path, not in its one-token decode step, while we clamp in
-both; greedy decoding is compared where the clamp never binds (the clamp itself is checked
-on prefill logits with a real ``time_step_min``).
+both; greedy decoding is compared where the clamp never binds (Zamba2's clamp itself is
+checked on prefill logits with a real ``time_step_min``). Nemotron-H clamps with
+``time_step_limit`` as transformers 5.25 does; the pinned 5.24 clamps at ``time_step_min``,
+which at 1e-9 agrees (``tests/workers/models/test_dt_limits.py`` checks the clamps against
+the formula). Each family is also compared with the other head tie
+(``tests/workers/models/test_head_tie.py``).
 """
 from __future__ import annotations
 

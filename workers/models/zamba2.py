@@ -17,7 +17,8 @@ covers them): untied, every hybrid layer runs its own copy of its block, each co
 
 The Mamba2 mixer: ``n_mamba_heads`` heads of ``mamba_headdim``, conv bias always on (as in
 transformers, whatever ``use_conv_bias`` says), projection bias ``add_bias_linear``, gated
-norm eps 1e-5, dt clamped below at ``time_step_min``. Not math: ``use_mem_eff_path``,
+norm eps 1e-5, dt clamped below at ``time_step_min`` (transformers 5.24 and 5.25 alike; it
+reads no ``time_step_limit`` for Zamba2). Not math: ``use_mem_eff_path``,
 ``use_mamba_kernels``, init fields; ``use_long_context`` only sets ``max_position_embeddings``.
 """
 from __future__ import annotations

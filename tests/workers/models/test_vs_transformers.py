@@ -116,13 +116,12 @@ VARIANTS = {
     # tied, projection biases, one B/C group, bf16-style residual off, dt clamped above
     "mamba2_tied_bias_clamp": ("mamba2", {"tie_word_embeddings": True, "use_bias": True, "n_groups": 1,
                                           "residual_in_fp32": False, "time_step_limit": (0.0, 0.05)}),
-    # latent MoE projections, every bias, dt clamped below at a real time_step_min (prefill and
-    # the uncached reference both clamp), another layer pattern
-    "nemotron_latent_bias_clamp": ("nemotron_h", {
+    # latent MoE projections, every bias, another layer pattern (the dt clamp: test_dt_limits)
+    "nemotron_latent_bias": ("nemotron_h", {
         "moe_latent_size": 32, "mlp_bias": True, "use_bias": True, "mamba_proj_bias": True,
         "tie_word_embeddings": True,               # transformers' Nemotron-H never ties
-        "time_step_min": 0.02, "layers_block_type": ["moe", "linear_attention", "full_attention",
-                                                     "moe", "linear_attention"]}),
+        "layers_block_type": ["moe", "linear_attention", "full_attention", "moe",
+                              "linear_attention"]}),
     "bamba_biases_tied_one_group": ("bamba", {"attention_bias": True, "mlp_bias": True,
                                               "mamba_proj_bias": True, "mamba_conv_bias": False,
                                               "tie_word_embeddings": True, "mamba_n_groups": 1}),
@@ -132,10 +131,12 @@ VARIANTS = {
                                           "mamba_proj_bias": True, "mamba_d_ssm": None,
                                           "mamba_n_heads": 8}),
     "falcon_norm_then_gate": ("falcon_h1", {"mamba_norm_before_gate": True, "projectors_bias": False}),
-    # no attention adapters, no RoPE, one shared block, GQA, biases, tanh GELU
-    "zamba2_plain": ("zamba2", {"use_shared_attention_adapter": False, "use_mem_rope": False,
-                                "num_mem_blocks": 1, "num_key_value_heads": 2, "add_bias_linear": True,
-                                "hidden_act": "gelu_pytorch_tanh"}),
+    # no attention adapters, no RoPE, one shared block, GQA, biases, tanh GELU, dt clamped
+    # below at a real time_step_min (prefill and the uncached reference both clamp)
+    "zamba2_plain_clamp": ("zamba2", {"use_shared_attention_adapter": False, "use_mem_rope": False,
+                                      "num_mem_blocks": 1, "num_key_value_heads": 2,
+                                      "add_bias_linear": True, "hidden_act": "gelu_pytorch_tanh",
+                                      "time_step_min": 0.02}),
     # one value head per key head, attention bias, half the head rotated, other mrope sections
     "qwen3_5_r1_bias_rope": ("qwen3_5", {"linear_num_value_heads": 2, "attention_bias": True,
                                          "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
