@@ -297,6 +297,13 @@ class CacheManager:
         self.tracker.on_complete(plan, writes)
         self._retry_releases()
 
+    def abandon_step(self, batch_id: int) -> None:
+        """A launched batch failed: drop it as a writer without recording any content (its
+        requests are ended by the caller; nothing it wrote is labelled or published)."""
+        self.ledger.complete_batch(batch_id)
+        self._inflight.discard(batch_id)
+        self._retry_releases()
+
     def _retry_releases(self) -> None:
         pending, self._deferred_releases = self._deferred_releases, []
         for req, finished in pending:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from collections import deque
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +22,6 @@ from workers.device_pools import build_pools
 from workers.host_memory import retain_freed_memory
 from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
-from workers.checkpoints import StepPlan
 from workers.compiled import build_compiled
 from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
@@ -32,10 +31,11 @@ from workers.sampling.grammar import GrammarCompiler, GrammarWaitlist
 from workers.sampling.requests import request_sampling
 from workers.sampling.validate import check_params
 from workers.sampling_params import SamplingParams
-from workers.scheduler import ScheduledBatch, Scheduler
+from workers.scheduler import Scheduler
 from workers.sizing import plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layers
 from workers.state_oracle import StateOracle
+from workers.step_failure import LaunchedStep, StepFailed, recover_failed_step
 from workers.state_spec import ATTENTION
 from workers.stats import EngineStats
 from workers.tiers.host_pools import HostPools
@@ -93,7 +93,7 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
                                        release=self.scheduler.release,
                                        on_finish=lambda r: self.runner.drop_request(r))
-        self._inflight: list[tuple[ScheduledBatch, StepPlan, Future]] = []
+        self._launched: deque[LaunchedStep] = deque()   # launched, not yet fully processed
         self.oracle = (StateOracle(self.model, self.pools, config.cache.page_size, self.device, self.dtype,
                                    config.debug.state_oracle_sample, config.seed)
                        if config.debug.state_oracle_sample > 0 else None)
@@ -199,6 +199,9 @@ class Engine:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens; the maximum context length is "
                 f"{self.max_model_len}, leaving no room to generate")
+        wrong = [t for t in prompt if type(t) is not int]
+        if wrong:
+            raise ValueError(f"prompt token ids must be ints, got {wrong[:5]!r}")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -211,7 +214,7 @@ class Engine:
         return self.outputs.output(req, [])
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or bool(self._inflight) or bool(self._oracle_checks)
+        return (self.scheduler.has_work() or bool(self._launched) or bool(self._oracle_checks)
                 or len(self.grammar_wait) > 0 or self.cache.has_transfers())
 
     # -- the step --------------------------------------------------------------------------
@@ -221,28 +224,43 @@ class Engine:
         With ``scheduler.overlap`` the batch launched here runs on the forward thread while
         the previous batch's result is processed (a lag of one step); without it the same
         code processes the batch it just launched (lag zero).
+
+        A step that raises ends the requests of every batch it had launched and not yet
+        processed (every running request when it failed before forming a batch): they
+        finish with ``abort``, their slots and pages return, and the engine goes on. The
+        error is re-raised as ``StepFailed`` carrying their final outputs (an interrupt
+        as itself, after the same clean-up).
         """
+        outputs = self._admit_compiled() if len(self.grammar_wait) else []
+        try:
+            outputs += self._advance()
+        except BaseException as exc:
+            failed = recover_failed_step(self, self._launched)
+            if not isinstance(exc, Exception):
+                raise
+            raise StepFailed(exc, outputs + failed) from exc
+        self._update_gauges()
+        if self.oracle is not None:
+            self._run_oracle(wait=not self._launched)
+        if self.config.debug.check_invariants:
+            self._check_invariants()
+        return outputs
+
+    def _advance(self) -> list[RequestOutput]:
         self.cache.poll_transfers()
-        compiled = self._admit_compiled() if len(self.grammar_wait) else []
-        previous = self._inflight.pop() if self._inflight else None
+        outputs: list[RequestOutput] = []
+        had_previous = bool(self._launched)
         launched = self._launch_next()
-        if launched is None and previous is None and self.scheduler.has_work():
+        if launched is None and not had_previous and self.scheduler.has_work():
             if not self.cache.has_transfers():
                 raise RuntimeError(self._stuck_message())
             self.cache.poll_transfers(wait=True)   # only copies in flight: wait for the oldest
-        if launched is not None and previous is not None:
+        if launched is not None and had_previous:
             self.num_overlapped_launches += 1      # N+1 launched before N's result is processed
-        outputs = compiled + (self._process(*previous) if previous is not None else [])
-        if launched is not None:
-            if self.lag == 0:
-                outputs += self._process(*launched)
-            else:
-                self._inflight.append(launched)
-        self._update_gauges()
-        if self.oracle is not None:
-            self._run_oracle(wait=launched is None)
-        if self.config.debug.check_invariants:
-            self._check_invariants()
+        keep = self.lag if launched is not None else 0
+        while len(self._launched) > keep:          # oldest first; the lag leaves one in flight
+            outputs += self._process(self._launched[0])
+            self._launched.popleft()
         return outputs
 
     def _run_oracle(self, wait: bool) -> None:
@@ -261,16 +279,23 @@ class Engine:
                 pending.append(future)
         self._oracle_checks = pending
 
-    def _launch_next(self) -> tuple[ScheduledBatch, StepPlan, Future] | None:
+    def _launch_next(self) -> LaunchedStep | None:
+        """Schedule, plan and launch a batch; registered in ``_launched`` as soon as it exists
+        (a failure part-way is then cleaned up with it)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return None
-        plan = self.cache.plan_step(batch)
+        step = LaunchedStep(batch)
+        self._launched.append(step)
+        step.plan = self.cache.plan_step(batch)
         self.scheduler.on_launch(batch)
-        return batch, plan, self.runner.launch(plan)
+        step.future = self.runner.launch(step.plan)
+        return step
 
-    def _process(self, batch: ScheduledBatch, plan: StepPlan, future: Future) -> list[RequestOutput]:
-        result: StepResult = future.result()
+    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
+        batch, plan = step.batch, step.plan
+        assert plan is not None and step.future is not None
+        result: StepResult = step.future.result()
         self.runner.wait_started()     # overlap: the next step's forward first (ModelRunner.wait_started)
         self.stats.observe("hybridserve_step_duration_seconds", result.forward_seconds)
         self.stats.inc("hybridserve_forward_tokens_total", batch.num_tokens)
@@ -281,6 +306,7 @@ class Engine:
         sampled = [i for i, seq in enumerate(batch.seqs) if seq.samples]
         rows_committed = {i: a + 1 for i, a in zip(sampled, result.num_accepted) if a is not None}
         self.cache.complete_step(batch, plan, result.writes)
+        step.completed = True
         self.scheduler.on_complete(batch, rows_committed)
         for b, first, entries in result.prompt_logprobs:     # before the outputs that carry them
             self.outputs.add_prompt_logprobs(batch.seqs[b].request, first, entries)

@@ -8,7 +8,7 @@ from configs.schema import HybridServeConfig, load_config
 from workers.engine import Engine
 from workers.tp.local import build_local_engine
 from workers.outputs import RequestOutput
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams, nth_seed
 
 Prompt = str | list[int]
 
@@ -35,8 +35,9 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if not all(isinstance(t, int) for t in prompt):
-            raise ValueError("a token-id prompt must be a list of ints")
+        wrong = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        if wrong:
+            raise ValueError(f"a token-id prompt must be a list of ints, got {wrong[:5]!r}")
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -80,23 +81,30 @@ class LLM:
                 self.engine.add_request(rid, ids, p)
                 order[rid] = n
                 added.append(rid)
-        except ValueError:
-            for rid in added:
+            results = self._run(order)
+        except BaseException:                    # bad input, a failed step, an interrupt:
+            for rid in added:                    # nothing of this call stays queued
                 self.engine.abort(rid)
             raise
-        results: list[RequestOutput | None] = [None] * len(copies)
-        while any(r is None for r in results):
-            for out in self.engine.step():
-                if out.finished and out.request_id in order:
-                    results[order[out.request_id]] = out
-        while self.engine.has_unfinished():      # the overlap lag leaves one batch in flight
-            self.engine.step()
         best: list[RequestOutput | None] = [None] * len(encoded)
         for (i, _, _), out in zip(copies, results):
             assert out is not None
             if best[i] is None or (out.cumulative_logprob or 0.0) > (best[i].cumulative_logprob or 0.0):
                 best[i] = out
         return [b for b in best if b is not None]
+
+    def _run(self, order: dict[str, int]) -> list[RequestOutput | None]:
+        """Step until every request of ``order`` (id -> output index) has finished."""
+        results: list[RequestOutput | None] = [None] * len(order)
+        remaining = len(order)
+        while remaining:
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    remaining -= 1
+        while self.engine.has_unfinished():      # the overlap lag leaves one batch in flight
+            self.engine.step()
+        return results
 
     def stats(self) -> dict[str, object]:
         return self.engine.stats.snapshot()
@@ -118,7 +126,7 @@ def _copy_params(p: SamplingParams, j: int) -> SamplingParams:
         return p
     from dataclasses import replace
 
-    return replace(p, seed=p.seed + j)
+    return replace(p, seed=nth_seed(p.seed, j))
 
 
 def _with_prompt(out: RequestOutput, prompt: Prompt) -> RequestOutput:

@@ -10,6 +10,8 @@ from workers.sampling.structured import StructuredOutput
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
+MAX_BEST_OF = 16                         # sequences per prompt (OpenAI's and HTTP's n cap)
+SEED_RANGE = (-(2**63), 2**63 - 1)       # int64: what torch generators and HTTP take
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,10 @@ class SamplingParams:
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be non-blank strings, got {list(self.bad_words)!r}")
-        if self.best_of is not None and not (_is_int(self.best_of) and self.best_of >= 1):
-            raise ValueError(f"best_of must be an integer >= 1, got {self.best_of!r}")
+        if self.best_of is not None and not (_is_int(self.best_of) and 1 <= self.best_of <= MAX_BEST_OF):
+            raise ValueError(f"best_of must be an integer in [1, {MAX_BEST_OF}], got {self.best_of!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output must be a StructuredOutput, got {type(self.structured_output).__name__}")
 
@@ -123,6 +127,15 @@ class SamplingParams:
     def needs_logprobs(self) -> bool:
         """The chosen token's logprob is computed (asked for, or to rank best_of)."""
         return self.logprobs is not None or (self.best_of or 1) > 1
+
+
+def nth_seed(seed: int | None, n: int) -> int | None:
+    """The seed of the n-th sequence of a seeded prompt (``n`` / ``best_of``): ``seed + n``,
+    wrapped into ``SEED_RANGE`` so that the largest seed still has n successors."""
+    if seed is None:
+        return None
+    low, high = SEED_RANGE
+    return (seed + n - low) % (high - low + 1) + low
 
 
 def _is_int(value: object) -> bool:

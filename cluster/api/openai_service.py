@@ -22,7 +22,7 @@ from cluster.api.sampling_fields import ConstraintError
 from cluster.api.tool_choice import forced_schema
 from workers.outputs import RequestOutput
 from workers.sampling.structured import StructuredOutput
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams, nth_seed
 
 MIN_TEMPERATURE = 1e-5                     # below it sampling is greedy (as vLLM)
 MIN_TOP_P = 1e-8                           # the same nucleus (top-1) for any smaller top_p
@@ -85,7 +85,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, prompt_len: int, m
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
             f"{max_tokens} in the completion).", param="max_tokens" if prompt_len < max_model_len else "prompt",
             code="context_length_exceeded")
-    seed = None if req.seed is None else req.seed + choice
+    seed = nth_seed(req.seed, choice)
     # logits / 1e-45 overflows to inf and the sampler's softmax to NaN: tiny is greedy
     # and a top_p that rounds to 0 in float32 masks every token: clamp both at the edge
     temperature = 0.0 if req.temperature < MIN_TEMPERATURE else req.temperature

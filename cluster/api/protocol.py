@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from cluster.api.errors import OpenAIError, from_validation_error
 from cluster.api.sampling_fields import SamplingExtras
 from cluster.api.unsupported import CHAT, COMMON, COMPLETION, refuse_unsupported
+from workers.sampling_params import SEED_RANGE
 
 MAX_STOPS = 4
 StopString = Annotated[str, Field(min_length=1)]
@@ -42,7 +43,7 @@ class _SamplingFields(SamplingExtras):
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[TokenId] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)     # int64, as torch seeds
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])     # int64, as torch seeds
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from workers.sampling.structured import StructuredOutput
-from workers.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGPROBS
+from workers.sampling_params import LOGIT_BIAS_LIMIT, MAX_BEST_OF, MAX_LOGPROBS
 
 
 class ConstraintError(ValueError):
@@ -73,7 +73,7 @@ class SamplingExtras(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = None
     bad_words: list[BadWord] | None = Field(None, max_length=64)
-    best_of: int | None = Field(None, ge=1, le=16)
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -107,10 +107,10 @@ class StepLog:
         if calibrate:
             process = engine._process
 
-            def on_process(batch: ScheduledBatch, plan: Any, future: Any) -> Any:
-                seconds = future.result().forward_seconds
-                self.samples.append((*self._shapes.pop(batch.batch_id), seconds))
-                return process(batch, plan, future)
+            def on_process(step: Any) -> Any:
+                seconds = step.future.result().forward_seconds
+                self.samples.append((*self._shapes.pop(step.batch.batch_id), seconds))
+                return process(step)
 
             engine._process = on_process
 

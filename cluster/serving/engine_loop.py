@@ -10,9 +10,11 @@ earlier design stepped from an asyncio task, one executor call per step, and the
 sat idle whenever the event loop was busy with stream items or Serve's own work: see
 ``LoopTimes.step_gap_s``.) When the engine is idle, the thread sleeps until a call comes.
 
-Failure: if a step raises, the loop stores the error, fails every open stream with it
-and stops stepping (calls still run: stats, health); ``error`` is then set and
-``check_health`` callers should report it.
+Failure: a step that fails its own requests (``StepFailed``: the engine ended them and
+recovered) fails just their streams, and stepping goes on; ``MAX_FAILED_STEPS`` such
+steps in a row, or any other error, is fatal: the loop stores the error, fails every open
+stream with it and stops stepping (calls still run: stats, health); ``error`` is then set
+and ``check_health`` callers should report it.
 """
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ from typing import Any, NamedTuple, TypeVar
 
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
+from workers.step_failure import StepFailed
 
 T = TypeVar("T")
 IDLE_POLL_S = 0.001                       # the wait after a second step in a row with no output
+MAX_FAILED_STEPS = 3                      # recovered step failures in a row before the loop gives up
 logger = logging.getLogger(__name__)
 
 
@@ -194,6 +198,7 @@ class EngineLoop:
     def _main(self) -> None:
         last_end: float | None = None     # the previous step's end, when it left work
         empty = 0                         # steps in a row without outputs (an overlap launch gives one)
+        failed = 0                        # recovered step failures in a row
         while not self._closed:
             self._run_calls()
             if not (self._stepping and self.error is None and self.engine is not None
@@ -204,10 +209,19 @@ class EngineLoop:
                 continue
             try:
                 result = _step(self.engine)
+            except StepFailed as exc:
+                failed += 1
+                logger.error("engine step failed (%d in a row): %s", failed, exc, exc_info=exc.cause)
+                self._post(self._fail_requests, exc)
+                if failed >= MAX_FAILED_STEPS:
+                    self.error = exc
+                    self._post(self._fail_streams, exc)
+                continue
             except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
                 self.error = exc
                 self._post(self._fail_streams, exc)
                 continue
+            failed = 0
             self.num_steps += 1
             self._step_wall_s += result.wall_s
             self._step_cpu_s += result.cpu_s
@@ -262,6 +276,13 @@ class EngineLoop:
             stream._put(out)
             if out.finished:
                 self._streams.pop(out.request_id, None)
+
+    def _fail_requests(self, exc: StepFailed) -> None:
+        """The streams of the requests a failed step ended get its error."""
+        for rid in exc.request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(exc)
 
     def _fail_streams(self, exc: BaseException) -> None:
         for stream in set(self._streams.values()):

@@ -126,8 +126,8 @@ class Sim:
 
     def step(self):
         outputs = self.engine.step()
-        for _, _, future in self.engine._inflight:
-            future.result()                          # every launched batch has executed
+        for launched in self.engine._launched:
+            launched.future.result()                 # every launched batch has executed
         self.check()
         return outputs
 

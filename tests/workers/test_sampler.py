@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from workers.sampler import GeneratorBank, _filter_top_k_top_p, sample
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import SEED_RANGE, SamplingParams, nth_seed
 
 
 def logits(n=4, v=50, seed=0):
@@ -79,6 +79,9 @@ def test_logprobs_returned_for_asking_rows():
     ({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -5}, "top_k"),
     ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"),
+    ({"seed": 2**64}, r"seed must be an integer in \[-9223372036854775808, 9223372036854775807\], got 18446744073709551616"),
+    ({"seed": -(2**63) - 1}, "seed"), ({"seed": True}, "seed"), ({"seed": 1.0}, "seed"),
+    ({"best_of": 10**6}, r"best_of must be an integer in \[1, 16\], got 1000000"), ({"best_of": 0}, "best_of"),
 ])
 def test_bad_params_raise_with_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -94,3 +97,11 @@ def test_extreme_but_valid_params_never_break_sampling():
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     out = sample(lg, params, gens)
     assert out.token_ids.tolist() == lg.argmax(-1).tolist()     # each collapses to the top token
+
+
+def test_nth_seed_stays_a_seed():
+    low, high = SEED_RANGE
+    assert nth_seed(None, 3) is None and nth_seed(5, 0) == 5 and nth_seed(5, 2) == 7
+    assert nth_seed(high, 1) == low and nth_seed(high, 2) == low + 1
+    for n in range(4):
+        SamplingParams(seed=nth_seed(high - 1, n))          # every successor is a valid seed

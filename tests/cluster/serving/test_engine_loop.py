@@ -13,6 +13,7 @@ from cluster.serving.replica_core import ReplicaCore, StreamPacing, build_engine
 from configs.schema import load_config
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
+from workers.step_failure import StepFailed
 
 
 class FakeEngine:
@@ -278,3 +279,55 @@ def test_the_store_is_not_asked_for_prompts_that_read_no_cache():
         await loop.shutdown()
         return fetcher.prompts
     assert run(go()) == [[3, 4], [5, 6]]
+
+
+class FailingOnceEngine(FakeEngine):
+    """At step ``fail_at``, ends ``victim`` as the engine's recovery does and raises StepFailed;
+    with ``always`` every step from then on fails that way."""
+
+    def __init__(self, victim: str, fail_at: int, always: bool = False) -> None:
+        super().__init__(step_s=0.002)
+        self.victim, self.fail_at, self.always = victim, fail_at, always
+
+    def step(self) -> list[RequestOutput]:
+        if self.steps + 1 >= self.fail_at and (self.always or self.steps + 1 == self.fail_at):
+            self.steps += 1
+            victims = [rid for rid in self.live if rid.startswith(self.victim)]
+            ended = [self._out(rid, True, "abort") for rid in victims]
+            for rid in victims:
+                del self.live[rid]
+            raise StepFailed(RuntimeError("kernel exploded"), ended)
+        return super().step()
+
+
+def test_a_failed_step_fails_its_requests_and_the_replica_goes_on():
+    async def go():
+        engine = FailingOnceEngine("bad", fail_at=3)
+        core = ReplicaCore(await EngineLoop.create(lambda: engine), load_config())
+        good = asyncio.create_task(collect(core, GenerateRequest("good", [1], [SamplingParams(max_tokens=8)])))
+        with pytest.raises(EngineLoopError, match="kernel exploded"):
+            await collect(core, GenerateRequest("bad", [1], [SamplingParams(max_tokens=8)]))
+        items = await good
+        core.check_health()                              # healthy: one failed step is not fatal
+        after = await collect(core, GenerateRequest("after", [1], [SamplingParams(max_tokens=2)]))
+        await core.shutdown()
+        return items, after
+    items, after = run(go())
+    chunks = [c for batch in items[1:] for c in batch]
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert [c for batch in after[1:] for c in batch][-1].finish_reason == "length"
+
+
+def test_failed_steps_in_a_row_are_fatal():
+    async def go():
+        engine = FailingOnceEngine("x", fail_at=2, always=True)
+        core = ReplicaCore(await EngineLoop.create(lambda: engine), load_config())
+        with pytest.raises(EngineLoopError):
+            await collect(core, GenerateRequest("x", [1], [SamplingParams(max_tokens=50)]))
+        other = asyncio.create_task(collect(core, GenerateRequest("y", [1], [SamplingParams(max_tokens=50)])))
+        with pytest.raises(EngineLoopError):
+            await other
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            core.check_health()
+        await core.shutdown()
+    run(go())

@@ -30,6 +30,19 @@ def make_llm(model_dir, **overrides) -> LLM:
     return LLM(model=str(model_dir), **base)
 
 
+def assert_no_leaks(llm):
+    e = llm.engine
+    assert not e.requests and not e.scheduler.has_work()
+    counts = e.pool_counts()
+    assert counts["kv_pages_free"] + counts["kv_pages_cached"] == counts["kv_pages_usable"]
+    assert counts["mamba_slots_free"] + counts["mamba_slots_cached"] == counts["mamba_slots_usable"]
+    assert e.check_invariants() == []
+    e.flush_cache()
+    counts = e.pool_counts()
+    assert counts["kv_pages_free"] == counts["kv_pages_usable"]
+    assert counts["mamba_slots_free"] == counts["mamba_slots_usable"]
+
+
 def greedy_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
     return [o.token_ids for o in llm.generate_ids(prompts, [params] * len(prompts))]
 

@@ -3,26 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workers.engine.helpers import make_llm, random_prompts
+from tests.workers.engine.helpers import assert_no_leaks, make_llm, random_prompts
 from workers.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen_dir):
     return make_llm(tiny_qwen_dir)
-
-
-def assert_no_leaks(llm):
-    e = llm.engine
-    assert not e.requests and not e.scheduler.has_work()
-    counts = e.pool_counts()
-    assert counts["kv_pages_free"] + counts["kv_pages_cached"] == counts["kv_pages_usable"]
-    assert counts["mamba_slots_free"] + counts["mamba_slots_cached"] == counts["mamba_slots_usable"]
-    assert e.check_invariants() == []
-    e.flush_cache()
-    counts = e.pool_counts()
-    assert counts["kv_pages_free"] == counts["kv_pages_usable"]
-    assert counts["mamba_slots_free"] == counts["mamba_slots_usable"]
 
 
 def test_output_fields_and_text(llm):
@@ -80,10 +67,17 @@ def test_logprobs(llm):
 
 @pytest.mark.parametrize("prompt,match", [
     ([], "at least one token"), ([10**9], "outside the vocabulary"), ([-1], "outside the vocabulary"),
+    ([True, False, True], r"must be a list of ints, got \[True, False, True\]"), ([5, 6.0], "list of ints"),
 ])
 def test_bad_prompts_raise_and_leak_nothing(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([[1, 2, 3], prompt], SamplingParams(max_tokens=4))
+    assert_no_leaks(llm)
+
+
+def test_engine_refuses_non_int_token_ids(llm):
+    with pytest.raises(ValueError, match=r"must be ints, got \[True\]"):
+        llm.engine.add_request("bools", [5, True], SamplingParams(max_tokens=2))
     assert_no_leaks(llm)
 
 

@@ -78,9 +78,9 @@ def test_host_work_waits_until_the_next_forward_has_started(tiny_qwen_dir):
             events.append(("started", step_of.batch))
         mark()
 
-    def processed(batch, plan, future):
-        out = process(batch, plan, future)
-        events.append(("processed", batch.batch_id))
+    def processed(step):
+        out = process(step)
+        events.append(("processed", step.batch.batch_id))
         return out
 
     runner._fill_placeholders, runner._mark_started, engine._process = slow_fill, marked, processed
