@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from configs.schema import CacheConfig, DebugConfig
@@ -86,13 +86,17 @@ class StepPlan:
     batch: ScheduledBatch
     cow: tuple[tuple[int, int], ...]          # (tree checkpoint slot, live slot) copies
     tracks: tuple[TrackWrite, ...]
+    by_seq: dict[int, TrackWrite] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_seq", {w.seq_index: w for w in self.tracks})
 
     def written_slots(self) -> set[int]:
         slots = {s.request.mamba_slot for s in self.batch.seqs if s.request.mamba_slot}
         return slots | {w.slot for w in self.tracks} | {dst for _, dst in self.cow}
 
     def track_of(self, seq_index: int) -> TrackWrite | None:
-        return next((w for w in self.tracks if w.seq_index == seq_index), None)
+        return self.by_seq.get(seq_index)
 
     def track_slot(self, seq_index: int) -> int:
         w = self.track_of(seq_index)

@@ -64,12 +64,13 @@ class RequestCacheState:
     promotion: object | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """``request_id`` is the caller's name; ``handle`` is the engine's (unique for the engine's
     lifetime, increasing in arrival order): every internal map (slot ledger, generators) is
     keyed by the handle, so a caller may reuse an id while the old request's resources are
-    still being released."""
+    still being released. Requests compare and hash by identity (``eq=False``): a
+    field-by-field ``__eq__`` made every membership test cost the whole request."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -88,10 +88,10 @@ class Scheduler:
 
     def release(self, request: Request, finished: bool = False) -> None:
         """Free a request's resources (publishing its checkpoint on a normal finish)."""
-        if request in self.running:
+        if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.cache.release(request, finished)
-        elif request in self.waiting:
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
 
     def on_launch(self, batch: ScheduledBatch) -> None:
@@ -145,13 +145,13 @@ class Scheduler:
         preempted: list[Request] = []
         stalled = False            # a request could not grow: everyone younger waits a step
         for request in list(self.running):
-            if stalled or request not in self.running:   # ... or preempted earlier in this loop
+            if stalled or request.status is not RequestStatus.RUNNING:   # preempted in this loop
                 continue
             n = self._num_to_compute(request, budget)
             if n == 0:
                 continue
             if not self._grow_pages(request, n, preempted, seqs):
-                stalled = request in self.running
+                stalled = request.status is RequestStatus.RUNNING
                 continue
             seqs.append(self._scheduled(request, n))
             budget -= n
@@ -216,14 +216,18 @@ class Scheduler:
         False when ``request`` could not grow: it was the victim itself, or the victim is
         in flight (it cannot be preempted before its batch is processed).
         """
-        busy = {id(s.request) for s in scheduled}
         need = self._pages_short(request, n)
+        if need == 0:
+            return True
+        busy: set[int] | None = None           # built only when a victim is needed
         while True:
             new = self.cache.alloc_pages(need)
             if new is not None:
                 request.page_ids.extend(new)
                 return True
-            victim = next(r for r in reversed(self.running) if id(r) not in busy)
+            if busy is None:
+                busy = {s.request.handle for s in scheduled}
+            victim = next(r for r in reversed(self.running) if r.handle not in busy)
             if victim.inflight_batch is not None or victim.cache.promotion is not None:
                 return False
             self._preempt(victim)

@@ -86,6 +86,7 @@ class _Rows:
         self.drafts: list[tuple[int, int, int]] = []
         self.logits: list[int] = []
         self.writes: list[StateWrite] = []
+        self.num_scratch = 0           # scratch slots handed to the verifies so far
 
 
 def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
@@ -105,7 +106,8 @@ def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
         rows.out_loc.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
     if seq.is_verify:
         n = seq.num_new_tokens
-        base = scratch_base + sum(len(v.scratch) for v in verify)   # widths may differ
+        base = scratch_base + rows.num_scratch        # widths may differ
+        rows.num_scratch += n
         scratch = tuple(range(base, base + n))
         rows.dst.extend(scratch)
         rows.logits.extend(range(first, first + n))
