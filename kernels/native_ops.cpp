@@ -16,6 +16,13 @@ at::Tensor activate(const at::Tensor& x, const std::string& act) {
   TORCH_CHECK(false, "moe_experts: activation ", act, " is not supported");
 }
 
+// workers/models/moe_experts.py swiglu: act(gate) * up, clipped where limit > 0 (Ling's
+// min(act(gate), limit) * clamp(up, -limit, limit)).
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, const std::string& act, double limit) {
+  if (limit <= 0) return activate(gate, act) * up;
+  return activate(gate, act).clamp_max(limit) * up.clamp(-limit, limit);
+}
+
 // kernels/cpu_linear.py linear (no bias, no autograd, never traced here): oneDNN from
 // MIN_ROWS rows and MIN_MACS multiply-adds in fp32 where the build has it and the machine
 // prefers it (cpu_linear.prefers_onednn), else at::linear.
@@ -92,7 +99,7 @@ void expert_few_rows_silu(const float* const* h, const int64_t* rows, int64_t n,
 void expert_few_rows(const at::Tensor& x, const int64_t* rows, int64_t n, int64_t k,
                      const float* flat_weights, const std::optional<at::Tensor>& w_gate,
                      const at::Tensor& w_up, const at::Tensor& w_down, int64_t e,
-                     const std::string& act, at::Tensor& out) {
+                     const std::string& act, double limit, at::Tensor& out) {
   const int64_t H = x.size(1), I = w_up.size(1), HO = w_down.size(1);
   const float* xp = x.data_ptr<float>();
   const float* h[SMALL_ROWS];
@@ -102,7 +109,7 @@ void expert_few_rows(const at::Tensor& x, const int64_t* rows, int64_t n, int64_
   // length that is not a multiple of their vector pair with the scalar formula (other bits),
   // so at a padded width every element takes the vector formula whatever n is.
   const int64_t ld = (I + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
-  if (w_gate.has_value() && (act == "silu" || act == "swish")) {
+  if (w_gate.has_value() && (act == "silu" || act == "swish") && limit <= 0) {
     expert_few_rows_silu(h, rows, n, k, flat_weights, w_gate->select(0, e), up_w, down_w, ld, out);
     return;
   }
@@ -113,8 +120,7 @@ void expert_few_rows(const at::Tensor& x, const int64_t* rows, int64_t n, int64_
     const at::Tensor gate_w = w_gate->select(0, e);
     at::Tensor gate = at::zeros({n, ld}, x.options());
     few_rows_gemm(h, n, gate_w.data_ptr<float>(), gate_w.stride(0), I, H, gate.data_ptr<float>(), ld);
-    inner = activate(gate, act);
-    inner.mul_(up);
+    inner = swiglu(gate, up, act, limit);
   } else {
     inner = activate(up, act);
   }
@@ -133,9 +139,10 @@ void expert_few_rows(const at::Tensor& x, const int64_t* rows, int64_t n, int64_
 // add into out -- where ATen's glue made ~8 passes over [n, I] / [n, H] (index, silu, mul,
 // index, mul, add_, index_put). A prefill's experts (~800 rows of 256 x 256 on bench-15m)
 // spent about as long in that glue as in their GEMMs.
-bool many_rows_silu(const at::Tensor& x, const std::optional<at::Tensor>& w_gate, const std::string& act) {
+bool many_rows_silu(const at::Tensor& x, const std::optional<at::Tensor>& w_gate, const std::string& act,
+                    double limit) {
   return x.scalar_type() == at::kFloat && w_gate.has_value() && w_gate->scalar_type() == at::kFloat &&
-         (act == "silu" || act == "swish");
+         (act == "silu" || act == "swish") && limit <= 0;
 }
 
 void expert_many_rows_silu(const at::Tensor& x, const int64_t* rows, int64_t n, int64_t k,
@@ -163,7 +170,7 @@ void expert_many_rows_silu(const at::Tensor& x, const int64_t* rows, int64_t n, 
 // ATen kernels (oneDNN or at::linear, as cpu_linear.linear), op for op as the Python loop.
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights, const at::Tensor& ids,
                        const std::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
-                       const at::Tensor& w_down, std::string act) {
+                       const at::Tensor& w_down, std::string act, double limit) {
   const int64_t k = ids.size(1), num_experts = w_up.size(0), num_rows = ids.numel();
   const at::Tensor x = x_in.contiguous();
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
@@ -185,10 +192,10 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights, const 
     if (n == 0) continue;
     if (few_rows(n, x, w_gate, w_up, w_down) && flat_weights.scalar_type() == at::kFloat) {
       expert_few_rows(x, ord + start[e], n, k, flat_weights.data_ptr<float>(), w_gate, w_up, w_down,
-                      e, act, out);
+                      e, act, limit, out);
       continue;
     }
-    if (many_rows_silu(x, w_gate, act) && flat_weights.scalar_type() == at::kFloat) {
+    if (many_rows_silu(x, w_gate, act, limit) && flat_weights.scalar_type() == at::kFloat) {
       expert_many_rows_silu(x, ord + start[e], n, k, flat_weights.data_ptr<float>(), w_gate->select(0, e),
                             w_up.select(0, e), w_down.select(0, e), out);
       continue;
@@ -198,7 +205,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights, const 
     at::Tensor h = at::index(x, {tokens});
     at::Tensor up = dense(h, w_up.select(0, e));
     at::Tensor inner = w_gate.has_value()
-        ? activate(dense(h, w_gate->select(0, e)), act) * up : activate(up, act);
+        ? swiglu(dense(h, w_gate->select(0, e)), up, act, limit) : activate(up, act);
     at::Tensor y = dense(inner, w_down.select(0, e));
     at::Tensor acc = at::index(out, {tokens});
     acc.add_(y * at::index(flat_weights, {rows}).unsqueeze(1));
@@ -210,7 +217,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights, const 
 TORCH_LIBRARY(hybridserve_native, m) {
   m.def("scatter_rows(Tensor(a!) dst, Tensor index, Tensor src) -> ()");
   m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor? w_gate, Tensor w_up, "
-        "Tensor w_down, str act) -> Tensor");
+        "Tensor w_down, str act, float limit=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybridserve_native, CPU, m) {

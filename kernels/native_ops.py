@@ -137,7 +137,7 @@ def _scatter_rows_fake(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor
 
 
 def _moe_experts_fake(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate: torch.Tensor | None,
-                      w_up: torch.Tensor, w_down: torch.Tensor, act: str) -> torch.Tensor:
+                      w_up: torch.Tensor, w_down: torch.Tensor, act: str, limit: float = 0.0) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_down.shape[1])
 
 

@@ -17,8 +17,10 @@ refused: transformers ignores them and defines no layout to check them against.
 
 Config fields read: those of Kimi-Linear (``head_dim`` for ``linear_head_dim``,
 ``short_conv_kernel_size`` for ``linear_conv_kernel_dim``) plus ``kda_safe_gate``,
-``kda_lower_bound``, ``rope_parameters`` / ``rope_theta``, ``num_mtp_layers``;
-``layer_group_size`` and ``first_k_dense_replace`` arrive as ``layer_types`` /
+``kda_lower_bound``, ``rope_parameters`` / ``rope_theta``, ``num_mtp_layers``, the per-layer
+``expert_swiglu_limit_list`` / ``share_expert_swiglu_limit_list`` (a sparse layer's routed /
+shared experts clip their SwiGLU at the limit, 0 = off, as transformers 5.25 does; 5.24 ignores
+them); ``layer_group_size`` and ``first_k_dense_replace`` arrive as ``layer_types`` /
 ``mlp_layer_types``. Not math: ``mtp_loss_scaling_factor``, dropout, init, router loss.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import nn
 
 from workers.models.base import (HybridDecoderLayer, HybridForCausalLM, check_hybrid_layer_types,
                                  default_rope)
-from workers.models.deepseek_moe import check_mlp_layer_types
+from workers.models.deepseek_moe import SwigluLimits, check_mlp_layer_types, with_swiglu_limits
 from workers.models.kimi_linear import (build_kda_mla_layers, check_mla_heads, kda_dims, mla_dims,
                                         rename_experts)
 from workers.models.layers import RMSNorm, RotaryEmbedding
@@ -43,6 +45,25 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _RENAMES = ((".attention.", ".self_attn."), (".self_attn.dense.", ".self_attn.o_proj."),
             (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"),
             (".forget_gate.", "."))
+LIMIT_FIELDS = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")   # routed, shared
+
+
+def limit_list(cfg: Any, field: str) -> list[float]:
+    """One of ``LIMIT_FIELDS``: a limit >= 0 per decoder layer (absent: all 0, no clipping)."""
+    raw = getattr(cfg, field, None)
+    if raw is None:
+        return [0.0] * cfg.num_hidden_layers
+    if not isinstance(raw, (list, tuple)) or len(raw) != cfg.num_hidden_layers:
+        raise ValueError(f"{field}={raw!r} must list one limit per layer "
+                         f"(num_hidden_layers={cfg.num_hidden_layers})")
+    bad = [v for v in raw if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0]
+    if bad:
+        raise ValueError(f"{field} has entries {bad}: each limit must be a number >= 0 (0 = off)")
+    return [float(v) for v in raw]
+
+
+def swiglu_limits(cfg: Any) -> list[SwigluLimits]:
+    return [SwigluLimits(r, s) for r, s in zip(*(limit_list(cfg, f) for f in LIMIT_FIELDS))]
 
 
 class BailingHybridForCausalLM(HybridForCausalLM):
@@ -56,13 +77,17 @@ class BailingHybridForCausalLM(HybridForCausalLM):
         check_mla_heads(cfg)
         mla_dims(cfg, "interleaved", head_gate=True).validate()
         default_rope(cfg, cfg.qk_rope_head_dim, partial_factor=1.0)
+        swiglu_limits(cfg)
 
     def _build_layers(self, cfg: Any, dtype: torch.dtype,
                       sites: StateSites) -> tuple[list[HybridDecoderLayer], RMSNorm]:
         gate = "bailing" if cfg.kda_safe_gate else "bailing_softplus"
         kda = kda_dims(cfg, gate, float(cfg.kda_lower_bound))
-        return build_kda_mla_layers(cfg, dtype, sites, kda,
-                                    mla_dims(cfg, "interleaved", head_gate=True))
+        layers, norm = build_kda_mla_layers(cfg, dtype, sites, kda,
+                                            mla_dims(cfg, "interleaved", head_gate=True))
+        for layer, limits in zip(layers, swiglu_limits(cfg)):
+            layer.mlp = with_swiglu_limits(layer.mlp, limits)
+        return layers, norm
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
         return default_rope(cfg, cfg.qk_rope_head_dim, partial_factor=1.0)

@@ -8,28 +8,57 @@ ungated-sum SwiGLU MLP of ``moe_intermediate_size * n_shared_experts``. Checkpoi
 the block: ``gate.weight`` (fp32), ``gate.e_score_correction_bias``,
 ``experts.{e}.{gate,up,down}_proj.weight``, ``shared_experts.*`` (families rename their own
 layouts onto these in ``checkpoint_name``).
+
+``with_swiglu_limits`` clips a sparse block's SwiGLUs, routed and shared experts each by its
+own limit (``moe_experts.swiglu``; BailingHybrid's per-layer lists); a dense layer's MLP is
+never clipped, as in transformers.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from workers.models.layers import DenseMLP
 from workers.models.moe import MoeDims, SparseMoE
+from workers.models.moe_experts import swiglu
 from workers.models.weights import WeightTarget, module_targets
 
 DENSE, SPARSE = "dense", "sparse"
 
 
+class SwigluLimits(NamedTuple):
+    """One layer's clipped-SwiGLU limits (0 = off)."""
+
+    routed: float = 0.0
+    shared: float = 0.0
+
+
+class ClippedMLP(DenseMLP):
+    """A SwiGLU MLP whose inner activation is clipped at ``limit`` (``moe_experts.swiglu``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *, act: str,
+                 limit: float) -> None:
+        super().__init__(hidden_size, intermediate_size, dtype, act=act)
+        self.limit = limit
+
+    def _inner(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return swiglu(self.act, g, u, self.limit)
+
+
 class RoutedSharedMoE(nn.Module):
     """``routed(x) + shared_experts(x)``; under TP both shard by their intermediate dims."""
 
-    def __init__(self, dims: MoeDims, shared_intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, dims: MoeDims, shared_intermediate_size: int, dtype: torch.dtype,
+                 shared_limit: float = 0.0) -> None:
         super().__init__()
         self.routed = SparseMoE(dims, dtype)
-        self.shared_experts = DenseMLP(dims.hidden_size, shared_intermediate_size, dtype, act=dims.act)
+        self.shared_experts = (
+            ClippedMLP(dims.hidden_size, shared_intermediate_size, dtype, act=dims.act, limit=shared_limit)
+            if shared_limit > 0 else
+            DenseMLP(dims.hidden_size, shared_intermediate_size, dtype, act=dims.act))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x) + self.shared_experts(x)
@@ -67,3 +96,13 @@ def build_ffn(cfg: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         raise ValueError(f"n_shared_experts={cfg.n_shared_experts}: transformers always builds "
                          "the shared experts (moe_intermediate_size * n_shared_experts)")
     return RoutedSharedMoE(moe_dims(cfg), cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
+
+
+def with_swiglu_limits(ffn: nn.Module, limits: SwigluLimits) -> nn.Module:
+    """``ffn`` (``build_ffn``'s, weights not loaded yet) with its SwiGLUs clipped at ``limits``:
+    a ``RoutedSharedMoE`` rebuilt with them, a dense MLP (or no limit) returned as is."""
+    if not isinstance(ffn, RoutedSharedMoE) or limits == SwigluLimits():
+        return ffn
+    dims = replace(ffn.routed.dims, swiglu_limit=limits.routed)
+    return RoutedSharedMoE(dims, ffn.shared_experts.intermediate_size, ffn.routed.w_up.dtype,
+                           shared_limit=limits.shared)

@@ -1,8 +1,9 @@
 """Top-k mixture of experts with an optional gated shared expert.
 
 Experts are stacked ``[E, ...]`` parameters (gate, up, down kept apart so they shard by
-expert or by the intermediate dim); an expert is ``down(act(gate(x)) * up(x))``, or
-``down(act(up(x)))`` without a gate (``gated=False``). Three routing rules and their layouts:
+expert or by the intermediate dim); an expert is ``down(act(gate(x)) * up(x))`` (clipped with
+``swiglu_limit``, ``moe_experts.swiglu``), or ``down(act(up(x)))`` without a gate
+(``gated=False``). Three routing rules and their layouts:
 
 - ``style="qwen"`` (Qwen2/3-MoE, Qwen3-Next): softmax over all experts, top-k, optional
   renormalisation; checkpoint ``gate.weight``, ``experts.{e}.{gate,up,down}_proj.weight``,
@@ -45,7 +46,7 @@ from torch import nn
 from kernels import native_ops
 from kernels.static import tracing
 from workers.models.layers import DenseMLP, activation, linear, param
-from workers.models.moe_experts import expert_loop, expert_loop_op
+from workers.models.moe_experts import expert_loop, expert_loop_op, swiglu
 from workers.models.weights import WeightTarget, module_targets, split, whole
 
 STYLES = ("qwen", "granite", "sigmoid_grouped")
@@ -68,10 +69,14 @@ class MoeDims:
     routed_scaling_factor: float = 1.0
     score_bias: bool = True         # sigmoid_grouped: the choice adds a correction bias
     norm_eps: float = 1e-20         # sigmoid_grouped: renormalisation sum + eps (LFM2-MoE 1e-6)
+    swiglu_limit: float = 0.0       # > 0: Ling's clipped SwiGLU (``moe_experts.swiglu``)
 
     def validate(self) -> None:
         if self.style not in STYLES:
             raise ValueError(f"unknown MoE style {self.style!r}")
+        if self.swiglu_limit < 0 or (self.swiglu_limit > 0 and not self.gated):
+            raise ValueError(f"swiglu_limit={self.swiglu_limit} needs gated experts and a limit "
+                             ">= 0 (0 = off)")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in 1..{self.num_experts}")
         if self.style == "sigmoid_grouped":
@@ -171,16 +176,21 @@ class SparseMoE(nn.Module):
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         d = self.dims
         if not tracing():
-            return expert_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
+            return expert_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act,
+                               d.swiglu_limit)
         if x.device.type == "cpu" and torch.compiler.is_compiling() and loop_op_is_cheaper(x, d):
-            return expert_loop_op()(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act)
+            return expert_loop_op()(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act,
+                                    d.swiglu_limit)
         return self._routed_static(x, weights, ids)
 
     def _expert(self, h: torch.Tensor, up_w: torch.Tensor, gate_w: torch.Tensor | None,
                 down_w: torch.Tensor, spec_in: str, spec_out: str) -> torch.Tensor:
         """Expert MLPs batched by einsum: ``spec_in`` for gate / up, ``spec_out`` for down."""
         up = torch.einsum(spec_in, h, up_w)
-        inner = self.act(up) if gate_w is None else self.act(torch.einsum(spec_in, h, gate_w)) * up
+        if gate_w is None:
+            inner = self.act(up)
+        else:
+            inner = swiglu(self.act, torch.einsum(spec_in, h, gate_w), up, self.dims.swiglu_limit)
         return torch.einsum(spec_out, inner, down_w)
 
     def _routed_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

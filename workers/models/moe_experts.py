@@ -9,6 +9,9 @@ token. ``expert_loop``, the eager path, runs the loop's C++ twin on CPU once
 with a fused kernel for experts of few fp32 rows (a decode step's: ~1.6x faster, its sums in
 another order), so eager and compiled steps keep computing the same bits.
 
+Every form takes ``limit`` (Ling's clipped SwiGLU, 0 = off): a gated expert's inner
+activation is then ``min(act(gate), limit) * clamp(up, -limit, limit)`` (``swiglu``).
+
 ``hybridserve::moe_experts`` is the same loop as one opaque op for a compiled CPU step of a
 batch too large for the static formulation to be the cheaper (``moe.static_is_cheaper``):
 inductor cannot trace a data-dependent loop, but on CPU reading the counts is a read of host
@@ -18,6 +21,8 @@ static formulation (``SparseMoE._routed_static``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -25,18 +30,25 @@ from kernels import cpu_linear, native_ops
 from workers.models.layers import activation
 
 
+def swiglu(fn: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """``fn(gate) * up``; with ``limit`` > 0 clipped: ``min(fn(gate), limit) * clamp(up, -limit, limit)``."""
+    if limit <= 0:
+        return fn(gate) * up
+    return fn(gate).clamp(max=limit) * up.clamp(-limit, limit)
+
+
 def expert_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
-                w_down: Tensor, act: str) -> Tensor:
+                w_down: Tensor, act: str, limit: float = 0.0) -> Tensor:
     """The eager routed experts: the native loop on CPU where it builds, else ``reference_loop``."""
     if x.device.type == "cpu" and (native_ops.loaded() or native_ops.load()):   # no lock once loaded
-        return torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, act)
-    return reference_loop(x, weights, ids, w_gate, w_up, w_down, act)
+        return torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, act, limit)
+    return reference_loop(x, weights, ids, w_gate, w_up, w_down, act, limit)
 
 
 def reference_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
-                   w_down: Tensor, act: str) -> Tensor:
+                   w_down: Tensor, act: str, limit: float = 0.0) -> Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H]; experts are
-    ``down(act(gate(x)) * up(x))``, or ``down(act(up(x)))`` without a gate."""
+    ``down(swiglu(act, gate(x), up(x), limit))``, or ``down(act(up(x)))`` without a gate."""
     fn = activation(act)
     k = ids.shape[1]
     flat_ids = ids.reshape(-1)                               # [T*k], row r = token r // k
@@ -53,7 +65,7 @@ def reference_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | Non
         tokens = rows // k
         h = x[tokens]
         up = cpu_linear.linear(h, w_up[e])
-        inner = fn(up) if w_gate is None else fn(cpu_linear.linear(h, w_gate[e])) * up
+        inner = fn(up) if w_gate is None else swiglu(fn, cpu_linear.linear(h, w_gate[e]), up, limit)
         y = cpu_linear.linear(inner, w_down[e])
         # a token picks an expert at most once, so ``tokens`` has no repeats; index_add_
         # would be equal but is very slow on CPU for small inputs (torch 2.13)
@@ -63,13 +75,13 @@ def reference_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | Non
 
 @torch.library.custom_op("hybridserve::moe_experts", mutates_args=(), device_types="cpu")
 def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
-                w_down: Tensor, act: str) -> Tensor:
-    return reference_loop(x, weights, ids, w_gate, w_up, w_down, act)
+                w_down: Tensor, act: str, limit: float = 0.0) -> Tensor:
+    return reference_loop(x, weights, ids, w_gate, w_up, w_down, act, limit)
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
-                      w_down: Tensor, act: str) -> Tensor:
+                      w_down: Tensor, act: str, limit: float = 0.0) -> Tensor:
     return x.new_empty(x.shape[0], w_down.shape[1])
 
 
