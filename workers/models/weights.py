@@ -9,6 +9,12 @@ per-expert tensor lands in one row of a stacked ``[E, ...]`` parameter.
 loaded (else ValueError naming the missing ones), shapes equal (else ValueError naming the
 tensor and both shapes), no unknown tensor (else ValueError naming it) except ``mtp.*``,
 which is returned aside for the MTP head.
+
+Tied tensors (an optional alias writing the parameters of a required target: a tied
+``lm_head.weight``, Zamba2's repeated shared blocks) follow transformers' rule for a tie the
+checkpoint may not honour: the alias alone fills the parameters (and counts for the target);
+both present and equal are one tensor; both present and different are refused with a
+ValueError naming both (transformers unties them, which a tied model here cannot).
 """
 from __future__ import annotations
 
@@ -75,11 +81,74 @@ def _copy_into(name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
             dst.copy_(src)
 
 
+Key = tuple[object, ...]
+
+
+def _dst_key(target: WeightTarget) -> Key:
+    """What ``target`` writes: its parts' tensors (by memory; by object on the meta device)."""
+    return tuple((id(d) if d.is_meta else (d.device, d.data_ptr(), tuple(d.shape), d.stride()), dim)
+                 for d, dim in target.parts)
+
+
+class _Aliases:
+    """Optional targets that write a required target's parameters (see the module docstring),
+    as the checkpoint streams: each is checked against its owner once the owner is loaded and
+    held until then; those whose owners never come fill the parameters at ``finish``."""
+
+    def __init__(self, targets: Mapping[str, WeightTarget]) -> None:
+        self.targets = targets
+        self.owners: dict[Key, list[str]] = {}
+        for name, target in targets.items():
+            if target.required:
+                self.owners.setdefault(_dst_key(target), []).append(name)
+        self.loaded_owner: dict[Key, str] = {}
+        self.pending: dict[Key, list[tuple[str, torch.Tensor]]] = {}
+
+    def owner_loaded(self, name: str) -> None:
+        key = _dst_key(self.targets[name])
+        self.loaded_owner.setdefault(key, name)
+        for alias, tensor in self.pending.pop(key, []):
+            self._check(alias, tensor, name)
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        """An optional target's tensor; False (not taken) where no required target owns its
+        parameters (it is then simply loaded)."""
+        key = _dst_key(self.targets[name])
+        if key not in self.owners:
+            return False
+        owner = self.loaded_owner.get(key)
+        if owner is None:
+            self.pending.setdefault(key, []).append((name, tensor))
+        else:
+            self._check(name, tensor, owner)
+        return True
+
+    def finish(self) -> set[str]:
+        """Load the aliases held for owners that never came; -> those owners' names."""
+        filled: set[str] = set()
+        for key, held in self.pending.items():
+            (first, tensor), rest = held[0], held[1:]
+            _copy_into(first, self.targets[first], tensor)
+            for alias, other in rest:
+                self._check(alias, other, first)
+            filled.update(self.owners[key])
+        return filled
+
+    def _check(self, name: str, tensor: torch.Tensor, owner: str) -> None:
+        parts = [d for d, _ in self.targets[name].parts]
+        current = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.targets[name].parts[0][1])
+        if not torch.equal(current, tensor.to(current)):
+            raise ValueError(f"the checkpoint has {owner!r} and {name!r}, which the config ties "
+                             "(tie_word_embeddings), with different values: transformers serves them "
+                             "untied; set tie_word_embeddings to false to serve this checkpoint")
+
+
 def load_named_weights(targets: Mapping[str, WeightTarget],
                        weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Copy ``weights`` into ``targets``; returns the ``mtp.*`` tensors kept aside."""
     loaded: set[str] = set()
     mtp: dict[str, torch.Tensor] = {}
+    aliases = _Aliases(targets)
     for name, tensor in weights:
         if name.startswith(MTP_PREFIX):
             mtp[name] = tensor
@@ -88,8 +157,13 @@ def load_named_weights(targets: Mapping[str, WeightTarget],
         if target is None:
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint "
                              f"(shape {tuple(tensor.shape)}); the model has no such weight")
-        _copy_into(name, target, tensor)
+        shape_ok = tuple(tensor.shape) == target.shape
+        if target.required or not shape_ok or not aliases.take(name, tensor):
+            _copy_into(name, target, tensor)            # a wrong shape raises, naming both
+            if target.required:
+                aliases.owner_loaded(name)
         loaded.add(name)
+    loaded |= aliases.finish()
     missing = sorted(n for n, t in targets.items() if t.required and n not in loaded)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:8])

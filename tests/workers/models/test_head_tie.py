@@ -8,6 +8,8 @@ attention blocks only when tied. Cheap on purpose: prefill and one decode, no en
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -53,4 +55,56 @@ def test_untied_zamba2_requires_every_block_copy(tmp_path) -> None:
     save_file({n: t for n, t in tensors.items() if not n.startswith(reuse)},
               str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"missing .*{reuse}"):
+        load_model(ckpt, torch.float32, "cpu")
+
+
+def _retie(ckpt, edit) -> None:
+    """Rewrite the checkpoint's tensors by ``edit(dict)``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("form", ["lm_head_equal", "lm_head_only"])
+def test_tied_checkpoint_that_carries_its_head_matches_transformers(form: str, tmp_path) -> None:
+    """A tied config whose checkpoint has ``lm_head.weight`` too (equal), or only it: transformers
+    ties them to the one tensor there is, and so do we."""
+    from workers.loader import load_model
+    from workers.models.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("granitemoehybrid", tmp_path, seed=3, tie_word_embeddings=True)
+    embed = "model.embed_tokens.weight"
+
+    def edit(tensors: dict) -> None:
+        tensors["lm_head.weight"] = tensors[embed].clone()
+        if form == "lm_head_only":
+            del tensors[embed]
+    _retie(ckpt, edit)
+    model, oracle = load_model(ckpt, torch.float32, "cpu").model, HFOracle(ckpt)
+    check_prefill_and_one_decode(model, oracle, PROMPT_LENGTHS, seed=4)
+
+
+@pytest.mark.parametrize("arch", ["granitemoehybrid", "zamba2"])
+def test_tied_tensors_that_differ_are_refused(arch: str, tmp_path) -> None:
+    """transformers unties tied tensors that differ in the checkpoint; a tied model here cannot,
+    so it refuses, naming both (no silent choice of one)."""
+    from workers.loader import load_model
+    from workers.models.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(arch, tmp_path, seed=3, tie_word_embeddings=True)
+    if arch == "zamba2":           # block 0 repeated under its second user, one value changed
+        hybrid = [i for i, k in enumerate(json.loads((ckpt / "config.json").read_text())
+                                          ["layers_block_type"]) if k == "hybrid"]
+        owner = f"model.layers.{hybrid[0]}.shared_transformer.pre_ff_layernorm.weight"
+        alias = owner.replace(f"layers.{hybrid[0]}.", f"layers.{hybrid[2]}.")
+    else:
+        owner, alias = "model.embed_tokens.weight", "lm_head.weight"
+
+    def edit(tensors: dict) -> None:
+        tensors[alias] = tensors[owner].clone()
+        tensors[alias][0] += 1.0
+    _retie(ckpt, edit)
+    with pytest.raises(ValueError, match=f"{owner}.*{alias}.*different values"):
         load_model(ckpt, torch.float32, "cpu")
