@@ -47,8 +47,7 @@ MODES: dict[str, dict[str, Any]] = {
     "mtp": {"spec": {"method": "mtp", "num_draft_tokens": 3}},
 }
 BATCHES = (1, 8, 32, 128, 256, 512)
-PROMPT_LEN, PAGE_SIZE = 8, 16
-ADMIT_STEPS = 16                 # steps allowed for every request to get its first token
+PAGE_SIZE = 16
 BATCH_SOURCE = "scheduler.schedule"   # returns the launched batch (``.seqs``) or None
 OVERLAP_COUNTER = "hybridserve_overlapped_steps_total"
 
@@ -83,6 +82,8 @@ class Settings:
     min_request_steps: int = 512
     device: str = "cpu"
     seed: int = 0
+    prompt_len: int = 8
+    admit_steps: int = 16        # steps allowed for every request to get its first token
 
     def steps_for(self, batch: int) -> int:
         return max(self.steps, math.ceil(self.min_request_steps / batch))
@@ -104,7 +105,7 @@ def build_model(out_dir: Path) -> Path:
 
 def max_tokens(settings: Settings, batch: int, k: int) -> int:
     """Enough that no request finishes before its window ends (k + 1 tokens a step at most)."""
-    return (ADMIT_STEPS + settings.warmup + settings.steps_for(batch) + 2) * (k + 1)
+    return (settings.admit_steps + settings.warmup + settings.steps_for(batch) + 2) * (k + 1)
 
 
 def build_engine(model_dir: Path, mode: str, settings: Settings) -> Any:
@@ -112,12 +113,12 @@ def build_engine(model_dir: Path, mode: str, settings: Settings) -> Any:
     from workers.engine import Engine
 
     k = int(MODES[mode].get("spec", {}).get("num_draft_tokens", 0))
-    tokens = max(b * (PROMPT_LEN + max_tokens(settings, b, k) + k + PAGE_SIZE) for b in settings.batches)
+    tokens = max(b * (settings.prompt_len + max_tokens(settings, b, k) + k + PAGE_SIZE) for b in settings.batches)
     biggest = max(settings.batches)
     overrides = dict(model=str(model_dir), device=settings.device, dtype="float32",
                      cache={"page_size": PAGE_SIZE, "max_kv_tokens": tokens},
                      scheduler={"max_running_requests": biggest,
-                                "max_batch_tokens": max(4096, biggest * max(PROMPT_LEN, k + 1))},
+                                "max_batch_tokens": max(4096, biggest * max(settings.prompt_len, k + 1))},
                      **MODES[mode])
     return Engine(load_config(overrides=overrides))
 
@@ -163,20 +164,21 @@ def add_requests(engine: Any, batch: int, settings: Settings, k: int) -> list[st
     params = SamplingParams(max_tokens=max_tokens(settings, batch, k), temperature=0.0, ignore_eos=True)
     ids = [f"ho-{batch}-{i}" for i in range(batch)]
     for rid in ids:
-        engine.add_request(rid, [rng.randrange(3, engine.vocab_size - 8) for _ in range(PROMPT_LEN)], params)
+        engine.add_request(rid, [rng.randrange(3, engine.vocab_size - 8) for _ in range(settings.prompt_len)],
+                           params)
     return ids
 
 
-def until_decoding(engine: Any, ids: list[str]) -> None:
+def until_decoding(engine: Any, ids: list[str], max_steps: int) -> None:
     """Step until every request has an output token: all admitted and past prefill."""
     waiting = set(ids)
-    for _ in range(ADMIT_STEPS):
+    for _ in range(max_steps):
         for out in engine.step():
             if getattr(out, "new_token_ids", True):
                 waiting.discard(out.request_id)
         if not waiting:
             return
-    raise RuntimeError(f"{len(waiting)} of {len(ids)} requests had no token after {ADMIT_STEPS} steps")
+    raise RuntimeError(f"{len(waiting)} of {len(ids)} requests had no token after {max_steps} steps")
 
 
 def drain(engine: Any, ids: list[str]) -> None:
@@ -190,7 +192,7 @@ def measure(engine: Any, probe: Probe, counter: BatchCounter, mode: str, batch: 
             settings: Settings, wrapper_s: float) -> Point:
     k = int(MODES[mode].get("spec", {}).get("num_draft_tokens", 0))
     ids = add_requests(engine, batch, settings, k)
-    until_decoding(engine, ids)
+    until_decoding(engine, ids, settings.admit_steps)
     for _ in range(settings.warmup):
         engine.step()
     steps = settings.steps_for(batch)

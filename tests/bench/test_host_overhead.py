@@ -147,7 +147,7 @@ def calls_per_request_step(engine, counter: CallCounter, mode: str, batch: int, 
                            steps: int = 4) -> float:
     """Calls per request and step in a steady decode window of ``steps`` steps."""
     ids = H.add_requests(engine, batch, settings, 3 if mode == "mtp" else 0)
-    H.until_decoding(engine, ids)
+    H.until_decoding(engine, ids, settings.admit_steps)
     for _ in range(2):
         engine.step()
     total = counter.count(lambda: [engine.step() for _ in range(steps)])

@@ -1,35 +1,36 @@
-"""Stage (c) of the device checks: decode throughput of a ~1B random Qwen3-Next against the
-HBM bandwidth bound, with CUDA graphs off and on.
+"""Stage (c) of the device checks, its step rows: one decode step of a ~1B dense and a ~2B MoE
+random Qwen3-Next, eager and captured as a CUDA graph, against the HBM bandwidth bound (the
+engine's rows: ``bench_engine``; the stage's plan: ``bench_stage``).
 
-The model has Qwen3-Next's real head dims (attention 16 query / 2 KV heads of 256; GDN 16 key
-/ 32 value heads of 128), hidden 2048 and 16 layers (12 GDN, 4 attention), with a dense
-SwiGLU MLP (5632) in every layer: 1.07B parameters in bf16, drawn on the GPU (no checkpoint
-on disk). Dense rather than MoE: eagerly our MoE layer reads its per-expert token counts on
-the host (``workers/models/moe.py``; only its traced formulation, which compiled steps run,
-is free of host reads), and the hand-captured graph below runs the step as it is.
+The dense model has Qwen3-Next's real head dims (attention 16 query / 2 KV heads of 256; GDN
+16 key / 32 value heads of 128), hidden 2048 and 16 layers (12 GDN, 4 attention), with a
+dense SwiGLU MLP (5632) in every layer: 1.07B parameters in bf16, drawn on the GPU (no
+checkpoint on disk). The MoE model is the same with a top-8 of 64 experts (256 wide) and a
+shared expert (1024) in every layer: 2.2B parameters, ~0.8B active per token.
 
 Per batch size, one decode step at context ``CONTEXT`` (every sequence decoding its next
 token):
 - eager: the model's forward and logits on a decode-only ``ForwardBatch``, every op in its
   Triton kernel (GDN update, conv update, norms, paged attention: the ``triton`` backend, so
-  FlashInfer, whose plain wrappers a graph cannot hold, is left out even where installed);
-- CUDA graph: the same step captured by hand with ``torch.cuda.CUDAGraph`` and replayed
-  (the ops take their traced formulation while the stream captures: ``kernels.static``). The
-  graph's logits are checked against the eager step's on the same pool contents; a step that
-  reads the host (``host_reads``) is named and not captured. The dry run (CPU) runs the same
-  bookkeeping without a graph;
-- engine: tokens/s of ``Engine.step`` decoding (scheduler, sampling, output processing
-  included; the ``auto`` backend), from two runs that differ only in their number of decode
-  steps: eager, and with the engine's compiled steps (``compile.enabled``, one bucket of the
-  row's batch size: inductor + CUDA graphs, ``workers/compiled``). The compiled engine runs on
-  the GPU only (the dry run's CPU would spend its stage budget compiling).
+  FlashInfer, whose plain wrappers a graph cannot hold, is left out even where installed); the
+  MoE's experts through its per-expert loop, which reads the per-expert counts on the host;
+- CUDA graph: the same step in the formulation a compiled step runs
+  (``kernels.static.static_formulation``), captured by hand with ``torch.cuda.CUDAGraph`` and
+  replayed. The graph's logits are checked against that formulation's eager step on the same
+  pool contents; a step that reads the host (``host_reads``) is named and not captured. The
+  dry run (CPU) runs the same bookkeeping without a graph.
 
-The bound counts what a step must move at least once: every weight, each sequence's
+There is no grouped expert kernel on CUDA (``workers/models/moe.py``): a captured MoE step
+gathers each (token, choice)'s expert weights when T*k < E and otherwise runs every expert on
+every token (E/k times the expert rows a grouped kernel would compute); the ``experts``
+column says which, so the MoE rows are not read as a grouped kernel's.
+
+The bound counts what a step must move at least once: every weight (of the routed experts,
+those some token picks: their expected number under uniform routing), each sequence's
 recurrent states (read and written, fp32) and its KV, over ``--bandwidth-gbs`` (4.8 TB/s).
 """
 from __future__ import annotations
 
-import itertools
 import tempfile
 import time
 import traceback
@@ -39,7 +40,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from kernels import backend
-from tests.gpu.common import Compared, Deadline, Report, compare, cuda_ms
+from kernels.static import static_formulation
+from tests.gpu.common import Compared, compare, cuda_ms
 from tests.gpu.host_reads import host_reads
 
 ONE_B = dict(hidden_size=2048, num_hidden_layers=16,
@@ -48,27 +50,33 @@ ONE_B = dict(hidden_size=2048, num_hidden_layers=16,
              linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
              linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=5632,
              mlp_only_layers=list(range(16)))
+MOE_2B = dict(ONE_B, mlp_only_layers=[], num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+              shared_expert_intermediate_size=1024, decoder_sparse_step=1, norm_topk_prob=True)
 TOY = dict(ONE_B, hidden_size=64, num_hidden_layers=4, layer_types=ONE_B["layer_types"][:4],
            num_attention_heads=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
            linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=128,
            mlp_only_layers=list(range(4)))
-BATCHES, TOY_BATCHES = [1, 32, 128], [2]
+TOY_MOE = dict(TOY, mlp_only_layers=[], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)
+MODELS = {"dense": ONE_B, "moe": MOE_2B}
+TOY_MODELS = {"dense": TOY, "moe": TOY_MOE}
+BATCHES, TOY_BATCHES = [1, 32, 128, 256], [2]
 CONTEXT, PAGE_SIZE = 512, 16
-ENGINE_PROMPT, ENGINE_WARM, ENGINE_STEPS = 32, 4, 32
-COLUMNS = ["batch", "context", "GB/step", "bound tok/s", "eager ms", "eager tok/s", "eager % bound",
-           "graph ms", "graph tok/s", "graph % bound", "graph vs eager logits", "engine tok/s",
-           "engine compiled tok/s", "compiled start-up s"]
-
-
-class EngineRun(NamedTuple):
-    tok_s: float                # decode tokens/s
-    startup_s: float            # building the engine, its compiled steps' compilation included
+COLUMNS = ["model", "experts (captured step)", "batch", "context", "GB/step", "bound tok/s", "eager ms",
+           "eager tok/s", "graph ms", "graph tok/s", "graph % bound", "graph vs eager logits"]
 
 
 class Bench(NamedTuple):
     model: Any                  # HybridForCausalLM
     hf_config: Any
     model_dir: Path             # config.json + tokenizer: what the engine is built from
+
+
+class StepRow(NamedTuple):
+    cells: list[object]         # one per COLUMNS
+    ok: bool                    # the step captured, graph logits = eager logits
+    bound_tok_s: float
+    graph_tok_s: float | None
 
 
 def build(dims: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Bench:
@@ -90,8 +98,37 @@ def build(dims: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -
     return Bench(model.eval(), cfg, out)
 
 
+def _moe_layers(model: Any) -> list[Any]:
+    from workers.models.moe import SparseMoE
+
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def weight_bytes(model: Any, num_tokens: int) -> float:
+    """Weight bytes a step of ``num_tokens`` tokens reads at least: every weight, but of each
+    MoE layer's routed experts only those some token picks (expected under uniform routing:
+    E * (1 - (1 - k/E)^T) of E)."""
+    total = float(sum(p.numel() * p.element_size() for p in model.parameters()))
+    for moe in _moe_layers(model):
+        experts = sum(w.numel() * w.element_size() for w in (moe.w_gate, moe.w_up, moe.w_down) if w is not None)
+        e, k = moe.dims.num_experts, moe.dims.top_k
+        total -= experts * (1 - k / e) ** num_tokens
+    return total
+
+
+def experts_path(model: Any, num_tokens: int) -> str:
+    """What a captured step computes for the routed experts (``SparseMoE._routed_static``)."""
+    moes = _moe_layers(model)
+    if not moes:
+        return "dense MLP"
+    e, k = moes[0].dims.num_experts, moes[0].dims.top_k
+    if num_tokens * k < e:
+        return f"gathered rows ({num_tokens * k} of {e} experts' weights read per layer)"
+    return f"every expert on every token: {e / k:g}x the rows; no grouped kernel"
+
+
 def decode_step(bench: Bench, batch: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[Callable[[], torch.Tensor], Any, int]:
+                dtype: torch.dtype) -> tuple[Callable[[], torch.Tensor], Any, float]:
     """(step -> logits, the pools, bytes the step must move) for ``batch`` sequences each
     decoding position ``CONTEXT`` (distinct pages and slots; slot 0 / page 0 unused)."""
     from workers.device_pools import build_pools
@@ -116,9 +153,8 @@ def decode_step(bench: Bench, batch: int, device: torch.device,
         hidden = model(fb, pools)
         return model.compute_logits(hidden[fb.logits_indices])
 
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     per_seq = 2 * spec.bytes_per_slot(dtype) + (CONTEXT + 1) * spec.bytes_per_token(dtype)
-    return step, pools, weights + batch * per_seq
+    return step, pools, weight_bytes(model, batch) + batch * per_seq
 
 
 def _pool_tensors(pools: Any) -> list[torch.Tensor]:
@@ -159,85 +195,31 @@ def graph_step(step: Step, pools: Any, capture: Capture) -> tuple[Callable[[], A
     return replay, compare(logits, eager, 1e-2, 1e-2)
 
 
-def engine_tok_s(bench: Bench, batch: int, device: torch.device, dtype: torch.dtype,
-                 compiled: bool = False) -> EngineRun:
-    """Decode tokens/s of the engine (eager, or with its compiled steps at bucket ``batch``):
-    (long run - short run) / their extra tokens; and its start-up time."""
-    from configs.schema import load_config
-    from workers.engine import Engine
-    from workers.loader import LoadedModel
-    from workers.sampling_params import SamplingParams
-
-    loaded = LoadedModel(bench.model, bench.hf_config)
-    engine_cls = type("PrebuiltEngine", (Engine,), {"_load_model": lambda self, _dir: loaded})
-    tokens = ENGINE_PROMPT + ENGINE_WARM + ENGINE_STEPS + PAGE_SIZE
-    config = load_config(overrides=dict(
-        model=str(bench.model_dir), device=device.type, dtype=str(dtype).replace("torch.", ""),
-        cache={"page_size": PAGE_SIZE, "max_kv_tokens": batch * tokens,
-               "enable_prefix_cache": False},
-        scheduler={"max_running_requests": batch, "max_batch_tokens": 8192,
-                   "chunked_prefill_size": 4096},
-        compile={"enabled": compiled, "batch_sizes": [batch]}))
-    t0 = time.perf_counter()
-    engine = engine_cls(config)
-    startup_s = time.perf_counter() - t0
-    ids = itertools.count()
-    gen = torch.Generator().manual_seed(1)
-
-    def run(max_tokens: int) -> float:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for prompt in torch.randint(10, 500, (batch, ENGINE_PROMPT), generator=gen).tolist():
-            engine.add_request(f"bench-{next(ids)}", prompt, params)
-        _sync(device)
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        _sync(device)
-        return time.perf_counter() - t0
-
-    try:
-        run(ENGINE_WARM)                           # compile and warm every kernel
-        short, long = run(ENGINE_WARM), run(ENGINE_WARM + ENGINE_STEPS)
-    finally:
-        engine.runner.shutdown()
-    return EngineRun(batch * ENGINE_STEPS / max(long - short, 1e-9), startup_s)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def bench_batch(bench: Bench, batch: int, device: torch.device, dtype: torch.dtype,
-                bandwidth_gbs: float, iters: int) -> tuple[list[object], bool]:
-    """One table row (see ``COLUMNS``) and whether its checks passed (the step captured, graph
-    logits = eager logits, the engine ran)."""
+def step_row(name: str, bench: Bench, batch: int, device: torch.device, dtype: torch.dtype,
+             bandwidth_gbs: float, iters: int) -> StepRow:
+    """One table row (see ``COLUMNS``); ok when the step captured and its logits matched."""
     with torch.inference_mode(), backend.use_backend("triton"):
         step, pools, nbytes = decode_step(bench, batch, device, dtype)
         bound_ms = nbytes / (bandwidth_gbs * 1e6)
         eager_ms = _time(step, iters)
         capture = capture_cuda if device.type == "cuda" else capture_eager
-        graph_ms, graph_cell, graph_ok = _graph_columns(step, pools, capture, iters)
+        with static_formulation():          # what a compiled step runs (no host reads)
+            graph_ms, graph_cell, graph_ok = _graph_columns(step, pools, capture, iters)
         del pools
-    engine = _engine_or_error(bench, batch, device, dtype)
-    compiled = (_engine_or_error(bench, batch, device, dtype, compiled=True) if device.type == "cuda"
-                else "n/a (dry run)")
-    startup = compiled.startup_s if isinstance(compiled, EngineRun) else None
 
     def tok_s(ms: float | None) -> float | None:
         return None if ms is None else batch * 1e3 / ms
 
     def pct(ms: float | None) -> str | None:
         return None if ms is None else f"{100 * bound_ms / ms:.1f}%"
-    cells = [batch, CONTEXT, nbytes / 1e9, tok_s(bound_ms), eager_ms, tok_s(eager_ms),
-             pct(eager_ms), graph_ms, tok_s(graph_ms), pct(graph_ms), graph_cell, _tok_s_cell(engine),
-             _tok_s_cell(compiled), startup]
-    return cells, graph_ok and not isinstance(engine, str) and (device.type != "cuda"
-                                                               or not isinstance(compiled, str))
-
-
-def _tok_s_cell(run: object) -> object:
-    return run.tok_s if isinstance(run, EngineRun) else run
+    cells = [name, experts_path(bench.model, batch), batch, CONTEXT, nbytes / 1e9, tok_s(bound_ms), eager_ms,
+             tok_s(eager_ms), graph_ms, tok_s(graph_ms), pct(graph_ms), graph_cell]
+    return StepRow(cells, graph_ok, tok_s(bound_ms) or 0.0, tok_s(graph_ms))
 
 
 def _graph_columns(step: Step, pools: Any, capture: Capture,
@@ -256,15 +238,6 @@ def _graph_columns(step: Step, pools: Any, capture: Capture,
     return _time(replay, iters), cell, graph.ok
 
 
-def _engine_or_error(bench: Bench, batch: int, device: torch.device, dtype: torch.dtype,
-                     compiled: bool = False) -> object:
-    try:
-        return engine_tok_s(bench, batch, device, dtype, compiled)
-    except Exception as exc:         # the forward numbers stand without the engine's
-        traceback.print_exc()
-        return f"{type(exc).__name__}: {exc}"[:120]
-
-
 def _time(fn: Callable[[], Any], iters: int) -> float:
     """Milliseconds per call: CUDA events on a GPU, the wall clock on the CPU (dry run)."""
     ms = cuda_ms(fn, iters)
@@ -275,26 +248,3 @@ def _time(fn: Callable[[], Any], iters: int) -> float:
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t0) * 1e3 / iters
-
-
-def run(report: Report, deadline: Deadline, dry_run: bool, bandwidth_gbs: float) -> None:
-    device = torch.device("cpu" if dry_run else "cuda")
-    dtype = torch.float32 if dry_run else torch.bfloat16
-    t0 = time.perf_counter()
-    bench = build(TOY if dry_run else ONE_B, device, dtype)
-    params = sum(p.numel() for p in bench.model.parameters())
-    report.note(f"{params / 1e6:,.0f}M parameters, {str(dtype).replace('torch.', '')}, built in "
-                f"{time.perf_counter() - t0:.1f} s; engine rows: prompts of {ENGINE_PROMPT} "
-                f"tokens, {ENGINE_STEPS} timed decode steps; bound at {bandwidth_gbs:,.0f} GB/s.")
-    for batch in TOY_BATCHES if dry_run else BATCHES:
-        if deadline.passed():
-            report.row(batch, *[None] * (len(COLUMNS) - 2), "skipped: stage time limit", ok=False)
-            continue
-        try:
-            cells, ok = bench_batch(bench, batch, device, dtype, bandwidth_gbs, 1 if dry_run else 10)
-        except Exception as exc:
-            traceback.print_exc()
-            report.row(batch, *[None] * (len(COLUMNS) - 2), f"{type(exc).__name__}: {exc}"[:160],
-                       ok=False)
-            continue
-        report.row(*cells, ok=ok)

@@ -103,6 +103,9 @@ class Deadline:
     def passed(self) -> bool:
         return time.monotonic() > self.end
 
+    def remaining(self) -> float:
+        return self.end - time.monotonic()
+
 
 class Report:
     """A markdown table printed and appended to a file row by row, so a stage stopped at its

@@ -4,7 +4,7 @@
 
 STAGE is ``env`` (versions, and whether the project imports), ``kernels`` (stage a:
 ``checks_kernels``), ``model`` (stage b: ``checks_model``) or ``bench`` (stage c:
-``bench_decode``). Each appends its markdown table to ``DIR/summary.md`` row by row (and
+``bench_stage``, its tables c, c2, c3). Each appends its markdown table to ``DIR/summary.md`` row by row (and
 prints it), and exits 1 when a row failed. ``--budget-s`` is the stage's soft time limit:
 rows after it are reported as skipped (the shell's ``timeout`` is the hard one, a little
 later). ``--dry-run`` runs the same code on the CPU at toy sizes, Triton through its
@@ -31,7 +31,8 @@ from tests.gpu.common import Deadline, Report  # noqa: E402
 STAGES = ("env", "kernels", "model", "bench")
 TITLES = {"env": "Environment", "kernels": "(a) kernels against their torch references",
           "model": "(b) whole-model greedy equality, GPU kernels vs torch references",
-          "bench": "(c) decode throughput, ~1B random Qwen3-Next (dense MLP)"}
+          "bench": "(c) decode throughput, ~1B dense and ~2B MoE random Qwen3-Next: a step eager and "
+                   "captured vs the HBM bound"}
 
 
 def stage_env(report: Report, dry_run: bool) -> None:
@@ -84,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         report = Report(path, title, stage.COLUMNS)
         stage.run(report, deadline, args.dry_run)
     else:
-        from tests.gpu import bench_decode as stage
-        report = Report(path, title, stage.COLUMNS)
-        stage.run(report, deadline, args.dry_run, args.bandwidth_gbs)
+        from tests.gpu import bench_stage
+        failures = bench_stage.run(path, title, deadline, args.dry_run, args.bandwidth_gbs, args.out)
+        print(f"\n{args.stage}: {failures} failed row(s)", flush=True)
+        return 1 if failures else 0
     print(f"\n{args.stage}: {report.failures} failed row(s)", flush=True)
     return 1 if report.failures else 0
 

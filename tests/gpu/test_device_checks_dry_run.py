@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "gpu" / "run_device_checks.sh"
-TITLES = ["### Environment", "### (a) kernels", "### (b) whole-model", "### (c) decode throughput"]
+TITLES = ["### Environment", "### (a) kernels", "### (b) whole-model", "### (c) decode throughput",
+          "### (c2) the engine", "### (c3) profiler window"]
 
 
 def test_dry_run_of_every_stage(tmp_path):
@@ -28,6 +29,7 @@ def test_dry_run_of_every_stage(tmp_path):
     assert len(rows) > 30                       # every stage wrote its rows
     for stage in ("env", "kernels", "model", "bench"):
         assert (tmp_path / f"{stage}.log").stat().st_size > 0
+    assert (tmp_path / "profile_b2.json.gz").stat().st_size > 0      # the profiler window's trace
 
 
 def test_wheels_fetched_are_the_wheels_documented():
