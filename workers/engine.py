@@ -1,7 +1,8 @@
 """The single-process engine: schedule -> launch -> process, one step at a time.
 
 The engine owns the pools, the scheduler and the model runner of one TP group. It takes
-token ids (tokenization happens at the edge), and returns ``RequestOutput``s per step.
+token ids (tokenization happens at the edge) and returns token-id deltas
+(``EngineOutput``) per step; text is the front-end's (``workers.output_processor``).
 Bad input raises ValueError naming the values; nothing is allocated for a rejected
 request.
 """
@@ -23,8 +24,8 @@ from workers.host_memory import retain_freed_memory
 from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
 from workers.compiled import build_compiled
-from workers.output_processor import OutputProcessor
-from workers.outputs import RequestOutput
+from workers.engine_outputs import EngineOutputs
+from workers.outputs import EngineOutput
 from workers.request import FinishReason, Request
 from workers.sampler import GeneratorBank
 from workers.sampling.grammar import GrammarCompiler, GrammarWaitlist
@@ -90,9 +91,8 @@ class Engine:
         self.grammar_wait = GrammarWaitlist(self.grammar_compiler)
         self.runner = self._build_runner()
         self._attach_tiers()
-        self.outputs = OutputProcessor(self.tokenizer, self.stats, self.max_model_len,
-                                       release=self.scheduler.release,
-                                       on_finish=lambda r: self.runner.drop_request(r))
+        self.outputs = EngineOutputs(self.stats, self.max_model_len, release=self.scheduler.release,
+                                     on_finish=lambda r: self.runner.drop_request(r))
         self._launched: deque[LaunchedStep] = deque()   # launched, not yet fully processed
         self.oracle = (StateOracle(self.model, self.pools, config.cache.page_size, self.device, self.dtype,
                                    config.debug.state_oracle_sample, config.seed)
@@ -174,7 +174,7 @@ class Engine:
         if not self.grammar_wait.hold(req):       # a grammar still compiling: admitted later
             self.scheduler.add(req)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self) -> list[EngineOutput]:
         ready, failed = self.grammar_wait.take_ready()
         for req in ready:
             self.scheduler.add(req)
@@ -183,7 +183,7 @@ class Engine:
             logger.error("request %s: its grammar %s did not compile: %s", req.request_id,
                          req.params.structured_output.describe(), exc)
             self.outputs.finish(req, FinishReason.ABORT)
-            outputs.append(self.outputs.output(req, []))
+            outputs.append(self.outputs.output(req, [], None))
         return outputs
 
     @property
@@ -206,19 +206,27 @@ class Engine:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> EngineOutput | None:
+        return self._end(request_id, FinishReason.ABORT)
+
+    def stop(self, request_id: str) -> EngineOutput | None:
+        """The front-end matched a stop string: end the request as a normal finish (its
+        checkpoints are published; the tokens it ran past the string are its own path)."""
+        return self._end(request_id, FinishReason.STOP)
+
+    def _end(self, request_id: str, reason: FinishReason) -> EngineOutput | None:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        self.outputs.finish(req, FinishReason.ABORT)
-        return self.outputs.output(req, [])
+        self.outputs.finish(req, reason)
+        return self.outputs.output(req, [], None)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._launched) or bool(self._oracle_checks)
                 or len(self.grammar_wait) > 0 or self.cache.has_transfers())
 
     # -- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Schedule and launch the next batch, then process the oldest unprocessed one.
 
         With ``scheduler.overlap`` the batch launched here runs on the forward thread while
@@ -246,9 +254,9 @@ class Engine:
             self._check_invariants()
         return outputs
 
-    def _advance(self) -> list[RequestOutput]:
+    def _advance(self) -> list[EngineOutput]:
         self.cache.poll_transfers()
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         had_previous = bool(self._launched)
         launched = self._launch_next()
         if launched is None and not had_previous and self.scheduler.has_work():
@@ -292,7 +300,7 @@ class Engine:
         step.future = self.runner.launch(step.plan)
         return step
 
-    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
+    def _process(self, step: LaunchedStep) -> list[EngineOutput]:
         batch, plan = step.batch, step.plan
         assert plan is not None and step.future is not None
         result: StepResult = step.future.result()

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from configs.schema import HybridServeConfig, load_config
 from workers.engine import Engine
 from workers.tp.local import build_local_engine
+from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams, nth_seed
 
@@ -30,6 +31,7 @@ class LLM:
         self.config = config
         self.engine: Engine = build_local_engine(config)   # TP > 1: worker ranks as processes
         self.tokenizer = self.engine.tokenizer
+        self.frontend = OutputProcessor(self.tokenizer)    # text, stop strings: off the engine
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -78,13 +80,14 @@ class LLM:
         try:
             for n, (_, ids, p) in enumerate(copies):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p)
+                self.add_request(rid, ids, p)
                 order[rid] = n
                 added.append(rid)
             results = self._run(order)
         except BaseException:                    # bad input, a failed step, an interrupt:
             for rid in added:                    # nothing of this call stays queued
                 self.engine.abort(rid)
+                self.frontend.discard(rid)
             raise
         best: list[RequestOutput | None] = [None] * len(encoded)
         for (i, _, _), out in zip(copies, results):
@@ -98,13 +101,37 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(order)
         remaining = len(order)
         while remaining:
-            for out in self.engine.step():
-                if out.finished and out.request_id in order:
+            for out in self.step():
+                if out.request_id in order:
                     results[order[out.request_id]] = out
                     remaining -= 1
         while self.engine.has_unfinished():      # the overlap lag leaves one batch in flight
             self.engine.step()
         return results
+
+    # -- step by step (vLLM's LLMEngine shape) -------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue one request; ``step`` returns its output once it has finished."""
+        self.engine.add_request(request_id, prompt_token_ids, params)
+        self.frontend.add(request_id, list(prompt_token_ids), params)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the whole outputs of the requests that finished in it."""
+        processed = self.frontend.process(self.engine.step())
+        for rid in processed.stop:               # a stop string: the engine ends it too
+            self.engine.stop(rid)
+        return [self.frontend.final(d.request_id) for d in processed.deltas if d.finished]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now; its output so far (None if it was not running)."""
+        out = self.engine.abort(request_id)
+        if request_id not in self.frontend:
+            return None
+        if out is None:                          # already ended in the engine (or unknown)
+            self.frontend.discard(request_id)
+            return None
+        self.frontend.process([out])
+        return self.frontend.final(request_id)
 
     def stats(self) -> dict[str, object]:
         return self.engine.stats.snapshot()

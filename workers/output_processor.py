@@ -1,114 +1,116 @@
-"""Host-side result handling: append sampled tokens, detokenize, decide stops, build outputs.
+"""The front-end's side of results: token-id deltas from the engine become text.
 
-Pure Python over Request objects; the engine calls it once per processed batch.
+Runs on the consumer's thread (the offline ``LLM``'s caller; a replica's event loop), never
+on the engine's: incremental detokenization, stop strings, logprob lists and the
+``OutputDelta`` / ``RequestOutput`` objects. A stop string ends the request here, exactly
+where it must (its token is the last kept, the text cut at the string); ``process``
+returns the request's id among ``stop`` so the caller ends it in the engine too
+(``Engine.stop``). The engine may have produced a few more tokens by then: they are
+dropped here, never shown.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from workers.detokenizer import IncrementalDetokenizer
-from workers.outputs import RequestOutput
-from workers.request import FinishReason, Request, RequestStatus, TokenLogprob
-from workers.stats import EngineStats
+from workers.detokenizer import Decoder, IncrementalDetokenizer
+from workers.outputs import EngineOutput, OutputDelta, RequestOutput
+from workers.request import TokenLogprob
+from workers.sampling_params import SamplingParams
+
+
+class Processed(NamedTuple):
+    deltas: list[OutputDelta]
+    stop: list[str]             # requests a stop string ended here: end them in the engine too
+
+
+@dataclass
+class _Tracked:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    last_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, stats: EngineStats, max_model_len: int,
-                 release: Callable[[Request, bool], None], on_finish: Callable[[Request], None]) -> None:
+    def __init__(self, tokenizer: Decoder) -> None:
         self.tokenizer = tokenizer
-        self.stats = stats
-        self.max_model_len = max_model_len
-        self._release = release
-        self._on_finish = on_finish
-        self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._tracked: dict[str, _Tracked] = {}
 
-    def add(self, req: Request) -> None:
-        self.requests[req.request_id] = req
-        p = req.params
-        self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tracked
 
-    def append(self, req: Request, token_ids: list[int],
-               logprobs: list[TokenLogprob | None]) -> RequestOutput:
-        """Append tokens (several for an accepted speculation) until one finishes the request."""
-        now = time.monotonic()
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.stats.observe("hybridserve_time_to_first_token_seconds", now - req.arrival_time)
-        added: list[int] = []
-        if req.params.max_tokens == 0:        # prefill only: the token sampled after the prompt is dropped
-            self.finish(req, FinishReason.LENGTH)
-            return self.output(req, added)
-        for token_id, logprob in zip(token_ids, logprobs):
-            req.output_token_ids.append(token_id)
-            added.append(token_id)
-            if logprob is not None:
-                req.cumulative_logprob += logprob.logprob
-                if req.params.logprobs is not None:
-                    req.output_logprobs.append(logprob)
-            self.stats.inc("hybridserve_generation_tokens_total")
-            stop_str = self._detok[req.request_id].append(token_id, req.num_output_tokens >= req.params.min_tokens)
-            reason = self._check_stop(req, token_id, stop_str)
-            if reason is not None:
-                self.finish(req, reason)
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                       params.skip_special_tokens)
+        self._tracked[request_id] = _Tracked(
+            prompt_token_ids, params, detok, logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.needs_logprobs else None)
+
+    def process(self, outputs: Iterable[EngineOutput]) -> Processed:
+        """Deltas for the outputs of requests this processor tracks (others are skipped);
+        nothing more once a request has finished here."""
+        deltas, stop = [], []
+        for out in outputs:
+            t = self._tracked.get(out.request_id)
+            if t is None or t.finished:
+                continue
+            delta = self._advance(t, out)
+            if delta.finished and not out.finished:
+                stop.append(out.request_id)
+            deltas.append(delta)
+        return Processed(deltas, stop)
+
+    def final(self, request_id: str) -> RequestOutput:
+        """A finished request's whole output; the processor forgets it."""
+        t = self._tracked.pop(request_id)
+        assert t.finished, request_id
+        return RequestOutput(
+            request_id=request_id, prompt_token_ids=t.prompt_token_ids, token_ids=t.token_ids,
+            text=t.detok.text, cached_tokens=t.cached_tokens, finished=True,
+            finish_reason=t.finish_reason, stop_reason=t.stop_reason, new_token_ids=t.last_ids,
+            delta_text="", logprobs=t.logprobs, prompt_logprobs=t.prompt_logprobs,
+            cumulative_logprob=t.cumulative_logprob)
+
+    def discard(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+
+    def _advance(self, t: _Tracked, out: EngineOutput) -> OutputDelta:
+        p = t.params
+        if out.prompt_logprobs is not None:
+            t.prompt_logprobs = out.prompt_logprobs
+        t.cached_tokens = out.cached_tokens
+        kept = out.new_token_ids
+        for n, token_id in enumerate(out.new_token_ids):
+            t.token_ids.append(token_id)
+            stop_str = t.detok.append(token_id, len(t.token_ids) >= p.min_tokens)
+            if stop_str is not None:
+                kept = out.new_token_ids[: n + 1]
+                t.finish_reason, t.stop_reason = "stop", stop_str
                 break
-        return self.output(req, added)
-
-    def add_prompt_logprobs(self, req: Request, first: int, entries: list[TokenLogprob]) -> None:
-        """Entries for prompt positions first, first + 1, ...; those already held (a
-        recompute after preemption) are skipped, so each position is filled once, in order."""
-        if req.is_finished:
-            return
-        have = len(req.prompt_logprobs)
-        assert first <= have, f"{req.request_id}: prompt logprobs from {first}, only {have} held"
-        req.prompt_logprobs.extend(entries[have - first:])
-
-    def _check_stop(self, req: Request, token_id: int, stop_str: str | None) -> FinishReason | None:
-        """Stop strings count from min_tokens on. EOS and stop tokens are blocked by the
-        sampler until min_tokens; one that comes earlier was the only token a grammar
-        allowed, and it ends the request."""
-        p = req.params
-        if stop_str is not None and req.num_output_tokens >= p.min_tokens:
-            req.stop_reason = stop_str
-            return FinishReason.STOP
-        if token_id == req.eos_token_id and not p.ignore_eos:
-            return FinishReason.STOP
-        if token_id in p.stop_token_ids:
-            req.stop_reason = token_id
-            return FinishReason.STOP
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def finish(self, req: Request, reason: FinishReason) -> None:
-        self._release(req, reason is not FinishReason.ABORT)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.finished_time = time.monotonic()
-        self._detok[req.request_id].flush()
-        self._on_finish(req)
-        self.stats.inc("hybridserve_requests_total", label=reason.value)
-        self.stats.observe("hybridserve_e2e_request_latency_seconds", req.finished_time - req.arrival_time)
-        if req.first_token_time is not None and req.num_output_tokens > 1:
-            tpot = (req.finished_time - req.first_token_time) / (req.num_output_tokens - 1)
-            self.stats.observe("hybridserve_time_per_output_token_seconds", tpot)
-
-    def output(self, req: Request, new_ids: list[int]) -> RequestOutput:
-        detok = self._detok[req.request_id]
-        finished = req.is_finished
-        out = RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=detok.text,
-            cached_tokens=req.num_cached_tokens, finished=finished,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            stop_reason=req.stop_reason, new_token_ids=new_ids,
-            delta_text=detok.stream_delta(finished),
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
-            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
-            cumulative_logprob=req.cumulative_logprob if req.params.needs_logprobs else None)
-        if finished:
-            self.requests.pop(req.request_id, None)
-            self._detok.pop(req.request_id, None)
-        return out
+        new_lps = out.new_logprobs[: len(kept)] if out.new_logprobs is not None else None
+        if new_lps is not None:
+            t.cumulative_logprob = (t.cumulative_logprob or 0.0) + sum(lp.logprob for lp in new_lps)
+        shown = None
+        if t.logprobs is not None:
+            shown = list(new_lps or ())
+            t.logprobs.extend(shown)
+        if not t.finished and out.finished:
+            t.finish_reason, t.stop_reason = out.finish_reason, out.stop_reason
+            t.detok.flush()
+        t.last_ids = kept
+        return OutputDelta(out.request_id, kept, t.detok.stream_delta(t.finished), shown, t.finished,
+                           t.finish_reason, t.stop_reason, t.cached_tokens, t.cumulative_logprob,
+                           out.prompt_logprobs)

@@ -79,16 +79,15 @@ class Request:
     handle: int = 0
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Per prompt position (entry 0 is None: nothing scores the first token); filled as
     # prefill chunks are processed when params.prompt_logprobs is set, else empty.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    cumulative_logprob: float = 0.0     # sum of the chosen tokens' logprobs (when computed)
     sampling: RequestSampling | None = None   # resolved at add (bad-word ids, blocked ids)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     lookup_counted: bool = False        # the first prefix lookup has been counted
     prompt_counted: bool = False        # the prompt's tokens have been counted once
+    prompt_sent: bool = False           # its prompt logprobs went out with an output
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -19,8 +19,8 @@ from typing import Protocol
 
 from workers.cache_manager import CacheManager
 from workers.checkpoints import StepPlan
-from workers.output_processor import OutputProcessor
-from workers.outputs import RequestOutput
+from workers.engine_outputs import EngineOutputs
+from workers.outputs import EngineOutput
 from workers.request import FinishReason, Request
 from workers.scheduler import Scheduler
 from workers.scheduler_types import ScheduledBatch
@@ -42,14 +42,14 @@ class FailingEngine(Protocol):
 
     cache: CacheManager
     scheduler: Scheduler
-    outputs: OutputProcessor
+    outputs: EngineOutputs
 
 
 class StepFailed(RuntimeError):
     """An engine step raised ``cause``; ``outputs`` are the final outputs (finish reason
     ``abort``) of the requests it ended. The engine itself is usable."""
 
-    def __init__(self, cause: Exception, outputs: list[RequestOutput]) -> None:
+    def __init__(self, cause: Exception, outputs: list[EngineOutput]) -> None:
         ids = [o.request_id for o in outputs]
         super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); ended requests {ids}")
         self.cause = cause
@@ -60,7 +60,7 @@ class StepFailed(RuntimeError):
         return [o.request_id for o in self.outputs]
 
 
-def recover_failed_step(engine: FailingEngine, launched: deque[LaunchedStep]) -> list[RequestOutput]:
+def recover_failed_step(engine: FailingEngine, launched: deque[LaunchedStep]) -> list[EngineOutput]:
     """Abandon every launched, unprocessed batch of ``engine`` and end its requests (see the
     module doc); returns their final outputs. Leaves ``launched`` empty."""
     steps = list(launched)
@@ -76,7 +76,7 @@ def recover_failed_step(engine: FailingEngine, launched: deque[LaunchedStep]) ->
     for req in touched:
         if not req.is_finished:
             engine.outputs.finish(req, FinishReason.ABORT)
-            outputs.append(engine.outputs.output(req, []))
+            outputs.append(engine.outputs.output(req, [], None))
     return outputs
 
 

@@ -65,6 +65,7 @@ def engine_records(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> t
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     gaps: dict[str, list[float]] = {rid: [] for rid in ids}
+    num_out = dict.fromkeys(ids, 0)
     done: dict[str, Any] = {}
     while len(done) < len(ids) or engine.has_unfinished():
         for out in engine.step():
@@ -72,6 +73,7 @@ def engine_records(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> t
                 if out.finished and out.request_id in gaps:
                     done[out.request_id] = out
                 continue
+            num_out[out.request_id] += len(out.new_token_ids)
             now = time.perf_counter()
             if out.request_id in first:
                 gaps[out.request_id].append(now - last[out.request_id])
@@ -82,8 +84,8 @@ def engine_records(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> t
                 done[out.request_id] = out
     wall = time.perf_counter() - start
     records = [RequestRecord(True, start, first[r] - start, last[r] - start, tuple(gaps[r]),
-                             len(done[r].prompt_token_ids), len(done[r].token_ids), done[r].cached_tokens)
-               for r in ids]
+                             len(p), num_out[r], done[r].cached_tokens)
+               for r, p in zip(ids, prompts)]
     return records, wall
 
 

@@ -195,6 +195,7 @@ class _Live:
     wall: float
     first_step: int | None = None
     first_wall: float | None = None
+    output: list[int] = field(default_factory=list)    # its tokens so far
 
 
 class _Cluster:
@@ -264,6 +265,7 @@ class _Cluster:
             item = live.get(out.request_id)
             if item is None:
                 continue
+            item.output += out.new_token_ids
             if item.first_step is None and out.new_token_ids:
                 item.first_step, item.first_wall = self.step_no, time.perf_counter()
                 self.logs[name].on_first_token(out.request_id, self.step_no)
@@ -271,9 +273,9 @@ class _Cluster:
             if out.finished:
                 del live[out.request_id]
                 done.append((item, out))
-                self.explainer.on_done(out.request_id, item.prompt + list(out.token_ids), out.cached_tokens)
+                self.explainer.on_done(out.request_id, item.prompt + item.output, out.cached_tokens)
                 if item.turn + 1 < len(item.session.turns):
-                    history = item.prompt + list(out.token_ids)
+                    history = item.prompt + item.output
                     due.append((self.step_no + self.s.think_steps, item.session.session_id, item.session,
                                 item.turn + 1, history))
 

@@ -4,11 +4,13 @@ Every engine call -- add_request, step, abort, stats, cache events, flush -- run
 dedicated thread, the engine thread. It steps the engine back to back while the engine
 has work, and between two steps runs the calls queued by ``run`` (``submit`` and
 ``abort_soon`` are such calls) in submission order. It never waits for the event loop:
-each step's outputs are handed to the loop with ``call_soon_threadsafe`` and fanned out
-there to the ``OutputStream`` of their requests, while the next step already runs. (An
-earlier design stepped from an asyncio task, one executor call per step, and the engine
-sat idle whenever the event loop was busy with stream items or Serve's own work: see
-``LoopTimes.step_gap_s``.) When the engine is idle, the thread sleeps until a call comes.
+each step's outputs -- token ids, no text -- are handed to the loop with
+``call_soon_threadsafe``; there the front-end (``workers.output_processor``) detokenizes
+them and matches stop strings, and the deltas fan out to the ``OutputStream`` of their
+requests, while the next step already runs. A stop string found there ends the request in
+the engine by a queued call (``Engine.stop``). The engine never waits for the event loop
+(``LoopTimes.step_gap_s`` measures what it does wait); when it is idle, the thread sleeps
+until a call comes.
 
 Failure: a step that fails its own requests (``StepFailed``: the engine ended them and
 recovered) fails just their streams, and stepping goes on; ``MAX_FAILED_STEPS`` such
@@ -26,7 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from workers.outputs import RequestOutput
+from workers.output_processor import OutputProcessor
+from workers.outputs import EngineOutput, OutputDelta
 from workers.sampling_params import SamplingParams
 from workers.step_failure import StepFailed
 
@@ -37,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 class _StepResult(NamedTuple):
-    outputs: list[RequestOutput]
+    outputs: list[EngineOutput]
     has_more: bool
     started: float                        # perf_counter when the step began, on the engine thread
     wall_s: float
@@ -76,7 +79,7 @@ class OutputStream:
         self._loop = loop
         self.request_ids = list(request_ids)
         self._index = {rid: i for i, rid in enumerate(request_ids)}
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[OutputDelta | BaseException] = asyncio.Queue()
         self._unfinished = set(request_ids)
         self._closed = False
 
@@ -84,10 +87,10 @@ class OutputStream:
     def finished(self) -> bool:
         return not self._unfinished
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
+    def _put(self, item: OutputDelta | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    async def next_batch(self, not_before: float = 0.0) -> list[tuple[int, RequestOutput]] | None:
+    async def next_batch(self, not_before: float = 0.0) -> list[tuple[int, OutputDelta]] | None:
         """Wait for an output; if the event loop's clock is before ``not_before`` then, also
         wait until ``not_before`` (coalescing the outputs of several engine steps into one
         batch, so a stream carries fewer, larger items); return everything queued."""
@@ -124,6 +127,7 @@ class EngineLoop:
 
     def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
         self.engine: Any = None
+        self.frontend: OutputProcessor | None = None    # the event loop's thread only
         self._aloop = aloop
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._work = threading.Event()    # set by every call; the idle engine thread waits on it
@@ -145,6 +149,7 @@ class EngineLoop:
             loop._closed = True
             loop._work.set()
             raise
+        loop.frontend = OutputProcessor(loop.engine.tokenizer)
         loop._work.set()                  # the engine exists now: start stepping if it has work
         return loop
 
@@ -172,8 +177,10 @@ class EngineLoop:
         if self.error is not None:
             raise EngineLoopError(f"engine loop failed: {self.error!r}")
         stream = OutputStream(self, request_ids)
-        for rid in request_ids:
+        assert self.frontend is not None
+        for rid, p in zip(request_ids, params):
             self._streams[rid] = stream
+            self.frontend.add(rid, prompt_token_ids, p)
         try:
             await self.run(lambda e: _add_all(e, request_ids, prompt_token_ids, params))
         except BaseException as exc:
@@ -193,6 +200,8 @@ class EngineLoop:
     def _unregister(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._streams.pop(rid, None)
+            if self.frontend is not None:
+                self.frontend.discard(rid)
 
     # -- the engine thread ---------------------------------------------------------------
     def _main(self) -> None:
@@ -268,18 +277,27 @@ class EngineLoop:
                 logger.warning("engine call failed: %r", error)
 
     # -- the event loop's thread ---------------------------------------------------------
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        assert self.frontend is not None
+        processed = self.frontend.process(outputs)   # closed streams' requests are discarded there
+        if processed.stop:
+            ids = processed.stop
+            self._calls.put(_Call(lambda e: _stop_all(e, ids), None))
+            self._work.set()
+        for delta in processed.deltas:
+            stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue                  # closed stream: its abort is on the way
-            stream._put(out)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
+            stream._put(delta)
+            if delta.finished:
+                self._streams.pop(delta.request_id, None)
+                self.frontend.discard(delta.request_id)
 
     def _fail_requests(self, exc: StepFailed) -> None:
         """The streams of the requests a failed step ended get its error."""
         for rid in exc.request_ids:
+            if self.frontend is not None:
+                self.frontend.discard(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream._put(exc)
@@ -316,7 +334,7 @@ def _resolve(future: asyncio.Future[Any], value: Any, error: BaseException | Non
         future.set_result(value)
 
 
-def _ends(item: RequestOutput | BaseException) -> bool:
+def _ends(item: OutputDelta | BaseException) -> bool:
     """Whether an item ends its request (or the stream): never hold those back."""
     return isinstance(item, BaseException) or item.finished
 
@@ -337,6 +355,11 @@ def _add_all(engine: Any, request_ids: Sequence[str], prompt: list[int],
 def _abort_all(engine: Any, request_ids: Sequence[str]) -> None:
     for rid in request_ids:
         engine.abort(rid)
+
+
+def _stop_all(engine: Any, request_ids: Sequence[str]) -> None:
+    for rid in request_ids:
+        engine.stop(rid)
 
 
 def _step(engine: Any) -> _StepResult:

@@ -30,7 +30,7 @@ from cluster.serving.engine_loop import EngineLoop
 from cluster.serving.messages import (Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo,
                                       ReplicaStats)
 from configs.schema import HybridServeConfig
-from workers.outputs import RequestOutput
+from workers.outputs import OutputDelta
 
 StreamItem = Accepted | GenerateError | list[GenerateChunk]
 logger = logging.getLogger(__name__)
@@ -196,10 +196,9 @@ class ReplicaCore:
             return
         try:
             yield Accepted(req.num_choices)
-            sent_logprobs = [-1] * req.num_choices
             clock, not_before = asyncio.get_running_loop(), 0.0
             while (batch := await stream.next_batch(not_before)) is not None:
-                yield [_chunk(i, out, sent_logprobs) for i, out in batch]
+                yield [_chunk(i, delta) for i, delta in batch]
                 not_before = clock.time() + self.pacing.gap(self.loop.num_streams)
         finally:
             stream.close()
@@ -243,18 +242,9 @@ class ReplicaCore:
         await self.loop.shutdown()
 
 
-def _chunk(index: int, out: RequestOutput, sent_logprobs: list[int]) -> GenerateChunk:
-    """``sent_logprobs[index]``: logprobs already sent for the choice; -1 before its first
-    chunk (which carries the prompt logprobs, complete by then: prefill is done)."""
-    first = sent_logprobs[index] < 0
-    sent = max(sent_logprobs[index], 0)
-    new_lps = None
-    if out.logprobs is not None:
-        new_lps = out.logprobs[sent:]
-        sent = len(out.logprobs)
-    sent_logprobs[index] = sent
-    return GenerateChunk(index=index, new_token_ids=list(out.new_token_ids), delta_text=out.delta_text,
-                         logprobs=new_lps, finished=out.finished, finish_reason=out.finish_reason,
-                         stop_reason=out.stop_reason, cached_tokens=out.cached_tokens,
-                         prompt_logprobs=out.prompt_logprobs if first else None,
-                         cumulative_logprob=out.cumulative_logprob)
+def _chunk(index: int, delta: OutputDelta) -> GenerateChunk:
+    """A choice's delta as the ingress receives it (prompt logprobs ride on its first)."""
+    return GenerateChunk(index=index, new_token_ids=delta.new_token_ids, delta_text=delta.delta_text,
+                         logprobs=delta.logprobs, finished=delta.finished, finish_reason=delta.finish_reason,
+                         stop_reason=delta.stop_reason, cached_tokens=delta.cached_tokens,
+                         prompt_logprobs=delta.prompt_logprobs, cumulative_logprob=delta.cumulative_logprob)

@@ -91,15 +91,14 @@ def run_all(llm: LLM, prompts: list[list[int]], params: SamplingParams, max_step
     engine.raise_on_violation = True
     ids = [f"p{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
+        llm.add_request(rid, prompt, params)
     done: dict[str, list[int]] = {}
     steps, start = 0, time.monotonic()
     while engine.has_unfinished():
         steps += 1
         assert steps <= max_steps, f"not done after {max_steps} steps: {len(done)}/{len(ids)} finished"
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.token_ids)
+        for out in llm.step():
+            done[out.request_id] = list(out.token_ids)
     assert sorted(done) == sorted(ids)
     preempted = int(engine.stats.snapshot()["hybridserve_preemptions_total"])
     return Run([done[rid] for rid in ids], steps, time.monotonic() - start, preempted)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from configs.schema import load_config
-from tests.sim.harness import Sim
+from tests.sim.harness import Sim, TokenLog
 from tests.sim.toy import chain
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
@@ -178,6 +178,9 @@ class ToyTarget:
     def step(self):
         return self.sim.step()
 
+    def abort(self, request_id: str):
+        return self.sim.abort(request_id)
+
     def reference(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return [self.sim.vocab.greedy(p, max_tokens) for p in prompts]
 
@@ -201,9 +204,14 @@ class RealTarget:
         self.engine = Engine(config)
         self.control = control
         self.low, self.high = 3, self.engine.vocab_size - 8
+        self.log = TokenLog()
 
     def step(self):
-        return self.engine.step()
+        return self.log.feed(self.engine.step())
+
+    def abort(self, request_id: str):
+        done = self.log.feed([self.engine.abort(request_id)])
+        return done[0] if done else None
 
     def reference(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return self.control.greedy(prompts, max_tokens)
@@ -277,7 +285,7 @@ def run_round(target, case: Case, rng: random.Random, prompts: list[list[int]], 
         t.steps += 1
         for i, rid in enumerate(ids):
             if case.abort_prob and rid in e.requests and rng.random() < case.abort_prob:
-                out = e.abort(rid)
+                out = target.abort(rid)
                 if out is None:
                     continue
                 if rng.random() < 0.5:       # a client retry under the same id, at once

@@ -30,7 +30,7 @@ from tests.sim.toy import AcceptScript, ToyRunner, ToyState, ToyVocab, chain, de
 from tests.sim.toy_tiers import install_toy_tiers
 from workers.cache import CheckpointInserted
 from workers.engine import Engine
-from workers.outputs import RequestOutput
+from workers.outputs import EngineOutput
 from workers.sampling_params import SamplingParams
 
 
@@ -39,6 +39,36 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     for key, value in extra.items():
         out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request's whole output, gathered from the engine's deltas (the sims need no text)."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cached_tokens: int
+    finished: bool = True
+
+
+class TokenLog:
+    """Token ids per request from ``EngineOutput`` deltas; ``feed`` returns the finished."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, list[int]] = {}
+
+    def feed(self, outputs: Sequence[EngineOutput | None]) -> list[Finished]:
+        done = []
+        for out in outputs:
+            if out is None:
+                continue
+            ids = self._ids.setdefault(out.request_id, [])
+            ids.extend(out.new_token_ids)
+            if out.finished:
+                done.append(Finished(out.request_id, self._ids.pop(out.request_id), out.finish_reason,
+                                     out.cached_tokens))
+        return done
 
 
 @dataclass(frozen=True)
@@ -86,6 +116,7 @@ class Sim:
         self._node_state: dict[int, ToyState] = {}
         self._host_state: dict[int, ToyState] = {}
         self._ids = 0
+        self.log = TokenLog()
 
     def close(self) -> None:
         self.runner.shutdown()
@@ -98,12 +129,12 @@ class Sim:
         self.close()
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-            on_step: Callable[[Sim, list[str]], list[RequestOutput] | None] | None = None,
-            ) -> list[RequestOutput]:
+            on_step: Callable[[Sim, list[str]], list[Finished] | None] | None = None,
+            ) -> list[Finished]:
         """Submit every prompt at once and step to completion; outputs in prompt order.
 
-        ``on_step(sim, request_ids)`` runs before every step and may abort requests,
-        returning their final outputs.
+        ``on_step(sim, request_ids)`` runs before every step and may abort requests
+        (``abort``), returning their final outputs.
         """
         e = self.engine
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -113,7 +144,7 @@ class Sim:
             self._ids += 1
             e.add_request(rid, list(p), sp)
             order[rid] = i
-        results: list[RequestOutput | None] = [None] * len(prompts)
+        results: list[Finished | None] = [None] * len(prompts)
         while e.has_unfinished():
             if on_step is not None:
                 for out in on_step(self, list(order)) or []:
@@ -124,12 +155,16 @@ class Sim:
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    def step(self):
+    def step(self) -> list[Finished]:
         outputs = self.engine.step()
         for launched in self.engine._launched:
             launched.future.result()                 # every launched batch has executed
         self.check()
-        return outputs
+        return self.log.feed(outputs)
+
+    def abort(self, request_id: str) -> Finished | None:
+        done = self.log.feed([self.engine.abort(request_id)])
+        return done[0] if done else None
 
     # -- oracles -----------------------------------------------------------------------------
     def check(self) -> None:

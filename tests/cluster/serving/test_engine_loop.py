@@ -11,19 +11,27 @@ from cluster.serving.engine_loop import IDLE_POLL_S, EngineLoop, EngineLoopError
 from cluster.serving.messages import Accepted, GenerateError, GenerateRequest
 from cluster.serving.replica_core import ReplicaCore, StreamPacing, build_engine, check_supported
 from configs.schema import load_config
-from workers.outputs import RequestOutput
+from workers.outputs import EngineOutput
 from workers.sampling_params import SamplingParams
 from workers.step_failure import StepFailed
 
 
+class FakeTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "x" * len(ids)
+
+
 class FakeEngine:
     """One token per step per request; records the threads that touched it."""
+
+    tokenizer = FakeTokenizer()
 
     def __init__(self, fail_at_step: int | None = None, step_s: float = 0.0) -> None:
         self.step_s = step_s
         self.live: dict[str, list[int]] = {}
         self.budget: dict[str, int] = {}
         self.aborted: list[str] = []
+        self.stopped: list[str] = []
         self.threads: set[str] = set()
         self.steps = 0
         self.fail_at_step = fail_at_step
@@ -41,7 +49,7 @@ class FakeEngine:
         self._touch()
         return bool(self.live)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         self._touch()
         self.steps += 1
         time.sleep(self.step_s)
@@ -56,19 +64,20 @@ class FakeEngine:
                 del self.live[rid]
         return outs
 
-    def abort(self, rid: str) -> RequestOutput | None:
+    def abort(self, rid: str) -> EngineOutput | None:
         self._touch()
         if rid not in self.live:
             return None
         self.aborted.append(rid)
-        out = self._out(rid, True, "abort")
         del self.live[rid]
-        return out
+        return EngineOutput(rid, [], None, True, "abort", None, 0)
 
-    def _out(self, rid: str, finished: bool, reason: str | None) -> RequestOutput:
-        ids = self.live[rid]
-        return RequestOutput(rid, [1], list(ids), "x" * len(ids), 0, finished, reason, None,
-                             ids[-1:], "x", None)
+    def stop(self, rid: str) -> EngineOutput | None:
+        self.stopped.append(rid)
+        return self.abort(rid)
+
+    def _out(self, rid: str, finished: bool, reason: str | None) -> EngineOutput:
+        return EngineOutput(rid, self.live[rid][-1:], None, finished, reason, None, 0)
 
 
 def run(coro):
@@ -289,7 +298,7 @@ class FailingOnceEngine(FakeEngine):
         super().__init__(step_s=0.002)
         self.victim, self.fail_at, self.always = victim, fail_at, always
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         if self.steps + 1 >= self.fail_at and (self.always or self.steps + 1 == self.fail_at):
             self.steps += 1
             victims = [rid for rid in self.live if rid.startswith(self.victim)]
@@ -331,3 +340,24 @@ def test_failed_steps_in_a_row_are_fatal():
             core.check_health()
         await core.shutdown()
     run(go())
+
+
+def test_a_stop_string_found_off_the_engine_thread_ends_the_request_in_the_engine():
+    """Text is made on the event loop's thread; a stop string met there cuts the choice at
+    its token and ends the request in the engine by a queued call (one other choice runs on)."""
+    async def go():
+        engine = FakeEngine(step_s=0.002)
+        core = ReplicaCore(await EngineLoop.create(lambda: engine), load_config())
+        params = [SamplingParams(max_tokens=20, stop=["xxx"]), SamplingParams(max_tokens=6)]
+        items = await collect(core, GenerateRequest("r", [1], params))
+        await core.shutdown()
+        return engine, items
+    engine, items = run(go())
+    chunks = [c for batch in items[1:] for c in batch]
+    stopped = [c for c in chunks if c.index == 0]
+    assert [t for c in stopped for t in c.new_token_ids] == [0, 1, 2]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == "xxx"
+    assert "".join(c.delta_text for c in stopped) == ""
+    other = [c for c in chunks if c.index == 1]
+    assert [t for c in other for t in c.new_token_ids] == list(range(6)) and other[-1].finish_reason == "length"
+    assert engine.stopped == ["r-0"] and engine.live == {}

@@ -92,14 +92,14 @@ def test_abort_frees_everything(llm):
     from workers.sampling_params import SamplingParams as SP
 
     e = llm.engine
-    e.add_request("a", [5] * 20, SP(max_tokens=50, ignore_eos=True))
-    e.add_request("b", [6] * 20, SP(max_tokens=50, ignore_eos=True))
-    e.step()
-    e.step()
-    out = e.abort("a")
+    llm.add_request("a", [5] * 20, SP(max_tokens=50, ignore_eos=True))
+    llm.add_request("b", [6] * 20, SP(max_tokens=50, ignore_eos=True))
+    llm.step()
+    llm.step()
+    out = llm.abort("a")
     assert out.finished and out.finish_reason == "abort"
-    assert e.abort("a") is None
-    e.abort("b")
+    assert llm.abort("a") is None
+    llm.abort("b")
     while e.has_unfinished():          # an in-flight batch finishes the deferred release
         assert e.step() == []
     assert_no_leaks(llm)

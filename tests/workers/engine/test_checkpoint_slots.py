@@ -24,11 +24,11 @@ def llm_for(model_dir, strategy, **cache):
 def run_watching(llm, prompt):
     """Step one request to its finish; the roles of the slots it held after each step."""
     engine = llm.engine
-    engine.add_request("r", prompt, P)
+    llm.add_request("r", prompt, P)
     req = engine.requests["r"]
     roles, outs = [], []
     while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.finished]
+        outs += llm.step()
         if req.mamba_slot is not None:
             roles.append((req.num_computed_tokens, sorted(r.value for r in engine.cache.ledger.slots_of(req.handle).values()),
                           req.cache.keep_depth))

@@ -21,14 +21,13 @@ def run_bounded(llm, prompts, params=P) -> list:
     engine = llm.engine
     ids = [f"live-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
+        llm.add_request(rid, p, params)
     outs, bound = {}, step_bound(prompts, params.max_tokens, llm.engine.config.cache.page_size)
     for _ in range(bound):
         if not engine.has_unfinished():
             break
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
+        for out in llm.step():
+            outs[out.request_id] = out
     assert not engine.has_unfinished(), f"not finished within {bound} steps: {sorted(set(ids) - set(outs))}"
     return [outs[rid] for rid in ids]
 
@@ -84,16 +83,15 @@ def test_request_id_reused_after_abort(tiny_qwen_dir):
                    debug={"check_invariants": True})
     llm.engine.raise_on_violation = True
     engine = llm.engine
-    engine.add_request("same", prompts[0], P)
-    engine.step()
-    engine.step()                                   # a batch holding "same" is in flight
-    assert engine.abort("same") is not None
-    engine.add_request("same", prompts[1], P)       # reused before the old release ran
+    llm.add_request("same", prompts[0], P)
+    llm.step()
+    llm.step()                                      # a batch holding "same" is in flight
+    assert llm.abort("same") is not None
+    llm.add_request("same", prompts[1], P)          # reused before the old release ran
     done = {}
     for _ in range(200):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        for out in llm.step():
+            done[out.request_id] = out
         if not engine.has_unfinished():
             break
     assert done["same"].token_ids == expected

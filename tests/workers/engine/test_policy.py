@@ -25,13 +25,12 @@ def run_in_order(llm, prompts):
     """Submit ``prompts`` as q0, q1, ... at once; returns (tokens by id, ids in admission order)."""
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", p, P)
+        llm.add_request(f"q{i}", p, P)
     tokens: dict[str, list[int]] = {}
     admitted: list[str] = []
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.token_ids)
+        for out in llm.step():
+            tokens[out.request_id] = list(out.token_ids)
         admitted += [r.request_id for r in engine.scheduler.running if r.request_id not in admitted]
     return tokens, admitted
 

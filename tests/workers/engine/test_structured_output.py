@@ -160,15 +160,15 @@ def test_compiling_off_the_hot_path(tiny_qwen_dir, monkeypatch):
     llm = make_llm(tiny_qwen_dir)
     engine = llm.engine
     so = StructuredOutput.regex(r"[0-9]{4}")
-    engine.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    engine.add_request("constrained", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, structured_output=so))
+    llm.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    llm.add_request("constrained", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, structured_output=so))
     done = {}
     while "plain" not in done:
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        done.update({o.request_id: o for o in llm.step()})
     assert "constrained" not in done and len(engine.grammar_wait) == 1 and not compiled
     gate.set()
-    engine.add_request("again", [9, 9], SamplingParams(max_tokens=8, temperature=0.0, structured_output=so))
+    llm.add_request("again", [9, 9], SamplingParams(max_tokens=8, temperature=0.0, structured_output=so))
     while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        done.update({o.request_id: o for o in llm.step()})
     assert re.fullmatch(r"[0-9]{4}", done["constrained"].text) and re.fullmatch(r"[0-9]{4}", done["again"].text)
     assert compiled == [so]                                     # compiled once, cached by the constraint

@@ -221,15 +221,14 @@ def test_an_asynchronous_promotion_holds_the_request_until_the_copy_is_done(tiny
     system, first = host_and_device_split(llm, engine.vocab_size)
     engine.cache.host.storage.submit = engine.runner.submit
     busy, follow = random_prompts(engine.vocab_size, [40], seed=30)[0], first + [5, 6, 7]
-    engine.add_request("busy", busy, P)
-    engine.step()                                     # a batch in flight on the forward thread
-    engine.add_request("follow", follow, P)
+    llm.add_request("busy", busy, P)
+    llm.step()                                        # a batch in flight on the forward thread
+    llm.add_request("follow", follow, P)
     seen_pending = False
     outs = {}
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
+        for out in llm.step():
+            outs[out.request_id] = out
         req = engine.requests.get("follow")
         seen_pending |= req is not None and req.cache.promotion is not None
     assert seen_pending
