@@ -33,15 +33,16 @@ PHASES: dict[str, tuple[str, ...]] = {
     "plan": ("cache.plan_step",),
     "inputs": ("workers.model_runner:prepare_step", "runner.planner.build"),
     "sampling": ("runner.sampler.decide",),
-    # What _process does besides the two phases below: the OutputProcessor's appends,
-    # detokenization, stop checks, outputs, per-token stats.
+    # What _process does besides "complete": the engine's outputs (token-id deltas, stop
+    # tokens and lengths, per-token stats). Text and stop strings are the front-end's
+    # (workers.output_processor, on the consumer's thread): not in Engine.step.
     "output": ("_process",),
     "complete": ("cache.complete_step", "scheduler.on_complete", "cache.donate_unfinished"),
 }
 FORWARD = "forward"
 # The model's computations: left out of the host figure.
 FORWARD_PATHS: tuple[str, ...] = (
-    "model.forward", "model.compute_logits", "runner.compiled.run",
+    "model.forward", "model.compute_logits", "model.logits_from", "runner.compiled.run",
     "drafter.mtp.forward", "drafter.compiled_chain.run", "drafter.compiled_chain.run_verified")
 
 
