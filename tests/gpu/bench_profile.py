@@ -50,10 +50,13 @@ def _all_threads() -> Any:
     syncs; None where this torch lacks it (the main thread's ops only)."""
     from torch._C._profiler import _ExperimentalConfig
 
-    try:
-        return _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
-    except TypeError:
-        return None
+    for wanted in ({"profile_all_threads": True, "enable_cuda_sync_events": True},
+                   {"profile_all_threads": True}):
+        try:
+            return _ExperimentalConfig(**wanted)
+        except TypeError:           # an older torch: without the option
+            continue
+    return None
 
 
 def profile_window(engine: Any, mode: str, batch: int, settings: H.Settings,

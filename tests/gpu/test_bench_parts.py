@@ -1,5 +1,6 @@
-"""The bench stage's HBM bound for an MoE step counts only the experts some token picks, and
-its experts column says what a captured step computes (no grouped kernel): on the CPU."""
+"""Parts of the bench stage checked on the CPU: the HBM bound of an MoE step counts only the
+experts some token picks, the experts column says what a captured step computes (no grouped
+kernel), and the random MTP weights of the engine rows make a head."""
 from __future__ import annotations
 
 import pytest
@@ -27,3 +28,17 @@ def test_the_bound_reads_the_expected_experts(moe):
 def test_the_experts_column_names_the_formulation(moe):
     assert D.experts_path(moe, 1).startswith("gathered rows (2 of 8")       # T*k < E
     assert "every expert on every token: 4x" in D.experts_path(moe, 4)      # E / k
+
+
+@pytest.mark.parametrize("dims", ["TOY", "TOY_MOE"])
+def test_random_mtp_weights_make_a_head(dims):
+    """The engine rows' MTP mode builds its head from ``add_random_mtp``'s tensors (an MoE
+    layer's experts included), for the model built in memory."""
+    from tests.gpu.bench_engine import add_random_mtp
+
+    model = D.build(getattr(D, dims), torch.device("cpu"), torch.float32).model
+    add_random_mtp(model)
+    head = model.build_mtp_head(kv_index=1)
+    moe = any(n.startswith("mtp.layers.0.mlp.experts.") for n in model.mtp_weights)
+    assert moe == (dims == "TOY_MOE") and head.num_layers == 1
+    assert all(torch.isfinite(p).all() for p in head.parameters())
