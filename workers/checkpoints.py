@@ -194,7 +194,7 @@ class CheckpointTracker:
             depth = self._checkpoint_depth(seq)
             if depth is not None:
                 phase = "prefill" if seq.start < req.num_prompt_tokens else "decode"
-                dest = self._destination(req, phase)
+                dest = self._destination(req, phase, reuse_busy=not seq.is_chained)
                 if dest is not None:
                     tracks.append(TrackWrite(i, req, dest[0], depth, phase, dest[1], batch.batch_id))
         return StepPlan(batch, tuple(cow), tuple(tracks))
@@ -203,27 +203,30 @@ class CheckpointTracker:
         """The checkpoint this step may produce: a prefill target or a grid crossing.
 
         A verify commits 1 .. k + 1 tokens, so it may cross the grid anywhere in
-        (start, end]; whether it did is known only from its acceptance.
+        (start, end] -- a chained one in (start, end + max_shift] -- whether it did is
+        known only from its acceptance (and, chained, the acceptance before it).
         """
         if not self.tracks:
             return None
         if seq.is_verify:
             crossing = (seq.start // self.grid + 1) * self.grid
             crossing = min([crossing] + [t for t in seq.request.cache.targets if seq.start < t])
-            return crossing if crossing <= seq.end else None
+            return crossing if crossing <= seq.end + seq.max_shift else None
         within = [t for t in seq.request.cache.targets if seq.start < t <= seq.end]
         if within:
             return within[-1]
         return seq.end if seq.end % self.grid == 0 else None
 
-    def _destination(self, req: Request, phase: str) -> tuple[int, bool] | None:
+    def _destination(self, req: Request, phase: str, reuse_busy: bool = True) -> tuple[int, bool] | None:
         """Where this batch writes the request's checkpoint: (slot, in place into keep).
 
         The second slot (``next`` / ``pending``) when no in-flight batch writes it; else
         the keep slot when it is idle and holds nothing unpublished (the two alternate
         under the overlap lag); else the same slot again (stream order makes the newer
         write win; the older checkpoint's donation is then refused and counted); lazy
-        with no second slot writes in place into keep.
+        with no second slot writes in place into keep. Not the same slot again for a
+        chained verify (``reuse_busy`` False): it may not reach its depth, and the older
+        checkpoint would be lost for nothing; it plans none, the next verify plans again.
         """
         c = req.cache
         if self.strategy == "extra_buffer":
@@ -241,10 +244,11 @@ class CheckpointTracker:
                 c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=phase == "prefill")
         if self._idle(second):
             return second, False  # type: ignore[return-value]
-        if self._idle_keep(req) or (second is None and c.keep_slot is not None):
+        if self._idle_keep(req) or (second is None and c.keep_slot is not None and
+                                    (reuse_busy or self._idle(c.keep_slot))):
             self.m.stats.inc("hybridserve_mamba_inplace_track_writes_total")
             return c.keep_slot, True  # type: ignore[return-value]
-        return (second, False) if second is not None else None
+        return (second, False) if second is not None and reuse_busy else None
 
     # -- results ------------------------------------------------------------------------------
     def on_complete(self, plan: StepPlan, writes: Sequence[StateWrite]) -> None:

@@ -263,8 +263,9 @@ class Engine:
             if not self.cache.has_transfers():
                 raise RuntimeError(self._stuck_message())
             self.cache.poll_transfers(wait=True)   # only copies in flight: wait for the oldest
-        if launched is not None and had_previous:
-            self.num_overlapped_launches += 1      # N+1 launched before N's result is processed
+        if launched is not None and had_previous:   # N+1 launched before N's result is processed
+            self.num_overlapped_launches += 1
+            self.stats.inc("hybridserve_overlapped_steps_total")
         keep = self.lag if launched is not None else 0
         while len(self._launched) > keep:          # oldest first; the lag leaves one in flight
             outputs += self._process(self._launched[0])

@@ -35,7 +35,7 @@ from workers.sampling.logprobs import prompt_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler_types import StateWrite
 from workers.spec.drafter import MtpDrafter, MtpSpan
-from workers.step_inputs import PreparedStep, VerifyRows, prepare_step
+from workers.step_inputs import PreparedStep, VerifyRows, prepare_step, resolve_chained
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class ModelRunner:
         self.drafter = drafter
         self.compiled = compiled
         self.last_token = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
+        # Drafts the last verify of each live slot accepted: where a chained verify starts.
+        self.accepted = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
+        self.accepted_host = [0] * pools.mamba.num_slots
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hybridserve-forward") if overlap else None
         self._last_end: float | None = None
         self._latest_started: threading.Event | None = None   # scheduler thread: the last launch's
@@ -133,6 +136,7 @@ class ModelRunner:
         start = time.monotonic()
         gap = None if self._last_end is None else start - self._last_end
         self._fill_placeholders(prepared)
+        prepared = resolve_chained(prepared, self.accepted, self.accepted_host)
         plan, fb = prepared.plan, prepared.fb
         if plan.cow:
             self.pools.mamba.copy_slots([s for s, _ in plan.cow], [d for _, d in plan.cow])
@@ -196,14 +200,20 @@ class ModelRunner:
         decision = self.sampler.decide(si, prepared.fb.input_ids, logits, params, gens, verify, self._draft_q)
         sources: list[int] = []
         destinations: list[int] = []
+        slots, counts = [], []
         for v, n in zip(verify, decision.num_accepted):
             if v is not None and n is not None:
                 src, dst, committed = v.commit(n)
                 sources += src
                 destinations += dst
                 writes.extend(committed)
+                slots.append(v.live_slot)
+                counts.append(n)
+                self.accepted_host[v.live_slot] = n
         if sources:
             self.pools.mamba.copy_slots(sources, destinations)
+        if slots:
+            self.accepted[torch.tensor(slots, device=self.device)] = torch.tensor(counts, device=self.device)
         return decision.token_ids, decision.logprobs, decision.num_accepted
 
     def _draft_q(self, v: VerifyRows) -> torch.Tensor:
@@ -224,7 +234,7 @@ class ModelRunner:
         size = chain.pick(fb.num_seqs, greedy=True)
         if size is None:
             return False
-        drafts = chain.run_verified(hidden, tokens, [s.start for s in prepared.plan.batch.seqs],
+        drafts = chain.run_verified(hidden, tokens, list(prepared.starts),
                                     [list(p) for p in prepared.page_ids], size)
         drafter.draft_tokens[torch.tensor(prepared.live_slots, device=self.device)] = drafts
         return True
@@ -247,7 +257,7 @@ class ModelRunner:
                 n += 1
             else:
                 nxt = self._known_ids(prepared, first + 1, first + width) + [prepared.next_tokens[b]]
-            spans.append(MtpSpan(seq.start, hidden[first:first + width],
+            spans.append(MtpSpan(prepared.starts[b], hidden[first:first + width],
                                  torch.tensor(nxt, device=self.device), list(prepared.page_ids[b]),
                                  prepared.live_slots[b], seq.request.request_id, p, g))
         return spans

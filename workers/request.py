@@ -95,7 +95,8 @@ class Request:
     mamba_slot: int | None = None
     num_pending_tokens: int = 0          # tokens that launched, unprocessed batches will append
     inflight_batch: int | None = None    # newest launched, unprocessed batch holding this request
-    verify_inflight: bool = False        # a launched verify's acceptance is not known yet
+    num_inflight_verifies: int = 0       # launched verifies whose acceptance is not processed yet
+    inflight_verify_drafts: int = 0      # drafts of the newest of them (how far it may move the next)
     has_drafts: bool = False             # the MTP head drafted after this request's last sample
     cache: RequestCacheState = field(default_factory=lambda: RequestCacheState())
     num_preemptions: int = 0

@@ -39,6 +39,16 @@ this one's result is processed: a decode's next input is the token being sampled
 placeholder filled on the forward thread). A request in flight is never preempted; a
 request about to reach ``max_tokens`` is not scheduled past it.
 
+Speculation under overlap: a verify commits 1 .. k + 1 tokens, unknown until processed. A
+request whose verify is in flight is scheduled for the next verify anyway (``chained``,
+``ScheduledSeq.max_shift``): its row 0 and drafts are placeholders, and its start -- the
+in-flight verify's start + 1 + the drafts it accepts -- is resolved on the forward thread,
+which runs it after that verify (``workers.step_inputs.resolve_chained``). Pages cover the
+furthest start. Not chained (the request waits a step): a request whose sampling reads
+positions on the host (``bad_words``, ``min_tokens`` still blocking), whose in-flight
+verify may end it (its next token reaches ``max_tokens``), or whose furthest verify would
+pass the context length.
+
 Tiers: a request admitted with a promotion (its prefix being copied in from the host tier)
 joins ``running`` but gets no tokens, and is not preempted, until the copy completes.
 
@@ -97,14 +107,15 @@ class Scheduler:
     def on_launch(self, batch: ScheduledBatch) -> None:
         """Commit what a launched batch computes, before its result is processed.
 
-        A verify commits 1 .. k + 1 tokens, unknown until processed: its request is not
-        scheduled again until then (``verify_inflight``).
+        A verify commits 1 .. k + 1 tokens, unknown until processed: its request counts it
+        in flight (``num_inflight_verifies``) and commits at ``on_complete``.
         """
         for seq in batch.seqs:
             req = seq.request
             req.inflight_batch = batch.batch_id
             if seq.is_verify:
-                req.verify_inflight = True
+                req.num_inflight_verifies += 1
+                req.inflight_verify_drafts = seq.num_draft_tokens
                 continue
             req.num_computed_tokens = seq.end
             if seq.samples:
@@ -117,8 +128,10 @@ class Scheduler:
             if req.inflight_batch == batch.batch_id:
                 req.inflight_batch = None
             if seq.is_verify:
-                req.verify_inflight = False
-                req.num_computed_tokens = seq.start + rows_committed[i]
+                # Verifies complete in launch order: the one before a chained verify has
+                # moved num_computed_tokens to its actual start.
+                req.num_inflight_verifies -= 1
+                req.num_computed_tokens += rows_committed[i]
             elif seq.samples:
                 req.num_pending_tokens -= 1
 
@@ -164,7 +177,9 @@ class Scheduler:
         return batch
 
     def _num_to_compute(self, request: Request, budget: int) -> int:
-        if request.verify_inflight or (request.num_pending_tokens and self._reaches_limit(request)):
+        if request.num_inflight_verifies:
+            return self._chained_len(request, budget)
+        if request.num_pending_tokens and self._reaches_limit(request):
             return 0
         if request.cache.promotion is not None:          # its prefix is still being copied in
             return 0
@@ -185,6 +200,16 @@ class Scheduler:
         outputs = request.num_output_tokens + request.num_pending_tokens
         return outputs >= request.params.max_tokens or request.num_expected_tokens >= self.max_model_len
 
+    def _chained_len(self, request: Request, budget: int) -> int:
+        """Rows of a verify chained after the request's in-flight one (0: it waits a step)."""
+        p, n = request.params, 1 + self.num_draft_tokens
+        furthest = request.num_computed_tokens + request.inflight_verify_drafts + 1 + self.num_draft_tokens
+        if (request.num_inflight_verifies > 1 or n > budget or p.bad_words
+                or request.num_output_tokens < p.min_tokens or request.num_output_tokens + 1 >= p.max_tokens
+                or furthest > self.max_model_len - 1):
+            return 0
+        return n
+
     def _verifies(self, request: Request) -> bool:
         """Decode as a verify: speculation is on and the MTP head has drafted for the
         request since it was (re)started (every sampling step drafts)."""
@@ -196,12 +221,17 @@ class Scheduler:
 
     def _scheduled(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
+        if request.num_inflight_verifies:
+            return ScheduledSeq(request, start + 1, n, samples=True, num_draft_tokens=n - 1,
+                                max_shift=request.inflight_verify_drafts)
         if request.num_expected_tokens - start == 1 and self._verifies(request):
             return ScheduledSeq(request, start, n, samples=True, num_draft_tokens=n - 1)
         return ScheduledSeq(request, start, n, samples=start + n == request.num_expected_tokens)
 
     def _pages_short(self, request: Request, n: int) -> int:
         end = request.num_computed_tokens + n
+        if request.num_inflight_verifies:          # chained: it may start that much further
+            end += request.inflight_verify_drafts + 1
         if self.num_draft_tokens and end >= request.num_expected_tokens:
             # The MTP head drafts (and writes its KV) up to k - 1 positions further.
             end = min(end + self.num_draft_tokens, self.max_model_len)

@@ -13,6 +13,7 @@ class SeqSpan:
     start: int
     num_new_tokens: int
     num_draft_tokens: int
+    max_shift: int
 
     @property
     def is_verify(self) -> bool:
@@ -21,6 +22,12 @@ class SeqSpan:
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
+
+    @property
+    def is_chained(self) -> bool:
+        """A verify launched while the request's previous verify is in flight: it starts
+        ``max_shift`` or fewer positions after ``start``, as many as that one accepts."""
+        return self.max_shift > 0
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class ScheduledSeq(SeqSpan):
     num_new_tokens: int
     samples: bool          # the chunk reaches the end of the known tokens: sample after it
     num_draft_tokens: int = 0   # a speculative verify: 1 real token + this many drafts
+    max_shift: int = 0     # a chained verify (``is_chained``): drafts of the verify before it
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,17 @@ from per-slot registers.
 Row layout of a verify of k drafts at position p: row 0 is token p (known, or sampled
 by the in-flight batch), rows 1..k are the drafts; every row's state is snapshotted into
 its own scratch slot so the state after the last accepted token can be committed.
+
+A chained verify (``ScheduledSeq.is_chained``) is prepared at its least start; on the
+forward thread, after the verify before it has been decided, ``resolve_chained`` moves its
+rows by the drafts that one accepted (positions, context lengths and KV locations on the
+device, from the runner's per-slot register; the host copies of its start from the host
+one).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,11 +42,11 @@ class VerifyRows:
         """(scratch sources, destinations, what lands where) when ``num_accepted`` drafts were
         accepted: the live slot takes the state after row ``num_accepted`` (depth start +
         accepted + 1); the track slot, if planned and reached, the state after the row that
-        ends at ``track_depth``."""
+        ends at ``track_depth`` (a chained verify may start past it: nothing then)."""
         src, dst = [self.scratch[num_accepted]], [self.live_slot]
         writes = [StateWrite(self.seq_index, self.live_slot, self.start + num_accepted + 1)]
         crossed_row = self.track_depth - 1 - self.start
-        if self.track_slot and crossed_row <= num_accepted:
+        if self.track_slot and 0 <= crossed_row <= num_accepted:
             src.append(self.scratch[crossed_row])
             dst.append(self.track_slot)
             writes.append(StateWrite(self.seq_index, self.track_slot, self.start + crossed_row + 1))
@@ -72,6 +79,16 @@ class PreparedStep:
     # (``prepare_step``: the batch itself runs as a plain decode step); None: no copies.
     copy_src: torch.Tensor | None = None
     copy_dst: torch.Tensor | None = None
+    # Per seq, its first position (a chained verify's least until ``resolve_chained``).
+    starts: tuple[int, ...] = ()
+    # Chained verifies: seq indices, their live slots, and per row of theirs: the row, its
+    # seq, its index among them (all None without one).
+    chained_seqs: tuple[int, ...] = ()
+    chained_seq_index: torch.Tensor | None = None
+    chained_slots: torch.Tensor | None = None
+    chained_rows: torch.Tensor | None = None
+    chained_row_seq: torch.Tensor | None = None
+    chained_row_pos: torch.Tensor | None = None
 
 
 class _Rows:
@@ -168,6 +185,8 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         state_dst_slots=t(rows.dst, torch.int32) if snapshots else None,
         decode_only=is_decode_only(num_new, has_init, None if decode_copies else rows.dst),
         verify_len=uniform_snapshot_len(num_new, has_init, rows.dst if snapshots else None))
+    chained = [b for b, s in enumerate(batch.seqs) if s.is_chained]
+    chained_rows = [(r, b, j) for j, b in enumerate(chained) for r in range(cu[b], cu[b + 1])]
     return PreparedStep(
         plan, fb, opt([r for r, _ in rows.future]), opt([s for _, s in rows.future]),
         opt([r for r, _, _ in rows.drafts]), opt([s for _, s, _ in rows.drafts]),
@@ -175,7 +194,38 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         tuple(tuple(s.request.page_ids) for s in batch.seqs),
         tuple(s.request.mamba_slot for s in batch.seqs), tuple(rows.writes),
         row_ids=_host_ids(rows), cu_seqlens=tuple(cu),
-        copy_src=opt([a for a, _ in decode_copies]), copy_dst=opt([d for _, d in decode_copies]))
+        copy_src=opt([a for a, _ in decode_copies]), copy_dst=opt([d for _, d in decode_copies]),
+        starts=tuple(s.start for s in batch.seqs), chained_seqs=tuple(chained), chained_seq_index=opt(chained),
+        chained_slots=opt([batch.seqs[b].request.mamba_slot for b in chained]),
+        chained_rows=opt([r for r, _, _ in chained_rows]), chained_row_seq=opt([b for _, b, _ in chained_rows]),
+        chained_row_pos=opt([j for _, _, j in chained_rows]))
+
+
+def resolve_chained(prepared: PreparedStep, accepted: torch.Tensor,
+                    accepted_host: Sequence[int]) -> PreparedStep:
+    """Move each chained verify by the drafts its request's previous verify accepted
+    (``accepted`` / ``accepted_host``: per live slot, on the device / host); the device
+    tensors are edited in place, the host copies of the starts replaced."""
+    if not prepared.chained_seqs:
+        return prepared
+    fb, ps = prepared.fb, prepared.fb.page_size
+    assert prepared.chained_slots is not None and prepared.chained_rows is not None
+    assert prepared.chained_row_seq is not None and prepared.chained_row_pos is not None
+    assert prepared.chained_seq_index is not None
+    shift = accepted[prepared.chained_slots]
+    rows = prepared.chained_rows
+    fb.positions.index_add_(0, rows, shift[prepared.chained_row_pos])
+    fb.seq_lens.index_add_(0, prepared.chained_seq_index, shift.to(fb.seq_lens.dtype))
+    pos = fb.positions[rows]
+    page = fb.page_table[prepared.chained_row_seq, pos // ps].to(fb.out_loc.dtype)
+    fb.out_loc[rows] = page * ps + pos % ps
+    starts = list(prepared.starts)
+    moved = {}
+    for b in prepared.chained_seqs:
+        starts[b] += accepted_host[prepared.live_slots[b]]
+        moved[b] = starts[b]
+    verify = tuple(replace(v, start=moved[v.seq_index]) if v.seq_index in moved else v for v in prepared.verify)
+    return replace(prepared, starts=tuple(starts), verify=verify)
 
 
 def _host_ids(rows: _Rows) -> tuple[int, ...]:

@@ -155,7 +155,6 @@ def calls_per_request_step(engine, counter: CallCounter, mode: str, batch: int, 
     return total / (steps * batch)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 41 item 1: linear bookkeeping")
 @pytest.mark.parametrize("mode", ["default", "mtp"])
 def test_host_calls_per_request_do_not_grow_with_the_batch(null_model, mode):
     """Quadratic host bookkeeping (a membership test in a list of requests with a field-by-

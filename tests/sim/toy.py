@@ -38,7 +38,7 @@ import torch
 
 from workers.checkpoints import StepPlan
 from workers.model_runner import StepResult
-from workers.step_inputs import PreparedStep, prepare_step
+from workers.step_inputs import PreparedStep, prepare_step, resolve_chained
 
 MASK = (1 << 64) - 1
 ROOT_DIGEST = 0x243F6A8885A308D3
@@ -125,6 +125,8 @@ class ToyRunner:
         self.vocab, self.script = vocab, script
         self.pool: list[ToyState] = [EMPTY] * num_slots
         self.last_token = [0] * num_slots
+        self.accepted = [0] * num_slots                   # as ModelRunner.accepted_host
+        self.committed: list[list[int]] = [[] for _ in range(num_slots)]   # a verify's tokens
         self.draft_tokens = [[0] * max(num_draft_tokens, 1) for _ in range(num_slots)]
         self.corruptions: list[Corruption] = []
         self.num_steps = 0
@@ -187,6 +189,9 @@ class ToyRunner:
             for r, s, i in zip(prepared.draft_rows.tolist(), prepared.draft_slots.tolist(),
                                prepared.draft_index.tolist()):
                 ids[r] = self.draft_tokens[s][i]
+        meta = self._chained_meta(prepared, meta)
+        prepared = resolve_chained(prepared, torch.tensor(self.accepted), self.accepted)
+        fb = prepared.fb
         if plan.cow:                                   # gather, then scatter (like copy_slot)
             states = [pool[src] for src, _ in plan.cow]
             for (_, dst), state in zip(plan.cow, states):
@@ -201,8 +206,8 @@ class ToyRunner:
             expected = meta[b].expected
             if init[b] and (state.depth != positions[cu[b]] or (expected is not None and state != expected)):
                 digest_ok = expected is not None and state.digest == expected.digest
-                self.corruptions.append(Corruption(plan.batch.batch_id, meta[b].request_id, seq.start,
-                                                   state.depth, digest_ok))
+                self.corruptions.append(Corruption(plan.batch.batch_id, meta[b].request_id,
+                                                   prepared.starts[b], state.depth, digest_ok))
             for t in range(cu[b], cu[b + 1]):
                 state = fold(state, ids[t])
                 out[t] = self.vocab.emit(state)
@@ -232,6 +237,7 @@ class ToyRunner:
                 n += 1
             tokens.append(drafts[:n] + [best[n]])
             accepted.append(n)
+            self.accepted[v.live_slot], self.committed[v.live_slot] = n, tokens[-1]
             src, dsts, committed = v.commit(n)                  # as ModelRunner._verify
             writes.extend(committed)
             states = [pool[s] for s in src]
@@ -246,10 +252,20 @@ class ToyRunner:
             self.last_token[live[b]] = last
             if self.k:
                 is_verify = accepted[n] is not None
-                position = seq.start + accepted[n] + 1 if is_verify else seq.end
+                position = prepared.starts[b] + accepted[n] + 1 if is_verify else seq.end
                 self._draft(live[b], last, meta[b].request_id, position, first=not is_verify)
             n += 1
         return StepResult(tokens, [[None] * len(t) for t in tokens], accepted, tuple(writes))
+
+    def _chained_meta(self, prepared: PreparedStep, meta: list[_SeqMeta]) -> list[_SeqMeta]:
+        """A chained verify's true start state: its least start's, advanced by the drafts the
+        verify before accepted (its committed tokens but the last)."""
+        meta = list(meta)
+        for b in prepared.chained_seqs:
+            slot, m = prepared.live_slots[b], meta[b]
+            if m.expected is not None:
+                meta[b] = m._replace(expected=chain(self.committed[slot][: self.accepted[slot]], m.expected))
+        return meta
 
     def _draft(self, slot: int, last: int, request_id: str, position: int, first: bool) -> None:
         a = max(0, min(self.k, self.script(request_id, position, first, self.k)))

@@ -49,6 +49,7 @@ class SeqView(SeqSpan):
     num_new_tokens: int
     samples: bool
     num_draft_tokens: int
+    max_shift: int
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Stop:
 def plan_view(plan: StepPlan) -> PlanView:
     seqs = tuple(SeqView(RequestView(s.request.request_id, s.request.handle, s.request.mamba_slot,
                                      list(s.request.page_ids), s.request.params),
-                         s.start, s.num_new_tokens, s.samples, s.num_draft_tokens)
+                         s.start, s.num_new_tokens, s.samples, s.num_draft_tokens, s.max_shift)
                  for s in plan.batch.seqs)
     return PlanView(BatchView(plan.batch.batch_id, seqs), tuple(plan.cow))
 

@@ -218,3 +218,29 @@ def test_hundred_mixed_prompts_every_variant(tiny_qwen_dir):
                            cache={"mamba_track_interval": 16})
             got = [o.token_ids for o in llm.generate_ids(prompts, params)]
             assert got == expected, (overlap, spec)
+
+
+def test_every_request_verifies_every_step_under_overlap(tiny_qwen_dir, monkeypatch):
+    """MTP + overlap: a request whose verify is in flight verifies again in the next batch
+    (chained, started on the device where the one before stopped), so once all have drafted,
+    each batch verifies every running request and is launched while the one before runs."""
+    llm = spec_llm(tiny_qwen_dir, scheduler={"overlap": True})
+    engine = llm.engine
+    verifying: list[int] = []
+    on_launch = engine.scheduler.on_launch
+
+    def count(batch):
+        verifying.append(sum(s.is_verify for s in batch.seqs))
+        on_launch(batch)
+
+    monkeypatch.setattr(engine.scheduler, "on_launch", count)
+    prompts = random_prompts(engine.vocab_size, [9] * 8, seed=12)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in make_llm(tiny_qwen_dir, scheduler={"overlap": False})
+                .generate_ids(prompts, [params] * 8)]
+    assert [o.token_ids for o in llm.generate_ids(prompts, [params] * 8)] == expected
+    stats = llm.stats()
+    # A random head's drafts are rejected: each verify advances one token, ~22 verifies each.
+    assert sum(n == 8 for n in verifying) >= 15, verifying
+    steps = sum(stats["hybridserve_engine_steps_total"].values())
+    assert stats["hybridserve_overlapped_steps_total"] >= 0.9 * steps
