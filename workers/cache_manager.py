@@ -158,6 +158,7 @@ class CacheManager:
         if live is None:
             return False
         req.mamba_slot = live
+        req.page_epoch += 1                     # its pages are set anew below
         req.cache = RequestCacheState()
         first_lookup = not req.lookup_counted
         promotion = self._plan_promotion(req, match)
@@ -338,6 +339,7 @@ class CacheManager:
             self.tracker.donate(req, finished=True)
         self.free_pages(req.page_ids[req.cache.num_tree_pages:], self.reader_of(req))
         req.page_ids = []
+        req.page_epoch += 1
         self.ledger.free_request(req.handle)
         req.mamba_slot = None
         if req.cache.locked_node is not None:

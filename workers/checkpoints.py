@@ -366,6 +366,7 @@ class CheckpointTracker:
                              Checkpoint.for_tokens(slot, tokens, self.page_size, c.keep_batch))
         self.m.free_pages(result.duplicate_page_ids, self.m.reader_of(req))
         req.page_ids[:num_pages] = result.page_ids
+        req.page_epoch += 1                     # the prefix's ids may be the tree's copies now
         c.num_tree_pages = num_pages
         tree.lock(result.node)
         if c.locked_node is not None:

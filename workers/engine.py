@@ -32,7 +32,7 @@ from workers.sampling.grammar import GrammarCompiler, GrammarWaitlist
 from workers.sampling.requests import request_sampling
 from workers.sampling.validate import check_params
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
+from workers.scheduler import Scheduler, pages_needed
 from workers.sizing import plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layers
 from workers.state_oracle import StateOracle
@@ -114,7 +114,13 @@ class Engine:
                            scratch_base=self.slot_ledger.num_slots, drafter=self.drafter,
                            grammar_compiler=self.grammar_compiler,
                            compiled=build_compiled(self.config, self.model, self.pools, self.device,
-                                                   self.max_model_len, self.drafter))
+                                                   self.max_model_len, self.drafter),
+                           max_pages=self.max_pages_per_request())
+
+    def max_pages_per_request(self) -> int:
+        """Pages a running request may hold: its context, a verify past it and the drafts."""
+        k = num_draft_tokens(self.config.spec)
+        return pages_needed(self.max_model_len + 2 * (k + 1), self.config.cache.page_size) + 1
 
     def _attach_tiers(self) -> None:
         """The host tier's storage: host pools mirroring the device pools (pinned on a GPU).

@@ -35,7 +35,9 @@ from workers.sampling.logprobs import prompt_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler_types import StateWrite
 from workers.spec.drafter import MtpDrafter, MtpSpan
+from workers.input_batch import InputBatch
 from workers.step_inputs import PreparedStep, VerifyRows, prepare_step, resolve_chained
+from workers.uniform_inputs import prepare_uniform, uniform_rows
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class ModelRunner:
                  device: torch.device, generators: GeneratorBank, overlap: bool,
                  scratch_base: int, drafter: MtpDrafter | None = None,
                  grammar_compiler: GrammarCompiler | None = None,
-                 compiled: CompiledSteps | None = None) -> None:
+                 compiled: CompiledSteps | None = None, max_pages: int = 0) -> None:
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, device
         self.generators = generators
         self.planner = SamplingPlanner()                 # host side (scheduler thread)
@@ -66,6 +68,8 @@ class ModelRunner:
         self.scratch_base = scratch_base
         self.drafter = drafter
         self.compiled = compiled
+        # The persistent page-table rows of the steady state's vectorized inputs (0: none).
+        self.inputs = InputBatch(max_pages) if max_pages else None
         self.last_token = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
         # Drafts the last verify of each live slot accepted: where a chained verify starts.
         self.accepted = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
@@ -76,7 +80,7 @@ class ModelRunner:
         self._starting: threading.Event | None = None         # forward thread: the running step's
 
     def launch(self, plan: StepPlan) -> Future[StepResult]:
-        prepared = prepare_step(plan, self.page_size, self.device, self.scratch_base)
+        prepared = self._prepare(plan)
         prepared = replace(prepared, sampling=self.planner.build(plan.batch.seqs))
         sampling = [s for s in plan.batch.seqs if s.samples]
         params = [s.request.params for s in sampling]
@@ -88,6 +92,15 @@ class ModelRunner:
         done: Future[StepResult] = Future()
         done.set_result(run())
         return done
+
+    def _prepare(self, plan: StepPlan) -> PreparedStep:
+        """A step's inputs: vectorized over the persistent rows when the batch is uniform
+        (every sequence a decode, or every one a verify), else row by row."""
+        rows = uniform_rows(plan.batch) if self.inputs is not None else 0
+        if rows:
+            assert self.inputs is not None
+            return prepare_uniform(plan, self.inputs, rows, self.page_size, self.device, self.scratch_base)
+        return prepare_step(plan, self.page_size, self.device, self.scratch_base)
 
     def _signalled(self, run: Callable[[], StepResult], started: threading.Event) -> StepResult:
         """Forward thread: ``run`` with ``started`` set once its forward is entered (or it fails)."""
@@ -125,6 +138,8 @@ class ModelRunner:
         """A request finished (host thread): its generator, registers and matcher go."""
         self.generators.drop(req.handle)
         self.planner.drop(req)
+        if self.inputs is not None:
+            self.inputs.drop(req.handle)
 
     def shutdown(self) -> None:
         if self._executor is not None:

@@ -92,6 +92,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     page_ids: list[int] = field(default_factory=list)
+    page_epoch: int = 0                  # bumped whenever page_ids changes other than by appending
     mamba_slot: int | None = None
     num_pending_tokens: int = 0          # tokens that launched, unprocessed batches will append
     inflight_batch: int | None = None    # newest launched, unprocessed batch holding this request

@@ -65,7 +65,7 @@ class PreparedStep:
     verify: tuple[VerifyRows, ...]
     next_tokens: tuple[int | None, ...]  # per seq: the known token after a non-final chunk
     # Per seq, frozen at launch: the host may edit the request's lists while this runs.
-    page_ids: tuple[tuple[int, ...], ...] = ()
+    page_ids: Sequence[Sequence[int]] = ()
     live_slots: tuple[int, ...] = ()
     # What the non-verify sequences write into ledger slots, read off the rows above (the
     # live slot after the last row, each snapshot row's slot); verifies add theirs at commit.
@@ -73,8 +73,8 @@ class PreparedStep:
     sampling: SamplingInputs | None = None   # host tensors (workers.sampling.build), set at launch
     # Host copies of ``fb.input_ids`` (placeholder rows -1: filled on the device) and
     # ``fb.cu_seqlens``: the drafter's inputs are built from them, not read back.
-    row_ids: tuple[int, ...] = ()
-    cu_seqlens: tuple[int, ...] = ()
+    row_ids: Sequence[int] = ()
+    cu_seqlens: Sequence[int] = ()
     # A decode batch's snapshots, copied live slot -> snapshot slot after the forward
     # (``prepare_step``: the batch itself runs as a plain decode step); None: no copies.
     copy_src: torch.Tensor | None = None

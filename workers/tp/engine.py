@@ -65,7 +65,7 @@ class TPEngine(Engine):
         return TPModelRunner(self.model, self.pools, self.config.cache.page_size, self.device,
                              self.generators, overlap=self.lag > 0,
                              scratch_base=self.slot_ledger.num_slots, drafter=self.drafter,
-                             grammar_compiler=self.grammar_compiler,
+                             grammar_compiler=self.grammar_compiler, max_pages=self.max_pages_per_request(),
                              group=self.tp, check_consistency=self.config.debug.check_invariants)
 
     def pool_layout(self) -> PoolLayout:

@@ -111,7 +111,7 @@ def test_engine_takes_the_fast_path_and_greedy_output_is_unchanged(tiny_model_di
     assert num_scan_calls(fast) + fast[CONV_FAST].call_count >= GREEDY.max_tokens - 1
     slow_llm = make_llm(tiny_model_dir)
     with mock.patch.object(step_inputs, "is_decode_only", return_value=False), \
-            count_calls(FAST) as never:
+            mock.patch("workers.model_runner.uniform_rows", return_value=0), count_calls(FAST) as never:
         slow_tokens = greedy_tokens(slow_llm, prompts)
     assert num_recurrent_calls(never) == 0
     assert fast_tokens == slow_tokens
@@ -122,18 +122,19 @@ def test_speculative_verify_steps_take_the_verify_path_not_decode_only(tiny_qwen
     but the verify fast path (``verify_len``); greedy tokens equal with it forced off."""
     llm = make_llm(tiny_qwen_dir, spec={"method": "mtp", "num_draft_tokens": 2})
     seen: list[tuple[int, bool, int]] = []
-    real = step_inputs.prepare_step
+    real = llm.engine.runner._prepare
 
-    def spy(*args, **kwargs):
-        prepared = real(*args, **kwargs)
+    def spy(plan):
+        prepared = real(plan)
         seen.append((len(prepared.verify), prepared.fb.decode_only, prepared.fb.verify_len))
         return prepared
     prompts = random_prompts(llm.engine.vocab_size, [7], seed=6)
-    with mock.patch("workers.model_runner.prepare_step", spy):
+    with mock.patch.object(llm.engine.runner, "_prepare", spy):
         fast = greedy_tokens(llm, prompts)
     assert any(n > 0 for n, _, _ in seen)
     assert not any(flag for n, flag, _ in seen if n > 0)
     assert all(vlen == 3 for n, _, vlen in seen if n > 0)      # one sequence: every verify
     off = make_llm(tiny_qwen_dir, spec={"method": "mtp", "num_draft_tokens": 2})
-    with mock.patch("workers.step_inputs.uniform_snapshot_len", return_value=0):
+    with mock.patch("workers.step_inputs.uniform_snapshot_len", return_value=0), \
+            mock.patch("workers.model_runner.uniform_rows", return_value=0):
         assert greedy_tokens(off, prompts) == fast

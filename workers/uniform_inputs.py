@@ -1,0 +1,172 @@
+"""The steady state's inputs, vectorized: a batch whose every sequence is a decode (one row)
+or every sequence a verify (1 + k rows), each sampling, past its first token.
+
+The general builder (``workers.step_inputs.prepare_step``) walks every row in Python and
+rebuilds each sequence's page table; here a sequence costs one pass over a few of its
+fields, the page table is a snapshot of the persistent rows (``workers.input_batch``), and
+the rest is numpy over all rows at once. The integer inputs travel in two packed arrays
+(int64, int32): one host-to-device copy each instead of one per tensor. Same
+``PreparedStep`` as the general builder (tested equal: ``tests/workers/test_uniform_inputs.py``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from workers.checkpoints import StepPlan
+from workers.forward_batch import ForwardBatch
+from workers.input_batch import InputBatch
+from workers.scheduler_types import ScheduledBatch, StateWrite
+from workers.step_inputs import PreparedStep, VerifyRows
+
+
+class PageRows(Sequence):
+    """Per sequence, its page ids (zero-padded to the step's widest): a step's page table
+    read as lists, only where one is asked for (the MTP drafter)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self._table = table
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __getitem__(self, b):  # type: ignore[override]
+        return self._table[b].tolist()
+
+
+def uniform_rows(batch: ScheduledBatch) -> int:
+    """Rows per sequence when ``batch`` is uniform (see the module doc), else 0."""
+    seqs = batch.seqs
+    rows = seqs[0].num_new_tokens
+    verify = seqs[0].is_verify
+    if rows != 1 and not verify:
+        return 0
+    for s in seqs:
+        if s.num_new_tokens != rows or s.is_verify != verify or not s.samples or s.start == 0:
+            return 0
+    return rows
+
+
+class _Pack:
+    """Host arrays of one dtype, concatenated and moved to the device at once."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self.parts: dict[str, np.ndarray] = {}
+
+    def add(self, name: str, values: np.ndarray | Sequence[int]) -> None:
+        self.parts[name] = np.asarray(values, dtype=self.dtype).reshape(-1)
+
+    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if not self.parts:
+            return {}
+        flat = torch.from_numpy(np.concatenate(list(self.parts.values())))
+        if device.type != "cpu":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        out, at = {}, 0
+        for name, part in self.parts.items():
+            out[name] = flat[at:at + part.size]
+            at += part.size
+        return out
+
+
+_ONES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _all_true(n: int, device: torch.device) -> torch.Tensor:
+    key = (n, str(device))
+    if key not in _ONES:
+        _ONES[key] = torch.ones(n, dtype=torch.bool, device=device)
+    return _ONES[key]
+
+
+def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: int,
+                    device: torch.device, scratch_base: int) -> PreparedStep:
+    """The ``PreparedStep`` of a uniform batch of ``rows`` rows per sequence."""
+    seqs = plan.batch.seqs
+    n_seq, verify = len(seqs), seqs[0].is_verify
+    starts, slots, first_ids, tracks = [], [], [], []
+    for b, seq in enumerate(seqs):
+        req = seq.request
+        starts.append(seq.start)
+        slots.append(req.mamba_slot)
+        known = seq.start < len(req.prompt_token_ids) + len(req.output_token_ids)
+        first_ids.append(req.token_at(seq.start) if known else -1)
+        track = plan.by_seq.get(b)
+        if track is not None:
+            tracks.append((b, track.slot, track.depth))
+    table = inputs.table(inputs.rows([s.request for s in seqs]))
+    start = np.asarray(starts, dtype=np.int64)
+    slot = np.asarray(slots, dtype=np.int64)
+    first = np.asarray(first_ids, dtype=np.int64)
+    offsets = np.arange(rows, dtype=np.int64)
+    positions = (start[:, None] + offsets).reshape(-1)
+    seq_of_row = np.repeat(np.arange(n_seq), rows)
+    out_loc = table[seq_of_row, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    ids = np.zeros((n_seq, rows), dtype=np.int64)
+    ids[:, 0] = np.maximum(first, 0)
+    future = np.flatnonzero(first < 0)
+
+    i64, i32 = _Pack(np.int64), _Pack(np.int32)
+    i64.add("input_ids", ids)
+    i64.add("positions", positions)
+    i64.add("out_loc", out_loc)
+    i64.add("logits", np.arange(n_seq * rows) if verify else np.arange(n_seq))
+    if len(future):
+        i64.add("future_rows", future * rows)
+        i64.add("future_slots", slot[future])
+    i32.add("cu", np.arange(0, n_seq * rows + 1, rows))
+    i32.add("seq_lens", start + rows)
+    i32.add("slots", slot)
+    i32.add("table", table)
+    verify_rows: tuple[VerifyRows, ...] = ()
+    writes: list[StateWrite] = []
+    if verify:
+        draft_rows = (np.arange(n_seq)[:, None] * rows + offsets[1:]).reshape(-1)
+        i64.add("draft_rows", draft_rows)
+        i64.add("draft_slots", np.repeat(slot, rows - 1))
+        i64.add("draft_index", np.tile(offsets[:-1], n_seq))
+        i32.add("dst", scratch_base + np.arange(n_seq * rows))
+        verify_rows = _verify_rows(seqs, starts, slots, tracks, rows, scratch_base)
+    else:
+        writes = [StateWrite(b, s, p + 1) for b, (s, p) in enumerate(zip(slots, starts))]
+        writes += [StateWrite(b, s, d) for b, s, d in tracks]
+        if tracks:
+            i64.add("copy_src", [slots[b] for b, _, _ in tracks])
+            i64.add("copy_dst", [s for _, s, _ in tracks])
+    chained = [b for b, s in enumerate(seqs) if s.is_chained]
+    if chained:
+        i64.add("chained_seq_index", chained)
+        i64.add("chained_slots", slot[chained])
+        i64.add("chained_rows", (np.asarray(chained)[:, None] * rows + offsets).reshape(-1))
+        i64.add("chained_row_seq", np.repeat(chained, rows))
+        i64.add("chained_row_pos", np.repeat(np.arange(len(chained)), rows))
+    t64, t32 = i64.to(device), i32.to(device)
+    fb = ForwardBatch(
+        input_ids=t64["input_ids"], positions=t64["positions"], cu_seqlens=t32["cu"],
+        seq_lens=t32["seq_lens"], out_loc=t64["out_loc"], page_table=t32["table"].view(n_seq, -1),
+        mamba_slot_ids=t32["slots"], has_initial_state=_all_true(n_seq, device),
+        logits_indices=t64["logits"], page_size=page_size,
+        state_dst_slots=t32.get("dst"), decode_only=not verify, verify_len=rows if verify else 0)
+    return PreparedStep(
+        plan, fb, t64.get("future_rows"), t64.get("future_slots"), t64.get("draft_rows"),
+        t64.get("draft_slots"), t64.get("draft_index"), verify_rows, (None,) * n_seq,
+        PageRows(table), tuple(slots), tuple(writes), row_ids=(), cu_seqlens=range(0, n_seq * rows + 1, rows),
+        copy_src=t64.get("copy_src"), copy_dst=t64.get("copy_dst"), starts=tuple(starts),
+        chained_seqs=tuple(chained), chained_seq_index=t64.get("chained_seq_index"),
+        chained_slots=t64.get("chained_slots"), chained_rows=t64.get("chained_rows"),
+        chained_row_seq=t64.get("chained_row_seq"), chained_row_pos=t64.get("chained_row_pos"))
+
+
+def _verify_rows(seqs, starts: list[int], slots: list[int], tracks: list[tuple[int, int, int]],
+                 rows: int, scratch_base: int) -> tuple[VerifyRows, ...]:
+    track_of = {b: (s, d) for b, s, d in tracks}
+    out = []
+    for b, seq in enumerate(seqs):
+        base = scratch_base + b * rows
+        slot, depth = track_of.get(b, (0, 0))
+        out.append(VerifyRows(b, b * rows, starts[b], seq.num_draft_tokens, slots[b],
+                              tuple(range(base, base + rows)), slot, depth))
+    return tuple(out)
