@@ -6,6 +6,8 @@ defaults, a YAML file, a dict of overrides (nested or dotted keys).
 """
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 _ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = "configs/models/qwen3-next-tiny-py"
+logger = logging.getLogger(__name__)
 
 
 class _Frozen(BaseModel):
@@ -82,27 +85,45 @@ class SpecConfig(_Frozen):
     draft_vocab: str | None = "auto"
 
 
+COMPILE_DEFAULT_ENV = "HYBRIDSERVE_COMPILE_DEFAULT"
+
+
+def compile_default() -> bool:
+    """``compile.enabled`` where a config does not set it: on, unless the environment's
+    ``HYBRIDSERVE_COMPILE_DEFAULT`` is 0 / false / off (the test suite's conftest sets it:
+    its engines run eager unless a test compiles). A value set in the config always wins."""
+    raw = os.environ.get(COMPILE_DEFAULT_ENV, "1").strip().lower()
+    if raw not in _SWITCH:
+        raise ValueError(f"{COMPILE_DEFAULT_ENV} must be one of {sorted(_SWITCH)}, got {raw!r}")
+    return _SWITCH[raw]
+
+
+_SWITCH = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+
+
 class CompileConfig(_Frozen):
     """Compiled decode steps (vLLM's ``compilation_config`` / ``enforce_eager`` in one switch).
 
-    With ``enabled``, decode-only batches run through one shape-static compiled callable per
-    size in ``batch_sizes`` (a batch is padded up to the next size, like vLLM's CUDA-graph
-    capture sizes; larger batches, prefill and mixed batches stay eager): inductor on CPU,
-    inductor + CUDA graphs (``mode="reduce-overhead"``) on GPU. Every size is compiled at
-    start-up; ``cache_dir`` (default: inductor's, ``TORCHINDUCTOR_CACHE_DIR``) holds the
-    persistent FX-graph / AOT caches, so a restart with a warm cache does not pay again.
+    With ``enabled`` (the default; ``compile_default``), decode-only batches run through one
+    shape-static compiled callable per size in ``batch_sizes`` (a batch is padded up to the
+    next size, like vLLM's CUDA-graph capture sizes; larger batches, prefill and mixed
+    batches stay eager): inductor on CPU, inductor + CUDA graphs (``mode="reduce-overhead"``)
+    on GPU. Every size is compiled at start-up, a line each on stderr; ``cache_dir``
+    (default: inductor's, ``TORCHINDUCTOR_CACHE_DIR``) holds the persistent FX-graph /
+    AOT-autograd caches, so a restart over a warm cache loads every graph (seconds) instead
+    of compiling it (minutes on a CPU). ``enabled: false`` runs eager. Tensor parallelism
+    runs eager whatever this says (logged).
     """
 
-    enabled: bool = False
+    enabled: bool = Field(default_factory=compile_default)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     cache_dir: str | None = None
-    # CPU: freeze the weights into the compiled steps (inductor ``freezing``) so its CPU GEMM
-    # kernels run on weights packed ahead of time (``max_autotune``, backends CPP + ATen):
-    # ~1.7x a batch-1 decode step of the tiny bench model, ~3x a 4-row matmul. Costs a
-    # packed copy of the matmul weights per compiled graph and a longer cold compile
-    # (autotuning each GEMM shape once; the persistent cache keeps the choices). Verify steps
-    # and the MTP draft chain keep ATen's packed GEMMs (workers/compiled/cache.py). GPU: unused.
-    pack_weights: bool = True
+    # CPU: freeze the weights into the compiled steps (inductor ``freezing``) and pack them
+    # for inductor's GEMMs (``max_autotune``, backends CPP + ATen). Off by default: both
+    # persistent caches refuse frozen, packed graphs, so every start-up compiles them again
+    # (minutes), while a step of at most 8 rows gains nothing (its projections take the
+    # few-rows kernel either way) and one of 16-32 rows ~10 %. GPU: unused.
+    pack_weights: bool = False
 
     @model_validator(mode="after")
     def _check_sizes(self) -> CompileConfig:
@@ -157,7 +178,7 @@ class HybridServeConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     spec: SpecConfig = SpecConfig()
-    compile: CompileConfig = CompileConfig()
+    compile: CompileConfig = Field(default_factory=CompileConfig)    # its default read at each load
     parallel: ParallelConfig = ParallelConfig()
     router: RouterConfig = RouterConfig()
     server: ServerConfig = ServerConfig()
@@ -175,8 +196,9 @@ class HybridServeConfig(_Frozen):
         if self.cache.host_tier and tp > 1:
             raise ValueError(f"cache.host_mamba_slots={self.cache.host_mamba_slots} (the host tier) needs "
                              f"parallel.tensor_parallel_size=1, got {tp}")
-        if self.compile.enabled and tp > 1:
-            raise ValueError(f"compile.enabled needs parallel.tensor_parallel_size=1, got {tp}")
+        if self.compile.enabled and tp > 1:      # a default must not make a TP config invalid
+            logger.warning("compile.enabled with parallel.tensor_parallel_size=%d: the engine runs eager "
+                           "(compiled steps are single-rank)", tp)
         return self
 
     def model_dir(self) -> Path:

@@ -17,9 +17,14 @@ from pathlib import Path
 import pytest
 
 from cluster.net import free_port
+from configs.schema import COMPILE_DEFAULT_ENV
 from workers.models.tiny_registry import TINY_FAMILIES, TinyFamily
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines of a config that does not set compile.enabled run eager in the tests (and in the
+# ``hybridserve serve`` processes and Ray workers they start, which inherit this): a cold
+# compile costs minutes on two cores. Tests of compiled steps set compile.enabled.
+os.environ.setdefault(COMPILE_DEFAULT_ENV, "0")
 
 FAMILIES = sorted(TINY_FAMILIES)
 MTP_FAMILIES = sorted(name for name, f in TINY_FAMILIES.items() if f.has_mtp)

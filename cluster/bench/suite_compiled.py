@@ -11,7 +11,8 @@ each batch until its longest output (what ``generate`` does when its sequences e
 different steps). Wall time over the same tokens: engine ÷ generate.
 
 ``startup``: seconds from ``LLM(...)`` to ready, each in a fresh process: eager, compiled
-with an empty compile cache (cold), and compiled again over that cache (warm).
+with an empty compile cache (cold), and compiled again over that cache (warm); of each, the
+seconds spent compiling or loading the steps, inductor's cache counters and the load average.
 """
 from __future__ import annotations
 
@@ -108,21 +109,25 @@ def eos_workload(cfg: SuiteConfig, out_dir: Path) -> dict[str, Any]:
 
 
 _STARTUP = """
-import json, sys, time
+import json, os, sys, time
 t0 = time.perf_counter()
 from workers.llm import LLM
-LLM(model=sys.argv[1], device="cpu", dtype="float32",
-    compile={"enabled": sys.argv[2] == "1", "batch_sizes": [int(b) for b in sys.argv[3].split(",")],
-             "cache_dir": sys.argv[4]})
+llm = LLM(model=sys.argv[1], device="cpu", dtype="float32",
+          compile={"enabled": sys.argv[2] == "1", "batch_sizes": [int(b) for b in sys.argv[3].split(",")],
+                   "cache_dir": sys.argv[4]})
 seconds = time.perf_counter() - t0
 from workers.compiled.cache import cache_counters
-print("STARTUP " + json.dumps({"seconds": seconds, "cache": cache_counters()}))
+compiled = llm.engine.runner.compiled
+print("STARTUP " + json.dumps({"seconds": seconds, "compile_s": compiled.compile_s if compiled else 0.0,
+                               "cache": cache_counters(), "loadavg": os.getloadavg()}))
 """
 
 
 class StartupRun(NamedTuple):
     seconds: float
+    compile_s: float                  # of which compiling (or loading) the steps
     cache: dict[str, int]             # ``cache_counters()`` at the end of the start-up
+    loadavg: tuple[float, float, float]
 
 
 def _startup_run(model: Path, compiled: bool, sizes: list[int], cache_dir: Path) -> StartupRun:
@@ -133,7 +138,7 @@ def _startup_run(model: Path, compiled: bool, sizes: list[int], cache_dir: Path)
     if not line:
         raise RuntimeError(f"start-up run printed no time: {out.stderr[-500:]}")
     got = json.loads(line[-1].removeprefix("STARTUP "))
-    return StartupRun(float(got["seconds"]), got["cache"])
+    return StartupRun(float(got["seconds"]), float(got["compile_s"]), got["cache"], tuple(got["loadavg"]))
 
 
 def startup(cfg: SuiteConfig, model: Path, out_dir: Path) -> dict[str, Any]:
@@ -144,5 +149,7 @@ def startup(cfg: SuiteConfig, model: Path, out_dir: Path) -> dict[str, Any]:
     cold = _startup_run(model, True, sizes, cache)
     warm = _startup_run(model, True, sizes, cache)
     return {"startup_cold_s": round(cold.seconds, 1), "startup_warm_s": round(warm.seconds, 1),
-            "startup_eager_s": round(eager.seconds, 1), "cache_cold": cold.cache, "cache_warm": warm.cache,
+            "startup_eager_s": round(eager.seconds, 1), "compile_cold_s": round(cold.compile_s, 1),
+            "compile_warm_s": round(warm.compile_s, 1), "cache_cold": cold.cache, "cache_warm": warm.cache,
+            "loadavg": {"eager": eager.loadavg, "cold": cold.loadavg, "warm": warm.loadavg},
             "batch_sizes": sizes, "model": str(model)}

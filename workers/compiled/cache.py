@@ -1,17 +1,21 @@
 """The persistent compile cache and the dynamo options compiled steps run under.
 
 Inductor keeps its FX-graph cache (compiled kernels per graph) and the AOT-autograd cache
-(the traced, functionalised graphs) under ``TORCHINDUCTOR_CACHE_DIR``; with both on, a
-restart re-traces the step with dynamo (seconds) but compiles nothing again -- for graphs
-the caches accept. Frozen graphs (``CallOptions(freeze=True)``, i.e. ``pack_weights``)
-are refused by both in torch 2.13: AOT-autograd's cache bypasses any graph with freezing on,
-and the FX-graph cache bypasses graphs holding mkldnn-packed weights ("mkldnn tensors
-unpickleable"); with ``cpp.weight_prepack`` off the FX cache would hit, but inductor then
-chooses plain ATen GEMMs, i.e. unpacked speed. So a warm restart with packed weights lowers
-every graph again (reusing its GEMM autotuning choices and compiled C++ from disk).
-``configure_cache(dir)`` points that directory at ``compile.cache_dir`` (process-wide: the
-directory is an environment variable inductor reads at each lookup) and turns both caches
-on. ``cache_counters()`` reads inductor's hit / miss / bypass counters, the evidence that a
+(the traced, functionalised graphs) under ``TORCHINDUCTOR_CACHE_DIR``. With both on, a
+restart re-traces each step with dynamo (under a second a graph) and loads the rest from
+disk: nothing is lowered or compiled again. The graphs take the weights as inputs, so one
+cache entry serves every checkpoint of the same shapes and configuration.
+
+Frozen graphs (``CallOptions(freeze=True)``, i.e. ``compile.pack_weights``) are refused by
+both in torch 2.13: AOT-autograd's cache bypasses any graph compiled with ``freezing`` on
+("Cannot cache a graph with freezing enabled"), and the FX-graph cache bypasses a graph
+holding an mkldnn tensor ("mkldnn tensors unpickleable"), which is what packing makes of a
+weight that stays an ATen GEMM (MKL's packed layout: at a decode step of at most 8 rows,
+only the MoE routers' ``F.linear``, since the projections take the few-rows kernel). So
+with ``pack_weights`` every start-up lowers every graph again. ``configure_cache(dir)``
+points that directory at ``compile.cache_dir`` (process-wide: the directory is an
+environment variable inductor reads at each lookup) and turns both caches on.
+``cache_counters()`` reads inductor's hit / miss / bypass counters, the evidence that a
 warm restart did not recompile (or why it did).
 """
 from __future__ import annotations
@@ -77,8 +81,7 @@ def compile_kwargs(on_gpu: bool, pack_weights: bool = False, gemm_templates: boo
     GPU; no guards on the modules (the served model and its MTP head never change once built,
     and checking their parameters costs more than a small step: ~0.5 ms a call on the CPU);
     on CPU with ``pack_weights`` and ``gemm_templates``, inductor's CPU GEMM templates
-    autotuned against ATen (they pay off on frozen, prepacked weights:
-    ``CallOptions(freeze=True)``).
+    autotuned against ATen (they need frozen, prepacked weights: ``CallOptions(freeze=True)``).
 
     Speculation's verify steps and draft chain pass ``gemm_templates=False`` (ATen's packed
     GEMMs, still frozen): the autotuner times each GEMM alone, with its weight in cache, and

@@ -26,6 +26,7 @@ from torch import Tensor
 from configs.schema import CompileConfig
 from kernels import native_ops
 from workers.compiled.cache import CallOptions, check_owner, compile_for_owner, compile_kwargs, configure_cache, new_owner
+from workers.compiled.progress import CompileProgress, timed
 from workers.compiled.steps import MIN_PAGES, pad_if_needed
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
@@ -170,15 +171,16 @@ class CompiledChain:
         self.num_verify_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
-    def warm_up(self, hidden_size: int, dtype: torch.dtype) -> float:
-        """Compile every bucket now (chains of padding sequences); returns the seconds taken."""
+    def warm_up(self, hidden_size: int, dtype: torch.dtype, progress: CompileProgress | None = None) -> float:
+        """Compile every bucket now (chains of padding sequences: after a catch-up, and after a
+        verify), a line per graph on ``progress``; returns the seconds taken."""
         start = time.monotonic()
-        for n, size in enumerate(self.sizes, 1):
-            logger.info("compiling the draft chain (k=%d) for batch size %d (%d of %d)",
-                        self.k, size, n, len(self.sizes))
-            with torch.inference_mode():
-                self.run(torch.zeros(0, hidden_size, dtype=dtype, device=self.device), [], [], size)
-                self.run_verified(torch.zeros(0, hidden_size, dtype=dtype, device=self.device), [], [], [], size)
+        empty = torch.zeros(0, hidden_size, dtype=dtype, device=self.device)
+        for size in self.sizes:
+            with timed(progress, f"draft chain (k={self.k}), batch {size}"), torch.inference_mode():
+                self.run(empty, [], [], size)
+            with timed(progress, f"draft chain after a verify (k={self.k}), batch {size}"), torch.inference_mode():
+                self.run_verified(empty, [], [], [], size)
             self.num_calls[size] -= 1
             self.num_verify_calls[size] -= 1
         self._call.warm = True           # guards are skipped from now on (CallOptions)

@@ -33,6 +33,7 @@ from configs.schema import CompileConfig
 from kernels import native_ops
 from workers.compiled.cache import (CallOptions, cache_counters, check_owner, compile_for_owner, compile_kwargs,
                                     configure_cache, new_owner)
+from workers.compiled.progress import CompileProgress, timed
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 
@@ -77,6 +78,7 @@ class CompiledSteps:
         # that has not drafted yet), so only the verify steps are compiled then.
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)
         self.num_calls = {bucket: 0 for bucket in self.buckets}
+        self.compile_s = 0.0          # the start-up's compile time, set by build_compiled
         self._bucket_constants: dict[Bucket, tuple[Tensor, Tensor, Tensor]] = {}
 
     def _step(self, fb: ForwardBatch, owner: int) -> tuple[Tensor, Tensor]:
@@ -104,17 +106,14 @@ class CompiledSteps:
             hidden, logits = hidden.clone(), logits.clone()
         return hidden[:num_tokens], logits[:num_tokens]
 
-    def warm_up(self) -> float:
-        """Compile every bucket now (batches of padding only); returns the seconds taken."""
+    def warm_up(self, progress: CompileProgress | None = None) -> float:
+        """Compile every bucket now (batches of padding only), a line each on ``progress``;
+        returns the seconds taken."""
         start = time.monotonic()
-        for n, bucket in enumerate(self.buckets, 1):
-            t0 = time.monotonic()
+        for bucket in self.buckets:
             kind = "decode" if bucket.rows == 1 else f"verify ({bucket.rows} rows)"
-            logger.info("compiling the %s step for batch size %d (%d of %d)", kind, bucket.size,
-                        n, len(self.buckets))
-            with torch.inference_mode():
+            with timed(progress, f"{kind} step, batch {bucket.size}"), torch.inference_mode():
                 self._call.call(self._compiled, self._pad(self._empty(bucket.rows), bucket), self.owner)
-            logger.info("%s step, batch size %d: ready in %.1f s", kind, bucket.size, time.monotonic() - t0)
         self._call.warm = True           # guards are skipped from now on (CallOptions)
         seconds = time.monotonic() - start
         logger.info("compiled %d steps in %.1f s (cache %s)", len(self.buckets), seconds, cache_counters())

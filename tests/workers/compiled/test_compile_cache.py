@@ -1,38 +1,45 @@
 """The persistent compile cache: an engine started again over a warm ``compile.cache_dir``
-compiles nothing (inductor's FX-graph cache hits, no miss), and still gives the eager
-engine's greedy output. A restart is modelled in-process: ``torch._dynamo.reset()`` drops
-every compiled frame, so the second engine traces again and must find its graphs on disk.
+loads every graph from it -- inductor's FX-graph and AOT-autograd caches hit, nothing misses
+or is refused -- and says so on stderr, graph by graph. The warm engine is built from a
+checkpoint of the same shapes but other weights than the one that filled the cache: the
+cached graphs take the weights as inputs, so it must still give its own eager output, never
+the first one's. A restart is modelled in-process: ``torch._dynamo.reset()`` drops every
+compiled frame, so the second engine traces again and must find its graphs on disk.
 
-With ``pack_weights`` (the CPU default) inductor freezes the weights into each graph, and
-both caches refuse frozen graphs with packed weights (``workers/compiled/cache.py`` says
-why): a warm restart lowers the graphs again but finds its compiled C++ and GEMM autotuning
-choices on disk (the suite's ``startup_warm_s`` measures it and counts the refusals), so the
-no-recompile contract is tested with ``pack_weights`` off."""
+``pack_weights`` (off by default) freezes packed weights into the graphs, which both caches
+refuse (``workers/compiled/cache.py``): the suite's ``startup`` row counts the refusals."""
 from __future__ import annotations
 
 import torch
 
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.compiled.cache import cache_counters, compile_kwargs
+from workers.models.tiny import make_tiny_checkpoint
 from workers.sampling_params import SamplingParams
 
 P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def test_warm_restart_compiles_nothing(tiny_granite_dir, compile_cache_dir):
-    settings = {"enabled": True, "batch_sizes": (2,), "cache_dir": str(compile_cache_dir), "pack_weights": False}
-    make_llm(tiny_granite_dir, compile=settings)             # cold or warm: fills the cache
+def test_warm_restart_loads_every_graph(tmp_path, compile_cache_dir, capsys):
+    first, second = (make_tiny_checkpoint("granitemoehybrid", tmp_path / f"m{seed}", seed=seed) for seed in (1, 2))
+    settings = {"enabled": True, "batch_sizes": (1,), "cache_dir": str(compile_cache_dir)}   # as test_engines_apart
+    make_llm(first, compile=settings)                        # cold or warm: fills the cache
     torch._dynamo.reset()
     before = cache_counters()
-    llm = make_llm(tiny_granite_dir, compile=settings)
-    after = cache_counters()
-    assert after["fxgraph_cache_miss"] == before["fxgraph_cache_miss"], (before, after)
-    assert after["fxgraph_cache_hit"] > before["fxgraph_cache_hit"], (before, after)
-    prompts = random_prompts(llm.engine.vocab_size, [6, 9], seed=4)
-    eager = make_llm(tiny_granite_dir)
-    assert ([o.token_ids for o in llm.generate_ids(prompts, [P] * 2)]
-            == [o.token_ids for o in eager.generate_ids(prompts, [P] * 2)])
-    assert llm.engine.runner.compiled.num_calls[(2, 1)] > 0
+    capsys.readouterr()
+    llm = make_llm(second, compile=settings)
+    after, shown = cache_counters(), capsys.readouterr().err
+    new = {key: after[key] - before[key] for key in after}
+    assert new == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0,
+                   "autograd_cache_hit": 1, "autograd_cache_miss": 0, "autograd_cache_bypass": 0}, new
+    assert "1/1 decode step, batch 1: " in shown and "(from the cache)" in shown, shown
+    assert "1 of 1 graphs from the cache, 0 compiled" in shown, shown
+    prompts = random_prompts(llm.engine.vocab_size, [6], seed=4)
+    eager = {p: [o.token_ids for o in make_llm(p, compile={"enabled": False}).generate_ids(prompts, [P])]
+             for p in (first, second)}
+    assert eager[first] != eager[second]                     # the weights do differ
+    assert [o.token_ids for o in llm.generate_ids(prompts, [P])] == eager[second]
+    assert llm.engine.runner.compiled.num_calls[(1, 1)] > 0
 
 
 def test_speculation_steps_compile_with_aten_gemms():

@@ -22,9 +22,6 @@ BUCKETS = (1, 3)
 BATCHES = (1, 2, 3, 4)            # 2: between the buckets; 4: above them (eager)
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SPEC = {"qwen3_next": {"method": "mtp", "num_draft_tokens": 2}, "granitemoehybrid": {"method": "none"}}
-# Unpacked graphs (``pack_weights`` off) lower ~3x faster cold, which keeps this module within
-# CI's budget; the packed default's greedy equality with eager is test_engines_apart.py's.
-PACK = {"qwen3_next": False, "granitemoehybrid": False}
 
 
 @pytest.fixture(scope="module", params=sorted(SPEC))
@@ -35,7 +32,8 @@ def family(request, tiny_checkpoint):
 @pytest.fixture(scope="module")
 def reference(family):
     name, path = family
-    llm = make_llm(path, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+    llm = make_llm(path, compile={"enabled": False}, cache={"enable_prefix_cache": False},
+                   scheduler={"overlap": False})
     prompts = random_prompts(llm.engine.vocab_size, [5, 11, 8, 14], seed=16)
     return llm, prompts, {n: [o.token_ids for o in llm.generate_ids(prompts[:n], [P] * n)] for n in BATCHES}
 
@@ -44,8 +42,7 @@ def reference(family):
 def compiled(family, compile_cache_dir):
     name, path = family
     return make_llm(path, spec=SPEC[name], scheduler={"overlap": True},
-                    compile={"enabled": True, "batch_sizes": BUCKETS, "cache_dir": str(compile_cache_dir),
-                             "pack_weights": PACK[name]})
+                    compile={"enabled": True, "batch_sizes": BUCKETS, "cache_dir": str(compile_cache_dir)})
 
 
 def test_compiled_greedy_equals_eager(family, reference, compiled):

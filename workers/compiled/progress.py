@@ -1,0 +1,73 @@
+"""What a start-up that compiles shows its user: one line per graph on stderr.
+
+A cold compile of every bucket takes minutes on a CPU and a warm one seconds; either way the
+user of ``hybridserve serve`` (a replica's stderr reaches the driver's terminal under Ray)
+or of the offline ``LLM`` sees which graph is being built, i of N, its seconds and whether
+the persistent cache held it. Plain lines rather than a redrawn bar: a replica's stderr is a
+pipe, where a carriage return would only pile up.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+from workers.compiled.cache import cache_counters
+
+PREFIX = "[hybridserve compile]"
+
+
+class CompileProgress:
+    """Counts the graphs of one engine's start-up (``total``, known before the first) and
+    writes a line to stderr as each begins and ends, a header first and a total last."""
+
+    def __init__(self, total: int, what: str, cache_dir: str) -> None:
+        if total < 1:
+            raise ValueError(f"a compile progress needs at least one graph, got total={total}")
+        self.total, self.done = total, 0
+        self._start = time.monotonic()
+        self._counts = {"cache": 0, "compiled": 0}
+        _write(f"{what}: {total} graphs, cache {cache_dir} (a cold cache takes minutes on a CPU, a "
+               "warm one seconds; compile.enabled: false starts eager)")
+
+    @contextmanager
+    def graph(self, label: str) -> Iterator[None]:
+        """Times the graph built inside the block (``label``: e.g. "decode, batch 4")."""
+        self.done += 1
+        if self.done > self.total:
+            raise ValueError(f"compile progress: graph {self.done} ({label}) of {self.total}")
+        _write(f"{self.done}/{self.total} {label} ...")
+        before, t0 = cache_counters(), time.monotonic()
+        yield
+        source = _source(before, cache_counters())
+        self._counts["cache" if source == "from the cache" else "compiled"] += 1
+        _write(f"{self.done}/{self.total} {label}: {time.monotonic() - t0:.1f} s ({source})")
+
+    def finish(self) -> float:
+        """Writes the total line; returns the seconds since the header."""
+        seconds = time.monotonic() - self._start
+        _write(f"ready in {seconds:.1f} s: {self._counts['cache']} of {self.done} graphs from the cache, "
+               f"{self._counts['compiled']} compiled")
+        return seconds
+
+
+def timed(progress: CompileProgress | None, label: str) -> AbstractContextManager[None]:
+    """``progress.graph(label)``, or nothing to show when there is no progress."""
+    return progress.graph(label) if progress is not None else nullcontext()
+
+
+def _source(before: dict[str, int], after: dict[str, int]) -> str:
+    """Where a graph came from, by inductor's cache counters over its build."""
+    new = {key: after[key] - before[key] for key in after}
+    if new["fxgraph_cache_bypass"]:
+        return "compiled: the cache refuses frozen, packed graphs (pack_weights)"
+    if new["fxgraph_cache_miss"]:
+        return "compiled, now cached"
+    if new["fxgraph_cache_hit"]:
+        return "from the cache"
+    return "no new graph"
+
+
+def _write(line: str) -> None:
+    print(f"{PREFIX} {line}", file=sys.stderr, flush=True)
