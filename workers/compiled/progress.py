@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -27,9 +28,9 @@ class CompileProgress:
             raise ValueError(f"a compile progress needs at least one graph, got total={total}")
         self.total, self.done = total, 0
         self._start = time.monotonic()
-        self._counts = {"cache": 0, "compiled": 0}
-        _write(f"{what}: {total} graphs, cache {cache_dir} (a cold cache takes minutes on a CPU, a "
-               "warm one seconds; compile.enabled: false starts eager)")
+        self._sources: Counter[str] = Counter()     # where each graph came from (``_source``)
+        _write(f"{what}: {total} graph{'s' if total > 1 else ''}, cache {cache_dir} (a cold cache takes "
+               "minutes on a CPU, a warm one seconds; compile.enabled: false starts eager)")
 
     @contextmanager
     def graph(self, label: str) -> Iterator[None]:
@@ -41,14 +42,14 @@ class CompileProgress:
         before, t0 = cache_counters(), time.monotonic()
         yield
         source = _source(before, cache_counters())
-        self._counts["cache" if source == "from the cache" else "compiled"] += 1
+        self._sources[source] += 1
         _write(f"{self.done}/{self.total} {label}: {time.monotonic() - t0:.1f} s ({source})")
 
     def finish(self) -> float:
         """Writes the total line; returns the seconds since the header."""
         seconds = time.monotonic() - self._start
-        _write(f"ready in {seconds:.1f} s: {self._counts['cache']} of {self.done} graphs from the cache, "
-               f"{self._counts['compiled']} compiled")
+        sources = "; ".join(f"{n} {source}" for source, n in self._sources.most_common())
+        _write(f"ready in {seconds:.1f} s ({self.done} of {self.total}: {sources})")
         return seconds
 
 

@@ -33,7 +33,7 @@ def test_warm_restart_loads_every_graph(tmp_path, compile_cache_dir, capsys):
     assert new == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0,
                    "autograd_cache_hit": 1, "autograd_cache_miss": 0, "autograd_cache_bypass": 0}, new
     assert "1/1 decode step, batch 1: " in shown and "(from the cache)" in shown, shown
-    assert "1 of 1 graphs from the cache, 0 compiled" in shown, shown
+    assert "(1 of 1: 1 from the cache)" in shown, shown
     prompts = random_prompts(llm.engine.vocab_size, [6], seed=4)
     eager = {p: [o.token_ids for o in make_llm(p, compile={"enabled": False}).generate_ids(prompts, [P])]
              for p in (first, second)}
