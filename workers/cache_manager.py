@@ -273,8 +273,7 @@ class CacheManager:
         plan = self.tracker.plan(batch)
         if self.checks:
             self._check_cow(plan)
-        for slot in plan.written_slots():
-            self.ledger.add_writer(slot, batch.batch_id)
+        self.ledger.add_writers(plan.written_slots(), batch.batch_id)
         self._inflight.add(batch.batch_id)
         return plan
 
@@ -290,9 +289,7 @@ class CacheManager:
     def complete_step(self, batch: ScheduledBatch, plan: StepPlan, writes: Sequence[StateWrite]) -> None:
         """The batch's result is in: contents recorded, writers cleared, labels updated (no
         donation yet)."""
-        for w in writes:
-            if self.ledger.owner_of(w.slot) is not None:       # a discarded request's slots may be gone
-                self.ledger.record_write(w.slot, w.depth, batch.batch_id)
+        self.ledger.record_owned_writes(((w.slot, w.depth) for w in writes), batch.batch_id)
         self.ledger.complete_batch(batch.batch_id)
         self._inflight.discard(batch.batch_id)
         self.tracker.on_complete(plan, writes)
@@ -313,8 +310,9 @@ class CacheManager:
 
     def donate_unfinished(self, batch: ScheduledBatch) -> None:
         for seq in batch.seqs:
-            if not seq.request.is_finished:
-                self.tracker.donate(seq.request, finished=False)
+            req = seq.request
+            if req.cache.keep_depth is not None and not req.is_finished:   # something to publish
+                self.tracker.donate(req, finished=False)
 
     def _release_deferred(self) -> None:
         keep = []

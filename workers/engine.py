@@ -326,13 +326,20 @@ class Engine:
         for b, first, entries in result.prompt_logprobs:     # before the outputs that carry them
             self.outputs.add_prompt_logprobs(batch.seqs[b].request, first, entries)
         outputs = []
+        drafted = accepted = generated = 0
         for n, i in enumerate(sampled):
             seq, req = batch.seqs[i], batch.seqs[i].request
             if seq.is_verify:
-                self.stats.inc("hybridserve_spec_draft_tokens_total", seq.num_draft_tokens)
-                self.stats.inc("hybridserve_spec_accepted_tokens_total", rows_committed[i] - 1)
+                drafted += seq.num_draft_tokens
+                accepted += rows_committed[i] - 1
             if not req.is_finished:          # finished while this batch was in flight: discard
-                outputs.append(self.outputs.append(req, result.token_ids[n], result.logprobs[n]))
+                out = self.outputs.append(req, result.token_ids[n], result.logprobs[n])
+                generated += len(out.new_token_ids)
+                outputs.append(out)
+        self.stats.inc("hybridserve_generation_tokens_total", generated)
+        if drafted:
+            self.stats.inc("hybridserve_spec_draft_tokens_total", drafted)
+            self.stats.inc("hybridserve_spec_accepted_tokens_total", accepted)
         for seq in batch.seqs:
             if not seq.request.prompt_counted:      # once per request, cache hit or not
                 seq.request.prompt_counted = True

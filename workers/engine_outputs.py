@@ -37,15 +37,16 @@ class EngineOutputs:
             self.finish(req, FinishReason.LENGTH)
             return self.output(req, [], None)
         p, out = req.params, req.output_token_ids
+        # The cheap test first: any token that may end the request (then _check_stop says how).
+        eos = None if p.ignore_eos else req.eos_token_id
+        limit = min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
         added = token_ids
         for n, token_id in enumerate(token_ids):
             out.append(token_id)
-            reason = self._check_stop(req, token_id)
-            if reason is not None:
+            if token_id == eos or len(out) >= limit or token_id in p.stop_token_ids:
                 added = token_ids[: n + 1]
-                self.finish(req, reason)
+                self.finish(req, self._check_stop(req, token_id))
                 break
-        self.stats.inc("hybridserve_generation_tokens_total", len(added))
         kept = [lp for lp in logprobs[: len(added)] if lp is not None] if p.needs_logprobs else None
         return self.output(req, added, kept)
 
@@ -58,18 +59,18 @@ class EngineOutputs:
         assert first <= have, f"{req.request_id}: prompt logprobs from {first}, only {have} held"
         req.prompt_logprobs.extend(entries[have - first:])
 
-    def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
-        """EOS and stop tokens are blocked by the sampler until min_tokens; one that comes
-        earlier was the only token a grammar allowed, and it ends the request."""
+    @staticmethod
+    def _check_stop(req: Request, token_id: int) -> FinishReason:
+        """Why ``token_id`` ends the request (``append`` found that it does). EOS and stop
+        tokens are blocked by the sampler until min_tokens; one that comes earlier was the
+        only token a grammar allowed, and it ends the request."""
         p = req.params
         if token_id == req.eos_token_id and not p.ignore_eos:
             return FinishReason.STOP
         if token_id in p.stop_token_ids:
             req.stop_reason = token_id
             return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         self._release(req, reason is not FinishReason.ABORT)

@@ -160,13 +160,14 @@ class Scheduler:
         for request in list(self.running):
             if stalled or request.status is not RequestStatus.RUNNING:   # preempted in this loop
                 continue
-            n = self._num_to_compute(request, budget)
+            expected = request.num_expected_tokens
+            n = self._num_to_compute(request, budget, expected)
             if n == 0:
                 continue
-            if not self._grow_pages(request, n, preempted, seqs):
+            if not self._grow_pages(request, n, preempted, seqs, expected):
                 stalled = request.status is RequestStatus.RUNNING
                 continue
-            seqs.append(self._scheduled(request, n))
+            seqs.append(self._scheduled(request, n, expected))
             budget -= n
         if not stalled and not preempted:
             self._admit(budget, seqs)
@@ -176,14 +177,15 @@ class Scheduler:
         self._next_batch_id += 1
         return batch
 
-    def _num_to_compute(self, request: Request, budget: int) -> int:
+    def _num_to_compute(self, request: Request, budget: int, expected: int) -> int:
+        """``expected``: the request's ``num_expected_tokens``."""
         if request.num_inflight_verifies:
             return self._chained_len(request, budget)
-        if request.num_pending_tokens and self._reaches_limit(request):
+        if request.num_pending_tokens and self._reaches_limit(request, expected):
             return 0
         if request.cache.promotion is not None:          # its prefix is still being copied in
             return 0
-        missing = request.num_expected_tokens - request.num_computed_tokens
+        missing = expected - request.num_computed_tokens
         if missing == 1 and self._verifies(request):
             return min(1 + self._num_drafts(request), budget)
         n = min(missing, self.config.chunked_prefill_size, budget)
@@ -195,10 +197,10 @@ class Scheduler:
             return 0
         return max(0, n)
 
-    def _reaches_limit(self, request: Request) -> bool:
+    def _reaches_limit(self, request: Request, expected: int) -> bool:
         """The in-flight tokens already take the request to max_tokens / max_model_len."""
         outputs = request.num_output_tokens + request.num_pending_tokens
-        return outputs >= request.params.max_tokens or request.num_expected_tokens >= self.max_model_len
+        return outputs >= request.params.max_tokens or expected >= self.max_model_len
 
     def _chained_len(self, request: Request, budget: int) -> int:
         """Rows of a verify chained after the request's in-flight one (0: it waits a step)."""
@@ -219,26 +221,26 @@ class Scheduler:
         """Drafts for a verify at this request's next position, within the context."""
         return max(0, min(self.num_draft_tokens, self.max_model_len - 1 - request.num_computed_tokens))
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledSeq:
+    def _scheduled(self, request: Request, n: int, expected: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         if request.num_inflight_verifies:
             return ScheduledSeq(request, start + 1, n, samples=True, num_draft_tokens=n - 1,
                                 max_shift=request.inflight_verify_drafts)
-        if request.num_expected_tokens - start == 1 and self._verifies(request):
+        if expected - start == 1 and self._verifies(request):
             return ScheduledSeq(request, start, n, samples=True, num_draft_tokens=n - 1)
-        return ScheduledSeq(request, start, n, samples=start + n == request.num_expected_tokens)
+        return ScheduledSeq(request, start, n, samples=start + n == expected)
 
-    def _pages_short(self, request: Request, n: int) -> int:
+    def _pages_short(self, request: Request, n: int, expected: int) -> int:
         end = request.num_computed_tokens + n
         if request.num_inflight_verifies:          # chained: it may start that much further
             end += request.inflight_verify_drafts + 1
-        if self.num_draft_tokens and end >= request.num_expected_tokens:
+        if self.num_draft_tokens and end >= expected:
             # The MTP head drafts (and writes its KV) up to k - 1 positions further.
             end = min(end + self.num_draft_tokens, self.max_model_len)
         return max(0, pages_needed(end, self.page_size) - len(request.page_ids))
 
     def _grow_pages(self, request: Request, n: int, preempted: list[Request],
-                    scheduled: list[ScheduledSeq]) -> bool:
+                    scheduled: list[ScheduledSeq], expected: int) -> bool:
         """Give ``request`` pages for ``n`` more tokens, preempting the youngest if needed.
 
         A victim is the youngest running request not given work in this step (so never one
@@ -246,7 +248,7 @@ class Scheduler:
         False when ``request`` could not grow: it was the victim itself, or the victim is
         in flight (it cannot be preempted before its batch is processed).
         """
-        need = self._pages_short(request, n)
+        need = self._pages_short(request, n, expected)
         if need == 0:
             return True
         busy: set[int] | None = None           # built only when a victim is needed
@@ -287,10 +289,10 @@ class Scheduler:
             request = self.waiting[at]
             if not self.cache.admit(request):
                 break
-            n, new = 0, []
+            n, new, expected = 0, [], request.num_expected_tokens
             if request.cache.promotion is None:       # a promoting request runs once copied in
-                n = self._num_to_compute(request, budget)
-                new = self.cache.alloc_pages(self._pages_short(request, n)) if n > 0 else None
+                n = self._num_to_compute(request, budget, expected)
+                new = self.cache.alloc_pages(self._pages_short(request, n, expected)) if n > 0 else None
                 if new is None:
                     self.cache.release(request, finished=False)
                     request.num_computed_tokens = 0
@@ -302,5 +304,5 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.handle)
             if n:
-                seqs.append(self._scheduled(request, n))
+                seqs.append(self._scheduled(request, n, expected))
                 budget -= n

@@ -30,7 +30,7 @@ are always guarded.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
@@ -250,6 +250,16 @@ class SlotLedger:
         self._writers.setdefault(slot, {})[batch_id] = owner
         self._batch_slots.setdefault(batch_id, set()).add(slot)
 
+    def add_writers(self, slots: Iterable[int], batch_id: int) -> None:
+        """``add_writer`` for each slot (one pass; a refused slot raises as there)."""
+        batch = self._batch_slots.setdefault(batch_id, set())
+        for slot in slots:
+            owner = self._owner.get(slot)
+            if owner is None or (self.guard_writers and isinstance(owner, TreeOwner)):
+                self.add_writer(slot, batch_id)           # raises, naming the slot
+            self._writers.setdefault(slot, {})[batch_id] = owner
+            batch.add(slot)
+
     def complete_batch(self, batch_id: int) -> list[int]:
         """The batch's result is processed: drop it from every slot's writers.
 
@@ -274,6 +284,14 @@ class SlotLedger:
         """A processed batch wrote H(``depth``) into an owned slot (what the runner reports)."""
         self._owned(slot, "record_write")
         self._content[slot] = SlotContent(depth, batch_id)
+
+    def record_owned_writes(self, writes: Iterable[tuple[int, int]], batch_id: int) -> None:
+        """``record_write`` for each (slot, depth) whose slot is still owned (a discarded
+        request's slots may be gone: those are skipped)."""
+        owner, content = self._owner, self._content
+        for slot, depth in writes:
+            if slot in owner:
+                content[slot] = SlotContent(depth, batch_id)
 
     # ---- invariants --------------------------------------------------------------------
     def check(self) -> list[Violation]:

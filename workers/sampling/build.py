@@ -104,6 +104,9 @@ class SamplingPlanner:
             self._grammar_drops.append(req.handle)
 
     def build(self, seqs: tuple[ScheduledSeq, ...]) -> SamplingInputs:
+        plain = self._plain(seqs)
+        if plain is not None:
+            return plain
         rows = _Rows()
         first_inputs, first_input = [], 0
         for seq in seqs:
@@ -123,6 +126,30 @@ class SamplingPlanner:
             penalties=self._penalties(rows), bad_words=_bad_words(rows, seqs, first_inputs, first_input),
             grammar=tuple(rows.grammar), grammar_drops=drops,
             prompt=_prompt_inputs(seqs, first_inputs))
+
+    def _plain(self, seqs: tuple[ScheduledSeq, ...]) -> SamplingInputs | None:
+        """The inputs of a step whose every sampling request is plain (``RequestSampling``):
+        per row only its filters, none at all when every one is greedy; None otherwise."""
+        widths, params = [], []
+        for seq in seqs:
+            if not sampling_of(seq.request).plain:     # a chunk may owe prompt logprobs too
+                return None
+            if seq.samples:
+                widths.append(seq.num_new_tokens if seq.is_verify else 1)
+                params.append(seq.request.params)
+        drops, self._grammar_drops = tuple(self._grammar_drops), []
+        filters = None
+        if not all(p.is_greedy for p in params):
+            rows = _Rows()
+            for p, width in zip(params, widths):
+                rows.greedy += [p.is_greedy] * width
+                rows.temperature += [1.0 if p.is_greedy else p.temperature] * width
+                rows.top_k += [p.effective_top_k] * width
+                rows.top_p += [p.top_p] * width
+                rows.min_p += [p.min_p] * width
+            filters = _filters(rows)
+        return SamplingInputs(widths=tuple(widths), filters=filters, logprob_seqs=(), max_top_logprobs=0,
+                              grammar_drops=drops)
 
     def _add_sampling_seq(self, rows: _Rows, seq: ScheduledSeq, first_input: int) -> None:
         req, p = seq.request, seq.request.params

@@ -11,6 +11,9 @@ from workers.sampling_params import SamplingParams
 class RequestSampling:
     blocked_ids: tuple[int, ...]                 # blocked while fewer than min_tokens outputs
     bad_words_ids: tuple[tuple[int, ...], ...]   # token sequences never to complete
+    # No processor, no logprobs of any kind: its rows are temperature / top-k / top-p /
+    # min-p alone (``SamplingPlanner``'s fast path).
+    plain: bool = False
 
 
 def request_sampling(params: SamplingParams, eos_token_id: int | None, tokenizer: Any) -> RequestSampling:
@@ -21,7 +24,10 @@ def request_sampling(params: SamplingParams, eos_token_id: int | None, tokenizer
             stops.append(eos_token_id)
         blocked = tuple(dict.fromkeys(stops))
     words = bad_words_token_ids(params.bad_words, tokenizer) if params.bad_words else ()
-    return RequestSampling(blocked, words)
+    plain = not (params.logit_bias or params.uses_penalties or params.bad_words or params.min_tokens
+                 or params.structured_output is not None or params.needs_logprobs
+                 or params.prompt_logprobs is not None)
+    return RequestSampling(blocked, words, plain)
 
 
 def bad_words_token_ids(words: tuple[str, ...], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
