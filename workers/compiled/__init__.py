@@ -40,5 +40,5 @@ def build_compiled(config: HybridServeConfig, model: torch.nn.Module, pools: Dev
                               max_model_len, max_pages, drafter.vocab)
         chain.warm_up(int(model.model.embedding.weight.shape[1]), model.dtype, progress)
         drafter.compiled_chain = chain
-    steps.compile_s = progress.finish()
+    steps.compile_times = progress.finish()
     return steps

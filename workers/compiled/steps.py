@@ -33,7 +33,7 @@ from configs.schema import CompileConfig
 from kernels import native_ops
 from workers.compiled.cache import (CallOptions, cache_counters, check_owner, compile_for_owner, compile_kwargs,
                                     configure_cache, new_owner)
-from workers.compiled.progress import CompileProgress, timed
+from workers.compiled.progress import CompileProgress, CompileTimes, timed
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 
@@ -78,7 +78,7 @@ class CompiledSteps:
         # that has not drafted yet), so only the verify steps are compiled then.
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)
         self.num_calls = {bucket: 0 for bucket in self.buckets}
-        self.compile_s = 0.0          # the start-up's compile time, set by build_compiled
+        self.compile_times = CompileTimes(0.0, 0.0)     # the start-up's, set by build_compiled
         self._bucket_constants: dict[Bucket, tuple[Tensor, Tensor, Tensor]] = {}
 
     def _step(self, fb: ForwardBatch, owner: int) -> tuple[Tensor, Tensor]:
