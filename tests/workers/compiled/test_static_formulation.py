@@ -41,7 +41,8 @@ class EagerStatic:
 @pytest.mark.parametrize("name,spec", CASES)
 def test_static_steps_equal_eager_without_host_reads(monkeypatch, tiny_checkpoint, name, spec):
     path = tiny_checkpoint(name)
-    eager = make_llm(path, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
+    eager = make_llm(path, compile={"enabled": False}, cache={"enable_prefix_cache": False},
+                     scheduler={"overlap": False})
     prompts = random_prompts(eager.engine.vocab_size, [5, 11, 8, 14, 6], seed=21)
     fake = EagerStatic()
     monkeypatch.setattr(torch, "compile", fake)
@@ -60,7 +61,7 @@ def test_static_drafts_equal_the_eager_drafters(monkeypatch, tiny_qwen_dir):
     directly: the one-call drafting after a verify (catch-up + chain) and the chain alone
     leave the same draft registers and acceptance counts as the eager drafter."""
     spec = {"method": "mtp", "num_draft_tokens": 3}
-    eager = make_llm(tiny_qwen_dir, spec=spec)
+    eager = make_llm(tiny_qwen_dir, spec=spec, compile={"enabled": False})
     monkeypatch.setattr(torch, "compile", EagerStatic())
     static = make_llm(tiny_qwen_dir, spec=spec, compile={"enabled": True, "batch_sizes": BUCKETS})
     prompts = random_prompts(eager.engine.vocab_size, [5, 11, 8], seed=22)
@@ -80,7 +81,7 @@ def test_decode_steps_with_a_checkpoint_stay_compiled(monkeypatch, tiny_qwen_dir
     eager step per checkpoint before) and greedy output equals the cache-off engine's."""
     monkeypatch.setattr(torch, "compile", EagerStatic())
     llm = make_llm(tiny_qwen_dir, cache={"mamba_track_interval": 8}, compile={"enabled": True, "batch_sizes": (1,)})
-    ref = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
+    ref = make_llm(tiny_qwen_dir, compile={"enabled": False}, cache={"enable_prefix_cache": False})
     prompt = random_prompts(llm.engine.vocab_size, [6], seed=7)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     steps = llm.engine.runner.compiled
