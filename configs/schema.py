@@ -120,9 +120,8 @@ class CompileConfig(_Frozen):
     cache_dir: str | None = None
     # CPU: freeze the weights into the compiled steps (inductor ``freezing``) and pack them
     # for inductor's GEMMs (``max_autotune``, backends CPP + ATen). Off by default: both
-    # persistent caches refuse frozen, packed graphs, so every start-up compiles them again
-    # (minutes), while a step of at most 8 rows gains nothing (its projections take the
-    # few-rows kernel either way) and one of 16-32 rows ~10 %. GPU: unused.
+    # persistent caches refuse frozen, packed graphs, so every start-up would compile them
+    # again (minutes) for a step a little faster from 8 rows up (BENCHMARKS.md). GPU: unused.
     pack_weights: bool = False
 
     @model_validator(mode="after")
