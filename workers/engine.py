@@ -25,6 +25,7 @@ from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
 from workers.compiled import build_compiled
 from workers.engine_outputs import EngineOutputs
+from workers.forward_thread import StepFuture
 from workers.outputs import EngineOutput
 from workers.request import FinishReason, Request
 from workers.sampler import GeneratorBank
@@ -97,7 +98,7 @@ class Engine:
         self.oracle = (StateOracle(self.model, self.pools, config.cache.page_size, self.device, self.dtype,
                                    config.debug.state_oracle_sample, config.seed)
                        if config.debug.state_oracle_sample > 0 else None)
-        self._oracle_checks: list[Future[bool]] = []
+        self._oracle_checks: list[StepFuture[bool]] = []
         self._next_handle = 1
         self._gauge_steps = 0
         self.num_overlapped_launches = 0

@@ -13,18 +13,19 @@ grid-crossing state) from the scratch snapshots into the live / track slots.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TypeVar
 
 import torch
 
 from workers.checkpoints import StepPlan
 from workers.compiled import Bucket, CompiledSteps
 from workers.device_pools import DevicePools
+from workers.forward_thread import ForwardThread, Signal, StepFuture
+from workers.input_batch import InputBatch
 from workers.request import Request, TokenLogprob
 from workers.sampler import GeneratorBank
 from workers.sampling.build import SamplingPlanner
@@ -35,9 +36,10 @@ from workers.sampling.logprobs import prompt_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler_types import StateWrite
 from workers.spec.drafter import MtpDrafter, MtpSpan
-from workers.input_batch import InputBatch
 from workers.step_inputs import PreparedStep, VerifyRows, prepare_step, resolve_chained
 from workers.uniform_inputs import prepare_uniform, uniform_rows
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,35 +76,35 @@ class ModelRunner:
         # Drafts the last verify of each live slot accepted: where a chained verify starts.
         self.accepted = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
         self.accepted_host = [0] * pools.mamba.num_slots
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hybridserve-forward") if overlap else None
+        self._executor = ForwardThread("hybridserve-forward") if overlap else None
         self._last_end: float | None = None
-        self._latest_started: threading.Event | None = None   # scheduler thread: the last launch's
-        self._starting: threading.Event | None = None         # forward thread: the running step's
+        self._latest_started: Signal | None = None   # scheduler thread: the last launch's
+        self._starting: Signal | None = None         # forward thread: the running step's
 
-    def launch(self, plan: StepPlan) -> Future[StepResult]:
-        prepared = self._prepare(plan)
-        prepared = replace(prepared, sampling=self.planner.build(plan.batch.seqs))
+    def launch(self, plan: StepPlan) -> StepFuture[StepResult]:
+        prepared = self._prepare(plan, self.planner.build(plan.batch.seqs))
         sampling = [s for s in plan.batch.seqs if s.samples]
         params = [s.request.params for s in sampling]
         gens = [self.generators.get(s.request.handle, s.request.params.seed) for s in sampling]
         run = self._bind(prepared, params, gens)
         if self._executor is not None:
-            started = self._latest_started = threading.Event()
-            return self._executor.submit(self._signalled, run, started)
-        done: Future[StepResult] = Future()
+            started = self._latest_started = Signal()
+            return self._executor.submit(partial(self._signalled, run, started))
+        done: StepFuture[StepResult] = StepFuture()
         done.set_result(run())
         return done
 
-    def _prepare(self, plan: StepPlan) -> PreparedStep:
+    def _prepare(self, plan: StepPlan, sampling: SamplingInputs | None = None) -> PreparedStep:
         """A step's inputs: vectorized over the persistent rows when the batch is uniform
         (every sequence a decode, or every one a verify), else row by row."""
         rows = uniform_rows(plan.batch) if self.inputs is not None else 0
         if rows:
             assert self.inputs is not None
-            return prepare_uniform(plan, self.inputs, rows, self.page_size, self.device, self.scratch_base)
-        return prepare_step(plan, self.page_size, self.device, self.scratch_base)
+            return prepare_uniform(plan, self.inputs, rows, self.page_size, self.device, self.scratch_base,
+                                   sampling)
+        return replace(prepare_step(plan, self.page_size, self.device, self.scratch_base), sampling=sampling)
 
-    def _signalled(self, run: Callable[[], StepResult], started: threading.Event) -> StepResult:
+    def _signalled(self, run: Callable[[], StepResult], started: Signal) -> StepResult:
         """Forward thread: ``run`` with ``started`` set once its forward is entered (or it fails)."""
         self._starting = started
         try:
@@ -125,12 +127,12 @@ class ModelRunner:
         """Hook: one step's work, bound on the scheduler thread (TP also ships it to the other ranks)."""
         return partial(self._execute, prepared, params, gens)
 
-    def submit(self, fn: Callable[[], bool]) -> Future[bool]:
+    def submit(self, fn: Callable[[], T]) -> StepFuture[T]:
         """Run ``fn`` on the forward thread after every step launched so far (at once
         without overlap): debug work that reads the pools, such as the state oracle."""
         if self._executor is not None:
             return self._executor.submit(fn)
-        done: Future[bool] = Future()
+        done: StepFuture[T] = StepFuture()
         done.set_result(fn())
         return done
 
@@ -143,7 +145,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown()
 
     # -- the forward thread ------------------------------------------------------------------
     @torch.inference_mode()
@@ -169,12 +171,13 @@ class ModelRunner:
         writes = list(prepared.writes)
         if params:
             assert si is not None
-            logits = (self.model.compute_logits(hidden[fb.logits_indices]) if all_logits is None
-                      else all_logits[fb.logits_indices])
-            tokens, logprobs, accepted = self._decide(prepared, si, logits, params, gens, writes)
-            last = torch.tensor([t[-1] for t in tokens], device=self.device)
-            slots = [prepared.live_slots[i] for i, s in enumerate(plan.batch.seqs) if s.samples]
-            self.last_token[torch.tensor(slots, device=self.device)] = last
+            rows = None if prepared.logits_all_rows else fb.logits_indices
+            if all_logits is None:
+                logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+            else:
+                logits = all_logits if rows is None else all_logits[rows]
+            tokens, logprobs, accepted, last = self._decide(prepared, si, logits, params, gens, writes)
+            self._set_last_tokens(prepared, tokens, last)
         prompt = ()
         if si is not None and si.prompt is not None:
             prompt = tuple(prompt_logprobs(si.prompt, hidden, self.model.compute_logits))
@@ -229,7 +232,17 @@ class ModelRunner:
             self.pools.mamba.copy_slots(sources, destinations)
         if slots:
             self.accepted[torch.tensor(slots, device=self.device)] = torch.tensor(counts, device=self.device)
-        return decision.token_ids, decision.logprobs, decision.num_accepted
+        return decision.token_ids, decision.logprobs, decision.num_accepted, decision.last_ids
+
+    def _set_last_tokens(self, prepared: PreparedStep, tokens: list[list[int]], last: torch.Tensor | None) -> None:
+        """Each sampling sequence's last token into its live slot's register (the next step's
+        placeholder): from the device when the step's sampled tokens are still there."""
+        if last is not None and prepared.sample_slots is not None:
+            self.last_token[prepared.sample_slots] = last
+            return
+        slots = [prepared.live_slots[i] for i, s in enumerate(prepared.plan.batch.seqs) if s.samples]
+        self.last_token[torch.tensor(slots, device=self.device)] = torch.tensor(
+            [t[-1] for t in tokens], device=self.device)
 
     def _draft_q(self, v: VerifyRows) -> torch.Tensor:
         """The distributions the drafts of a sampled verify were drawn from."""

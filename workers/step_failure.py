@@ -13,13 +13,13 @@ scheduler may have been part-way through them). Waiting requests hold nothing an
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
 from workers.cache_manager import CacheManager
 from workers.checkpoints import StepPlan
 from workers.engine_outputs import EngineOutputs
+from workers.forward_thread import StepFuture
 from workers.outputs import EngineOutput
 from workers.request import FinishReason, Request
 from workers.scheduler import Scheduler
@@ -33,7 +33,7 @@ class LaunchedStep:
 
     batch: ScheduledBatch
     plan: StepPlan | None = None
-    future: Future | None = None
+    future: StepFuture | None = None
     completed: bool = False            # the cache has recorded the batch's writes
 
 

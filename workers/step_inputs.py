@@ -89,6 +89,10 @@ class PreparedStep:
     chained_rows: torch.Tensor | None = None
     chained_row_seq: torch.Tensor | None = None
     chained_row_pos: torch.Tensor | None = None
+    # Every sequence samples once per row it has (``logits_indices`` is every row): the
+    # logits need no gather. ``sample_slots``: the sampling sequences' live slots (int64).
+    logits_all_rows: bool = False
+    sample_slots: torch.Tensor | None = None
 
 
 class _Rows:

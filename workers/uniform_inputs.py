@@ -11,6 +11,7 @@ the rest is numpy over all rows at once. The integer inputs travel in two packed
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch
 from workers.checkpoints import StepPlan
 from workers.forward_batch import ForwardBatch
 from workers.input_batch import InputBatch
+from workers.sampling.inputs import SamplingInputs
 from workers.scheduler_types import ScheduledBatch, StateWrite
 from workers.step_inputs import PreparedStep, VerifyRows
 
@@ -60,8 +62,14 @@ class _Pack:
         self.parts[name] = np.asarray(values, dtype=self.dtype).reshape(-1)
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Views of one tensor: inference tensors, as a compiled step's guards saw at warm-up
+        (``workers.compiled.steps.pad_if_needed`` then passes them on uncopied)."""
         if not self.parts:
             return {}
+        with torch.inference_mode():
+            return self._views(device)
+
+    def _views(self, device: torch.device) -> dict[str, torch.Tensor]:
         flat = torch.from_numpy(np.concatenate(list(self.parts.values())))
         if device.type != "cpu":
             flat = flat.pin_memory().to(device, non_blocking=True)
@@ -72,18 +80,49 @@ class _Pack:
         return out
 
 
-_ONES: dict[tuple[int, str], torch.Tensor] = {}
+class _Shape(NamedTuple):
+    """A uniform step's inputs that depend on its shape alone, built once per shape: the
+    graph and the sampler only read them."""
+
+    seq_of_row: np.ndarray          # [B * rows]
+    offsets: np.ndarray             # [rows]
+    cu_seqlens: torch.Tensor
+    has_initial: torch.Tensor
+    logits_indices: torch.Tensor
+    dst: torch.Tensor | None        # verify: scratch slot per row
+    draft_rows: torch.Tensor | None
+    draft_index: torch.Tensor | None
 
 
-def _all_true(n: int, device: torch.device) -> torch.Tensor:
-    key = (n, str(device))
-    if key not in _ONES:
-        _ONES[key] = torch.ones(n, dtype=torch.bool, device=device)
-    return _ONES[key]
+_SHAPES: dict[tuple[int, int, bool, int, str], _Shape] = {}
+
+
+def _shape(n_seq: int, rows: int, verify: bool, scratch_base: int, device: torch.device) -> _Shape:
+    key = (n_seq, rows, verify, scratch_base, str(device))
+    shape = _SHAPES.get(key)
+    if shape is None:
+        with torch.inference_mode():
+            shape = _SHAPES[key] = _new_shape(n_seq, rows, verify, scratch_base, device)
+    return shape
+
+
+def _new_shape(n_seq: int, rows: int, verify: bool, scratch_base: int, device: torch.device) -> _Shape:
+    def t(values: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(device)
+
+    offsets = np.arange(rows, dtype=np.int64)
+    draft_rows = (np.arange(n_seq)[:, None] * rows + offsets[1:]).reshape(-1)
+    return _Shape(
+        np.repeat(np.arange(n_seq), rows), offsets, t(np.arange(0, n_seq * rows + 1, rows), torch.int32),
+        torch.ones(n_seq, dtype=torch.bool, device=device),
+        t(np.arange(n_seq * rows) if verify else np.arange(n_seq)),
+        t(scratch_base + np.arange(n_seq * rows), torch.int32) if verify else None,
+        t(draft_rows) if verify else None, t(np.tile(offsets[:-1], n_seq)) if verify else None)
 
 
 def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: int,
-                    device: torch.device, scratch_base: int) -> PreparedStep:
+                    device: torch.device, scratch_base: int,
+                    sampling: SamplingInputs | None = None) -> PreparedStep:
     """The ``PreparedStep`` of a uniform batch of ``rows`` rows per sequence."""
     seqs = plan.batch.seqs
     n_seq, verify = len(seqs), seqs[0].is_verify
@@ -97,38 +136,32 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
         track = plan.by_seq.get(b)
         if track is not None:
             tracks.append((b, track.slot, track.depth))
+    shape = _shape(n_seq, rows, verify, scratch_base, device)
     table = inputs.table(inputs.rows([s.request for s in seqs]))
     start = np.asarray(starts, dtype=np.int64)
     slot = np.asarray(slots, dtype=np.int64)
-    first = np.asarray(first_ids, dtype=np.int64)
-    offsets = np.arange(rows, dtype=np.int64)
-    positions = (start[:, None] + offsets).reshape(-1)
-    seq_of_row = np.repeat(np.arange(n_seq), rows)
-    out_loc = table[seq_of_row, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    positions = (start[:, None] + shape.offsets).reshape(-1)
+    out_loc = table[shape.seq_of_row, positions // page_size].astype(np.int64) * page_size + positions % page_size
     ids = np.zeros((n_seq, rows), dtype=np.int64)
-    ids[:, 0] = np.maximum(first, 0)
-    future = np.flatnonzero(first < 0)
+    future = [b for b, t in enumerate(first_ids) if t < 0]
+    if len(future) < n_seq:
+        ids[:, 0] = np.maximum(first_ids, 0)
 
     i64, i32 = _Pack(np.int64), _Pack(np.int32)
     i64.add("input_ids", ids)
     i64.add("positions", positions)
     i64.add("out_loc", out_loc)
-    i64.add("logits", np.arange(n_seq * rows) if verify else np.arange(n_seq))
-    if len(future):
-        i64.add("future_rows", future * rows)
+    i64.add("sample_slots", slot)
+    if future:
+        i64.add("future_rows", np.asarray(future, dtype=np.int64) * rows)
         i64.add("future_slots", slot[future])
-    i32.add("cu", np.arange(0, n_seq * rows + 1, rows))
     i32.add("seq_lens", start + rows)
     i32.add("slots", slot)
     i32.add("table", table)
     verify_rows: tuple[VerifyRows, ...] = ()
     writes: list[StateWrite] = []
     if verify:
-        draft_rows = (np.arange(n_seq)[:, None] * rows + offsets[1:]).reshape(-1)
-        i64.add("draft_rows", draft_rows)
         i64.add("draft_slots", np.repeat(slot, rows - 1))
-        i64.add("draft_index", np.tile(offsets[:-1], n_seq))
-        i32.add("dst", scratch_base + np.arange(n_seq * rows))
         verify_rows = _verify_rows(seqs, starts, slots, tracks, rows, scratch_base)
     else:
         writes = [StateWrite(b, s, p + 1) for b, (s, p) in enumerate(zip(slots, starts))]
@@ -140,24 +173,26 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
     if chained:
         i64.add("chained_seq_index", chained)
         i64.add("chained_slots", slot[chained])
-        i64.add("chained_rows", (np.asarray(chained)[:, None] * rows + offsets).reshape(-1))
+        i64.add("chained_rows", (np.asarray(chained)[:, None] * rows + shape.offsets).reshape(-1))
         i64.add("chained_row_seq", np.repeat(chained, rows))
         i64.add("chained_row_pos", np.repeat(np.arange(len(chained)), rows))
     t64, t32 = i64.to(device), i32.to(device)
     fb = ForwardBatch(
-        input_ids=t64["input_ids"], positions=t64["positions"], cu_seqlens=t32["cu"],
+        input_ids=t64["input_ids"], positions=t64["positions"], cu_seqlens=shape.cu_seqlens,
         seq_lens=t32["seq_lens"], out_loc=t64["out_loc"], page_table=t32["table"].view(n_seq, -1),
-        mamba_slot_ids=t32["slots"], has_initial_state=_all_true(n_seq, device),
-        logits_indices=t64["logits"], page_size=page_size,
-        state_dst_slots=t32.get("dst"), decode_only=not verify, verify_len=rows if verify else 0)
+        mamba_slot_ids=t32["slots"], has_initial_state=shape.has_initial,
+        logits_indices=shape.logits_indices, page_size=page_size,
+        state_dst_slots=shape.dst, decode_only=not verify, verify_len=rows if verify else 0)
     return PreparedStep(
-        plan, fb, t64.get("future_rows"), t64.get("future_slots"), t64.get("draft_rows"),
-        t64.get("draft_slots"), t64.get("draft_index"), verify_rows, (None,) * n_seq,
-        PageRows(table), tuple(slots), tuple(writes), row_ids=(), cu_seqlens=range(0, n_seq * rows + 1, rows),
+        plan, fb, t64.get("future_rows"), t64.get("future_slots"), shape.draft_rows,
+        t64.get("draft_slots"), shape.draft_index, verify_rows, (None,) * n_seq,
+        PageRows(table), tuple(slots), tuple(writes), sampling=sampling, row_ids=(),
+        cu_seqlens=range(0, n_seq * rows + 1, rows),
         copy_src=t64.get("copy_src"), copy_dst=t64.get("copy_dst"), starts=tuple(starts),
         chained_seqs=tuple(chained), chained_seq_index=t64.get("chained_seq_index"),
         chained_slots=t64.get("chained_slots"), chained_rows=t64.get("chained_rows"),
-        chained_row_seq=t64.get("chained_row_seq"), chained_row_pos=t64.get("chained_row_pos"))
+        chained_row_seq=t64.get("chained_row_seq"), chained_row_pos=t64.get("chained_row_pos"),
+        logits_all_rows=True, sample_slots=t64["sample_slots"])
 
 
 def _verify_rows(seqs, starts: list[int], slots: list[int], tracks: list[tuple[int, int, int]],

@@ -31,7 +31,7 @@ from typing import Any
 PHASES: dict[str, tuple[str, ...]] = {
     "schedule": ("scheduler.schedule",),
     "plan": ("cache.plan_step",),
-    "inputs": ("workers.model_runner:prepare_step", "runner.planner.build"),
+    "inputs": ("workers.model_runner:prepare_step", "workers.model_runner:prepare_uniform", "runner.planner.build"),
     "sampling": ("runner.sampler.decide",),
     # What _process does besides "complete": the engine's outputs (token-id deltas, stop
     # tokens and lengths, per-token stats). Text and stop strings are the front-end's

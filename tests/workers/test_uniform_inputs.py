@@ -57,9 +57,12 @@ def test_rows_equal_fresh_tables(ops):
 
 # -- vectorized vs row-by-row inputs of the steps an engine really launches --------------------
 def assert_same(uniform: PreparedStep, general: PreparedStep) -> None:
+    if uniform.logits_all_rows:                 # no gather: every row's logits are sampled
+        assert torch.equal(general.fb.logits_indices, torch.arange(general.fb.num_tokens))
+    assert uniform.sample_slots.tolist() == list(general.live_slots)
     for f in fields(PreparedStep):
         a, b = getattr(uniform, f.name), getattr(general, f.name)
-        if f.name in ("plan", "sampling", "row_ids"):
+        if f.name in ("plan", "sampling", "row_ids", "logits_all_rows", "sample_slots"):
             continue
         if f.name == "fb":
             for g in fields(a):
@@ -88,8 +91,8 @@ def test_vectorized_inputs_equal_the_row_by_row_builder(tiny_qwen_dir, monkeypat
     prepare = runner._prepare
     compared = []
 
-    def both(plan):
-        prepared = prepare(plan)
+    def both(plan, sampling=None):
+        prepared = prepare(plan, sampling)
         if uniform_rows(plan.batch):
             assert_same(prepared, prepare_step(plan, runner.page_size, runner.device, runner.scratch_base))
             compared.append(plan.batch.batch_id)

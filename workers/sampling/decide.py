@@ -35,8 +35,9 @@ from workers.step_inputs import VerifyRows
 @dataclass(frozen=True)
 class Decision:
     token_ids: list[list[int]]
-    logprobs: list[list[TokenLogprob | None]]
+    logprobs: list[list[TokenLogprob | None] | None]   # None: the sequence asked for none
     num_accepted: list[int | None]
+    last_ids: torch.Tensor | None = None      # a sampling step's tokens, still on the device
 
 
 class BatchSampler:
@@ -61,13 +62,15 @@ class BatchSampler:
         # need them before the logits are processed.
         drafts = _drafts(input_ids, verify) if si.grammar else None
         x = self.process(si, raw, input_ids, drafts)
+        last = None
         if any(v is not None for v in verify):
             tokens, accepted = self._verify(si, x, input_ids, params, gens, verify, drafts, draft_q)
         else:
-            tokens = [[t] for t in self._sample(si, x, params, gens).tolist()]
+            last = self._sample(si, x, params, gens)
+            tokens = [[t] for t in last.tolist()]
             accepted = [None] * len(tokens)
         self._advance(si, tokens)
-        return Decision(tokens, self._logprobs(si, raw, tokens, params), accepted)
+        return Decision(tokens, self._logprobs(si, raw, tokens, params), accepted, last)
 
     def process(self, si: SamplingInputs, raw: torch.Tensor, input_ids: torch.Tensor,
                 drafts: list[list[int]] | None) -> torch.Tensor:
@@ -159,16 +162,16 @@ class BatchSampler:
             self.grammars.accept(si.grammar, tokens)
 
     def _logprobs(self, si: SamplingInputs, raw: torch.Tensor, tokens: list[list[int]],
-                  params: list[SamplingParams]) -> list[list[TokenLogprob | None]]:
-        out: list[list[TokenLogprob | None]] = [[None] * len(t) for t in tokens]
+                  params: list[SamplingParams]) -> list[list[TokenLogprob | None] | None]:
         if not si.logprob_seqs:
-            return out
+            return [None] * len(tokens)
+        out: list[list[TokenLogprob | None] | None] = [[None] * len(t) for t in tokens]
         firsts = [0, *accumulate(si.widths)]
         where = [(n, i) for n in si.logprob_seqs for i in range(len(tokens[n]))]
         rows = torch.tensor([firsts[n] + i for n, i in where], dtype=torch.int64, device=raw.device)
         ids = torch.tensor([tokens[n][i] for n, i in where], dtype=torch.int64, device=raw.device)
         for (n, i), e in zip(where, token_logprobs(raw[rows], ids, si.max_top_logprobs)):
-            out[n][i] = TokenLogprob(e.token_id, e.logprob, e.top[: params[n].logprobs or 0])
+            out[n][i] = TokenLogprob(e.token_id, e.logprob, e.top[: params[n].logprobs or 0])  # type: ignore[index]
         return out
 
 

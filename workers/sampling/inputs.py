@@ -135,4 +135,7 @@ class SamplingInputs:
         return sum(self.widths)
 
     def on(self, device: torch.device) -> SamplingInputs:
+        if (self.filters is None and self.bias is None and self.blocked is None and self.penalties is None
+                and self.bad_words is None and self.prompt is None):
+            return self                     # no tensor anywhere (a plain greedy step)
         return _on(self, device)

@@ -22,12 +22,12 @@ copy that broke half way would.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Protocol
 
 import torch
 
 from workers.device_pools import DevicePools
+from workers.forward_thread import StepFuture
 from workers.tiers.host_pools import (Groups, HostPools, copy_entries, entry_shapes, page_rows, read_entries,
                                       write_entries)
 
@@ -71,7 +71,7 @@ class DoneJob:
 
 
 class FutureJob:
-    def __init__(self, future: Future[bool]) -> None:
+    def __init__(self, future: StepFuture[bool]) -> None:
         self._future = future
 
     def done(self) -> bool:
@@ -99,7 +99,7 @@ class TensorTierStorage:
     """``TierStorage`` over the engine's ``DevicePools`` and a ``HostPools`` mirror."""
 
     def __init__(self, device: DevicePools, host: HostPools,
-                 submit: Callable[[Callable[[], bool]], Future[bool]] | None = None) -> None:
+                 submit: Callable[[Callable[[], bool]], StepFuture[bool]] | None = None) -> None:
         self.device, self.host = device, host
         self.submit = submit
         self.page_size = host.page_size

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import pickle
 import threading
+from functools import partial
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -110,7 +111,7 @@ class TPModelRunner(ModelRunner):
             stop = pickle.dumps(Stop())
             try:
                 if self._executor is not None:
-                    self._executor.submit(self._send_stop, stop).result()
+                    self._executor.submit(partial(self._send_stop, stop)).result()
                 else:
                     self._send_stop(stop)
             except RuntimeError:          # a rank is gone or stalled: its launcher ends it

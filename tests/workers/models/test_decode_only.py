@@ -124,8 +124,8 @@ def test_speculative_verify_steps_take_the_verify_path_not_decode_only(tiny_qwen
     seen: list[tuple[int, bool, int]] = []
     real = llm.engine.runner._prepare
 
-    def spy(plan):
-        prepared = real(plan)
+    def spy(plan, sampling=None):
+        prepared = real(plan, sampling)
         seen.append((len(prepared.verify), prepared.fb.decode_only, prepared.fb.verify_len))
         return prepared
     prompts = random_prompts(llm.engine.vocab_size, [7], seed=6)
