@@ -52,32 +52,27 @@ def uniform_rows(batch: ScheduledBatch) -> int:
 
 
 class _Pack:
-    """Host arrays of one dtype, concatenated and moved to the device at once."""
+    """Host arrays of one dtype, concatenated and moved to the device at once; read back
+    as views of that one tensor (inference tensors, as a compiled step's guards saw at
+    warm-up: ``workers.compiled.steps.pad_if_needed`` then passes them on uncopied)."""
 
-    def __init__(self, dtype: np.dtype) -> None:
+    def __init__(self, dtype: type) -> None:
         self.dtype = dtype
-        self.parts: dict[str, np.ndarray] = {}
+        self.names: list[str] = []
+        self.parts: list[np.ndarray] = []
 
     def add(self, name: str, values: np.ndarray | Sequence[int]) -> None:
-        self.parts[name] = np.asarray(values, dtype=self.dtype).reshape(-1)
+        self.names.append(name)
+        self.parts.append(np.ravel(np.asarray(values, dtype=self.dtype)))
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Views of one tensor: inference tensors, as a compiled step's guards saw at warm-up
-        (``workers.compiled.steps.pad_if_needed`` then passes them on uncopied)."""
         if not self.parts:
             return {}
         with torch.inference_mode():
-            return self._views(device)
-
-    def _views(self, device: torch.device) -> dict[str, torch.Tensor]:
-        flat = torch.from_numpy(np.concatenate(list(self.parts.values())))
-        if device.type != "cpu":
-            flat = flat.pin_memory().to(device, non_blocking=True)
-        out, at = {}, 0
-        for name, part in self.parts.items():
-            out[name] = flat[at:at + part.size]
-            at += part.size
-        return out
+            flat = torch.from_numpy(np.concatenate(self.parts))
+            if device.type != "cpu":
+                flat = flat.pin_memory().to(device, non_blocking=True)
+            return dict(zip(self.names, flat.split([p.size for p in self.parts])))
 
 
 class _Shape(NamedTuple):
