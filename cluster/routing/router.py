@@ -7,7 +7,9 @@ actor for each replica's deepest usable checkpoint on its device and in its host
 and the cluster store's, reads loads from Serve's queue
 length cache (probing what is missing), and lets ``routing_policy.decide`` rank the
 replicas. Any error on that path -- actor timeout, bad request shape -- falls back to
-power of two, counted as ``fallback``; routing never fails because of the index.
+power of two, counted as ``fallback``; routing never fails because of the index. A lone
+candidate replica is returned at once, counted as ``single``: the index round trip would
+sit on every request's time to first token and could not change the answer.
 
 ``policy`` (``router.policy``): ``hybrid_prefix`` (above), ``pow2`` (Serve's power of
 two choices), ``round_robin`` (strict rotation; a baseline). Calls carrying
@@ -105,6 +107,9 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return await self._pow2(candidate_replicas, pending_request)
         if self._policy == "round_robin":
             return self._round_robin(candidate_replicas)
+        if len(candidate_replicas) == 1:
+            self._count("single")
+            return [list(candidate_replicas)]
         try:
             ranks, reason = await self._prefix_ranks(candidate_replicas, tokens)
         except Exception as exc:  # noqa: BLE001 - any failure degrades to load balancing

@@ -40,7 +40,9 @@ Decision, in order:
    ``imbalance_rel`` -> least loaded first.
 4. ``prefix``: the preferred replica alone in rank 0, the others by score after it
    (Serve moves to the next rank when a replica rejects at ``max_ongoing_requests``).
-``fallback`` (power of two) is the router's answer to any error; it is not decided here.
+``fallback`` (power of two) is the router's answer to any error, and ``single`` its answer when
+there is one candidate replica (nothing to rank, so the index is not asked); neither is
+decided here.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-REASONS = ("prefix", "imbalanced", "cold", "fallback")
+REASONS = ("prefix", "imbalanced", "cold", "fallback", "single")
 
 
 @dataclass(frozen=True)

@@ -172,3 +172,18 @@ def test_replicas_that_leave_are_forgotten_in_the_index():
         router.on_replica_actor_died(a.replica_id)
     run(go())
     assert index.forget.calls == [([b.name],), ([a.name],)]
+
+
+def test_a_lone_replica_is_chosen_without_asking_the_index():
+    """One candidate: nothing to rank, so no index round trip on the request's path."""
+    a = FakeReplica("a")
+    index = FakeIndex({a.name: 12})
+    router, metrics = make_router([a], index)
+
+    async def go():
+        ranks = await router.choose_replicas([a], pending(list(range(20))))
+        await asyncio.sleep(0.05)
+        return ranks
+    assert names(run(go())) == [[a.name]]
+    assert index.match.calls == []
+    assert metrics.pushed == {"single": 1}
