@@ -82,6 +82,7 @@ class OutputStream:
         self._queue: asyncio.Queue[OutputDelta | BaseException] = asyncio.Queue()
         self._unfinished = set(request_ids)
         self._closed = False
+        self._wake: asyncio.Future[None] | None = None   # set while next_batch holds a batch back
 
     @property
     def finished(self) -> bool:
@@ -89,17 +90,20 @@ class OutputStream:
 
     def _put(self, item: OutputDelta | BaseException) -> None:
         self._queue.put_nowait(item)
+        if self._wake is not None and _ends(item) and not self._wake.done():
+            self._wake.set_result(None)   # a held batch that now ends a request goes at once
 
     async def next_batch(self, not_before: float = 0.0) -> list[tuple[int, OutputDelta]] | None:
         """Wait for an output; if the event loop's clock is before ``not_before`` then, also
         wait until ``not_before`` (coalescing the outputs of several engine steps into one
-        batch, so a stream carries fewer, larger items); return everything queued."""
+        batch, so a stream carries fewer, larger items) or until an output that ends a
+        request arrives, whichever is first; return everything queued."""
         if not self._unfinished:
             return None
         items = [await self._queue.get()]
         delay = not_before - asyncio.get_running_loop().time()
         if delay > 0 and not _ends(items[0]):
-            await asyncio.sleep(delay)
+            await self._hold(delay)
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
         batch = []
@@ -110,6 +114,16 @@ class OutputStream:
                 self._unfinished.discard(item.request_id)
             batch.append((self._index[item.request_id], item))
         return batch
+
+    async def _hold(self, delay: float) -> None:
+        aloop = asyncio.get_running_loop()
+        self._wake = aloop.create_future()
+        timer = aloop.call_later(delay, _wake_up, self._wake)
+        try:
+            await self._wake
+        finally:
+            timer.cancel()
+            self._wake = None
 
     def close(self) -> None:
         if self._closed:
@@ -332,6 +346,11 @@ def _resolve(future: asyncio.Future[Any], value: Any, error: BaseException | Non
         future.set_exception(error)
     else:
         future.set_result(value)
+
+
+def _wake_up(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _ends(item: OutputDelta | BaseException) -> bool:

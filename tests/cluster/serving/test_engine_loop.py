@@ -133,6 +133,25 @@ def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(inte
         assert all(g >= interval_s * 0.9 for g in gaps), gaps
 
 
+def test_a_request_that_ends_while_its_stream_is_held_back_is_sent_at_once():
+    """The final tokens come out while the stream waits out its interval: they go at once,
+    not at the interval's end (that would add up to the interval to E2E and to TPOT)."""
+    async def go():
+        loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
+        core = ReplicaCore(loop, load_config(), StreamPacing(interval_s=2.0))
+        clock, stamps, items = asyncio.get_running_loop(), [], []
+        async for item in core.generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=12)])):
+            stamps.append(clock.time())
+            items.append(item)
+        await loop.shutdown()
+        return stamps, items
+    stamps, items = run(go())
+    chunks = [c for batch in items[1:] for c in batch]
+    assert [t for c in chunks for t in c.new_token_ids] == list(range(12)) and chunks[-1].finished
+    assert len(items) == 3                        # Accepted, the first token, the other eleven together
+    assert stamps[-1] - stamps[1] < 1.0, stamps   # ~55 ms of steps; held back: 2 s
+
+
 def test_refused_input_is_an_error_item_and_queues_nothing():
     async def go():
         engine = FakeEngine()
