@@ -108,18 +108,23 @@ def test_concurrent_requests_stream_to_completion_on_one_thread():
             assert [t for c in mine for t in c.new_token_ids] == list(range(3 + i))
 
 
-@pytest.mark.parametrize("interval_s", [0.0, 0.05])
-def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(interval_s):
+def paced_stream(pacing: StreamPacing | float, max_tokens: int) -> tuple[list[float], list]:
+    """One request's stream items, each with the event loop's time it arrived (5 ms steps)."""
     async def go():
         loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
-        core = ReplicaCore(loop, load_config(), interval_s)
+        core = ReplicaCore(loop, load_config(), pacing)
         clock, stamps, items = asyncio.get_running_loop(), [], []
-        async for item in core.generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=40)])):
+        async for item in core.generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=max_tokens)])):
             stamps.append(clock.time())
             items.append(item)
         await loop.shutdown()
         return stamps, items
-    stamps, items = run(go())
+    return run(go())
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.05])
+def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(interval_s):
+    stamps, items = paced_stream(interval_s, 40)
     chunks = [c for batch in items[1:] for c in batch]
     assert [t for c in chunks for t in c.new_token_ids] == list(range(40)) and chunks[-1].finished
     sizes = [len(batch) for batch in items[1:]]
@@ -136,16 +141,7 @@ def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(inte
 def test_a_request_that_ends_while_its_stream_is_held_back_is_sent_at_once():
     """The final tokens come out while the stream waits out its interval: they go at once,
     not at the interval's end (that would add up to the interval to E2E and to TPOT)."""
-    async def go():
-        loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
-        core = ReplicaCore(loop, load_config(), StreamPacing(interval_s=2.0))
-        clock, stamps, items = asyncio.get_running_loop(), [], []
-        async for item in core.generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=12)])):
-            stamps.append(clock.time())
-            items.append(item)
-        await loop.shutdown()
-        return stamps, items
-    stamps, items = run(go())
+    stamps, items = paced_stream(StreamPacing(interval_s=2.0), 12)
     chunks = [c for batch in items[1:] for c in batch]
     assert [t for c in chunks for t in c.new_token_ids] == list(range(12)) and chunks[-1].finished
     assert len(items) == 3                        # Accepted, the first token, the other eleven together
