@@ -26,8 +26,9 @@ class CompileTimes(NamedTuple):
 
 
 class CompileProgress:
-    """Counts the graphs of one engine's start-up (``total``, known before the first) and
-    writes a line to stderr as each begins and ends, a header first and a total last."""
+    """Counts the warm-up calls of one engine's start-up (``total``, known before the first:
+    one per bucket and kind of step) and writes a line to stderr as each begins and ends
+    (the graph it compiled, loaded or shared), a header first and a total last."""
 
     def __init__(self, total: int, what: str, cache_dir: str) -> None:
         if total < 1:
@@ -35,12 +36,12 @@ class CompileProgress:
         self.total, self.done = total, 0
         self._start, self._start_cpu = time.monotonic(), time.process_time()
         self._sources: Counter[str] = Counter()     # where each graph came from (``_source``)
-        _write(f"{what}: {total} graph{'s' if total > 1 else ''}, cache {cache_dir} (a cold cache takes "
-               "minutes on a CPU, a warm one seconds; compile.enabled: false starts eager)")
+        _write(f"{what}: {total} to warm up, cache {cache_dir} (a cold cache takes minutes on a CPU, a "
+               "warm one seconds; compile.enabled: false starts eager)")
 
     @contextmanager
     def graph(self, label: str) -> Iterator[None]:
-        """Times the graph built inside the block (``label``: e.g. "decode, batch 4")."""
+        """Times the warm-up call inside the block (``label``: e.g. "decode step, batch 4")."""
         self.done += 1
         if self.done > self.total:
             raise ValueError(f"compile progress: graph {self.done} ({label}) of {self.total}")
@@ -73,7 +74,7 @@ def _source(before: dict[str, int], after: dict[str, int]) -> str:
         return "compiled, now cached"
     if new["fxgraph_cache_hit"]:
         return "from the cache"
-    return "no new graph"
+    return "an earlier graph serves it"
 
 
 def _write(line: str) -> None:

@@ -1,4 +1,4 @@
-"""Compiled decode and verify steps: one shape-static callable per batch-size bucket.
+"""Compiled decode and verify steps: one compiled callable per batch-size bucket.
 
 A decode-only batch of B sequences (``ForwardBatch.decode_only``) or, under speculation, a
 verify batch of B sequences of T = 1 + k rows each (``ForwardBatch.verify_len``), is
@@ -13,10 +13,14 @@ Padding sequences (invariant, what makes padding harmless): T rows of token 0 at
 snapshot slot 0, an empty page-table row; their outputs are dropped. Every op is
 row- or sequence-independent, so a padding sequence never changes a real one.
 
-Shapes per bucket: the batch dims are static (one graph per bucket, compiled at start-up by
-``warm_up``). On CPU the page-table width stays symbolic (``mark_dynamic``, at least 2
-pages), so one graph serves every context length; on GPU the table is padded to the
-engine's maximum pages per sequence, so every replay of a captured graph has the same shapes.
+Shapes: every bucket is compiled at start-up by ``warm_up``. On GPU each bucket is its own
+static graph, its page table padded to the engine's maximum pages per sequence, so every
+replay of a captured graph has the same shapes. On CPU the page-table width stays symbolic
+(``mark_dynamic``, at least 2 pages), so one graph serves every context length, and so may
+the batch dims of buckets above 1 (``mark_batch_dynamic`` at warm-up): dynamo keeps them
+symbolic until the model's code branches on them (the few-rows kernel's row limit), so
+buckets share a graph per range of sizes -- fewer graphs to trace at every start and to
+compile at a cold one, for the same step time (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -142,13 +146,18 @@ class CompiledSteps:
         cu, has_initial, logits_indices = self._constants(bucket)
         by_row, by_seq = (0, extra * rows), (0, extra)
         dst = None if fb.state_dst_slots is None or rows == 1 else pad_if_needed(fb.state_dst_slots, by_row)
-        return ForwardBatch(
+        padded = ForwardBatch(
             input_ids=pad_if_needed(fb.input_ids, by_row), positions=pad_if_needed(fb.positions, by_row),
             cu_seqlens=cu, seq_lens=pad_if_needed(fb.seq_lens, by_seq, value=rows),
             out_loc=pad_if_needed(fb.out_loc, by_row), page_table=table,
             mamba_slot_ids=pad_if_needed(fb.mamba_slot_ids, by_seq),
             has_initial_state=has_initial, logits_indices=logits_indices, page_size=fb.page_size,
             state_dst_slots=dst, decode_only=rows == 1, verify_len=0 if rows == 1 else rows)
+        # warm-up batches only (fresh tensors): a compiled graph accepts unmarked inputs, and
+        # marking a caller's tensor could send it to a recompile of a static graph
+        if not self.on_gpu and size > 1 and not self._call.warm:
+            mark_batch_dynamic(padded)
+        return padded
 
     def _constants(self, bucket: Bucket) -> tuple[Tensor, Tensor, Tensor]:
         """A bucket's inputs that never change (cu_seqlens, has_initial_state, logits_indices),
@@ -160,6 +169,20 @@ class CompiledSteps:
                 torch.ones(size, dtype=torch.bool, device=self.device),
                 torch.arange(size * rows, device=self.device))
         return self._bucket_constants[bucket]
+
+
+# ForwardBatch's tensors whose dim 0 counts sequences or rows (cu_seqlens: one more)
+BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "out_loc", "page_table", "mamba_slot_ids",
+                "has_initial_state", "logits_indices", "state_dst_slots")
+
+
+def mark_batch_dynamic(fb: ForwardBatch) -> None:
+    """Let dynamo keep ``fb``'s batch dims symbolic where the traced code allows it (a weak
+    mark: it specialises them where the code branches on a size, and never fails)."""
+    for name in BATCH_FIELDS:
+        t = getattr(fb, name)
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def pad_if_needed(t: Tensor, pad: tuple[int, ...], value: int = 0) -> Tensor:

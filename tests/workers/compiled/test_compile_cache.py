@@ -6,11 +6,14 @@ cached graphs take the weights as inputs, so it must still give its own eager ou
 the first one's. A restart is modelled in-process: ``torch._dynamo.reset()`` drops every
 compiled frame, so the second engine traces again and must find its graphs on disk.
 
-``pack_weights`` (off by default) freezes packed weights into the graphs, which both caches
-refuse (``workers/compiled/cache.py``): the suite's ``startup`` row counts the refusals."""
+Its two sizes share one graph, whose batch dims stay symbolic (``steps.mark_batch_dynamic``):
+one graph to trace and to load. ``pack_weights`` (off by default) freezes packed weights into
+the graphs, which both caches refuse (``workers/compiled/cache.py``): the suite's
+``startup`` row counts the refusals."""
 from __future__ import annotations
 
 import torch
+from torch._dynamo.utils import counters
 
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.compiled.cache import cache_counters, compile_kwargs
@@ -22,8 +25,10 @@ P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 def test_warm_restart_loads_every_graph(tmp_path, compile_cache_dir, capsys):
     first, second = (make_tiny_checkpoint("granitemoehybrid", tmp_path / f"m{seed}", seed=seed) for seed in (1, 2))
-    settings = {"enabled": True, "batch_sizes": (1,), "cache_dir": str(compile_cache_dir)}   # as test_engines_apart
+    settings = {"enabled": True, "batch_sizes": (2, 4), "cache_dir": str(compile_cache_dir)}
+    graphs = counters["stats"]["unique_graphs"]
     make_llm(first, compile=settings)                        # cold or warm: fills the cache
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # the two sizes share a graph (CPU)
     torch._dynamo.reset()
     before = cache_counters()
     capsys.readouterr()
@@ -32,14 +37,15 @@ def test_warm_restart_loads_every_graph(tmp_path, compile_cache_dir, capsys):
     new = {key: after[key] - before[key] for key in after}
     assert new == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0,
                    "autograd_cache_hit": 1, "autograd_cache_miss": 0, "autograd_cache_bypass": 0}, new
-    assert "1/1 decode step, batch 1: " in shown and "(from the cache)" in shown, shown
-    assert "(1 of 1: 1 from the cache)" in shown, shown
-    prompts = random_prompts(llm.engine.vocab_size, [6], seed=4)
-    eager = {p: [o.token_ids for o in make_llm(p, compile={"enabled": False}).generate_ids(prompts, [P])]
+    assert "1/2 decode step, batch 2: " in shown and "(from the cache)" in shown, shown
+    assert "2/2 decode step, batch 4: " in shown and "(an earlier graph serves it)" in shown, shown
+    assert "(2 of 2: 1 from the cache; 1 an earlier graph serves it)" in shown, shown
+    prompts = random_prompts(llm.engine.vocab_size, [6, 9, 7], seed=4)
+    eager = {p: [o.token_ids for o in make_llm(p, compile={"enabled": False}).generate_ids(prompts, [P] * 3)]
              for p in (first, second)}
     assert eager[first] != eager[second]                     # the weights do differ
-    assert [o.token_ids for o in llm.generate_ids(prompts, [P])] == eager[second]
-    assert llm.engine.runner.compiled.num_calls[(1, 1)] > 0
+    assert [o.token_ids for o in llm.generate_ids(prompts, [P] * 3)] == eager[second]
+    assert llm.engine.runner.compiled.num_calls[(4, 1)] > 0  # three sequences, padded to four
 
 
 def test_speculation_steps_compile_with_aten_gemms():
