@@ -262,8 +262,7 @@ class ModelRunner:
         size = chain.pick(fb.num_seqs, greedy=True)
         if size is None:
             return False
-        drafts = chain.run_verified(hidden, tokens, list(prepared.starts),
-                                    [list(p) for p in prepared.page_ids], size)
+        drafts = chain.run_verified(hidden, tokens, list(prepared.starts), fb.page_table, size)
         drafter.draft_tokens[torch.tensor(prepared.live_slots, device=self.device)] = drafts
         return True
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from configs.schema import CompileConfig
@@ -134,11 +135,18 @@ class CompiledChain:
             return None
         return next((size for size in self.sizes if size >= num_seqs), None)
 
-    def _table(self, page_ids: list[list[int]], size: int) -> Tensor:
-        width = max(max((len(p) for p in page_ids), default=0), MIN_PAGES)
-        pages = self.max_pages if self.on_gpu else width
-        table = torch.tensor([p + [0] * (pages - len(p)) for p in page_ids] + [[0] * pages] * (size - len(page_ids)),
-                             dtype=torch.int32, device=self.device)
+    def _table(self, page_ids: list[list[int]] | Tensor, size: int) -> Tensor:
+        """The page table padded to ``size`` rows (and on GPU to the widest table): from host
+        lists, or from the step's own table on the device (no host lists per step)."""
+        if isinstance(page_ids, Tensor):
+            n, width = page_ids.shape
+            pages = self.max_pages if self.on_gpu else max(int(width), MIN_PAGES)
+            table = F.pad(page_ids, (0, pages - int(width), 0, size - int(n)))
+        else:
+            width = max(max((len(p) for p in page_ids), default=0), MIN_PAGES)
+            pages = self.max_pages if self.on_gpu else width
+            table = torch.tensor([p + [0] * (pages - len(p)) for p in page_ids] +
+                                 [[0] * pages] * (size - len(page_ids)), dtype=torch.int32, device=self.device)
         if not self.on_gpu:
             torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
         return table
@@ -154,7 +162,7 @@ class CompiledChain:
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
     def run_verified(self, hidden_rows: Tensor, next_ids: list[list[int]], starts: list[int],
-                     page_ids: list[list[int]], size: int) -> Tensor:
+                     page_ids: list[list[int]] | Tensor, size: int) -> Tensor:
         """Drafts [n, k] after a verify of R = k + 1 rows per sequence (``hidden_rows`` [n*R, H]):
         sequence b accepted ``len(next_ids[b]) - 1`` drafts, its rows from position
         ``starts[b]`` continue with ``next_ids[b]``. Padding sequences: one row at position 0
