@@ -22,7 +22,7 @@ def build_compiled(config: HybridServeConfig, model: torch.nn.Module, pools: Dev
                    device: torch.device, max_model_len: int, drafter: Any | None) -> CompiledSteps | None:
     """The compiled steps of ``config.compile`` (decode, and verify of 1 + k rows with a
     drafter, whose ``compiled_chain`` this sets), every bucket compiled before this returns,
-    a line per graph on stderr (``CompileProgress``); None when ``compile.enabled`` is off.
+    a line per bucket on stderr (``CompileProgress``); None when ``compile.enabled`` is off.
     (A tensor-parallel engine builds its runners without this: its ranks run eager.)"""
     if not config.compile.enabled:
         return None
@@ -31,8 +31,8 @@ def build_compiled(config: HybridServeConfig, model: torch.nn.Module, pools: Dev
     k = drafter.k if drafter is not None else 0
     steps = CompiledSteps(model, pools, config.compile, device, max_pages=max_pages,
                           page_size=page_size, verify_lens=(k + 1,) if k else ())
-    num_graphs = len(steps.buckets) + (2 * len(config.compile.batch_sizes) if drafter is not None else 0)
-    progress = CompileProgress(num_graphs, f"compiling the steps of {config.model}",
+    num_warm_ups = len(steps.buckets) + (2 * len(config.compile.batch_sizes) if drafter is not None else 0)
+    progress = CompileProgress(num_warm_ups, f"compiling the steps of {config.model}",
                                configure_cache(config.compile.cache_dir))
     steps.warm_up(progress)
     if drafter is not None:

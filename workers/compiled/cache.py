@@ -2,8 +2,8 @@
 
 Inductor keeps its FX-graph cache (compiled kernels per graph) and the AOT-autograd cache
 (the traced, functionalised graphs) under ``TORCHINDUCTOR_CACHE_DIR``. With both on, a
-restart re-traces each step with dynamo (under a second a graph) and loads the rest from
-disk: nothing is lowered or compiled again. The graphs take the weights as inputs, so one
+restart re-traces each graph with dynamo (seconds) and loads the rest from disk: nothing is
+lowered or compiled again. The graphs take the weights as inputs, so one
 cache entry serves every checkpoint of the same shapes and configuration.
 
 Frozen graphs (``CallOptions(freeze=True)``, i.e. ``compile.pack_weights``) are refused by

@@ -1,9 +1,9 @@
-"""What a start-up that compiles shows its user: one line per graph on stderr.
+"""What a start-up that compiles shows its user: a line per bucket on stderr.
 
 A cold compile of every bucket takes minutes on a CPU and a warm one seconds; either way the
 user of ``hybridserve serve`` (a replica's stderr reaches the driver's terminal under Ray)
-or of the offline ``LLM`` sees which graph is being built, i of N, its seconds and whether
-the persistent cache held it. Plain lines rather than a redrawn bar: a replica's stderr is a
+or of the offline ``LLM`` sees which bucket is being built, i of N, its seconds and whether
+its graph was compiled, loaded from the persistent cache or shared with an earlier bucket. Plain lines rather than a redrawn bar: a replica's stderr is a
 pipe, where a carriage return would only pile up.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ class CompileProgress:
 
     def __init__(self, total: int, what: str, cache_dir: str) -> None:
         if total < 1:
-            raise ValueError(f"a compile progress needs at least one graph, got total={total}")
+            raise ValueError(f"a compile progress needs at least one warm-up call, got total={total}")
         self.total, self.done = total, 0
         self._start, self._start_cpu = time.monotonic(), time.process_time()
         self._sources: Counter[str] = Counter()     # where each graph came from (``_source``)
@@ -44,7 +44,7 @@ class CompileProgress:
         """Times the warm-up call inside the block (``label``: e.g. "decode step, batch 4")."""
         self.done += 1
         if self.done > self.total:
-            raise ValueError(f"compile progress: graph {self.done} ({label}) of {self.total}")
+            raise ValueError(f"compile progress: warm-up call {self.done} ({label}) of {self.total}")
         _write(f"{self.done}/{self.total} {label} ...")
         before, t0 = cache_counters(), time.monotonic()
         yield

@@ -30,6 +30,6 @@ def test_each_graph_says_where_it_came_from(monkeypatch, capsys):
     assert err[9].startswith("[hybridserve compile] ready in ") and err[9].endswith(
         "(4 of 4: 1 from the cache; 1 compiled, now cached; 1 compiled: the cache refuses frozen, packed graphs "
         "(pack_weights); 1 an earlier graph serves it)")
-    with pytest.raises(ValueError, match="graph 5 .* of 4"):
+    with pytest.raises(ValueError, match="call 5 .* of 4"):
         with shown.graph("one more"):
             pass
