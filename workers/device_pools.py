@@ -26,6 +26,7 @@ from workers.state_spec import ATTENTION, CacheSpec, StateGroup, StateRef
 
 LayerState = dict[str, torch.Tensor]
 MAX_GPU_PAIR_COPIES = 4        # copy_slots: more pairs on a GPU take one gather and one scatter
+MAX_CPU_PAIR_COPIES = 8        # ... and on a CPU (an op per pair and state tensor otherwise)
 
 
 def _allocate(groups: tuple[StateGroup, ...], num_entries: int, dtype: torch.dtype,
@@ -88,16 +89,15 @@ class MambaPool(_GroupedPool):
             t[:, dst] = t[:, src]
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """``copy_slot`` from host lists. When no slot is both read and written (or written
-        twice), each pair copies in place, slot by slot, with no gathered temporary: ~14 vs
-        ~83 us for one pair of the default model on CPU (a verify's commit, every step);
-        otherwise, or for many pairs on a GPU (a launch per pair), ``copy_slot``'s
-        gather-then-scatter."""
+        """``copy_slot`` from host lists. A few pairs of which no slot is both read and
+        written (or written twice) copy in place, slot by slot, with no gathered temporary
+        (cheaper for a verify's commit at a small batch); many pairs (a launch or an op per
+        pair and state tensor) take ``copy_slot``'s gather-then-scatter."""
         if len(src) != len(dst):
             raise ValueError(f"copy_slots: {len(src)} sources for {len(dst)} destinations")
         device = next(self.tensors()).device
-        if (len(set(src) | set(dst)) < len(src) + len(dst)
-                or (device.type != "cpu" and len(src) > MAX_GPU_PAIR_COPIES)):
+        most = MAX_GPU_PAIR_COPIES if device.type != "cpu" else MAX_CPU_PAIR_COPIES
+        if len(set(src) | set(dst)) < len(src) + len(dst) or len(src) > most:
             self.copy_slot(torch.tensor(src, dtype=torch.int64, device=device),
                            torch.tensor(dst, dtype=torch.int64, device=device))
             return

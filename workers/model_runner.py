@@ -221,7 +221,7 @@ class ModelRunner:
         slots, counts = [], []
         for v, n in zip(verify, decision.num_accepted):
             if v is not None and n is not None:
-                src, dst, committed = v.commit(n)
+                src, dst, committed = v.commit(n, prepared.starts[v.seq_index])
                 sources += src
                 destinations += dst
                 writes.extend(committed)

@@ -31,25 +31,26 @@ from workers.sampling.inputs import SamplingInputs
 class VerifyRows:
     seq_index: int
     first_row: int
-    start: int                 # position p of row 0
     num_drafts: int
     live_slot: int
     scratch: tuple[int, ...]   # one snapshot slot per row (k + 1)
     track_slot: int            # 0: no checkpoint planned in this verify
     track_depth: int
 
-    def commit(self, num_accepted: int) -> tuple[list[int], list[int], tuple[StateWrite, ...]]:
+    def commit(self, num_accepted: int, start: int) -> tuple[list[int], list[int], tuple[StateWrite, ...]]:
         """(scratch sources, destinations, what lands where) when ``num_accepted`` drafts were
-        accepted: the live slot takes the state after row ``num_accepted`` (depth start +
-        accepted + 1); the track slot, if planned and reached, the state after the row that
-        ends at ``track_depth`` (a chained verify may start past it: nothing then)."""
+        accepted and row 0 was at position ``start`` (``PreparedStep.starts``: a chained
+        verify's is known on the forward thread only): the live slot takes the state after
+        row ``num_accepted`` (depth start + accepted + 1); the track slot, if planned and
+        reached, the state after the row that ends at ``track_depth`` (a chained verify may
+        start past it: nothing then)."""
         src, dst = [self.scratch[num_accepted]], [self.live_slot]
-        writes = [StateWrite(self.seq_index, self.live_slot, self.start + num_accepted + 1)]
-        crossed_row = self.track_depth - 1 - self.start
+        writes = [StateWrite(self.seq_index, self.live_slot, start + num_accepted + 1)]
+        crossed_row = self.track_depth - 1 - start
         if self.track_slot and 0 <= crossed_row <= num_accepted:
             src.append(self.scratch[crossed_row])
             dst.append(self.track_slot)
-            writes.append(StateWrite(self.seq_index, self.track_slot, self.start + crossed_row + 1))
+            writes.append(StateWrite(self.seq_index, self.track_slot, start + crossed_row + 1))
         return src, dst, tuple(writes)
 
 
@@ -133,7 +134,7 @@ def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
         rows.dst.extend(scratch)
         rows.logits.extend(range(first, first + n))
         track = plan.track_of(b)
-        verify.append(VerifyRows(b, first, seq.start, seq.num_draft_tokens, req.mamba_slot, scratch,
+        verify.append(VerifyRows(b, first, seq.num_draft_tokens, req.mamba_slot, scratch,
                                  track.slot if track else 0, track.depth if track else 0))
         return
     dst = [0] * seq.num_new_tokens
@@ -224,12 +225,9 @@ def resolve_chained(prepared: PreparedStep, accepted: torch.Tensor,
     page = fb.page_table[prepared.chained_row_seq, pos // ps].to(fb.out_loc.dtype)
     fb.out_loc[rows] = page * ps + pos % ps
     starts = list(prepared.starts)
-    moved = {}
     for b in prepared.chained_seqs:
         starts[b] += accepted_host[prepared.live_slots[b]]
-        moved[b] = starts[b]
-    verify = tuple(replace(v, start=moved[v.seq_index]) if v.seq_index in moved else v for v in prepared.verify)
-    return replace(prepared, starts=tuple(starts), verify=verify)
+    return replace(prepared, starts=tuple(starts))
 
 
 def _host_ids(rows: _Rows) -> tuple[int, ...]:

@@ -197,6 +197,6 @@ def _verify_rows(seqs, starts: list[int], slots: list[int], tracks: list[tuple[i
     for b, seq in enumerate(seqs):
         base = scratch_base + b * rows
         slot, depth = track_of.get(b, (0, 0))
-        out.append(VerifyRows(b, b * rows, starts[b], seq.num_draft_tokens, slots[b],
+        out.append(VerifyRows(b, b * rows, seq.num_draft_tokens, slots[b],
                               tuple(range(base, base + rows)), slot, depth))
     return tuple(out)

@@ -238,7 +238,7 @@ class ToyRunner:
             tokens.append(drafts[:n] + [best[n]])
             accepted.append(n)
             self.accepted[v.live_slot], self.committed[v.live_slot] = n, tokens[-1]
-            src, dsts, committed = v.commit(n)                  # as ModelRunner._verify
+            src, dsts, committed = v.commit(n, prepared.starts[b])   # as ModelRunner._verify
             writes.extend(committed)
             states = [pool[s] for s in src]
             for d, state in zip(dsts, states):
