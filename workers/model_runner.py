@@ -37,7 +37,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler_types import StateWrite
 from workers.spec.drafter import MtpDrafter, MtpSpan
 from workers.step_inputs import PreparedStep, VerifyRows, prepare_step, resolve_chained
-from workers.uniform_inputs import prepare_uniform, uniform_rows
+from workers.uniform_inputs import await_uploads, prepare_uniform, uniform_rows
 
 T = TypeVar("T")
 
@@ -152,6 +152,7 @@ class ModelRunner:
     def _execute(self, prepared: PreparedStep, params: list[SamplingParams], gens) -> StepResult:
         start = time.monotonic()
         gap = None if self._last_end is None else start - self._last_end
+        await_uploads(prepared.uploads)
         self._fill_placeholders(prepared)
         prepared = resolve_chained(prepared, self.accepted, self.accepted_host)
         plan, fb = prepared.plan, prepared.fb

@@ -94,6 +94,8 @@ class PreparedStep:
     # logits need no gather. ``sample_slots``: the sampling sequences' live slots (int64).
     logits_all_rows: bool = False
     sample_slots: torch.Tensor | None = None
+    # GPU: host-to-device copies still landing on a side stream (``uniform_inputs.Upload``).
+    uploads: tuple = ()
 
 
 class _Rows:

@@ -5,8 +5,10 @@ The general builder (``workers.step_inputs.prepare_step``) walks every row in Py
 rebuilds each sequence's page table; here a sequence costs one pass over a few of its
 fields, the page table is a snapshot of the persistent rows (``workers.input_batch``), and
 the rest is numpy over all rows at once. The integer inputs travel in two packed arrays
-(int64, int32): one host-to-device copy each instead of one per tensor. Same
-``PreparedStep`` as the general builder (tested equal: ``tests/workers/test_uniform_inputs.py``).
+(int64, int32): one host-to-device copy each instead of one per tensor; on a GPU from
+pinned memory on a side stream, with an event the forward waits on (``Upload``), so a
+step's inputs do not queue behind the forward in flight. Same ``PreparedStep`` as the
+general builder (tested equal: ``tests/workers/test_uniform_inputs.py``).
 """
 from __future__ import annotations
 
@@ -65,14 +67,48 @@ class _Pack:
         self.names.append(name)
         self.parts.append(np.ravel(np.asarray(values, dtype=self.dtype)))
 
-    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def to(self, device: torch.device, uploads: list[Upload]) -> dict[str, torch.Tensor]:
+        """The views, on ``device``; a GPU copy is appended to ``uploads``."""
         if not self.parts:
             return {}
         with torch.inference_mode():
             flat = torch.from_numpy(np.concatenate(self.parts))
-            if device.type != "cpu":
-                flat = flat.pin_memory().to(device, non_blocking=True)
+            if device.type == "cuda":
+                flat = upload(flat, device, uploads)
             return dict(zip(self.names, flat.split([p.size for p in self.parts])))
+
+
+class Upload(NamedTuple):
+    """A host-to-device copy issued on the side stream: ``ready`` once it has landed."""
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event
+
+
+_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def upload(host: torch.Tensor, device: torch.device, uploads: list[Upload]) -> torch.Tensor:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _COPY_STREAMS.get(index)
+    if stream is None:
+        stream = _COPY_STREAMS[index] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        out = host.pin_memory().to(device, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    uploads.append(Upload(out, ready))
+    return out
+
+
+def await_uploads(uploads: Sequence[Upload]) -> None:
+    """Forward thread: the current stream waits for the step's copies, and their memory is
+    marked in use by it (the caching allocator must not hand it out before it is done)."""
+    if uploads:
+        current = torch.cuda.current_stream()
+        for u in uploads:
+            current.wait_event(u.ready)
+            u.tensor.record_stream(current)
 
 
 class _Shape(NamedTuple):
@@ -171,7 +207,8 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
         i64.add("chained_rows", (np.asarray(chained)[:, None] * rows + shape.offsets).reshape(-1))
         i64.add("chained_row_seq", np.repeat(chained, rows))
         i64.add("chained_row_pos", np.repeat(np.arange(len(chained)), rows))
-    t64, t32 = i64.to(device), i32.to(device)
+    uploads: list[Upload] = []
+    t64, t32 = i64.to(device, uploads), i32.to(device, uploads)
     fb = ForwardBatch(
         input_ids=t64["input_ids"], positions=t64["positions"], cu_seqlens=shape.cu_seqlens,
         seq_lens=t32["seq_lens"], out_loc=t64["out_loc"], page_table=t32["table"].view(n_seq, -1),
@@ -187,7 +224,7 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
         chained_seqs=tuple(chained), chained_seq_index=t64.get("chained_seq_index"),
         chained_slots=t64.get("chained_slots"), chained_rows=t64.get("chained_rows"),
         chained_row_seq=t64.get("chained_row_seq"), chained_row_pos=t64.get("chained_row_pos"),
-        logits_all_rows=True, sample_slots=t64["sample_slots"])
+        logits_all_rows=True, sample_slots=t64["sample_slots"], uploads=tuple(uploads))
 
 
 def _verify_rows(seqs, starts: list[int], slots: list[int], tracks: list[tuple[int, int, int]],
