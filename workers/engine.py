@@ -316,6 +316,8 @@ class Engine:
         self.stats.observe("hybridserve_step_duration_seconds", result.forward_seconds)
         self.stats.inc("hybridserve_forward_tokens_total", batch.num_tokens)
         self.stats.inc("hybridserve_engine_steps_total", label="compiled" if result.compiled else "eager")
+        if result.recompiles:
+            self.stats.inc("hybridserve_compile_recompiles_total", result.recompiles)
         if result.gap_seconds is not None:
             self.stats.observe("hybridserve_step_gap_seconds", result.gap_seconds)
         self.stats.inc("hybridserve_preemptions_total", len(batch.preempted))

@@ -55,6 +55,7 @@ class StepResult:
     # Per sequence that asked for prompt logprobs: (batch index, first prompt position, entries).
     prompt_logprobs: tuple[tuple[int, int, list[TokenLogprob]], ...] = ()
     compiled: bool = False                     # the forward ran a compiled step (else eager)
+    recompiles: int = 0                        # graphs compiled in this step after the warm-up
 
 
 class ModelRunner:
@@ -76,6 +77,7 @@ class ModelRunner:
         # Drafts the last verify of each live slot accepted: where a chained verify starts.
         self.accepted = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
         self.accepted_host = [0] * pools.mamba.num_slots
+        self._recompiles = 0                  # compiled calls' recompiles counted so far
         self._executor = ForwardThread("hybridserve-forward") if overlap else None
         self._last_end: float | None = None
         self._latest_started: Signal | None = None   # scheduler thread: the last launch's
@@ -186,7 +188,14 @@ class ModelRunner:
             self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
         self._last_end = time.monotonic()
         return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap, prompt,
-                          compiled=bucket is not None)
+                          compiled=bucket is not None, recompiles=self._new_recompiles())
+
+    def _new_recompiles(self) -> int:
+        chain = self.drafter.compiled_chain if self.drafter is not None else None
+        total = ((self.compiled.num_recompiles if self.compiled is not None else 0)
+                 + (chain.num_recompiles if chain is not None else 0))
+        new, self._recompiles = total - self._recompiles, total
+        return new
 
     def _forward(self, fb, bucket: Bucket | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [T, H], logits of every row or None): the compiled step of ``bucket``

@@ -24,6 +24,7 @@ COUNTERS = (
     "hybridserve_generation_tokens_total",
     "hybridserve_forward_tokens_total",       # tokens fed to forwards (with step durations: a rate)
     "hybridserve_overlapped_steps_total",     # steps launched while the step before was in flight
+    "hybridserve_compile_recompiles_total",   # compiled calls that compiled a graph after the warm-up
     "hybridserve_invariant_checks_total",     # debug.check_invariants: steps checked
     "hybridserve_state_oracle_checks_total",      # debug.state_oracle_sample: checkpoints recomputed
     "hybridserve_state_oracle_mismatches_total",  # ... whose slot did not hold that state

@@ -154,6 +154,7 @@ class CallOptions:
         self._patches = tuple(patches)
         self.hold_inputs = cpp_wrapper         # see the class docstring
         self.warm = False             # set by the owner's warm_up once every bucket is compiled
+        self.num_recompiles = 0       # calls that needed a graph the warm-up did not compile
 
     @contextmanager
     def _options(self, skip_guards: bool = False) -> Iterator[None]:
@@ -179,6 +180,7 @@ class CallOptions:
             if SKIP_REFUSED not in str(e):
                 raise
         logger.warning("a compiled step needed a graph its warm-up did not compile; compiling it now")
+        self.num_recompiles += 1
         with self._options():
             return fn(*args)
 

@@ -129,6 +129,10 @@ class CompiledChain:
         return tuple(batches)
 
     # -- host side ---------------------------------------------------------------------------
+    @property
+    def num_recompiles(self) -> int:
+        return self._call.num_recompiles
+
     def pick(self, num_seqs: int, greedy: bool) -> int | None:
         """The bucket a chain of ``num_seqs`` sequences runs in, or None (eager)."""
         if not greedy:

@@ -90,6 +90,11 @@ class CompiledSteps:
         hidden = self.model.forward(fb, self.pools)
         return hidden, self.model.compute_logits(hidden)
 
+    @property
+    def num_recompiles(self) -> int:
+        """Steps that compiled a graph after the warm-up (each logged)."""
+        return self._call.num_recompiles
+
     def pick(self, fb: ForwardBatch) -> Bucket | None:
         """The bucket a batch runs in, or None: eager (another kind of batch, or too large)."""
         # a verify of 1-token rows (every row snapshotted) is no decode step: eager

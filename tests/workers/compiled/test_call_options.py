@@ -39,6 +39,7 @@ def test_owners_keep_their_graphs_apart_under_the_guard_skip(caplog):
         assert torch.equal(call.call(fn, torch.ones(2, 2)), torch.ones(2, 2) * m.factor)
     assert [len(_debug_get_cache_entry_list(c)) for c in codes] == [2, 2]
     assert _refusals(caplog) == 2
+    assert [call.num_recompiles for call in calls] == [1, 1]      # what the engine's counter reads
 
 
 def _refusals(caplog) -> int:
