@@ -157,12 +157,10 @@ class CallOptions:
         self.num_recompiles = 0       # calls that needed a graph the warm-up did not compile
 
     @contextmanager
-    def _options(self, skip_guards: bool = False) -> Iterator[None]:
+    def _options(self) -> Iterator[None]:
         with ExitStack() as stack:
             for patch in self._patches:
                 stack.enter_context(patch)
-            if skip_guards:
-                stack.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
             yield
 
     def call(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -174,7 +172,9 @@ class CallOptions:
             with self._options():
                 return fn(*args)
         try:
-            with self._options(skip_guards=True):
+            # Warm: only the guard skip. The config patches shape compilation, and none happens
+            # under the skip (a call that needs it is refused and runs below with them).
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 return fn(*args)
         except RuntimeError as e:
             if SKIP_REFUSED not in str(e):
@@ -189,9 +189,21 @@ def graph_inputs(args: tuple[Any, ...]) -> list[torch.Tensor]:
     """The tensors among ``args`` and among the fields of the dataclasses in ``args``."""
     out: list[torch.Tensor] = []
     for arg in args:
-        values = [getattr(arg, f.name) for f in dataclasses.fields(arg)] if dataclasses.is_dataclass(arg) else [arg]
-        out += [v for v in values if isinstance(v, torch.Tensor)]
+        if isinstance(arg, torch.Tensor):
+            out.append(arg)
+        elif (names := _field_names(type(arg))) is not None:
+            out += [v for v in (getattr(arg, n) for n in names) if isinstance(v, torch.Tensor)]
     return out
+
+
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """A dataclass's field names (None: not a dataclass), looked up once per class."""
+    if cls not in _FIELDS:
+        _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+    return _FIELDS[cls]
 
 
 def cache_counters() -> dict[str, int]:
