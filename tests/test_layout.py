@@ -8,6 +8,7 @@ still makes two modules one idea); only a submodule's import of its own package'
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,3 +126,65 @@ def test_import_directions():
     bad = [f"{src} imports {dst}" for src, dsts in sorted(_graph().items()) for dst in sorted(dsts)
            for pkg, banned in FORBIDDEN.items() if _in(src, pkg) and any(_in(dst, b) for b in banned)]
     assert bad == []
+
+
+# -- DESIGN.md: every "DESIGN §n" (and "DESIGN §n rule m") in the code names a heading of it
+DESIGN = ROOT / "DESIGN.md"
+CITATION = re.compile(r"DESIGN §(\d+(?:\.\d+)*)(?:\s+rule\s+(\d+))?")
+HEADING = re.compile(r"^(#{2,6})\s+(\d+(?:\.\d+)*)\.?\s")
+
+
+def _sections(text: str) -> dict[str, str]:
+    """Numbered heading -> its text, subsections included (up to the next heading of the
+    same or a higher level)."""
+    lines = text.splitlines()
+    heads = [(i, len(m.group(1)), m.group(2)) for i, line in enumerate(lines)
+             if (m := HEADING.match(line))]
+    out = {}
+    for k, (i, level, number) in enumerate(heads):
+        end = next((j for j, lvl, _ in heads[k + 1:] if lvl <= level), len(lines))
+        out[number] = "\n".join(lines[i:end])
+    return out
+
+
+def _unresolved(citations: list[tuple[str, str, str]], sections: dict[str, str]) -> list[str]:
+    """``(where, section, rule)`` citations that name no heading (or no rule in it)."""
+    bad = []
+    for where, number, rule in citations:
+        if number not in sections:
+            bad.append(f"{where}: DESIGN §{number} has no heading")
+        elif rule and f"**Rule {rule} " not in sections[number]:
+            bad.append(f"{where}: DESIGN §{number} has no rule {rule}")
+    return bad
+
+
+def _code_citations() -> list[tuple[str, str, str]]:
+    found = []
+    for pkg in PACKAGES + ("tests",):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                found += [(f"{path.relative_to(ROOT)}:{n}", m.group(1), m.group(2) or "")
+                          for m in CITATION.finditer(line)]
+    return found
+
+
+def test_design_citations_resolve():
+    citations = _code_citations()
+    assert citations, "no DESIGN § citation found: is the pattern still right?"
+    sections = _sections(DESIGN.read_text())
+    assert _unresolved(citations, sections) == []
+
+
+def test_design_cross_references_resolve():
+    text = DESIGN.read_text()
+    sections = _sections(text)
+    refs = {m.group(1) for m in re.finditer(r"§(\d+(?:\.\d+)*)", text)}
+    assert sorted(r for r in refs if r not in sections) == []
+
+
+def test_citation_checker_finds_a_dangling_citation():
+    sections = _sections("# t\n## 1. One\n### 1.1 Sub\n- **Rule 2 (x).** y\n## 2. Two\n")
+    assert set(sections) == {"1", "1.1", "2"}
+    assert _unresolved([("a", "1", "2"), ("b", "1.1", ""), ("c", "2", "")], sections) == []
+    assert _unresolved([("a", "3", ""), ("b", "2", "2"), ("c", "1.2", "")], sections) == [
+        "a: DESIGN §3 has no heading", "b: DESIGN §2 has no rule 2", "c: DESIGN §1.2 has no heading"]

@@ -22,7 +22,7 @@ runs to ``max_tokens`` computes; published at its finish, so that the next turn 
 conversation, which appends to the answer, resumes past the answer instead of from the
 prompt).
 
-Safety (DESIGN §4 ledger rules): every slot a launched batch writes is registered as a
+Safety (DESIGN §4.1, the ledger rules): every slot a launched batch writes is registered as a
 pending writer; ``donate`` never moves a slot with a pending writer: it skips, counts
 ``donations_skipped{path}`` and keeps the label, so the checkpoint is published later at
 its true depth. Decisions about a batch read its frozen ``StepPlan`` only.

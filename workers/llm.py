@@ -1,4 +1,4 @@
-"""The offline Python API, shaped like vLLM's ``LLM`` (DESIGN §4)."""
+"""The offline Python API, shaped like vLLM's ``LLM`` (DESIGN §4.4)."""
 from __future__ import annotations
 
 import itertools

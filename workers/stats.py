@@ -1,4 +1,4 @@
-"""Engine counters as plain data (DESIGN §4). Only cluster/ turns them into Prometheus.
+"""Engine counters as plain data (DESIGN §4.4). Only cluster/ turns them into Prometheus.
 
 Keys are the Prometheus names. A labelled counter maps label value -> count; a histogram
 keeps every observation since the last ``drain_observations`` (the cluster drains them

@@ -1,6 +1,6 @@
 """Aggregates the replicas' engine stats into Prometheus families (no Ray; plain class).
 
-How numbers arrive (DESIGN §4 names, labels ``model`` and ``replica``):
+How numbers arrive (DESIGN §4.4 names, labels ``model`` and ``replica``):
 - Replica counters arrive as the replica's CUMULATIVE totals (``EngineStats.snapshot()``)
   and are exported as they are, one series per replica. A push is idempotent, a lost push
   costs nothing, and a restarted replica reporting smaller totals is an ordinary counter

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside one TP group (DESIGN §1): SPMD over sharded models.
+"""Tensor parallelism inside one TP group (DESIGN §1.1): SPMD over sharded models.
 
 Every rank runs the same step on its own model shard and pool shard; row-parallel
 all-reduces make hidden states, logits and therefore every decision identical across
