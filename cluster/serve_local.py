@@ -81,11 +81,10 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
     from ray import serve
 
     from cluster.actors import kill_app_actors
-    from cluster.app import AppArgs, build_app_from_config
+    from cluster.app import build_app_from_config
     from cluster.serve_env import apply_serve_env
 
-    args = AppArgs()
-    app = build_app_from_config(config, args)       # config errors surface before Ray starts
+    app = build_app_from_config(config)             # config errors surface before Ray starts
     signals = StopSignals()
     try:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -105,7 +104,7 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
             while not signals.stop.wait(0.5):
                 pass
             print("hybridserve: draining", file=sys.stderr, flush=True)
-            left = drain(app_name, args.ingress.graceful_shutdown_timeout_s, signals.force)
+            left = drain(app_name, config.ingress.graceful_shutdown_timeout_s, signals.force)
             print(f"hybridserve: drained ({left} requests left)", file=sys.stderr, flush=True)
     except KeyboardInterrupt:                       # before the handlers were installed
         pass

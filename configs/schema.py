@@ -12,32 +12,34 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from configs.base import Frozen
+from configs.serving import IngressConfig, ReplicaConfig, RouterConfig
 
 _ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = "configs/models/qwen3-next-tiny-py"
 logger = logging.getLogger(__name__)
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class CacheConfig(Frozen):
+    """The device pools and prefix caching; below them the host tier (``workers/tiers``:
+    checkpoints evicted from the device are demoted there with the KV of their path and
+    promoted back on a hit) and the cluster-wide store in Ray's object store
+    (``cluster/store``; it needs the host tier: fetched checkpoints land there)."""
 
-
-class CacheConfig(_Frozen):
-    enable_prefix_cache: bool = True
-    page_size: int = Field(16, ge=1)
-    mamba_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"] = "extra_buffer_lazy"
-    mamba_track_interval: int = Field(256, ge=1)
-    max_mamba_slots: int | None = Field(None, ge=1)  # usable slots (slot 0 is extra)
-    max_kv_tokens: int | None = Field(None, ge=1)    # usable KV tokens (page 0 is extra)
-    # The host-memory tier below the device pools (workers/tiers): checkpoints evicted from
-    # the device are demoted there with the KV of their path and promoted back on a hit.
-    # Sized independently; both 0 (the default) = off, both > 0 = on.
-    host_mamba_slots: int = Field(0, ge=0)           # checkpoint slots in host memory
-    host_kv_tokens: int = Field(0, ge=0)             # KV tokens in host memory
-    # The cluster-wide checkpoint store in Ray's object store (cluster/store); 0 = off.
-    # Needs the host tier: fetched checkpoints land there before they are promoted.
-    cluster_store_bytes: int = Field(0, ge=0)
+    enable_prefix_cache: bool = Field(True, description="reuse cached prefixes (KV pages and Mamba checkpoints)")
+    page_size: int = Field(16, ge=1, description="tokens per KV page")
+    mamba_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"] = Field(
+        "extra_buffer_lazy", description="track slots a request writes checkpoints into: live slot only, two, or one plus a borrowed one")
+    mamba_track_interval: int = Field(256, ge=1, description="tokens between two checkpoints of a sequence")
+    max_mamba_slots: int | None = Field(
+        None, ge=1, description="usable recurrent-state slots (slot 0 is extra); null: sized from the scheduler")
+    max_kv_tokens: int | None = Field(
+        None, ge=1, description="usable KV tokens (page 0 is extra); null: the default budget")
+    host_mamba_slots: int = Field(0, ge=0, description="checkpoint slots in host memory; 0: host tier off")
+    host_kv_tokens: int = Field(0, ge=0, description="KV tokens in host memory; 0: host tier off")
+    cluster_store_bytes: int = Field(0, ge=0, description="bytes of the cluster checkpoint store; 0: off")
 
     @model_validator(mode="after")
     def _check_tiers(self) -> CacheConfig:
@@ -60,29 +62,27 @@ class CacheConfig(_Frozen):
         return self.host_mamba_slots > 0
 
 
-class SchedulerConfig(_Frozen):
+class SchedulerConfig(Frozen):
     """``policy`` orders admission from the waiting queue: ``fcfs`` (arrival order) or
     ``lpm`` (longest cached prefix first, device or host tier, like SGLang's
     ``--schedule-policy lpm``; ties in arrival order). Under ``lpm`` a waiting request lets
     at most ``lpm_max_bypass`` younger requests be admitted before it; then it is next.
     Only the order changes: greedy outputs are the same under both."""
 
-    max_running_requests: int = Field(64, ge=1)
-    max_batch_tokens: int = Field(4096, ge=1)
-    chunked_prefill_size: int = Field(512, ge=1)
-    overlap: bool = True
-    policy: Literal["fcfs", "lpm"] = "fcfs"
-    lpm_max_bypass: int = Field(8, ge=0)
+    max_running_requests: int = Field(64, ge=1, description="requests in the running batch at once")
+    max_batch_tokens: int = Field(4096, ge=1, description="tokens one engine step computes at most")
+    chunked_prefill_size: int = Field(512, ge=1, description="prompt tokens of one request per step at most")
+    overlap: bool = Field(True, description="schedule the next step while the current one runs")
+    policy: Literal["fcfs", "lpm"] = Field("fcfs", description="admission order: arrival, or longest cached prefix")
+    lpm_max_bypass: int = Field(8, ge=0, description="under lpm, younger requests admitted before a waiting one")
 
 
-class SpecConfig(_Frozen):
-    method: Literal["none", "mtp", "draft"] = "none"
-    num_draft_tokens: int = Field(3, ge=1)
-    # The tokens the drafter scores (SGLang's speculative token map, FR-Spec): "auto" takes the
-    # model directory's draft_vocab.json when it has one, else every token; null: every
-    # token; a path: that file ({"token_ids": [...]}, most frequent first). Drafts only:
-    # verification scores the whole vocabulary, so outputs are unchanged (greedy: exactly).
-    draft_vocab: str | None = "auto"
+class SpecConfig(Frozen):
+    method: Literal["none", "mtp", "draft"] = Field("none", description="speculative decoding: off, or the MTP head")
+    num_draft_tokens: int = Field(3, ge=1, description="tokens drafted per step")
+    # Drafts only: verification scores the whole vocabulary, so outputs are unchanged.
+    draft_vocab: str | None = Field(
+        "auto", description="tokens the drafter scores: auto (the model's draft_vocab.json), null (all), or a path")
 
 
 COMPILE_DEFAULT_ENV = "HYBRIDSERVE_COMPILE_DEFAULT"
@@ -101,7 +101,7 @@ def compile_default() -> bool:
 _SWITCH = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 
-class CompileConfig(_Frozen):
+class CompileConfig(Frozen):
     """Compiled decode steps (vLLM's ``compilation_config`` / ``enforce_eager`` in one switch).
 
     With ``enabled`` (the default; ``compile_default``), decode-only batches run through one
@@ -115,14 +115,13 @@ class CompileConfig(_Frozen):
     runs eager whatever this says (logged).
     """
 
-    enabled: bool = Field(default_factory=compile_default)
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    cache_dir: str | None = None
-    # CPU: freeze the weights into the compiled steps (inductor ``freezing``) and pack them
-    # for inductor's GEMMs (``max_autotune``, backends CPP + ATen). Off by default: both
-    # persistent caches refuse frozen, packed graphs, so every start-up would compile them
-    # again (minutes) for a step a little faster from 8 rows up (BENCHMARKS.md). GPU: unused.
-    pack_weights: bool = False
+    enabled: bool = Field(default_factory=compile_default, json_schema_extra={"shown_default": "true"},
+                          description=f"compiled decode steps; default on unless {COMPILE_DEFAULT_ENV}=0")
+    batch_sizes: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32), description="one compiled graph per batch size")
+    cache_dir: str | None = Field(None, description="persistent inductor caches; null: TORCHINDUCTOR_CACHE_DIR")
+    # Off by default: the persistent caches refuse frozen, packed graphs, so every start-up
+    # would compile them again for a step a little faster at larger batches (BENCHMARKS.md).
+    pack_weights: bool = Field(False, description="CPU: freeze and pack the weights into the compiled steps")
 
     @model_validator(mode="after")
     def _check_sizes(self) -> CompileConfig:
@@ -132,57 +131,59 @@ class CompileConfig(_Frozen):
         return self
 
 
-class ParallelConfig(_Frozen):
-    tensor_parallel_size: int = Field(1, ge=1)
-    num_replicas: int = Field(1, ge=1)
+class ParallelConfig(Frozen):
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks one engine replica is sharded over")
+    num_replicas: int = Field(1, ge=1, description="engine replicas (each a whole engine)")
 
 
-class RouterConfig(_Frozen):
-    policy: Literal["hybrid_prefix", "pow2", "round_robin"] = "hybrid_prefix"
+class ServerConfig(Frozen):
+    host: str = Field("127.0.0.1", description="the OpenAI API's address; 0.0.0.0 listens on every interface")
+    port: int = Field(8000, ge=0, le=65535, description="the OpenAI API's port")
+    api_key: str | None = Field(None, description="bearer key every route but /health needs; null: open")
+    served_model_name: str | None = Field(
+        None, description="the model id the API answers to; null: the model directory's name")
+    tool_call_parser: Literal["auto", "hermes", "qwen3_xml", "none"] = Field(
+        "auto", description="tool-call format in chat outputs; auto reads the chat template, none: off")
+    reasoning_parser: Literal["auto", "qwen3", "none"] = Field(
+        "auto", description="<think> text to reasoning_content; auto reads the chat template, none: off")
+    trust_request_chat_template: bool = Field(
+        False, description="accept a request's own chat_template (Jinja, sandboxed)")
 
 
-class ServerConfig(_Frozen):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
-    # how chat outputs are parsed; ``auto`` reads the model's chat template (``<function=``:
-    # qwen3_xml, ``<tool_call>``: hermes; ``<think>``: qwen3), ``none`` turns parsing off
-    tool_call_parser: Literal["auto", "hermes", "qwen3_xml", "none"] = "auto"
-    reasoning_parser: Literal["auto", "qwen3", "none"] = "auto"
-    # a request's own ``chat_template`` (Jinja, sandboxed) is refused unless this is set
-    trust_request_chat_template: bool = False
+class MetricsConfig(Frozen):
+    port: int = Field(9464, ge=0, le=65535, description="the Prometheus /metrics port")
 
 
-class MetricsConfig(_Frozen):
-    port: int = Field(9464, ge=0, le=65535)
+class DebugConfig(Frozen):
+    check_invariants: bool = Field(False, description="check the ledger's invariants every step")
+    fail_pending_alloc_prob: float = Field(
+        0.0, ge=0.0, le=1.0, description="fault injection: probability that a pending allocation fails")
+    disable_alias_guard: bool = Field(False, description="turn off the guard against aliased state slots")
+    state_oracle_sample: float = Field(
+        0.0, ge=0.0, le=1.0, description="fraction of checkpoints recomputed by a fresh prefill and compared (TP = 1)")
+    fail_transfer_prob: float = Field(
+        0.0, ge=0.0, le=1.0, description="fault injection: probability that a host <-> device copy fails")
 
 
-class DebugConfig(_Frozen):
-    check_invariants: bool = False
-    fail_pending_alloc_prob: float = Field(0.0, ge=0.0, le=1.0)
-    disable_alias_guard: bool = False
-    # Fraction of published checkpoints recomputed by a fresh prefill of their path and
-    # compared with the slot (hybridserve_state_oracle_{checks,mismatches}_total); TP = 1.
-    state_oracle_sample: float = Field(0.0, ge=0.0, le=1.0)
-    # Fault injection for the tiers: make host <-> device copies fail (demotion: dropped,
-    # promotion: the request recomputes from what the device held).
-    fail_transfer_prob: float = Field(0.0, ge=0.0, le=1.0)
-
-
-class HybridServeConfig(_Frozen):
-    model: str = DEFAULT_MODEL_DIR
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    cache: CacheConfig = CacheConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
-    spec: SpecConfig = SpecConfig()
-    compile: CompileConfig = Field(default_factory=CompileConfig)    # its default read at each load
-    parallel: ParallelConfig = ParallelConfig()
-    router: RouterConfig = RouterConfig()
-    server: ServerConfig = ServerConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    debug: DebugConfig = DebugConfig()
+class HybridServeConfig(Frozen):
+    model: str = Field(DEFAULT_MODEL_DIR, description="the model directory (relative: to cwd, else the repository)")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="weights and activations")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    seed: int = Field(0, description="sampling seed of requests without their own")
+    max_model_len: int | None = Field(
+        None, ge=2, description="longest sequence (prompt + output); null: what the model and the KV pool allow")
+    cache: CacheConfig = Field(CacheConfig(), description="device pools, prefix caching and the tiers")
+    scheduler: SchedulerConfig = Field(SchedulerConfig(), description="admission and batching")
+    spec: SpecConfig = Field(SpecConfig(), description="speculative decoding")
+    compile: CompileConfig = Field(default_factory=CompileConfig,    # its default read at each load
+                                   description="compiled decode steps")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="tensor parallelism and engine replicas")
+    router: RouterConfig = Field(RouterConfig(), description="which engine replica serves a request")
+    replica: ReplicaConfig = Field(ReplicaConfig(), description="each engine replica's Serve deployment")
+    ingress: IngressConfig = Field(IngressConfig(), description="the HTTP ingress deployment")
+    server: ServerConfig = Field(ServerConfig(), description="the OpenAI API")
+    metrics: MetricsConfig = Field(MetricsConfig(), description="Prometheus metrics")
+    debug: DebugConfig = Field(DebugConfig(), description="checks and fault injection")
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> HybridServeConfig:
@@ -195,6 +196,9 @@ class HybridServeConfig(_Frozen):
         if self.cache.host_tier and tp > 1:
             raise ValueError(f"cache.host_mamba_slots={self.cache.host_mamba_slots} (the host tier) needs "
                              f"parallel.tensor_parallel_size=1, got {tp}")
+        if self.replica.resources and tp > 1:
+            raise ValueError(f"replica.resources {self.replica.resources} needs parallel.tensor_parallel_size=1 "
+                             f"(a TP replica is placed by its placement group), got {tp}")
         if self.compile.enabled and tp > 1:      # a default must not make a TP config invalid
             logger.warning("compile.enabled with parallel.tensor_parallel_size=%d: the engine runs eager "
                            "(compiled steps are single-rank)", tp)
@@ -206,6 +210,10 @@ class HybridServeConfig(_Frozen):
         if path.is_absolute() or path.exists():
             return path
         return _ROOT.parent / path
+
+    def served_model_name(self) -> str:
+        """The model id of the API: ``server.served_model_name``, else the directory's name."""
+        return self.server.served_model_name or Path(self.model).name
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -233,6 +241,33 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested or dotted keys -> ``{"a.b": leaf}``; an empty mapping is a leaf."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = prefix + str(key).replace("-", "_")
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def combine_overrides(sources: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Overrides from several named sources (``--port`` and ``--set``, say) as one nested
+    dict; a key two sources give different values is a ValueError naming both."""
+    seen: dict[str, tuple[str, Any]] = {}
+    for source, tree in sources.items():
+        for key, value in _flatten(tree).items():
+            if key in seen and seen[key][1] != value:
+                raise ValueError(f"{key} is {seen[key][1]!r} by {seen[key][0]} but {value!r} by {source}")
+            seen[key] = (source, value)
+    out: dict[str, Any] = {}
+    for key, (_, value) in seen.items():
+        _set_dotted(out, key, value)
+    return out
+
+
 def parse_set_items(items: list[str]) -> dict[str, Any]:
     """``["cache.page_size=8", ...]`` -> nested dict; values are parsed as YAML scalars."""
     tree: dict[str, Any] = {}
@@ -253,11 +288,19 @@ def load_config(path: str | Path | None = None,
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
         data = loaded
-    data = _deep_merge(data, overrides or {})
+    return _validate(_deep_merge(data, overrides or {}))
+
+
+def _validate(data: dict[str, Any]) -> HybridServeConfig:
     try:
         return HybridServeConfig.model_validate(data)
     except ValidationError as exc:
         raise ValueError(_describe(exc)) from None
+
+
+def with_overrides(config: HybridServeConfig, overrides: dict[str, Any]) -> HybridServeConfig:
+    """``config`` with dotted or nested overrides, validated as ``load_config`` validates."""
+    return _validate(_deep_merge(config.model_dump(), overrides))
 
 
 def _describe(exc: ValidationError) -> str:

@@ -4,13 +4,13 @@ The ingress owns the tokenizer (tokens at the edge, DESIGN §1) and a handle to 
 engine deployment; ``ServeEngineClient`` adapts that handle to ``EngineClient``. The
 ASGI app is built per replica after the constructor (``__serve_build_asgi_app__``), so
 the routes close over this replica's ``OpenAIServer`` instead of module globals; it is
-wrapped in ``AdmissionLimit`` (``cluster/api/admission.py``): at most ``max_in_flight``
-concurrent requests per ingress replica, the rest answered 503 + ``Retry-After`` at once.
+wrapped in ``AdmissionLimit`` (``cluster/api/admission.py``): at most
+``ingress.max_in_flight`` concurrent requests per ingress replica, the rest answered 503 +
+``Retry-After`` at once.
 """
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -82,18 +82,15 @@ class ServeEngineClient:
 
 @serve.ingress()
 class OpenAIIngress:
-    async def __init__(self, engine: DeploymentHandle, config: dict[str, Any], model_name: str,
-                     forget_after_s: float = 30.0, max_in_flight: int = 512,
-                     retry_after_s: int = 1, max_body_bytes: int = 8 * 1024 * 1024) -> None:
+    async def __init__(self, engine: DeploymentHandle, config: dict[str, Any]) -> None:
         from workers.loader import load_tokenizer
 
         cfg = HybridServeConfig.model_validate(config)
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())   # data only, no checkpoint code
         app_name = serve.get_replica_context().app_name
-        client = ServeEngineClient(engine, app_name, forget_after_s, cfg.server.host, cfg.metrics.port)
-        settings = ServerSettings.from_config(cfg, model_name, max_body_bytes)
-        self._server = OpenAIServer(client, tokenizer, settings)
-        self._max_in_flight, self._retry_after_s = max_in_flight, retry_after_s
+        client = ServeEngineClient(engine, app_name, cfg.replica.forget_after_s, cfg.server.host, cfg.metrics.port)
+        self._server = OpenAIServer(client, tokenizer, ServerSettings.from_config(cfg))
+        self._max_in_flight, self._retry_after_s = cfg.ingress.max_in_flight, cfg.ingress.retry_after_s
 
     def __serve_build_asgi_app__(self) -> Any:
         api = make_api(self._server, echo_request_id=False)   # Serve's proxy echoes x-request-id
@@ -107,7 +104,3 @@ class OpenAIIngress:
 
     async def num_in_flight(self) -> int:
         return self._admission.in_flight
-
-
-def default_model_name(config: HybridServeConfig) -> str:
-    return Path(config.model).name

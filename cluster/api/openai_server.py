@@ -31,32 +31,38 @@ from cluster.api.streaming import ResponseState, SSERenderer
 from cluster.api.tokenization import detokenize_body, tokenize_body, tokenizer_info_body, version_body
 from cluster.serving.engine_client import EngineClient, GenerateStream
 from cluster.serving.messages import Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo
+from configs.schema import HybridServeConfig, ServerConfig
+from configs.serving import IngressConfig
 
 logger = logging.getLogger(__name__)
 
 
+_SERVER, _INGRESS = ServerConfig(), IngressConfig()
+
+
 @dataclass(frozen=True)
 class ServerSettings:
+    """What the endpoints read: a view of the config's ``server`` section and
+    ``ingress.max_body_bytes`` (``from_config``; ``configs/schema.py`` validates them)."""
+
     model_name: str
     model_root: str                       # the checkpoint the name stands for (``root``)
-    api_key: str | None = None
-    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get a 413
-    tool_call_parser: str = "auto"        # config server.* (configs/schema.py)
-    reasoning_parser: str = "auto"
-    trust_request_chat_template: bool = False
+    api_key: str | None = _SERVER.api_key
+    max_body_bytes: int = _INGRESS.max_body_bytes
+    tool_call_parser: str = _SERVER.tool_call_parser
+    reasoning_parser: str = _SERVER.reasoning_parser
+    trust_request_chat_template: bool = _SERVER.trust_request_chat_template
     created: int = field(default_factory=lambda: int(time.time()))   # /v1/models ``created``
 
-    def __post_init__(self) -> None:
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
-
     @classmethod
-    def from_config(cls, config: Any, model_name: str, max_body_bytes: int = 8 * 1024 * 1024) -> ServerSettings:
-        """``root`` is the checkpoint's absolute path, so a bench client on this machine can
-        load the same tokenizer whatever its working directory."""
+    def from_config(cls, config: HybridServeConfig, model_name: str | None = None) -> ServerSettings:
+        """``model_name`` (in-process callers) replaces the config's served name. ``root`` is
+        the checkpoint's absolute path, so a bench client on this machine can load the same
+        tokenizer whatever its working directory."""
         s = config.server
-        return cls(model_name, str(config.model_dir().resolve()), s.api_key, max_body_bytes,
-                   s.tool_call_parser, s.reasoning_parser, s.trust_request_chat_template)
+        return cls(model_name or config.served_model_name(), str(config.model_dir().resolve()), s.api_key,
+                   config.ingress.max_body_bytes, s.tool_call_parser, s.reasoning_parser,
+                   s.trust_request_chat_template)
 
 
 @dataclass(frozen=True)

@@ -50,14 +50,14 @@ EXTRA = ("client_parse_us", "replica_gap_us", "ingress_gap_us")   # us per outpu
 
 
 def pacing(args: argparse.Namespace) -> Any:
-    """The replicas' ``StreamPacing``: ``ReplicaOptions``' defaults but for the flags given."""
-    from cluster.serving.replica import ReplicaOptions
+    """The replicas' ``StreamPacing``: the config's ``replica`` defaults but for the flags given."""
     from cluster.serving.replica_core import StreamPacing
+    from configs.serving import ReplicaConfig
 
     given = {"stream_interval_s": args.stream_interval_s}
     if args.stream_items_per_s is not None:
         given["stream_items_per_s"] = args.stream_items_per_s
-    opts = ReplicaOptions(**given)
+    opts = ReplicaConfig(**given)
     return StreamPacing(opts.stream_interval_s, opts.stream_items_per_s, opts.max_stream_interval_s)
 
 
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--stream-interval-s", type=float, default=0.05, help="the replicas' stream batching")
     ap.add_argument("--stream-items-per-s", type=float, default=None,
-                    help="the replicas' item budget, all streams together (default: ReplicaOptions'; 0: none)")
+                    help="the replicas' item budget, all streams together (default: replica.stream_items_per_s; 0: none)")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the suite's bench model)")
     ap.add_argument("--no-serve", action="store_true", help="only the in-process layers (no Ray)")
     ap.add_argument("--serve-only", action="store_true", help="only the Ray Serve path")

@@ -34,9 +34,9 @@ from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequ
 
 from cluster.actors import get_index_actor, get_metrics_actor
 from cluster.routing.routing_policy import RouterSettings, RouterState, max_usable_depth, views_from
+from configs.schema import HybridServeConfig
 
 logger = logging.getLogger(__name__)
-POLICIES = ("hybrid_prefix", "pow2", "round_robin")
 
 
 def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
@@ -48,37 +48,24 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None
 
 
 class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    def initialize_state(self, policy: str = "hybrid_prefix", model_name: str = "",
-                         load_penalty_tokens: float = 16.0, load_penalty_auto: bool = True, imbalance_abs: int = 8,
-                         imbalance_rel: float = 1.5, min_match_tokens: int = 16,
-                         host_hit_value: float = 0.9, store_hit_value: float = 0.5,
-                         store_min_gain_tokens: int = 0, replica_capacity: int = 0,
-                         index_timeout_s: float = 0.5, forget_after_s: float = 30.0,
-                         metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
-                         push_interval_s: float = 1.0, index_actor: Any = None,
+    def initialize_state(self, config: dict[str, Any] | None = None, index_actor: Any = None,
                          metrics_actor: Any = None, **_: Any) -> None:
-        """Router kwargs from ``RequestRouterConfig``; the ``*_actor`` ones are for tests."""
-        if policy not in POLICIES:
-            raise ValueError(f"router policy must be one of {POLICIES}, got {policy!r}")
-        self._policy = policy
-        self._settings = RouterSettings(
-            load_penalty_tokens=load_penalty_tokens, load_penalty_auto=load_penalty_auto,
-            imbalance_abs=imbalance_abs, imbalance_rel=imbalance_rel, min_match_tokens=min_match_tokens,
-            host_hit_value=host_hit_value, store_hit_value=store_hit_value,
-            store_min_gain_tokens=store_min_gain_tokens, replica_capacity=replica_capacity)
-        self._model_name = model_name
-        self._index_timeout_s = index_timeout_s
-        self._push_interval_s = push_interval_s
+        """Router kwargs from ``RequestRouterConfig``: the app's config (``model_dump``), whose
+        ``router`` section this reads; the ``*_actor`` ones are for tests."""
+        cfg = HybridServeConfig.model_validate(config or {})
+        self._policy = cfg.router.policy
+        self._settings = RouterSettings.from_config(cfg)
+        self._model_name = cfg.served_model_name()
+        self._index_timeout_s = cfg.router.index_timeout_s
+        self._push_interval_s = cfg.router.push_interval_s
         self._rng = random.Random()
         self._state = RouterState(self._settings)  # cold placements not yet visible; the load penalty
         self._rr_counter = self._rng.randrange(1 << 16)
         self._decisions: Counter[str] = Counter()
         self._push_task: asyncio.Task[None] | None = None
         app = self._deployment_id.app_name
-        self._index = index_actor or get_index_actor(app, forget_after_s)
-        self._metrics = metrics_actor
-        if metrics_actor is None and metrics_port is not None:
-            self._metrics = get_metrics_actor(app, metrics_host, metrics_port)
+        self._index = index_actor or get_index_actor(app, cfg.replica.forget_after_s)
+        self._metrics = metrics_actor or get_metrics_actor(app, cfg.server.host, cfg.metrics.port)
 
     # -- replica set changes ------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

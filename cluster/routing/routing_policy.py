@@ -49,39 +49,39 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
+
+from configs.schema import HybridServeConfig
+from configs.serving import RouterConfig
 
 REASONS = ("prefix", "imbalanced", "cold", "fallback", "single")
 
 
+_DEFAULTS = RouterConfig()
+
+
 @dataclass(frozen=True)
 class RouterSettings:
-    load_penalty_tokens: float = 16.0     # tokens of cached prefix worth one ongoing request (floor)
-    load_penalty_auto: bool = True        # learn it from the prefill routed requests compute
-    replica_capacity: int = 0             # requests a replica runs at once (0: unknown; see load_cost)
-    imbalance_abs: int = 8
-    imbalance_rel: float = 1.5
-    min_match_tokens: int = 16
-    host_hit_value: float = 0.9           # a host-tier token saves this much of a device one
-    store_hit_value: float = 0.5          # ... and a cluster-store token
-    store_min_gain_tokens: int = 0        # a store entry must beat the local depth by this
+    """What ``decide`` reads: a view of the config's ``router`` section, which validates and
+    describes each field (``configs/serving.py``); build it with ``from_config``."""
 
-    def __post_init__(self) -> None:
-        if not (0 <= self.store_hit_value <= self.host_hit_value <= 1):
-            raise ValueError(f"tier values must satisfy 0 <= store_hit_value ({self.store_hit_value}) <= "
-                             f"host_hit_value ({self.host_hit_value}) <= 1")
-        if self.load_penalty_tokens < 0 or self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
-            raise ValueError(
-                f"router settings out of range: load_penalty_tokens={self.load_penalty_tokens} "
-                f"(>= 0), imbalance_abs={self.imbalance_abs} (>= 0), "
-                f"imbalance_rel={self.imbalance_rel} (>= 1)")
-        if self.replica_capacity < 0:
-            raise ValueError(f"replica_capacity must be >= 0 (0: unknown), got {self.replica_capacity}")
-        if self.store_min_gain_tokens < 0:
-            raise ValueError(f"store_min_gain_tokens must be >= 0, got {self.store_min_gain_tokens}")
-        if self.min_match_tokens < 1:
-            raise ValueError(f"min_match_tokens must be >= 1, got {self.min_match_tokens}")
+    load_penalty_tokens: float = _DEFAULTS.load_penalty_tokens
+    load_penalty_auto: bool = _DEFAULTS.load_penalty_auto
+    replica_capacity: int = _DEFAULTS.replica_capacity      # 0: unknown (see load_cost)
+    imbalance_abs: int = _DEFAULTS.imbalance_abs
+    imbalance_rel: float = _DEFAULTS.imbalance_rel
+    min_match_tokens: int = _DEFAULTS.min_match_tokens
+    host_hit_value: float = _DEFAULTS.host_hit_value
+    store_hit_value: float = _DEFAULTS.store_hit_value
+    store_min_gain_tokens: int = _DEFAULTS.store_min_gain_tokens
+
+    @classmethod
+    def from_config(cls, config: HybridServeConfig) -> RouterSettings:
+        """``router.replica_capacity`` 0 becomes the engine's ``scheduler.max_running_requests``."""
+        router = config.router
+        view = cls(**{f.name: getattr(router, f.name) for f in fields(cls)})
+        return replace(view, replica_capacity=router.replica_capacity or config.scheduler.max_running_requests)
 
 
 class ReplicaView(NamedTuple):

@@ -2,7 +2,7 @@
 
 Decorated by the app builder (``cluster/app.py``), not here. The async constructor builds
 the engine on its own thread (``replica_core.build_engine``: the TP seam), then starts
-one publisher task that, every ``events_interval_s``, sends the engine's new checkpoint
+one publisher task that, every ``replica.events_interval_s``, sends the engine's new checkpoint
 events to the router actor, and every ``stats_interval_s`` sends stats to the metrics
 actor and a heartbeat to the router actor.
 
@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from cluster.actors import get_index_actor, get_metrics_actor, get_store_actor
@@ -36,41 +35,6 @@ from cluster.store.client import FetchSettings, StoreClient
 from configs.schema import HybridServeConfig
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaOptions(BaseModel):
-    """Replica knobs that are not part of the engine config (builder args ``replica:``).
-
-    Serve limits per engine replica: ``max_ongoing_requests`` generate streams at once,
-    and at most ``max_queued_requests`` more waiting in each caller's handle (beyond
-    that the call raises ``BackPressureError``; the ingress answers 503). A draining
-    replica (redeploy, scale down, ``serve.delete``) gets no new requests and waits up to
-    ``graceful_shutdown_timeout_s`` for its streams to finish, checking every
-    ``graceful_shutdown_wait_loop_s``, before its engine stops.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model_name: str = ""
-    num_cpus: float = Field(1.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)   # custom Ray resources per replica (pinning)
-    max_ongoing_requests: int = Field(256, ge=1)
-    max_queued_requests: int = Field(512, ge=-1)       # -1: unbounded (Serve's default)
-    stats_interval_s: float = Field(1.0, gt=0)
-    events_interval_s: float = Field(0.05, gt=0)
-    health_check_period_s: float = Field(10.0, gt=0)
-    health_check_timeout_s: float = Field(30.0, gt=0)
-    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
-    graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
-    stream_interval_s: float = Field(0.05, ge=0)   # stream batching (StreamPacing); 0: every step
-    stream_items_per_s: float = Field(100.0, ge=0)  # all streams together; 0: no budget
-    max_stream_interval_s: float = Field(0.25, ge=0)
-    forget_after_s: float = Field(30.0, gt=0)
-    # The cluster store's fetch-or-recompute cost model: priors of the measured throughputs.
-    store_bandwidth_bytes_per_s: float = Field(1e9, gt=0)
-    store_latency_s: float = Field(0.002, ge=0)
-    prefill_tokens_per_s: float = Field(2000.0, gt=0)
-    store_fetch_timeout_s: float = Field(10.0, gt=0)
 
 
 def freeze_startup_objects() -> int:
@@ -88,9 +52,10 @@ def freeze_startup_objects() -> int:
 
 
 class EngineReplica:
-    async def __init__(self, config: dict[str, Any], options: dict[str, Any]) -> None:
+    async def __init__(self, config: dict[str, Any]) -> None:
         self._config = HybridServeConfig.model_validate(config)
-        self._opts = ReplicaOptions.model_validate(options)
+        self._opts = self._config.replica
+        self._model_name = self._config.served_model_name()
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.to_full_id_str()
         rank = getattr(ctx, "rank", None)
@@ -112,11 +77,9 @@ class EngineReplica:
         budget = self._config.cache.cluster_store_bytes
         if not budget:
             return None
-        o = self._opts
-        actor = get_store_actor(app_name, budget, o.model_name, self._metrics)
-        settings = FetchSettings(o.store_bandwidth_bytes_per_s, o.store_latency_s, o.prefill_tokens_per_s,
-                                 timeout_s=o.store_fetch_timeout_s)
-        return StoreClient(RayStoreBackend(actor, o.store_fetch_timeout_s), self._config.cache.page_size,
+        actor = get_store_actor(app_name, budget, self._model_name, self._metrics)
+        settings = FetchSettings.from_config(self._opts)
+        return StoreClient(RayStoreBackend(actor, settings.timeout_s), self._config.cache.page_size,
                            self._replica_id, settings)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
@@ -168,7 +131,7 @@ class EngineReplica:
     async def _publish_stats(self) -> None:
         snapshot, observations = await self._core.loop.run(
             lambda e: (e.stats.snapshot(), e.stats.drain_observations()))
-        self._metrics.push_replica.remote(self._opts.model_name, self._label, snapshot, observations)
+        self._metrics.push_replica.remote(self._model_name, self._label, snapshot, observations)
         self._index.apply.remote(self._replica_id, [])   # heartbeat
 
     async def __del__(self) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry, StoreHit
+from configs.serving import ReplicaConfig
 from workers.cache.prefix_hash import prefix_hash_chain
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 from workers.tiers.cost import FetchCost, Throughput
@@ -57,19 +58,28 @@ class EngineRunner(Protocol):
     async def run(self, fn: Any) -> Any: ...
 
 
+_REPLICA = ReplicaConfig()
+
+
 @dataclass(frozen=True)
 class FetchSettings:
-    """Priors of the measured throughputs, and the fetch's own limits. ``measure=False``
-    keeps the throughputs at these values (a modelled deployment: the in-process benchmark,
-    whose CPU timings say nothing about the network or the prefill it models, and whose
-    fetch decisions must not depend on the machine's load)."""
+    """Priors of the measured throughputs, and the fetch's own limits: a view of the
+    config's ``replica.store_*`` and ``replica.prefill_tokens_per_s`` (``from_config``).
+    ``measure=False`` keeps the throughputs at these values (a modelled deployment: the
+    in-process benchmark, whose CPU timings say nothing about the network or the prefill
+    it models, and whose fetch decisions must not depend on the machine's load)."""
 
-    bandwidth_bytes_per_s: float = 1e9
-    latency_s: float = 0.002
-    prefill_tokens_per_s: float = 2000.0
-    margin: float = 0.1
-    timeout_s: float = 10.0
+    bandwidth_bytes_per_s: float = _REPLICA.store_bandwidth_bytes_per_s
+    latency_s: float = _REPLICA.store_latency_s
+    prefill_tokens_per_s: float = _REPLICA.prefill_tokens_per_s
+    margin: float = 0.1                  # a fetch must beat recomputing by this fraction
+    timeout_s: float = _REPLICA.store_fetch_timeout_s
     measure: bool = True
+
+    @classmethod
+    def from_config(cls, replica: ReplicaConfig) -> FetchSettings:
+        return cls(replica.store_bandwidth_bytes_per_s, replica.store_latency_s, replica.prefill_tokens_per_s,
+                   timeout_s=replica.store_fetch_timeout_s)
 
 
 class LocalStoreBackend:

@@ -9,7 +9,7 @@ import yaml
 
 from cluster.app import AppArgs, build_app, build_app_from_config
 from cluster.serve_local import endpoint_urls
-from configs.schema import load_config
+from configs.schema import load_config, with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,8 +56,9 @@ def test_endpoint_urls_show_a_reachable_host():
 
 
 def test_the_router_knows_how_many_requests_a_replica_runs_at_once():
-    from cluster.app import router_kwargs
+    from cluster.routing.routing_policy import RouterSettings
 
     config = load_config(overrides={"scheduler.max_running_requests": 7})
-    assert router_kwargs(config, AppArgs(), "m", 30.0)["replica_capacity"] == 7
-    assert router_kwargs(config, AppArgs(router={"replica_capacity": 2}), "m", 30.0)["replica_capacity"] == 2
+    assert RouterSettings.from_config(config).replica_capacity == 7
+    assert RouterSettings.from_config(with_overrides(config, AppArgs(router={"replica_capacity": 2}).overrides())
+                                      ).replica_capacity == 2

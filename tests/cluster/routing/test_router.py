@@ -11,6 +11,7 @@ from ray.serve.request_router import PendingRequest
 from cluster.routing.router import HybridPrefixRouter, prompt_token_ids
 from cluster.routing.router_actor import MatchReport
 from cluster.serving.messages import GenerateRequest
+from configs.schema import load_config
 from workers.sampling_params import SamplingParams
 
 DEP = DeploymentID(name="EngineReplica", app_name="app")
@@ -69,8 +70,9 @@ def make_router(replicas: list[FakeReplica], index: FakeIndex, policy: str = "hy
                 loads: dict[str, int] | None = None) -> tuple[HybridPrefixRouter, FakeMetrics]:
     router = HybridPrefixRouter(deployment_id=DEP, handle_source=DeploymentHandleSource.UNKNOWN)
     metrics = FakeMetrics()
-    router.initialize_state(policy=policy, model_name="m", min_match_tokens=4, index_actor=index,
-                            metrics_actor=metrics, push_interval_s=0.01)
+    config = load_config(overrides={"router": {"policy": policy, "min_match_tokens": 4, "push_interval_s": 0.01},
+                                    "server.served_model_name": "m"})
+    router.initialize_state(config=config.model_dump(mode="json"), index_actor=index, metrics_actor=metrics)
     router._replicas = {r.replica_id: r for r in replicas}
     router._replica_id_set = set(router._replicas)
     router._replicas_list = list(replicas)

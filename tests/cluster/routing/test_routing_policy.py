@@ -10,6 +10,7 @@ from cluster.routing.router_actor import RouterIndexState
 from cluster.routing.routing_policy import (LoadPenalty, RecentPlacements, ReplicaView, RouterSettings,
                                             RouterState, decide, is_imbalanced, load_cost, max_usable_depth,
                                             views_from)
+from configs.schema import load_config
 from workers.cache.records import CheckpointInserted
 
 S = RouterSettings(load_penalty_tokens=16, imbalance_abs=8, imbalance_rel=1.5, min_match_tokens=16)
@@ -77,10 +78,10 @@ def test_views_treat_unknown_load_as_idle_and_cap_depth():
 
 
 def test_bad_settings_and_no_candidates_raise():
-    with pytest.raises(ValueError, match="imbalance_rel"):
-        RouterSettings(imbalance_rel=0.5)
-    with pytest.raises(ValueError, match="min_match_tokens"):
-        RouterSettings(min_match_tokens=0)
+    with pytest.raises(ValueError, match=r"router.imbalance_rel.*0.5"):
+        load_config(overrides={"router.imbalance_rel": 0.5})
+    with pytest.raises(ValueError, match=r"router.min_match_tokens.*0"):
+        load_config(overrides={"router.min_match_tokens": 0})
     with pytest.raises(ValueError, match="no candidate"):
         decide([], S)
 

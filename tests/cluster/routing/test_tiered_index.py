@@ -9,6 +9,7 @@ import pytest
 
 from cluster.routing.router_actor import STORE_OWNER, RouterIndexState
 from cluster.routing.routing_policy import ReplicaView, RouterSettings, decide, expected_saved, views_from
+from configs.schema import load_config
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 
 TOKENS = tuple(range(40))
@@ -40,8 +41,8 @@ def test_expected_saved_weighs_each_tier():
     assert expected_saved(ReplicaView("a", 10, 0, host_depth=40), s) == 20
     assert expected_saved(ReplicaView("a", 30, 0, host_depth=40, store_depth=200), s) == 50
     assert expected_saved(ReplicaView("a", 30, 0), s) == 30
-    with pytest.raises(ValueError, match="store_hit_value"):
-        RouterSettings(host_hit_value=0.2, store_hit_value=0.5)
+    with pytest.raises(ValueError, match=r"router.store_hit_value \(0.5\) must be <= router.host_hit_value \(0.2\)"):
+        load_config(overrides={"router": {"host_hit_value": 0.2, "store_hit_value": 0.5}})
 
 
 def test_the_store_counts_only_where_the_replica_would_fetch():
@@ -56,8 +57,8 @@ def test_the_store_counts_only_where_the_replica_would_fetch():
     views = views_from(["busy", "idle"], {"busy": 192}, {"busy": 6, "idle": 0}, store_depth=192)
     assert decide(views, RouterSettings(), random.Random(0)).ranks[0] == ["idle"]   # 96 - 0 ties 192 - 96
     assert decide(views, s, random.Random(0)).ranks[0] == ["busy"]
-    with pytest.raises(ValueError, match="store_min_gain_tokens"):
-        RouterSettings(store_min_gain_tokens=-1)
+    with pytest.raises(ValueError, match=r"router.store_min_gain_tokens.*-1"):
+        load_config(overrides={"router.store_min_gain_tokens": -1})
 
 
 def test_a_host_checkpoint_attracts_and_the_store_lets_load_win():
