@@ -5,10 +5,10 @@ All are detached, named after the Serve application, in the ``hybridserve`` name
 and created by whoever needs them first (a replica, a router, the ingress) with
 ``get_if_exists``, so creation order does not matter and a restarted consumer finds the
 same actor. They are pinned to the head node when Ray names one, so that losing a worker
-node loses no app state but that node's replicas. The affinity is hard: a soft one was
-seen to land the store on the creating replica's worker node (the worker's raylet decides,
-on a resource view that may lag), and the cluster does not outlive its head anyway (the
-GCS lives there). They are registered with the Serve controller to die on ``serve.shutdown()``;
+node loses no app state but that node's replicas. The affinity is hard: a soft one can
+land the store on the creating replica's worker node (the worker's raylet decides, on a
+resource view that may lag), and the cluster does not outlive its head anyway (the GCS
+lives there). They are registered with the Serve controller to die on ``serve.shutdown()``;
 deleting one app leaves its actors until then (they hold no CPU).
 """
 from __future__ import annotations

@@ -8,7 +8,9 @@ still makes two modules one idea); only a submodule's import of its own package'
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,3 +190,41 @@ def test_citation_checker_finds_a_dangling_citation():
     assert _unresolved([("a", "1", "2"), ("b", "1.1", ""), ("c", "2", "")], sections) == []
     assert _unresolved([("a", "3", ""), ("b", "2", "2"), ("c", "1.2", "")], sections) == [
         "a: DESIGN §3 has no heading", "b: DESIGN §2 has no rule 2", "c: DESIGN §1.2 has no heading"]
+
+
+# -- product code names no tracker items: a comment or docstring keeps its one-line why
+ISSUE_REF = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+NOT_PRODUCT = ("cluster/bench/",)     # the benchmark client and suite; tests/ is not scanned
+# Still being cleaned by their owners (a path leaves this list once it is clean):
+STILL_DIRTY: tuple[str, ...] = ()
+
+
+def _prose(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and every string statement (docstrings) of a module."""
+    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            out += [(node.lineno + i, line) for i, line in enumerate(node.value.value.splitlines())]
+    return sorted(out)
+
+
+def _issue_refs(rel: str, source: str) -> list[str]:
+    return [f"{rel}:{n}: {text.strip()}" for n, text in _prose(source) if ISSUE_REF.search(text)]
+
+
+def test_no_tracker_numbers_in_product_code():
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if not rel.startswith(NOT_PRODUCT + STILL_DIRTY):
+                found += _issue_refs(rel, path.read_text())
+    assert found == []
+
+
+def test_tracker_number_finder_reads_comments_and_docstrings():
+    source = ('"""Compiled steps (issue 16)."""\n'
+              'def f():\n    """See Issue #7."""\n    return "issue 3"  # from issues 41-42\n')
+    assert [ref.split(":")[1] for ref in _issue_refs("m.py", source)] == ["1", "3", "4"]

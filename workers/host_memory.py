@@ -4,11 +4,10 @@ glibc's malloc gives each thread but the main one its own arena, and shrinks an 
 whenever its free top passes the trim threshold; a CPU forward that runs off the main thread
 (the forward thread of ``scheduler.overlap``, a replica's engine thread) therefore frees its
 activations back to the OS at the end of each step and page-faults them in again at the
-next: bench-15m, a 16 x 64-token prefill, overlap on: 13-26k minor faults a run and the
-prefill ~8-10 % slower than on the main thread (0-500 faults). ``retain_freed_memory()``
-raises the trim threshold to 1 GiB and fixes the mmap threshold at 32 MiB (glibc's largest:
-larger blocks come from the heap, not a fresh mapping each time), once per process: the
-faults go (256-512 a run), at the cost of up to that much freed memory kept per arena.
+next, which makes the step measurably slower than on the main thread (BENCHMARKS.md).
+``retain_freed_memory()`` raises the trim threshold to 1 GiB and fixes the mmap threshold at
+32 MiB (glibc's largest: larger blocks come from the heap, not a fresh mapping each time),
+once per process: the faults go, at the cost of up to that much freed memory kept per arena.
 A no-op where the C library has no ``mallopt`` (not glibc).
 """
 from __future__ import annotations

@@ -52,7 +52,7 @@ class PreparedRequest:
 
 
 def _extras(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> dict[str, Any]:
-    """The SamplingParams of issue 15's fields (once per request: a schema compiles once)."""
+    """The SamplingParams of the ``SamplingExtras`` fields (once per request: a schema compiles once)."""
     try:
         extras = req.sampling_kwargs()
     except ConstraintError as exc:

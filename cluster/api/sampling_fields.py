@@ -1,4 +1,4 @@
-"""The request fields of issue 15's sampling side, shared by completions and chat.
+"""The extra sampling and structured-output request fields, shared by completions and chat.
 
 ``SamplingExtras`` is a base of both request schemas: vLLM's extra sampling parameters
 (``repetition_penalty``, ``min_p``, ``bad_words``, ``prompt_logprobs``,

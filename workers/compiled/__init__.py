@@ -1,4 +1,4 @@
-"""Compiled steps (issue 16): shape-static decode and verify steps and the greedy MTP draft
+"""Compiled steps: shape-static decode and verify steps and the greedy MTP draft
 chain per batch-size bucket, and the persistent compile cache. ``build_compiled`` is what the
 engine calls."""
 from __future__ import annotations

@@ -79,20 +79,16 @@ def configure_cache(cache_dir: str | None) -> str:
 def compile_kwargs(on_gpu: bool, pack_weights: bool = False, gemm_templates: bool = True) -> dict[str, Any]:
     """``torch.compile`` arguments of a compiled step besides the function: CUDA graphs on a
     GPU; no guards on the modules (the served model and its MTP head never change once built,
-    and checking their parameters costs more than a small step: ~0.5 ms a call on the CPU);
+    and checking their parameters costs more than a small step on the CPU);
     on CPU with ``pack_weights`` and ``gemm_templates``, inductor's CPU GEMM templates
     autotuned against ATen (they need frozen, prepacked weights: ``CallOptions(freeze=True)``).
 
     Speculation's verify steps and draft chain pass ``gemm_templates=False`` (ATen's packed
     GEMMs, still frozen): the autotuner times each GEMM alone, with its weight in cache, and
-    at 1-4 rows chose templates that run slower inside the step, where every weight is read
-    cold (the chain's 1-row lm-head: 463 us a call against MKL's packed 4-row one at 139 us).
-    Trained tiny model, batch 1, k = 3, interleaved best of 5 over 3 prompts, Intel Xeon:
-    TPOT 2.99 -> 2.81 ms with the spec step's templates off (plain decode 2.91 vs 2.98 ms:
-    the decode steps keep them), and the four engines compiled in 247 s instead of 432 s.
-    Since then a projection of at most ``kernels.dense.FEW_ROWS`` rows calls the few-rows
-    kernel in every step (an extern op: neither templates nor ATen's GEMM), so this choice
-    concerns larger batches only."""
+    at 1-4 rows picks templates that run slower inside the step, where every weight is read
+    cold (BENCHMARKS.md, speculation's GEMMs). A projection of at most
+    ``kernels.dense.FEW_ROWS`` rows calls the few-rows kernel in every step (an extern op:
+    neither templates nor ATen's GEMM), so this choice concerns larger batches only."""
     options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if on_gpu:
         options["triton.cudagraphs"] = True        # what mode="reduce-overhead" sets
@@ -122,8 +118,7 @@ class CallOptions:
     as constants (its ``freezing`` is read from the global config when a graph compiles, not
     from ``torch.compile``'s options, so it is patched around every call that may compile).
     ``cpp_wrapper`` (CPU steps): the graph's kernels are called from generated C++ instead of
-    Python glue (bench-15m at batch 8, one process, interleaved, idle: bare decode 1184 ->
-    1265 tok/s, the engine 1042 -> 1165).
+    Python glue, which is cheaper per call.
 
     ``skip_guards`` (every call after ``warm_up``): dynamo checks only the guards that tell
     the owner's graphs apart -- its tensors' shapes, dtypes and strides, and any guard that
@@ -131,17 +126,14 @@ class CallOptions:
     because (invariant) a step's inputs are built by the owner's own code with fixed dtypes,
     its model and pools never change once built, and the owner's graphs live on a code
     object of its own (``compile_for_owner``). The stance is process-wide while a call runs
-    (dynamo has no other scope): a replica process runs one engine. Both together, trained
-    tiny model, batch 1, one process, interleaved best of 5 over 3 prompts: decode TPOT
-    2.216 -> 2.183 ms, MTP k = 3 1.582 -> 1.529 ms (two compiled calls a step).
+    (dynamo has no other scope): a replica process runs one engine.
 
     ``cpp_wrapper`` calls also hold their tensor arguments (``graph_inputs``: tensors and
     the tensor fields of dataclasses such as ``ForwardBatch``) by one more C++ reference
     (``native_ops.hold_refs``): the graph, which runs without the GIL, then drops them
     without taking it (``kernels/native_refs.cpp``). Otherwise each drop of an argument
-    Python holds nothing else on takes the GIL and waits while another thread runs Python:
-    in a serving replica (bench-15m, batch 8) ~3 waits a step, the compiled call 6.2 ms
-    instead of 5.3 (and HTTP decode ~1,140 -> ~1,280 tok/s)."""
+    Python holds nothing else on takes the GIL and waits while another thread runs Python
+    (in a serving replica: the scheduler thread, the event loop, Ray's threads)."""
 
     def __init__(self, freeze: bool = False, cpp_wrapper: bool = False) -> None:
         import torch._inductor.config as inductor_config

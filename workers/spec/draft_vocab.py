@@ -3,8 +3,8 @@
 A draft's only use is to be verified, so the drafter may score fewer tokens than the target:
 the chain's argmax (or sample) runs over the lm-head rows of the N most frequent tokens (Zhao
 et al., "FR-Spec"; SGLang's ``speculative_token_map`` for EAGLE). Each chained draft then
-reads N rows of the lm-head instead of V: on the default tiny model (V = 4,096, hidden 256)
-the three 4 MiB lm-head reads were a third of the k = 3 chain's bytes. Verification still
+reads N rows of the lm-head instead of V, which on a small model is a large share of the
+chain's bytes (BENCHMARKS.md, the draft vocabulary). Verification still
 scores every token, so greedy output is unchanged; a sampled draft's distribution q is zero
 outside the subset, which rejection sampling accepts as any q (``workers/spec/acceptance.py``).
 

@@ -1,4 +1,4 @@
-"""Dashboard rows of the checkpoint tiers (issue 17): the engine's host tier and transfers
+"""Dashboard rows of the checkpoint tiers: the engine's host tier and transfers
 (``TIERS``, on the Engine dashboard, filtered by model and replica) and the cluster store
 (``STORE``, on the Cluster dashboard; the store's actor reports as ``replica="store"``)."""
 from __future__ import annotations
