@@ -44,8 +44,20 @@ def plan_pools(config: HybridServeConfig, spec: CacheSpec, model_max_len: int,
         per_req = _SLOTS_PER_REQUEST[config.cache.mamba_strategy] if config.cache.enable_prefix_cache else 1
         # Room for every running request plus as many again for cached checkpoints.
         usable_slots = 2 * per_req * config.scheduler.max_running_requests
-    max_model_len = min(model_max_len, usable_pages * page_size)
+    max_model_len = _max_model_len(config.max_model_len, model_max_len, usable_pages * page_size)
     per_token, per_slot = spec.bytes_per_token(dtype), spec.bytes_per_slot(dtype)
     num_pages, num_slots = usable_pages + 1, usable_slots + 1
     return PoolSizes(num_pages, num_slots, max_model_len, per_token, per_slot,
                      num_pages * page_size * per_token, num_slots * per_slot)
+
+
+def _max_model_len(wanted: int | None, model_max_len: int, pool_tokens: int) -> int:
+    """The config's ``max_model_len`` (vLLM's), which must fit the model's positions and the
+    KV pool; when it is null, the smaller of those two."""
+    bound = min(model_max_len, pool_tokens)
+    if wanted is None:
+        return bound
+    if wanted > bound:
+        raise ValueError(f"max_model_len={wanted} exceeds what the model ({model_max_len} positions) and "
+                         f"the KV pool ({pool_tokens} tokens, cache.max_kv_tokens) allow")
+    return wanted

@@ -115,6 +115,16 @@ def test_no_paged_state_means_page_bookkeeping_only() -> None:
     assert plan_pools(config, with_kv, 1 << 20).num_pages == 32768 // 16 + 1
 
 
+def test_max_model_len_is_the_configs_when_the_model_and_the_pool_allow_it() -> None:
+    spec = CacheSpec((StateGroup(attention_kind(2, 8), 1),))
+    config = load_config(overrides={"max_model_len": 512, "cache.max_kv_tokens": 640})
+    assert plan_pools(config, spec, model_max_len=1024).max_model_len == 512
+    with pytest.raises(ValueError, match=r"max_model_len=512 exceeds .*model \(256 positions\)"):
+        plan_pools(config, spec, model_max_len=256)
+    with pytest.raises(ValueError, match=r"max_model_len=1024 exceeds .*KV pool \(640 tokens"):
+        plan_pools(load_config(overrides={"max_model_len": 1024, "cache.max_kv_tokens": 640}), spec, 1 << 20)
+
+
 def test_family_specs(tiny_checkpoint) -> None:
     """What each family's layers declare: no KV for Mamba2, both kinds in every Falcon-H1
     layer, one KV per invocation of Zamba2's shared blocks, Nemotron-H's MLP/MoE keep none,
