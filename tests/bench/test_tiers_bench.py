@@ -1,4 +1,4 @@
-"""Issue 17's benchmark runs (``cluster/bench/tiers.py``) on a small ``slot_pressure``: the
+"""The tiers benchmark runs (``cluster/bench/tiers.py``) on a small ``slot_pressure``: the
 workload's shape, and the in-process cluster with tiers off and on for our router and
 Ray's rule -- counts only (every figure here is a count or a count of steps; seconds are
 reported, not checked)."""

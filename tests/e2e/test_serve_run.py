@@ -53,10 +53,9 @@ def test_serve_run_with_the_shipped_config(tmp_path):
             lambda: _metrics_text(metrics_port), timeout_s=30, interval_s=0.5)
     finally:
         # SIGINT to `serve run` alone, as `kill -INT`: it stops Serve and the local cluster
-        # it started. To the whole group, the fresh GCS and raylet could die first, and
-        # the shutdown then waited on them (twice over 60 s in the serial suite). It hung
-        # once more even so, nothing logged after the SIGINT (a fresh-clone serial run): a
-        # second Ctrl-C, as a user would press, then fail
+        # it started (sent to the whole group, the fresh GCS and raylet could die first and
+        # the shutdown wait on them). A shutdown that still hangs gets a second Ctrl-C, as a
+        # user would press, then fails
         try:
             for _ in range(2):
                 proc.send_signal(signal.SIGINT)

@@ -1,4 +1,4 @@
-"""Issue 17 item 6: the tiers on a two-node Ray cluster on this machine.
+"""The tiers on a two-node Ray cluster on this machine.
 
 A head and a worker started with ``ray start`` as separate processes with separate
 resources (``two_nodes.py``); the app's two engine replicas land one on each node, the

@@ -12,7 +12,7 @@ step's one device read happens in the sampler's ``decide`` (forward thread), and
 spins, so its CPU time holds the device's wait: the ``sampling+sync`` column, left out of
 ``host``. ``mtp`` mode: k=3 with random MTP weights (``add_random_mtp``), so drafts are
 rarely accepted; what the rows show is the verify's cost and whether every request verifies
-every step under overlap (issue 41, item 4).
+every step under overlap.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ ENGINES = [E.EngineSpec("dense", "default", True, (1, 32, 128, 256)),
 DRY_ENGINES = [E.EngineSpec("dense", "default", False, (2,)), E.EngineSpec("moe", "default", False, (2,)),
                E.EngineSpec("dense", "mtp", False, (2,))]
 PROFILE_AT, DRY_PROFILE_AT = ("dense", "default", 128), ("dense", "default", 2)
-COMPILE_S, ROW_S, BUILD_S = 25.0, 10.0, 10.0     # estimates on an H200 (s14's compiled rows)
+COMPILE_S, ROW_S, BUILD_S = 25.0, 10.0, 10.0     # estimates on an H200 (compiled rows)
 
 
 def estimate_s(spec: E.EngineSpec) -> float:

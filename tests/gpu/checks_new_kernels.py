@@ -1,4 +1,4 @@
-"""Stage (a) rows for the kernels of issue 18's KDA / MLA / lightning families: the Triton
+"""Stage (a) rows for the kernels of the KDA / MLA / lightning families: the Triton
 KDA (chunked + recurrent, snapshots), the Triton MLA kernel over a paged latent pool, and
 lightning attention through the SSD kernels with its arguments (dt = 1, one group per
 head). Sizes: Kimi-Linear's KDA (32 heads of 128) and MLA (32 heads, latent 512, rope 64),

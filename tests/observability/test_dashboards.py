@@ -30,7 +30,7 @@ REQUIRED_PANELS = {
                  "KV and Mamba pool usage", "Prefix cache hit ratio", "Checkpoints inserted and evicted",
                  "Donations made and skipped", "Pending-slot allocation failures", "In-place track writes",
                  "Invariant violations", "Speculative acceptance rate", "Preemptions",
-                 # issue 17: hits by tier, promotions, demotions, fetches, bytes moved, host KV
+                 # the tiers: hits by tier, promotions, demotions, fetches, bytes moved, host KV
                  # with no checkpoint under it
                  "Cache hits by tier", "Promotions and demotions", "Bytes moved between tiers",
                  "Store fetches and commits", "Host tier usage", "Host KV with no checkpoint under it"},

@@ -1,4 +1,4 @@
-"""Reliability and security tests (issue 8): apps on the session's one Ray cluster.
+"""Reliability and security tests: apps on the session's one Ray cluster.
 
 ``deployed`` and the helpers come from ``tests/e2e/conftest.py`` (one Ray + Serve per
 test session, apps per module under their own route prefix). Long variants are marked

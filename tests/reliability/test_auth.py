@@ -1,4 +1,4 @@
-"""The API key (issue 8, item 3): every route but the health checks (``/health``,
+"""The API key: every route but the health checks (``/health``,
 ``/ping``) refuses a missing or wrong key with 401 and an error object, and no key -- right or wrong -- reaches a log or a
 response body.
 

@@ -1,4 +1,4 @@
-"""Issue 8 item 5: streams dropped by their clients free everything within 1 s.
+"""Disconnects: streams dropped by their clients free everything within 1 s.
 
 16 concurrent streaming completions are each closed after their 5th token event. From
 the last close, ``/debug/replicas`` is polled until the replica has no open stream, the

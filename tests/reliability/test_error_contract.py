@@ -1,4 +1,4 @@
-"""The HTTP error contract on a deployed app (issue 8, item 1): Ray Serve, a real tiny engine.
+"""The HTTP error contract on a deployed app: Ray Serve, a real tiny engine.
 
 Every bad request gets its 4xx status and exactly ``{"error": {"message", "type", "param",
 "code"}}`` -- with ``stream: true`` too, as a plain JSON response before any stream
@@ -79,7 +79,7 @@ CASES: dict[str, tuple[str, dict[str, Any] | bytes, str | None, int, str | None]
     "invalid UTF-8": (CMPL, b'{"prompt": "\xff\xfe", "stream": true}', JSON, 400, None),
     "truncated UTF-8": (CHAT, b'{"messages": [{"role": "user", "content": "\xc3"}], "stream": true}', JSON, 400,
                         None),
-    # what is not built is refused by name (issue 15)
+    # what is not built is refused by name
     "suffix": (CMPL, {"suffix": "tail"}, JSON, 400, "suffix"),
     "allowed_token_ids": (CMPL, {"allowed_token_ids": [1, 2]}, JSON, 400, "allowed_token_ids"),
     "beam search (chat)": (CHAT, {"messages": USER, "use_beam_search": True}, JSON, 400, "use_beam_search"),

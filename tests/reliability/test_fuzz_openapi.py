@@ -1,4 +1,4 @@
-"""Schemathesis against our own ``/openapi.json`` on a deployed app (issue 8, item 2).
+"""Schemathesis against our own ``/openapi.json`` on a deployed app.
 
 Every operation of the served document is fuzzed through Ray Serve's HTTP proxy with
 ``N`` derandomized examples per operation (the document's examples and schema-valid

@@ -1,4 +1,4 @@
-"""Issue 8 item 8: memory pressure. Sixteen long requests against pools for about two.
+"""Memory pressure: sixteen long requests against pools for about two.
 
 The KV pool holds exactly two whole requests (prompt + every output token); the Mamba pool
 holds six slots, a live and a track slot for three requests, so the scheduler admits more

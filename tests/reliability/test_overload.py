@@ -1,4 +1,4 @@
-"""Issue 8 item 7: a burst far beyond the limits is refused quickly and cleanly.
+"""Overload: a burst far beyond the limits is refused quickly and cleanly.
 
 The app admits ``MAX_IN_FLIGHT`` requests per ingress replica (``AdmissionLimit``), and
 the engine replica takes ``ENGINE_ONGOING`` streams plus ``ENGINE_QUEUED`` queued in the
@@ -30,8 +30,8 @@ ENGINE_ONGOING = 2
 ENGINE_QUEUED = 2
 BURST = 5 * (MAX_IN_FLIGHT + ENGINE_ONGOING + ENGINE_QUEUED)
 MAX_TOKENS = 32
-REJECT_P99_BOUND_S = 1.5                    # every slot held: the admission path alone (1.18 s seen
-                                            # on 2 cores while the held requests generate)
+REJECT_P99_BOUND_S = 1.5                    # every slot held: the admission path alone, on 2 cores
+                                            # shared with the held requests' generation
 MIXED_P99_BOUND_S = 2.0                     # while admitted requests generate on the same 2 cores
 
 

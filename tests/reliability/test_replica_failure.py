@@ -1,4 +1,4 @@
-"""Issue 8 item 6: one of two engine replicas is killed under steady load.
+"""Replica failure: one of two engine replicas is killed under steady load.
 
 A few client threads send completions (streaming and not) back to back. Once the victim
 replica has streams open, it is killed (``ray.kill``, no restart). Then:

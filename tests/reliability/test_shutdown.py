@@ -1,4 +1,4 @@
-"""Issue 8 item 10: graceful shutdown and redeploy with requests in flight.
+"""Graceful shutdown and redeploy with requests in flight.
 
 - Drain then delete (``serve_local.drain``, what ``hybridserve serve`` does on a signal):
   streams in flight run to completion; new requests -- ``/health`` included -- get 503

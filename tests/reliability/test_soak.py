@@ -1,4 +1,4 @@
-"""Issue 8 item 9, soak: a mixed load over two replicas with ``debug.check_invariants`` on.
+"""Soak: a mixed load over two replicas with ``debug.check_invariants`` on.
 
 Every shipped workload mixed, streaming and not, 5 % disconnects, 1 % invalid requests
 (``cluster.bench.soak``). The contract (``SoakResult.problems``): no request fails (no
@@ -10,8 +10,7 @@ finished exactly the requests the client completed or dropped.
 
 The 30-second variant runs by default (~300 requests: every workload, 1 % invalid is >= 1);
 its RSS is read after 20 s, since the first seconds of the mix raise each replica's heap to
-its working set (+9-13 % between 10 s and 30 s on this machine, most of it in the first
-half); the 10-minute one is ``slow`` and reads it after 60 s.
+its working set; the 10-minute one is ``slow`` and reads it after 60 s.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 8 item 4: an untrusted model dir runs no code and pickle is refused.
+"""An untrusted model dir runs no code and pickle is refused.
 
 A real tiny checkpoint is planted with traps, each of which writes a file into a marker
 directory outside the model dir when it runs: Python modules named by ``auto_map``

@@ -3,7 +3,7 @@
 Guard on: no divergence from the reference, no invariant violation, no state mismatch, no
 livelock. Guard off (``debug.disable_alias_guard``): the same fuzz must find the aliasing
 bug -- its own sensitivity check. The ``tiers`` batches draw every case with the host tier
-on (issue 17): demotions, promotions and forced transfer failures must all have happened.
+on: demotions, promotions and forced transfer failures must all have happened.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from tests.sim.fuzz import Control, fuzz
 
 TOY_BATCHES = [range(i, i + 16) for i in range(0, 64, 16)]
-# Seeds whose cases livelocked the scheduler before the fix (the grower preempting itself
-# while its victims were in flight, re-admission demoting it): kept while ``draw`` is stable.
+# Seeds whose cases livelock a scheduler where the grower preempts itself while its victims
+# are in flight, or re-admission demotes it: kept while ``draw`` is stable.
 LIVELOCK_SEEDS = [81, 162, 196, 220]
 
 

@@ -15,9 +15,9 @@ from workers.sampling_params import SamplingParams
 
 
 def test_overlap_prefills_do_not_fault_their_memory_in_again(tmp_path):
-    """bench-15m, 16 x 64-token prompts, overlap on (the prefill runs on the forward thread):
-    ~20k minor faults a run while glibc trims the thread's arena after each step, ~0-500 with
-    the thresholds the engine sets."""
+    """16 x 64-token prompts, overlap on (the prefill runs on the forward thread): with glibc
+    trimming the thread's arena after each step every run faults its activations in again;
+    with the thresholds the engine sets it does not."""
     torch.set_num_threads(1)
     llm = LLM(model=str(make_bench_model(tmp_path / "m")), device="cpu", dtype="float32",
               scheduler={"overlap": True}, cache={"max_kv_tokens": 16384})

@@ -1,5 +1,5 @@
 """Every request field is honoured (and a named test shows it), refused with a 400 naming it,
-or ignored because it cannot change the output (issue 15, item 6).
+or ignored because it cannot change the output.
 
 The field lists are vLLM's ``CompletionRequest`` / ``ChatCompletionRequest``
 (``vllm/entrypoints/openai/protocol.py``: OpenAI's fields, the sampling extras and the
@@ -72,7 +72,7 @@ HONOURED = {
     "chat_template_kwargs": TOOLS + "test_chat_template_kwargs_turn_thinking_off",
     "documents": TOOLS + "test_documents_and_reasoning_effort_reach_a_template_that_reads_them",
     "reasoning_effort": TOOLS + "test_documents_and_reasoning_effort_reach_a_template_that_reads_them",
-    # issue 15's sampling side
+    # the sampling fields (cluster/api/sampling_fields.py)
     "echo": SAMPLING + "test_echo_logprobs_equal_transformers",
     "prompt_logprobs": SAMPLING + "test_vllm_prompt_logprobs_on_both_endpoints",
     "logit_bias": SAMPLING + "test_logit_bias_and_penalties_are_honoured",

@@ -1,4 +1,4 @@
-"""Issue 15's sampling side over HTTP (in-process replica, no Ray): echo and prompt
+"""The sampling fields over HTTP (in-process replica, no Ray): echo and prompt
 logprobs against transformers, every sampling field honoured or a 400 naming it, every
 form of structured output, best_of."""
 from __future__ import annotations

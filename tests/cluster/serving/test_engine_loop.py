@@ -203,8 +203,8 @@ def test_indivisible_tensor_parallel_is_refused_with_a_clear_error():
 
 
 def test_the_engine_steps_while_the_event_loop_is_busy():
-    """The engine thread never waits for the event loop between steps (it used to: one
-    executor call per step, so a busy replica loop left the engine idle)."""
+    """The engine thread never waits for the event loop between steps: a busy replica loop
+    must not leave the engine idle."""
     async def go():
         engine = FakeEngine(step_s=0.005)
         loop = await EngineLoop.create(lambda: engine)

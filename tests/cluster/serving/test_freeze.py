@@ -11,7 +11,7 @@ def test_startup_objects_leave_the_collected_generations():
     try:
         frozen = freeze_startup_objects()
         # <=: another thread of the test process (a forward thread winding down) may free
-        # frozen objects in between (seen once: 2 fewer under the xdist run)
+        # frozen objects in between
         assert frozen >= len(built) and len(built) <= gc.get_freeze_count() <= frozen
         collected = {id(o) for o in gc.get_objects()}
         assert not any(id(o) in collected for o in built)

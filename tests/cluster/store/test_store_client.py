@@ -117,7 +117,7 @@ def test_lost_and_invalid_objects_are_recomputed(pair):
 
 @pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
 def test_fetches_answer_as_cache_off_for_every_strategy_with_mtp_and_overlap(tiny_qwen_dir, strategy):
-    """Issue 17's first goal for the store: a turn-2 prompt whose checkpoints another replica
+    """The store's first use: a turn-2 prompt whose checkpoints another replica
     committed is fetched, validated and promoted, with MTP drafts and overlap on, under each
     Mamba strategy; the answers equal cache-off's, every promoted checkpoint passes the state
     oracle (a fresh prefill of its tokens), and ``cached_tokens`` is the deepest entry's depth."""

@@ -236,8 +236,8 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
     return TierMachine
 
 
-# Derandomized: the coverage asserts below (every outcome reached, >= 5k steps) held for
-# most random seeds but not all (seed 6 reached no successful promotion in 100 examples).
+# Derandomized: the coverage asserts below (every outcome reached, >= 5k steps) hold for
+# most random seeds but not all, so a fixed draw keeps them meaningful.
 SETTINGS = settings(max_examples=100, stateful_step_count=100, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 

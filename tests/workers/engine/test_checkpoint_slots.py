@@ -3,7 +3,7 @@
 After a mid-request publication an ``extra_buffer_lazy`` request holds no idle keep slot: it takes one at its
 next write. With one held idle, 3 running requests (live + keep + their own published,
 locked checkpoint each) fill 8 slots and a third request never checkpoints its prompt
-(measured on ``slot_pressure``: 16 of 136 keep allocations failed). A decode checkpoint
+(on ``slot_pressure``, keep allocations fail). A decode checkpoint
 never evicts another for its slot.
 """
 from __future__ import annotations

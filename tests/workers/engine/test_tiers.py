@@ -1,4 +1,4 @@
-"""The host tier end to end on real tiny models (issue 17 item 1).
+"""The host tier end to end on real tiny models.
 
 Every engine here checks the cache invariants after every step (violations raise) -- the
 host tree's I1-I9, its labels and pages, and the promotions' ledger entries included --
@@ -171,7 +171,7 @@ def test_failed_demotions_and_a_full_host_tier_drop_never_block(tiny_qwen_dir):
 
 
 def test_multi_turn_under_slot_pressure_hits_every_turn_two(tiny_qwen_dir):
-    """Issue 17's case: 24 slots, 4 running, 20 conversations over 5 system prompts. On the
+    """Slot pressure: 24 slots, 4 running, 20 conversations over 5 system prompts. On the
     device alone some turn-2 prompts find their checkpoint evicted; with a host tier of four
     times the device's slots all 20 resume from (at least) their turn-1 prompt."""
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
