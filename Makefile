@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow clean-venv prometheus gpu-wheels
+.PHONY: install serve test test-slow clean-venv prometheus gpu-wheels config-docs
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,10 @@ test-slow: install prometheus
 
 clean-venv:
 	rm -rf $(VENV)
+
+# docs/configuration.md from configs/schema.py (tests/configs/test_reference.py checks it).
+config-docs: install
+	$(PY) -m configs.reference
 
 # The wheels the GPU machine lacks (pydantic and its needs), into .whl/: see the header of
 # tests/gpu/run_device_checks.sh. Needs network; the GPU machine has none.

@@ -78,7 +78,7 @@ class SchedulerConfig(Frozen):
 
 
 class SpecConfig(Frozen):
-    method: Literal["none", "mtp", "draft"] = Field("none", description="speculative decoding: off, or the MTP head")
+    method: Literal["none", "mtp", "draft"] = Field("none", description="speculative decoding: none, or mtp (the model's own MTP head)")
     num_draft_tokens: int = Field(3, ge=1, description="tokens drafted per step")
     # Drafts only: verification scores the whole vocabulary, so outputs are unchanged.
     draft_vocab: str | None = Field(
@@ -145,7 +145,7 @@ class ServerConfig(Frozen):
     tool_call_parser: Literal["auto", "hermes", "qwen3_xml", "none"] = Field(
         "auto", description="tool-call format in chat outputs; auto reads the chat template, none: off")
     reasoning_parser: Literal["auto", "qwen3", "none"] = Field(
-        "auto", description="<think> text to reasoning_content; auto reads the chat template, none: off")
+        "auto", description="think-block text to reasoning_content; auto reads the chat template, none: off")
     trust_request_chat_template: bool = Field(
         False, description="accept a request's own chat_template (Jinja, sandboxed)")
 
