@@ -11,9 +11,9 @@ simulator, then the checkpoint tiers (``bench/tiers.py``, in process). A section
 ``prefix_cache_prefill_fraction``, ``prefix_cache_ttft_ratio``,
 ``routing_hit_ratio_vs_round_robin``, ``routing_hit_ratio_vs_ray``,
 ``routing_load_max_min``, ``spec_tpot_speedup``, ``overlap_speedup``, ``eos_workload_speedup``,
-``startup_cold_s``, ``startup_warm_s``, issue 41's host overhead (``host_us_per_step_1``,
+``startup_cold_s``, ``startup_warm_s``, the host overhead (``host_us_per_step_1``,
 ``host_us_per_request_step_128`` / ``_256``, ``mtp_verified_per_request_step_32``,
-``mtp_overlapped_fraction_32``), and issue 17's ``tiers_prefill_ratio``,
+``mtp_overlapped_fraction_32``), and the tiers' ``tiers_prefill_ratio``,
 ``tiers_ttft_ratio``, ``tiers_cached_vs_ray``, ``multi_turn_turn2_hits``), ``goals`` (bound
 and met per key), ``details`` (every section's measurements and samples), ``machine``
 and ``config``. The same table is written to ``DIR/table.md``.

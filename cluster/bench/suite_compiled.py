@@ -1,4 +1,4 @@
-"""Suite sections of issue 16: continuous batching where arithmetic matters, and start-up time
+"""Suite sections of compiled steps: continuous batching where arithmetic matters, and start-up time
 with compilation.
 
 ``eos_workload``: a random Qwen3-Next of ~100M parameters with its real head dims (attention

@@ -305,7 +305,7 @@ def simulation(cfg: SuiteConfig) -> dict[str, Any]:
 
 
 def tiers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
-    """Issue 17: slot_pressure, tiers on vs device only and our router vs Ray's rule, on
+    """The tiers: slot_pressure, tiers on vs device only and our router vs Ray's rule, on
     in-process replicas (bench/tiers.py); the 20-conversation multi-turn case. The three
     goals are read at one operating point, below capacity (``ClusterSettings.below_capacity``
     says why: overloaded, TTFT is the queue's length under any cache); the overloaded

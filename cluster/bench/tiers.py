@@ -1,4 +1,4 @@
-"""Issue 17's measurements with real engines in one process: tiers on vs device only, and
+"""The tiers' measurements with real engines in one process: tiers on vs device only, and
 our router against Ray's ``PrefixCacheAffinityRouter`` rule and round robin.
 
     python -m cluster.bench.tiers [--replicas 4] [--sessions 32] [--routers ...] [--json]
@@ -76,23 +76,17 @@ class ClusterSettings:
     seed: int = 0
 
     def below_capacity(self) -> ClusterSettings:
-        """The operating point for TTFT (BENCHMARKS.md, issue 17's TTFT goal): these settings
+        """The operating point for TTFT (BENCHMARKS.md, the tiers' TTFT goal): these settings
         with the session clock of a serving benchmark, below the cluster's capacity.
 
         The defaults overload the cluster (sessions every 2 steps, 6 steps between turns):
-        TTFT there is the queue's length under any cache (32.9 of 33.9 steps are queue).
-        ``think_steps`` 60: a tool call between turns (code, search) takes a second or more;
-        a modelled step of these replicas costs ~20 ms (``tiers_ttft.StepCost``), so 60 steps
-        ~ 1.2 s (6 steps ~ 0.1 s is no tool call). ``arrival_steps`` 6: sessions start below
-        the cluster's capacity: 12 running slots, a request holds one ~27 steps (24
-        decodes), so 32 sessions alternating ~27 busy and ~60 thinking steps keep ~10 of 12
-        slots busy.
-        The router runs its defaults: with a fixed load penalty of 16 tokens a queued request
-        weighed less than a tenth of a 192-token system prompt, so ours kept each tool set's
-        sessions on one replica (61 / 3 / 61 / 3 requests) and TTFT was that imbalance's
-        queue; the learnt penalty (``routing_policy.LoadPenalty``: the prefill a routed
-        request computes, ~120-250 tokens here) spreads them and TTFT is prefill, which the
-        tiers cut."""
+        TTFT there is the queue's length under any cache. ``think_steps`` 60: a tool call
+        between turns (code, search) takes a second or more at a modelled step of these
+        replicas (``tiers_ttft.StepCost``). ``arrival_steps`` 6: sessions start below the
+        cluster's capacity, so most running slots are busy but the queue stays short.
+        The router runs its defaults: its learnt load penalty (``routing_policy.LoadPenalty``,
+        the prefill a routed request computes) spreads each tool set's sessions over the
+        replicas, so TTFT is prefill, which the tiers cut, not one replica's queue."""
         return replace(self, think_steps=60, arrival_steps=6.0)
 
     @property

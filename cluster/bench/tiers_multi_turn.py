@@ -1,4 +1,4 @@
-"""Issue 17's multi-turn case on one engine (``python -m cluster.bench.tiers --multi-turn``)."""
+"""The tiers' multi-turn case on one engine (``python -m cluster.bench.tiers --multi-turn``)."""
 from __future__ import annotations
 
 import random

@@ -23,7 +23,7 @@ Kinds (parameters as in the field names of each spec):
 - ``multi_turn``: ``num_sessions`` chats of ``num_turns`` turns; turn 1 is a system
   prompt plus a first message, every later turn appends the previous answer and a
   ``user_len``-token message.
-- ``slot_pressure``: agentic sessions (issue 17). ``num_sessions`` agents share
+- ``slot_pressure``: agentic sessions (the tiers' workload). ``num_sessions`` agents share
   ``num_toolsets`` system prompts (tool definitions, ``system_len`` tokens); turn 1 is the
   system prompt plus a ``task_len`` task, every later turn appends the previous answer, a
   tool output of ``tool_output_len`` tokens (± ``tool_output_range``) and a short
