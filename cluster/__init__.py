@@ -3,9 +3,9 @@
 A request's path: ``api/`` (the OpenAI HTTP layer: ingress deployment, FastAPI routes,
 protocol, request preparation, streaming) -> ``routing/`` (the Serve request router and
 its prefix index actor picking a replica) -> ``serving/`` (the engine replica deployment,
-its engine loop, TP workers, the ingress <-> replica messages). ``observability/`` holds
-the metrics actor, its registry, dashboards and the local Prometheus; ``bench/`` the
-benchmarks and the soak.
+its engine loop, TP workers, the ingress <-> replica messages). ``store/`` is the cluster
+checkpoint store; ``observability/`` holds the metrics actor, its registry, dashboards and
+the local Prometheus; ``bench/`` the benchmark client, the suite and the soak.
 
 Top level, the composition: ``app`` builds the Serve application out of the three,
 ``serve_local`` runs it on a local Ray cluster, ``cli`` is the ``hybridserve`` command,
@@ -13,6 +13,7 @@ Top level, the composition: ``app`` builds the Serve application out of the thre
 ``free_port``.
 
 Import directions (no circles): ``cli``/``app``/``serve_local`` -> ``api`` -> ``serving``
--> ``actors`` -> ``routing``, ``observability``; ``bench`` may import any of them, none
-imports ``bench``. Nothing here is imported by ``workers/``, ``kernels/`` or ``configs/``.
+-> ``store``, ``observability``; ``actors`` gets the named actors (router index, metrics,
+store) for them and ``routing``; ``bench`` may import any of them and only ``cli`` imports
+it. Nothing here is imported by ``workers/``, ``kernels/`` or ``configs/``.
 """

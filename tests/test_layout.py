@@ -117,6 +117,9 @@ FORBIDDEN = {
                         "cluster.app"),
     "cluster.serving": ("cluster.api", "cluster.bench", "cluster.app", "cluster.cli"),
     "cluster.api": ("cluster.bench", "cluster.app", "cluster.cli"),
+    "cluster.store": ("cluster.api", "cluster.serving", "cluster.routing", "cluster.observability",
+                      "cluster.actors", "cluster.bench", "cluster.app"),
+    "cluster.actors": ("cluster.api", "cluster.serving", "cluster.bench", "cluster.app", "cluster.cli"),
 }
 
 
