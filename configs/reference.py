@@ -94,6 +94,14 @@ def sections() -> list[Section]:
     return out
 
 
+def setting(key: str) -> Setting:
+    """The setting with dotted ``key``; KeyError names it when the schema has none."""
+    found = {s.key: s for section in sections() for s in section.settings}
+    if key not in found:
+        raise KeyError(f"no config setting {key!r}")
+    return found[key]
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("<", "&lt;")
 

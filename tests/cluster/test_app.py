@@ -62,3 +62,26 @@ def test_the_router_knows_how_many_requests_a_replica_runs_at_once():
     assert RouterSettings.from_config(config).replica_capacity == 7
     assert RouterSettings.from_config(with_overrides(config, AppArgs(router={"replica_capacity": 2}).overrides())
                                       ).replica_capacity == 2
+
+
+def test_builder_sections_and_set_reach_every_deployment_as_one_config():
+    app = build_app({"model_name": "served", "replica": {"max_ongoing_requests": 7},
+                     "ingress": {"max_body_bytes": 1234, "num_replicas": 2},
+                     "set": {"router.host_hit_value": 0.8, "replica.stream_interval_s": 0.0}})
+    ingress = app._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    config = load_config(overrides=engine.init_args[0])
+    assert ingress.init_args[1] == engine.init_args[0]
+    assert (config.replica.max_ongoing_requests, config.replica.stream_interval_s) == (7, 0.0)
+    assert (config.router.host_hit_value, config.ingress.max_body_bytes) == (0.8, 1234)
+    assert config.served_model_name() == "served"
+    assert engine._deployment_config.max_ongoing_requests == 7 and ingress._deployment_config.num_replicas == 2
+    router = engine._deployment_config.request_router_config
+    assert router.request_router_kwargs == {"config": engine.init_args[0]}
+
+
+def test_a_section_and_a_set_of_the_same_key_must_agree():
+    with pytest.raises(ValueError, match=r"router.min_match_tokens is 4 by args but 8 by args.set"):
+        build_app({"router": {"min_match_tokens": 4}, "set": {"router.min_match_tokens": 8}})
+    with pytest.raises(ValueError, match=r"unknown config key 'replica.bogus'"):
+        build_app({"replica": {"bogus": 1}})
