@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 MODEL = "shut"
 GRACE_S = 15.0
 STREAM_TOKENS = 120
-GRACE_CLI_S = 20.0                          # AppArgs().ingress.graceful_shutdown_timeout_s
+GRACE_CLI_S = 20.0                          # ingress.graceful_shutdown_timeout_s' default
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = {"model_name": MODEL,
         "ingress": {"graceful_shutdown_timeout_s": GRACE_S, "graceful_shutdown_wait_loop_s": 0.5},
