@@ -82,7 +82,8 @@ def settings_of(model: type[BaseModel], prefix: str = "") -> Iterator[Setting]:
     """Every leaf setting of ``model`` in declaration order (sections excluded)."""
     for name, field in model.model_fields.items():
         if not _is_section(field.annotation):
-            yield Setting(prefix + name, type_text(field.annotation), default_text(field), field.description or "")
+            yield Setting(prefix + name, type_text(field.annotation), default_text(field),
+                          field.description or "")
 
 
 def sections() -> list[Section]:
@@ -90,7 +91,8 @@ def sections() -> list[Section]:
     out = [Section("", "the model and the engine as a whole", list(settings_of(HybridServeConfig)))]
     for name, field in HybridServeConfig.model_fields.items():
         if _is_section(field.annotation):
-            out.append(Section(name, field.description or "", list(settings_of(field.annotation, name + "."))))
+            settings = list(settings_of(field.annotation, name + "."))
+            out.append(Section(name, field.description or "", settings))
     return out
 
 

@@ -1,5 +1,8 @@
 """The configuration schema: DESIGN §3, field names are public surface.
 
+One schema for every setting a user can change: the engine's sections here, the Serve
+app's (``router``, ``replica``, ``ingress``) in ``serving.py``; each field carries its
+one-line description, from which ``reference.py`` renders docs/configuration.md.
 Every model is frozen and rejects unknown keys (pydantic ``extra="forbid"``), so a typo
 in YAML or ``--set`` fails loudly with the key named. ``load_config`` merges, in order:
 defaults, a YAML file, a dict of overrides (nested or dotted keys).
@@ -28,13 +31,16 @@ class CacheConfig(Frozen):
     promoted back on a hit) and the cluster-wide store in Ray's object store
     (``cluster/store``; it needs the host tier: fetched checkpoints land there)."""
 
-    enable_prefix_cache: bool = Field(True, description="reuse cached prefixes (KV pages and Mamba checkpoints)")
+    enable_prefix_cache: bool = Field(
+        True, description="reuse cached prefixes (KV pages and Mamba checkpoints)")
     page_size: int = Field(16, ge=1, description="tokens per KV page")
     mamba_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"] = Field(
-        "extra_buffer_lazy", description="track slots a request writes checkpoints into: live slot only, two, or one plus a borrowed one")
+        "extra_buffer_lazy",
+        description="track slots a request writes checkpoints to: the live one, two, or one + a borrowed one")
     mamba_track_interval: int = Field(256, ge=1, description="tokens between two checkpoints of a sequence")
     max_mamba_slots: int | None = Field(
-        None, ge=1, description="usable recurrent-state slots (slot 0 is extra); null: sized from the scheduler")
+        None, ge=1,
+        description="usable recurrent-state slots (slot 0 is extra); null: sized from the scheduler")
     max_kv_tokens: int | None = Field(
         None, ge=1, description="usable KV tokens (page 0 is extra); null: the default budget")
     host_mamba_slots: int = Field(0, ge=0, description="checkpoint slots in host memory; 0: host tier off")
@@ -73,16 +79,20 @@ class SchedulerConfig(Frozen):
     max_batch_tokens: int = Field(4096, ge=1, description="tokens one engine step computes at most")
     chunked_prefill_size: int = Field(512, ge=1, description="prompt tokens of one request per step at most")
     overlap: bool = Field(True, description="schedule the next step while the current one runs")
-    policy: Literal["fcfs", "lpm"] = Field("fcfs", description="admission order: arrival, or longest cached prefix")
-    lpm_max_bypass: int = Field(8, ge=0, description="under lpm, younger requests admitted before a waiting one")
+    policy: Literal["fcfs", "lpm"] = Field(
+        "fcfs", description="admission order: arrival, or longest cached prefix")
+    lpm_max_bypass: int = Field(
+        8, ge=0, description="under lpm, younger requests admitted before a waiting one")
 
 
 class SpecConfig(Frozen):
-    method: Literal["none", "mtp", "draft"] = Field("none", description="speculative decoding: none, or mtp (the model's own MTP head)")
+    method: Literal["none", "mtp", "draft"] = Field(
+        "none", description="speculative decoding: none, or mtp (the model's own MTP head)")
     num_draft_tokens: int = Field(3, ge=1, description="tokens drafted per step")
     # Drafts only: verification scores the whole vocabulary, so outputs are unchanged.
     draft_vocab: str | None = Field(
-        "auto", description="tokens the drafter scores: auto (the model's draft_vocab.json), null (all), or a path")
+        "auto",
+        description="tokens the drafter scores: auto (the model's draft_vocab.json), null (all), or a path")
 
 
 COMPILE_DEFAULT_ENV = "HYBRIDSERVE_COMPILE_DEFAULT"
@@ -117,8 +127,10 @@ class CompileConfig(Frozen):
 
     enabled: bool = Field(default_factory=compile_default, json_schema_extra={"shown_default": "true"},
                           description=f"compiled decode steps; default on unless {COMPILE_DEFAULT_ENV}=0")
-    batch_sizes: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32), description="one compiled graph per batch size")
-    cache_dir: str | None = Field(None, description="persistent inductor caches; null: TORCHINDUCTOR_CACHE_DIR")
+    batch_sizes: tuple[int, ...] = Field(
+        (1, 2, 4, 8, 16, 32), description="one compiled graph per batch size")
+    cache_dir: str | None = Field(
+        None, description="persistent inductor caches; null: TORCHINDUCTOR_CACHE_DIR")
     # Off by default: the persistent caches refuse frozen, packed graphs, so every start-up
     # would compile them again for a step a little faster at larger batches (BENCHMARKS.md).
     pack_weights: bool = Field(False, description="CPU: freeze and pack the weights into the compiled steps")
@@ -160,18 +172,22 @@ class DebugConfig(Frozen):
         0.0, ge=0.0, le=1.0, description="fault injection: probability that a pending allocation fails")
     disable_alias_guard: bool = Field(False, description="turn off the guard against aliased state slots")
     state_oracle_sample: float = Field(
-        0.0, ge=0.0, le=1.0, description="fraction of checkpoints recomputed by a fresh prefill and compared (TP = 1)")
+        0.0, ge=0.0, le=1.0,
+        description="fraction of checkpoints recomputed by a fresh prefill and compared (TP = 1)")
     fail_transfer_prob: float = Field(
         0.0, ge=0.0, le=1.0, description="fault injection: probability that a host <-> device copy fails")
 
 
 class HybridServeConfig(Frozen):
-    model: str = Field(DEFAULT_MODEL_DIR, description="the model directory (relative: to cwd, else the repository)")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="weights and activations")
+    model: str = Field(
+        DEFAULT_MODEL_DIR, description="the model directory (relative: to cwd, else the repository)")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights and activations")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     seed: int = Field(0, description="sampling seed of requests without their own")
     max_model_len: int | None = Field(
-        None, ge=2, description="longest sequence (prompt + output); null: what the model and the KV pool allow")
+        None, ge=2,
+        description="longest sequence (prompt + output); null: what the model and the KV pool allow")
     cache: CacheConfig = Field(CacheConfig(), description="device pools, prefix caching and the tiers")
     scheduler: SchedulerConfig = Field(SchedulerConfig(), description="admission and batching")
     spec: SpecConfig = Field(SpecConfig(), description="speculative decoding")
@@ -197,8 +213,9 @@ class HybridServeConfig(Frozen):
             raise ValueError(f"cache.host_mamba_slots={self.cache.host_mamba_slots} (the host tier) needs "
                              f"parallel.tensor_parallel_size=1, got {tp}")
         if self.replica.resources and tp > 1:
-            raise ValueError(f"replica.resources {self.replica.resources} needs parallel.tensor_parallel_size=1 "
-                             f"(a TP replica is placed by its placement group), got {tp}")
+            raise ValueError(f"replica.resources {self.replica.resources} needs "
+                             f"parallel.tensor_parallel_size=1 (a TP replica is placed by its placement "
+                             f"group), got {tp}")
         if self.compile.enabled and tp > 1:      # a default must not make a TP config invalid
             logger.warning("compile.enabled with parallel.tensor_parallel_size=%d: the engine runs eager "
                            "(compiled steps are single-rank)", tp)

@@ -17,13 +17,16 @@ class RouterConfig(Frozen):
     """``HybridPrefixRouter``: which replica serves a request (``cluster/routing``)."""
 
     policy: Literal["hybrid_prefix", "pow2", "round_robin"] = Field(
-        "hybrid_prefix", description="routing policy: cached prefix against load, power of two, or round robin")
+        "hybrid_prefix",
+        description="routing policy: cached prefix against load, power of two, or round robin")
     load_penalty_tokens: float = Field(
-        16.0, ge=0, description="prefill tokens one ongoing request costs a newcomer (the learnt penalty's floor)")
+        16.0, ge=0,
+        description="prefill tokens one ongoing request costs a newcomer (the learnt penalty's floor)")
     load_penalty_auto: bool = Field(
         True, description="learn the cost of a queued request from the prefill routed requests compute")
     imbalance_abs: int = Field(
-        8, ge=0, description="route to the least loaded replica when the preferred one has this many more requests")
+        8, ge=0,
+        description="route to the least loaded replica when the preferred one has this many more requests")
     imbalance_rel: float = Field(
         1.5, ge=1.0, description="... and more than this factor times the least loaded one's requests")
     min_match_tokens: int = Field(
@@ -33,9 +36,11 @@ class RouterConfig(Frozen):
     store_hit_value: float = Field(
         0.5, ge=0, le=1, description="what a cluster-store token saves, as a fraction of a device-cached one")
     store_min_gain_tokens: int = Field(
-        0, ge=0, description="tokens a store entry must be deeper than a replica's own to count (fetch break-even)")
+        0, ge=0,
+        description="tokens a store entry must be deeper than a replica's own to count (fetch break-even)")
     replica_capacity: int = Field(
-        0, ge=0, description="requests a replica runs at once; 0: the engine's scheduler.max_running_requests")
+        0, ge=0,
+        description="requests a replica runs at once; 0: the engine's scheduler.max_running_requests")
     index_timeout_s: float = Field(
         0.5, gt=0, description="how long a decision waits for the prefix index before power of two")
     push_interval_s: float = Field(1.0, gt=0, description="seconds between the router's metric pushes")
@@ -54,12 +59,16 @@ class ReplicaConfig(Frozen):
 
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica (per rank with TP)")
     resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources per replica, to pin replicas to nodes (TP = 1)")
+        default_factory=dict,
+        description="custom Ray resources per replica, to pin replicas to nodes (TP = 1)")
     max_ongoing_requests: int = Field(256, ge=1, description="generate streams a replica runs at once")
     max_queued_requests: int = Field(
-        512, ge=-1, description="more waiting per caller's handle, beyond which the ingress answers 503; -1: unbounded")
-    stats_interval_s: float = Field(1.0, gt=0, description="seconds between stats pushes and router heartbeats")
-    events_interval_s: float = Field(0.05, gt=0, description="seconds between checkpoint-event pushes to the router")
+        512, ge=-1,
+        description="more waiting per caller's handle, beyond which the ingress answers 503; -1: unbounded")
+    stats_interval_s: float = Field(
+        1.0, gt=0, description="seconds between stats pushes and router heartbeats")
+    events_interval_s: float = Field(
+        0.05, gt=0, description="seconds between checkpoint-event pushes to the router")
     health_check_period_s: float = Field(10.0, gt=0, description="seconds between Serve's health checks")
     health_check_timeout_s: float = Field(30.0, gt=0, description="a health check slower than this fails")
     graceful_shutdown_wait_loop_s: float = Field(
@@ -69,7 +78,8 @@ class ReplicaConfig(Frozen):
     stream_interval_s: float = Field(
         0.05, ge=0, description="least seconds between two items of a stream; 0: an item every engine step")
     stream_items_per_s: float = Field(
-        100.0, ge=0, description="most stream items per second a replica sends, all streams together; 0: no budget")
+        100.0, ge=0,
+        description="most stream items per second a replica sends, all streams together; 0: no budget")
     max_stream_interval_s: float = Field(
         0.25, ge=0, description="most seconds between two items of a stream under the budget")
     forget_after_s: float = Field(
@@ -79,7 +89,8 @@ class ReplicaConfig(Frozen):
     store_latency_s: float = Field(0.002, ge=0, description="a store fetch's fixed cost")
     prefill_tokens_per_s: float = Field(
         2000.0, gt=0, description="prior of the engine's prefill throughput (then measured)")
-    store_fetch_timeout_s: float = Field(10.0, gt=0, description="a store fetch slower than this is abandoned")
+    store_fetch_timeout_s: float = Field(
+        10.0, gt=0, description="a store fetch slower than this is abandoned")
 
 
 class IngressConfig(Frozen):
@@ -96,7 +107,8 @@ class IngressConfig(Frozen):
         default_factory=dict, description="custom Ray resources per ingress replica, to pin it to nodes")
     max_ongoing_requests: int = Field(1000, ge=1, description="Serve's limit of requests per ingress replica")
     max_queued_requests: int = Field(
-        256, ge=-1, description="requests queued in the Serve proxy beyond that (plain-text 503); -1: unbounded")
+        256, ge=-1,
+        description="requests queued in the Serve proxy beyond that (plain-text 503); -1: unbounded")
     max_in_flight: int = Field(
         512, ge=1, description="requests an ingress replica admits; beyond: OpenAI 503 with Retry-After")
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of that 503")

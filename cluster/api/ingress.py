@@ -88,7 +88,8 @@ class OpenAIIngress:
         cfg = HybridServeConfig.model_validate(config)
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())   # data only, no checkpoint code
         app_name = serve.get_replica_context().app_name
-        client = ServeEngineClient(engine, app_name, cfg.replica.forget_after_s, cfg.server.host, cfg.metrics.port)
+        client = ServeEngineClient(engine, app_name, cfg.replica.forget_after_s, cfg.server.host,
+                                   cfg.metrics.port)
         self._server = OpenAIServer(client, tokenizer, ServerSettings.from_config(cfg))
         self._max_in_flight, self._retry_after_s = cfg.ingress.max_in_flight, cfg.ingress.retry_after_s
 

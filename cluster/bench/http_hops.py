@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--stream-interval-s", type=float, default=0.05, help="the replicas' stream batching")
     ap.add_argument("--stream-items-per-s", type=float, default=None,
-                    help="the replicas' item budget, all streams together (default: replica.stream_items_per_s; 0: none)")
+                    help="the replicas' item budget, all streams together (default: the config's; 0: none)")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the suite's bench model)")
     ap.add_argument("--no-serve", action="store_true", help="only the in-process layers (no Ray)")
     ap.add_argument("--serve-only", action="store_true", help="only the Ray Serve path")

@@ -81,7 +81,8 @@ class RouterSettings:
         """``router.replica_capacity`` 0 becomes the engine's ``scheduler.max_running_requests``."""
         router = config.router
         view = cls(**{f.name: getattr(router, f.name) for f in fields(cls)})
-        return replace(view, replica_capacity=router.replica_capacity or config.scheduler.max_running_requests)
+        capacity = router.replica_capacity or config.scheduler.max_running_requests
+        return replace(view, replica_capacity=capacity)
 
 
 class ReplicaView(NamedTuple):

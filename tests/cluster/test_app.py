@@ -60,8 +60,8 @@ def test_the_router_knows_how_many_requests_a_replica_runs_at_once():
 
     config = load_config(overrides={"scheduler.max_running_requests": 7})
     assert RouterSettings.from_config(config).replica_capacity == 7
-    assert RouterSettings.from_config(with_overrides(config, AppArgs(router={"replica_capacity": 2}).overrides())
-                                      ).replica_capacity == 2
+    overridden = with_overrides(config, AppArgs(router={"replica_capacity": 2}).overrides())
+    assert RouterSettings.from_config(overridden).replica_capacity == 2
 
 
 def test_builder_sections_and_set_reach_every_deployment_as_one_config():
@@ -75,7 +75,8 @@ def test_builder_sections_and_set_reach_every_deployment_as_one_config():
     assert (config.replica.max_ongoing_requests, config.replica.stream_interval_s) == (7, 0.0)
     assert (config.router.host_hit_value, config.ingress.max_body_bytes) == (0.8, 1234)
     assert config.served_model_name() == "served"
-    assert engine._deployment_config.max_ongoing_requests == 7 and ingress._deployment_config.num_replicas == 2
+    assert engine._deployment_config.max_ongoing_requests == 7
+    assert ingress._deployment_config.num_replicas == 2
     router = engine._deployment_config.request_router_config
     assert router.request_router_kwargs == {"config": engine.init_args[0]}
 

@@ -70,8 +70,8 @@ def make_router(replicas: list[FakeReplica], index: FakeIndex, policy: str = "hy
                 loads: dict[str, int] | None = None) -> tuple[HybridPrefixRouter, FakeMetrics]:
     router = HybridPrefixRouter(deployment_id=DEP, handle_source=DeploymentHandleSource.UNKNOWN)
     metrics = FakeMetrics()
-    config = load_config(overrides={"router": {"policy": policy, "min_match_tokens": 4, "push_interval_s": 0.01},
-                                    "server.served_model_name": "m"})
+    router_section = {"policy": policy, "min_match_tokens": 4, "push_interval_s": 0.01}
+    config = load_config(overrides={"router": router_section, "server.served_model_name": "m"})
     router.initialize_state(config=config.model_dump(mode="json"), index_actor=index, metrics_actor=metrics)
     router._replicas = {r.replica_id: r for r in replicas}
     router._replica_id_set = set(router._replicas)

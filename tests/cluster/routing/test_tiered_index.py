@@ -41,7 +41,7 @@ def test_expected_saved_weighs_each_tier():
     assert expected_saved(ReplicaView("a", 10, 0, host_depth=40), s) == 20
     assert expected_saved(ReplicaView("a", 30, 0, host_depth=40, store_depth=200), s) == 50
     assert expected_saved(ReplicaView("a", 30, 0), s) == 30
-    with pytest.raises(ValueError, match=r"router.store_hit_value \(0.5\) must be <= router.host_hit_value \(0.2\)"):
+    with pytest.raises(ValueError, match=r"store_hit_value \(0.5\) must be <= router.host_hit_value \(0.2\)"):
         load_config(overrides={"router": {"host_hit_value": 0.2, "store_hit_value": 0.5}})
 
 
