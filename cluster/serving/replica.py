@@ -63,9 +63,8 @@ class EngineReplica:
         self._index = get_index_actor(ctx.app_name, self._opts.forget_after_s)
         self._metrics = get_metrics_actor(ctx.app_name, self._config.server.host, self._config.metrics.port)
         self._store = self._store_client(ctx.app_name)
-        pacing = StreamPacing(self._opts.stream_interval_s, self._opts.stream_items_per_s,
-                              self._opts.max_stream_interval_s)
-        self._core = await ReplicaCore.create(self._config, pacing, fetcher=self._store)
+        self._core = await ReplicaCore.create(self._config, StreamPacing.from_config(self._opts),
+                                              fetcher=self._store)
         frozen = freeze_startup_objects()
         self._lock = asyncio.Lock()         # orders event pushes against flush + clear
         self._index.apply.remote(self._replica_id, [])

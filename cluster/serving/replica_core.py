@@ -30,6 +30,7 @@ from cluster.serving.engine_loop import EngineLoop
 from cluster.serving.messages import (Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo,
                                       ReplicaStats)
 from configs.schema import HybridServeConfig
+from configs.serving import ReplicaConfig
 from workers.outputs import OutputDelta
 
 StreamItem = Accepted | GenerateError | list[GenerateChunk]
@@ -153,6 +154,11 @@ class StreamPacing:
         for name in ("interval_s", "items_per_s", "max_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"stream pacing {name} must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def from_config(cls, replica: ReplicaConfig) -> StreamPacing:
+        """A deployed replica's pacing: the config's ``replica.*stream*`` settings."""
+        return cls(replica.stream_interval_s, replica.stream_items_per_s, replica.max_stream_interval_s)
 
     def gap(self, num_streams: int) -> float:
         if self.items_per_s <= 0:

@@ -6,6 +6,7 @@ from dataclasses import fields
 
 from cluster.api.openai_server import ServerSettings
 from cluster.routing.routing_policy import RouterSettings
+from cluster.serving.replica_core import StreamPacing
 from cluster.store.client import FetchSettings
 from configs.schema import HybridServeConfig, load_config
 
@@ -14,7 +15,8 @@ CONFIG = load_config(overrides={
     "router": {"load_penalty_tokens": 3.0, "load_penalty_auto": False, "imbalance_abs": 2,
                "imbalance_rel": 2.5, "min_match_tokens": 5, "host_hit_value": 0.7, "store_hit_value": 0.3,
                "store_min_gain_tokens": 11, "replica_capacity": 4},
-    "replica": {"store_bandwidth_bytes_per_s": 5e8, "store_latency_s": 0.01, "prefill_tokens_per_s": 123.0,
+    "replica": {"stream_interval_s": 0.02, "stream_items_per_s": 50.0, "max_stream_interval_s": 0.5,
+                "store_bandwidth_bytes_per_s": 5e8, "store_latency_s": 0.01, "prefill_tokens_per_s": 123.0,
                 "store_fetch_timeout_s": 3.0},
     "server": {"api_key": "k", "served_model_name": "served", "tool_call_parser": "hermes",
                "reasoning_parser": "none", "trust_request_chat_template": True},
@@ -57,3 +59,8 @@ def test_server_settings_hold_the_server_section_and_the_body_limit():
     assert _pick(bare, SERVER_KEYS) == _pick(default.server, SERVER_KEYS)
     assert bare.max_body_bytes == default.ingress.max_body_bytes
     assert ServerSettings.from_config(default).model_name == "qwen3-next-tiny-py"
+
+
+def test_stream_pacing_holds_the_replica_stream_settings():
+    pacing = StreamPacing.from_config(CONFIG.replica)
+    assert (pacing.interval_s, pacing.items_per_s, pacing.max_interval_s) == (0.02, 50.0, 0.5)
