@@ -27,7 +27,8 @@ of ``--batch`` as the suite's engines do (``suite_config.CompileCfg``); ``--eage
 them uncompiled.
 
 A hop's cost is its layer's us per token minus the layer's below. On a shared 2-core
-machine every figure is an indication: the load average is reported with them.
+machine every figure is an indication: the load average is reported with them. Latency
+rather than cost per token (one request's TTFT, one stream's rate): ``http_latency``.
 """
 from __future__ import annotations
 
