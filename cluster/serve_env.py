@@ -4,7 +4,7 @@
 responses to the ingress replicas over Serve's gRPC channel (by value) instead of as Ray
 objects, as the ingress's handle to the engine replicas does (``_by_reference=False``,
 ``cluster/api/ingress.py``); it costs the proxy and the ingress less CPU per stream item
-(``python -m cluster.bench.http_hops``, BENCHMARKS.md).
+(``python -m tests.lab.http_hops``, BENCHMARKS.md).
 
 ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` and ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``
 (two of Serve's "throughput optimized" settings): the deployments' code and the handles'

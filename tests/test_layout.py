@@ -133,6 +133,56 @@ def test_import_directions():
     assert bad == []
 
 
+# -- the product apart from the lab (DESIGN §2): cluster/bench is what ``hybridserve bench``
+# runs (the client, the suite and what the suite imports) and tools a user points at a
+# server; a harness of a finished investigation lives in tests/lab, never in a product package
+BENCH_ENTRIES = ("cluster.cli", "cluster.bench.http_latency")   # http_latency: ``--url URL``
+
+
+def _reachable(graph: dict[str, set[str]], starts: tuple[str, ...]) -> set[str]:
+    seen, todo = set(starts), list(starts)
+    while todo:
+        for dst in graph[todo.pop()] - seen:
+            seen.add(dst)
+            todo.append(dst)
+    return seen
+
+
+def test_bench_holds_only_what_the_cli_runs():
+    graph = _graph()
+    bench = {m for m in graph if _in(m, "cluster.bench") and m != "cluster.bench"}
+    assert sorted(bench - _reachable(graph, BENCH_ENTRIES)) == []
+
+
+def test_only_the_cli_imports_bench():
+    bad = [f"{src} imports {dst}" for src, dsts in sorted(_graph().items()) for dst in sorted(dsts)
+           if _in(dst, "cluster.bench") and not (_in(src, "cluster.bench") or src == "cluster.cli")]
+    assert bad == []
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The first name of every absolute import of a module (lazy and annotation-only included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name.partition(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.partition(".")[0])
+    return found
+
+
+def test_product_imports_no_tests():
+    bad = [str(path.relative_to(ROOT)) for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py"))
+           if "tests" in _top_level_imports(path)]
+    assert bad == []
+
+
+def test_reachability_finds_a_stray_harness():
+    graph = {"cluster.cli": {"cluster.bench.command"}, "cluster.bench.command": {"cluster.bench.suite"},
+             "cluster.bench.suite": set(), "cluster.bench.probe": {"cluster.bench.suite"}}
+    assert _reachable(graph, ("cluster.cli",)) == {"cluster.cli", "cluster.bench.command", "cluster.bench.suite"}
+
+
 # -- DESIGN.md: every "DESIGN §n" (and "DESIGN §n rule m") in the code names a heading of it
 DESIGN = ROOT / "DESIGN.md"
 CITATION = re.compile(r"DESIGN §(\d+(?:\.\d+)*)(?:\s+rule\s+(\d+))?")

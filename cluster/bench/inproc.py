@@ -20,10 +20,18 @@ from typing import Any
 import torch
 
 from cluster.bench.metrics import RequestRecord
+from workers.forward_batch import ForwardBatch, is_decode_only
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
 CPU = {"device": "cpu", "dtype": "float32"}
+# the bench model's dims: a random 8-layer Qwen3-Next of ~15M parameters (``make_bench_model``)
+BENCH_DIMS = dict(hidden_size=256, num_hidden_layers=8,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+                  + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+                  linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=256, shared_expert_intermediate_size=256, intermediate_size=512)
 
 
 def engine_kwargs(compile_cfg: Any, batch: int, all_sizes: bool = False) -> dict[str, Any]:
@@ -41,12 +49,11 @@ def engine_kwargs(compile_cfg: Any, batch: int, all_sizes: bool = False) -> dict
 
 def make_bench_model(out_dir: Path) -> Path:
     """The engine-overhead bench model (a random 8-layer Qwen3-Next, ~15M parameters, seed 0)."""
-    from cluster.bench.engine_overhead import MODEL_10M
     from workers.models.tiny import make_tiny_checkpoint
 
     if (out_dir / "config.json").exists():
         return out_dir
-    return make_tiny_checkpoint("qwen3_next", out_dir, seed=0, **MODEL_10M)
+    return make_tiny_checkpoint("qwen3_next", out_dir, seed=0, **BENCH_DIMS)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -163,11 +170,54 @@ class HFGenerate:
 
 
 # -- the bare forward loop --------------------------------------------------------------------------
-def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> float:
-    """Decode tok/s of the model's forward in a tight loop at the prompts' batch size."""
-    from cluster.bench.engine_overhead import bare_decode_rate as bare
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
-    return bare(llm, prompts, out_tokens)
+
+def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> float:
+    """Decode tok/s of the model's forward in a tight loop on pre-built decode batches (no
+    scheduler), through the engine's compiled decode step when ``compile.enabled`` (the same
+    path as the engine). Rate = batch * (out_tokens - 1) / (time(out_tokens) - time(1))."""
+    engine = llm.engine
+    model, pools, ps = engine.model, engine.pools, engine.config.cache.page_size
+    b, plen = len(prompts), len(prompts[0])
+    total = plen + out_tokens
+    pages_per = -(-total // ps)
+    page_table = torch.arange(1, 1 + b * pages_per, dtype=torch.int32).view(b, pages_per)
+    slots = torch.arange(1, b + 1, dtype=torch.int32)
+
+    def batch(ids: torch.Tensor, start: int, q: int) -> ForwardBatch:
+        pos = torch.arange(start, start + q).repeat(b)
+        rows = torch.arange(b).repeat_interleave(q)
+        out_loc = page_table[rows, pos // ps].long() * ps + pos % ps
+        return ForwardBatch(ids.reshape(-1), pos, torch.arange(0, b * q + 1, q, dtype=torch.int32),
+                            torch.full((b,), start + q, dtype=torch.int32), out_loc, page_table, slots,
+                            torch.full((b,), start > 0), torch.arange(q - 1, b * q, q), ps,
+                            decode_only=is_decode_only([q] * b, [start > 0] * b, None))
+
+    compiled = engine.runner.compiled      # the engine's compiled decode step, when it has one
+
+    def logits(fb: ForwardBatch) -> torch.Tensor:
+        bucket = compiled.pick(fb) if compiled is not None else None
+        if bucket is None:
+            return model.compute_logits(model.forward(fb, pools)[fb.logits_indices])
+        assert compiled is not None
+        return compiled.run(fb, bucket)[1][fb.logits_indices]
+
+    @torch.inference_mode()
+    def run(n: int) -> None:
+        fb = batch(torch.tensor(prompts), 0, plen)
+        tok = logits(fb).argmax(-1)
+        for step in range(n - 1):
+            fb = batch(tok, plen + step, 1)
+            tok = logits(fb).argmax(-1)
+        tok.tolist()
+
+    run(2)
+    t_full, t_one = _timed(lambda: run(out_tokens)), _timed(lambda: run(1))
+    return b * (out_tokens - 1) / (t_full - t_one)
 
 
 def quiet_transformers() -> None:

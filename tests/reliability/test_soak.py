@@ -1,7 +1,7 @@
 """Soak: a mixed load over two replicas with ``debug.check_invariants`` on.
 
 Every shipped workload mixed, streaming and not, 5 % disconnects, 1 % invalid requests
-(``cluster.bench.soak``). The contract (``SoakResult.problems``): no request fails (no
+(``tests.reliability.soak``). The contract (``SoakResult.problems``): no request fails (no
 5xx, no unexpected 4xx, no transport error, no hang past the request timeout, no short or
 truncated answer, every invalid request the right 4xx error object), zero invariant
 violations on every replica, each replica's RSS grows < 10 % between the end of warm-up
@@ -21,10 +21,10 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.api.protocol import CompletionRequest
-from cluster.bench.soak import (INVALID_KINDS, WORKLOADS, SoakRecord, SoakReport, SoakSettings, WorkloadMix,
-                                invalid_body)
-from cluster.bench.soak_server import ORACLE_CHECKS, SoakResult, replica_pids, run_checked
 from cluster.bench.workloads import Renderer
+from tests.reliability.soak import (INVALID_KINDS, WORKLOADS, SoakRecord, SoakReport, SoakSettings, WorkloadMix,
+                                    invalid_body)
+from tests.reliability.soak_server import ORACLE_CHECKS, SoakResult, replica_pids, run_checked
 
 NUM_REPLICAS = 2
 SOAK_OVERRIDES = {"debug": {"check_invariants": True, "state_oracle_sample": 0.25},

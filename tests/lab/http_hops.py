@@ -1,14 +1,14 @@
 """Where the HTTP path's time per token goes: one decode workload measured at each layer
 of the serving path, and the CPU every process of a real Ray Serve cluster spends on it.
 
-    python -m cluster.bench.http_hops [--batch 8 --prompt-len 32 --output-len 64 --repeats 2]
+    python -m tests.lab.http_hops [--batch 8 --prompt-len 32 --output-len 64 --repeats 2]
         [--stream-interval-s 0.05 --stream-items-per-s 100] [--model DIR] [--no-serve | --serve-only]
         [--eager] [--out hops.json]
 
 In one process, no Ray, each layer on top of the one before (best of ``repeats``
 interleaved runs; decode tok/s = batch / mean TPOT, TPOT = (last - first token) / (n - 1)):
 
-1. ``bare``: the model's forward on pre-built decode batches (``engine_overhead``);
+1. ``bare``: the model's forward on pre-built decode batches (``inproc.bare_decode_rate``);
 2. ``engine``: + scheduler, sampler, detokenization, outputs (``Engine.step`` in a loop);
 3. ``replica``: + ``EngineLoop`` (engine thread <-> event loop) and ``ReplicaCore``'s
    chunks and stream batching, read by asyncio tasks;

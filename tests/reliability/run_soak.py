@@ -1,9 +1,9 @@
 """Run a checked soak against a server; exit status 1 when any check fails.
 
-    python -m cluster.bench.run_soak --base-url http://127.0.0.1:8000/APP --duration-s 600 \\
+    python -m tests.reliability.run_soak --base-url http://127.0.0.1:8000/APP --duration-s 600 \\
         [--warmup-s 60 --concurrency 8 --ray-app APP --ray-address HOST:PORT]
 
-The load is ``cluster.bench.soak``, the server-side checks ``cluster.bench.soak_server``.
+The load is ``soak``, the server-side checks ``soak_server`` (both beside this file).
 ``--ray-app`` joins the Ray cluster to read the replicas' RSS; a cluster with Ray's token
 authentication also needs ``RAY_AUTH_MODE=token`` in this command's environment.
 """
@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.bench.soak import SoakSettings
-from cluster.bench.soak_server import replica_pids, run_checked
 from cluster.bench.workloads import Renderer
+from tests.reliability.soak import SoakSettings
+from tests.reliability.soak_server import replica_pids, run_checked
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run a checked soak against a server; exit status 1 when any check fails."""
-    p = argparse.ArgumentParser(prog="python -m cluster.bench.run_soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tests.reliability.run_soak",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", required=True, help="the app's URL (above /v1, where /debug/replicas is)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--duration-s", type=float, default=600.0)

@@ -1,9 +1,9 @@
 """Serving-path overhead: decode tokens/s of the engine against a bare forward loop and
 against transformers ``generate``, same model, same prompts, same batch, one process.
 
-    python -m cluster.bench.engine_overhead --batch 1 32 --out-tokens 64
+    python -m tests.lab.engine_overhead --batch 1 32 --out-tokens 64
 
-Builds a ~10M-parameter random Qwen3-Next (tiny factory), prompts of 32 random tokens.
+Builds the suite's ~15M-parameter random Qwen3-Next (``inproc.BENCH_DIMS``), prompts of 32 random tokens.
 Decode rate = batch * (out_tokens - 1) / (time(out_tokens) - time(1)), so prefill and
 first-token time cancel out. Reports a JSON line per batch size.
 """
@@ -18,16 +18,9 @@ from pathlib import Path
 
 import torch
 
-from workers.forward_batch import ForwardBatch, is_decode_only
+from cluster.bench.inproc import BENCH_DIMS, bare_decode_rate
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
-
-MODEL_10M = dict(hidden_size=256, num_hidden_layers=8,
-                 layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
-                 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
-                 linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=256, shared_expert_intermediate_size=256, intermediate_size=512)
 
 
 def _timed(fn) -> float:
@@ -43,49 +36,6 @@ def engine_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> f
     run(2)  # warm-up
     t_full, t_one = _timed(lambda: run(out_tokens)), _timed(lambda: run(1))
     return len(prompts) * (out_tokens - 1) / (t_full - t_one)
-
-
-def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> float:
-    """The model's forward in a tight loop on pre-built decode batches (no scheduler), through
-    the engine's compiled decode step when ``compile.enabled`` (the same path as the engine)."""
-    engine = llm.engine
-    model, pools, ps = engine.model, engine.pools, engine.config.cache.page_size
-    b, plen = len(prompts), len(prompts[0])
-    total = plen + out_tokens
-    pages_per = -(-total // ps)
-    page_table = torch.arange(1, 1 + b * pages_per, dtype=torch.int32).view(b, pages_per)
-    slots = torch.arange(1, b + 1, dtype=torch.int32)
-
-    def batch(ids: torch.Tensor, start: int, q: int) -> ForwardBatch:
-        pos = torch.arange(start, start + q).repeat(b)
-        rows = torch.arange(b).repeat_interleave(q)
-        out_loc = page_table[rows, pos // ps].long() * ps + pos % ps
-        return ForwardBatch(ids.reshape(-1), pos, torch.arange(0, b * q + 1, q, dtype=torch.int32),
-                            torch.full((b,), start + q, dtype=torch.int32), out_loc, page_table, slots,
-                            torch.full((b,), start > 0), torch.arange(q - 1, b * q, q), ps,
-                            decode_only=is_decode_only([q] * b, [start > 0] * b, None))
-
-    compiled = engine.runner.compiled      # the engine's compiled decode step, when it has one
-
-    def logits(fb: ForwardBatch) -> torch.Tensor:
-        bucket = compiled.pick(fb) if compiled is not None else None
-        if bucket is None:
-            return model.compute_logits(model.forward(fb, pools)[fb.logits_indices])
-        assert compiled is not None
-        return compiled.run(fb, bucket)[1][fb.logits_indices]
-
-    @torch.inference_mode()
-    def run(n: int) -> None:
-        fb = batch(torch.tensor(prompts), 0, plen)
-        tok = logits(fb).argmax(-1)
-        for step in range(n - 1):
-            fb = batch(tok, plen + step, 1)
-            tok = logits(fb).argmax(-1)
-        tok.tolist()
-
-    run(2)
-    t_full, t_one = _timed(lambda: run(out_tokens)), _timed(lambda: run(1))
-    return b * (out_tokens - 1) / (t_full - t_one)
 
 
 def hf_decode_rate(model_dir: Path | torch.nn.Module, prompts: list[list[int]], out_tokens: int) -> float:
@@ -116,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_checkpoint("qwen3_next", Path(tmp) / "m", seed=0, **MODEL_10M)
+        model_dir = make_tiny_checkpoint("qwen3_next", Path(tmp) / "m", seed=0, **BENCH_DIMS)
         llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
                   cache={"page_size": 16, "max_kv_tokens": 65536})
         params = sum(p.numel() for p in llm.engine.model.parameters())

@@ -1,10 +1,10 @@
 """The cost of sampling features on the decode hot path: decode tokens/s at one batch
 size with a json_schema constraint against without, and with every penalty on against off.
 
-    python -m cluster.bench.sampling_cost --batch 16 --out-tokens 64 --repeats 3
+    python -m tests.lab.sampling_cost --batch 16 --out-tokens 64 --repeats 3
 
-In-process engine (the ``run-batch`` path) on the ~10M-parameter random Qwen3-Next of
-``engine_overhead``; decode rate = batch * (out_tokens - 1) / (time(out_tokens) - time(1)),
+In-process engine (the ``run-batch`` path) on the suite's ~15M-parameter random Qwen3-Next
+(``cluster.bench.inproc.BENCH_DIMS``); decode rate = batch * (out_tokens - 1) / (time(out_tokens) - time(1)),
 so prefill and the first token cancel out. The variants are interleaved and repeated and
 the best run of each is kept (a shared machine's noise only slows runs down). The grammar
 (an integer array of at least 4 * out_tokens items) cannot finish within out_tokens, so
@@ -60,7 +60,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], p: SamplingParams) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> None:
-    from cluster.bench.engine_overhead import MODEL_10M
+    from cluster.bench.inproc import BENCH_DIMS
     from workers.models.tiny import make_tiny_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="the test-size model (to check the script runs)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        dims = {} if args.tiny else MODEL_10M
+        dims = {} if args.tiny else BENCH_DIMS
         model_dir = make_tiny_checkpoint("qwen3_next", Path(tmp) / "m", seed=0, **dims)
         llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
                   cache={"page_size": 16, "max_kv_tokens": 65536, "enable_prefix_cache": False})

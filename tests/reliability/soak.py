@@ -1,6 +1,6 @@
 """Soak load: every shipped workload mixed, streaming and not, with disconnects and invalid requests.
 
-The command line (a checked soak against a running server) is ``cluster.bench.run_soak``.
+The command line (a checked soak against a running server) is ``tests.reliability.run_soak``.
 
 ``concurrency`` workers run a closed loop for ``duration_s``: each takes the next session
 of a workload drawn at random (``configs/workloads``: random lengths, shared prefix,
@@ -16,7 +16,7 @@ Every request is bounded by ``request_timeout_s`` (a hang is a ``timeout`` failu
 completed request must carry exactly ``max_tokens`` output tokens (``ignore_eos``), and a
 stream must end with ``[DONE]`` and no in-band error. Outcomes: ``ok``, ``disconnected``,
 ``rejected`` (an invalid request refused as expected) and the failures in ``FAILURES``.
-Server-side checks (violations, pools, RSS) are in ``cluster.bench.soak_server``.
+Server-side checks (violations, pools, RSS) are in ``tests.reliability.soak_server``.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.bench.families import main
+from tests.lab.families import main
 
 
 def test_families_bench_reports_one_line_per_family(capsys) -> None:

@@ -1,7 +1,7 @@
 """Decode tokens/s per registered model family: the engine against transformers ``generate``.
 
-    python -m cluster.bench.families [--families mamba2 zamba2] [--batch 8] [--out-tokens 32]
-                                     [--prompt-len 32] [--repeats 3]
+    python -m tests.lab.families [--families mamba2 zamba2] [--batch 8] [--out-tokens 32]
+                                 [--prompt-len 32] [--repeats 3]
 
 For each family of ``workers.models.tiny_registry`` (default: all), builds its tiny
 checkpoint, then measures, interleaved ``--repeats`` times, the engine's decode rate (the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.engine_overhead import engine_decode_rate, hf_decode_rate
+from tests.lab.engine_overhead import engine_decode_rate, hf_decode_rate
 from workers.llm import LLM
 
 

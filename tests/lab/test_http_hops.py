@@ -1,4 +1,4 @@
-"""The per-hop bench (``cluster.bench.http_hops``) runs its in-process layers, and
+"""The per-hop bench (``tests.lab.http_hops``) runs its in-process layers, and
 ``proc_cpu`` counts the CPU of the processes below this one (no timing asserted)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from cluster.bench.http_hops import EXTRA, LAYERS, main, report
 from cluster.bench.proc_cpu import PROC, cpu_delta, role, snapshot
+from tests.lab.http_hops import EXTRA, LAYERS, main, report
 
 BUSY = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\nsys.stdin.read()"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.bench.sampling_cost import main
+from tests.lab.sampling_cost import main
 
 
 def test_sampling_cost_runs_every_variant(capsys):

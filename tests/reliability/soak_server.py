@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.soak import SoakReport, SoakSettings, run_soak
 from cluster.bench.workloads import Renderer
+from tests.reliability.soak import SoakReport, SoakSettings, run_soak
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 VIOLATIONS = "hybridserve_invariant_violations_total"

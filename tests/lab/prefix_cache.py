@@ -1,6 +1,6 @@
 """Prefix caching on a shared-prefix workload, cache on against cache off, one process.
 
-    python -m cluster.bench.prefix_cache --systems 8 --questions 8 --system-len 256
+    python -m tests.lab.prefix_cache --systems 8 --questions 8 --system-len 256
 
 Workload: ``systems`` random system prompts of ``system-len`` tokens, each followed by
 ``questions`` distinct questions of 16-48 tokens, sent one request at a time (a single
@@ -52,7 +52,7 @@ def run(model_dir: Path, prompts: list[list[int]], cache_on: bool, page_size: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    from cluster.bench.engine_overhead import MODEL_10M
+    from cluster.bench.inproc import BENCH_DIMS
     from workers.models.tiny import make_tiny_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_checkpoint("qwen3_next", Path(tmp) / "m", seed=0, **MODEL_10M)
+        model_dir = make_tiny_checkpoint("qwen3_next", Path(tmp) / "m", seed=0, **BENCH_DIMS)
         prompts = workload(512, args.systems, args.questions, args.system_len)
         off = run(model_dir, prompts, False, args.page_size)
         on = run(model_dir, prompts, True, args.page_size)
