@@ -3,7 +3,7 @@ session's one local Ray cluster + Serve (used by tests/e2e and tests/observabili
 session fixture must live here to be shared by both: one ``ray.init`` per process).
 
 The registry-driven suite: every test that takes ``tiny_model_dir`` (or ``tiny_model``) runs
-once per family of ``workers.models.tiny_registry.TINY_FAMILIES``, and every test that takes
+once per family of ``tools.tiny_registry.TINY_FAMILIES``, and every test that takes
 ``tiny_mtp_model_dir`` once per family with MTP weights, so a registered family is tested
 with no new test. Checkpoints are built lazily, once per session and family (seed 0, with
 ``mtp.*`` tensors where the family has them)."""
@@ -18,7 +18,7 @@ import pytest
 
 from cluster.net import free_port
 from configs.schema import COMPILE_DEFAULT_ENV
-from workers.models.tiny_registry import TINY_FAMILIES, TinyFamily
+from tools.tiny_registry import TINY_FAMILIES, TinyFamily
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines of a config that does not set compile.enabled run eager in the tests (and in the
@@ -47,7 +47,7 @@ class TinyModel:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
     """``name -> checkpoint dir`` of the registered tiny family, built on first use."""
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     built: dict[str, Path] = {}
 

@@ -1,6 +1,6 @@
 """The package layout of DESIGN §2 and ``cluster/__init__``: import directions and no circles.
 
-Every ``import`` / ``from ... import`` in the four packages counts, lazy ones inside
+Every ``import`` / ``from ... import`` in the five packages counts, lazy ones inside
 functions and ones under ``if TYPE_CHECKING:`` included (a lazy or annotation-only import
 still makes two modules one idea); only a submodule's import of its own package's
 ``__init__`` does not. Parsed from the source, nothing is imported.
@@ -14,7 +14,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("configs", "kernels", "workers", "cluster")
+PACKAGES = ("configs", "kernels", "workers", "cluster", "tools")
 
 
 def _module_name(path: Path) -> str:
@@ -109,9 +109,10 @@ def test_cycle_finder_finds_a_circle():
 
 # DESIGN §2, and cluster/__init__ for the subpackages: who may not import whom
 FORBIDDEN = {
-    "configs": ("kernels", "workers", "cluster"),
-    "kernels": ("workers", "cluster"),
-    "workers": ("cluster",),
+    "configs": ("kernels", "workers", "cluster", "tools"),
+    "kernels": ("workers", "cluster", "tools"),
+    "workers": ("cluster", "tools"),
+    "tools": ("cluster",),
     "cluster.observability": ("cluster.api", "cluster.serving", "cluster.bench", "cluster.app"),
     "cluster.routing": ("cluster.api", "cluster.serving", "cluster.observability", "cluster.bench",
                         "cluster.app"),
@@ -169,6 +170,15 @@ def _top_level_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module.partition(".")[0])
     return found
+
+
+def test_only_the_bench_imports_the_tiny_factory():
+    """tools/ makes checkpoints; serving never runs it. The bench builds its random models with
+    ``tools.tiny*``; the training tools are imported by nothing outside ``tools``."""
+    bad = [f"{src} imports {dst}" for src, dsts in sorted(_graph().items()) for dst in sorted(dsts)
+           if _in(dst, "tools") and not _in(src, "tools")
+           and not (_in(src, "cluster.bench") and dst.startswith("tools.tiny"))]
+    assert bad == []
 
 
 def test_product_imports_no_tests():

@@ -98,7 +98,7 @@ class Settings:
 
 
 def build_model(out_dir: Path) -> Path:
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint("qwen3_next", out_dir, seed=0, mtp=True, **NULL_MODEL)
 

@@ -49,7 +49,7 @@ def engine_kwargs(compile_cfg: Any, batch: int, all_sizes: bool = False) -> dict
 
 def make_bench_model(out_dir: Path) -> Path:
     """The engine-overhead bench model (a random 8-layer Qwen3-Next, ~15M parameters, seed 0)."""
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     if (out_dir / "config.json").exists():
         return out_dir

@@ -39,7 +39,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_model_100m(out_dir: Path) -> Path:
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     if (out_dir / "config.json").exists():
         return out_dir

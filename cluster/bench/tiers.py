@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     import os
     import tempfile
 
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     args = _arg_parser().parse_args(argv)
     model = args.model or make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()) / "m", seed=0)

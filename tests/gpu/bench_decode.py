@@ -81,9 +81,9 @@ class StepRow(NamedTuple):
 
 def build(dims: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Bench:
     """The random model on ``device`` (weights drawn there, as ``make_tiny_checkpoint`` would)."""
+    from tools.tiny import build_tiny_tokenizer, redraw_, tiny_config
+    from tools.tiny_text import EOS_TOKEN, SPECIAL_TOKENS
     from workers.models import get_model_class
-    from workers.models.tiny import build_tiny_tokenizer, redraw_, tiny_config
-    from workers.models.tiny_text import EOS_TOKEN, SPECIAL_TOKENS
 
     out = Path(tempfile.mkdtemp(prefix="hybridserve-bench-"))
     vocab = build_tiny_tokenizer(out)

@@ -51,7 +51,7 @@ def add_random_mtp(model: Any, seed: int = 1) -> None:
     """Random ``mtp.*`` tensors for a model built in memory: one MTP layer shaped like its
     first full-attention layer (the checkpoint layout ``add_qwen_mtp`` writes), drawn on the
     model's device."""
-    from workers.models.tiny import redraw_
+    from tools.tiny import redraw_
 
     cfg, device = model.config, model.model.embedding.weight.device
     prefix = f"model.layers.{list(cfg.layer_types).index('full_attention')}."

@@ -152,7 +152,7 @@ def cases(dry_run: bool) -> list[tuple[str, Run, Run, float | None]]:
 
 
 def run(report: Report, deadline: Deadline, dry_run: bool) -> None:
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="hybridserve-model-check-"))
     dirs: dict[str, Path] = {}

@@ -13,7 +13,7 @@ CASES = checks_model.cases(dry_run=False)
                          ids=[f"{n}-{r.dtype}" for n, r, _, _ in CASES])
 def test_greedy_equal(name, run, ref, tie, tmp_path):
     pytest.importorskip("pydantic")              # the engine's config (carried as a wheel)
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     model_dir = make_tiny_checkpoint(name.split("+")[0], tmp_path, seed=0, mtp="+mtp" in name)
     got, want = checks_model.generate(model_dir, run), checks_model.generate(model_dir, ref)

@@ -57,7 +57,7 @@ def hf_decode_rate(model_dir: Path | torch.nn.Module, prompts: list[list[int]], 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])

@@ -3,7 +3,7 @@
     python -m tests.lab.families [--families mamba2 zamba2] [--batch 8] [--out-tokens 32]
                                  [--prompt-len 32] [--repeats 3]
 
-For each family of ``workers.models.tiny_registry`` (default: all), builds its tiny
+For each family of ``tools.tiny_registry`` (default: all), builds its tiny
 checkpoint, then measures, interleaved ``--repeats`` times, the engine's decode rate (the
 ``run-batch`` path, ``LLM.generate_ids``) and transformers' on the same prompts (batch of
 ``--batch`` random prompts of ``--prompt-len`` tokens, greedy, ``--out-tokens`` new tokens;
@@ -30,7 +30,7 @@ def measure_family(name: str, out_dir: Path, batch: int, prompt_len: int, out_to
                    repeats: int) -> dict[str, object]:
     import transformers
 
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     load_before = os.getloadavg()
     model_dir = make_tiny_checkpoint(name, out_dir / name, seed=0)
@@ -57,7 +57,7 @@ def measure_family(name: str, out_dir: Path, batch: int, prompt_len: int, out_to
 
 
 def main(argv: list[str] | None = None) -> None:
-    from workers.models.tiny_registry import TINY_FAMILIES
+    from tools.tiny_registry import TINY_FAMILIES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="+", default=list(TINY_FAMILIES), choices=list(TINY_FAMILIES))

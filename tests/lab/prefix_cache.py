@@ -53,7 +53,7 @@ def run(model_dir: Path, prompts: list[list[int]], cache_on: bool, page_size: in
 
 def main(argv: list[str] | None = None) -> None:
     from cluster.bench.inproc import BENCH_DIMS
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--systems", type=int, default=8)

@@ -61,7 +61,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], p: SamplingParams) -> tuple[
 
 def main(argv: list[str] | None = None) -> None:
     from cluster.bench.inproc import BENCH_DIMS
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)

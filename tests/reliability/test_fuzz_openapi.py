@@ -27,7 +27,7 @@ MAX_MODEL_LEN = 32
 def short_context_dir(tmp_path_factory):
     """A tiny checkpoint whose context is ``MAX_MODEL_LEN`` tokens (the pools stay large,
     so ``n`` = 16 choices run side by side)."""
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("fuzz_model"), seed=0,
                                 max_position_embeddings=MAX_MODEL_LEN)

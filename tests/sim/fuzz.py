@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
     from pathlib import Path
 
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     ap = argparse.ArgumentParser(description="the differential fuzz of the engine (see module doc)")
     ap.add_argument("--toy", type=int, default=200, help="toy-model configurations")

@@ -9,7 +9,7 @@ from workers.detokenizer import IncrementalDetokenizer
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from workers.models.tiny import build_tiny_tokenizer
+    from tools.tiny import build_tiny_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     build_tiny_tokenizer(d)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from workers.models.tiny import _hf_model, _save_quietly, build_tiny_tokenizer, tiny_config
-from workers.models.tiny_text import EOS_TOKEN, SPECIAL_TOKENS
+from tools.tiny import _hf_model, _save_quietly, build_tiny_tokenizer, tiny_config
+from tools.tiny_text import EOS_TOKEN, SPECIAL_TOKENS
 
 NO_THINK = "<think>\n\n</think>\n\n"
 CONTINUE = "Let me check"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.models.tiny import make_tiny_checkpoint
+from tools.tiny import make_tiny_checkpoint
 from workers.sampling_params import SamplingParams
 
 P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

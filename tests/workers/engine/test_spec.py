@@ -90,7 +90,7 @@ def test_verify_commits_the_accepted_state(tiny_mtp_model_dir, plain, oracle_dra
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_vl"])
 def test_two_layer_mtp_head(tmp_path, arch):
     """``mtp_num_hidden_layers=2``: two KV layers, drafts chained through both, output unchanged."""
-    from workers.models.tiny import make_tiny_checkpoint
+    from tools.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(arch, tmp_path, seed=4, mtp=True, mtp_num_hidden_layers=2)
     control = make_llm(ckpt, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})

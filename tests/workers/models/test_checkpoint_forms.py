@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from tests.workers.engine.helpers import GREEDY, make_llm
 from tests.workers.models.harness import Harness, random_prompts
 from tests.workers.models.hf_oracle import HFOracle
+from tools.tiny import make_tiny_checkpoint
+from tools.tiny_weights import append_tensors, random_tensors, tensor_shapes
 from workers.loader import load_model
 from workers.models.lightning import decay_tables
-from workers.models.tiny import make_tiny_checkpoint
-from workers.models.tiny_weights import append_tensors, random_tensors, tensor_shapes
 
 
 def prefill_logits(model_dir: Path) -> list[torch.Tensor]:

@@ -53,8 +53,8 @@ def prefill_and_decode(model, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_CLAMP))
 def test_dt_clamp_follows_the_formula(name: str, tmp_path, monkeypatch) -> None:
+    from tools.tiny import make_tiny_checkpoint
     from workers.loader import load_model
-    from workers.models.tiny import make_tiny_checkpoint
 
     limit_field = {} if name == "zamba2" else {"time_step_limit": LIMIT}   # Zamba2 has none
     ckpt = make_tiny_checkpoint(name, tmp_path, seed=2, time_step_min=TIME_STEP_MIN, **limit_field)

@@ -17,10 +17,10 @@ import torch
 
 from tests.workers.engine.helpers import make_llm
 from tests.workers.models.harness import Harness, random_prompts
+from tools.tiny import tiny_config
+from tools.tiny_registry import get_family
 from workers.loader import load_model
 from workers.models import get_model_class
-from workers.models.tiny import tiny_config
-from workers.models.tiny_registry import get_family
 
 REFUSED = {
     "nemotron_attention_bias": ("nemotron_h", {"attention_bias": True}, "attention_bias"),

@@ -22,15 +22,15 @@ PROMPT_LENGTHS = [4, 21]           # one prompt crosses the SSD chunk (16)
 
 def registry_ties(name: str) -> bool:
     """The tie the registry's checkpoint of ``name`` has (a VL config's is top-level)."""
-    from workers.models.tiny import tiny_config
+    from tools.tiny import tiny_config
 
     return bool(tiny_config(name, 512, 0).tie_word_embeddings)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_other_head_tie_matches_transformers(name: str, tmp_path) -> None:
+    from tools.tiny import make_tiny_checkpoint
     from workers.loader import load_model
-    from workers.models.tiny import make_tiny_checkpoint
 
     tie = not registry_ties(name)
     ckpt = make_tiny_checkpoint(name, tmp_path, seed=3, tie_word_embeddings=tie)
@@ -43,9 +43,9 @@ def test_untied_zamba2_requires_every_block_copy(tmp_path) -> None:
     """Untied, a hybrid layer that reuses a block runs its own copy: the copy is required."""
     from safetensors.torch import load_file, save_file
 
+    from tools.tiny import make_tiny_checkpoint
+    from tools.tiny_registry import get_family
     from workers.loader import load_model
-    from workers.models.tiny import make_tiny_checkpoint
-    from workers.models.tiny_registry import get_family
 
     ckpt = make_tiny_checkpoint("zamba2", tmp_path, seed=3, tie_word_embeddings=False)
     hybrid = [i for i, k in enumerate(get_family("zamba2").config["layers_block_type"])
@@ -71,8 +71,8 @@ def _retie(ckpt, edit) -> None:
 def test_tied_checkpoint_that_carries_its_head_matches_transformers(form: str, tmp_path) -> None:
     """A tied config whose checkpoint has ``lm_head.weight`` too (equal), or only it: transformers
     ties them to the one tensor there is, and so do we."""
+    from tools.tiny import make_tiny_checkpoint
     from workers.loader import load_model
-    from workers.models.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint("granitemoehybrid", tmp_path, seed=3, tie_word_embeddings=True)
     embed = "model.embed_tokens.weight"
@@ -90,8 +90,8 @@ def test_tied_checkpoint_that_carries_its_head_matches_transformers(form: str, t
 def test_tied_tensors_that_differ_are_refused(arch: str, tmp_path) -> None:
     """transformers unties tied tensors that differ in the checkpoint; a tied model here cannot,
     so it refuses, naming both (no silent choice of one)."""
+    from tools.tiny import make_tiny_checkpoint
     from workers.loader import load_model
-    from workers.models.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(arch, tmp_path, seed=3, tie_word_embeddings=True)
     if arch == "zamba2":           # block 0 repeated under its second user, one value changed

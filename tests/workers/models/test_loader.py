@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tools.tiny import make_tiny_checkpoint
 from workers.loader import load_model
 from workers.models import SUPPORTED_ARCHITECTURES, get_model_class
-from workers.models.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.workers.models.harness import Harness, random_prompts
+from tools.tiny import make_tiny_checkpoint
 from workers.device_pools import build_pools
 from workers.loader import load_model
-from workers.models.tiny import make_tiny_checkpoint
 from workers.sampling_params import SamplingParams
 from workers.spec.drafter import MtpDrafter, MtpSpan
 from workers.state_spec import ATTENTION

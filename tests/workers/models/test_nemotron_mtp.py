@@ -23,9 +23,9 @@ from tests.workers.models.harness import Harness, random_prompts
 from tests.workers.models.hf_oracle import hf_model
 from tests.workers.models.test_mtp_head import catch_up, with_config
 from tests.workers.tp.threads import run_ranks
+from tools.tiny import make_tiny_checkpoint
 from workers.device_pools import build_pools
 from workers.loader import load_model
-from workers.models.tiny import make_tiny_checkpoint
 from workers.state_spec import ATTENTION
 from workers.tp import shard_model, shard_module
 

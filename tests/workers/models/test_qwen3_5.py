@@ -2,7 +2,7 @@
 
 Their equivalence with transformers (config variants included), every engine suite, TP and
 speculation run through the registry-driven suite on the ``qwen3_5*`` entries of
-``workers/models/tiny_registry.py``; refused config fields are in ``test_family_configs.py``.
+``tools/tiny_registry.py``; refused config fields are in ``test_family_configs.py``.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tools.tiny_qwen3_5 import fuse_experts
 from workers.loader import image_support, load_model
 from workers.models.moe import unfuse_expert_tensors
-from workers.models.tiny_qwen3_5 import fuse_experts
 
 
 

@@ -46,8 +46,8 @@ def block_formula(moe: RoutedSharedMoE, x: torch.Tensor, routed: float, shared: 
 
 @pytest.fixture(scope="module")
 def clipped_model(tmp_path_factory):
+    from tools.tiny import make_tiny_checkpoint
     from workers.loader import load_model
-    from workers.models.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint("bailing_hybrid", tmp_path_factory.mktemp("clipped"), seed=2,
                                 expert_swiglu_limit_list=ROUTED, share_expert_swiglu_limit_list=SHARED)

@@ -188,8 +188,8 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_config_variants_match_transformers(variant: str, tmp_path) -> None:
+    from tools.tiny import make_tiny_checkpoint
     from workers.loader import load_model
-    from workers.models.tiny import make_tiny_checkpoint
 
     arch, overrides = VARIANTS[variant]
     ckpt = make_tiny_checkpoint(arch, tmp_path, seed=5, **overrides)

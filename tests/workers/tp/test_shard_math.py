@@ -16,12 +16,12 @@ import torch
 
 from tests.workers.models.harness import Harness, random_prompts
 from tests.workers.tp.threads import run_ranks
+from tools.tiny import redraw_
 from workers.device_pools import DevicePools, build_pools
 from workers.forward_batch import ForwardBatch
 from workers.loader import load_config, load_model
 from workers.models.layers import Attention, LayerContext
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from workers.models.tiny import redraw_
 from workers.state_spec import CacheSpec, StateGroup, StateRef
 from workers.tp import shard_model, shard_module, validate_tp
 

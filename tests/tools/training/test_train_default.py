@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tools.training import corpus, train_default as td
+from tools.training.mtp_head import MtpHead
 from workers.loader import load_model
-from workers.training import corpus, train_default as td
-from workers.training.mtp_head import MtpHead
 
 TINY_SHAPE = dict(hidden_size=32, num_blocks=1, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,

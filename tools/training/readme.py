@@ -32,7 +32,7 @@ def _how_made(info: dict[str, Any]) -> str:
 {info["command"]}
 ```
 
-(`workers/training/train_default.py`; seeds fixed; Python {info["python"]}, torch
+(`tools/training/train_default.py`; seeds fixed; Python {info["python"]}, torch
 {info["torch"]}, transformers {info["transformers"]}, {info["threads"]} CPU threads.)
 
 - **Data**: {d["files_train"]} training and {d["files_heldout"]} held-out
@@ -184,7 +184,7 @@ the MTP rows of the table above are of the head before it):
 {info["command"]}
 ```
 
-(`workers/training/distill_mtp.py`.) Targets are the main model's own next-token
+(`tools/training/distill_mtp.py`.) Targets are the main model's own next-token
 distributions (KL(main ‖ draft) + {s["hard_weight"]}·CE to its argmax), not the text; data are
 training-text prompts of {s["min_prompt"]}–{s["max_prompt"]} tokens continued by the main model's greedy
 decoding to {s["seq_len"]} tokens (prompt anchors weighted {s["text_weight"]}). The {s["k"]}-step draft chain is

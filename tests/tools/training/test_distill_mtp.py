@@ -1,4 +1,4 @@
-"""Self-distillation of the MTP head (``workers.training.distill_mtp``) on a tiny random
+"""Self-distillation of the MTP head (``tools.training.distill_mtp``) on a tiny random
 Qwen3-Next: the unrolled chain is the engine drafter's, the loss falls, the main model's
 weights and file bytes stay, the README section is replaced in place."""
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.workers.models.test_mtp_head import mtp_harness
-from tests.workers.training.test_train_default import TINY_SHAPE, trained  # noqa: F401 (fixture)
+from tests.tools.training.test_train_default import TINY_SHAPE, trained  # noqa: F401 (fixture)
+from tools.training import distill_mtp as dm, train_default as td
+from tools.training.readme import write_distill_section
 from workers.loader import load_model
 from workers.spec.drafter import MtpSpan
 from workers.sampling_params import SamplingParams
-from workers.training import distill_mtp as dm, train_default as td
-from workers.training.readme import write_distill_section
 
 
 @pytest.fixture(scope="module")

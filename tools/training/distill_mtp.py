@@ -1,6 +1,6 @@
 """Self-distil the MTP head of a trained model dir from its frozen main model (EAGLE-style).
 
-    python -m workers.training.distill_mtp --model configs/models/qwen3-next-tiny-py --minutes 20
+    python -m tools.training.distill_mtp --model configs/models/qwen3-next-tiny-py --minutes 20
 
 Only ``mtp.*`` is trained; every ``model.*`` tensor is written back byte for byte (asserted,
 and the main model's logits are checked unchanged after the save). A draft is accepted when
@@ -43,10 +43,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workers.training import train_default as td
-from workers.training.corpus import encode_stream, read_corpus, stdlib_files, stdlib_root
-from workers.training.mtp_head import MtpHead
-from workers.training.readme import write_distill_section
+from tools.training import train_default as td
+from tools.training.corpus import encode_stream, read_corpus, stdlib_files, stdlib_root
+from tools.training.mtp_head import MtpHead
+from tools.training.readme import write_distill_section
 
 SUITE_WORKLOAD = Path(__file__).resolve().parents[2] / "configs" / "workloads" / "suite.yaml"
 
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     s = DistillSettings(minutes=args.minutes, steps=args.steps, k=args.k, lr=args.lr,
                         seed=args.seed, threads=args.threads)
-    command = "python -m workers.training.distill_mtp " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m tools.training.distill_mtp " + " ".join(sys.argv[1:] if argv is None else argv)
     run(Path(args.model), s, command, engine_check=not args.no_engine_check)
 
 

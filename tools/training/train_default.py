@@ -1,14 +1,14 @@
 """Train the shipped default model: a tiny Qwen3-Next (GDN + gated attention + MoE) with an
 MTP head, on the Python standard library's own source.
 
-    python -m workers.training.train_default --out configs/models/qwen3-next-tiny-py --minutes 25
+    python -m tools.training.train_default --out configs/models/qwen3-next-tiny-py --minutes 25
 
 Data: every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` (site-packages, codec
 tables and docs-as-data excluded, see ``stdlib_files``), split into train / held-out by a
 hash of the file's relative path. Tokenizer: byte-level BPE trained with ``tokenizers`` on the
 training files (vocab 4096; ``<|endoftext|>`` = eos = pad, ``<|im_start|>``, ``<|im_end|>``;
 ChatML chat template). Model: ``Qwen3NextForCausalLM`` from transformers (torch path, CPU)
-plus ``workers.training.mtp_head.MtpHead``, trained jointly on
+plus ``tools.training.mtp_head.MtpHead``, trained jointly on
 ``CE(next token) + 0.3 * CE(MTP, token t+2) + router aux loss``. AdamW, linear warmup then
 cosine decay; the schedule runs on ``max(step / steps, elapsed / budget)`` so a slower
 machine still anneals and stops inside ``--minutes``. Seeds are fixed; with ``--steps``
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workers.training.corpus import (EOS_TOKEN, encode_stream, read_corpus, stdlib_files, stdlib_root,
+from tools.training.corpus import (EOS_TOKEN, encode_stream, read_corpus, stdlib_files, stdlib_root,
                                      train_tokenizer)
-from workers.training.mtp_head import MtpHead, param_count
-from workers.training.readme import write_readme
+from tools.training.mtp_head import MtpHead, param_count
+from tools.training.readme import write_readme
 
 MTP_LOSS_WEIGHT = 0.3
 SAMPLE_PROMPTS = ("def ", "import os\n", "class Foo:\n    def __init__(self",
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     s = TrainSettings(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                       steps=args.steps, minutes=args.minutes, seed=args.seed,
                       threads=args.threads, save_dtype=args.save_dtype, amp=not args.no_amp)
-    command = "python -m workers.training.train_default " + " ".join(
+    command = "python -m tools.training.train_default " + " ".join(
         sys.argv[1:] if argv is None else argv)
     run(Path(args.out), s, command, max_files=args.max_files)
 

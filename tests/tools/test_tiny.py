@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests.workers.models.harness import Harness, random_prompts
+from tools.tiny import build_tiny_tokenizer, make_tiny_checkpoint
 from workers.loader import load_model
-from workers.models.tiny import build_tiny_tokenizer, make_tiny_checkpoint
 
-PLACEHOLDER = Path(__file__).resolve().parents[3] / "configs" / "models" / "tiny-hybrid"
+PLACEHOLDER = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny-hybrid"
 
 
 def test_tokenizer_is_deterministic_and_loads_offline(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_placeholder_greedy_output_does_not_collapse() -> None:
 
 
 def test_registry_redraw_rule_is_asked_first() -> None:
-    from workers.models.tiny_weights import redraw_model_
+    from tools.tiny_weights import redraw_model_
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
     seen: list[str] = []

@@ -1,4 +1,4 @@
-"""``python -m workers.training.draft_vocab``: the most frequent tokens of a text, most
+"""``python -m tools.training.draft_vocab``: the most frequent tokens of a text, most
 frequent first (ties by id), with the share of tokens they cover, in the file the engine
 reads (``workers/spec/draft_vocab.py``)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from tools.training import draft_vocab
 from workers.spec.draft_vocab import FILE_NAME, read_token_ids
-from workers.training import draft_vocab
 
 
 class CharTokenizer:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from workers.models.tiny_text import EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer_config
+from tools.tiny_text import EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer_config
 
 # Not training text: the docs-as-data module, codec tables, build-time config dumps.
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "pydoc_data", "encodings", "__pycache__",
@@ -65,7 +65,7 @@ def read_corpus(files: list[Path], root: Path, percent: int) -> tuple[list[str],
 
 # --- tokenizer ------------------------------------------------------------------------------
 def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int):
-    """Byte-level BPE as ``workers.models.tiny.build_tiny_tokenizer`` (same specials, same
+    """Byte-level BPE as ``tools.tiny.build_tiny_tokenizer`` (same specials, same
     ChatML template), on ``texts``, with ``PRETOKENIZE_PATTERN`` as the pre-token split."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -10,7 +10,7 @@
   (optionally sharded) next to the tokenizer. ``mtp=True`` (families with an MTP writer)
   adds random ``mtp.*`` tensors, which transformers itself neither creates nor loads.
 
-Regenerate the shipped placeholder with ``python -m workers.models.tiny --out configs/models/tiny-hybrid``.
+Regenerate the shipped placeholder with ``python -m tools.tiny --out configs/models/tiny-hybrid``.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from workers.models.tiny_registry import TINY_FAMILIES, get_family
-from workers.models.tiny_text import EOS_TOKEN, SPECIAL_TOKENS, TRAINING_TEXT, write_tokenizer_config
-from workers.models.tiny_weights import redraw_, redraw_model_
+from tools.tiny_registry import TINY_FAMILIES, get_family
+from tools.tiny_text import EOS_TOKEN, SPECIAL_TOKENS, TRAINING_TEXT, write_tokenizer_config
+from tools.tiny_weights import redraw_, redraw_model_
 
 TOKENIZER_VOCAB = 512
 ARCHS = tuple(TINY_FAMILIES)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     (out / "README.md").write_text(
         f"# tiny-hybrid\n\nRandom-weight placeholder model ({args.arch}, seed {args.seed}), "
         "not trained: it generates gibberish. Regenerate with\n"
-        f"`python -m workers.models.tiny --out {args.out}`.\n")
+        f"`python -m tools.tiny --out {args.out}`.\n")
     print(f"wrote {out}")
 
 

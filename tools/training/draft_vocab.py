@@ -1,10 +1,10 @@
 """Write a model's draft vocabulary (``workers/spec/draft_vocab.py``): the N tokens most
 frequent in its training text, most frequent first.
 
-    python -m workers.training.draft_vocab --model configs/models/qwen3-next-tiny-py --size 1024
+    python -m tools.training.draft_vocab --model configs/models/qwen3-next-tiny-py --size 1024
 
 Without ``--text`` the text is the default model's own training split (the Python standard
-library, ``workers/training/corpus.py``) and the file records the share of the held-out
+library, ``tools/training/corpus.py``) and the file records the share of the held-out
 split's tokens the subset covers.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+from tools.training.corpus import read_corpus, stdlib_files, stdlib_root
+from tools.training.readme import put_section
 from workers.spec.draft_vocab import FILE_NAME
-from workers.training.corpus import read_corpus, stdlib_files, stdlib_root
-from workers.training.readme import put_section
 
-HELDOUT_PERCENT = 3            # the default model's split (workers/training/train_default.py)
+HELDOUT_PERCENT = 3            # the default model's split (tools/training/train_default.py)
 HEADING = "## Draft vocabulary"
 
 
@@ -59,7 +59,7 @@ first. The MTP drafter scores these instead of all {vocab_size:,} (`spec.draft_v
 verification scores every token, so outputs do not change.
 
 ```
-python -m workers.training.draft_vocab --model DIR --size {size}
+python -m tools.training.draft_vocab --model DIR --size {size}
 ```
 
 """

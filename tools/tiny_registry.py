@@ -1,7 +1,7 @@
 """The registry of tiny checkpoints: one entry per served family.
 
 Each ``TinyFamily`` names the transformers classes of the family, its tiny config, how its
-weights are re-drawn and whether it carries MTP weights. ``workers.models.tiny`` builds a
+weights are re-drawn and whether it carries MTP weights. ``tools.tiny`` builds a
 checkpoint from an entry (``make_tiny_checkpoint(name, dir)``), and the registry-driven test
 suite (``tests/workers/models``, ``tests/workers/engine``, ``tests/workers/tp``, every test
 taking the ``tiny_model_dir`` fixture) checks every entry the same way: transformers
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.models import tiny_qwen3_5 as q35
-from workers.models.tiny_weights import (RedrawRule, add_nemotron_mtp, add_qwen_mtp,
+from tools import tiny_qwen3_5 as q35
+from tools.tiny_weights import (RedrawRule, add_nemotron_mtp, add_qwen_mtp,
                                          keep_lightning_buffers, redraw_decay_logs,
                                          redraw_mamba1)
 

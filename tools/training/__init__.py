@@ -1,0 +1,1 @@
+"""Training the shipped default model (``python -m tools.training.train_default``)."""

@@ -1,1 +1,0 @@
-"""Training the shipped default model (``python -m workers.training.train_default``)."""
