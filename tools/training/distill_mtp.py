@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from tools.training import train_default as td
 from tools.training.corpus import encode_stream, read_corpus, stdlib_files, stdlib_root
-from tools.training.mtp_head import MtpHead
+from tools.training.mtp_head import TrainableMtpHead
 from tools.training.readme import write_distill_section
 
 SUITE_WORKLOAD = Path(__file__).resolve().parents[2] / "configs" / "workloads" / "suite.yaml"
@@ -111,7 +111,7 @@ def chain_mask(t: int, j: int, device: torch.device | None = None) -> torch.Tens
     return torch.cat([causal] + [own] * (j - 1), dim=1)
 
 
-def unroll_chain(model, mtp: MtpHead, hidden: torch.Tensor, tokens: torch.Tensor,
+def unroll_chain(model, mtp: TrainableMtpHead, hidden: torch.Tensor, tokens: torch.Tensor,
                  k: int) -> list[torch.Tensor]:
     """hidden [B, T, H]: the main model's final-normed h_s; tokens [B, T + k]: x_s (token
     x_{s+j} feeds step j of anchor s). -> k outputs [B, T, H] (after ``mtp.norm``); lm_head
@@ -164,7 +164,7 @@ class DistillOut:
     step_accept: list[float]       # per step: argmax == main argmax, engine anchors only
 
 
-def distill_loss(model, mtp: MtpHead, seqs: torch.Tensor, prompt_len: int,
+def distill_loss(model, mtp: TrainableMtpHead, seqs: torch.Tensor, prompt_len: int,
                  s: DistillSettings) -> DistillOut:
     k, t = s.k, seqs.shape[1] - s.k
     hidden, logits = main_targets(model, seqs)
@@ -193,7 +193,7 @@ def sample_batch(model, stream: torch.Tensor, s: DistillSettings,
     return greedy_continue(model, prompts, s.seq_len), p
 
 
-def train_head(model, mtp: MtpHead, stream: torch.Tensor, s: DistillSettings,
+def train_head(model, mtp: TrainableMtpHead, stream: torch.Tensor, s: DistillSettings,
                log=print) -> dict[str, Any]:
     model.eval()
     model.requires_grad_(False)
@@ -234,7 +234,7 @@ def eval_sequences(model, heldout: torch.Tensor, s: DistillSettings) -> list[tup
 
 
 @torch.no_grad()
-def chain_acceptance(model, mtp: MtpHead, batches: list[tuple[torch.Tensor, int]],
+def chain_acceptance(model, mtp: TrainableMtpHead, batches: list[tuple[torch.Tensor, int]],
                      k: int) -> dict[str, Any]:
     """Per chain position j: P(draft j == main greedy | drafts < j accepted), over anchors
     from each prompt's last token on; ``mean_accepted`` = E[accepted drafts of a k-chain]."""
@@ -260,7 +260,7 @@ def main_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def save_head(model_dir: Path, model, mtp: MtpHead, before: dict[str, torch.Tensor]) -> None:
+def save_head(model_dir: Path, model, mtp: TrainableMtpHead, before: dict[str, torch.Tensor]) -> None:
     """Rewrite ``model.safetensors``: its ``model.*`` tensors as read, ``mtp.*`` from ``mtp``
     in the dtype the file had. Refuses if the main model's weights moved."""
     from safetensors import safe_open

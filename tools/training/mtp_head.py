@@ -38,8 +38,10 @@ def mtp_layer_index(cfg: Any) -> int:
     raise ValueError("the MTP head needs a full-attention MoE layer in the main model")
 
 
-class MtpHead(nn.Module):
-    """``mtp.*`` of Qwen3-Next (one MTP layer)."""
+class TrainableMtpHead(nn.Module):
+    """``mtp.*`` of Qwen3-Next (one MTP layer), to train. Apart from the served head
+    (``workers.models.mtp.MtpHead``: paged KV, our kernels, inference only) because training
+    needs autograd through transformers' own layers, the ones the main model is trained with."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()

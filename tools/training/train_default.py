@@ -8,7 +8,7 @@ tables and docs-as-data excluded, see ``stdlib_files``), split into train / held
 hash of the file's relative path. Tokenizer: byte-level BPE trained with ``tokenizers`` on the
 training files (vocab 4096; ``<|endoftext|>`` = eos = pad, ``<|im_start|>``, ``<|im_end|>``;
 ChatML chat template). Model: ``Qwen3NextForCausalLM`` from transformers (torch path, CPU)
-plus ``tools.training.mtp_head.MtpHead``, trained jointly on
+plus ``tools.training.mtp_head.TrainableMtpHead``, trained jointly on
 ``CE(next token) + 0.3 * CE(MTP, token t+2) + router aux loss``. AdamW, linear warmup then
 cosine decay; the schedule runs on ``max(step / steps, elapsed / budget)`` so a slower
 machine still anneals and stops inside ``--minutes``. Seeds are fixed; with ``--steps``
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tools.training.corpus import (EOS_TOKEN, encode_stream, read_corpus, stdlib_files, stdlib_root,
                                      train_tokenizer)
-from tools.training.mtp_head import MtpHead, param_count
+from tools.training.mtp_head import TrainableMtpHead, param_count
 from tools.training.readme import write_readme
 
 MTP_LOSS_WEIGHT = 0.3
@@ -111,12 +111,12 @@ def hf_config(shape: ModelShape, eos_id: int):
 
 
 def build_model(cfg, seed: int):
-    """(main ``Qwen3NextForCausalLM``, ``MtpHead``), initialised from ``seed``."""
+    """(main ``Qwen3NextForCausalLM``, ``TrainableMtpHead``), initialised from ``seed``."""
     from transformers import Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
     model = Qwen3NextForCausalLM(cfg)
-    mtp = MtpHead(cfg)
+    mtp = TrainableMtpHead(cfg)
     mtp.init_weights(torch.Generator().manual_seed(seed + 1), std=cfg.initializer_range)
     model.train()
     mtp.train()
@@ -131,7 +131,7 @@ class StepOut:
     aux: float
 
 
-def forward_losses(model, mtp: MtpHead, window: torch.Tensor) -> StepOut:
+def forward_losses(model, mtp: TrainableMtpHead, window: torch.Tensor) -> StepOut:
     """window [B, T + 2]: inputs w[:, :T]; main targets w[:, 1:T+1]; MTP targets w[:, 2:]."""
     from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
@@ -174,7 +174,7 @@ def lr_at(progress: float, step: int, s: TrainSettings) -> float:
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * cos)
 
 
-def make_optimizer(model, mtp: MtpHead, s: TrainSettings) -> torch.optim.Optimizer:
+def make_optimizer(model, mtp: TrainableMtpHead, s: TrainSettings) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     seen: set[int] = set()
     for module in (model, mtp):
@@ -188,7 +188,7 @@ def make_optimizer(model, mtp: MtpHead, s: TrainSettings) -> torch.optim.Optimiz
                              lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def train(model, mtp: MtpHead, stream: torch.Tensor, s: TrainSettings,
+def train(model, mtp: TrainableMtpHead, stream: torch.Tensor, s: TrainSettings,
           log=print) -> dict[str, Any]:
     """The training loop; returns what the README records about it."""
     gen = torch.Generator().manual_seed(s.seed + 2)
@@ -231,7 +231,7 @@ def train(model, mtp: MtpHead, stream: torch.Tensor, s: TrainSettings,
 
 # --- evaluation -----------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model, mtp: MtpHead, windows: torch.Tensor, batch: int = 16) -> dict[str, float]:
+def evaluate(model, mtp: TrainableMtpHead, windows: torch.Tensor, batch: int = 16) -> dict[str, float]:
     """Held-out losses and the MTP greedy-draft acceptance.
 
     acceptance = P(argmax MTP(h_t, e_{t+1}) == argmax main(x_{<=t+1})), i.e. the draft for
@@ -289,7 +289,7 @@ def greedy_samples(model, tok, prompts=SAMPLE_PROMPTS, max_new_tokens: int = 60)
 
 
 # --- saving ---------------------------------------------------------------------------------
-def save_model_dir(out_dir: Path, model, mtp: MtpHead, save_dtype: str) -> None:
+def save_model_dir(out_dir: Path, model, mtp: TrainableMtpHead, save_dtype: str) -> None:
     """config.json + model.safetensors (``model.*`` from save_pretrained, plus ``mtp.*``)."""
     from safetensors.torch import load_file, save_file
     from transformers.utils import logging as hf_logging
@@ -314,12 +314,12 @@ def save_model_dir(out_dir: Path, model, mtp: MtpHead, save_dtype: str) -> None:
 
 
 def load_saved(out_dir: Path):
-    """Reload a saved dir into (HF model, MtpHead) in float32 (for the reported numbers)."""
+    """Reload a saved dir into (HF model, TrainableMtpHead) in float32 (for the reported numbers)."""
     from safetensors.torch import load_file
     from transformers import Qwen3NextForCausalLM
 
     model = Qwen3NextForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
-    mtp = MtpHead(model.config)
+    mtp = TrainableMtpHead(model.config)
     tensors = load_file(str(out_dir / "model.safetensors"))
     expected = mtp.checkpoint_tensors()
     state = {}

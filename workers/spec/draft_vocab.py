@@ -10,7 +10,7 @@ outside the subset, which rejection sampling accepts as any q (``workers/spec/ac
 
 The subset lives beside the model, ``draft_vocab.json`` (``{"token_ids": [...]}``, most
 frequent first, plus how it was made), and ``spec.draft_vocab`` picks it (configs/schema.py);
-``python -m tools.training.draft_vocab`` writes one from a model's training text.
+``python -m tools.training.make_draft_vocab`` writes one from a model's training text.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tools.training import corpus, train_default as td
-from tools.training.mtp_head import MtpHead
+from tools.training.mtp_head import TrainableMtpHead
 from workers.loader import load_model
 
 TINY_SHAPE = dict(hidden_size=32, num_blocks=1, num_attention_heads=2, num_key_value_heads=1,
@@ -95,7 +95,7 @@ def test_saved_mtp_head_round_trips(trained) -> None:
 def test_mtp_is_causal_and_uses_next_token() -> None:
     cfg = td.hf_config(td.ModelShape(vocab_size=64, **TINY_SHAPE), eos_id=0)
     torch.manual_seed(0)
-    mtp = MtpHead(cfg)
+    mtp = TrainableMtpHead(cfg)
     mtp.init_weights(torch.Generator().manual_seed(1), std=0.2)
     mtp.eval()
     hidden, emb = torch.randn(1, 10, 32), torch.randn(1, 10, 32)

@@ -1,7 +1,8 @@
 """Write a model's draft vocabulary (``workers/spec/draft_vocab.py``): the N tokens most
-frequent in its training text, most frequent first.
+frequent in its training text, most frequent first. The writer stays apart from that reader:
+counting needs the training corpus, which serving never loads.
 
-    python -m tools.training.draft_vocab --model configs/models/qwen3-next-tiny-py --size 1024
+    python -m tools.training.make_draft_vocab --model configs/models/qwen3-next-tiny-py --size 1024
 
 Without ``--text`` the text is the default model's own training split (the Python standard
 library, ``tools/training/corpus.py``) and the file records the share of the held-out
@@ -59,7 +60,7 @@ first. The MTP drafter scores these instead of all {vocab_size:,} (`spec.draft_v
 verification scores every token, so outputs do not change.
 
 ```
-python -m tools.training.draft_vocab --model DIR --size {size}
+python -m tools.training.make_draft_vocab --model DIR --size {size}
 ```
 
 """
