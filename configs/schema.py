@@ -86,7 +86,7 @@ class SchedulerConfig(Frozen):
 
 
 class SpecConfig(Frozen):
-    method: Literal["none", "mtp", "draft"] = Field(
+    method: Literal["none", "mtp"] = Field(
         "none", description="speculative decoding: none, or mtp (the model's own MTP head)")
     num_draft_tokens: int = Field(3, ge=1, description="tokens drafted per step")
     # Drafts only: verification scores the whole vocabulary, so outputs are unchanged.

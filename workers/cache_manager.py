@@ -111,11 +111,6 @@ class CacheManager:
         return out
 
     # -- pages ------------------------------------------------------------------------------
-    def can_alloc_pages(self, n: int) -> bool:
-        if self.pages.can_alloc(n):
-            return True
-        return self.tree is not None and self.pages.num_free + self.tree.num_evictable_pages >= n
-
     def alloc_pages(self, n: int) -> list[int] | None:
         if n == 0:
             return []

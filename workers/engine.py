@@ -381,6 +381,10 @@ class Engine:
     def drain_cache_events(self) -> list[CacheEvent]:
         return self.cache.drain_events()
 
+    def check_workers(self) -> None:
+        """Raise when the engine can no longer step (the replica's health check). One
+        process: nothing beside this thread to check (``TPEngine`` checks its ranks)."""
+
     # -- the cluster store (cluster/store drives these on the engine thread) --------------------
     def local_depth(self, token_ids: list[int]) -> int:
         """The deepest checkpoint this engine holds (device or host) usable for a prompt."""

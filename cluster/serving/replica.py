@@ -29,7 +29,7 @@ from ray import serve
 
 from cluster.actors import get_index_actor, get_metrics_actor, get_store_actor
 from cluster.serving.messages import GenerateRequest, ModelInfo
-from cluster.serving.replica_core import ReplicaCore, StreamItem, StreamPacing, drain_cache_events
+from cluster.serving.replica_core import ReplicaCore, StreamItem, StreamPacing
 from cluster.store.actor import RayStoreBackend
 from cluster.store.client import FetchSettings, StoreClient
 from configs.schema import HybridServeConfig
@@ -121,7 +121,7 @@ class EngineReplica:
 
     async def _publish_events(self) -> None:
         async with self._lock:
-            events = await self._core.loop.run(drain_cache_events)
+            events = await self._core.loop.run(lambda engine: engine.drain_cache_events())
             if self._store is not None:
                 events += await self._store.commit_pending(self._core.loop)
             if events:

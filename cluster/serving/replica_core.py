@@ -3,13 +3,11 @@
 ``ReplicaCore`` owns one engine behind an ``EngineLoop`` and speaks in ``messages``:
 ``generate`` streams ``Accepted`` | ``GenerateError`` then lists of ``GenerateChunk``;
 closing the stream early (client gone, caller cancelled) aborts the unfinished choices,
-which frees their KV pages and Mamba slots. ``publish_payload`` collects what the replica
-pushes outward periodically: cache events for the router index, stats for metrics.
+which frees their KV pages and Mamba slots.
 
 The engine is built by ``build_engine``: a plain ``Engine``, or for
-``parallel.tensor_parallel_size > 1`` a ``TPEngine`` with Ray worker ranks (``cluster/serving/tp.py``).
-Optional engine features are reached through ``_call_optional`` so this layer works
-with an engine that does not have them yet (they are reported as absent, not faked).
+``parallel.tensor_parallel_size > 1`` a ``TPEngine`` with Ray worker ranks (``cluster/serving/tp.py``),
+which is an ``Engine``: this layer calls the engine's methods by name, typed.
 
 With a ``fetcher`` (the cluster store's ``StoreClient``), every prompt that can read the
 cache (``wants_cache``) is first offered to it: it may place a checkpoint fetched from the
@@ -24,7 +22,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cluster.serving.engine_loop import EngineLoop
 from cluster.serving.messages import (Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo,
@@ -33,19 +31,15 @@ from configs.schema import HybridServeConfig
 from configs.serving import ReplicaConfig
 from workers.outputs import OutputDelta
 
+if TYPE_CHECKING:                       # the engine's module loads torch; the type is enough here
+    from workers.engine import Engine
+
 StreamItem = Accepted | GenerateError | list[GenerateChunk]
 logger = logging.getLogger(__name__)
 
 
 class Fetcher(Protocol):
     async def prefetch(self, loop: EngineLoop, token_ids: list[int]) -> str: ...
-
-
-class PublishPayload(NamedTuple):
-    events: list[Any]                     # CheckpointInserted / CheckpointEvicted, in order
-    snapshot: dict[str, object]           # EngineStats.snapshot(): cumulative counters
-    observations: dict[str, list[float]]  # histogram values since the last payload
-    pools: dict[str, int]
 
 
 def wants_cache(req: GenerateRequest) -> bool:
@@ -70,7 +64,7 @@ def check_supported(config: HybridServeConfig) -> None:
         validate_tp(load_config(model_dir), tp)
 
 
-def build_engine(config: HybridServeConfig) -> Any:
+def build_engine(config: HybridServeConfig) -> Engine:
     """The engine of one replica (one TP group). Raises ValueError for what cannot run.
 
     For ``tensor_parallel_size > 1``: a ``TPEngine`` (rank 0, here) whose other ranks are
@@ -86,50 +80,10 @@ def build_engine(config: HybridServeConfig) -> Any:
     return Engine(config)
 
 
-def pool_counts(engine: Any) -> dict[str, int]:
-    """Free / usable counts of the KV page pool and the Mamba slot pool."""
-    counts = _call_optional(engine, "pool_counts")
-    if counts is not None:
-        return _as_int_dict(counts)
-    pages, slots = engine.page_allocator, engine.slot_allocator
-    return {"kv_pages_free": pages.num_free, "kv_pages_usable": pages.num_usable,
-            "mamba_slots_free": slots.num_free, "mamba_slots_usable": slots.num_usable}
-
-
-def _publishing(engine: Any) -> Any:
-    """The engine, keeping the cache events ``publish_payload`` sends the router index."""
-    _call_optional(engine, "record_cache_events")
+def _publishing(engine: Engine) -> Engine:
+    """The engine, keeping the cache events the replica sends the router index."""
+    engine.record_cache_events()
     return engine
-
-
-def drain_cache_events(engine: Any) -> list[Any]:
-    events = _call_optional(engine, "drain_cache_events")
-    return list(events) if events is not None else []
-
-
-def _call_optional(engine: Any, name: str) -> Any:
-    fn = getattr(engine, name, None)
-    return fn() if callable(fn) else None
-
-
-def _as_int_dict(counts: Any) -> dict[str, int]:
-    if hasattr(counts, "_asdict"):
-        counts = counts._asdict()
-    elif hasattr(counts, "__dataclass_fields__"):
-        counts = {k: getattr(counts, k) for k in counts.__dataclass_fields__}
-    out: dict[str, int] = {}
-    for key, value in dict(counts).items():
-        if isinstance(value, (int, float)):
-            out[str(key)] = int(value)
-        elif isinstance(value, dict) or hasattr(value, "_asdict"):
-            for sub, v in _as_int_dict(value).items():
-                out[f"{key}_{sub}"] = v
-    return out
-
-
-def _payload(engine: Any) -> PublishPayload:
-    return PublishPayload(drain_cache_events(engine), engine.stats.snapshot(),
-                          engine.stats.drain_observations(), pool_counts(engine))
 
 
 @dataclass(frozen=True)
@@ -215,26 +169,21 @@ class ReplicaCore:
         Cache events up to and including the flush are dropped: the caller clears this
         replica's entries in the router index instead.
         """
-        def flush(engine: Any) -> bool:
-            drain_cache_events(engine)
-            fn = getattr(engine, "flush_cache", None)
-            if callable(fn):
-                fn()
-            drain_cache_events(engine)
-            return callable(fn)
+        def flush(engine: Engine) -> bool:
+            engine.drain_cache_events()
+            engine.flush_cache()
+            engine.drain_cache_events()
+            return engine.config.cache.enable_prefix_cache
 
         return await self.loop.run(flush)
-
-    async def publish_payload(self) -> PublishPayload:
-        return await self.loop.run(_payload)
 
     async def stats(self, replica_id: str, label: str) -> ReplicaStats:
         num_streams = self.loop.num_streams   # read here, on the event loop's thread
         times = dict(self.loop.times._asdict())
 
-        def read(engine: Any) -> ReplicaStats:
+        def read(engine: Engine) -> ReplicaStats:
             return ReplicaStats(replica_id, label, num_streams, bool(engine.has_unfinished()),
-                                pool_counts(engine), engine.stats.snapshot(), loop=times,
+                                engine.pool_counts(), engine.stats.snapshot(), loop=times,
                                 pid=os.getpid())
 
         return await self.loop.run(read)
@@ -242,7 +191,7 @@ class ReplicaCore:
     def check_health(self) -> None:
         if self.loop.error is not None:
             raise RuntimeError(f"engine loop failed: {self.loop.error!r}")
-        _call_optional(self.loop.engine, "check_workers")   # TP: every other rank alive
+        self.loop.engine.check_workers()   # TP: every other rank alive
 
     async def shutdown(self) -> None:
         await self.loop.shutdown()

@@ -197,9 +197,6 @@ class StoreClient:
         await loop.run(lambda e: _count_commits(e, outcomes))
         return events
 
-    async def drop_lost(self, key: bytes) -> None:
-        await self.backend.drop(key)
-
     async def clear(self) -> None:
         await self.backend.clear()
 

@@ -56,10 +56,6 @@ class RegisterRows:
         if held is not None:
             self._free.append(held[0])
 
-    @property
-    def num_assigned(self) -> int:
-        return len(self._rows)
-
 
 @dataclass
 class _Rows:

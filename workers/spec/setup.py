@@ -10,9 +10,6 @@ from workers.spec.drafter import MtpDrafter
 
 
 def num_draft_tokens(spec: SpecConfig) -> int:
-    if spec.method == "draft":
-        raise ValueError("spec.method 'draft' (a separate draft model) is not implemented; "
-                         "use 'mtp' (the checkpoint's MTP head) or 'none'")
     return spec.num_draft_tokens if spec.method == "mtp" else 0
 
 

@@ -76,6 +76,15 @@ class FakeEngine:
         self.stopped.append(rid)
         return self.abort(rid)
 
+    def check_workers(self) -> None:
+        self._touch()
+
+    def record_cache_events(self) -> None:
+        pass
+
+    def drain_cache_events(self) -> list:
+        return []
+
     def _out(self, rid: str, finished: bool, reason: str | None) -> EngineOutput:
         return EngineOutput(rid, self.live[rid][-1:], None, finished, reason, None, 0)
 
