@@ -26,12 +26,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from workers.output_processor import OutputProcessor
 from workers.outputs import EngineOutput, OutputDelta
 from workers.sampling_params import SamplingParams
 from workers.step_failure import StepFailed
+
+if TYPE_CHECKING:                       # the engine's module loads torch; the type is enough here
+    from workers.engine import Engine
 
 T = TypeVar("T")
 IDLE_POLL_S = 0.001                       # the wait after a second step in a row with no output
@@ -61,7 +64,7 @@ class EngineLoopError(RuntimeError):
 
 
 class _Call(NamedTuple):
-    fn: Callable[[Any], Any]
+    fn: Callable[[Engine], Any]
     future: asyncio.Future[Any] | None    # None: nobody waits for the result
 
 
@@ -140,7 +143,7 @@ class EngineLoop:
     thread (so thread-local torch state is the one it steps with)."""
 
     def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
-        self.engine: Any = None
+        self.engine: Engine = None  # type: ignore[assignment]  # set by create, before any use
         self.frontend: OutputProcessor | None = None    # the event loop's thread only
         self._aloop = aloop
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
@@ -154,7 +157,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
     @classmethod
-    async def create(cls, build: Callable[[], Any]) -> EngineLoop:
+    async def create(cls, build: Callable[[], Engine]) -> EngineLoop:
         loop = cls(asyncio.get_running_loop())
         loop._thread.start()
         try:
@@ -167,7 +170,7 @@ class EngineLoop:
         loop._work.set()                  # the engine exists now: start stepping if it has work
         return loop
 
-    async def run(self, fn: Callable[[Any], T]) -> T:
+    async def run(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread, after everything queued before it (and
         between two steps). Cancelling the caller skips ``fn`` unless it already started."""
         if self._closed:
@@ -358,7 +361,7 @@ def _ends(item: OutputDelta | BaseException) -> bool:
     return isinstance(item, BaseException) or item.finished
 
 
-def _add_all(engine: Any, request_ids: Sequence[str], prompt: list[int],
+def _add_all(engine: Engine, request_ids: Sequence[str], prompt: list[int],
              params: Sequence[SamplingParams]) -> None:
     added: list[str] = []
     try:
@@ -371,17 +374,17 @@ def _add_all(engine: Any, request_ids: Sequence[str], prompt: list[int],
         raise
 
 
-def _abort_all(engine: Any, request_ids: Sequence[str]) -> None:
+def _abort_all(engine: Engine, request_ids: Sequence[str]) -> None:
     for rid in request_ids:
         engine.abort(rid)
 
 
-def _stop_all(engine: Any, request_ids: Sequence[str]) -> None:
+def _stop_all(engine: Engine, request_ids: Sequence[str]) -> None:
     for rid in request_ids:
         engine.stop(rid)
 
 
-def _step(engine: Any) -> _StepResult:
+def _step(engine: Engine) -> _StepResult:
     start, cpu = time.perf_counter(), time.thread_time()
     outputs = engine.step() if engine.has_unfinished() else []
     return _StepResult(outputs, engine.has_unfinished(), start, time.perf_counter() - start,

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry, StoreHit
 from configs.serving import ReplicaConfig
@@ -36,6 +36,9 @@ from workers.cache.prefix_hash import prefix_hash_chain
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 from workers.tiers.cost import FetchCost, Throughput
 from workers.tiers.payload import CheckpointPayload
+
+if TYPE_CHECKING:                       # the engine's module loads torch; the type is enough here
+    from workers.engine import Engine
 
 logger = logging.getLogger(__name__)
 MAX_LOOKUPS = 4
@@ -201,20 +204,20 @@ class StoreClient:
         await self.backend.clear()
 
 
-def _forward_totals(engine: Any) -> tuple[float, float]:
+def _forward_totals(engine: Engine) -> tuple[float, float]:
     s = engine.stats
     return float(s.counters.get("hybridserve_forward_tokens_total", 0)), \
         float(s.totals["hybridserve_step_duration_seconds"][1])
 
 
-def _import(engine: Any, payload: Any, hit: StoreHit) -> str:
+def _import(engine: Engine, payload: CheckpointPayload, hit: StoreHit) -> str:
     placed = engine.import_checkpoint(payload, expected_hash=hit.key)
     if placed == "imported":
         engine.stats.inc("hybridserve_tier_bytes_total", hit.nbytes, label="store_get")
     return placed
 
 
-def _count_commits(engine: Any, outcomes: list[tuple[str, int]]) -> None:
+def _count_commits(engine: Engine, outcomes: list[tuple[str, int]]) -> None:
     for outcome, nbytes in outcomes:
         engine.stats.inc("hybridserve_store_commits_total", label=outcome)
         if nbytes:
