@@ -10,6 +10,11 @@ run: ``reference`` (torch), ``triton_*`` (imported lazily, on first use) or
 kernels on CUDA tensors, torch otherwise) and ``backend.use_backend(...)`` in tests. Launch
 grids come from ``kernels.launch_grid`` (pure functions, checked against CUDA's axis limits).
 
+Every op over a slot pool (``gdn``, ``kda``, ``ssd``, ``lightning``, ``selective_scan``,
+``conv1d``) is one function ``op(inputs..., states, seqs, options...)``: ``seqs`` is the
+step's ``kernels.recurrent_batch.RecurrentBatch`` (``ForwardBatch.recurrent``), and the
+backend runs the decode, verify or varlen form that ``seqs.path`` allows.
+
 Conventions shared by every op (the batch layout of ``workers/forward_batch.py``):
 
 - Flat varlen batches: B sequences, T tokens in all; ``cu_seqlens: int32 [B + 1]`` and
@@ -43,7 +48,6 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.memo import TensorMemo
 
 # Called with (step i, state after step i [n, ...]) by a recurrent fn.
 OnStep = Callable[[int, Tensor], None]
@@ -210,36 +214,15 @@ def run_chunks(chunk_fn: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Ten
     return torch.cat(outs, dim=0), s
 
 
-_unit_layouts: TensorMemo[tuple[Tensor, Tensor]] = TensorMemo()
-
-
-def unit_layout(slot_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """The varlen metadata of a one-token-per-sequence batch with every initial state present:
-    ``cu_seqlens = 0..B`` (int32 [B + 1]) and ``has_initial_state`` all True (bool [B]).
-
-    For a backend whose decode update is its varlen kernel. Memoised on ``slot_ids`` (one
-    tensor per forward step), so every layer of a step passes the same tensors and the
-    memoised launch plans built from them (``kernels.memo``) are built once per step.
-    """
-    def build() -> tuple[Tensor, Tensor]:
-        num_seqs, device = slot_ids.shape[0], slot_ids.device
-        return (torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-                torch.ones(num_seqs, dtype=torch.bool, device=device))
-
-    return _unit_layouts.get((slot_ids,), None, build)
-
-
 # Re-exported ops. Imported last: the op modules import the helpers above from this package.
 from kernels.attention import paged_attention  # noqa: E402
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402
-from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen  # noqa: E402
+from kernels.conv1d import causal_conv1d  # noqa: E402
+from kernels.gdn import gated_delta_rule  # noqa: E402
 from kernels.norm import gated_rms_norm, rms_norm  # noqa: E402
-from kernels.selective_scan import selective_scan_update, selective_scan_varlen  # noqa: E402
-from kernels.ssd import ssd_update, ssd_varlen  # noqa: E402
+from kernels.selective_scan import mamba_selective_scan  # noqa: E402
+from kernels.ssd import ssd_scan  # noqa: E402
 
 __all__ = [
-    "causal_conv1d_update", "causal_conv1d_varlen", "gated_delta_rule_update",
-    "gated_delta_rule_varlen", "gated_rms_norm", "paged_attention", "rms_norm", "run_chunks",
-    "scan_varlen", "selective_scan_update", "selective_scan_varlen", "ssd_update", "ssd_varlen",
-    "unit_layout",
+    "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "mamba_selective_scan", "paged_attention",
+    "rms_norm", "run_chunks", "scan_varlen", "ssd_scan",
 ]

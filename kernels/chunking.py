@@ -19,6 +19,7 @@ from torch import Tensor
 
 from kernels import SeqPlan, make_plan
 from kernels.memo import TensorMemo
+from kernels.recurrent_batch import RecurrentBatch
 
 
 class LengthSplit(NamedTuple):
@@ -125,3 +126,31 @@ def launch_plan(cu_seqlens: Tensor, state_dst_slots: Tensor | None, recurrent_ma
         return LaunchPlan(short_ids, chunks)
 
     return _plans.get((cu_seqlens, state_dst_slots), (recurrent_max_len, block_t, device), build)
+
+
+class VarlenLaunch(NamedTuple):
+    """A batch as every Triton launcher hands it to its kernels: the plan, and the metadata
+    as int32 tensors on the inputs' device."""
+
+    plan: LaunchPlan
+    cu: Tensor                  # [B + 1]
+    slots: Tensor               # [B]
+    has_init: Tensor            # [B], 0 / 1
+    dst: Tensor                 # [T]; ``cu`` when there are no snapshots (a dummy pointer)
+    has_dst: bool
+
+
+def varlen_launch(states: Tensor, seqs: RecurrentBatch, recurrent_max_len: int, block_t: int,
+                  device: torch.device) -> VarlenLaunch:
+    """The launch of ``seqs`` over the pool ``states`` (updated in place: it must be contiguous)."""
+    if not states.is_contiguous():
+        raise ValueError("the state pool must be contiguous (it is updated in place)")
+    plan = launch_plan(seqs.cu_seqlens, seqs.state_dst_slots, recurrent_max_len, block_t, device,
+                       seqs.uniform_len)
+
+    def int32(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=torch.int32)
+    cu = int32(seqs.cu_seqlens)
+    dst = seqs.state_dst_slots
+    return VarlenLaunch(plan, cu, int32(seqs.slot_ids), int32(seqs.has_initial_state),
+                        cu if dst is None else int32(dst), dst is not None)

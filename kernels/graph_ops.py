@@ -23,11 +23,14 @@ that never selects Triton never imports Triton.
 
 (No ``from __future__ import annotations`` here: ``custom_op`` reads the annotations.)
 """
-import math
+import functools
+import importlib
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from kernels.recurrent_batch import Path, RecurrentBatch
 
 MutatedArgs = tuple[str, ...]
 
@@ -51,62 +54,58 @@ def _like(t: Tensor, *shape: int) -> Tensor:
 
 
 # -- recurrent mixers: out is [T, H, V] (GDN, KDA) or [T, H, P] / [T, D] (SSD, Mamba1) ---------
-def _gdn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
-         cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-         scale: Optional[float] = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
-         state_dst_slots: Optional[Tensor] = None, uniform_len: int = 0) -> Tensor:
-    from kernels.gdn.triton_varlen import gated_delta_rule_varlen_triton
-    return gated_delta_rule_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids,
-                                          has_initial_state, scale, use_qk_l2norm, chunk_size,
-                                          state_dst_slots, uniform_len=uniform_len)
+# A launcher takes ``(*inputs, states, seqs: RecurrentBatch, *options)``; its op the same with
+# ``seqs.launch_args()`` spread in place of ``seqs`` (an op's arguments are tensors and scalars).
+Launcher = Callable[..., Tensor]
+_SEQS_SCHEMA = ("Tensor cu_seqlens, Tensor slot_ids, Tensor has_initial_state, Tensor? state_dst_slots, "
+                "int uniform_len")
+_NUM_SEQS_ARGS = 5
 
 
-def _kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
-         cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-         scale: Optional[float] = None, use_qk_l2norm: bool = True,
-         state_dst_slots: Optional[Tensor] = None, uniform_len: int = 0) -> Tensor:
-    from kernels.kda.triton_varlen import kda_varlen_triton
-    return kda_varlen_triton(q, k, v, g, beta, states, cu_seqlens, slot_ids, has_initial_state,
-                             scale, use_qk_l2norm, state_dst_slots, uniform_len=uniform_len)
+@functools.cache
+def _launcher(path: str) -> Launcher:
+    """The launcher ``module:function``, imported on its first call."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-         states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-         dt_softplus: bool, dt_min: float, dt_max: float, chunk_size: int,
-         state_dst_slots: Optional[Tensor], uniform_len: int) -> Tensor:
-    from kernels.ssd.triton_varlen import ssd_varlen_triton
-    return ssd_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
-                             has_initial_state, dt_softplus, (dt_min, dt_max), chunk_size,
-                             state_dst_slots, uniform_len=uniform_len)
+def _recurrent(name: str, launcher: str, inputs: str, options: str, out_like: int) -> Callable[..., Tensor]:
+    """The launcher eagerly; while dynamo traces, the custom op ``hybridserve::<name>_triton``
+    of schema ``(inputs, seqs' fields, options)``. ``inputs`` ends with the pool, ``states``;
+    the output is shaped as input ``out_like``."""
+    n = len(inputs.split(","))
+
+    def flat(*args: object) -> Tensor:
+        seqs = RecurrentBatch(*args[n:n + _NUM_SEQS_ARGS])  # type: ignore[arg-type]
+        return _launcher(launcher)(*args[:n], seqs, *args[n + _NUM_SEQS_ARGS:])
+
+    op = torch.library.custom_op(f"hybridserve::{name}_triton", flat, mutates_args=("states",),
+                                 schema=f"({inputs}, {_SEQS_SCHEMA}, {options}) -> Tensor")
+    op.register_fake(lambda *args: _like(args[out_like]))
+
+    def call(*args: object) -> Tensor:
+        if not torch.compiler.is_compiling():
+            return _launcher(launcher)(*args)
+        seqs = args[n]
+        assert isinstance(seqs, RecurrentBatch)
+        return op(*args[:n], *seqs.launch_args(), *args[n + 1:])
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"The Triton launcher of ``{name}`` (an opaque op when traced)."
+    return call
 
 
-def _selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
-                    dt_bias: Optional[Tensor], states: Tensor, cu_seqlens: Tensor,
-                    slot_ids: Tensor, has_initial_state: Tensor, dt_softplus: bool = True,
-                    chunk_size: int = 64, state_dst_slots: Optional[Tensor] = None,
-                    uniform_len: int = 0) -> Tensor:
-    from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
-    return selective_scan_varlen_triton(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids,
-                                        has_initial_state, dt_softplus, chunk_size,
-                                        state_dst_slots, uniform_len=uniform_len)
-
-
-gdn_varlen = _opaque("gdn_varlen", _gdn, ("states",), lambda q, k, v, *_: _like(v))
-kda_varlen = _opaque("kda_varlen", _kda, ("states",), lambda q, k, v, *_: _like(v))
-_ssd_call = _opaque("ssd_varlen", _ssd, ("states",), lambda x, *_: _like(x))
-selective_scan_varlen = _opaque("selective_scan_varlen", _selective_scan, ("states",),
-                                lambda x, *_: _like(x))
-
-
-def ssd_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-               dt_bias: Tensor, states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
-               has_initial_state: Tensor, dt_softplus: bool = True,
-               dt_limit: tuple[float, float] = (0.0, math.inf), chunk_size: int = 256,
-               state_dst_slots: Optional[Tensor] = None, uniform_len: int = 0) -> Tensor:
-    """The SSD launcher's signature (``dt_limit`` a pair: the op takes its two floats)."""
-    return _ssd_call(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, has_initial_state,
-                     bool(dt_softplus), float(dt_limit[0]), float(dt_limit[1]), int(chunk_size),
-                     state_dst_slots, int(uniform_len))
+_DELTA_RULE_INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states"
+_DELTA_RULE_OPTIONS = "float? scale, bool use_qk_l2norm, int chunk_size"
+_SCAN_INPUTS = "Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? dt_bias, Tensor(a!) states"
+gdn = _recurrent("gdn", "kernels.gdn.triton_varlen:gated_delta_rule_varlen_triton", _DELTA_RULE_INPUTS,
+                 _DELTA_RULE_OPTIONS, out_like=2)
+kda = _recurrent("kda", "kernels.kda.triton_varlen:kda_varlen_triton", _DELTA_RULE_INPUTS,
+                 _DELTA_RULE_OPTIONS, out_like=2)
+ssd = _recurrent("ssd", "kernels.ssd.triton_varlen:ssd_varlen_triton", _SCAN_INPUTS,
+                 "bool dt_softplus, float[] dt_limit, int chunk_size", out_like=0)
+selective_scan = _recurrent("selective_scan", "kernels.selective_scan.triton_varlen:selective_scan_varlen_triton",
+                            _SCAN_INPUTS, "bool dt_softplus, int chunk_size", out_like=0)
 
 
 # -- causal conv1d: out is [T, D] ------------------------------------------------------------
@@ -125,8 +124,17 @@ def _conv_update(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_states:
     return causal_conv1d_update_triton(x, weight, bias, conv_states, slot_ids, activation)
 
 
-conv1d_varlen = _opaque("conv1d_varlen", _conv_varlen, ("conv_states",), lambda x, *_: _like(x))
-conv1d_update = _opaque("conv1d_update", _conv_update, ("conv_states",), lambda x, *_: _like(x))
+_conv1d_varlen = _opaque("conv1d_varlen", _conv_varlen, ("conv_states",), lambda x, *_: _like(x))
+_conv1d_update = _opaque("conv1d_update", _conv_update, ("conv_states",), lambda x, *_: _like(x))
+
+
+def conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_states: Tensor, seqs: RecurrentBatch,
+           activation: Optional[str]) -> Tensor:
+    """The Triton conv of ``seqs``: the one-token kernel on a decode, else the varlen launcher."""
+    if seqs.path is Path.DECODE:
+        return _conv1d_update(x, weight, bias, conv_states, seqs.slot_ids, activation)
+    return _conv1d_varlen(x, weight, bias, conv_states, seqs.cu_seqlens, seqs.slot_ids,
+                          seqs.has_initial_state, activation, seqs.state_dst_slots)
 
 
 # -- norms: out is x's shape -------------------------------------------------------------------

@@ -10,9 +10,11 @@ Shapes use one vocabulary: B sequences, T new tokens, S pool slots / KV location
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from kernels.recurrent_batch import RecurrentBatch
 
 
 def is_decode_only(num_new_tokens: Sequence[int], has_initial_state: Sequence[bool],
@@ -53,12 +55,15 @@ class ForwardBatch:
       state); 0 means no snapshot. The live slot still receives the final state.
     - ``decode_only`` (host flag, set by the builder from host data: reading it never syncs)
       is True only if every sequence has exactly one new token and an initial state and no
-      token has a snapshot slot. The recurrent layers then take their one-step update
-      kernels instead of the varlen ones (same results); False is always safe.
+      token has a snapshot slot. The recurrent ops then take their one-step form instead of
+      the varlen one (same results); False is always safe.
     - ``verify_len`` (host, likewise) is T > 0 only if every sequence has exactly T new
       tokens, an initial state, and a snapshot slot at every token (a speculative verify):
-      the recurrent layers then run T batched steps without a varlen plan (same results);
+      the recurrent ops then run T batched steps without a varlen plan (same results);
       0 is always safe.
+    - ``recurrent`` (derived, built once with the batch) is what every op over a slot pool
+      takes: the sequence bounds, live slots, initial-state flags, snapshot slots (none on a
+      decode-only batch) and the uniform length (1 if ``decode_only``, else ``verify_len``).
     """
 
     input_ids: torch.Tensor          # int64 [T]
@@ -74,6 +79,13 @@ class ForwardBatch:
     state_dst_slots: torch.Tensor | None = None  # int32 [T]
     decode_only: bool = False
     verify_len: int = 0
+    recurrent: RecurrentBatch = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recurrent", RecurrentBatch(
+            self.cu_seqlens, self.mamba_slot_ids, self.has_initial_state,
+            None if self.decode_only else self.state_dst_slots,
+            1 if self.decode_only else self.verify_len))
 
     @property
     def num_seqs(self) -> int:

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from kernels import native_ops
-from kernels.conv1d.reference import (causal_conv1d_update_torch, causal_conv1d_varlen_torch,
-                                      causal_conv1d_verify_torch, check_shapes)
+from kernels.conv1d.reference import causal_conv1d_torch, check_shapes
+from kernels.recurrent_batch import RecurrentBatch
 
 MAX_WIDTH = 16
 
@@ -28,34 +28,14 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor) 
             and native_ops.usable(conv_states, x, weight, bias))
 
 
-def causal_conv1d_varlen_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
-                             cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-                             activation: str | None, state_dst_slots: Tensor | None) -> Tensor:
-    """``kernels.conv1d.causal_conv1d_varlen`` on CPU (shapes there)."""
+def causal_conv1d_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                      seqs: RecurrentBatch, activation: str | None) -> Tensor:
+    """``kernels.conv1d.causal_conv1d`` on CPU (shapes there): one pass for every path."""
     if not usable(x, weight, bias, conv_states):
-        return causal_conv1d_varlen_torch(x, weight, bias, conv_states, cu_seqlens, slot_ids, has_initial_state,
-                                          activation, state_dst_slots)
-    return _native(x, weight, bias, conv_states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots,
-                   activation)
-
-
-def causal_conv1d_update_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
-                             slot_ids: Tensor, activation: str | None) -> Tensor:
-    """``kernels.conv1d.causal_conv1d_update`` on CPU (shapes there)."""
-    if not usable(x, weight, bias, conv_states):
-        return causal_conv1d_update_torch(x, weight, bias, conv_states, slot_ids, activation)
-    cu_seqlens = torch.arange(slot_ids.shape[0] + 1, dtype=torch.int32, device=x.device)
-    return _native(x, weight, bias, conv_states, cu_seqlens, slot_ids, None, None, activation)
-
-
-def causal_conv1d_verify_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
-                             cu_seqlens: Tensor, slot_ids: Tensor, state_dst_slots: Tensor, seq_len: int,
-                             activation: str | None) -> Tensor:
-    """``kernels.conv1d.causal_conv1d_verify`` on CPU (shapes there)."""
-    if not usable(x, weight, bias, conv_states):
-        return causal_conv1d_verify_torch(x, weight, bias, conv_states, slot_ids, state_dst_slots, seq_len,
-                                          activation)
-    return _native(x, weight, bias, conv_states, cu_seqlens, slot_ids, None, state_dst_slots, activation)
+        return causal_conv1d_torch(x, weight, bias, conv_states, seqs, activation)
+    has_initial_state = None if seqs.uniform_len else seqs.has_initial_state    # None: every one
+    return _native(x, weight, bias, conv_states, seqs.cu_seqlens, seqs.slot_ids, has_initial_state,
+                   seqs.state_dst_slots, activation)
 
 
 def _native(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor, cu_seqlens: Tensor,

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import SeqPlan, make_plan
+from kernels.recurrent_batch import Path, RecurrentBatch
 from kernels.static import scatter_rows_
 
 
@@ -42,6 +43,20 @@ def _apply_taps(taps: list[Tensor], weight: Tensor, bias: Tensor | None,
     if bias is not None:
         acc = acc + bias.float()
     return F.silu(acc) if activation is not None else acc
+
+
+def causal_conv1d_torch(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                        seqs: RecurrentBatch, activation: str | None) -> Tensor:
+    """``kernels.conv1d.causal_conv1d`` in torch, in the form ``seqs.path`` allows."""
+    path = seqs.path
+    if path is Path.DECODE:
+        return causal_conv1d_update_torch(x, weight, bias, conv_states, seqs.slot_ids, activation)
+    if path is Path.VERIFY:
+        assert seqs.state_dst_slots is not None
+        return causal_conv1d_verify_torch(x, weight, bias, conv_states, seqs.slot_ids, seqs.state_dst_slots,
+                                          seqs.uniform_len, activation)
+    return causal_conv1d_varlen_torch(x, weight, bias, conv_states, seqs.cu_seqlens, seqs.slot_ids,
+                                      seqs.has_initial_state, activation, seqs.state_dst_slots)
 
 
 def causal_conv1d_varlen_torch(x: Tensor, weight: Tensor, bias: Tensor | None,

@@ -15,6 +15,7 @@ Two algorithms, chosen per segment by length, give the same result: a per-token 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from kernels import OnStep, run_chunks, scan_varlen
 from kernels.decay import decay_exp
+from kernels.recurrent_batch import Path, RecurrentBatch
 from kernels.static import scatter_rows_
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
@@ -43,6 +45,22 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}, "
                          f"states {tuple(states.shape)}")
+
+
+def delta_rule_torch(update: Callable[..., Tensor], verify: Callable[..., Tensor],
+                     varlen: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                     states: Tensor, seqs: RecurrentBatch, scale: float | None, use_qk_l2norm: bool,
+                     chunk_size: int) -> Tensor:
+    """A delta-rule op (GDN, KDA) in torch, in the form ``seqs.path`` allows: its reference's
+    ``update`` (decode), ``verify`` or ``varlen`` form."""
+    path = seqs.path
+    if path is Path.DECODE:
+        return update(q, k, v, g, beta, states, seqs.slot_ids, scale, use_qk_l2norm)
+    if path is Path.VERIFY:
+        return verify(q, k, v, g, beta, states, seqs.slot_ids, seqs.state_dst_slots, seqs.uniform_len, scale,
+                      use_qk_l2norm)
+    return varlen(q, k, v, g, beta, states, seqs.cu_seqlens, seqs.slot_ids, seqs.has_initial_state, scale,
+                  use_qk_l2norm, chunk_size, seqs.state_dst_slots)
 
 
 def gated_delta_rule_varlen_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -190,3 +208,12 @@ def _gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     to_end = decay_exp(log_b[:, -1:] - log_b)[..., None]                # b_c / b_j  [H, c, 1]
     s_new = decay_exp(log_b[:, -1])[:, None, None] * s + (k * to_end).transpose(1, 2) @ u
     return o.transpose(0, 1), s_new
+
+
+def gated_delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
+                           seqs: RecurrentBatch, scale: float | None, use_qk_l2norm: bool,
+                           chunk_size: int) -> Tensor:
+    """``kernels.gdn.gated_delta_rule`` in torch."""
+    return delta_rule_torch(gated_delta_rule_update_torch, gated_delta_rule_verify_torch,
+                            gated_delta_rule_varlen_torch, q, k, v, g, beta, states, seqs, scale,
+                            use_qk_l2norm, chunk_size)

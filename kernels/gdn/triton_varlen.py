@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import chunking
-from kernels.chunking import ChunkTable, block_size
-from kernels.launch_grid import chunk_head_grid, seq_head_grid
+from kernels.chunking import ChunkTable, block_size, varlen_launch
 from kernels.gdn.reference import check_shapes
+from kernels.launch_grid import chunk_head_grid, seq_head_grid
+from kernels.recurrent_batch import RecurrentBatch
 from kernels.gdn.triton_chunk import (gdn_chunk_output_kernel, gdn_chunk_prep_kernel,
                                       gdn_chunk_state_kernel)
 from kernels.gdn.triton_recurrent import gdn_recurrent_kernel
@@ -23,50 +23,30 @@ MAX_BLOCK_T = 64
 
 
 def gated_delta_rule_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                                   states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
-                                   has_initial_state: Tensor, scale: float | None = None,
+                                   states: Tensor, seqs: RecurrentBatch, scale: float | None = None,
                                    use_qk_l2norm: bool = True, chunk_size: int = 64,
-                                   state_dst_slots: Tensor | None = None,
-                                   recurrent_max_len: int = RECURRENT_MAX_LEN,
-                                   uniform_len: int = 0) -> Tensor:
-    """Contract of ``kernels.gdn.gated_delta_rule_varlen``. ``chunk_size`` picks the chunk
-    tile, clamped to a power of two in [16, 64] (the result does not depend on it).
-    ``uniform_len``: every sequence has that many tokens (decode, verify: ``launch_plan``)."""
+                                   recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
+    """Contract of ``kernels.gdn.gated_delta_rule``. ``chunk_size`` picks the chunk tile,
+    clamped to a power of two in [16, 64] (the result does not depend on it)."""
     check_shapes(q, k, v, g, beta, states)
-    if not states.is_contiguous():
-        raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
     block_t = block_size(chunk_size, hi=MAX_BLOCK_T)
-    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, block_t, v.device,
-                              uniform_len)
+    run = varlen_launch(states, seqs, recurrent_max_len, block_t, v.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     scale = float(scale if scale is not None else k_dim ** -0.5)
     meta = dict(H=num_heads, HK=k.shape[1], K=k_dim, V=v_dim, BK=block_size(k_dim),
                 USE_L2NORM=bool(use_qk_l2norm))
-    cu = cu_seqlens.to(device=v.device, dtype=torch.int32)
-    slots = slot_ids.to(device=v.device, dtype=torch.int32)
-    has_init = has_initial_state.to(device=v.device, dtype=torch.int32)
-    if lp.short_ids is not None:
-        _launch_recurrent(q, k, v, g, beta, out, states, cu, slots, has_init, lp.short_ids,
-                          state_dst_slots, scale, meta)
-    if lp.chunks is not None:
-        _launch_chunked(q, k, v, g, beta, out, states, slots, has_init, lp.chunks, block_t,
-                        scale, meta)
+    if run.plan.short_ids is not None:
+        block_v = block_size(v_dim, hi=32)
+        grid = seq_head_grid("gdn_recurrent", run.plan.short_ids.shape[0], num_heads, v_dim, block_v)
+        gdn_recurrent_kernel[grid](q, k, v, g, beta, out, states, run.cu, run.slots, run.has_init,
+                                   run.plan.short_ids, run.dst, scale, BV=block_v,
+                                   HAS_DST=run.has_dst, num_warps=4, **meta)
+    if run.plan.chunks is not None:
+        _launch_chunked(q, k, v, g, beta, out, states, run.slots, run.has_init, run.plan.chunks,
+                        block_t, scale, meta)
     return out
-
-
-def _launch_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,
-                      states: Tensor, cu: Tensor, slots: Tensor, has_init: Tensor,
-                      seq_ids: Tensor, state_dst_slots: Tensor | None, scale: float,
-                      meta: dict) -> None:
-    block_v = block_size(meta["V"], hi=32)
-    dst = (state_dst_slots.to(device=v.device, dtype=torch.int32)
-           if state_dst_slots is not None else cu)     # dummy pointer when HAS_DST=False
-    grid = seq_head_grid("gdn_recurrent", seq_ids.shape[0], meta["H"], meta["V"], block_v)
-    gdn_recurrent_kernel[grid](q, k, v, g, beta, out, states, cu, slots, has_init, seq_ids,
-                               dst, scale, BV=block_v,
-                               HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
 
 
 def _launch_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,

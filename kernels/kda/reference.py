@@ -23,7 +23,8 @@ from torch import Tensor
 
 from kernels import OnStep, run_chunks, scan_varlen
 from kernels.decay import decay_exp
-from kernels.gdn.reference import delta_rule_step, normalized_qk
+from kernels.gdn.reference import delta_rule_step, delta_rule_torch, normalized_qk
+from kernels.recurrent_batch import RecurrentBatch
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
 RECURRENT_MAX_LEN = 16
@@ -153,3 +154,10 @@ def _kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     to_end = decay_exp(log_b[:, -1:, :] - log_b)                        # [H, c, K]
     s_new = decay_exp(log_b[:, -1, :, None]) * s + (k * to_end).transpose(1, 2) @ u
     return o.transpose(0, 1), s_new
+
+
+def kda_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor, seqs: RecurrentBatch,
+              scale: float | None, use_qk_l2norm: bool, chunk_size: int) -> Tensor:
+    """``kernels.kda.kimi_delta_attention`` in torch."""
+    return delta_rule_torch(kda_update_torch, kda_verify_torch, kda_varlen_torch, q, k, v, g, beta, states,
+                            seqs, scale, use_qk_l2norm, chunk_size)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import chunking
-from kernels.chunking import ChunkTable, block_size
+from kernels.chunking import ChunkTable, block_size, varlen_launch
 from kernels.kda.reference import check_shapes
 from kernels.kda.triton_chunk import (kda_chunk_output_kernel, kda_chunk_prep_kernel,
                                       kda_chunk_state_kernel)
 from kernels.kda.triton_recurrent import kda_recurrent_kernel
 from kernels.launch_grid import chunk_head_grid, seq_head_grid
+from kernels.recurrent_batch import RecurrentBatch
 
 RECURRENT_MAX_LEN = 16      # as the reference: longer sequences take the chunked kernels
 BLOCK_T = 16                # chunk tile: the per-channel decay products are [BT, BT, BKC]
@@ -24,36 +24,26 @@ BLOCK_KC = 16               # key channels per step of those products
 
 
 def kda_varlen_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
-                      cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-                      scale: float | None = None, use_qk_l2norm: bool = True,
-                      state_dst_slots: Tensor | None = None,
-                      recurrent_max_len: int = RECURRENT_MAX_LEN,
-                      uniform_len: int = 0) -> Tensor:
-    """Contract of ``kernels.kda.kda_varlen`` (the chunk tile is fixed: ``BLOCK_T``).
-    ``uniform_len``: every sequence has that many tokens (decode, verify: ``launch_plan``)."""
+                      seqs: RecurrentBatch, scale: float | None = None, use_qk_l2norm: bool = True,
+                      chunk_size: int = BLOCK_T, recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
+    """Contract of ``kernels.kda.kda``; ``chunk_size`` is not read (the chunk tile is fixed:
+    ``BLOCK_T``)."""
     check_shapes(q, k, v, g, beta, states)
-    if not states.is_contiguous():
-        raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_heads, k_dim, v_dim = v.shape[1], k.shape[2], v.shape[2]
-    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, BLOCK_T, v.device,
-                              uniform_len)
+    run = varlen_launch(states, seqs, recurrent_max_len, BLOCK_T, v.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     scale = float(scale if scale is not None else k_dim ** -0.5)
     meta = dict(H=num_heads, K=k_dim, V=v_dim, USE_L2NORM=bool(use_qk_l2norm))
-    cu = cu_seqlens.to(device=v.device, dtype=torch.int32)
-    slots = slot_ids.to(device=v.device, dtype=torch.int32)
-    has_init = has_initial_state.to(device=v.device, dtype=torch.int32)
-    if lp.short_ids is not None:
+    if run.plan.short_ids is not None:
         block_v = block_size(v_dim, hi=32)
-        dst = (state_dst_slots.to(device=v.device, dtype=torch.int32)
-               if state_dst_slots is not None else cu)     # dummy pointer when HAS_DST=False
-        grid = seq_head_grid("kda_recurrent", lp.short_ids.shape[0], num_heads, v_dim, block_v)
-        kda_recurrent_kernel[grid](q, k, v, g, beta, out, states, cu, slots, has_init,
-                                   lp.short_ids, dst, scale, BK=block_size(k_dim), BV=block_v,
-                                   HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
-    if lp.chunks is not None:
-        _launch_chunked(q, k, v, g, beta, out, states, slots, has_init, lp.chunks, scale, meta)
+        grid = seq_head_grid("kda_recurrent", run.plan.short_ids.shape[0], num_heads, v_dim, block_v)
+        kda_recurrent_kernel[grid](q, k, v, g, beta, out, states, run.cu, run.slots, run.has_init,
+                                   run.plan.short_ids, run.dst, scale, BK=block_size(k_dim), BV=block_v,
+                                   HAS_DST=run.has_dst, num_warps=4, **meta)
+    if run.plan.chunks is not None:
+        _launch_chunked(q, k, v, g, beta, out, states, run.slots, run.has_init, run.plan.chunks,
+                        scale, meta)
     return out
 
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.ssd import ssd_update, ssd_varlen
+from kernels.recurrent_batch import RecurrentBatch
+from kernels.ssd import ssd_scan
 
-__all__ = ["lightning_attention_update", "lightning_attention_varlen", "state_shape"]
+__all__ = ["lightning_attention", "state_shape"]
 
 # The chunk length of the SSD form; the result does not depend on it.
 CHUNK_SIZE = 64
@@ -48,22 +49,11 @@ def _ssd_args(q: Tensor, k: Tensor, slope: Tensor, states: Tensor) -> tuple[Tens
     return torch.ones(num_tokens, num_heads, **f32), -slope.float(), zeros, zeros
 
 
-def lightning_attention_varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, states: Tensor,
-                               cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-                               state_dst_slots: Tensor | None = None) -> Tensor:
+def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, states: Tensor,
+                        seqs: RecurrentBatch) -> Tensor:
     """q, k [T, H, K]; v [T, H, V]; slope [H] (> 0); states [S, H, V, K] -> o [T, H, V].
 
     Updates ``states`` in place (live and snapshot slots); see ``kernels`` for the contract.
     """
     dt, a, d, dt_bias = _ssd_args(q, k, slope, states)
-    return ssd_varlen(v, dt, a, k, q, d, dt_bias, states, cu_seqlens, slot_ids,
-                      has_initial_state, dt_softplus=False, chunk_size=CHUNK_SIZE,
-                      state_dst_slots=state_dst_slots)
-
-
-def lightning_attention_update(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, states: Tensor,
-                               slot_ids: Tensor) -> Tensor:
-    """Decode fast path, one token per sequence (every initial state present, no snapshots):
-    equals ``lightning_attention_varlen`` on that batch."""
-    dt, a, d, dt_bias = _ssd_args(q, k, slope, states)
-    return ssd_update(v, dt, a, k, q, d, dt_bias, states, slot_ids, dt_softplus=False)
+    return ssd_scan(v, dt, a, k, q, d, dt_bias, states, seqs, dt_softplus=False, chunk_size=CHUNK_SIZE)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import OnStep, scan_varlen
+from kernels.recurrent_batch import Path, RecurrentBatch
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
 RECURRENT_MAX_LEN = 16
@@ -45,6 +46,17 @@ def check_shapes(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, states:
 
 def _skip(out: Tensor, xf: Tensor, D: Tensor | None) -> Tensor:
     return out if D is None else out + D.float() * xf
+
+
+def mamba_selective_scan_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+                               dt_bias: Tensor | None, states: Tensor, seqs: RecurrentBatch,
+                               dt_softplus: bool, chunk_size: int) -> Tensor:
+    """``kernels.selective_scan.mamba_selective_scan`` in torch: the one-step form on a
+    decode, the varlen form otherwise (it has no verify form)."""
+    if seqs.path is Path.DECODE:
+        return selective_scan_update_torch(x, dt, A, B, C, D, dt_bias, states, seqs.slot_ids, dt_softplus)
+    return selective_scan_varlen_torch(x, dt, A, B, C, D, dt_bias, states, seqs.cu_seqlens, seqs.slot_ids,
+                                       seqs.has_initial_state, dt_softplus, chunk_size, seqs.state_dst_slots)
 
 
 def selective_scan_varlen_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,

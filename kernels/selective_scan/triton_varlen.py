@@ -1,4 +1,4 @@
-"""Launcher of the Triton Mamba1 selective scan: same contract as the torch reference.
+"""Launcher of the Triton Mamba1 selective scan (the contract of ``kernels.selective_scan``'s op).
 
 Short sequences (``<= recurrent_max_len`` tokens) take one per-token launch; long ones the
 chunked kernel over a chunk table cut at snapshot tokens (``kernels.chunking``). The groups
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import chunking
-from kernels.chunking import block_size
+from kernels.chunking import block_size, varlen_launch
 from kernels.launch_grid import checked, cdiv
+from kernels.recurrent_batch import RecurrentBatch
 from kernels.selective_scan.reference import check_shapes
 from kernels.selective_scan.triton_chunk import selective_scan_chunk_kernel
 from kernels.selective_scan.triton_recurrent import selective_scan_recurrent_kernel
@@ -31,20 +31,13 @@ def channel_block(state_block: int, rows: int) -> int:
 
 def selective_scan_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                                  D: Tensor | None, dt_bias: Tensor | None, states: Tensor,
-                                 cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-                                 dt_softplus: bool = True, chunk_size: int = 64,
-                                 state_dst_slots: Tensor | None = None,
-                                 recurrent_max_len: int = RECURRENT_MAX_LEN,
-                                 uniform_len: int = 0) -> Tensor:
-    """Contract of ``kernels.selective_scan.selective_scan_varlen``; ``chunk_size`` is not
-    read (the chunk tile is ``BLOCK_T``: the result does not depend on it beyond rounding).
-    ``uniform_len``: every sequence has that many tokens (decode: ``launch_plan``)."""
+                                 seqs: RecurrentBatch, dt_softplus: bool = True, chunk_size: int = 64,
+                                 recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
+    """Contract of ``kernels.selective_scan.mamba_selective_scan``; ``chunk_size`` is not
+    read (the chunk tile is ``BLOCK_T``: the result does not depend on it beyond rounding)."""
     check_shapes(x, dt, A, B, C, states)
-    if not states.is_contiguous():
-        raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_channels, state_dim = A.shape
-    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, BLOCK_T, x.device,
-                              uniform_len)
+    run = varlen_launch(states, seqs, recurrent_max_len, BLOCK_T, x.device)
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     zeros = torch.zeros(num_channels, dtype=torch.float32, device=x.device)
     A = A.to(device=x.device, dtype=torch.float32).contiguous()
@@ -53,25 +46,20 @@ def selective_scan_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C:
     y = torch.empty_like(x)
     block_n = block_size(state_dim, lo=1)
     meta = dict(H=num_channels, N=state_dim, BN=block_n, DT_SOFTPLUS=bool(dt_softplus))
-    cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
-    slots = slot_ids.to(device=x.device, dtype=torch.int32)
-    has_init = has_initial_state.to(device=x.device, dtype=torch.int32)
-    if lp.short_ids is not None:
+    if run.plan.short_ids is not None:
         block_h = channel_block(block_n, 1)
-        dst = (state_dst_slots.to(device=x.device, dtype=torch.int32)
-               if state_dst_slots is not None else cu)     # dummy pointer when HAS_DST=False
-        grid = checked((lp.short_ids.shape[0], cdiv(num_channels, block_h)),
+        grid = checked((run.plan.short_ids.shape[0], cdiv(num_channels, block_h)),
                        "selective_scan_recurrent")
         selective_scan_recurrent_kernel[grid](
-            x, dt, A, B, C, D, dt_bias, y, states, cu, slots, has_init, lp.short_ids, dst,
-            BH=block_h, HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
-    if lp.chunks is not None:
-        table = lp.chunks
+            x, dt, A, B, C, D, dt_bias, y, states, run.cu, run.slots, run.has_init, run.plan.short_ids,
+            run.dst, BH=block_h, HAS_DST=run.has_dst, num_warps=4, **meta)
+    if run.plan.chunks is not None:
+        table = run.plan.chunks
         block_h = channel_block(block_n, BLOCK_T)
         grid = checked((table.seq_ids.shape[0], cdiv(num_channels, block_h)),
                        "selective_scan_chunk")
         selective_scan_chunk_kernel[grid](
-            x, dt, A, B, C, D, dt_bias, y, states, slots, has_init, table.seq_ids,
+            x, dt, A, B, C, D, dt_bias, y, states, run.slots, run.has_init, table.seq_ids,
             table.seq_chunk_offsets, table.chunk_starts, table.chunk_lens, table.chunk_dst,
             BT=BLOCK_T, BH=block_h, num_warps=4, **meta)
     return y

@@ -1,7 +1,7 @@
 """Mamba2 SSD on CPU: every token through the C++ recurrence of ``kernels/native_ssd.cpp``.
 
 Under the ``auto`` backend a CPU batch of any kind -- decode, speculative verify, prefill and
-mixed (``ssd_varlen``) -- is one call of ``hybridserve_native::ssd_recurrent`` on the pool,
+mixed -- is one call of ``hybridserve_native::ssd_recurrent`` on the pool,
 in place (each sequence's state read once and written once, snapshots from the loop), then
 the D skip. dt' (``reference.discretize_dt``'s rule) and exp(dt' A) are taken in the loop,
 one scalar formula for each (ATen's softplus takes another for a vectorised loop's ragged
@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from kernels import native_ops
-from kernels.ssd.reference import check_shapes, ssd_update_torch, ssd_varlen_torch, ssd_verify_torch
+from kernels.recurrent_batch import RecurrentBatch
+from kernels.ssd.reference import check_shapes, ssd_torch
 
 
 def usable(states: Tensor, *inputs: Tensor) -> bool:
@@ -24,36 +25,16 @@ def usable(states: Tensor, *inputs: Tensor) -> bool:
     return states.dim() == 4 and native_ops.usable(states, *inputs)
 
 
-def ssd_varlen_cpu(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-                   states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-                   dt_softplus: bool, dt_limit: tuple[float, float], chunk_size: int,
-                   state_dst_slots: Tensor | None) -> Tensor:
-    """``kernels.ssd.ssd_varlen`` on CPU (shapes there; ``chunk_size`` is the reference's)."""
+def ssd_cpu(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
+            states: Tensor, seqs: RecurrentBatch, dt_softplus: bool, dt_limit: tuple[float, float],
+            chunk_size: int) -> Tensor:
+    """``kernels.ssd.ssd`` on CPU (shapes there): one loop for every path (``chunk_size`` is
+    the reference's)."""
     if not usable(states, x, dt, A, B, C, D, dt_bias):
-        return ssd_varlen_torch(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, has_initial_state,
-                                dt_softplus, dt_limit, chunk_size, state_dst_slots)
-    return _native(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, has_initial_state,
-                   state_dst_slots, dt_softplus, dt_limit)
-
-
-def ssd_update_cpu(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-                   states: Tensor, slot_ids: Tensor, dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
-    """``kernels.ssd.ssd_update`` on CPU (shapes there)."""
-    if not usable(states, x, dt, A, B, C, D, dt_bias):
-        return ssd_update_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, dt_softplus, dt_limit)
-    cu_seqlens = torch.arange(slot_ids.shape[0] + 1, dtype=torch.int32, device=x.device)
-    return _native(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, None, None, dt_softplus, dt_limit)
-
-
-def ssd_verify_cpu(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-                   states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, state_dst_slots: Tensor, seq_len: int,
-                   dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
-    """``kernels.ssd.ssd_verify`` on CPU (shapes there)."""
-    if not usable(states, x, dt, A, B, C, D, dt_bias):
-        return ssd_verify_torch(x, dt, A, B, C, D, dt_bias, states, slot_ids, state_dst_slots, seq_len,
-                                dt_softplus, dt_limit)
-    return _native(x, dt, A, B, C, D, dt_bias, states, cu_seqlens, slot_ids, None, state_dst_slots,
-                   dt_softplus, dt_limit)
+        return ssd_torch(x, dt, A, B, C, D, dt_bias, states, seqs, dt_softplus, dt_limit, chunk_size)
+    has_initial_state = None if seqs.uniform_len else seqs.has_initial_state    # None: every one
+    return _native(x, dt, A, B, C, D, dt_bias, states, seqs.cu_seqlens, seqs.slot_ids, has_initial_state,
+                   seqs.state_dst_slots, dt_softplus, dt_limit)
 
 
 def _native(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor, states: Tensor,

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from kernels import OnStep, scan_varlen
 from kernels.decay import decay_exp
+from kernels.recurrent_batch import Path, RecurrentBatch
 from kernels.static import scatter_rows_
 
 # Segments of at most this many tokens take the per-token recurrence; longer ones are chunked.
@@ -42,6 +43,21 @@ def check_shapes(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, states: Tensor) ->
     if not ok:
         raise ValueError(f"shapes disagree: x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
                          f"B {tuple(B.shape)}, C {tuple(C.shape)}, states {tuple(states.shape)}")
+
+
+def ssd_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
+              states: Tensor, seqs: RecurrentBatch, dt_softplus: bool, dt_limit: tuple[float, float],
+              chunk_size: int) -> Tensor:
+    """``kernels.ssd.ssd`` in torch, in the form ``seqs.path`` allows."""
+    path = seqs.path
+    if path is Path.DECODE:
+        return ssd_update_torch(x, dt, A, B, C, D, dt_bias, states, seqs.slot_ids, dt_softplus, dt_limit)
+    if path is Path.VERIFY:
+        assert seqs.state_dst_slots is not None
+        return ssd_verify_torch(x, dt, A, B, C, D, dt_bias, states, seqs.slot_ids, seqs.state_dst_slots,
+                                seqs.uniform_len, dt_softplus, dt_limit)
+    return ssd_varlen_torch(x, dt, A, B, C, D, dt_bias, states, seqs.cu_seqlens, seqs.slot_ids,
+                            seqs.has_initial_state, dt_softplus, dt_limit, chunk_size, seqs.state_dst_slots)
 
 
 def ssd_varlen_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,

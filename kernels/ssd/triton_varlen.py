@@ -1,4 +1,4 @@
-"""Launcher of the Triton Mamba2 SSD path: same contract as ``reference.ssd_varlen_torch``.
+"""Launcher of the Triton Mamba2 SSD path (the contract of ``kernels.ssd``'s op).
 
 Short sequences (``<= recurrent_max_len`` tokens) take one selective-state-update launch;
 long ones the two chunked kernels over a chunk table cut at snapshot tokens
@@ -7,13 +7,14 @@ long ones the two chunked kernels over a chunk table cut at snapshot tokens
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from kernels import chunking
-from kernels.chunking import ChunkTable, block_size
+from kernels.chunking import ChunkTable, block_size, varlen_launch
 from kernels.launch_grid import chunk_head_grid, seq_head_grid
+from kernels.recurrent_batch import RecurrentBatch
 from kernels.ssd.reference import check_shapes
 from kernels.ssd.triton_chunk import ssd_chunk_output_kernel, ssd_chunk_state_kernel
 from kernels.ssd.triton_recurrent import ssd_recurrent_kernel
@@ -23,23 +24,16 @@ MAX_BLOCK_T = 64
 
 
 def ssd_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-                      dt_bias: Tensor, states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor,
-                      has_initial_state: Tensor, dt_softplus: bool = True,
-                      dt_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = 256,
-                      state_dst_slots: Tensor | None = None,
-                      recurrent_max_len: int = RECURRENT_MAX_LEN,
-                      uniform_len: int = 0) -> Tensor:
-    """Contract of ``kernels.ssd.ssd_varlen``. ``chunk_size`` picks the chunk tile, clamped
-    to a power of two in [16, 64] (the result does not depend on it).
-    ``uniform_len``: every sequence has that many tokens (decode, verify: ``launch_plan``)."""
+                      dt_bias: Tensor, states: Tensor, seqs: RecurrentBatch, dt_softplus: bool = True,
+                      dt_limit: Sequence[float] = (0.0, float("inf")), chunk_size: int = 256,
+                      recurrent_max_len: int = RECURRENT_MAX_LEN) -> Tensor:
+    """Contract of ``kernels.ssd.ssd``. ``chunk_size`` picks the chunk tile, clamped to a
+    power of two in [16, 64] (the result does not depend on it)."""
     check_shapes(x, dt, B, C, states)
-    if not states.is_contiguous():
-        raise ValueError("the state pool must be contiguous (it is updated in place)")
     num_heads, head_dim = x.shape[1], x.shape[2]
     groups, state_dim = B.shape[1], B.shape[2]
     block_t = block_size(chunk_size, hi=MAX_BLOCK_T)
-    lp = chunking.launch_plan(cu_seqlens, state_dst_slots, recurrent_max_len, block_t, x.device,
-                              uniform_len)
+    run = varlen_launch(states, seqs, recurrent_max_len, block_t, x.device)
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     A, D, dt_bias = (t.to(device=x.device).contiguous() for t in (A, D, dt_bias))
     y = torch.empty_like(x)
@@ -47,19 +41,14 @@ def ssd_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     meta = dict(H=num_heads, G=groups, P=head_dim, N=state_dim, BN=block_size(state_dim),
                 DT_SOFTPLUS=bool(dt_softplus), HAS_DT_MAX=math.isfinite(hi))
     limits = (lo, hi if math.isfinite(hi) else 0.0)
-    cu = cu_seqlens.to(device=x.device, dtype=torch.int32)
-    slots = slot_ids.to(device=x.device, dtype=torch.int32)
-    has_init = has_initial_state.to(device=x.device, dtype=torch.int32)
-    if lp.short_ids is not None:
+    if run.plan.short_ids is not None:
         block_p = block_size(head_dim, hi=32)
-        dst = (state_dst_slots.to(device=x.device, dtype=torch.int32)
-               if state_dst_slots is not None else cu)     # dummy pointer when HAS_DST=False
-        grid = seq_head_grid("ssd_recurrent", lp.short_ids.shape[0], num_heads, head_dim, block_p)
-        ssd_recurrent_kernel[grid](x, dt, A, B, C, D, dt_bias, y, states, cu, slots, has_init,
-                                   lp.short_ids, dst, *limits, BP=block_p,
-                                   HAS_DST=state_dst_slots is not None, num_warps=4, **meta)
-    if lp.chunks is not None:
-        _launch_chunked(x, dt, A, B, C, D, dt_bias, y, states, slots, has_init, lp.chunks,
+        grid = seq_head_grid("ssd_recurrent", run.plan.short_ids.shape[0], num_heads, head_dim, block_p)
+        ssd_recurrent_kernel[grid](x, dt, A, B, C, D, dt_bias, y, states, run.cu, run.slots, run.has_init,
+                                   run.plan.short_ids, run.dst, *limits, BP=block_p,
+                                   HAS_DST=run.has_dst, num_warps=4, **meta)
+    if run.plan.chunks is not None:
+        _launch_chunked(x, dt, A, B, C, D, dt_bias, y, states, run.slots, run.has_init, run.plan.chunks,
                         block_t, limits, meta)
     return y
 

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from kernels import backend
+from kernels.recurrent_batch import RecurrentBatch
 from tests.gpu.common import (Compared, Deadline, Report, compare, cuda_ms, has_flashinfer,
                               mixed_lens, varlen_meta, verify_snapshots, worst)
 from tests.gpu.checks_new_kernels import FULL_NEW, TOY_NEW, new_checks
@@ -100,8 +101,7 @@ def gdn_case(batch, heads: tuple[int, int, int], dtype: torch.dtype, device: tor
                                         True, 64, dst)
 
     def call() -> torch.Tensor:
-        return gated_delta_rule_varlen_triton(q, k, v, g, beta, tri_pool, cu, slots, has_init,
-                                              state_dst_slots=dst)
+        return gated_delta_rule_varlen_triton(q, k, v, g, beta, tri_pool, RecurrentBatch(cu, slots, has_init, dst))
     out = call()
     res = worst(compare(out, ref, *TOL["gdn"][dtype]), compare(tri_pool, ref_pool, *POOL_TOL))
     return res, cuda_ms(call)
@@ -127,7 +127,7 @@ def ssd_case(batch, heads: tuple[int, int, int], groups: int, dtype: torch.dtype
                            dst)
 
     def call() -> torch.Tensor:
-        return ssd_varlen_triton(*args, tri_pool, cu, slots, has_init, state_dst_slots=dst)
+        return ssd_varlen_triton(*args, tri_pool, RecurrentBatch(cu, slots, has_init, dst))
     y = call()
     res = worst(compare(y, ref, *TOL["ssd"][dtype]), compare(tri_pool, ref_pool, *POOL_TOL))
     return res, cuda_ms(call)
@@ -151,8 +151,7 @@ def mamba1_case(batch, dims: tuple[int, int], dtype: torch.dtype, device: torch.
     ref = selective_scan_varlen_torch(*args, ref_pool, cu, slots, has_init, True, 64, dst)
 
     def call() -> torch.Tensor:
-        return selective_scan_varlen_triton(*args, tri_pool, cu, slots, has_init,
-                                            state_dst_slots=dst)
+        return selective_scan_varlen_triton(*args, tri_pool, RecurrentBatch(cu, slots, has_init, dst))
     y = call()
     res = worst(compare(y, ref, *TOL["mamba1"][dtype]), compare(tri_pool, ref_pool, *POOL_TOL))
     return res, cuda_ms(call)

@@ -48,14 +48,9 @@ def prompts(dry_run: bool) -> list[list[str]]:
 
 MAX_TOKENS, DRY_RUN_TOKENS = 16, 4
 TOP = 5                 # logprobs returned per token: the bf16 rule's top-k
-TORCH_REFS = [(kernels.gdn, name) for name in ("gated_delta_rule_varlen_torch",
-                                                "gated_delta_rule_update_torch",
-                                                "gated_delta_rule_verify_torch")]
-TORCH_REFS += [(kernels.ssd, "ssd_varlen_torch"), (kernels.ssd, "ssd_update_torch"),
-               (kernels.norm, "rms_norm_torch"), (kernels.norm, "gated_rms_norm_torch"),
-               (kernels.attention, "paged_attention_torch")]
-TORCH_REFS += [(kernels.conv1d, f"causal_conv1d_{kind}_torch") for kind in ("varlen", "update",
-                                                                          "verify")]
+TORCH_REFS = [(kernels.gdn, "gated_delta_rule_torch"), (kernels.ssd, "ssd_torch"),
+              (kernels.conv1d, "causal_conv1d_torch"), (kernels.norm, "rms_norm_torch"),
+              (kernels.norm, "gated_rms_norm_torch"), (kernels.attention, "paged_attention_torch")]
 COLUMNS = ["model", "run", "against", "tokens equal", "first divergence", "result"]
 
 

@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from kernels.recurrent_batch import RecurrentBatch
 from tests.gpu.common import Compared, compare, cuda_ms, worst
 from tests.kernels.mla_cases import mla_case, run_mla
 
@@ -42,7 +43,7 @@ def kda_case(batch: Batch, heads: tuple[int, int], dtype: torch.dtype, device: t
     ref = kda_varlen_torch(q, k, v, g, beta, ref_pool, cu, slots, has_init, None, True, 32, dst)
 
     def call() -> torch.Tensor:
-        return kda_varlen_triton(q, k, v, g, beta, tri_pool, cu, slots, has_init, state_dst_slots=dst)
+        return kda_varlen_triton(q, k, v, g, beta, tri_pool, RecurrentBatch(cu, slots, has_init, dst))
     out = call()
     return worst(compare(out, ref, *tol), compare(tri_pool, ref_pool, *pool_tol)), cuda_ms(call)
 
@@ -50,7 +51,7 @@ def kda_case(batch: Batch, heads: tuple[int, int], dtype: torch.dtype, device: t
 def lightning_case(batch: Batch, heads: tuple[int, int], dtype: torch.dtype, device: torch.device,
                    tol: tuple[float, float], pool_tol: tuple[float, float]) -> Result:
     from kernels import backend
-    from kernels.lightning import lightning_attention_varlen
+    from kernels.lightning import lightning_attention
 
     lens, (cu, slots, has_init, dst, num_slots) = batch
     (num_heads, dim), num_tokens = heads, sum(lens)
@@ -60,11 +61,11 @@ def lightning_case(batch: Batch, heads: tuple[int, int], dtype: torch.dtype, dev
     pool = torch.randn(num_slots, num_heads, dim, dim, device=device) * 0.1
     ref_pool, tri_pool = pool.clone(), pool.clone()
     with backend.use_backend("torch"):
-        ref = lightning_attention_varlen(q, k, v, slope, ref_pool, cu, slots, has_init, dst)
+        ref = lightning_attention(q, k, v, slope, ref_pool, RecurrentBatch(cu, slots, has_init, dst))
 
     def call() -> torch.Tensor:
         with backend.use_backend("triton"):
-            return lightning_attention_varlen(q, k, v, slope, tri_pool, cu, slots, has_init, dst)
+            return lightning_attention(q, k, v, slope, tri_pool, RecurrentBatch(cu, slots, has_init, dst))
     out = call()
     return worst(compare(out, ref, *tol), compare(tri_pool, ref_pool, *pool_tol)), cuda_ms(call)
 

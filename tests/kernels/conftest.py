@@ -9,6 +9,8 @@ from typing import Callable
 import pytest
 import torch
 
+from kernels.recurrent_batch import RecurrentBatch
+
 
 @dataclass(frozen=True)
 class VarlenCase:
@@ -28,6 +30,13 @@ class VarlenCase:
     @property
     def num_tokens(self) -> int:
         return sum(self.lens)
+
+    def seqs(self, device: torch.device | str = "cpu", uniform_len: int = 0) -> RecurrentBatch:
+        """The batch as the ops take it (on ``device``); ``uniform_len`` as ``RecurrentBatch``'s."""
+        dst = self.state_dst_slots
+        return RecurrentBatch(self.cu_seqlens.to(device), self.slot_ids.to(device),
+                              self.has_initial_state.to(device),
+                              None if dst is None else dst.to(device), uniform_len)
 
     def bounds(self) -> list[tuple[int, int]]:
         """``(start, end)`` rows of every sequence."""

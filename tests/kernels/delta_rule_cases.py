@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from kernels.recurrent_batch import RecurrentBatch
 from tests.kernels.varlen_cases import Inputs, Result, assert_same_result, with_snapshot_every_token
 
 RunOp = Callable[..., Result]              # (inputs, case, **kw) -> (out, pool)
@@ -20,8 +21,8 @@ def check_matches_transformers(op: Callable[..., torch.Tensor], hf_fns: tuple, i
     chunked and recurrent torch functions on the same inputs."""
     states = inp["states"].clone()
     o = op(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states,
-           torch.tensor([0, inp["v"].shape[0]], dtype=torch.int32),
-           torch.tensor([1], dtype=torch.int32), torch.tensor([True]))
+           RecurrentBatch(torch.tensor([0, inp["v"].shape[0]], dtype=torch.int32),
+                          torch.tensor([1], dtype=torch.int32), torch.tensor([True])))
     args = [inp[n][None] for n in ("q", "k", "v")]
     kw = dict(g=inp["g"][None], beta=inp["beta"][None], initial_state=inp["states"][1:2].clone(),
               output_final_state=True, use_qk_l2norm_in_kernel=True)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.conv1d import causal_conv1d
+from kernels.recurrent_batch import RecurrentBatch
 
 D, W = 6, 4
 TOL = 1e-5
@@ -45,9 +46,8 @@ def naive_conv(inp, case, activation="silu", use_bias=True):
 
 def run_op(inp, case, activation="silu", use_bias=True):
     states = inp["states"].clone()
-    out = causal_conv1d_varlen(inp["x"], inp["weight"], inp["bias"] if use_bias else None, states,
-                               case.cu_seqlens, case.slot_ids, case.has_initial_state,
-                               activation=activation, state_dst_slots=case.state_dst_slots)
+    out = causal_conv1d(inp["x"], inp["weight"], inp["bias"] if use_bias else None, states, case.seqs(),
+                        activation=activation)
     return out, states
 
 
@@ -80,7 +80,7 @@ def test_update_equals_varlen_of_length_one(varlen_case):
     inp = make_inputs(5, case.num_slots, seed=2)
     ref_out, ref_pool = run_op(inp, case)
     states = inp["states"].clone()
-    out = causal_conv1d_update(inp["x"], inp["weight"], inp["bias"], states, case.slot_ids)
+    out = causal_conv1d(inp["x"], inp["weight"], inp["bias"], states, case.seqs(uniform_len=1))
     assert torch.equal(out, ref_out)
     assert torch.equal(states, ref_pool)
 
@@ -92,14 +92,14 @@ def test_matches_transformers_and_state_convention(max_abs_diff):
     inp = make_inputs(10, 2, seed=3)
     states = torch.zeros(2, D, W - 1)
     slot, cu = torch.tensor([1], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
-    out = causal_conv1d_varlen(inp["x"][:9], inp["weight"], inp["bias"], states, cu, slot,
-                               torch.tensor([False]))
+    out = causal_conv1d(inp["x"][:9], inp["weight"], inp["bias"], states,
+                        RecurrentBatch(cu, slot, torch.tensor([False])))
     ref = hf.causal_conv1d_fn(inp["x"][None, :9].transpose(1, 2), inp["weight"], inp["bias"],
                               activation="silu")
     assert max_abs_diff(out, ref[0].T) <= TOL
     hf_state = inp["x"][5:9].T[None].clone()                  # HF keeps the last W inputs
     assert torch.equal(states[1], hf_state[0, :, 1:])
-    dec = causal_conv1d_update(inp["x"][9:], inp["weight"], inp["bias"], states, slot)
+    dec = causal_conv1d(inp["x"][9:], inp["weight"], inp["bias"], states, RecurrentBatch.decode(slot))
     ref_dec = hf.causal_conv1d_update(inp["x"][None, 9:].transpose(1, 2), hf_state, inp["weight"],
                                       inp["bias"], activation="silu")
     assert max_abs_diff(dec, ref_dec[0].T) <= TOL
@@ -109,5 +109,5 @@ def test_matches_transformers_and_state_convention(max_abs_diff):
 def test_bad_activation_raises():
     inp = make_inputs(1, 2, seed=0)
     with pytest.raises(ValueError, match="activation"):
-        causal_conv1d_update(inp["x"], inp["weight"], None, inp["states"],
-                             torch.tensor([1], dtype=torch.int32), activation="gelu")
+        causal_conv1d(inp["x"], inp["weight"], None, inp["states"],
+                      RecurrentBatch.decode(torch.tensor([1], dtype=torch.int32)), activation="gelu")

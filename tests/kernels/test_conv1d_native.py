@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kernels import backend, native_ops
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
+from kernels.conv1d import causal_conv1d
+from kernels.recurrent_batch import RecurrentBatch
 from tests.kernels.conftest import torch_threads
 
 
@@ -28,8 +29,8 @@ def _case(rows: int, dim: int, width: int, num_slots: int, seed: int, bias: bool
 def _varlen(x, weight, bias, pool, lens, slots, init, dst=None, activation="silu"):
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return causal_conv1d_varlen(x, weight, bias, pool, cu, torch.tensor(slots, dtype=torch.int32),
-                                torch.tensor(init), activation, dst)
+    seqs = RecurrentBatch(cu, torch.tensor(slots, dtype=torch.int32), torch.tensor(init), dst)
+    return causal_conv1d(x, weight, bias, pool, seqs, activation)
 
 
 @pytest.mark.parametrize("dim,width", [(16, 4), (37, 4), (2048, 4), (24, 2), (40, 3)])
@@ -56,16 +57,16 @@ def test_prefill_decode_and_verify_give_a_token_the_same_bits():
     prefill = pool.clone()
     dst = torch.arange(3, 12, dtype=torch.int32)
     out = _varlen(x, weight, bias, prefill, [9], [1], [True], dst)
-    stepped = pool.clone()
+    stepped, one = pool.clone(), torch.tensor([1], dtype=torch.int32)
     for t in range(9):
-        o = causal_conv1d_update(x[[t]], weight, bias, stepped, torch.tensor([1], dtype=torch.int32))
+        o = causal_conv1d(x[[t]], weight, bias, stepped, RecurrentBatch.decode(one))
         assert torch.equal(o, out[[t]])
         assert torch.equal(prefill[3 + t], stepped[1])
     verified = pool.clone()
     for v in range(3):
         rows = slice(3 * v, 3 * v + 3)
-        o = causal_conv1d_verify(x[rows], weight, bias, verified, torch.tensor([0, 3], dtype=torch.int32),
-                                 torch.tensor([1], dtype=torch.int32), torch.tensor([True]), dst[rows], 3)
+        seqs = RecurrentBatch(torch.tensor([0, 3], dtype=torch.int32), one, torch.tensor([True]), dst[rows], 3)
+        o = causal_conv1d(x[rows], weight, bias, verified, seqs)
         assert torch.equal(o, out[rows])
     assert torch.equal(verified, prefill) and torch.equal(stepped[1], prefill[1])
 

@@ -8,10 +8,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import backend, scan_varlen
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen
+from kernels.conv1d import causal_conv1d
+from kernels.gdn import gated_delta_rule
+from kernels.recurrent_batch import RecurrentBatch
 from kernels.gdn.reference import gdn_recurrent
-from kernels.ssd import ssd_update, ssd_varlen
+from kernels.ssd import ssd_scan
 
 NUM_SEQS = 5
 
@@ -46,9 +47,8 @@ def _check_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias):
     bias = torch.randn(dim, generator=gen) if use_bias else None
     pool = torch.randn(case.num_slots, dim, width - 1, generator=gen).to(pool_dtype)
     ref_pool, pool_fast = pool.clone(), pool.clone()
-    ref = causal_conv1d_varlen(x, weight, bias, ref_pool, case.cu_seqlens, case.slot_ids,
-                               case.has_initial_state)
-    out = causal_conv1d_update(x, weight, bias, pool_fast, case.slot_ids)
+    ref = causal_conv1d(x, weight, bias, ref_pool, case.seqs())
+    out = causal_conv1d(x, weight, bias, pool_fast, case.seqs(uniform_len=1))
     assert torch.equal(out, ref)
     assert torch.equal(pool_fast, ref_pool)
     assert not torch.equal(pool_fast, pool)             # the live slots did move
@@ -73,9 +73,8 @@ def _check_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads):
     beta = torch.rand(NUM_SEQS, heads, generator=gen)
     pool = torch.randn(case.num_slots, heads, k_dim, v_dim, generator=gen).to(pool_dtype)
     ref_pool, pool_fast = pool.clone(), pool.clone()
-    ref = gated_delta_rule_varlen(q, k, v, g, beta, ref_pool, case.cu_seqlens, case.slot_ids,
-                                  case.has_initial_state, scale=0.3)
-    out = gated_delta_rule_update(q, k, v, g, beta, pool_fast, case.slot_ids, scale=0.3)
+    ref = gated_delta_rule(q, k, v, g, beta, ref_pool, case.seqs(), scale=0.3)
+    out = gated_delta_rule(q, k, v, g, beta, pool_fast, case.seqs(uniform_len=1), scale=0.3)
     assert torch.equal(out, ref)
     assert torch.equal(pool_fast, ref_pool)
     assert not torch.equal(pool_fast, pool)
@@ -101,9 +100,8 @@ def _check_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit):
     d, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
     pool = torch.randn(case.num_slots, heads, p_dim, n_dim, generator=gen).to(pool_dtype)
     ref_pool, pool_fast = pool.clone(), pool.clone()
-    ref = ssd_varlen(x, dt, a, b, c, d, dt_bias, ref_pool, case.cu_seqlens, case.slot_ids,
-                     case.has_initial_state, dt_limit=dt_limit)
-    out = ssd_update(x, dt, a, b, c, d, dt_bias, pool_fast, case.slot_ids, dt_limit=dt_limit)
+    ref = ssd_scan(x, dt, a, b, c, d, dt_bias, ref_pool, case.seqs(), dt_limit=dt_limit)
+    out = ssd_scan(x, dt, a, b, c, d, dt_bias, pool_fast, case.seqs(uniform_len=1), dt_limit=dt_limit)
     assert torch.equal(out, ref)
     assert torch.equal(pool_fast, ref_pool)
     assert not torch.equal(pool_fast, pool)
@@ -112,8 +110,8 @@ def _check_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit):
 def test_update_of_no_sequences_is_a_no_op():
     pool = torch.randn(3, 2, 4, 4)
     empty = torch.zeros(0, dtype=torch.int32)
-    out = gated_delta_rule_update(torch.randn(0, 2, 4), torch.randn(0, 2, 4), torch.randn(0, 2, 4),
-                                  torch.zeros(0, 2), torch.zeros(0, 2), pool.clone(), empty)
+    out = gated_delta_rule(torch.randn(0, 2, 4), torch.randn(0, 2, 4), torch.randn(0, 2, 4),
+                           torch.zeros(0, 2), torch.zeros(0, 2), pool.clone(), RecurrentBatch.decode(empty))
     assert out.shape == (0, 2, 4)
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels import backend, native_ops
-from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen, gated_delta_rule_verify
+from kernels.gdn import gated_delta_rule
+from kernels.recurrent_batch import RecurrentBatch
 from tests.kernels.conftest import torch_threads
 
 # (key heads, value heads, K, V): GQA, V with 16-column blocks below 64 and a scalar tail,
@@ -38,7 +39,7 @@ def _verify(inputs, pool, num_seqs: int, seq_len: int):
     dst = torch.arange(num_seqs + 1, num_seqs + 1 + num_seqs * seq_len, dtype=torch.int32)
     cu = torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32)
     init = torch.ones(num_seqs, dtype=torch.bool)
-    return gated_delta_rule_verify(*inputs, pool, cu, slots, init, dst, seq_len), dst
+    return gated_delta_rule(*inputs, pool, RecurrentBatch(cu, slots, init, dst, seq_len)), dst
 
 
 @pytest.mark.parametrize("dims", DIMS)
@@ -57,9 +58,9 @@ def test_update_and_verify_are_close_to_the_reference(dims):
     one = tuple(x[::seq_len] for x in inputs)                     # the first token of each
     slots = torch.arange(1, num_seqs + 1, dtype=torch.int32)
     native_pool, ref_pool = pool.clone(), pool.clone()
-    out = gated_delta_rule_update(*one, native_pool, slots)
+    out = gated_delta_rule(*one, native_pool, RecurrentBatch.decode(slots))
     with backend.use_backend("torch"):
-        ref = gated_delta_rule_update(*one, ref_pool, slots)
+        ref = gated_delta_rule(*one, ref_pool, RecurrentBatch.decode(slots))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(native_pool, ref_pool, rtol=1e-5, atol=1e-5)
 
@@ -79,7 +80,7 @@ def test_a_verify_is_its_decode_steps_bit_for_bit(dims):
     dst = dst.view(num_seqs, seq_len)
     for t in range(seq_len):
         rows = torch.arange(num_seqs) * seq_len + t
-        o = gated_delta_rule_update(*(x[rows] for x in inputs), stepped, slots)
+        o = gated_delta_rule(*(x[rows] for x in inputs), stepped, RecurrentBatch.decode(slots))
         assert torch.equal(o, out[rows])
         assert torch.equal(verified[dst[:, t].long()], stepped[slots.long()])   # the snapshot after t
     assert torch.equal(verified[slots.long()], stepped[slots.long()])
@@ -97,12 +98,13 @@ def test_a_varlen_batch_gets_the_same_bits_as_decode():
     dst = torch.zeros(44, dtype=torch.int32)
     dst[2], dst[20] = 5, 7                            # after row 2 (sequence 1), row 20 (sequence 3)
     varlen = pool.clone()
-    out = gated_delta_rule_varlen(*inputs, varlen, cu, slots, torch.tensor(init), state_dst_slots=dst)
+    out = gated_delta_rule(*inputs, varlen, RecurrentBatch(cu, slots, torch.tensor(init), dst))
     stepped = pool.clone()
     stepped[3] = 0.0                                  # no initial state: from zeros
     for first, n, slot in ((0, 1, 1), (1, 3, 2), (4, 40, 3)):
         for r in range(first, first + n):
-            o = gated_delta_rule_update(*(x[[r]] for x in inputs), stepped, torch.tensor([slot], dtype=torch.int32))
+            one_slot = RecurrentBatch.decode(torch.tensor([slot], dtype=torch.int32))
+            o = gated_delta_rule(*(x[[r]] for x in inputs), stepped, one_slot)
             assert torch.equal(o, out[[r]]), r
             if dst[r]:
                 assert torch.equal(varlen[dst[r]], stepped[slot])
@@ -110,7 +112,7 @@ def test_a_varlen_batch_gets_the_same_bits_as_decode():
     assert torch.equal(varlen[6], pool[6]) and torch.equal(varlen[8], pool[8])     # length 0; a spare
     with backend.use_backend("torch"):
         ref_pool = pool.clone()
-        ref = gated_delta_rule_varlen(*inputs, ref_pool, cu, slots, torch.tensor(init), state_dst_slots=dst)
+        ref = gated_delta_rule(*inputs, ref_pool, RecurrentBatch(cu, slots, torch.tensor(init), dst))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(varlen[1:], ref_pool[1:], rtol=1e-4, atol=1e-4)
 
@@ -124,10 +126,10 @@ def test_a_sequence_alone_equals_it_in_a_batch_on_any_thread_count():
     for n in (1, 2):
         with torch_threads(n):
             batched = pool.clone()
-            results.append((gated_delta_rule_update(*inputs, batched, slots), batched))
+            results.append((gated_delta_rule(*inputs, batched, RecurrentBatch.decode(slots)), batched))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     alone = pool.clone()
-    o = gated_delta_rule_update(*(x[[5]] for x in inputs), alone, slots[[5]])
+    o = gated_delta_rule(*(x[[5]] for x in inputs), alone, RecurrentBatch.decode(slots[[5]]))
     assert torch.equal(o, results[0][0][[5]]) and torch.equal(alone[6], results[0][1][6])
 
 
@@ -152,11 +154,11 @@ def test_the_loop_compiles_and_writes_the_pool():
     pool = _pool(5, h, k_dim, v_dim, seed=14)
     slots = torch.tensor([3, 1, 4], dtype=torch.int32)
     eager_pool, compiled_pool = pool.clone(), pool.clone()
-    eager = gated_delta_rule_update(*inputs, eager_pool, slots)
+    eager = gated_delta_rule(*inputs, eager_pool, RecurrentBatch.decode(slots))
 
     @torch.compile(fullgraph=True)
     def step(q, k, v, g, beta, states, slot_ids):
-        return gated_delta_rule_update(q, k, v, g, beta, states, slot_ids) * 2
+        return gated_delta_rule(q, k, v, g, beta, states, RecurrentBatch.decode(slot_ids)) * 2
 
     with torch.inference_mode():
         out = step(*inputs, compiled_pool, slots)
@@ -170,7 +172,8 @@ def test_autograd_takes_the_reference():
     q, k, v, g, beta = _inputs(2, hk, h, k_dim, v_dim, seed=15)
     v.requires_grad_(True)
     pool = _pool(3, h, k_dim, v_dim, seed=16)
-    out = gated_delta_rule_update(q, k, v, g, beta, pool, torch.tensor([1, 2], dtype=torch.int32))
+    seqs = RecurrentBatch.decode(torch.tensor([1, 2], dtype=torch.int32))
+    out = gated_delta_rule(q, k, v, g, beta, pool, seqs)
     out.sum().backward()
     assert v.grad is not None and v.grad.abs().sum() > 0
 

@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.kda import kda_update, kda_varlen, kda_verify
-from kernels.kda import reference as kda
+from kernels.kda import kimi_delta_attention
+from kernels.kda import reference as kda_ref
+from kernels.recurrent_batch import RecurrentBatch
 from tests.kernels.delta_rule_cases import check_bf16_inputs_fp32_pool, check_matches_transformers
 from tests.kernels.varlen_cases import (kda_inputs, lens_strategy, naive_varlen,
                                         poison_no_init_slot, with_snapshot_every_token)
@@ -43,9 +44,8 @@ def naive_kda(inp: dict[str, torch.Tensor], case, scale: float | None = None):
 
 def run_op(inp, case, chunk_size: int = 8, **kw):
     states = inp["states"].clone()
-    o = kda_varlen(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, case.cu_seqlens,
-                   case.slot_ids, case.has_initial_state, chunk_size=chunk_size,
-                   state_dst_slots=case.state_dst_slots, **kw)
+    o = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, case.seqs(), chunk_size=chunk_size,
+            **kw)
     return o, states
 
 
@@ -59,7 +59,7 @@ def test_matches_naive(recurrent_max_len, lens, seed, snap, varlen_case, max_abs
     case = varlen_case(lens, seed, snapshot_prob=snap)
     inp = make_inputs(case.num_tokens, case.num_slots, seed)
     ref_o, ref_pool = naive_kda(inp, case)
-    with mock.patch.object(kda, "RECURRENT_MAX_LEN", recurrent_max_len):
+    with mock.patch.object(kda_ref, "RECURRENT_MAX_LEN", recurrent_max_len):
         o, pool = run_op(inp, case)
     assert max_abs_diff(o, ref_o) <= TOL
     assert max_abs_diff(pool, ref_pool) <= TOL   # live, snapshot, dummy and spare slots
@@ -82,12 +82,12 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
     """Also with decays down to exp(-30) per token: the chunk's decays never overflow."""
     for g_min in (-0.5, -30.0):
         inp = make_inputs(50, 1, seed=7, g_min=g_min)
-        q, k = kda.normalized_qk(inp["q"], inp["k"], None, True)
+        q, k = kda_ref.normalized_qk(inp["q"], inp["k"], None, True)
         seq = (q, k, inp["v"], inp["g"], inp["beta"])
         s0 = inp["states"][0]
-        o_c, s_c = kda.kda_chunked(seq, s0, chunk_size=chunk_size)
+        o_c, s_c = kda_ref.kda_chunked(seq, s0, chunk_size=chunk_size)
         valid = torch.ones(1, 50, dtype=torch.bool)
-        o_r, s_r = kda.kda_recurrent(tuple(x[None] for x in seq), valid, s0[None].clone())
+        o_r, s_r = kda_ref.kda_recurrent(tuple(x[None] for x in seq), valid, s0[None].clone())
         assert bool(torch.isfinite(o_c).all())
         assert max_abs_diff(o_c, o_r[0]) <= TOL
         assert max_abs_diff(s_c, s_r[0]) <= TOL
@@ -96,7 +96,7 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
 def test_matches_transformers(max_abs_diff):
     """Pins l2norm eps, default scale, the per-channel decay and the [H, K, V] layout to HF."""
     hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-    check_matches_transformers(kda_varlen, (hf.chunk_kimi_delta_attention, hf.recurrent_kimi_delta_attention), make_inputs(45, 2, seed=11), TOL, max_abs_diff)
+    check_matches_transformers(kimi_delta_attention, (hf.chunk_kimi_delta_attention, hf.recurrent_kimi_delta_attention), make_inputs(45, 2, seed=11), TOL, max_abs_diff)
 
 
 def test_update_and_verify_fast_paths_equal_varlen(varlen_case):
@@ -105,14 +105,13 @@ def test_update_and_verify_fast_paths_equal_varlen(varlen_case):
     inp = make_inputs(3, decode.num_slots, seed=4)
     want, want_pool = run_op(inp, decode)
     pool = inp["states"].clone()
-    got = kda_update(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, decode.slot_ids)
+    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, decode.seqs(uniform_len=1))
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
     verify, dst = with_snapshot_every_token(varlen_case([4, 4], seed=6, init_prob=1.0))
     inp = make_inputs(8, verify.num_slots, seed=6)
     want, want_pool = run_op(inp, verify)
     pool = inp["states"].clone()
-    got = kda_verify(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, verify.cu_seqlens,
-                     verify.slot_ids, verify.has_initial_state, dst, 4)
+    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, verify.seqs(uniform_len=4))
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
 
 
@@ -124,5 +123,5 @@ def test_shape_errors_name_the_shapes():
     inp = make_inputs(4, 2, seed=1)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"g \(4, 3\)"):
-        kda_varlen(inp["q"], inp["k"], inp["v"], inp["g"][..., 0], inp["beta"], inp["states"], cu,
-                   torch.tensor([1], dtype=torch.int32), torch.tensor([False]))
+        kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"][..., 0], inp["beta"], inp["states"],
+            RecurrentBatch(cu, torch.tensor([1], dtype=torch.int32), torch.tensor([False])))

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.lightning import lightning_attention_update, lightning_attention_varlen, state_shape
+from kernels.lightning import lightning_attention, state_shape
+from kernels.recurrent_batch import RecurrentBatch
 from tests.kernels.varlen_cases import lens_strategy, naive_varlen, poison_no_init_slot
 
 H, K = 3, 8
@@ -37,9 +38,7 @@ def naive_lightning(inp, case):
 
 def run_op(inp, case):
     states = inp["states"].clone()
-    o = lightning_attention_varlen(inp["q"], inp["k"], inp["v"], inp["slope"], states,
-                                   case.cu_seqlens, case.slot_ids, case.has_initial_state,
-                                   state_dst_slots=case.state_dst_slots)
+    o = lightning_attention(inp["q"], inp["k"], inp["v"], inp["slope"], states, case.seqs())
     return o, states
 
 
@@ -71,7 +70,7 @@ def test_decode_fast_path_equals_varlen(varlen_case):
     inp = make_inputs(4, case.num_slots, seed=5)
     want, want_pool = run_op(inp, case)
     pool = inp["states"].clone()
-    got = lightning_attention_update(inp["q"], inp["k"], inp["v"], inp["slope"], pool, case.slot_ids)
+    got = lightning_attention(inp["q"], inp["k"], inp["v"], inp["slope"], pool, case.seqs(uniform_len=1))
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
 
 
@@ -79,5 +78,5 @@ def test_shape_errors():
     inp = make_inputs(3, 2, seed=1)
     cu = torch.tensor([0, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="expected states"):
-        lightning_attention_varlen(inp["q"], inp["k"], inp["v"], inp["slope"][:2], inp["states"], cu,
-                                   torch.tensor([1], dtype=torch.int32), torch.tensor([True]))
+        lightning_attention(inp["q"], inp["k"], inp["v"], inp["slope"][:2], inp["states"],
+                            RecurrentBatch(cu, torch.tensor([1], dtype=torch.int32), torch.tensor([True])))

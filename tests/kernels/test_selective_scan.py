@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.selective_scan import reference as scan
-from kernels.selective_scan import selective_scan_update, selective_scan_varlen
+from kernels.recurrent_batch import RecurrentBatch
+from kernels.selective_scan import mamba_selective_scan
 from tests.kernels.varlen_cases import (lens_strategy, naive_varlen, poison_no_init_slot,
                                         selective_scan_inputs)
 
@@ -40,9 +41,7 @@ def naive_scan(inp: dict[str, torch.Tensor], case, dt_softplus: bool = True):
 
 def run_op(inp, case, chunk_size: int = 8, **kw):
     states = inp["states"].clone()
-    y = selective_scan_varlen(*(inp[n] for n in NAMES), states, case.cu_seqlens, case.slot_ids,
-                              case.has_initial_state, chunk_size=chunk_size,
-                              state_dst_slots=case.state_dst_slots, **kw)
+    y = mamba_selective_scan(*(inp[n] for n in NAMES), states, case.seqs(), chunk_size=chunk_size, **kw)
     return y, states
 
 
@@ -97,9 +96,9 @@ def test_matches_transformers_jamba(max_abs_diff):
     inp = make_inputs(41, 2, seed=12)
     states = inp["states"].clone()
     slot = torch.tensor([1], dtype=torch.int32)
-    y = selective_scan_varlen(*(inp[n][:40] if inp[n].shape[0] == 41 else inp[n] for n in NAMES),
-                              states, torch.tensor([0, 40], dtype=torch.int32), slot,
-                              torch.tensor([False]), chunk_size=16)
+    y = mamba_selective_scan(*(inp[n][:40] if inp[n].shape[0] == 41 else inp[n] for n in NAMES),
+                             states, RecurrentBatch(torch.tensor([0, 40], dtype=torch.int32), slot,
+                                                    torch.tensor([False])), chunk_size=16)
     seq = {n: inp[n][None, :40].transpose(1, 2) for n in ("x", "dt", "B", "C")}   # [1, *, L]
     ref_y, ref_s = hf.mamba_selective_scan(
         seq["x"], seq["dt"], inp["A"], seq["B"], seq["C"], D=inp["D"], delta_bias=inp["dt_bias"],
@@ -110,8 +109,8 @@ def test_matches_transformers_jamba(max_abs_diff):
     ref_dec = hf.mamba_selective_state_update(
         hf_state, inp["x"][40:], inp["dt"][40:], inp["A"], inp["B"][40:], inp["C"][40:], inp["D"],
         dt_bias=inp["dt_bias"], dt_softplus=True)
-    dec = selective_scan_update(*(inp[n][40:] if inp[n].shape[0] == 41 else inp[n] for n in NAMES),
-                                states, slot)
+    dec = mamba_selective_scan(*(inp[n][40:] if inp[n].shape[0] == 41 else inp[n] for n in NAMES),
+                               states, RecurrentBatch.decode(slot))
     assert max_abs_diff(dec, ref_dec) <= TOL
     assert max_abs_diff(states[1], hf_state[0]) <= TOL
 
@@ -123,9 +122,8 @@ def test_update_equals_varlen(varlen_case, pool_dtype):
     inp = make_inputs(5, case.num_slots, seed=3)
     pool = inp["states"].to(pool_dtype)
     ref_pool, fast_pool = pool.clone(), pool.clone()
-    ref = selective_scan_varlen(*(inp[n] for n in NAMES), ref_pool, case.cu_seqlens,
-                                case.slot_ids, case.has_initial_state)
-    out = selective_scan_update(*(inp[n] for n in NAMES), fast_pool, case.slot_ids)
+    ref = mamba_selective_scan(*(inp[n] for n in NAMES), ref_pool, case.seqs())
+    out = mamba_selective_scan(*(inp[n] for n in NAMES), fast_pool, case.seqs(uniform_len=1))
     assert torch.equal(out, ref)
     assert torch.equal(fast_pool, ref_pool)
     assert not torch.equal(fast_pool, pool)             # the live slots did move

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kernels import backend, native_ops
-from kernels.ssd import ssd_update, ssd_varlen, ssd_verify
+from kernels.recurrent_batch import RecurrentBatch
+from kernels.ssd import ssd_scan
 from tests.kernels.conftest import torch_threads
 
 # (heads, groups, P, N): groups shared by heads, N with a scalar tail, the Granite / Nemotron
@@ -37,8 +38,8 @@ def _pool(num_slots: int, heads: int, p_dim: int, n_dim: int, seed: int) -> torc
 def _varlen(inputs, pool, lens, slots, init, dst=None, dt_limit=(0.0, float("inf"))):
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return ssd_varlen(*inputs, pool, cu, torch.tensor(slots, dtype=torch.int32), torch.tensor(init),
-                      dt_limit=dt_limit, state_dst_slots=dst)
+    seqs = RecurrentBatch(cu, torch.tensor(slots, dtype=torch.int32), torch.tensor(init), dst)
+    return ssd_scan(*inputs, pool, seqs, dt_limit=dt_limit)
 
 
 @pytest.mark.parametrize("dims", DIMS)
@@ -68,17 +69,16 @@ def test_prefill_decode_and_verify_give_a_token_the_same_bits(dims):
     prefill = pool.clone()
     out = _varlen(inputs, prefill, [6], [1], [True], dst)
     x, dt, a, b, c, d, dt_bias = inputs
-    stepped = pool.clone()
+    stepped, one = pool.clone(), torch.tensor([1], dtype=torch.int32)
     for t in range(6):
-        y = ssd_update(x[[t]], dt[[t]], a, b[[t]], c[[t]], d, dt_bias, stepped, torch.tensor([1], dtype=torch.int32))
+        y = ssd_scan(x[[t]], dt[[t]], a, b[[t]], c[[t]], d, dt_bias, stepped, RecurrentBatch.decode(one))
         assert torch.equal(y, out[[t]])
         assert torch.equal(prefill[3 + t], stepped[1])
     verified = pool.clone()
     for v in range(2):
         rows = slice(3 * v, 3 * v + 3)
-        y = ssd_verify(x[rows], dt[rows], a, b[rows], c[rows], d, dt_bias, verified,
-                       torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
-                       torch.tensor([True]), dst[rows], 3)
+        seqs = RecurrentBatch(torch.tensor([0, 3], dtype=torch.int32), one, torch.tensor([True]), dst[rows], 3)
+        y = ssd_scan(x[rows], dt[rows], a, b[rows], c[rows], d, dt_bias, verified, seqs)
         assert torch.equal(y, out[rows])
     assert torch.equal(verified, prefill) and torch.equal(stepped[1], prefill[1])
 

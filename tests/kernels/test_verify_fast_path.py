@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kernels import backend
-from kernels.conv1d import causal_conv1d_varlen, causal_conv1d_verify
-from kernels.gdn import gated_delta_rule_varlen, gated_delta_rule_verify
-from kernels.ssd import ssd_varlen, ssd_verify
+from kernels.conv1d import causal_conv1d
+from kernels.gdn import gated_delta_rule
+from kernels.ssd import ssd_scan
 from tests.kernels.varlen_cases import ssd_inputs
 from workers.forward_batch import uniform_snapshot_len
 
@@ -38,10 +38,8 @@ def _check_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype):
     weight, bias = torch.randn(dim, width, generator=gen), torch.randn(dim, generator=gen)
     pool = torch.randn(case.num_slots, dim, width - 1, generator=gen).to(pool_dtype)
     ref_pool, fast_pool = pool.clone(), pool.clone()
-    ref = causal_conv1d_varlen(x, weight, bias, ref_pool, case.cu_seqlens, case.slot_ids,
-                               case.has_initial_state, state_dst_slots=case.state_dst_slots)
-    out = causal_conv1d_verify(x, weight, bias, fast_pool, case.cu_seqlens, case.slot_ids,
-                               case.has_initial_state, case.state_dst_slots, seq_len)
+    ref = causal_conv1d(x, weight, bias, ref_pool, case.seqs())
+    out = causal_conv1d(x, weight, bias, fast_pool, case.seqs(uniform_len=seq_len))
     assert torch.equal(out, ref) and torch.equal(fast_pool, ref_pool)
     assert not torch.equal(fast_pool, pool)
 
@@ -63,10 +61,8 @@ def _check_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads):
     g, beta = -torch.rand(n, heads, generator=gen), torch.rand(n, heads, generator=gen)
     pool = torch.randn(case.num_slots, heads, k_dim, v_dim, generator=gen)
     ref_pool, fast_pool = pool.clone(), pool.clone()
-    ref = gated_delta_rule_varlen(q, k, v, g, beta, ref_pool, case.cu_seqlens, case.slot_ids,
-                                  case.has_initial_state, state_dst_slots=case.state_dst_slots)
-    out = gated_delta_rule_verify(q, k, v, g, beta, fast_pool, case.cu_seqlens, case.slot_ids,
-                                  case.has_initial_state, case.state_dst_slots, seq_len)
+    ref = gated_delta_rule(q, k, v, g, beta, ref_pool, case.seqs())
+    out = gated_delta_rule(q, k, v, g, beta, fast_pool, case.seqs(uniform_len=seq_len))
     assert torch.equal(out, ref) and torch.equal(fast_pool, ref_pool)
 
 
@@ -84,10 +80,8 @@ def _check_ssd_verify_equals_varlen(varlen_case, seq_len, groups):
                      p_dim=6, n_dim=8)
     args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")]
     ref_pool, fast_pool = inp["states"].clone(), inp["states"].clone()
-    ref = ssd_varlen(*args, ref_pool, case.cu_seqlens, case.slot_ids, case.has_initial_state,
-                     dt_limit=(0.0, 5.0), state_dst_slots=case.state_dst_slots)
-    out = ssd_verify(*args, fast_pool, case.cu_seqlens, case.slot_ids, case.has_initial_state,
-                     case.state_dst_slots, seq_len, dt_limit=(0.0, 5.0))
+    ref = ssd_scan(*args, ref_pool, case.seqs(), dt_limit=(0.0, 5.0))
+    out = ssd_scan(*args, fast_pool, case.seqs(uniform_len=seq_len), dt_limit=(0.0, 5.0))
     assert torch.equal(out, ref) and torch.equal(fast_pool, ref_pool)
     assert not torch.equal(fast_pool, inp["states"])
 

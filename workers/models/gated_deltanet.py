@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gdn import gated_delta_rule_update, gated_delta_rule_varlen, gated_delta_rule_verify
+from kernels.gdn import gated_delta_rule
 from workers.models.layers import CausalConv1d, GatedRMSNorm, LayerContext, linear, param
 from workers.state_spec import StateKind, StateRef, conv_ssm_kind
 
@@ -113,19 +113,7 @@ class GatedDeltaNet(nn.Module):
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         beta = torch.sigmoid(b) if d.beta_scale == 1.0 else torch.sigmoid(b) * d.beta_scale
         # The kernels take strided column slices of the projection as they are.
-        if batch.decode_only:
-            o = gated_delta_rule_update(q, k, v, g, beta, state["ssm"],
-                                        batch.mamba_slot_ids, use_qk_l2norm=True)
-        elif batch.verify_len:
-            assert batch.state_dst_slots is not None
-            o = gated_delta_rule_verify(q, k, v, g, beta, state["ssm"],
-                                        batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-                                        batch.state_dst_slots, batch.verify_len, use_qk_l2norm=True)
-        else:
-            o = gated_delta_rule_varlen(
-                q, k, v, g, beta, state["ssm"], batch.cu_seqlens,
-                batch.mamba_slot_ids, batch.has_initial_state, use_qk_l2norm=True,
-                state_dst_slots=batch.state_dst_slots)
+        o = gated_delta_rule(q, k, v, g, beta, state["ssm"], batch.recurrent, use_qk_l2norm=True)
         o = self.norm(o.reshape(-1, d.v_head_dim), z.reshape(-1, d.v_head_dim))
         return self.out_proj(o.reshape(num_tokens, -1).to(hidden.dtype))
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.kda import kda_update, kda_varlen, kda_verify
+from kernels.kda import kimi_delta_attention
 from workers.models.layers import CausalConv1d, LayerContext, linear, param
 from workers.models.weights import WeightTarget, whole
 from workers.state_spec import StateKind, StateRef, kda_kind
@@ -100,15 +100,7 @@ class KimiDeltaAttention(nn.Module):
         mixed = self.conv1d(mixed, state["conv"], batch)
         q, k, v = (t.reshape(shape) for t in mixed.split(d.qkv_dim, dim=-1))
         g, beta = self.decay(x), torch.sigmoid(self.b_proj(x).float())
-        if batch.decode_only:
-            o = kda_update(q, k, v, g, beta, state["ssm"], batch.mamba_slot_ids)
-        elif batch.verify_len:
-            assert batch.state_dst_slots is not None
-            o = kda_verify(q, k, v, g, beta, state["ssm"], batch.cu_seqlens, batch.mamba_slot_ids,
-                           batch.has_initial_state, batch.state_dst_slots, batch.verify_len)
-        else:
-            o = kda_varlen(q, k, v, g, beta, state["ssm"], batch.cu_seqlens, batch.mamba_slot_ids,
-                           batch.has_initial_state, state_dst_slots=batch.state_dst_slots)
+        o = kimi_delta_attention(q, k, v, g, beta, state["ssm"], batch.recurrent)
         o = o.float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + d.eps) * self.o_norm_weight.float()
         o = o * torch.sigmoid(self.output_gate(x).float().view(shape))

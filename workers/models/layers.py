@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import dense, fused_cpu
 from kernels.attention import paged_attention
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_verify
+from kernels.conv1d import causal_conv1d
 from kernels.norm import gated_rms_norm, rms_norm
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
@@ -318,16 +318,5 @@ class CausalConv1d(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if batch.decode_only:       # one token per sequence, all with a state: same result
-            return causal_conv1d_update(x, self.weight[:, 0, :], self.bias, conv_state,
-                                        batch.mamba_slot_ids, activation=self.activation)
-        if batch.verify_len:        # T tokens per sequence, a snapshot at each: same result
-            assert batch.state_dst_slots is not None
-            return causal_conv1d_verify(x, self.weight[:, 0, :], self.bias, conv_state,
-                                        batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-                                        batch.state_dst_slots, batch.verify_len,
-                                        activation=self.activation)
-        return causal_conv1d_varlen(x, self.weight[:, 0, :], self.bias, conv_state,
-                                    batch.cu_seqlens, batch.mamba_slot_ids,
-                                    batch.has_initial_state, activation=self.activation,
-                                    state_dst_slots=batch.state_dst_slots)
+        return causal_conv1d(x, self.weight[:, 0, :], self.bias, conv_state, batch.recurrent,
+                             activation=self.activation)

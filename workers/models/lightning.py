@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.lightning import lightning_attention_update, lightning_attention_varlen
+from kernels.lightning import lightning_attention
 from workers.models.layers import LayerContext, RMSNorm, activation, linear
 from workers.models.weights import WeightTarget, whole
 from workers.state_spec import StateKind, StateRef, lightning_kind
@@ -86,12 +86,7 @@ class LightningAttention(nn.Module):
         qkv = self.act(self.qkv_proj(x)).view(num_tokens, d.num_heads, 3 * d.head_dim)
         q, k, v = qkv.split(d.head_dim, dim=-1)
         states = ctx.pools.mamba.layer(ref)["ssm"]
-        if batch.decode_only:
-            o = lightning_attention_update(q, k, v, self.slope, states, batch.mamba_slot_ids)
-        else:
-            o = lightning_attention_varlen(q, k, v, self.slope, states, batch.cu_seqlens,
-                                           batch.mamba_slot_ids, batch.has_initial_state,
-                                           state_dst_slots=batch.state_dst_slots)
+        o = lightning_attention(q, k, v, self.slope, states, batch.recurrent)
         o = self.norm(o.reshape(num_tokens, -1))
         return self.out_proj(torch.sigmoid(self.output_gate(x)) * o)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.selective_scan import selective_scan_update, selective_scan_varlen
+from kernels.selective_scan import mamba_selective_scan
 from workers.models.layers import CausalConv1d, LayerContext, RMSNorm, linear, param
 from workers.state_spec import StateKind, StateRef, mamba1_kind
 
@@ -81,12 +81,6 @@ class Mamba1Mixer(nn.Module):
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
         dt = F.linear(dt, self.dt_proj.weight)          # dt_proj.bias is the scan's dt_bias
         a = -torch.exp(self.A_log.float())
-        if batch.decode_only:
-            y = selective_scan_update(x, dt, a, b, c, self.D, self.dt_proj.bias, state["ssm"],
-                                      batch.mamba_slot_ids)
-        else:
-            y = selective_scan_varlen(x, dt, a, b, c, self.D, self.dt_proj.bias, state["ssm"],
-                                      batch.cu_seqlens, batch.mamba_slot_ids,
-                                      batch.has_initial_state, chunk_size=d.chunk_size,
-                                      state_dst_slots=batch.state_dst_slots)
+        y = mamba_selective_scan(x, dt, a, b, c, self.D, self.dt_proj.bias, state["ssm"], batch.recurrent,
+                                 chunk_size=d.chunk_size)
         return self.out_proj((y * F.silu(z)).to(hidden.dtype))

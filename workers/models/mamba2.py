@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ssd import ssd_update, ssd_varlen, ssd_verify
+from kernels.ssd import ssd_scan
 from workers.models.layers import CausalConv1d, GatedRMSNorm, LayerContext, linear, param
 from workers.state_spec import StateKind, StateRef, conv_ssm_kind
 
@@ -131,19 +131,8 @@ class Mamba2Mixer(nn.Module):
         b = b.reshape(num_tokens, d.num_groups, d.state_size)
         c = c.reshape(num_tokens, d.num_groups, d.state_size)
         a = -torch.exp(self.A_log.float())
-        if batch.decode_only:
-            y = ssd_update(x, dt, a, b, c, self.D, self.dt_bias, state["ssm"],
-                           batch.mamba_slot_ids, dt_softplus=True, dt_limit=d.dt_limit)
-        elif batch.verify_len:      # T tokens per sequence, a snapshot at each: same result
-            assert batch.state_dst_slots is not None
-            y = ssd_verify(x, dt, a, b, c, self.D, self.dt_bias, state["ssm"], batch.cu_seqlens,
-                           batch.mamba_slot_ids, batch.has_initial_state, batch.state_dst_slots,
-                           batch.verify_len, dt_softplus=True, dt_limit=d.dt_limit)
-        else:
-            y = ssd_varlen(x, dt, a, b, c, self.D, self.dt_bias, state["ssm"],
-                           batch.cu_seqlens, batch.mamba_slot_ids, batch.has_initial_state,
-                           dt_softplus=True, dt_limit=d.dt_limit, chunk_size=d.chunk_size,
-                           state_dst_slots=batch.state_dst_slots)
+        y = ssd_scan(x, dt, a, b, c, self.D, self.dt_bias, state["ssm"], batch.recurrent, dt_softplus=True,
+                dt_limit=d.dt_limit, chunk_size=d.chunk_size)
         y = y.reshape(num_tokens, d.d_inner)
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))

@@ -86,12 +86,13 @@ def plan_view(plan: StepPlan) -> PlanView:
 
 
 def map_tensors(obj: Any, fn: Any) -> Any:
-    """A copy of a (nested) frozen dataclass with ``fn`` applied to every tensor field."""
+    """A copy of a (nested) frozen dataclass with ``fn`` applied to every tensor field (fields
+    derived in ``__post_init__`` are derived anew)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
         changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in fields(obj)
-                   if isinstance(getattr(obj, f.name), torch.Tensor)
-                   or hasattr(getattr(obj, f.name), "__dataclass_fields__")}
+                   if f.init and (isinstance(getattr(obj, f.name), torch.Tensor)
+                                  or hasattr(getattr(obj, f.name), "__dataclass_fields__"))}
         return replace(obj, **changes) if changes else obj
     return obj

@@ -14,6 +14,7 @@ import kernels.norm
 import kernels.selective_scan
 import kernels.ssd
 from kernels import backend, fused_cpu
+from kernels.recurrent_batch import RecurrentBatch
 
 # The CPU rules: on a CUDA machine "auto" picks Triton and forced Triton needs no interpreter.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dispatch rules")
@@ -101,25 +102,25 @@ def _calls():
     """(package, torch function name, a call of the public op) for every dispatched op."""
     cu, slot, init = (torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
                       torch.tensor([True]))
-    r = torch.randn
+    r, seqs = torch.randn, RecurrentBatch(cu, slot, init)
     return [
-        (kernels.gdn, "gated_delta_rule_varlen_torch", lambda: kernels.gdn.gated_delta_rule_varlen(
+        (kernels.gdn, "gated_delta_rule_torch", lambda: kernels.gdn.gated_delta_rule(
             r(3, 1, 16), r(3, 1, 16), r(3, 2, 16), -r(3, 2).abs(), r(3, 2).sigmoid(),
-            r(2, 2, 16, 16), cu, slot, init)),
-        (kernels.ssd, "ssd_varlen_torch", lambda: kernels.ssd.ssd_varlen(
+            r(2, 2, 16, 16), seqs)),
+        (kernels.ssd, "ssd_torch", lambda: kernels.ssd.ssd_scan(
             r(3, 2, 16), r(3, 2), -r(2).abs(), r(3, 1, 16), r(3, 1, 16), r(2), r(2),
-            r(2, 2, 16, 16), cu, slot, init)),
-        (kernels.selective_scan, "selective_scan_varlen_torch",
-         lambda: kernels.selective_scan.selective_scan_varlen(
-             r(3, 16), r(3, 16), -r(16, 4).abs(), r(3, 4), r(3, 4), r(16), r(16), r(2, 16, 4),
-             cu, slot, init)),
-        (kernels.selective_scan, "selective_scan_update_torch",
-         lambda: kernels.selective_scan.selective_scan_update(
-             r(1, 16), r(1, 16), -r(16, 4).abs(), r(1, 4), r(1, 4), r(16), None, r(2, 16, 4), slot)),
-        (kernels.conv1d, "causal_conv1d_varlen_torch", lambda: kernels.conv1d.causal_conv1d_varlen(
-            r(3, 16), r(16, 4), None, r(2, 16, 3), cu, slot, init)),
-        (kernels.conv1d, "causal_conv1d_update_torch", lambda: kernels.conv1d.causal_conv1d_update(
-            r(1, 16), r(16, 4), None, r(2, 16, 3), slot)),
+            r(2, 2, 16, 16), seqs)),
+        (kernels.selective_scan, "mamba_selective_scan_torch",
+         lambda: kernels.selective_scan.mamba_selective_scan(
+             r(3, 16), r(3, 16), -r(16, 4).abs(), r(3, 4), r(3, 4), r(16), r(16), r(2, 16, 4), seqs)),
+        (kernels.selective_scan, "mamba_selective_scan_torch",
+         lambda: kernels.selective_scan.mamba_selective_scan(
+             r(1, 16), r(1, 16), -r(16, 4).abs(), r(1, 4), r(1, 4), r(16), None, r(2, 16, 4),
+             RecurrentBatch.decode(slot))),
+        (kernels.conv1d, "causal_conv1d_torch", lambda: kernels.conv1d.causal_conv1d(
+            r(3, 16), r(16, 4), None, r(2, 16, 3), seqs)),
+        (kernels.conv1d, "causal_conv1d_torch", lambda: kernels.conv1d.causal_conv1d(
+            r(1, 16), r(16, 4), None, r(2, 16, 3), RecurrentBatch.decode(slot))),
         (kernels.norm, "rms_norm_torch", lambda: kernels.norm.rms_norm(r(3, 16), r(16), 1e-6)),
         (kernels.norm, "gated_rms_norm_torch", lambda: kernels.norm.gated_rms_norm(
             r(3, 16), r(3, 16), r(16), 1e-6)),
@@ -131,10 +132,9 @@ def _calls():
 
 
 # Ops whose CPU path under ``auto`` is a C++ loop (``backend.use_native``), not the reference.
-NATIVE = {"gated_delta_rule_varlen_torch": "gated_delta_rule_varlen_cpu",
-          "causal_conv1d_varlen_torch": "causal_conv1d_varlen_cpu",
-          "causal_conv1d_update_torch": "causal_conv1d_update_cpu",
-          "ssd_varlen_torch": "ssd_varlen_cpu"}
+NATIVE = {"gated_delta_rule_torch": "gated_delta_rule_cpu",
+          "causal_conv1d_torch": "causal_conv1d_cpu",
+          "ssd_torch": "ssd_cpu"}
 # Norms whose eager CPU fp32 path under ``auto`` is a fused C++ kernel (``kernels.fused_cpu``).
 FUSED = {"rms_norm_torch": "rms_norm", "gated_rms_norm_torch": "gated_rms_norm"}
 

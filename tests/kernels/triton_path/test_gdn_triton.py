@@ -24,16 +24,14 @@ def run_both(inp, case, device, **kw):
     """(reference out, reference pool), (triton out, triton pool), all on the CPU."""
     from kernels.gdn.triton_varlen import gated_delta_rule_varlen_triton
 
-    meta = (case.cu_seqlens, case.slot_ids, case.has_initial_state)
-    dst = case.state_dst_slots
     ref_pool = inp["states"].clone()
     names = ("q", "k", "v", "g", "beta")
-    ref = gated_delta_rule_varlen_torch(*(inp[n] for n in names), ref_pool, *meta,
-                                        kw.get("scale"), kw.get("use_qk_l2norm", True), 16, dst)
+    ref = gated_delta_rule_varlen_torch(*(inp[n] for n in names), ref_pool, case.cu_seqlens, case.slot_ids,
+                                        case.has_initial_state, kw.get("scale"), kw.get("use_qk_l2norm", True),
+                                        16, case.state_dst_slots)
     pool = inp["states"].to(device)
-    out = gated_delta_rule_varlen_triton(
-        *(inp[n].to(device) for n in names), pool, *(m.to(device) for m in meta),
-        state_dst_slots=dst.to(device) if dst is not None else None, chunk_size=16, **kw)
+    out = gated_delta_rule_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device),
+                                         chunk_size=16, **kw)
     return (ref, ref_pool), (out.cpu(), pool.cpu())
 
 

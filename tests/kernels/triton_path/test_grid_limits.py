@@ -16,6 +16,7 @@ import torch
 
 import kernels
 from kernels.launch_grid import CUDA_MAX_GRID
+from kernels.recurrent_batch import RecurrentBatch
 
 HEADS = 128
 LENS = [1] * 1024 + [17] * 520          # the short (recurrent) and the long (chunked) paths
@@ -73,20 +74,18 @@ def _launch_everything() -> None:
     from kernels.ssd.triton_varlen import ssd_varlen_triton
 
     cu, slots, init, dst, num_slots = _varlen()
-    t, r = int(cu[-1]), torch.randn
+    t, r, seqs = int(cu[-1]), torch.randn, RecurrentBatch(cu, slots, init, dst)
     gated_delta_rule_varlen_triton(r(t, 16, 2), r(t, 16, 2), r(t, HEADS, 2), r(t, HEADS),
-                                   r(t, HEADS), r(num_slots, HEADS, 2, 2), cu, slots, init,
-                                   state_dst_slots=dst)
+                                   r(t, HEADS), r(num_slots, HEADS, 2, 2), seqs)
     kda_varlen_triton(r(t, HEADS, 2), r(t, HEADS, 2), r(t, HEADS, 2), -r(t, HEADS, 2).abs(),
-                      r(t, HEADS), r(num_slots, HEADS, 2, 2), cu, slots, init, state_dst_slots=dst)
+                      r(t, HEADS), r(num_slots, HEADS, 2, 2), seqs)
     ssd_varlen_triton(r(t, HEADS, 2), r(t, HEADS), r(HEADS), r(t, 1, 2), r(t, 1, 2), r(HEADS),
-                      r(HEADS), r(num_slots, HEADS, 2, 2), cu, slots, init, state_dst_slots=dst)
+                      r(HEADS), r(num_slots, HEADS, 2, 2), seqs)
     causal_conv1d_varlen_triton(r(t, 16), r(16, 4), None, r(num_slots, 16, 3), cu, slots, init,
                                 "silu", dst)
     channels = 8192                            # Jamba's d_inner: channel blocks on axis 1
     selective_scan_varlen_triton(r(t, channels), r(t, channels), r(channels, 2), r(t, 2), r(t, 2),
-                                 r(channels), r(channels), r(num_slots, channels, 2), cu, slots,
-                                 init, state_dst_slots=dst)
+                                 r(channels), r(channels), r(num_slots, channels, 2), seqs)
     causal_conv1d_update_triton(r(len(LENS), 16), r(16, 4), None, r(num_slots, 16, 3), slots)
     rms_norm_triton(r(t * HEADS, 2), r(2), 1e-6)
     gated_rms_norm_triton(r(t, 16), r(t, 16), r(16), 1e-6, 2)

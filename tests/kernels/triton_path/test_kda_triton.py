@@ -24,15 +24,13 @@ def run_both(inp, case, device, **kw):
     """(reference out, reference pool), (triton out, triton pool), all on the CPU."""
     from kernels.kda.triton_varlen import kda_varlen_triton
 
-    meta = (case.cu_seqlens, case.slot_ids, case.has_initial_state)
-    dst = case.state_dst_slots
     ref_pool = inp["states"].clone()
     names = ("q", "k", "v", "g", "beta")
-    ref = kda_varlen_torch(*(inp[n] for n in names), ref_pool, *meta, kw.get("scale"),
-                           kw.get("use_qk_l2norm", True), 16, dst)
+    ref = kda_varlen_torch(*(inp[n] for n in names), ref_pool, case.cu_seqlens, case.slot_ids,
+                           case.has_initial_state, kw.get("scale"), kw.get("use_qk_l2norm", True), 16,
+                           case.state_dst_slots)
     pool = inp["states"].to(device)
-    out = kda_varlen_triton(*(inp[n].to(device) for n in names), pool, *(m.to(device) for m in meta),
-                            state_dst_slots=dst.to(device) if dst is not None else None, **kw)
+    out = kda_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device), **kw)
     return (ref, ref_pool), (out.cpu(), pool.cpu())
 
 

@@ -5,7 +5,7 @@ import torch
 
 import kernels.ssd
 from kernels import backend
-from kernels.lightning import lightning_attention_varlen
+from kernels.lightning import lightning_attention
 from tests.kernels.test_lightning import make_inputs
 from tests.kernels.varlen_cases import assert_same_result, poison_no_init_slot
 
@@ -22,12 +22,9 @@ def test_mixed_batch_with_snapshots(varlen_case, device, tol, max_abs_diff, monk
     results = []
     for name, dev in (("torch", torch.device("cpu")), ("triton", device)):
         if name == "triton":
-            monkeypatch.setattr(kernels.ssd, "ssd_varlen_torch", _forbidden)
+            monkeypatch.setattr(kernels.ssd, "ssd_torch", _forbidden)
         pool = inp["states"].clone().to(dev)
         with backend.use_backend(name):
-            o = lightning_attention_varlen(
-                *(inp[n].to(dev) for n in ("q", "k", "v", "slope")), pool,
-                case.cu_seqlens.to(dev), case.slot_ids.to(dev), case.has_initial_state.to(dev),
-                state_dst_slots=case.state_dst_slots.to(dev))
+            o = lightning_attention(*(inp[n].to(dev) for n in ("q", "k", "v", "slope")), pool, case.seqs(dev))
         results.append((o.cpu(), pool.cpu()))
     assert_same_result(results[1], results[0], tol, max_abs_diff)

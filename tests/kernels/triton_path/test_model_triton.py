@@ -31,14 +31,11 @@ PROMPTS = [
 # SSD (granitemoehybrid), selective scan (jamba), KDA + MLA (kimi_linear); conv1d, the norms
 # and paged attention in all of them. The other families run these tests in ``slow``.
 KERNEL_FAMILIES = frozenset({"qwen3_next", "granitemoehybrid", "jamba", "kimi_linear"})
-TORCH_REFS = [(kernels.gdn, "gated_delta_rule_varlen_torch"), (kernels.ssd, "ssd_varlen_torch"),
-              (kernels.conv1d, "causal_conv1d_varlen_torch"),
-              (kernels.conv1d, "causal_conv1d_update_torch"), (kernels.norm, "rms_norm_torch"),
+TORCH_REFS = [(kernels.gdn, "gated_delta_rule_torch"), (kernels.ssd, "ssd_torch"),
+              (kernels.conv1d, "causal_conv1d_torch"), (kernels.norm, "rms_norm_torch"),
               (kernels.norm, "gated_rms_norm_torch"), (kernels.attention, "paged_attention_torch"),
-              (kernels.selective_scan, "selective_scan_varlen_torch"),
-              (kernels.selective_scan, "selective_scan_update_torch"),
-              (kernels.kda, "kda_varlen_torch"), (kernels.kda, "kda_update_torch"),
-              (kernels.kda, "kda_verify_torch"), (kernels.mla, "mla_attention_torch")]
+              (kernels.selective_scan, "mamba_selective_scan_torch"),
+              (kernels.kda, "kda_torch"), (kernels.mla, "mla_attention_torch")]
 
 
 def make_llm(model_dir, device, **cache):

@@ -23,15 +23,12 @@ def run_both(inp, case, device, dt_softplus=True, **kw):
     """(reference y, reference pool), (triton y, triton pool), all on the CPU."""
     from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
 
-    meta = (case.cu_seqlens, case.slot_ids, case.has_initial_state)
-    dst = case.state_dst_slots
     ref_pool = inp["states"].clone()
-    ref = selective_scan_varlen_torch(*(inp[n] for n in NAMES), ref_pool, *meta, dt_softplus, 16,
-                                      dst)
+    ref = selective_scan_varlen_torch(*(inp[n] for n in NAMES), ref_pool, case.cu_seqlens, case.slot_ids,
+                                      case.has_initial_state, dt_softplus, 16, case.state_dst_slots)
     pool = inp["states"].to(device)
     args = (None if inp[n] is None else inp[n].to(device) for n in NAMES)
-    y = selective_scan_varlen_triton(*args, pool, *(m.to(device) for m in meta), dt_softplus, 16,
-                                     dst.to(device) if dst is not None else None, **kw)
+    y = selective_scan_varlen_triton(*args, pool, case.seqs(device), dt_softplus, 16, **kw)
     return (ref, ref_pool), (y.cpu(), pool.cpu())
 
 

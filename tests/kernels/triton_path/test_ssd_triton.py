@@ -24,16 +24,13 @@ def run_both(inp, case, device, dt_softplus=True, dt_limit=(0.0, math.inf), **kw
     """(reference y, reference pool), (triton y, triton pool), all on the CPU."""
     from kernels.ssd.triton_varlen import ssd_varlen_triton
 
-    meta = (case.cu_seqlens, case.slot_ids, case.has_initial_state)
-    dst = case.state_dst_slots
     names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
     ref_pool = inp["states"].clone()
-    ref = ssd_varlen_torch(*(inp[n] for n in names), ref_pool, *meta, dt_softplus, dt_limit, 16,
-                           dst)
+    ref = ssd_varlen_torch(*(inp[n] for n in names), ref_pool, case.cu_seqlens, case.slot_ids,
+                           case.has_initial_state, dt_softplus, dt_limit, 16, case.state_dst_slots)
     pool = inp["states"].to(device)
-    y = ssd_varlen_triton(*(inp[n].to(device) for n in names), pool,
-                          *(m.to(device) for m in meta), dt_softplus, dt_limit, 16,
-                          dst.to(device) if dst is not None else None, **kw)
+    y = ssd_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device), dt_softplus, dt_limit, 16,
+                          **kw)
     return (ref, ref_pool), (y.cpu(), pool.cpu())
 
 

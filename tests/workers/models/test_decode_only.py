@@ -17,30 +17,31 @@ import workers.models.lightning as lightning_layer
 import workers.models.mamba1 as mamba1_layer
 import workers.models.mamba2 as mamba2_layer
 import workers.step_inputs as step_inputs
+from kernels.recurrent_batch import Path, RecurrentBatch
 from tests.workers.engine.helpers import GREEDY, greedy_tokens, make_llm
 from tests.workers.models.harness import Harness, random_prompts
 
-CONV_FAST = "causal_conv1d_update"
-# every recurrent scan's decode op (one per stateful slot layer), and the varlen ops
-SCANS_FAST = [(gdn_layer, "gated_delta_rule_update"), (mamba2_layer, "ssd_update"),
-              (kda_layer, "kda_update"), (lightning_layer, "lightning_attention_update"),
-              (mamba1_layer, "selective_scan_update")]
-FAST = [(layers, CONV_FAST), *SCANS_FAST]
-SLOW = [(layers, "causal_conv1d_varlen"), (gdn_layer, "gated_delta_rule_varlen"),
-        (mamba2_layer, "ssd_varlen"), (kda_layer, "kda_varlen"),
-        (lightning_layer, "lightning_attention_varlen"), (mamba1_layer, "selective_scan_varlen")]
+CONV = "causal_conv1d"
+# The op each stateful layer calls, by the name its module calls it: the conv and every
+# recurrent scan (one per slot layer); each follows its batch's ``RecurrentBatch.path``.
+SCANS = [(gdn_layer, "gated_delta_rule"), (mamba2_layer, "ssd_scan"), (kda_layer, "kimi_delta_attention"),
+         (lightning_layer, "lightning_attention"), (mamba1_layer, "mamba_selective_scan")]
+OPS = [(layers, CONV), *SCANS]
 
 
 @contextmanager
-def count_calls(ops: list[tuple[object, str]]) -> Iterator[dict[str, mock.MagicMock]]:
+def count_calls(ops: list[tuple[object, str]] = OPS) -> Iterator[dict[str, mock.MagicMock]]:
     """Spies (the real op still runs) on the names the layers call the kernels by."""
     with ExitStack() as stack:
         yield {name: stack.enter_context(mock.patch.object(mod, name, wraps=getattr(mod, name)))
                for mod, name in ops}
 
 
-def num_recurrent_calls(spies: dict[str, mock.MagicMock]) -> int:
-    return sum(spy.call_count for spy in spies.values())
+def paths(spies: dict[str, mock.MagicMock], path: Path, names: object = None) -> int:
+    """Calls given a batch whose path is ``path`` (of the ops ``names``, or all)."""
+    return sum(next(a for a in call.args if isinstance(a, RecurrentBatch)).path is path
+               for name, spy in spies.items() if names is None or name in names
+               for call in spy.call_args_list)
 
 
 def pool_tensors(harness: Harness) -> dict[str, torch.Tensor]:
@@ -56,10 +57,6 @@ def num_scan_layers(model) -> int:
                if any(t.name == "ssm" for t in g.kind.tensors))
 
 
-def num_scan_calls(spies: dict[str, mock.MagicMock]) -> int:
-    return sum(spies[name].call_count for _, name in SCANS_FAST)
-
-
 @torch.inference_mode()
 def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
     num_convs = sum(isinstance(m, layers.CausalConv1d) for m in our_model.modules())
@@ -72,19 +69,18 @@ def test_decode_only_equals_varlen_and_takes_the_update_ops(our_model) -> None:
         batch = harness.make_batch([(i, [t]) for i, t in enumerate(tokens)])
         assert batch.decode_only
         before = [t.clone() for t in pool_tensors(harness).values()]
-        with count_calls(SLOW) as slow:
+        with count_calls() as spies:
             ref = our_model(replace(batch, decode_only=False), harness.pools)
-        assert num_recurrent_calls(slow) > 0
+        assert paths(spies, Path.VARLEN) > 0 and paths(spies, Path.DECODE) == 0
         ref_pools = [t.clone() for t in pool_tensors(harness).values()]
         for t, saved in zip(pool_tensors(harness).values(), before):
             t.copy_(saved)
-        with count_calls(FAST) as fast, count_calls(SLOW) as slow:
+        with count_calls() as spies:
             got = our_model(batch, harness.pools)
-        assert num_recurrent_calls(slow) == 0, f"step {step}: a varlen op ran"
-        calls = {name: spy.call_count for name, spy in fast.items()}
+        assert paths(spies, Path.VARLEN) == 0, f"step {step}: a varlen op ran"
         assert num_convs + num_scans > 0
-        assert calls[CONV_FAST] == num_convs, calls
-        assert num_scan_calls(fast) == num_scans, calls
+        assert paths(spies, Path.DECODE, {CONV}) == num_convs
+        assert paths(spies, Path.DECODE, {name for _, name in SCANS}) == num_scans
         assert torch.equal(got, ref), f"step {step}"
         for (name, t), r in zip(pool_tensors(harness).items(), ref_pools):
             # unused slots hold NaN (the harness's poison): equal_nan, and nothing else moves
@@ -105,15 +101,15 @@ def test_batches_with_prefill_or_no_state_keep_the_varlen_path(our_model) -> Non
 def test_engine_takes_the_fast_path_and_greedy_output_is_unchanged(tiny_model_dir) -> None:
     llm = make_llm(tiny_model_dir)
     prompts = random_prompts(llm.engine.vocab_size, [6, 13, 4], seed=5)
-    with count_calls(FAST) as fast:
+    with count_calls() as spies:
         fast_tokens = greedy_tokens(llm, prompts)
     # Every decode step (31 per request at most, some shared) ran the update ops.
-    assert num_scan_calls(fast) + fast[CONV_FAST].call_count >= GREEDY.max_tokens - 1
+    assert paths(spies, Path.DECODE) >= GREEDY.max_tokens - 1
     slow_llm = make_llm(tiny_model_dir)
     with mock.patch.object(step_inputs, "is_decode_only", return_value=False), \
-            mock.patch("workers.model_runner.uniform_rows", return_value=0), count_calls(FAST) as never:
+            mock.patch("workers.model_runner.uniform_rows", return_value=0), count_calls() as spies:
         slow_tokens = greedy_tokens(slow_llm, prompts)
-    assert num_recurrent_calls(never) == 0
+    assert paths(spies, Path.DECODE) == 0
     assert fast_tokens == slow_tokens
 
 

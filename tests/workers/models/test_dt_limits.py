@@ -40,7 +40,7 @@ def formula_scans(monkeypatch: pytest.MonkeyPatch, clamp: tuple[float, float]) -
                         *args, dt_softplus=False, dt_limit=(0.0, math.inf), **kwargs)
         return call
 
-    for name in ("ssd_varlen", "ssd_update"):
+    for name in ("ssd_scan",):
         monkeypatch.setattr(mixer_module, name, formula(getattr(mixer_module, name)))
     return seen
 
