@@ -1,5 +1,5 @@
 // Depthwise causal conv1d on CPU (kernels/conv1d/cpu.py): a varlen batch over a conv-state
-// pool, in place. One translation unit with native_common.cpp and native_ops.cpp (kernels/native_ops.py).
+// pool, in place.
 //
 // Sequence b is convolved over `its W-1 initial inputs ++ its rows`: out[t, d] =
 // sum_w weight[d, w] * in[t - (W-1) + w, d] (+ bias[d]), oldest input first, then SiLU if
@@ -12,6 +12,8 @@
 // tokens' rows, the state windows). Each output element is the same chain of multiply-adds
 // wherever its row sits, so a token gets the same bits in any kind of batch (decode, verify,
 // prefill, one thread or several); not the torch reference's bits (no FMA there).
+#include "native_common.h"
+
 namespace {
 
 constexpr int64_t CONV_MAX_WIDTH = 16;

@@ -1,6 +1,6 @@
 // Fused elementwise kernels of the eager CPU forward (kernels/fused_cpu.py): RMSNorm (plain,
 // zero-centred, gated), SiLU(gate) * up, the GDN's scaled L2 norm of q / k and rotate-half
-// RoPE. One translation unit with native_common.cpp (kernels/native_ops.py). fp32 only; the
+// RoPE. fp32 only; the
 // Python side sends every other case to torch.
 //
 // Each replaces 4-8 ATen passes over the activations (pow, mean, add, rsqrt, mul, mul, silu,
@@ -11,6 +11,8 @@
 // row alone. Its sums run over its own D values, 16 lanes then a fixed tree then the tail in
 // order, whatever the number of rows or where the row sits, so a token gets the same bits
 // in any batch. Not the torch reference's bits (another order of the sum of squares).
+#include "native_common.h"
+
 namespace {
 
 // sum of v[i]^2 for i < n: 16 lanes, the fixed tree, then the tail in order.
@@ -186,6 +188,13 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 }  // namespace
+
+#if defined(__x86_64__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void silu_mul_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows, int64_t D, float* y) {
+  for (int64_t r = 0; r < rows; ++r) silu_mul(g + r * ldg, u + r * ldu, y + r * D, D);
+}
 
 TORCH_LIBRARY_FRAGMENT(hybridserve_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered) -> Tensor");

@@ -1,5 +1,5 @@
 // Gated DeltaNet's recurrence on CPU (kernels/gdn/cpu.py): a varlen batch over a state pool,
-// in place. One translation unit with native_common.cpp and native_ops.cpp (kernels/native_ops.py).
+// in place.
 //
 // Per value head, with the state S [K, V] (rows of V floats) and one token (decay = exp(g),
 // taken here with std::exp so that every caller gets the same decay from the same g):
@@ -9,8 +9,8 @@
 // block of K x 64 floats (32 KiB at K = 128) stays in L1 across its two passes (pass 1:
 // S'^T k; pass 2: write S, accumulate S^T q) and across tokens. S is read from the pool once
 // and written once per call however many tokens the sequence has. Every token runs the
-// recurrence -- no chunked form: on one core this loop beats the torch chunked form 2x at
-// 128 x 128 heads and 6x at 64 x 64, and it gives a prefill token the same bits as a decode.
+// recurrence -- no chunked form: on one core this loop beats the torch chunked form, and it
+// gives a prefill token the same bits as a decode.
 //
 // Numerics: each column's sums run over the K rows in order (one multiply-add chain per
 // lane), so a column's bits depend on neither the block width, the vector width, the number
@@ -20,6 +20,8 @@
 // mixed batches, eager or compiled) is this loop, so a token gets the same bits in whichever
 // kind of batch it is computed. They are not the torch reference's bits (its products are
 // MKL's, its long segments chunked); tests compare the two with a tolerance.
+#include "native_common.h"
+
 namespace {
 
 constexpr int GDN_COLS = 64;      // 4 vectors of 16 floats

@@ -1,18 +1,15 @@
-// Products of a few fp32 rows with a weight matrix, streaming each weight row once (one
-// translation unit with native_common.cpp, before native_ops.cpp: kernels/native_ops.py).
+// Products of a few fp32 rows with a weight matrix, streaming each weight row once
+// (few_rows_gemm: native_ops.cpp's expert loop calls it too).
 //
-// At 1-16 rows a product's time is its weight's bytes. MKL's small-M sgemm overlaps little of
-// its arithmetic with that read. Weights held in L3 (2-core Intel Xeon, one thread), 256 x
-// 768: MKL packed 32 / 39 / 44 us at 1 / 4 / 8 rows, this loop 29 / 32 / 32 us; 4,096 x 256
-// (an lm-head): 155 / 211 / 224 against 149 / 152 / 160 us; at 16 rows MKL is the faster.
-// Each weight row is read as 16-float vectors against all R rows at once (R accumulators, B
+// At 1-16 rows a product's time is its weight's bytes, and MKL's small-M sgemm overlaps little
+// of its arithmetic with that read (BENCHMARKS.md). Each weight row is read as 16-float vectors against all R rows at once (R accumulators, B
 // weight rows in flight, the next B rows prefetched); an output is one dot product -- 16
 // lane sums in order of K, then hsum's fixed tree, then the K tail in order -- so its bits
 // depend on its own row and weight row alone: not on the row count, the other rows, the
 // blocking, or how the columns are split across threads.
-namespace {
+#include "native_common.h"
 
-constexpr int64_t SMALL_ROWS = 16;
+namespace {
 
 typedef float v4 __attribute__((vector_size(16)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -80,6 +77,8 @@ inline __attribute__((always_inline)) void rows_gemm(const float* const* x, cons
   for (; n < N; ++n) rows_block<R, 1>(x, w, ldw, n, K, y, ldy);
 }
 
+}  // namespace
+
 // y [rows, ldy] = x @ w^T for rows <= SMALL_ROWS: x[r] points at row r's K floats, w is
 // N rows of K floats, ldw apart. One binary, the widest vectors the machine has.
 #if defined(__x86_64__)
@@ -108,9 +107,6 @@ void few_rows_gemm(const float* const* x, int64_t rows, const float* w, int64_t 
   }
 }
 
-bool rows_contiguous(const at::Tensor& w) { return w.stride(-1) == 1; }
-
-}  // namespace
 
 // kernels/dense.py's few-rows product: x [..., K] fp32 of at most SMALL_ROWS rows, weight
 // [N, K] fp32 with contiguous rows, bias [N] fp32 or None -> [..., N] = x @ weight^T (+ bias,

@@ -1,5 +1,10 @@
-// The native ops of kernels/native_ops.py (built by it with load_inline, after
-// native_common.cpp; @NAME@ tokens are filled in there from kernels/cpu_linear.py).
+// The native ops of kernels/native_ops.py (which builds every native_*.cpp into one library
+// and defines the HS_* constants from kernels/cpu_linear.py). This file defines the library.
+#include "native_common.h"
+
+#ifndef HS_PREFERS_ONEDNN
+#error "kernels/native_ops.py defines HS_PREFERS_ONEDNN, HS_MIN_ROWS and HS_MIN_MACS"
+#endif
 
 // dst[index] = src along dim 0, in place (the rows of a state pool).
 void scatter_rows(at::Tensor dst, const at::Tensor& index, const at::Tensor& src) {
@@ -31,9 +36,9 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
       at::hasMKLDNN() ? c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""})
                       : std::nullopt;
   const int64_t rows = x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
-  if (@PREFERS_ONEDNN@ && onednn.has_value() && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
-      w.is_contiguous() && w.dim() == 2 && rows >= @MIN_ROWS@ &&
-      rows * w.size(1) * w.size(0) >= @MIN_MACS@) {
+  if (HS_PREFERS_ONEDNN && onednn.has_value() && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+      w.is_contiguous() && w.dim() == 2 && rows >= HS_MIN_ROWS &&
+      rows * w.size(1) * w.size(0) >= HS_MIN_MACS) {
     torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"),
                             c10::List<std::optional<at::Scalar>>(), std::string("")};
     onednn->callBoxed(&stack);
@@ -45,11 +50,10 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
 // ---- The few-rows expert MLP: fp32, at most SMALL_ROWS rows an expert (a decode step's) ----
 //
 // A decode step reads every chosen expert's weights once for a handful of rows, so its time
-// is the weights' bytes: the loop's three ATen GEMMs an expert (MKL's small-M sgemm) and ~8
-// ATen ops of glue ran at ~45 % of a plain read's bandwidth on bench-15m. Here the GEMMs are
+// is the weights' bytes, which the loop's three ATen GEMMs an expert (MKL's small-M sgemm) and
+// its ATen glue read at well under a plain read's bandwidth. Here the GEMMs are
 // native_gemm.cpp's few_rows_gemm (each weight row read once against all the expert's rows)
-// and the glue is plain loops over host memory: an expert of 4-16 rows in 0.45-0.75x the
-// time of the ATen loop's at 256 x 256 and 1024 x 512. Its sums are not MKL's: callers take
+// and the glue is plain loops over host memory. Its sums are not MKL's: callers take
 // this path by shape alone (few_rows), so equal shapes give equal bits everywhere, and a
 // row's bits do not depend on the other rows.
 namespace {

@@ -1,34 +1,29 @@
-"""C++ kernels for the ops compiled CPU steps call outside inductor's own code.
+"""C++ kernels for the ops compiled CPU steps call outside inductor's own code, and the CPU
+loops of the recurrent ops.
 
 A compiled CPU step (inductor with its C++ wrapper) runs without the GIL, except where it
 calls an op inductor cannot generate: the in-place pool write ``hybridserve::scatter_rows``
-(``kernels/static.py``; 16 calls a step on bench-15m) and, in batches where the static MoE
-is not the cheaper, the expert loop ``hybridserve::moe_experts``
-(``workers/models/moe_experts.py``; one call per MoE layer, ~10 ops per chosen expert). Their
-kernels are Python, so each call takes the GIL back and runs the interpreter (~20 us a
-write, hundreds of us a loop), and waits for the GIL whenever another thread holds it -- the
-scheduler thread under ``scheduler.overlap``, or a replica's Ray and event-loop threads --
-for up to the interpreter's switch interval (5 ms).
+(``kernels/static.py``) and, in batches where the static MoE is not the cheaper, the expert
+loop ``hybridserve::moe_experts`` (``workers/models/moe_experts.py``). As Python ops each call
+would take the GIL back, run the interpreter, and wait whenever another thread holds the GIL
+(the scheduler thread under ``scheduler.overlap``, a replica's Ray and event-loop threads).
 
-``load()`` builds (once per machine: the build is cached under torch's extension directory,
-``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, keyed by the torch version, the
-source and the flags; concurrent builders wait on the build's lock) and loads
-``hybridserve_native::scatter_rows`` and ``hybridserve_native::moe_experts`` from
-``native_ops.cpp``, with the Python ops' schemas, and the Gated DeltaNet recurrence
-``hybridserve_native::gdn_recurrent`` from ``native_gdn.cpp`` (``kernels/gdn/cpu.py``: the
-CPU path of every GDN batch, eager or compiled) and the causal conv1d
-``hybridserve_native::causal_conv1d`` from ``native_conv.cpp`` (``kernels/conv1d/cpu.py``)
-and Mamba2's ``hybridserve_native::ssd_recurrent`` from ``native_ssd.cpp`` (``kernels/ssd/cpu.py``),
-and the few-rows product ``hybridserve_native::few_rows_linear`` from ``native_gemm.cpp``
-(``kernels/dense.py``: every projection of 1-8 fp32 rows, eager or compiled), and registers
-their fakes; and the eager forward's fused elementwise ops (RMSNorm, gated RMSNorm, SiLU *
-up, L2 norm, RoPE) from ``native_fused.cpp`` (``kernels/fused_cpu.py``, never traced). The pool write
-is the same ATen kernel. The expert loop is the Python loop op for op for experts with many
-rows; an expert with few fp32 rows (a decode step's) takes a fused kernel there that streams
-its weights once (see the .cpp), so once the ops loaded the eager path calls the native loop
-too (``moe_experts.expert_loop``) and eager and compiled steps compute the same bits.
-Compiled CPU steps trace with them when they loaded; when they cannot be built (no compiler,
-no ninja) they trace with the Python ops, as before, and the reason is logged once.
+``load()`` builds the library ``hybridserve_native`` from ``SOURCES`` (each file compiled as
+itself, all including ``native_common.h``) once per machine -- the build is cached under
+torch's extension directory, ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, per
+torch version, and ninja rebuilds what a changed source or header touches; concurrent
+builders wait on the build's lock -- then loads it and registers the ops' fakes:
+``native_ops.cpp`` defines the library (``scatter_rows``, ``moe_experts`` with the Python ops'
+schemas; the expert loop's fused kernel for experts of few fp32 rows streams their weights
+once, so eager and compiled steps compute the same bits); ``native_gdn.cpp`` the Gated
+DeltaNet recurrence ``gdn_recurrent`` (``kernels/gdn/cpu.py``), ``native_conv.cpp`` the
+causal conv1d ``causal_conv1d`` (``kernels/conv1d/cpu.py``), ``native_ssd.cpp`` Mamba2's
+``ssd_recurrent`` (``kernels/ssd/cpu.py``): the CPU path of every batch of those ops, eager or
+compiled; ``native_gemm.cpp`` the few-rows product ``few_rows_linear`` (``kernels/dense.py``:
+every projection of 1-8 fp32 rows); ``native_fused.cpp`` the eager forward's fused elementwise
+ops (``kernels/fused_cpu.py``, never traced). Compiled CPU steps trace with them when they
+loaded; when they cannot be built (no compiler, no ninja) they trace with the Python ops, and
+the reason is logged once.
 
 ``hold_refs(tensors)`` (``native_refs.cpp``'s ``TensorRefs``) holds one more C++ reference
 to each tensor while the result lives: a compiled call's inputs held so are dropped by the
@@ -49,13 +44,18 @@ from kernels import cpu_linear
 logger = logging.getLogger(__name__)
 
 NAME = "hybridserve_native"
-# One translation unit (one extension, one build): the shared helpers, native_ops.cpp (which
-# defines the library), then each file that adds ops to it.
-SOURCES = ("native_common.cpp", "native_gemm.cpp", "native_ops.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp",
+HERE = Path(__file__).parent
+# One library: native_ops.cpp defines it, each other file adds ops to it; all include
+# native_common.h (ninja's dependency files rebuild what includes it when it changes).
+SOURCES = ("native_ops.cpp", "native_gemm.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp",
            "native_fused.cpp", "native_refs.cpp")
-SOURCE = ("\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
-          .replace("@MIN_ROWS@", str(cpu_linear.MIN_ROWS)).replace("@MIN_MACS@", str(cpu_linear.MIN_MACS))
-          .replace("@PREFERS_ONEDNN@", "true" if cpu_linear.prefers_onednn() else "false"))
+
+
+def build_flags() -> list[str]:
+    """-O2 and native_ops.cpp's constants from ``kernels.cpu_linear`` (part of the build cache's key)."""
+    return ["-O2", f"-DHS_MIN_ROWS={cpu_linear.MIN_ROWS}", f"-DHS_MIN_MACS={cpu_linear.MIN_MACS}",
+            f"-DHS_PREFERS_ONEDNN={'true' if cpu_linear.prefers_onednn() else 'false'}"]
+
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}       # "loaded": bool, once load() ran; "error": str
@@ -114,10 +114,10 @@ def hold_refs(tensors: Sequence[torch.Tensor]) -> object | None:
 
 def _build() -> bool:
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
 
-        load_inline(NAME, cpp_sources=SOURCE, is_python_module=False, build_directory=str(build_dir()),
-                    extra_cflags=["-O2"], verbose=False)
+        load(NAME, sources=[str(HERE / name) for name in SOURCES], is_python_module=False,
+             build_directory=str(build_dir()), extra_cflags=build_flags(), verbose=False)
     except Exception as exc:          # no compiler / ninja / headers: the Python op stays
         _state["error"] = f"{type(exc).__name__}: {exc}"
         logger.warning("compiled CPU steps keep the Python pool-write and expert-loop ops (each "

@@ -12,6 +12,8 @@
 // TensorRefs, with the GIL held.
 #include <torch/custom_class.h>
 
+#include "native_common.h"
+
 namespace {
 
 struct TensorRefs : torch::CustomClassHolder {

@@ -1,5 +1,5 @@
 // Mamba2 SSD's recurrence on CPU (kernels/ssd/cpu.py): a varlen batch over a state pool, in
-// place. One translation unit with native_common.cpp and native_ops.cpp (kernels/native_ops.py).
+// place.
 //
 // Per head h (group g = h / (H / G)), state S [P, N] and one token, with the step
 // dt' = clamp(softplus(dt + dt_bias), lo, hi) (kernels/ssd/reference.py discretize_dt: the
@@ -11,6 +11,8 @@
 // form), so a token gets the same bits in any kind of batch (decode, verify, prefill, mixed;
 // y[p] is one multiply-add chain per lane over N, then a fixed tree), not the torch
 // reference's (MKL's products, a chunked form for long segments): tests hold them close.
+#include "native_common.h"
+
 namespace {
 
 struct SsdRows {

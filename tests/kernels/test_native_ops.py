@@ -121,3 +121,14 @@ def test_the_native_expert_loop_refuses_an_unknown_activation():
     x, ids, w = torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(1, 4, 4)
     with pytest.raises(RuntimeError, match="activation tanh is not supported"):
         torch.ops.hybridserve_native.moe_experts(x, torch.ones(2, 1), ids, None, w, w, "tanh")
+
+
+def test_the_library_is_built_from_the_source_files():
+    """Each ``SOURCES`` file is compiled as itself (its own object in the build), not pasted
+    into one generated translation unit; each includes the shared header."""
+    assert native_ops.load(), native_ops.failure()
+    ninja = (native_ops.build_dir() / "build.ninja").read_text()
+    for name in native_ops.SOURCES:
+        path = native_ops.HERE / name
+        assert '#include "native_common.h"' in path.read_text(), name
+        assert str(path) in ninja, f"{name} is not a source of the build"

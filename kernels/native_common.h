@@ -1,6 +1,8 @@
-// What the native ops share (kernels/native_ops.py builds SOURCES as one translation unit,
-// this file first): vectors of 16 floats, one SiLU formula, and the checked metadata of a varlen batch over a
+// What the native ops' sources share (kernels/native_ops.py builds them into one library):
+// vectors of 16 floats, one SiLU formula, and the checked metadata of a varlen batch over a
 // state pool (kernels/__init__.py's conventions).
+#pragma once
+
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -12,7 +14,18 @@
 #include <cstring>
 #include <vector>
 
+// Defined once each (their clones for each vector width are one ifunc): native_fused.cpp's
+// y row r = silu(g row r) * u row r (rows of D floats ldg / ldu apart, y contiguous), and
+// native_gemm.cpp's y [rows, ldy] = x @ w^T of at most SMALL_ROWS rows.
+void silu_mul_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows, int64_t D, float* y);
+void few_rows_gemm(const float* const* x, int64_t rows, const float* w, int64_t ldw, int64_t N, int64_t K,
+                   float* y, int64_t ldy);
+
 namespace {
+
+constexpr int64_t SMALL_ROWS = 16;       // the few-rows products' (native_gemm.cpp) largest batch
+
+inline bool rows_contiguous(const at::Tensor& w) { return w.stride(-1) == 1; }
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -79,15 +92,7 @@ inline __attribute__((always_inline)) void silu_mul(const float* g, const float*
   }
 }
 
-// y row r = silu(g row r) * u row r, rows of D floats ldg / ldu apart, y contiguous.
-#if defined(__x86_64__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-void silu_mul_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows, int64_t D, float* y) {
-  for (int64_t r = 0; r < rows; ++r) silu_mul(g + r * ldg, u + r * ldu, y + r * D, D);
-}
-
-std::vector<int64_t> as_longs(const at::Tensor& t) {
+inline std::vector<int64_t> as_longs(const at::Tensor& t) {
   const at::Tensor c = t.to(at::kLong).contiguous();
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
@@ -105,22 +110,22 @@ struct StatePool {
   }
 };
 
-bool is_state_dtype(at::ScalarType dtype) {
+inline bool is_state_dtype(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
 }
 
-StatePool state_pool(const char* op, at::Tensor& states) {
+inline StatePool state_pool(const char* op, at::Tensor& states) {
   return {op, static_cast<char*>(states.data_ptr()), states.stride(0) * states.element_size(), states.size(0),
           states.scalar_type()};
 }
 
-float load_state(const char* p, at::ScalarType dtype, int64_t i) {
+inline float load_state(const char* p, at::ScalarType dtype, int64_t i) {
   if (dtype == at::kFloat) return reinterpret_cast<const float*>(p)[i];
   if (dtype == at::kBFloat16) return float(reinterpret_cast<const c10::BFloat16*>(p)[i]);
   return float(reinterpret_cast<const c10::Half*>(p)[i]);
 }
 
-void store_state(char* p, at::ScalarType dtype, int64_t i, float v) {
+inline void store_state(char* p, at::ScalarType dtype, int64_t i, float v) {
   if (dtype == at::kFloat) {
     reinterpret_cast<float*>(p)[i] = v;
   } else if (dtype == at::kBFloat16) {
@@ -155,7 +160,7 @@ struct VarlenBatch {
   int64_t num_seqs() const { return static_cast<int64_t>(slot.size()); }
 };
 
-VarlenBatch varlen_batch(const char* op, const at::Tensor& cu_seqlens, const at::Tensor& slots,
+inline VarlenBatch varlen_batch(const char* op, const at::Tensor& cu_seqlens, const at::Tensor& slots,
                          const std::optional<at::Tensor>& has_initial_state, const std::optional<at::Tensor>& dst,
                          int64_t rows) {
   VarlenBatch b{as_longs(cu_seqlens), as_longs(slots), {}, {}};
