@@ -1,8 +1,7 @@
 """The eager CPU forward's fused elementwise ops (``kernels/native_fused.cpp``): RMSNorm,
 gated RMSNorm, SiLU(gate) * up, the GDN's scaled L2 norm of q / k and RoPE, each one pass
-over the activations where the torch formulation makes 3-8 (measured on the 2-core Xeon,
-one thread, 3,263 x 256 fp32: RMSNorm 0.3 vs 1.1-2.4 ms, the GDN's gated norm 0.5 vs 2.1-4.7
-ms, SiLU * up 0.45 vs 0.85 ms).
+over the activations where the torch formulation makes 3-8 (memory-bound at a prefill's
+size: each pass reads and writes the whole tensor).
 
 ``usable(*tensors)`` is the rule every caller applies: the ``auto`` backend on CPU, fp32,
 nothing for autograd to record, not while torch.compile traces (a compiled step keeps the

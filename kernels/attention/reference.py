@@ -92,10 +92,9 @@ def attend_uniform(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor
 
     Written as products and sums over gathered pool rows, not as SDPA over gathered copies:
     inductor fuses each gather into its reduction, so K and V are read once, in place, and
-    the padding pages (all page 0) stay in cache. A layer of bench-15m's batch-16 decode,
-    contexts 40-540 tokens, compiled, one thread, interleaved: 1.61-1.87 -> 0.57-0.66 ms.
-    Sums over the context run over a page's offsets, then over the pages: a single sum over
-    a dynamic length would make inductor guard on its size (cpp ``need_use_acc_helper``:
+    the padding pages (all page 0) stay in cache (a compiled decode layer several times
+    faster: BENCHMARKS.md). Sums over the context run over a page's offsets, then over the
+    pages: a single sum over a dynamic length would make inductor guard on its size (cpp ``need_use_acc_helper``:
     4,096)."""
     num_seqs, max_pages = page_table.shape
     q_len = q.shape[0] // num_seqs

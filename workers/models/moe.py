@@ -92,12 +92,10 @@ class MoeDims:
 
 
 # A compiled CPU step's choice between the static formulation and the expert loop op. The
-# loop pays a fixed cost per chosen expert (~30 us: slicing, three small GEMMs, the scatter)
-# on top of its T*k rows; the dense form computes T*E rows in two batched GEMMs, the
-# gathered one reads T*k experts' weights. Measured on the 2-core CPU (compiled, packed,
-# one thread; H 256-768, I 192-384): gathered beats the loop at every T*k < E (T = 1: 41 vs
-# 102 us, E 4; 106 vs 207 us, E 8, H 768), dense beats it while T*E <= 32*k (E 8, k 2:
-# T = 8 350 vs 376 us, T = 16 660 vs 525 us; E 4: T = 16 270 vs 319 us).
+# loop pays a fixed cost per chosen expert (slicing, three small GEMMs, the scatter) on top
+# of its T*k rows; the dense form computes T*E rows in two batched GEMMs, the gathered one
+# reads T*k experts' weights. Measured (BENCHMARKS.md): gathered beats the loop at every
+# T*k < E, dense beats it while T*E <= 32*k.
 DENSE_ROWS_PER_CHOICE = 32
 
 

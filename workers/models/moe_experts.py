@@ -6,7 +6,7 @@ row counts on the host (``.tolist()``), so it computes only the chosen rows (T*k
 transformers' expert loop does) where a static formulation computes every expert on every
 token. ``expert_loop``, the eager path, runs the loop's C++ twin on CPU once
 ``kernels.native_ops`` loads (it is built on the first call): the twin is the same loop,
-with a fused kernel for experts of few fp32 rows (a decode step's: ~1.6x faster, its sums in
+with a fused kernel for experts of few fp32 rows (a decode step's: faster, its sums in
 another order), so eager and compiled steps keep computing the same bits.
 
 Every form takes ``limit`` (Ling's clipped SwiGLU, 0 = off): a gated expert's inner
