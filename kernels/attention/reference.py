@@ -94,8 +94,8 @@ def attend_uniform(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor
     inductor fuses each gather into its reduction, so K and V are read once, in place, and
     the padding pages (all page 0) stay in cache (a compiled decode layer several times
     faster: BENCHMARKS.md). Sums over the context run over a page's offsets, then over the
-    pages: a single sum over a dynamic length would make inductor guard on its size (cpp ``need_use_acc_helper``:
-    4,096)."""
+    pages: a single sum over a dynamic length would make inductor guard on its size (cpp
+    ``need_use_acc_helper``: 4,096)."""
     num_seqs, max_pages = page_table.shape
     q_len = q.shape[0] // num_seqs
     kv_heads, head_dim = k_pool.shape[1], q.shape[2]
