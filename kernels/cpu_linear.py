@@ -1,18 +1,14 @@
 """fp32 linear layers on CPU through oneDNN where it beats MKL's sgemm (the projections call
 it through ``kernels/dense.py``, which takes products of a few rows to its own kernel first).
 
-torch's CPU build runs ``F.linear`` in fp32 on MKL's sgemm. On an AMD CPU (Zen 5, AVX-512,
-torch 2.13, one thread) that sgemm runs at ~85 GFLOP/s at every size, while oneDNN's
-``mkldnn::_linear_pointwise`` on the same plain weight (no packing, no copy kept) runs at
-190-220 GFLOP/s from ~64 rows up, and ~2x at two threads too: a prefill's projections and
-expert MLPs take half the time. oneDNN pays a fixed cost per call, so it loses on small
-products; ``use_onednn`` takes it from ``MIN_ROWS`` rows and ``MIN_MACS`` multiply-adds up
-(measured crossovers: 256 x 512 weights at 16 rows, 256 x 8 at 1024 rows, 2048 x 4096 at 4
-rows). On an Intel CPU MKL is the faster (``prefers_onednn`` is False there): on the 2-core
-Xeon (AVX-512, one thread) oneDNN took 0.98-1.12x MKL's time from 1,024 rows, 1.05-1.3x at
-64-256 rows and 1.35-3.8x below, and the suite's run-batch of bench-15m ran 9 % faster on
-MKL. The choice is per machine (the CPU's vendor), never per call, so a machine computes a
-shape one way.
+torch's CPU build runs ``F.linear`` in fp32 on MKL's sgemm. On an AMD CPU that sgemm is well
+below what oneDNN's ``mkldnn::_linear_pointwise`` reaches on the same plain weight (no
+packing, no copy kept) from a few dozen rows up, so a prefill's projections and expert MLPs
+take about half the time there (BENCHMARKS.md). oneDNN pays a fixed cost per call, so it
+loses on small products; ``use_onednn`` takes it from ``MIN_ROWS`` rows and ``MIN_MACS``
+multiply-adds up (the measured crossovers). On an Intel CPU MKL is the faster
+(``prefers_onednn`` is False there). The choice is per machine (the CPU's vendor), never per
+call, so a machine computes a shape one way.
 
 On a given machine the choice depends on shapes only, so it is the same wherever the same
 shapes run (the C++ expert loop in ``kernels/native_ops.py`` applies the same rule with the

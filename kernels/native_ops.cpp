@@ -141,8 +141,8 @@ void expert_few_rows(const at::Tensor& x, const int64_t* rows, int64_t n, int64_
 // A gated SiLU expert on many fp32 rows: the loop's three ATen GEMMs (dense, as the Python
 // loop) with the glue in one pass each -- the rows gathered, silu(gate) * up, the weighted
 // add into out -- where ATen's glue made ~8 passes over [n, I] / [n, H] (index, silu, mul,
-// index, mul, add_, index_put). A prefill's experts (~800 rows of 256 x 256 on bench-15m)
-// spent about as long in that glue as in their GEMMs.
+// index, mul, add_, index_put): a prefill's experts spent about as long in that glue as in
+// their GEMMs.
 bool many_rows_silu(const at::Tensor& x, const std::optional<at::Tensor>& w_gate, const std::string& act,
                     double limit) {
   return x.scalar_type() == at::kFloat && w_gate.has_value() && w_gate->scalar_type() == at::kFloat &&

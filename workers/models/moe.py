@@ -106,8 +106,8 @@ def static_is_cheaper(num_tokens: int, num_experts: int, top_k: int) -> bool:
 
 def loop_op_is_cheaper(x: torch.Tensor, dims: MoeDims) -> bool:
     """Whether a compiled CPU step takes the loop op over ``_routed_static``: at every size
-    where the native loop's fused few-rows experts apply (fp32; the static formulation was
-    1.7-2.6x slower at 1-12 tokens on bench-15m's experts), else beyond ``static_is_cheaper``."""
+    where the native loop's fused few-rows experts apply (fp32; the static formulation is
+    slower at a decode's few tokens), else beyond ``static_is_cheaper``."""
     if native_ops.loaded() and x.dtype == torch.float32:
         return True
     return not static_is_cheaper(x.shape[0], dims.num_experts, dims.top_k)
