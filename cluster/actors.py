@@ -17,7 +17,6 @@ import logging
 from typing import Any
 
 import ray
-
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.observability.metrics_actor import MetricsActor

@@ -104,6 +104,7 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
         max_queued_requests=opts.max_queued_requests,
         graceful_shutdown_wait_loop_s=opts.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=opts.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": opts.num_cpus, **({"resources": dict(opts.resources)} if opts.resources else {})},
+        ray_actor_options={"num_cpus": opts.num_cpus,
+                           **({"resources": dict(opts.resources)} if opts.resources else {})},
     )
     return ingress.bind(engine, dumped)

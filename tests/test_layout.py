@@ -190,7 +190,8 @@ def test_product_imports_no_tests():
 def test_reachability_finds_a_stray_harness():
     graph = {"cluster.cli": {"cluster.bench.command"}, "cluster.bench.command": {"cluster.bench.suite"},
              "cluster.bench.suite": set(), "cluster.bench.probe": {"cluster.bench.suite"}}
-    assert _reachable(graph, ("cluster.cli",)) == {"cluster.cli", "cluster.bench.command", "cluster.bench.suite"}
+    assert _reachable(graph, ("cluster.cli",)) == {"cluster.cli", "cluster.bench.command",
+                                                   "cluster.bench.suite"}
 
 
 # -- DESIGN.md: every "DESIGN §n" (and "DESIGN §n rule m") in the code names a heading of it

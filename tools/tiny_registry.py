@@ -28,9 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from tools import tiny_qwen3_5 as q35
-from tools.tiny_weights import (RedrawRule, add_nemotron_mtp, add_qwen_mtp,
-                                         keep_lightning_buffers, redraw_decay_logs,
-                                         redraw_mamba1)
+from tools.tiny_weights import (
+    RedrawRule,
+    add_nemotron_mtp,
+    add_qwen_mtp,
+    keep_lightning_buffers,
+    redraw_decay_logs,
+    redraw_mamba1,
+)
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
 LayoutWriter = Callable[[Path], None]             # rewrites a saved checkpoint's tensors

@@ -31,8 +31,17 @@ from collections.abc import Sequence
 
 from configs.schema import CacheConfig, DebugConfig
 from workers.allocators import IdAllocator
-from workers.cache import (CacheEvent, CheckpointEvicted, MatchResult, RadixCache, RequestOwner, TreeNode,
-                           SlotLedger, SlotRole, Violation)
+from workers.cache import (
+    CacheEvent,
+    CheckpointEvicted,
+    MatchResult,
+    RadixCache,
+    RequestOwner,
+    SlotLedger,
+    SlotRole,
+    TreeNode,
+    Violation,
+)
 from workers.cache_checks import check_pools
 from workers.checkpoints import CheckpointTracker, StepPlan
 from workers.request import Request, RequestCacheState
@@ -242,8 +251,8 @@ class CacheManager:
         assert host is not None and host.storage is not None
         self.stats.inc("hybridserve_tier_promotions_total", label="promoted" if ok else "failed")
         if ok:
-            self.stats.inc("hybridserve_tier_bytes_total", host.storage.nbytes(len(p.slots), len(plan.page_ids)),
-                           label="host_to_device")
+            self.stats.inc("hybridserve_tier_bytes_total",
+                           host.storage.nbytes(len(p.slots), len(plan.page_ids)), label="host_to_device")
             host.from_store.discard(plan.host_node.node_id)
         if p.first_lookup:
             self._count_hit(req, plan.depth if ok else plan.from_depth, plan.origin if ok else "device")

@@ -19,13 +19,13 @@ import torch
 from configs.schema import HybridServeConfig
 from workers.cache import CacheEvent, Violation
 from workers.cache_manager import CacheManager
+from workers.compiled import build_compiled
 from workers.device_pools import build_pools
+from workers.engine_outputs import EngineOutputs
+from workers.forward_thread import StepFuture
 from workers.host_memory import retain_freed_memory
 from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
-from workers.compiled import build_compiled
-from workers.engine_outputs import EngineOutputs
-from workers.forward_thread import StepFuture
 from workers.outputs import EngineOutput
 from workers.request import FinishReason, Request
 from workers.sampler import GeneratorBank
@@ -37,9 +37,9 @@ from workers.scheduler import Scheduler, pages_needed
 from workers.sizing import plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layers
 from workers.state_oracle import StateOracle
-from workers.step_failure import LaunchedStep, StepFailed, recover_failed_step
 from workers.state_spec import ATTENTION
 from workers.stats import EngineStats
+from workers.step_failure import LaunchedStep, StepFailed, recover_failed_step
 from workers.tiers.host_pools import HostPools
 from workers.tiers.payload import CheckpointPayload, model_fingerprint
 from workers.tiers.storage import TensorTierStorage
@@ -354,8 +354,9 @@ class Engine:
         """Nothing in flight and nothing schedulable with work left: a liveness bug (a
         request that fits the pools alone always finishes), reported instead of a hang."""
         s = self.scheduler
+        running = [(r.request_id, r.num_computed_tokens, len(r.page_ids)) for r in s.running]
         return (f"engine made no progress: {len(s.running)} running, {len(s.waiting)} waiting, "
-                f"pools {self.pool_counts()}, running {[(r.request_id, r.num_computed_tokens, len(r.page_ids)) for r in s.running]}")
+                f"pools {self.pool_counts()}, running {running}")
 
     def _check_invariants(self) -> None:
         violations = self.check_invariants()
@@ -363,7 +364,8 @@ class Engine:
         for v in violations:
             self.stats.inc("hybridserve_invariant_violations_total", label=v.invariant)
         if violations and self.raise_on_violation:
-            raise AssertionError("invariant violations: " + "; ".join(f"{v.invariant}: {v.message}" for v in violations))
+            raise AssertionError("invariant violations: " + "; ".join(f"{v.invariant}: {v.message}"
+                                                                      for v in violations))
 
     def check_invariants(self) -> list[Violation]:
         return self.cache.check_invariants(self.scheduler.running)

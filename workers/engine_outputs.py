@@ -84,7 +84,8 @@ class EngineOutputs:
             tpot = (req.finished_time - req.first_token_time) / (req.num_output_tokens - 1)
             self.stats.observe("hybridserve_time_per_output_token_seconds", tpot)
 
-    def output(self, req: Request, new_ids: list[int], new_logprobs: list[TokenLogprob] | None) -> EngineOutput:
+    def output(self, req: Request, new_ids: list[int],
+               new_logprobs: list[TokenLogprob] | None) -> EngineOutput:
         """The request's news; its prompt logprobs ride on the first output (``prompt_sent``)."""
         finished = req.is_finished
         prompt = None

@@ -6,10 +6,10 @@ from typing import Any, Sequence
 
 from configs.schema import HybridServeConfig, load_config
 from workers.engine import Engine
-from workers.tp.local import build_local_engine
 from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams, nth_seed
+from workers.tp.local import build_local_engine
 
 Prompt = str | list[int]
 

@@ -244,7 +244,8 @@ class ModelRunner:
             self.accepted[torch.tensor(slots, device=self.device)] = torch.tensor(counts, device=self.device)
         return decision.token_ids, decision.logprobs, decision.num_accepted, decision.last_ids
 
-    def _set_last_tokens(self, prepared: PreparedStep, tokens: list[list[int]], last: torch.Tensor | None) -> None:
+    def _set_last_tokens(self, prepared: PreparedStep, tokens: list[list[int]],
+                         last: torch.Tensor | None) -> None:
         """Each sampling sequence's last token into its live slot's register (the next step's
         placeholder): from the device when the step's sampled tokens are still there."""
         if last is not None and prepared.sample_slots is not None:

@@ -115,7 +115,8 @@ class Request:
         needs the logits of those positions, so its hit stops where they start (cold,
         at first); the cache is not read past it, while its checkpoints are still written."""
         limit = self.num_tokens - 1
-        missing = self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        missing = (self.params.prompt_logprobs is not None
+                   and len(self.prompt_logprobs) < self.num_prompt_tokens)
         return min(limit, len(self.prompt_logprobs) - 1) if missing else limit
 
     @property

@@ -79,7 +79,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     else:
         filters = RowFilters(
             greedy=greedy,
-            temperature=torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device),
+            temperature=torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
+                                     device=logits.device),
             top_k=torch.tensor([p.effective_top_k for p in params], device=logits.device),
             top_p=torch.tensor([p.top_p for p in params], device=logits.device),
             min_p=torch.tensor([p.min_p for p in params], device=logits.device))

@@ -104,9 +104,11 @@ class SamplingParams:
         if self.best_of is not None and not (_is_int(self.best_of) and 1 <= self.best_of <= MAX_BEST_OF):
             raise ValueError(f"best_of must be an integer in [1, {MAX_BEST_OF}], got {self.best_of!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got "
+                             f"{self.seed!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
-            raise ValueError(f"structured_output must be a StructuredOutput, got {type(self.structured_output).__name__}")
+            raise ValueError("structured_output must be a StructuredOutput, got "
+                             f"{type(self.structured_output).__name__}")
 
     @property
     def is_greedy(self) -> bool:

@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from workers.device_pools import build_pools
+from workers.device_pools import DevicePools, build_pools
 from workers.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,8 @@ def state_errors(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) 
 
 
 def states_match(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
-    return all(g.shape == w.shape and float((g.float() - w.float()).abs().max()) <= RTOL * (1.0 + float(w.float().abs().max()))
+    return all(g.shape == w.shape
+               and float((g.float() - w.float()).abs().max()) <= RTOL * (1.0 + float(w.float().abs().max()))
                for g, w in zip(got, want))
 
 
@@ -71,12 +72,14 @@ class StateOracle:
         self.rng = random.Random(seed)
 
     @torch.inference_mode()
-    def pick(self, published: list[tuple[int, list[int]]]) -> list[tuple[tuple[torch.Tensor, ...], list[int]]]:
+    def pick(self,
+             published: list[tuple[int, list[int]]]) -> list[tuple[tuple[torch.Tensor, ...], list[int]]]:
         """The sampled checkpoints, each with a copy of its slot's state taken now."""
         picked = [(tuple(t.clone() for t in self.pools.mamba.slot_states(slot)), tokens)
                   for slot, tokens in published if self.rng.random() < self.sample]
         if picked and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()   # copied before a copy stream reuses the slot
+            # copied before a copy stream reuses the slot
+            torch.cuda.current_stream(self.device).synchronize()
         return picked
 
     @torch.inference_mode()

@@ -35,14 +35,15 @@ LABELLED_COUNTERS = {
     "hybridserve_invariant_violations_total": "invariant",
     "hybridserve_requests_total": "finish_reason",
     "hybridserve_engine_steps_total": "path",              # compiled (a compile.* bucket) or eager
-    # The tiers (workers/tiers): device -> host, host -> device, the cluster store.
+    # The tiers (workers/tiers): device -> host, host -> device, the cluster store (the
+    # outcomes and directions: LABEL_VALUES below).
     "hybridserve_cache_hits_total": "tier",                # requests whose prompt hit, by deepest tier
     "hybridserve_cache_hit_tokens_total": "tier",          # ... and the prompt tokens it served
-    "hybridserve_tier_demotions_total": "outcome",         # demoted, copied, present, host_full, failed
-    "hybridserve_tier_promotions_total": "outcome",        # promoted, failed
-    "hybridserve_tier_bytes_total": "direction",           # device_to_host, host_to_device, store_put, store_get
-    "hybridserve_store_fetches_total": "outcome",          # fetched, recomputed, present, lost, invalid, host_full, error
-    "hybridserve_store_commits_total": "outcome",          # committed, duplicate, error
+    "hybridserve_tier_demotions_total": "outcome",
+    "hybridserve_tier_promotions_total": "outcome",
+    "hybridserve_tier_bytes_total": "direction",
+    "hybridserve_store_fetches_total": "outcome",
+    "hybridserve_store_commits_total": "outcome",
 }
 # Fixed label values of the labelled counters above (exported at 0 until counted).
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
@@ -52,7 +53,8 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "hybridserve_tier_demotions_total": ("demoted", "copied", "present", "host_full", "failed"),
     "hybridserve_tier_promotions_total": ("promoted", "failed"),
     "hybridserve_tier_bytes_total": ("device_to_host", "host_to_device", "store_put", "store_get"),
-    "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "host_full", "error"),
+    "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "host_full",
+                                        "error"),
     "hybridserve_store_commits_total": ("committed", "duplicate", "error"),
 }
 HISTOGRAMS = (

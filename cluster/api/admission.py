@@ -28,8 +28,8 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cluster.api.http_api import OPEN_PATHS, error_response, route_path
 from cluster.api.errors import OpenAIError
+from cluster.api.http_api import OPEN_PATHS, error_response, route_path
 
 
 class AdmissionLimit:

@@ -94,7 +94,8 @@ def _content_text(i: int, content: Any, setup: ChatSetup) -> str:
         if part.type == "text":
             texts.append(part.text or "")
         elif part.type in IMAGE_PARTS:
-            why = ("this checkpoint's vision tower is not loaded, only its language model" if setup.unserved_vision
+            why = ("this checkpoint's vision tower is not loaded, only its language model"
+                   if setup.unserved_vision
                    else "this server takes text content parts only")
             raise OpenAIError(f"images are not served yet: {why}", param=f"messages.{i}.content.{j}",
                               code="unsupported_content")

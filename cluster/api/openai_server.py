@@ -23,10 +23,23 @@ from typing import Any
 
 from cluster.api.chat_prompt import ChatSetup
 from cluster.api.errors import OpenAIError
-from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
+from cluster.api.openai_service import (
+    PreparedRequest,
+    chat_body,
+    completion_body,
+    prepare_chat,
+    prepare_completion,
+)
 from cluster.api.prompt_logprobs import keep_best
-from cluster.api.protocol import (ChatCompletionRequest, CompletionRequest, check_unicode, validate_chat,
-                                  validate_completion, validate_detokenize, validate_tokenize)
+from cluster.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_unicode,
+    validate_chat,
+    validate_completion,
+    validate_detokenize,
+    validate_tokenize,
+)
 from cluster.api.streaming import ResponseState, SSERenderer
 from cluster.api.tokenization import detokenize_body, tokenize_body, tokenizer_info_body, version_body
 from cluster.serving.engine_client import EngineClient, GenerateStream
@@ -93,7 +106,8 @@ class OpenAIServer:
         self.client = client
         self.tokenizer = tokenizer
         self.settings = settings
-        self.chat_setup = ChatSetup.for_tokenizer(tokenizer, settings.tool_call_parser, settings.reasoning_parser,
+        self.chat_setup = ChatSetup.for_tokenizer(tokenizer, settings.tool_call_parser,
+                                                  settings.reasoning_parser,
                                                   settings.trust_request_chat_template, settings.model_root)
         self._info: ModelInfo | None = None
 
@@ -131,15 +145,16 @@ class OpenAIServer:
     async def start_chat(self, raw: bytes) -> StartedResponse:
         return await self._start(validate_chat(parse_json(raw)), prepare_chat, "chatcmpl")
 
-    async def _start(self, req: CompletionRequest | ChatCompletionRequest, prepare: Callable[..., PreparedRequest],
-                     prefix: str) -> StartedResponse:
+    async def _start(self, req: CompletionRequest | ChatCompletionRequest,
+                     prepare: Callable[..., PreparedRequest], prefix: str) -> StartedResponse:
         self._check_model(req.model)
         info = await self.model_info()
         prepared = prepare(req, self.tokenizer, info.max_model_len, info.vocab_size, self.chat_setup)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams = await self._open_streams(prepared, request_id)
         options = req.stream_options
-        return StartedResponse(prepared, request_id, streams, req.stream, bool(options and options.include_usage),
+        return StartedResponse(prepared, request_id, streams, req.stream,
+                               bool(options and options.include_usage),
                                bool(options and options.continuous_usage_stats))
 
     async def tokenize(self, raw: bytes) -> dict[str, Any]:
@@ -214,7 +229,8 @@ class OpenAIServer:
         """SSE events; closing this generator early cancels the replica streams."""
         state = ResponseState(started.prepared)
         renderer = SSERenderer(started.prepared, self.settings.model_name, started.request_id,
-                               self.tokenizer, started.include_usage, continuous_usage=started.continuous_usage)
+                               self.tokenizer, started.include_usage,
+                               continuous_usage=started.continuous_usage)
         merged = merge_streams(started.streams)
         try:
             for event in renderer.first_events(len(state.choices)):

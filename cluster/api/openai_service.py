@@ -83,8 +83,8 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, prompt_len: int, m
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-            f"{max_tokens} in the completion).", param="max_tokens" if prompt_len < max_model_len else "prompt",
-            code="context_length_exceeded")
+            f"{max_tokens} in the completion).",
+            param="max_tokens" if prompt_len < max_model_len else "prompt", code="context_length_exceeded")
     seed = nth_seed(req.seed, choice)
     # logits / 1e-45 overflows to inf and the sampler's softmax to NaN: tiny is greedy
     # and a top_p that rounds to 0 in float32 masks every token: clamp both at the edge
@@ -124,7 +124,8 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any, max_model_len: in
             text = tokenizer.decode(kept)     # echo shows what the model saw (token or truncated prompts)
         texts.append(text)
     if req.max_tokens == 0 and not (req.echo or req.prompt_logprobs is not None):
-        raise OpenAIError("max_tokens: 0 generates nothing; it needs echo or prompt_logprobs", param="max_tokens")
+        raise OpenAIError("max_tokens: 0 generates nothing; it needs echo or prompt_logprobs",
+                          param="max_tokens")
     extras, runs = _extras(req, vocab_size), _runs(req)
     # echo with logprobs scores the prompt too, with as many alternatives
     scored = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
@@ -136,7 +137,8 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any, max_model_len: in
                            prompt_logprobs=req.prompt_logprobs, keep=req.n if runs != req.n else None)
 
 
-def _tool_constraint(req: ChatCompletionRequest, spec: ChatOutputSpec, extras: dict[str, Any]) -> dict[str, Any]:
+def _tool_constraint(req: ChatCompletionRequest, spec: ChatOutputSpec,
+                     extras: dict[str, Any]) -> dict[str, Any]:
     """``tool_choice`` required / named: the JSON schema the output must follow, as the
     request's one structured-output constraint."""
     if not spec.forced:
@@ -147,7 +149,8 @@ def _tool_constraint(req: ChatCompletionRequest, spec: ChatOutputSpec, extras: d
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     schema = forced_schema(tools, spec.forced_name, req.parallel_tool_calls)
     try:
-        constraint = StructuredOutput.json_schema(schema, any_whitespace=False)   # compact: no whitespace runs
+        # compact: no whitespace runs
+        constraint = StructuredOutput.json_schema(schema, any_whitespace=False)
     except ValueError as exc:
         raise OpenAIError(f"the tools' parameters schemas do not compile: {exc}", param="tools") from None
     return {**extras, "structured_output": constraint}
@@ -162,10 +165,11 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
     _check_ids(ids, vocab_size)
     lp = (req.top_logprobs or 0) if req.logprobs else None
     extras, runs = _tool_constraint(req, spec, _extras(req, vocab_size)), _runs(req)
-    params = [_sampling(req, len(ids), max_model_len, lp, j, extras, req.prompt_logprobs) for j in range(runs)]
-    return PreparedRequest("chat", [ids], params, runs, req.return_token_ids, lp, req.return_tokens_as_token_ids,
-                           spec if spec.parses else None, (rendered.text,), prompt_logprobs=req.prompt_logprobs,
-                           keep=req.n if runs != req.n else None)
+    params = [_sampling(req, len(ids), max_model_len, lp, j, extras, req.prompt_logprobs)
+              for j in range(runs)]
+    return PreparedRequest("chat", [ids], params, runs, req.return_token_ids, lp,
+                           req.return_tokens_as_token_ids, spec if spec.parses else None, (rendered.text,),
+                           prompt_logprobs=req.prompt_logprobs, keep=req.n if runs != req.n else None)
 
 
 def usage(prepared: PreparedRequest, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -193,8 +197,8 @@ def completion_body(prepared: PreparedRequest, outputs: list[RequestOutput], mod
         if prepared.echo:
             echo_choice(choice, prepared, i // prepared.n, out, tokenizer)
         if prepared.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [], prepared.prompt_logprobs,
-                                                             tokenizer)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [],
+                                                             prepared.prompt_logprobs, tokenizer)
         if prepared.return_token_ids:
             choice["token_ids"] = out.token_ids
             choice["prompt_token_ids"] = out.prompt_token_ids
@@ -203,7 +207,8 @@ def completion_body(prepared: PreparedRequest, outputs: list[RequestOutput], mod
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(prepared, outputs)}
     if prepared.return_token_ids:
-        body["prompt_token_ids"] = prepared.prompt_ids[0] if len(prepared.prompt_ids) == 1 else prepared.prompt_ids
+        ids = prepared.prompt_ids
+        body["prompt_token_ids"] = ids[0] if len(ids) == 1 else ids
     return body
 
 
@@ -239,8 +244,8 @@ def chat_body(prepared: PreparedRequest, outputs: list[RequestOutput], model: st
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(prepared, outputs)}
     if prepared.prompt_logprobs is not None and outputs:
-        body["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs or [], prepared.prompt_logprobs,
-                                                       tokenizer)
+        body["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs or [],
+                                                       prepared.prompt_logprobs, tokenizer)
     if prepared.return_token_ids:
         body["prompt_token_ids"] = prepared.prompt_ids[0]
     return body

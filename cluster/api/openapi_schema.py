@@ -14,8 +14,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from cluster.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-                                  TokenizeCompletionRequest)
+from cluster.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from cluster.api.unsupported import CHAT, COMMON, COMPLETION, schema_properties
 
 REF = "#/components/schemas/{model}"
@@ -47,7 +52,8 @@ def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
             "properties": {"id": {"type": "string"}, "object": {"const": obj},
                            "created": {"type": "integer"}, "model": {"type": "string"},
                            "choices": {"type": "array", "minItems": 1, "items": choice},
-                           "usage": {"$ref": REF.format(model="Usage")}, "prompt_token_ids": {"type": "array"}}}
+                           "usage": {"$ref": REF.format(model="Usage")},
+                           "prompt_token_ids": {"type": "array"}}}
 
 
 # one server-sent event (as OpenAPI < 3.2 reads an event stream's schema): a JSON chunk

@@ -40,7 +40,8 @@ def echo_logprobs(prompt_ids: list[int], entries: list[TokenLogprob | None], k: 
             "text_offset": offsets}
 
 
-def vllm_prompt_logprobs(entries: list[TokenLogprob | None], k: int, tokenizer) -> list[dict[str, Any] | None]:
+def vllm_prompt_logprobs(entries: list[TokenLogprob | None], k: int,
+                         tokenizer) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: per position null or {token id: {logprob, rank, decoded_token}}
     holding the prompt token and the top k."""
     out: list[dict[str, Any] | None] = []

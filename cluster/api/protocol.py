@@ -11,8 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from cluster.api.errors import OpenAIError, from_validation_error
 from cluster.api.sampling_fields import SamplingExtras
@@ -62,7 +69,8 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False                              # the prompt (and its logprobs) before the completion
-    max_tokens: int | None = Field(None, ge=0)      # None: the rest of the context; 0: echo / prompt_logprobs only
+    # None: the rest of the context; 0: echo / prompt_logprobs only
+    max_tokens: int | None = Field(None, ge=0)
     add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:

@@ -14,7 +14,13 @@ from typing import Any, Iterable
 
 from cluster.api.chat_prompt import ChatSetup
 from cluster.api.errors import OpenAIError
-from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
+from cluster.api.openai_service import (
+    PreparedRequest,
+    chat_body,
+    completion_body,
+    prepare_chat,
+    prepare_completion,
+)
 from cluster.api.prompt_logprobs import keep_best
 from cluster.api.protocol import check_unicode, validate_chat, validate_completion
 from workers.llm import LLM
@@ -49,8 +55,8 @@ def _parse_line(line: str, llm: LLM, setup: ChatSetup) -> _Entry:
         if not isinstance(body, dict):
             raise OpenAIError("body must be a JSON object", param="body")
         check_unicode(body)
-        entry.prepared = prepare(validate(body), llm.tokenizer, llm.engine.max_model_len, llm.engine.vocab_size,
-                                 setup)
+        entry.prepared = prepare(validate(body), llm.tokenizer, llm.engine.max_model_len,
+                                 llm.engine.vocab_size, setup)
     except OpenAIError as exc:
         entry.error = exc
     return entry

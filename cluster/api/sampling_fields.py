@@ -126,8 +126,8 @@ class SamplingExtras(BaseModel):
                                       "response_format.json_schema")
             # Always xgrammar's strict mode (as vLLM): an object without properties the
             # schema does not name is valid whether or not the client asked for strict.
-            return "response_format", _build("response_format.json_schema.schema", StructuredOutput.json_schema,
-                                             js.json_schema)
+            return "response_format", _build("response_format.json_schema.schema",
+                                             StructuredOutput.json_schema, js.json_schema)
         tag = {k: v for k, v in (rf.model_extra or {}).items()}
         return "response_format", _build("response_format", StructuredOutput.structural_tag,
                                          {"type": "structural_tag", **tag})
@@ -140,8 +140,9 @@ class SamplingExtras(BaseModel):
             raise ConstraintError("whitespace_pattern is not supported by the xgrammar backend",
                                   "structured_outputs.whitespace_pattern")
         ws = not so.disable_any_whitespace
-        given = [(name, value) for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                                   ("grammar", so.grammar), ("structural_tag", so.structural_tag))
+        given = [(name, value) for name, value in (("json", so.json_), ("regex", so.regex),
+                                                   ("choice", so.choice), ("grammar", so.grammar),
+                                                   ("structural_tag", so.structural_tag))
                  if value is not None] + ([("json_object", True)] if so.json_object else [])
         if len(given) != 1:
             raise ConstraintError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "

@@ -91,7 +91,8 @@ class ResponseState:
         state.text += text
         state.cached_tokens = max(state.cached_tokens, last.cached_tokens)
         if last.finished:
-            state.finished, state.finish_reason, state.stop_reason = True, last.finish_reason, last.stop_reason
+            state.finished = True
+            state.finish_reason, state.stop_reason = last.finish_reason, last.stop_reason
         first = not self._started[i]
         self._started[i] = True
         return ChoiceDelta(i, ids, text, lps, last.finish_reason if last.finished else None,
@@ -195,8 +196,8 @@ class SSERenderer:
                       "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
             self._echo(choice, d)
         if d.is_first and self.prepared.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(d.prompt_logprobs or [], self.prepared.prompt_logprobs,
-                                                             self.tokenizer)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(d.prompt_logprobs or [],
+                                                             self.prepared.prompt_logprobs, self.tokenizer)
         if self.prepared.return_token_ids:
             choice["token_ids"] = d.token_ids
             if d.is_first:

@@ -45,7 +45,8 @@ def tokenizer_info_body(tokenizer: Any, setup: ChatSetup) -> dict[str, Any]:
     """The tokenizer's configuration, as ``tokenizer_config.json`` holds it (vLLM's
     ``/tokenizer_info``): class, special tokens, lengths, the chat template in use."""
     init = {k: _jsonable(v) for k, v in getattr(tokenizer, "init_kwargs", {}).items()
-            if k not in ("added_tokens_decoder", "name_or_path", "tokenizer_file", "vocab_file", "merges_file")}
+            if k not in ("added_tokens_decoder", "name_or_path", "tokenizer_file", "vocab_file",
+                         "merges_file")}
     return {**init, "tokenizer_class": type(tokenizer).__name__, "chat_template": setup.chat_template,
             "vocab_size": len(tokenizer), "eos_token": tokenizer.eos_token, "bos_token": tokenizer.bos_token,
             "pad_token": tokenizer.pad_token,

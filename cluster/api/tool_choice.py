@@ -42,8 +42,9 @@ def forced_schema(tools: Sequence[dict[str, Any]], named: str | None, parallel: 
         tool = next(t for t in tools if t["function"]["name"] == named)
         schema = _parameters(tool, defs)
     else:
-        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                                   "parameters": _parameters(t, defs)},
+        items = [{"type": "object",
+                  "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                 "parameters": _parameters(t, defs)},
                   "required": ["name", "parameters"]} for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not parallel:

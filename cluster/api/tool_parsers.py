@@ -95,7 +95,8 @@ class ToolCallParser:
                 continue
             end = self._buf.find(CLOSE)
             if end < 0:
-                self._extend(out, self._partial(self._buf[:len(self._buf) - partial_suffix(self._buf, CLOSE)]))
+                self._extend(out,
+                             self._partial(self._buf[:len(self._buf) - partial_suffix(self._buf, CLOSE)]))
                 return out
             body, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
             self._in_call = False
@@ -219,7 +220,8 @@ class Qwen3XmlToolParser(ToolCallParser):
     def _arguments(self, name: str, params: list[tuple[str, str]], closed: bool) -> str:
         types = self.tool_params.get(name, {})
         parts = [f"{json.dumps(k.strip(), ensure_ascii=False)}: "
-                 f"{json.dumps(convert_value(v, types.get(k.strip())), ensure_ascii=False)}" for k, v in params]
+                 f"{json.dumps(convert_value(v, types.get(k.strip())), ensure_ascii=False)}"
+                 for k, v in params]
         text = "{" + ", ".join(parts) if parts else ""
         return (text or "{") + "}" if closed else text
 

@@ -273,7 +273,8 @@ async def run_benchmark(target: Target, workload: Workload, load: LoadSettings =
 
     if load.max_concurrency is not None and load.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {load.max_concurrency}")
-    limits = httpx.Limits(max_connections=load.max_concurrency, max_keepalive_connections=load.max_concurrency)
+    limits = httpx.Limits(max_connections=load.max_concurrency,
+                          max_keepalive_connections=load.max_concurrency)
     timeout = httpx.Timeout(target.timeout_s, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = target.model or (await _models(client, target))["id"]

@@ -47,8 +47,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a workload field (or, in suite mode, a suite field)")
     p.add_argument("--out", default=None, help="run mode: JSON result file; suite mode: output dir")
-    add_host_overhead_args(p.add_argument_group("host-overhead mode (--model: a checkpoint dir instead of the "
-                                  "null model; --seed: the prompts')"))
+    add_host_overhead_args(p.add_argument_group("host-overhead mode (--model: a checkpoint dir instead of "
+                                                "the null model; --seed: the prompts')"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -113,7 +113,8 @@ def build_engine(model_dir: Path, mode: str, settings: Settings) -> Any:
     from workers.engine import Engine
 
     k = int(MODES[mode].get("spec", {}).get("num_draft_tokens", 0))
-    tokens = max(b * (settings.prompt_len + max_tokens(settings, b, k) + k + PAGE_SIZE) for b in settings.batches)
+    tokens = max(b * (settings.prompt_len + max_tokens(settings, b, k) + k + PAGE_SIZE)
+                 for b in settings.batches)
     biggest = max(settings.batches)
     overrides = dict(model=str(model_dir), device=settings.device, dtype="float32",
                      cache={"page_size": PAGE_SIZE, "max_kv_tokens": tokens},
@@ -258,8 +259,8 @@ def summarize(points: list[Point], settings: Settings, absent: dict[str, list[st
         "host_us_per_step": by_batch("default", "host_us_per_step")}
     for mode in settings.modes:
         out[mode] = {f: by_batch(mode, f) for f in ("host_us_per_request_step", "host_us_per_step",
-                                                      "phases_us_per_request_step", "verified_per_request_step",
-                                                      "overlapped_fraction", "tokens_per_request_step")}
+                                                    "phases_us_per_request_step", "verified_per_request_step",
+                                                    "overlapped_fraction", "tokens_per_request_step")}
     out.update(absent_phases=absent, points=[asdict(p) for p in points], settings=asdict(settings),
                wrapper_us=round(wrapper_s * 1e6, 3), loadavg_start=load_start, loadavg_end=load_end)
     return out

@@ -31,7 +31,8 @@ from typing import Any
 PHASES: dict[str, tuple[str, ...]] = {
     "schedule": ("scheduler.schedule",),
     "plan": ("cache.plan_step",),
-    "inputs": ("workers.model_runner:prepare_step", "workers.model_runner:prepare_uniform", "runner.planner.build"),
+    "inputs": ("workers.model_runner:prepare_step", "workers.model_runner:prepare_uniform",
+               "runner.planner.build"),
     "sampling": ("runner.sampler.decide",),
     # What _process does besides "complete": the engine's outputs (token-id deltas, stop
     # tokens and lengths, per-token stats). Text and stop strings are the front-end's
@@ -185,7 +186,9 @@ def wrapper_cost_s(calls: int = 20000) -> float:
     accounting), measured on an empty function."""
     probe = Probe(None, phases={}, forward_paths=())
     timed = probe._wrap("calibration", lambda: None)
-    plain: Callable[[], None] = lambda: None
+    def plain() -> None:
+        return None
+
     start = time.thread_time()
     for _ in range(calls):
         plain()

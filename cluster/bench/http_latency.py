@@ -178,7 +178,8 @@ def local_run(args: argparse.Namespace) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> str:
     t = result["ttft"]
     c = t["client_ms"]
-    lines = [f"TTFT ms ({result['args']['requests']} requests, {result['args']['prompt_len']}-token prompts): "
+    args = result["args"]
+    lines = [f"TTFT ms ({args['requests']} requests, {args['prompt_len']}-token prompts): "
              f"min {c['min']:.1f}, median {c['median']:.1f}, mean {c['mean']:.1f}, p90 {c['p90']:.1f}"]
     if "engine_mean_ms" in t:
         lines.append(f"  engine (arrival to output) mean {t['engine_mean_ms']:.1f}; "
@@ -193,7 +194,8 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=None, help="a running server (default: deploy the default config locally)")
+    ap.add_argument("--url", default=None,
+                    help="a running server (default: deploy the default config locally)")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=256)

@@ -60,7 +60,8 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def engine_records(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[RequestRecord], float]:
+def engine_records(llm: LLM, prompts: Sequence[list[int]],
+                   max_tokens: int) -> tuple[list[RequestRecord], float]:
     """Run ``prompts`` together through the engine; (records, wall seconds)."""
     engine = llm.engine
     start = time.perf_counter()
@@ -126,7 +127,8 @@ def tpot_run(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> float:
 def spec_acceptance(llm: LLM) -> float | None:
     s = llm.stats()
     drafted = int(s.get("hybridserve_spec_draft_tokens_total", 0) or 0)
-    return round(int(s.get("hybridserve_spec_accepted_tokens_total", 0) or 0) / drafted, 3) if drafted else None
+    accepted = int(s.get("hybridserve_spec_accepted_tokens_total", 0) or 0)
+    return round(accepted / drafted, 3) if drafted else None
 
 
 # -- run-batch against transformers generate ----------------------------------------------------------

@@ -38,7 +38,8 @@ def _stat(path: Path) -> tuple[str, int, float] | None:
 
 def _cmdline(pid: int) -> str:
     try:
-        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+        return raw.replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
 

@@ -13,9 +13,10 @@ What is real and what is modelled:
   whose paths' KV pages must fit ``cache_tokens`` (a match is the deepest checkpoint at a
   page boundary, at most ``len(prompt) - 1``); checkpoints are written where the engine
   writes them (``workers/checkpoints.py``): during prefill at ``((L - 1) // page) * page``
-  and at the deepest grid point below it, at the branching point of a partial KV match, and at every chunk end that falls on the
-  grid ``lcm(track_interval, page)`` (chunks of ``chunk_size`` cut at those targets); and
-  at the last grid point a decode crosses. Time: a replica serves up to
+  and at the deepest grid point below it, at the branching point of a partial KV match,
+  and at every chunk end that falls on the grid ``lcm(track_interval, page)`` (chunks of
+  ``chunk_size`` cut at those targets); and at the last grid point a decode crosses.
+  Time: a replica serves up to
   ``max_batch`` requests at once, each taking ``overhead + prefill_s * uncached prompt
   tokens + decode_s * output tokens``; the rest queue FIFO. A router's "load" is a
   replica's ongoing requests (what Serve's queue-length cache holds).
@@ -293,7 +294,8 @@ def scaled_workload(name: str, settings: SimSettings, overrides: dict[str, Any] 
 
 
 def run_grid(workloads: Sequence[str], replicas: Sequence[int], routers: Sequence[str] = ROUTERS,
-             base: SimSettings = SimSettings(), overrides: dict[str, dict[str, Any]] | None = None) -> list[SimResult]:
+             base: SimSettings = SimSettings(),
+             overrides: dict[str, dict[str, Any]] | None = None) -> list[SimResult]:
     results = []
     for name in workloads:
         for n in replicas:

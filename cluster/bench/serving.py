@@ -94,7 +94,8 @@ class LocalCluster:
 def ray_prefix_router() -> Any:
     """Ray Serve LLM's ``PrefixCacheAffinityRouter`` with its defaults, for the engine replicas."""
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-        PrefixCacheAffinityRouter)
+        PrefixCacheAffinityRouter,
+    )
     from ray.serve.config import RequestRouterConfig
 
     return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter)
@@ -102,7 +103,8 @@ def ray_prefix_router() -> Any:
 
 def replica_counters(metrics_url: str, names: tuple[str, ...] = (
         "hybridserve_requests_total", "hybridserve_prompt_tokens_total",
-        "hybridserve_prefix_hit_tokens_total", "hybridserve_prefix_query_tokens_total")) -> dict[str, dict[str, float]]:
+        "hybridserve_prefix_hit_tokens_total",
+        "hybridserve_prefix_query_tokens_total")) -> dict[str, dict[str, float]]:
     """replica label -> counter name -> value (labelled counters summed over their label)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
@@ -122,7 +124,8 @@ def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[st
     return {r: after[r].get(name, 0.0) - before.get(r, {}).get(name, 0.0) for r in after}
 
 
-def wait_for_counters(metrics_url: str, name: str, total: float, timeout_s: float = 20.0) -> dict[str, dict[str, float]]:
+def wait_for_counters(metrics_url: str, name: str, total: float,
+                      timeout_s: float = 20.0) -> dict[str, dict[str, float]]:
     """Poll /metrics until ``name`` summed over replicas reaches ``total`` (pushes lag)."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -49,7 +49,8 @@ class HybridPrefixSim:
     def _decide(self, tokens: Sequence[int], ids: list[str], depths: dict[str, int], loads: dict[str, int],
                 now: float, host_depths: dict[str, int] | None = None, store_depth: int = 0) -> str:
         sizes = {r: self.index.num_checkpoints(r) for r in ids}
-        views = views_from(ids, depths, loads, sizes, self.routing.recent.counts(now), host_depths, store_depth)
+        views = views_from(ids, depths, loads, sizes, self.routing.recent.counts(now), host_depths,
+                           store_depth)
         return self.routing.decide(views, len(tokens), now, self.rng).ranks[0][0]
 
     def on_routed(self, tokens: Sequence[int], replica: str, now: float) -> None:

@@ -5,7 +5,8 @@ Order: the in-process comparisons (overlap, speculation, run-batch vs transforme
 overhead of a step: ``host_overhead``), then
 one local Ray Serve cluster for the HTTP ones (decode efficiency and prefix cache on one
 replica; three routers over ``routing.num_replicas`` replicas), then the routing
-simulator, then the checkpoint tiers (``bench/tiers.py``, in process). A section that fails is reported with its error and the others still run.
+simulator, then the checkpoint tiers (``bench/tiers.py``, in process). A section that fails
+is reported with its error and the others still run.
 
 ``summary.json`` holds the headline keys (``serving_efficiency``, ``vs_transformers_speedup``,
 ``prefix_cache_prefill_fraction``, ``prefix_cache_ttft_ratio``,
@@ -79,7 +80,9 @@ def machine_info() -> dict[str, Any]:
 def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[str, Any] | None = None) -> int:
     import torch
 
-    from cluster.bench import inproc, suite_compiled as C, suite_sections as S
+    from cluster.bench import inproc
+    from cluster.bench import suite_compiled as C
+    from cluster.bench import suite_sections as S
 
     cfg = load_suite_config(config_path, overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -90,7 +93,8 @@ def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[st
     machine = machine_info()
     details: dict[str, Any] = {}
     timings: dict[str, float] = {}
-    model = Path(cfg.bench_model) if cfg.bench_model else inproc.make_bench_model(out_dir / "models" / "bench-15m")
+    model = (Path(cfg.bench_model) if cfg.bench_model
+             else inproc.make_bench_model(out_dir / "models" / "bench-15m"))
 
     def section(name: str, fn: Callable[[], dict[str, Any]]) -> None:
         if name not in cfg.sections:
@@ -161,13 +165,15 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
         out["serving_efficiency"] = (f"HTTP {e['http_decode_tok_s']} vs bare {e['bare_decode_tok_s']} tok/s "
                                      f"(engine in-process {e['engine_decode_tok_s']}), batch {e['batch']}")
     if (t := d.get("vs_transformers")) and "error" not in t:
-        out["vs_transformers_speedup"] = (f"{t['run_batch_tok_s']} vs {t['hf_batched_tok_s']} tok/s (HF one padded "
-                                          f"batch); HF one prompt at a time: {t['vs_transformers_sequential_speedup']}x")
+        out["vs_transformers_speedup"] = (f"{t['run_batch_tok_s']} vs {t['hf_batched_tok_s']} tok/s "
+                                          f"(HF one padded batch); HF one prompt at a time: "
+                                          f"{t['vs_transformers_sequential_speedup']}x")
     if (p := _dig(d, ("serving", "prefix_cache"))):
-        out["prefix_cache_prefill_fraction"] = (f"{p['cached_tokens']['on']} of {p['prompt_tokens']['on']} prompt "
-                                                f"tokens cached, {p['num_requests']} requests")
-        out["prefix_cache_ttft_ratio"] = (f"{p['mean_ttft_ms']['on']} vs {p['mean_ttft_ms']['off']} ms; a "
-                                          f"{p['floor_prompt_len']}-token prompt takes {p['ttft_floor_ms']} ms")
+        out["prefix_cache_prefill_fraction"] = (f"{p['cached_tokens']['on']} of {p['prompt_tokens']['on']} "
+                                                f"prompt tokens cached, {p['num_requests']} requests")
+        out["prefix_cache_ttft_ratio"] = (f"{p['mean_ttft_ms']['on']} vs {p['mean_ttft_ms']['off']} ms; "
+                                          f"a {p['floor_prompt_len']}-token prompt takes "
+                                          f"{p['ttft_floor_ms']} ms")
     if (r := d.get("routing")) and "error" not in r:
         fr = {k: v["cached_fraction"] for k, v in r["routers"].items()}
         out["routing_hit_ratio_vs_round_robin"] = (f"cached {fr['hybrid_prefix']} vs {fr['round_robin']}, "
@@ -178,38 +184,46 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
     if (s := d.get("spec")) and "error" not in s:
         which = "trained default" if s["trained_model"] else "FALLBACK tiny-hybrid (trained model absent)"
         out["spec_tpot_speedup"] = (f"{which}, k={s['num_draft_tokens']}, acceptance "
-                                    f"{s['acceptance_by_k'][s['num_draft_tokens']]}; by k: {s['speedup_by_k']}")
+                                    f"{s['acceptance_by_k'][s['num_draft_tokens']]}; "
+                                    f"by k: {s['speedup_by_k']}")
     if (o := d.get("overlap")) and "error" not in o:
         out["overlap_speedup"] = f"{o['tok_s_on']} vs {o['tok_s_off']} tok/s"
     if (t := d.get("tiers")) and "error" not in t:
         r = {(x["router"], x["tiers"]): x for x in t["results"]}
         on, off = r.get(("hybrid_prefix", True)), r.get(("hybrid_prefix", False))
         over = {(x["router"], x["tiers"]): x for x in t["overloaded"]["results"]}
-        oon, ooff, og = over.get(("hybrid_prefix", True)), over.get(("hybrid_prefix", False)), t["overloaded"]["goals"]
+        oon, ooff = over.get(("hybrid_prefix", True)), over.get(("hybrid_prefix", False))
+        og = t["overloaded"]["goals"]
         if on and off:
             point = f"below capacity, host tier {t['settings']['host_factor']} device budgets"
-            out["tiers_prefill_ratio"] = (f"{point}: computed {on['computed_fraction']} vs {off['computed_fraction']}; "
+            out["tiers_prefill_ratio"] = (f"{point}: computed {on['computed_fraction']} vs "
+                                          f"{off['computed_fraction']}; "
                                           f"overloaded {og['computed_prefill_tiers_over_device']}")
             lon, loff = on["split"], off["split"]
             out["tiers_ttft_ratio"] = (
                 f"{point}: modelled {lon['ttft_model_s']} vs {loff['ttft_model_s']} s (queue "
-                f"{lon['queue_model_s']} vs {loff['queue_model_s']}), {lon['ttft_steps']} vs {loff['ttft_steps']} "
-                f"steps; overloaded {og['ttft_model_s_tiers_over_device']}"
-                + (f" ({oon['split']['ttft_model_s']} vs {ooff['split']['ttft_model_s']} s)" if oon and ooff else ""))
+                f"{lon['queue_model_s']} vs {loff['queue_model_s']}), "
+                f"{lon['ttft_steps']} vs {loff['ttft_steps']} steps; "
+                f"overloaded {og['ttft_model_s_tiers_over_device']}"
+                + (f" ({oon['split']['ttft_model_s']} vs {ooff['split']['ttft_model_s']} s)"
+                   if oon and ooff else ""))
         if on and (ray := r.get(("ray_prefix", True))):
             oracle = on.get("explain", {}).get("oracle_cached_fraction")
-            out["tiers_cached_vs_ray"] = (f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; oracle {oracle}; "
-                                          f"overloaded {og['cached_vs_ray']}")
+            out["tiers_cached_vs_ray"] = (f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; "
+                                          f"oracle {oracle}; overloaded {og['cached_vs_ray']}")
         m = t["multi_turn"]
-        out["multi_turn_turn2_hits"] = f"host tier on {m['host']['turn2_hits']}/20, off {m['device']['turn2_hits']}/20"
+        out["multi_turn_turn2_hits"] = (f"host tier on {m['host']['turn2_hits']}/20, "
+                                        f"off {m['device']['turn2_hits']}/20")
     if (e := d.get("eos_workload")) and "error" not in e:
-        out["eos_workload_speedup"] = (f"{e['engine_tok_s']} vs {e['hf_tok_s']} tok/s, {e['num_parameters'] / 1e6:.0f}M "
+        out["eos_workload_speedup"] = (f"{e['engine_tok_s']} vs {e['hf_tok_s']} tok/s, "
+                                       f"{e['num_parameters'] / 1e6:.0f}M "
                                        f"parameters, {len(e['output_lens'])} requests, batch {e['batch']}")
     if (h := d.get("host_overhead")) and "error" not in h:
         out.update(_host_notes(h))
     if (s := d.get("startup")) and "error" not in s:
         out["startup_cold_s"] = f"eager start-up {s['startup_eager_s']} s; batch sizes {s['batch_sizes']}"
-        out["startup_warm_s"] = "the same, over the cache the cold run filled" + _cache_note(s.get("cache_warm"))
+        out["startup_warm_s"] = ("the same, over the cache the cold run filled"
+                                 + _cache_note(s.get("cache_warm")))
     return out
 
 
@@ -246,7 +260,8 @@ def format_table(summary: dict[str, Any]) -> str:
     sim = _dig(summary, ("details", "simulation"))
     if sim and "table" in sim:
         st, dt = sim["settings"], sim["default_engine_settings"]
-        lines += ["", f"Routing simulator (real index and routers, modelled replicas; chunk {st['chunk_size']}, "
+        lines += ["",
+                  f"Routing simulator (real index and routers, modelled replicas; chunk {st['chunk_size']}, "
                   f"checkpoint grid {st['track_interval']}, {st['cache_tokens']} cache tokens per replica):",
                   "", "```", sim["table"], "```", "",
                   f"Same cache-pressure replay with the default chunk {dt['chunk_size']} and grid "
@@ -255,7 +270,8 @@ def format_table(summary: dict[str, Any]) -> str:
     if tiers and "table" in tiers:
         lines += ["", "Checkpoint tiers, slot_pressure over in-process replicas (bench/tiers.py), below "
                   "capacity (the goals' point):", "",
-                  "```", tiers["table"], "", tiers.get("split_table", ""), "", tiers.get("explain_table", ""), "```"]
+                  "```", tiers["table"], "", tiers.get("split_table", ""), "", tiers.get("explain_table", ""),
+                  "```"]
         if (over := tiers.get("overloaded")) and "table" in over:
             lines += ["", "The same, overloaded (the workload's defaults):", "", "```", over["table"], "",
                       over.get("split_table", ""), "```"]

@@ -85,7 +85,8 @@ def _engine_seconds(llm: Any, prompts: list[list[int]], lengths: list[int]) -> f
 
 
 def _hf_seconds(hf: inproc.HFGenerate, prompts: list[list[int]], lengths: list[int], batch: int) -> float:
-    return sum(hf.seconds(prompts[i:i + batch], max(lengths[i:i + batch])) for i in range(0, len(prompts), batch))
+    return sum(hf.seconds(prompts[i:i + batch], max(lengths[i:i + batch]))
+               for i in range(0, len(prompts), batch))
 
 
 def eos_workload(cfg: SuiteConfig, out_dir: Path) -> dict[str, Any]:
@@ -140,8 +141,8 @@ def _startup_run(model: Path, compiled: bool, sizes: list[int], cache_dir: Path)
     if not line:
         raise RuntimeError(f"start-up run printed no time: {out.stderr[-500:]}")
     got = json.loads(line[-1].removeprefix("STARTUP "))
-    return StartupRun(float(got["seconds"]), float(got["compile_s"]), float(got["compile_cpu_s"]), got["cache"],
-                      tuple(got["loadavg"]))
+    return StartupRun(float(got["seconds"]), float(got["compile_s"]), float(got["compile_cpu_s"]),
+                      got["cache"], tuple(got["loadavg"]))
 
 
 def startup(cfg: SuiteConfig, model: Path, out_dir: Path) -> dict[str, Any]:
@@ -154,6 +155,7 @@ def startup(cfg: SuiteConfig, model: Path, out_dir: Path) -> dict[str, Any]:
     return {"startup_cold_s": round(cold.seconds, 1), "startup_warm_s": round(warm.seconds, 1),
             "startup_eager_s": round(eager.seconds, 1), "compile_cold_s": round(cold.compile_s, 1),
             "compile_warm_s": round(warm.compile_s, 1), "compile_cpu_cold_s": round(cold.compile_cpu_s, 1),
-            "compile_cpu_warm_s": round(warm.compile_cpu_s, 1), "cache_cold": cold.cache, "cache_warm": warm.cache,
+            "compile_cpu_warm_s": round(warm.compile_cpu_s, 1), "cache_cold": cold.cache,
+            "cache_warm": warm.cache,
             "loadavg": {"eager": eager.loadavg, "cold": cold.loadavg, "warm": warm.loadavg},
             "batch_sizes": sizes, "model": str(model)}

@@ -176,20 +176,24 @@ GOALS: dict[str, Goal] = {
     "prefix_cache_prefill_fraction": Goal("<=", 0.2, "prompt tokens computed ÷ prompt tokens, shared prefix"),
     "prefix_cache_ttft_ratio": Goal("<=", 0.35, "mean TTFT cache on ÷ off, shared prefix"),
     "routing_hit_ratio_vs_round_robin": Goal(">=", 2.0, "cached-token fraction hybrid_prefix ÷ round_robin"),
-    "routing_hit_ratio_vs_ray": Goal(">=", 1.15, "cached-token fraction hybrid_prefix ÷ Ray PrefixCacheAffinityRouter"),
+    "routing_hit_ratio_vs_ray": Goal(">=", 1.15, "cached-token fraction hybrid_prefix ÷ Ray "
+                                                 "PrefixCacheAffinityRouter"),
     "routing_load_max_min": Goal("<=", 1.5, "requests per replica max ÷ min, hybrid_prefix"),
     "spec_tpot_speedup": Goal(">=", 1.4, "TPOT spec off ÷ on, batch 1"),
     "overlap_speedup": Goal(">=", 1.0, "throughput overlap on ÷ off, batch 16"),
     "tiers_prefill_ratio": Goal("<=", 0.5, "computed prefill fraction tiers on ÷ device only, slot_pressure"),
     "tiers_ttft_ratio": Goal("<=", 0.6, "mean modelled TTFT tiers on ÷ device only, slot_pressure below "
                                         "capacity (bench/tiers.py ClusterSettings.below_capacity)"),
-    "tiers_cached_vs_ray": Goal(">=", 1.15, "cached fraction hybrid_prefix ÷ Ray's rule, tiers on, slot_pressure"),
-    "multi_turn_turn2_hits": Goal(">=", 20, "turn-2 prompts resuming from their turn-1 prompt, of 20, host tier on"),
+    "tiers_cached_vs_ray": Goal(">=", 1.15,
+                                "cached fraction hybrid_prefix ÷ Ray's rule, tiers on, slot_pressure"),
+    "multi_turn_turn2_hits": Goal(">=", 20,
+                                  "turn-2 prompts resuming from their turn-1 prompt, of 20, host tier on"),
     "eos_workload_speedup": Goal(">=", 2.0, "engine ÷ transformers generate, ~100M Qwen3-Next, "
                                             "outputs ending at sampled lengths"),
     "startup_cold_s": Goal("report", 0.0, "engine start-up with compilation, empty compile cache"),
     "startup_warm_s": Goal("report", 0.0, "engine start-up with compilation, warm compile cache"),
-    "host_us_per_step_1": Goal("<=", 150, "host CPU us per step at batch 1, near-null Qwen3-Next, default engine"),
+    "host_us_per_step_1": Goal("<=", 150,
+                               "host CPU us per step at batch 1, near-null Qwen3-Next, default engine"),
     "host_us_per_request_step_128": Goal("<=", 15, "host CPU us per request-step at batch 128, the same"),
     "host_us_per_request_step_256": Goal("<=", 15, "host CPU us per request-step at batch 256, the same"),
     "mtp_verified_per_request_step_32": Goal(">=", 0.95, "sequences verified per step ÷ batch, MTP k=3 + "

@@ -43,8 +43,10 @@ def overlap(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
     c = cfg.overlap
     rng = random.Random(1)
     prompts = [_ids(rng, c.prompt_len) for _ in range(c.batch)]
-    llms = {on: LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, c.batch), cache={"max_kv_tokens": 16384},
-                    scheduler={"overlap": on, "max_running_requests": max(64, c.batch)}) for on in (True, False)}
+    llms = {on: LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, c.batch),
+                    cache={"max_kv_tokens": 16384},
+                    scheduler={"overlap": on, "max_running_requests": max(64, c.batch)})
+            for on in (True, False)}
     samples = inproc.interleaved({f"overlap_{'on' if on else 'off'}": (lambda llm=llm: inproc.throughput_run(
         llm, prompts, c.output_len)) for on, llm in llms.items()}, c.repeats or cfg.repeats)
     on, off = _best(samples["overlap_on"]), _best(samples["overlap_off"])
@@ -106,7 +108,8 @@ def vs_transformers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
     c = cfg.vs_transformers
     rng = random.Random(2)
     prompts = [_ids(rng, rng.randint(c.min_prompt_len, c.max_prompt_len)) for _ in range(c.num_prompts)]
-    llm = LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, c.num_prompts), cache={"max_kv_tokens": 32768})
+    llm = LLM(model=str(model), **inproc.engine_kwargs(cfg.compile, c.num_prompts),
+              cache={"max_kv_tokens": 32768})
     hf = inproc.HFGenerate(model)
     samples = inproc.interleaved({"run_batch_s": lambda: inproc.run_batch_seconds(llm, prompts, c.output_len),
                                   "hf_batched_s": lambda: hf.seconds(prompts, c.output_len)}, cfg.repeats)
@@ -197,9 +200,11 @@ def _efficiency(cfg: SuiteConfig, app: Any, bare_llm: Any, engine_llm: Any) -> d
 
     def bare() -> float:
         rng = random.Random(next(seeds))
-        return inproc.bare_decode_rate(bare_llm, [_ids(rng, c.prompt_len) for _ in range(c.batch)], c.output_len)
+        return inproc.bare_decode_rate(bare_llm, [_ids(rng, c.prompt_len) for _ in range(c.batch)],
+                                       c.output_len)
 
-    samples = inproc.interleaved({"http_tok_s": http, "bare_tok_s": bare, "engine_tok_s": engine}, cfg.repeats)
+    samples = inproc.interleaved({"http_tok_s": http, "bare_tok_s": bare, "engine_tok_s": engine},
+                                 cfg.repeats)
     h, b, e = (_best(samples[k]) for k in ("http_tok_s", "bare_tok_s", "engine_tok_s"))
     return {"serving_efficiency": _r(h / b), "http_decode_tok_s": _r(h, 1), "bare_decode_tok_s": _r(b, 1),
             "engine_decode_tok_s": _r(e, 1), "engine_over_bare": _r(e / b), "http_over_engine": _r(h / e),
@@ -226,7 +231,8 @@ def _prefix_cache(cfg: SuiteConfig, on: Any, off: Any) -> dict[str, Any]:
         part = replace(w, sessions=w.sessions[lo:hi])
         for name, app in (("on", on), ("off", off)):
             records[name] += _bench(app, part, LoadSettings(max_concurrency=c.max_concurrency)).records
-    floor = build(RandomSpec(num_prompts=8, input_len=c.floor_prompt_len, output_len=1, range_ratio=0.0, seed=7))
+    floor = build(RandomSpec(num_prompts=8, input_len=c.floor_prompt_len, output_len=1, range_ratio=0.0,
+                             seed=7))
     floor_ms = _bench(off, floor, LoadSettings(max_concurrency=1)).metrics.ttft_ms.mean
     prompt = {k: sum(r.prompt_tokens for r in v) for k, v in records.items()}
     cached = {k: sum(r.cached_tokens for r in v) for k, v in records.items()}
@@ -252,11 +258,11 @@ def routing(cfg: SuiteConfig, cluster: Any) -> dict[str, Any]:
         app = cluster.deploy(f"route-{router.replace('_', '-')}", engine, router, REPLICA)
         try:
             if w.warmup:
-                _bench(app, replace(w, sessions=w.warmup, warmup=[]), LoadSettings(max_concurrency=c.max_concurrency),
-                       renderer)
+                _bench(app, replace(w, sessions=w.warmup, warmup=[]),
+                       LoadSettings(max_concurrency=c.max_concurrency), renderer)
             before = wait_for_counters(app.metrics_url, "hybridserve_requests_total", len(w.warmup))
-            res = _bench(app, replace(w, warmup=[]), LoadSettings(rate=c.rate, max_concurrency=c.max_concurrency),
-                         renderer)
+            res = _bench(app, replace(w, warmup=[]),
+                         LoadSettings(rate=c.rate, max_concurrency=c.max_concurrency), renderer)
             total = sum(v.get("hybridserve_requests_total", 0.0) for v in before.values()) + len(res.records)
             after = wait_for_counters(app.metrics_url, "hybridserve_requests_total", total)
             per = counter_deltas(before, after, "hybridserve_requests_total")
@@ -299,9 +305,9 @@ def simulation(cfg: SuiteConfig) -> dict[str, Any]:
     plain = replace(settings, track_interval=default.cache.mamba_track_interval,
                     chunk_size=default.scheduler.chunked_prefill_size)
     defaults = run_grid([cfg.routing.workload], cfg.simulation.replicas, routers, plain, overrides)
-    return {"table": format_table(results), "settings": asdict(settings), "results": [asdict(r) for r in results],
-            "default_engine_table": format_table(defaults), "default_engine_settings": asdict(plain),
-            "default_engine_results": [asdict(r) for r in defaults]}
+    return {"table": format_table(results), "settings": asdict(settings),
+            "results": [asdict(r) for r in results], "default_engine_table": format_table(defaults),
+            "default_engine_settings": asdict(plain), "default_engine_results": [asdict(r) for r in defaults]}
 
 
 def tiers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
@@ -316,7 +322,8 @@ def tiers(cfg: SuiteConfig, model: Path) -> dict[str, Any]:
     from cluster.bench.workloads import load_workload
 
     t = cfg.tiers
-    sessions = load_workload("slot_pressure", {"num_sessions": t.num_sessions, "num_turns": t.num_turns}).sessions
+    sessions = load_workload("slot_pressure", {"num_sessions": t.num_sessions,
+                                               "num_turns": t.num_turns}).sessions
     overloaded = T.ClusterSettings(num_replicas=t.num_replicas, host_factor=t.host_factor)
     settings = overloaded.below_capacity()
 

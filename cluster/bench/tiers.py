@@ -41,11 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.sim_routers import make_router
-from cluster.routing.routing_policy import RouterSettings
 from cluster.bench.tiers_explain import Explainer, format_explanation  # noqa: F401 - re-exported
 from cluster.bench.tiers_multi_turn import multi_turn_case  # noqa: F401 - re-exported
 from cluster.bench.tiers_ttft import StepCost, StepLog, fit_step_cost, format_split, ttft_split
 from cluster.bench.workloads import Session, load_workload
+from cluster.routing.routing_policy import RouterSettings
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
 from workers.llm import LLM
@@ -101,8 +101,8 @@ class ClusterSettings:
         processes; 4 (1.44 TB) is the most such a node could pin, 8 (2.9 TB) does not fit.
         ``cluster_store_bytes`` only switches the engine's commits on here: the in-process
         store's budget is ``store_budget``."""
-        cache = {"page_size": self.page_size, "max_kv_tokens": self.kv_tokens, "max_mamba_slots": self.num_slots,
-                 "mamba_track_interval": self.track_interval}
+        cache = {"page_size": self.page_size, "max_kv_tokens": self.kv_tokens,
+                 "max_mamba_slots": self.num_slots, "mamba_track_interval": self.track_interval}
         if tiers:
             cache.update(host_mamba_slots=self.host_factor * self.num_slots,
                          host_kv_tokens=self.host_factor * self.kv_tokens,
@@ -203,8 +203,8 @@ class _Cluster:
         self.logs = {n: StepLog(llm.engine, cost, calibrate) for n, llm in self.llms.items()}
         self.store: CheckpointStore | None = None
         self.clients: dict[str, StoreClient] = {}
-        settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens, load_penalty_auto=s.load_penalty_auto,
-                                  replica_capacity=s.max_running)
+        settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens,
+                                  load_penalty_auto=s.load_penalty_auto, replica_capacity=s.max_running)
         if tiers and s.store_factor > 0:
             storage = self.llms[self.names[0]].engine.cache.host.storage
             budget, extra, fetch = s.store_model(storage.nbytes(0, 1) // s.page_size, storage.nbytes(1, 0))
@@ -308,13 +308,16 @@ def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
 def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
     """The issue's ratios: tiers vs device only (ours), ours vs Ray's rule (tiers on)."""
     by = {(r.router, r.tiers): r for r in results}
-    ours, device, ray = by.get(("hybrid_prefix", True)), by.get(("hybrid_prefix", False)), by.get(("ray_prefix", True))
+    ours, device = by.get(("hybrid_prefix", True)), by.get(("hybrid_prefix", False))
+    ray = by.get(("ray_prefix", True))
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
-    return {"computed_prefill_tiers_over_device": ratio(ours and ours.computed_fraction, device and device.computed_fraction),
-            "ttft_steps_tiers_over_device": ratio(ours and ours.mean_ttft_steps, device and device.mean_ttft_steps),
+    return {"computed_prefill_tiers_over_device": ratio(ours and ours.computed_fraction,
+                                                        device and device.computed_fraction),
+            "ttft_steps_tiers_over_device": ratio(ours and ours.mean_ttft_steps,
+                                                  device and device.mean_ttft_steps),
             "ttft_s_tiers_over_device": ratio(ours and ours.mean_ttft_s, device and device.mean_ttft_s),
             "ttft_model_s_tiers_over_device": ratio(ours and ours.split["ttft_model_s"],
                                                     device and device.split["ttft_model_s"]),
@@ -325,8 +328,9 @@ def format_table(results: Sequence[TiersResult]) -> str:
     lines = [f"{'router':<15}{'tiers':>6}{'requests':>9}{'computed':>10}{'cached':>8}{'ttft steps':>11}"
              f"{'ttft s':>8}  hits by tier"]
     for r in results:
-        lines.append(f"{r.router:<15}{'on' if r.tiers else 'off':>6}{r.num_requests:>9}{r.computed_fraction:>10.3f}"
-                     f"{r.cached_fraction:>8.3f}{r.mean_ttft_steps:>11.2f}{r.mean_ttft_s:>8.3f}  {r.hits_by_tier}")
+        lines.append(f"{r.router:<15}{'on' if r.tiers else 'off':>6}{r.num_requests:>9}"
+                     f"{r.computed_fraction:>10.3f}{r.cached_fraction:>8.3f}{r.mean_ttft_steps:>11.2f}"
+                     f"{r.mean_ttft_s:>8.3f}  {r.hits_by_tier}")
     return "\n".join(lines)
 
 
@@ -357,9 +361,11 @@ def _arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--explain", action="store_true", help="computed prompt tokens by cause (tiers_explain.py)")
+    ap.add_argument("--explain", action="store_true",
+                    help="computed prompt tokens by cause (tiers_explain.py)")
     ap.add_argument("--calibrate", action="store_true",
-                    help="fit the modelled step cost (tiers_ttft.StepCost) to this machine's step times, then use it")
+                    help="fit the modelled step cost (tiers_ttft.StepCost) to this machine's step times, "
+                         "then use it")
     return ap
 
 
@@ -382,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
                         store_factor=args.store_factor, think_steps=args.think_steps,
                         arrival_steps=args.arrival_steps, policy=args.policy,
-                        load_penalty_tokens=args.load_penalty_tokens, load_penalty_auto=not args.fixed_load_penalty)
+                        load_penalty_tokens=args.load_penalty_tokens,
+                        load_penalty_auto=not args.fixed_load_penalty)
     if args.below_capacity:
         s = s.below_capacity()
     modes = (True,) if args.tiers_only else (False, True)

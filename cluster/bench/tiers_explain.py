@@ -50,8 +50,8 @@ from cluster.routing.prefix_index import PrefixIndex
 from cluster.store.checkpoint_store import CheckpointStore
 from workers.cache.records import CheckpointInserted
 
-CAUSES = ("first_system", "new_suffix", "in_flight", "page", "previous_output", "placement", "dropped", "elsewhere",
-          "refused", "lost_in_queue")
+CAUSES = ("first_system", "new_suffix", "in_flight", "page", "previous_output", "placement", "dropped",
+          "elsewhere", "refused", "lost_in_queue")
 
 
 @dataclass
@@ -210,5 +210,6 @@ def format_explanation(rows: Sequence[tuple[str, bool, dict[str, Any]]]) -> str:
         total = ex["prompt_tokens"] or 1
         fractions = ex["computed_fraction_by_cause"]
         lines.append(f"{router:<15}{'on' if tiers else 'off':>6}{ex['oracle_cached_fraction']:>8.3f}"
-                     f"{ex['cached_tokens'] / total:>8.3f}" + "".join(f"{fractions[c]:>14.3f}" for c in CAUSES))
+                     f"{ex['cached_tokens'] / total:>8.3f}" + "".join(f"{fractions[c]:>14.3f}"
+                                                                      for c in CAUSES))
     return "\n".join(lines)

@@ -171,7 +171,8 @@ def format_split(rows: Sequence[tuple[str, bool, dict[str, float]]], cost: StepC
              f"{'router':<15}{'tiers':>6}{'ttft st':>9}{'queue st':>9}{'prefill st':>11}"
              f"{'ttft ms':>9}{'queue ms':>9}{'prefill ms':>11}{'max st':>8}"]
     for router, tiers, sp in rows:
-        lines.append(f"{router:<15}{'on' if tiers else 'off':>6}{sp['ttft_steps']:>9.2f}{sp['queue_steps']:>9.2f}"
-                     f"{sp['prefill_steps']:>11.2f}{1e3 * sp['ttft_model_s']:>9.1f}{1e3 * sp['queue_model_s']:>9.1f}"
-                     f"{1e3 * sp['prefill_model_s']:>11.1f}{sp['max_ttft_steps']:>8}")
+        lines.append(f"{router:<15}{'on' if tiers else 'off':>6}{sp['ttft_steps']:>9.2f}"
+                     f"{sp['queue_steps']:>9.2f}{sp['prefill_steps']:>11.2f}{1e3 * sp['ttft_model_s']:>9.1f}"
+                     f"{1e3 * sp['queue_model_s']:>9.1f}{1e3 * sp['prefill_model_s']:>11.1f}"
+                     f"{sp['max_ttft_steps']:>8}")
     return "\n".join(lines)

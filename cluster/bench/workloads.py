@@ -204,7 +204,8 @@ def load_spec(name_or_path: str | Path, overrides: Mapping[str, Any] | None = No
     try:
         return _ADAPTER.validate_python(data)
     except ValidationError as exc:
-        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
+        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
+                         for e in exc.errors())
         raise ValueError(f"invalid workload {path.name}: {errs}") from None
 
 

@@ -28,8 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from cluster.routing.routing_policy import REASONS
 from workers.request import FinishReason
@@ -109,7 +108,8 @@ class MetricsRegistry:
             for name, values in observations.items():
                 hist = series.histograms.get(name)
                 if hist is None:
-                    hist = series.histograms[name] = _Histogram.empty(self._buckets.get(name, LATENCY_BUCKETS))
+                    buckets = self._buckets.get(name, LATENCY_BUCKETS)
+                    hist = series.histograms[name] = _Histogram.empty(buckets)
                 hist.observe_many(values)
 
     def add_router_decisions(self, model: str, deltas: Mapping[str, int]) -> None:

@@ -29,8 +29,14 @@ from collections import Counter
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID,
-                                      RequestRouter, RunningReplica)
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from cluster.actors import get_index_actor, get_metrics_actor
 from cluster.routing.routing_policy import RouterSettings, RouterState, max_usable_depth, views_from
@@ -105,7 +111,8 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._count(reason)
         return ranks
 
-    def _targeted(self, candidates: list[RunningReplica], pending_request: PendingRequest) -> RunningReplica | None:
+    def _targeted(self, candidates: list[RunningReplica],
+                  pending_request: PendingRequest) -> RunningReplica | None:
         target = pending_request.kwargs.get("target_replica") if pending_request.kwargs else None
         if not target:
             return None

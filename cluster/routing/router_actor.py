@@ -20,7 +20,6 @@ import ray
 
 from cluster.routing.prefix_index import PrefixIndex
 
-
 STORE_OWNER = "store"
 
 

@@ -168,9 +168,11 @@ def decide(views: Sequence[ReplicaView], settings: RouterSettings,
     min_load = min(v.load for v in views)
     if is_imbalanced(best.load, min_load, settings):
         ordered = sorted(shuffled, key=lambda v: (v.load, -saved[v.replica_id]))
-        return RoutingDecision(_least_loaded_ranks(ordered), "imbalanced", round(saved[ordered[0].replica_id]))
+        return RoutingDecision(_least_loaded_ranks(ordered), "imbalanced",
+                               round(saved[ordered[0].replica_id]))
     rest = [v.replica_id for v in by_score[1:]]
-    return RoutingDecision([[best.replica_id]] + ([rest] if rest else []), "prefix", round(saved[best.replica_id]))
+    return RoutingDecision([[best.replica_id]] + ([rest] if rest else []), "prefix",
+                           round(saved[best.replica_id]))
 
 
 def load_cost(load: int, settings: RouterSettings, penalty: float) -> float:

@@ -47,7 +47,8 @@ class _StepResult(NamedTuple):
     has_more: bool
     started: float                        # perf_counter when the step began, on the engine thread
     wall_s: float
-    cpu_s: float                          # that thread's CPU time in it (wall - cpu: waits for a core or the GIL)
+    cpu_s: float                          # that thread's CPU time in it (wall - cpu: waits for a core
+                                          # or the GIL)
 
 
 class LoopTimes(NamedTuple):
@@ -56,7 +57,8 @@ class LoopTimes(NamedTuple):
     num_steps: int
     step_wall_s: float
     step_cpu_s: float
-    step_gap_s: float                     # the engine off its steps between a step and the next while work was left
+    step_gap_s: float                     # the engine off its steps between a step and the next while
+                                          # work was left
 
 
 class EngineLoopError(RuntimeError):

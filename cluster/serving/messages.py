@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from workers.request import TokenLogprob
 from workers.sampling_params import SamplingParams
 
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str                       # unique per prompt; choice j runs as f"{id}-{j}"

@@ -69,8 +69,8 @@ class EngineReplica:
         self._lock = asyncio.Lock()         # orders event pushes against flush + clear
         self._index.apply.remote(self._replica_id, [])
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
-        logger.info("replica %s (rank %s) ready: max_model_len=%d, %d start-up objects frozen", self._replica_id,
-                    self._label, self._core.loop.engine.max_model_len, frozen)
+        logger.info("replica %s (rank %s) ready: max_model_len=%d, %d start-up objects frozen",
+                    self._replica_id, self._label, self._core.loop.engine.max_model_len, frozen)
 
     def _store_client(self, app_name: str) -> StoreClient | None:
         budget = self._config.cache.cluster_store_bytes

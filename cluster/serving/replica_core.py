@@ -25,8 +25,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from cluster.serving.engine_loop import EngineLoop
-from cluster.serving.messages import (Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo,
-                                      ReplicaStats)
+from cluster.serving.messages import (
+    Accepted,
+    GenerateChunk,
+    GenerateError,
+    GenerateRequest,
+    ModelInfo,
+    ReplicaStats,
+)
 from configs.schema import HybridServeConfig
 from configs.serving import ReplicaConfig
 from workers.outputs import OutputDelta
@@ -134,7 +140,8 @@ class ReplicaCore:
     @classmethod
     async def create(cls, config: HybridServeConfig, pacing: StreamPacing | float = 0.0,
                      fetcher: Fetcher | None = None) -> ReplicaCore:
-        pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))  # refused before the build
+        # refused before the build
+        pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))
         loop = await EngineLoop.create(lambda: _publishing(build_engine(config)))
         return cls(loop, config, pacing, fetcher)
 

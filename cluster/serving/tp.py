@@ -126,5 +126,6 @@ def build_tp_engine(config: HybridServeConfig) -> Any:
     except BaseException:
         workers.shutdown(timeout_s=0)
         raise
-    logger.info("tensor-parallel group of %d ready (rendezvous %s:%d)", world, rendezvous.host, rendezvous.port)
+    logger.info("tensor-parallel group of %d ready (rendezvous %s:%d)", world, rendezvous.host,
+                rendezvous.port)
     return engine

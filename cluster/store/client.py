@@ -149,7 +149,8 @@ class StoreClient:
             logger.warning("checkpoint store fetch failed", exc_info=True)
             outcomes.append("error")
         if outcomes:
-            await loop.run(lambda e: [e.stats.inc("hybridserve_store_fetches_total", label=o) for o in outcomes])
+            await loop.run(lambda e: [e.stats.inc("hybridserve_store_fetches_total", label=o)
+                                      for o in outcomes])
         return outcomes[-1] if outcomes else "none"
 
     async def _fetch(self, loop: EngineRunner, hit: StoreHit, local: int) -> str:

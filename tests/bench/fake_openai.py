@@ -58,7 +58,8 @@ class FakeOpenAI:
         self._thread.join(timeout=10)
 
     async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model", "root": "/nowhere"}]})
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model",
+                                                         "root": "/nowhere"}]})
 
     async def complete(self, request: Request) -> Any:
         body = await request.json()
@@ -66,7 +67,8 @@ class FakeOpenAI:
         chat = "messages" in body
         prompt = body["messages"] if chat else body["prompt"]
         if isinstance(prompt, str) and prompt in self.fail_prompts:
-            return JSONResponse({"error": {"message": "bad", "type": "invalid_request_error"}}, status_code=400)
+            return JSONResponse({"error": {"message": "bad", "type": "invalid_request_error"}},
+                                status_code=400)
         prompt_len = (len(prompt) if isinstance(prompt, list) and not chat
                       else sum(len(str(m.get("content", ""))) for m in prompt) if chat else len(prompt))
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)

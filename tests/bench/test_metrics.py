@@ -7,8 +7,15 @@ import random
 import numpy as np
 import pytest
 
-from cluster.bench.metrics import (RequestRecord, compute_metrics, format_report, is_good,
-                                   max_in_flight, parse_slos, percentile)
+from cluster.bench.metrics import (
+    RequestRecord,
+    compute_metrics,
+    format_report,
+    is_good,
+    max_in_flight,
+    parse_slos,
+    percentile,
+)
 
 # Three successful requests and one failure; times in seconds.
 A = RequestRecord(True, start=0.0, ttft=0.1, e2el=0.5, itl=(0.1, 0.1, 0.2), prompt_tokens=10,

@@ -56,7 +56,8 @@ def test_hybrid_router_sees_the_replicas_events():
 def test_small_cache_pressure_run_is_deterministic_and_ordered():
     s = SimSettings(num_replicas=4, cache_tokens=2048)
     w = scaled_workload("cache_pressure", s, {"queries_per_tenant": 3})
-    results = {r: simulate(w, r, s) for r in ("hybrid_prefix", "hybrid_prefix_kv", "ray_prefix", "round_robin")}
+    results = {r: simulate(w, r, s) for r in ("hybrid_prefix", "hybrid_prefix_kv", "ray_prefix",
+                                              "round_robin")}
     again = simulate(w, "hybrid_prefix", s)
     assert again == results["hybrid_prefix"]
     n = len(w.sessions)

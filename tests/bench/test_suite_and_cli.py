@@ -79,9 +79,10 @@ def test_the_tiers_goals_are_read_at_one_operating_point():
     def point(scale):
         rows = [row("hybrid_prefix", False, 0.6, 0.06), row("hybrid_prefix", True, 0.3 * scale, 0.03 * scale),
                 row("ray_prefix", True, 0.5, 0.7)]
-        goals = {"computed_prefill_tiers_over_device": 0.5 * scale, "ttft_model_s_tiers_over_device": 0.5 * scale,
-                 "cached_vs_ray": round(0.7 / 0.5, 3)}
-        return {"results": rows, "goals": goals, "settings": {"host_factor": 2}, "table": "t", "split_table": "s"}
+        goals = {"computed_prefill_tiers_over_device": 0.5 * scale,
+                 "ttft_model_s_tiers_over_device": 0.5 * scale, "cached_vs_ray": round(0.7 / 0.5, 3)}
+        return {"results": rows, "goals": goals, "settings": {"host_factor": 2}, "table": "t",
+                "split_table": "s"}
 
     tiers = {**point(1.0), "overloaded": point(1.5),
              "multi_turn": {"host": {"turn2_hits": 20}, "device": {"turn2_hits": 0}}}

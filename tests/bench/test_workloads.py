@@ -3,9 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench.workloads import (CachePressureSpec, MultiTurnSpec, Renderer,
-                                     SharedPrefixSpec, build, load_spec, load_workload,
-                                     workload_names)
+from cluster.bench.workloads import (
+    CachePressureSpec,
+    MultiTurnSpec,
+    Renderer,
+    SharedPrefixSpec,
+    build,
+    load_spec,
+    load_workload,
+    workload_names,
+)
 
 NAMES = workload_names()
 SIZED = {"cache_pressure": {"cluster_cache_tokens": 4096}}

@@ -64,5 +64,7 @@ def test_compile_section_checks_its_sizes_and_tp():
     for bad in ([], [4, 1], [0, 2], [2, 2]):
         with pytest.raises(ValueError, match="compile.batch_sizes"):
             load_config(overrides={"compile": {"batch_sizes": bad}})
-    # TP > 1 runs eager (logged), not refused: compiled is the default (tests/workers/compiled/test_default.py)
-    assert load_config(overrides={"compile.enabled": True, "parallel.tensor_parallel_size": 2}).compile.enabled
+    # TP > 1 runs eager (logged), not refused: compiled is the default
+    # (tests/workers/compiled/test_default.py)
+    tp2 = {"compile.enabled": True, "parallel.tensor_parallel_size": 2}
+    assert load_config(overrides=tp2).compile.enabled

@@ -4,7 +4,6 @@ the official ``openai`` client's ``chat.completions.parse`` gets a valid pydanti
 from __future__ import annotations
 
 import json
-import os
 from typing import Literal
 
 import openai
@@ -49,11 +48,12 @@ def test_lm_eval_loglikelihoods_equal_transformers(app, tiny_qwen_dir, tmp_path,
     data = tmp_path / "tiny_mc.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     (tmp_path / "tiny_mc.yaml").write_text(TASK.format(data=data))
-    lm = LocalCompletionsAPI(base_url=f"{app.openai_base}/completions", model=MODEL, tokenizer=str(tiny_qwen_dir),
-                             tokenizer_backend="huggingface", tokenized_requests=True, num_concurrent=1,
-                             max_retries=1, max_length=1024)
-    results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
-                                      log_samples=True, num_fewshot=0)
+    lm = LocalCompletionsAPI(base_url=f"{app.openai_base}/completions", model=MODEL,
+                             tokenizer=str(tiny_qwen_dir), tokenizer_backend="huggingface",
+                             tokenized_requests=True, num_concurrent=1, max_retries=1, max_length=1024)
+    results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"],
+                                      task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+                                      num_fewshot=0)
     samples = results["samples"]["tiny_mc"]
     assert len(samples) == len(DOCS) and "acc,none" in results["results"]["tiny_mc"]
     oracle = HFOracle(tiny_qwen_dir)

@@ -36,7 +36,8 @@ def test_models_health_and_api_key(app, client, http):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     raw = http.get("/v1/models").json()["data"][0]
-    assert Path(raw["root"]).is_absolute() and Path(raw["root"], "config.json").is_file()  # bench clients load it
+    # bench clients load it
+    assert Path(raw["root"]).is_absolute() and Path(raw["root"], "config.json").is_file()
     assert raw["max_model_len"] > 100
     assert httpx.get(f"{app.base_url}/health").status_code == 200          # no key needed
     r = httpx.get(f"{app.openai_base}/models", headers={"Authorization": "Bearer nope"})
@@ -178,7 +179,8 @@ def test_metrics_counters_move_after_traffic(app, client):
 
     def moved():
         s = _scrape(app.metrics_url)
-        grown = _total(s, "hybridserve_generation_tokens_total") >= _total(before, "hybridserve_generation_tokens_total") + 7
+        name = "hybridserve_generation_tokens_total"
+        grown = _total(s, name) >= _total(before, name) + 7
         return s if grown else None
     after = wait_until(moved, timeout_s=30)
     labels = [k for k in after if k.startswith("hybridserve_generation_tokens_total{")]
@@ -198,8 +200,8 @@ def test_service_endpoints_through_serve(app, client, http):
     assert tokens["count"] == len(tokens["tokens"]) > 0
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "hello world"
     chat_ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
-                                          extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=1, extra_body={"return_token_ids": True})
     assert chat.model_extra["prompt_token_ids"] == chat_ids
     assert http.get("/tokenizer_info").json()["tokenizer_class"]
     assert http.get("/version").json()["version"]
@@ -211,6 +213,7 @@ def test_service_endpoints_through_serve(app, client, http):
     lps = zero.choices[0].logprobs
     assert [list(top) for top in lps.top_logprobs] == [[tok] for tok in lps.tokens]
     chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True,
-                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            stream_options={"include_usage": True,
+                                                            "continuous_usage_stats": True},
                                             extra_body={"ignore_eos": True}))
     assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 3

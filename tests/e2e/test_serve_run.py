@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -40,7 +39,8 @@ def test_serve_run_with_the_shipped_config(tmp_path):
 
         def ready():
             if proc.poll() is not None:
-                raise AssertionError(f"serve run exited early:\n{(tmp_path / 'serve.log').read_text()[-3000:]}")
+                text = (tmp_path / "serve.log").read_text()
+                raise AssertionError(f"serve run exited early:\n{text[-3000:]}")
             try:
                 return httpx.get(f"{base}/v1/models", timeout=5).status_code == 200
             except httpx.HTTPError:

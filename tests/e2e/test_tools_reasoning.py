@@ -11,8 +11,16 @@ import json
 import openai
 import pytest
 
-from tests.cluster.api.scripted_model import (CONTINUE, HERMES_ANSWER, HERMES_CALLS, HERMES_REASONING, TOOLS,
-                                              WEATHER_TOOL, XML_CALLS, XML_REASONING)
+from tests.cluster.api.scripted_model import (
+    CONTINUE,
+    HERMES_ANSWER,
+    HERMES_CALLS,
+    HERMES_REASONING,
+    TOOLS,
+    WEATHER_TOOL,
+    XML_CALLS,
+    XML_REASONING,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 USER = [{"role": "user", "content": "Weather in Paris, and the time?"}]
@@ -56,7 +64,8 @@ def test_hermes_tool_calls_and_reasoning(hermes):
     choice = out.choices[0]
     assert calls(choice.message) == HERMES_CALLS and choice.finish_reason == "tool_calls"
     assert choice.message.model_extra["reasoning_content"] == HERMES_REASONING
-    assert [json.loads(a) for _, a in calls(choice.message)] == [{"city": "Paris", "days": 3}, {"zone": "CET"}]
+    assert [json.loads(a) for _, a in calls(choice.message)] == [{"city": "Paris", "days": 3},
+                                                                 {"zone": "CET"}]
     assert streamed(hermes, "scripted", tools=TOOLS) == (HERMES_REASONING, "", HERMES_CALLS, "tool_calls")
 
 
@@ -71,7 +80,8 @@ def test_chat_template_kwargs_and_tool_turns(hermes):
     again = hermes.chat.completions.create(model="scripted", messages=history, tools=TOOLS)
     assert calls(again.choices[0].message) == HERMES_CALLS                 # the template took the turns
     forced = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS, temperature=0,
-                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                            tool_choice={"type": "function",
+                                                         "function": {"name": "get_time"}},
                                             max_tokens=40)
     [call] = forced.choices[0].message.tool_calls                      # enforced by a JSON-schema constraint
     assert call.function.name == "get_time" and forced.choices[0].message.content is None
@@ -86,7 +96,8 @@ def test_xml_tool_calls(xml):
 
 def test_template_options_through_serve(hermes):
     """parallel_tool_calls, include_reasoning, continue_final_message, a request's own template."""
-    one = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS, parallel_tool_calls=False)
+    one = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS,
+                                         parallel_tool_calls=False)
     assert calls(one.choices[0].message) == HERMES_CALLS[:1]
     hidden = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS,
                                             extra_body={"include_reasoning": False})

@@ -62,8 +62,9 @@ def test_worker_node_dies_the_store_survives_and_nothing_is_wrong(cluster, tiny_
 
     cluster.kill_worker()
     second = cluster.run_driver(common + ["--first", json.dumps(first), "phase2"], timeout_s=600)
-    print(f"\n[two nodes] store objects before the kill {first['store_objects']}, after {second['store_after']}; "
-          f"fetch outcomes after it {second['fetches']}; cached {second['cached']}; hits by tier {second['hits']}; "
+    print(f"\n[two nodes] store objects before the kill {first['store_objects']}, "
+          f"after {second['store_after']}; fetch outcomes after it {second['fetches']}; "
+          f"cached {second['cached']}; hits by tier {second['hits']}; "
           f"committed {sorted(first['store_owners'].values())}; store on the {first['store_node']}")
     assert set(second["replica_nodes"].values()) == {"head"} and len(second["replica_nodes"]) == 2
     assert second["wrong"] == []                      # no request got a wrong answer

@@ -121,7 +121,8 @@ def phase1(args: argparse.Namespace) -> dict[str, Any]:
         owners = {e[0].hex(): e[2] for e in summary["entries"]}
     return {"replica_nodes": {name: roles.get(node, "?") for name, node in placed.items()},
             "outputs": [o["token_ids"] for o in outs], "store_owners": owners,
-            "store_objects": summary["hybridserve_store_objects"], "store_node": roles.get(summary["node_id"], "?")}
+            "store_objects": summary["hybridserve_store_objects"],
+            "store_node": roles.get(summary["node_id"], "?")}
 
 
 def phase2(args: argparse.Namespace, first: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +147,8 @@ def phase2(args: argparse.Namespace, first: dict[str, Any]) -> dict[str, Any]:
             "wrong": [i for i, (o, r) in enumerate(zip(outs, ref)) if o["token_ids"] != r.token_ids],
             "cached": [o["cached"] for o in outs], "prompt_lens": [len(p) for p in prompts],
             "fetches": fetches, "store_after": store_summary()["hybridserve_store_objects"],
-            "hits": {r["replica_id"][-6:]: r["counters"].get("hybridserve_cache_hits_total", {}) for r in stats}}
+            "hits": {r["replica_id"][-6:]: r["counters"].get("hybridserve_cache_hits_total", {})
+                     for r in stats}}
 
 
 def main() -> None:

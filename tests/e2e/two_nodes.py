@@ -52,24 +52,27 @@ class TwoNodeCluster:
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "w")
-        return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-                                 *args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats",
+                                 "--node-ip-address=127.0.0.1", *args], env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self, timeout_s: float = 120.0) -> TwoNodeCluster:
         self.head = self._start("head", ["--head", f"--port={self.port}", f"--num-cpus={self.head_cpus}",
                                          "--include-dashboard=false", f"--temp-dir={self.ray_dir}",
-                                         "--resources=" + json.dumps({"head_node": 100, REPLICA_RESOURCE: REPLICA_SLOTS})])
+                                         "--resources="
+                                         + json.dumps({"head_node": 100, REPLICA_RESOURCE: REPLICA_SLOTS})])
         self.wait_nodes(1, timeout_s)
         self.worker = self._start("worker", [f"--address={self.address}", f"--num-cpus={self.worker_cpus}",
-                                             "--resources=" + json.dumps({"worker_node": 100, REPLICA_RESOURCE: 1})])
+                                             "--resources="
+                                             + json.dumps({"worker_node": 100, REPLICA_RESOURCE: 1})])
         self.wait_nodes(2, timeout_s)
         return self
 
     def alive_nodes(self) -> int:
         code = ("import ray, json; ray.init(address=%r, logging_level='ERROR'); "
                 "print(json.dumps(sum(n['Alive'] for n in ray.nodes())))" % self.address)
-        out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
+                             timeout=60)
         try:
             return int(out.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -102,8 +105,10 @@ class TwoNodeCluster:
 
     def run_driver(self, args: list[str], timeout_s: float) -> dict:
         """``python -m tests.e2e.two_node_driver ARGS`` on this cluster; its last stdout line (JSON)."""
-        out = subprocess.run([sys.executable, "-m", "tests.e2e.two_node_driver", "--address", self.address, *args],
+        out = subprocess.run([sys.executable, "-m", "tests.e2e.two_node_driver", "--address", self.address,
+                              *args],
                              env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if out.returncode != 0:
-            raise AssertionError(f"driver {args[:1]} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+            raise AssertionError(f"driver {args[:1]} failed "
+                                 f"({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])

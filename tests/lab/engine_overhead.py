@@ -31,7 +31,8 @@ def _timed(fn) -> float:
 
 def engine_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> float:
     def run(n: int) -> None:
-        llm.generate_ids(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)] * len(prompts))
+        llm.generate_ids(prompts,
+                         [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)] * len(prompts))
 
     run(2)  # warm-up
     t_full, t_one = _timed(lambda: run(out_tokens)), _timed(lambda: run(1))
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             hf = hf_decode_rate(model_dir, prompts, args.out_tokens)
             print(json.dumps({"params": params, "batch": b, "engine_tok_s": round(eng, 1),
                               "bare_loop_tok_s": round(bare, 1), "hf_generate_tok_s": round(hf, 1),
-                              "engine_over_bare": round(eng / bare, 3), "engine_over_hf": round(eng / hf, 3)}))
+                              "engine_over_bare": round(eng / bare, 3),
+                              "engine_over_hf": round(eng / hf, 3)}))
 
 
 if __name__ == "__main__":

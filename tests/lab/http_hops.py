@@ -153,10 +153,11 @@ async def in_process(model: Path, args: argparse.Namespace) -> dict[str, Any]:
             records, _ = inproc.engine_records(engine_llm, prompts, args.output_len)
             samples["engine"].append(_rate([rec.tpot or 0.0 for rec in records]))
             t0 = core.loop.times
-            samples["replica"].append(await replica_rate(core, _prompts(1000 + r, args.batch, args.prompt_len),
-                                                         args.output_len))
+            prompts = _prompts(1000 + r, args.batch, args.prompt_len)
+            samples["replica"].append(await replica_rate(core, prompts, args.output_len))
             t1 = core.loop.times
-            rate, events = await ingress_rate(server, _prompts(2000 + r, args.batch, args.prompt_len), args.output_len)
+            rate, events = await ingress_rate(server, _prompts(2000 + r, args.batch, args.prompt_len),
+                                              args.output_len)
             samples["ingress"].append(rate)
             t2 = core.loop.times
             for name, a, b in (("replica_gap_us", t0, t1), ("ingress_gap_us", t1, t2)):
@@ -196,7 +197,8 @@ def _serve_run(app: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         if (name := role(proc.name, pids, pid)) in ("replica", "ingress", "proxy"):
             top = sorted(proc.threads.values(), key=lambda t: -t[1])[:4]
             threads[name] = [(comm, round(1e3 * s / tokens, 3)) for comm, s in top if s > 0]
-    zero = {"num_steps": 0, "step_wall_s": 0.0, "step_cpu_s": 0.0, "step_gap_s": 0.0}   # a replica without loop times
+    # a replica without loop times
+    zero = {"num_steps": 0, "step_wall_s": 0.0, "step_cpu_s": 0.0, "step_gap_s": 0.0}
     loop = {k: rep1.get("loop", zero)[k] - rep0.get("loop", zero)[k] for k in zero}
     cpu_ms = ms_per_unit_by_role(delta, tokens, pids)
     paths = [rep.get("counters", {}).get("hybridserve_engine_steps_total", {}) for rep in (rep0, rep1)]
@@ -243,14 +245,15 @@ def report(result: dict[str, Any]) -> str:
         prev = us
     if best:
         lines.append(f"client parse (CPU): {best['client_parse_us']:.1f} us/token; engine idle between steps "
-                     f"(in process): replica {best['replica_gap_us']:.1f}, ingress {best['ingress_gap_us']:.1f} us/token")
+                     f"(in process): replica {best['replica_gap_us']:.1f}, "
+                     f"ingress {best['ingress_gap_us']:.1f} us/token")
     if "serve" in result:
         s = result["serve"]
-        lines.append(f"stream items per request {s['items_per_request']}, ITL median {s['itl_ms_median']} ms; "
-                     f"replica steps by path {s['steps_by_path']}")
+        lines.append(f"stream items per request {s['items_per_request']}, "
+                     f"ITL median {s['itl_ms_median']} ms; replica steps by path {s['steps_by_path']}")
         lines.append(f"engine steps in the replica: {s['engine_step_wall_us_per_token']} us/token wall, "
-                     f"{s['engine_step_cpu_us_per_token']} us/token CPU of the stepping thread (with overlap the "
-                     f"forward runs on another), idle between steps "
+                     f"{s['engine_step_cpu_us_per_token']} us/token CPU of the stepping thread "
+                     f"(with overlap the forward runs on another), idle between steps "
                      f"{s['engine_gap_us_per_token']} us/token ({s['num_steps']} steps)")
         lines.append("CPU ms per output token by process: "
                      + ", ".join(f"{k} {v}" for k, v in s["cpu_ms_per_token"].items()))

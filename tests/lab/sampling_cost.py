@@ -36,17 +36,20 @@ def variants(out_tokens: int) -> dict[str, SamplingParams]:
                         logit_bias=((5, 1.0), (9, -1.0), (11, 2.0)), min_tokens=out_tokens)
     return {
         "greedy": base,
-        "greedy_json_schema": replace(base, structured_output=StructuredOutput.json_schema(array, any_whitespace=False)),
+        "greedy_json_schema": replace(
+            base, structured_output=StructuredOutput.json_schema(array, any_whitespace=False)),
         "greedy_penalties": penalties,
         "sampled": replace(base, temperature=1.0, seed=0),
-        "sampled_penalties_filters": replace(penalties, temperature=1.0, top_p=0.9, top_k=50, min_p=0.02, seed=0),
+        "sampled_penalties_filters": replace(penalties, temperature=1.0, top_p=0.9, top_k=50, min_p=0.02,
+                                             seed=0),
     }
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], p: SamplingParams) -> tuple[float, float]:
     """(tokens/s, fraction of outputs that stayed under their grammar)."""
     def run(n: int) -> list:
-        return llm.generate_ids(prompts, [replace(p, max_tokens=n, min_tokens=min(p.min_tokens, n))] * len(prompts))
+        return llm.generate_ids(prompts,
+                                [replace(p, max_tokens=n, min_tokens=min(p.min_tokens, n))] * len(prompts))
 
     start = time.perf_counter()
     outs = run(p.max_tokens)
@@ -92,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
             ref = best["sampled" if name.startswith("sampled") else "greedy"][0]
             print(json.dumps({"variant": name, "batch": args.batch, "out_tokens": args.out_tokens,
                               "decode_tok_s": round(rate, 1), "vs_plain": round(rate / ref, 3),
-                              "constrained_steps": round(constrained, 3) if name.endswith("json_schema") else None,
+                              "constrained_steps": (round(constrained, 3) if name.endswith("json_schema")
+                                                    else None),
                               "threads": torch.get_num_threads(), "load_avg_1m": load}))
 
 

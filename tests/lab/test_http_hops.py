@@ -10,20 +10,23 @@ import pytest
 from cluster.bench.proc_cpu import PROC, cpu_delta, role, snapshot
 from tests.lab.http_hops import EXTRA, LAYERS, main, report
 
-BUSY = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\nsys.stdin.read()"
+BUSY = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+        "print('done', flush=True)\nsys.stdin.read()")
 
 
 @pytest.mark.skipif(not PROC.is_dir(), reason="needs /proc")
 def test_cpu_delta_counts_a_busy_child_and_its_threads():
     before = snapshot()
-    child = subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
     try:
         assert child.stdout.readline().strip() == "done"
         after = snapshot()
     finally:
         child.communicate("")
     delta = cpu_delta(before, after)
-    assert child.pid in delta and delta[child.pid].cpu_s >= 0.25          # it started after ``before``: from 0
+    # it started after ``before``: from 0
+    assert child.pid in delta and delta[child.pid].cpu_s >= 0.25
     assert sum(s for _, s in delta[child.pid].threads.values()) >= 0.25
     assert role(delta[child.pid].name, {"client": {child.pid}}, child.pid) == "client"
     assert role("ray::ServeReplica:app:EngineReplica") == "replica" and role("ray::ProxyActor") == "proxy"

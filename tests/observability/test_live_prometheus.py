@@ -2,9 +2,10 @@
 dashboard panel's PromQL, asked through Prometheus's HTTP API, returns data.
 
 The app (two replicas, MTP speculation, invariant checks, some forced track-slot
-allocation failures, the host tier and the cluster store) runs on the session's Ray cluster; Prometheus (Debian's package,
-``deploy/prometheus/install.sh``) scrapes its metrics actor and Ray's metrics agent on
-127.0.0.1 every second, with the shipped alert rules loaded. The load runs until every
+allocation failures, the host tier and the cluster store) runs on the session's Ray
+cluster; Prometheus (Debian's package, ``deploy/prometheus/install.sh``) scrapes its
+metrics actor and Ray's metrics agent on 127.0.0.1 every second, with the shipped alert
+rules loaded. The load runs until every
 panel has a finite value (or a deadline), mixing cache hits, streaming and a few 404s
 (so Serve's error counter exists), with a marker in request ids and prompts that must
 never show up in a label.
@@ -27,8 +28,13 @@ import yaml
 
 from cluster.observability.dashboards import DASHBOARDS
 from cluster.observability.dashboards.model import metric_names, substitute
-from cluster.observability.prometheus_local import (ALERTS, LocalPrometheus, ScrapeJob, find_prometheus,
-                                                    local_ray_targets)
+from cluster.observability.prometheus_local import (
+    ALERTS,
+    LocalPrometheus,
+    ScrapeJob,
+    find_prometheus,
+    local_ray_targets,
+)
 from tests.conftest import ServeSession
 from tests.e2e.conftest import FAST_PUBLISH, SMALL_ENGINE, DeployedApp, deploy
 
@@ -116,7 +122,8 @@ class Load:
                         assert r.status_code == 404, r.text
                     elif n % 3 == 0:
                         prompt = f"{MARKER} tell me about the number {rng.randrange(1000)}"
-                        with http.stream("POST", "/completions", json={**body, "prompt": prompt, "stream": True},
+                        with http.stream("POST", "/completions", json={**body, "prompt": prompt,
+                                                                       "stream": True},
                                          headers=headers) as r:
                             assert r.status_code == 200
                             for _ in r.iter_lines():
@@ -146,7 +153,8 @@ def live(serve_session: ServeSession, tiny_qwen_dir) -> Iterator[Live]:
                  args={"model_name": APP, "replica": {**FAST_PUBLISH, "stats_interval_s": 0.5}})
     try:
         metrics = urlparse(app.metrics_url)
-        jobs = [ScrapeJob("hybridserve", (f"127.0.0.1:{metrics.port}",)), ScrapeJob("ray", local_ray_targets())]
+        jobs = [ScrapeJob("hybridserve", (f"127.0.0.1:{metrics.port}",)),
+                ScrapeJob("ray", local_ray_targets())]
         with LocalPrometheus(jobs, scrape_interval_s=1.0, extra_config={"rule_files": [str(ALERTS)]}) as prom:
             start = time.monotonic()
             with Load(app) as load:
@@ -170,7 +178,8 @@ def query_eventually(prom: LocalPrometheus, expr: str, timeout_s: float = 30.0) 
 
 
 def test_every_panel_returns_data(live):
-    assert live.unsatisfied == [], f"no (or no moving) data after {live.load_s:.0f}s of load: {live.unsatisfied}"
+    assert live.unsatisfied == [], (f"no (or no moving) data after {live.load_s:.0f}s of load: "
+                                    f"{live.unsatisfied}")
     for q in panel_queries():
         assert query_eventually(live.prom, q.expr), q.name
 
@@ -212,7 +221,8 @@ def test_label_cardinality_is_bounded(live):
     ours = live.prom.api("series", **{"match[]": '{__name__=~"hybridserve_.+"}'})
     assert 0 < len(ours) <= 400, len(ours)
     assert {name for s in ours for name in s} <= ENGINE_LABELS
-    assert {s["replica"] for s in ours if "replica" in s} == {"0", "1", "store"}   # the store actor's own series
+    # "store": the store actor's own series
+    assert {s["replica"] for s in ours if "replica" in s} == {"0", "1", "store"}
     assert {s["model"] for s in ours} == {APP}
     everything = live.prom.api("series", **{"match[]": '{__name__=~".+"}'})
     leaked = [s for s in everything if any(MARKER in v for v in s.values())]

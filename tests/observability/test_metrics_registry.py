@@ -52,11 +52,14 @@ def test_replica_totals_gauges_and_histograms_are_exported_per_replica():
     assert got[("hybridserve_generation_tokens_total", r0)] == 10
     assert got[("hybridserve_generation_tokens_total", r1)] == 4
     assert got[("hybridserve_requests_total", lbl(model="m", replica="0", finish_reason="length"))] == 2
-    assert got[("hybridserve_mamba_checkpoints_inserted_total", lbl(model="m", replica="0", phase="prefill"))] == 1
+    assert got[("hybridserve_mamba_checkpoints_inserted_total", lbl(model="m", replica="0",
+                                                                    phase="prefill"))] == 1
     assert got[("hybridserve_num_running_requests", r0)] == 3
     assert got[("hybridserve_time_to_first_token_seconds_count", r0)] == 2
-    assert got[("hybridserve_time_to_first_token_seconds_bucket", lbl(model="m", replica="0", le="0.005"))] == 1
-    assert got[("hybridserve_time_to_first_token_seconds_bucket", lbl(model="m", replica="0", le="+Inf"))] == 2
+    assert got[("hybridserve_time_to_first_token_seconds_bucket", lbl(model="m", replica="0",
+                                                                      le="0.005"))] == 1
+    assert got[("hybridserve_time_to_first_token_seconds_bucket", lbl(model="m", replica="0",
+                                                                      le="+Inf"))] == 2
     assert abs(got[("hybridserve_time_to_first_token_seconds_sum", r1)] - 9.0) < 1e-9
 
 
@@ -84,7 +87,8 @@ def test_router_deltas_sum_and_silent_replicas_expire():
     got = scrape(reg)
     assert got[("hybridserve_router_decisions_total", lbl(model="m", reason="prefix"))] == 5
     assert got[("hybridserve_router_decisions_total", lbl(model="m", reason="cold"))] == 1
-    assert {k[1] for k in got if k[0] == "hybridserve_generation_tokens_total"} == {lbl(model="m", replica="1")}
+    assert {k[1] for k in got
+            if k[0] == "hybridserve_generation_tokens_total"} == {lbl(model="m", replica="1")}
 
 
 def test_no_unbounded_labels():

@@ -6,4 +6,12 @@ test session, apps per module under their own route prefix). Long variants are m
 """
 from __future__ import annotations
 
-from tests.e2e.conftest import SMALL_ENGINE, FAST_PUBLISH, DeployedApp, deploy, deployed, index_actor, wait_until  # noqa: F401
+from tests.e2e.conftest import (  # noqa: F401
+    FAST_PUBLISH,
+    SMALL_ENGINE,
+    DeployedApp,
+    deploy,
+    deployed,
+    index_actor,
+    wait_until,
+)

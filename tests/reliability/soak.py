@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench.client import Target, _Conversation, _content, _payload, _Reply, sse_payload
+from cluster.bench.client import Target, _content, _Conversation, _payload, _Reply, sse_payload
 from cluster.bench.metrics import RequestRecord
 from cluster.bench.workloads import Renderer, Session, Workload, load_workload
 
@@ -101,7 +101,8 @@ class SoakReport:
                 "by_workload": self.counts(lambda r: r.workload),
                 "by_mode": self.counts(lambda r: r.mode.split(":")[0]),
                 "by_workload_and_mode": self.counts(lambda r: f"{r.workload}/{r.mode.split(':')[0]}"),
-                "invalid_kinds": dict(Counter(r.mode[8:] for r in self.records if r.mode.startswith("invalid:"))),
+                "invalid_kinds": dict(Counter(r.mode[8:] for r in self.records
+                                              if r.mode.startswith("invalid:"))),
                 "statuses": self.counts(lambda r: r.status), "outcomes": self.counts(lambda r: r.outcome),
                 "e2e_p50_s": round(done[len(done) // 2], 3) if done else None,
                 "e2e_max_s": round(done[-1], 3) if done else None}
@@ -264,7 +265,8 @@ async def _stream(client: Any, url: str, server: _Server, workload: Workload, bo
     if not done or usage is None:
         raise _Outcome("truncated", 200, f"done={done}, usage={usage}, {num_chunks} chunks")
     if int(usage["completion_tokens"]) != body["max_tokens"]:
-        raise _Outcome("wrong_length", 200, f"{usage['completion_tokens']} tokens, asked {body['max_tokens']}")
+        raise _Outcome("wrong_length", 200,
+                       f"{usage['completion_tokens']} tokens, asked {body['max_tokens']}")
     return "".join(parts), ids
 
 

@@ -69,7 +69,8 @@ def wait_idle(base_url: str, api_key: str | None = None, timeout_s: float = 60.0
         time.sleep(0.1)
 
 
-def idle_pools(base_url: str, api_key: str | None = None, timeout_s: float = 60.0) -> dict[str, dict[str, int]]:
+def idle_pools(base_url: str, api_key: str | None = None,
+               timeout_s: float = 60.0) -> dict[str, dict[str, int]]:
     """Pool counts per replica id, read idle and right after a cache flush."""
     import httpx
 
@@ -158,18 +159,21 @@ class SoakResult:
 
     def problems(self, max_rss_growth: float = 0.10) -> list[str]:
         """Everything that breaks the soak's contract; empty when it held."""
-        out = [f"{n} x {outcome}, first: {next(r.detail for r in self.report.failures() if r.outcome == outcome)}"
+        out = [f"{n} x {outcome}, first: "
+               f"{next(r.detail for r in self.report.failures() if r.outcome == outcome)}"
                for outcome, n in Counter(r.outcome for r in self.report.failures()).items()]
         if any(self.violations.values()):
             out.append(f"invariant violations: {self.violations}")
         if not self.counters_delta.get(CHECKS):
             out.append(f"no invariant checks ran ({CHECKS} did not grow): is debug.check_invariants on?")
         if self.counters_delta.get(ORACLE_MISMATCHES):
-            out.append(f"{self.counters_delta[ORACLE_MISMATCHES]} of {self.counters_delta.get(ORACLE_CHECKS)} "
+            out.append(f"{self.counters_delta[ORACLE_MISMATCHES]} of "
+                       f"{self.counters_delta.get(ORACLE_CHECKS)} "
                        "recomputed checkpoints did not hold their path's state")
         if self.pools_after != self.pools_before:
             out.append(f"pools not back at idle: before {self.pools_before}, after {self.pools_after}")
-        grown = {pid: g for pid, g in rss_growth(self.rss_warm_kib, self.rss_end_kib).items() if g >= max_rss_growth}
+        grown = {pid: g for pid, g in rss_growth(self.rss_warm_kib, self.rss_end_kib).items()
+                 if g >= max_rss_growth}
         if grown:
             out.append(f"RSS grew >= {max_rss_growth:.0%} after warm-up: {grown}")
         outcomes = self.report.counts(lambda r: r.outcome)

@@ -1,6 +1,6 @@
-"""The API key: every route but the health checks (``/health``,
-``/ping``) refuses a missing or wrong key with 401 and an error object, and no key -- right or wrong -- reaches a log or a
-response body.
+"""The API key: every route but the health checks (``/health``, ``/ping``) refuses a
+missing or wrong key with 401 and an error object, and no key -- right or wrong -- reaches
+a log or a response body.
 
 The routes are enumerated, not listed: the deployed app's ``/openapi.json`` (itself
 guarded) and, cross-checked against it, the routes of the same app built in process; plus
@@ -133,9 +133,9 @@ def _assert_keys_not_in_ray_logs(request_ids: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def local_app(tiny_qwen_dir) -> Iterator[tuple[asyncio.AbstractEventLoop, object]]:
-    from cluster.serving.engine_client import LocalEngineClient
     from cluster.api.http_api import make_api
     from cluster.api.openai_server import OpenAIServer, ServerSettings
+    from cluster.serving.engine_client import LocalEngineClient
     from cluster.serving.replica_core import ReplicaCore
     from configs.schema import load_config
     from tests.reliability.conftest import SMALL_ENGINE

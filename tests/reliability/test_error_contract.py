@@ -70,32 +70,34 @@ CASES: dict[str, tuple[str, dict[str, Any] | bytes, str | None, int, str | None]
                                        JSON, 400, "top_logprobs"),
     "chat top_logprobs of the wrong type": (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": "x"},
                                             JSON, 400, "top_logprobs"),
-    "chat top_logprobs without logprobs": (CHAT, {"messages": USER, "top_logprobs": 2}, JSON, 400, "top_logprobs"),
+    "chat top_logprobs without logprobs": (CHAT, {"messages": USER, "top_logprobs": 2}, JSON, 400,
+                                           "top_logprobs"),
     # text that is not text
     "lone surrogate in the prompt": (CMPL, b'{"prompt": "a \\udcff", "stream": true}', JSON, 400, "prompt"),
     "lone surrogate in a message": (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}], '
                                           b'"stream": true}', JSON, 400, "messages.0.content"),
     "lone surrogate in a key": (CMPL, b'{"prompt": "x", "\\udfff": 1, "stream": true}', JSON, 400, "\\udfff"),
     "invalid UTF-8": (CMPL, b'{"prompt": "\xff\xfe", "stream": true}', JSON, 400, None),
-    "truncated UTF-8": (CHAT, b'{"messages": [{"role": "user", "content": "\xc3"}], "stream": true}', JSON, 400,
-                        None),
+    "truncated UTF-8": (CHAT, b'{"messages": [{"role": "user", "content": "\xc3"}], "stream": true}', JSON,
+                        400, None),
     # what is not built is refused by name
     "suffix": (CMPL, {"suffix": "tail"}, JSON, 400, "suffix"),
     "allowed_token_ids": (CMPL, {"allowed_token_ids": [1, 2]}, JSON, 400, "allowed_token_ids"),
     "beam search (chat)": (CHAT, {"messages": USER, "use_beam_search": True}, JSON, 400, "use_beam_search"),
     "image content part": (CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]}, JSON, 400, "messages.0.content.0"),
+        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]}, JSON, 400,
+                           "messages.0.content.0"),
     "tools on a model without a tool format": (CHAT, {"messages": USER, "tools": [
         {"type": "function", "function": {"name": "f"}}]}, JSON, 400, "tools"),
     "tool_choice without tools": (CHAT, {"messages": USER, "tool_choice": "auto"}, JSON, 400, "tool_choice"),
     "bad tool name": (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]},
                       JSON, 400, "tools.0.function.name"),
-    "continue_final_message with add_generation_prompt": (CHAT, {"messages": USER, "continue_final_message": True},
-                                                          JSON, 400, "continue_final_message"),
+    "continue_final_message with add_generation_prompt": (
+        CHAT, {"messages": USER, "continue_final_message": True}, JSON, 400, "continue_final_message"),
     "per-request chat_template": (CHAT, {"messages": USER, "chat_template": "{{ 'x' }}"}, JSON, 400,
                                   "chat_template"),
-    "reserved chat_template_kwargs": (CHAT, {"messages": USER, "chat_template_kwargs": {"tokenize": True}}, JSON,
-                                      400, "chat_template_kwargs.tokenize"),
+    "reserved chat_template_kwargs": (CHAT, {"messages": USER, "chat_template_kwargs": {"tokenize": True}},
+                                      JSON, 400, "chat_template_kwargs.tokenize"),
     # the tokenizer endpoints
     "tokenize: lone surrogate": ("/tokenize", b'{"prompt": "\\udcff"}', JSON, 400, "prompt"),
     "tokenize: unknown model": ("/tokenize", {"model": "nope"}, JSON, 404, "model"),

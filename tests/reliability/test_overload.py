@@ -137,7 +137,8 @@ async def held_request(client: httpx.AsyncClient, release: asyncio.Event, k: int
         yield body[:5]
         await release.wait()
         yield body[5:]
-    r = await client.post("/v1/completions", content=slow_body(), headers={"content-type": "application/json"})
+    r = await client.post("/v1/completions", content=slow_body(),
+                          headers={"content-type": "application/json"})
     return r.status_code
 
 
@@ -157,8 +158,10 @@ def test_saturated_ingress_refuses_a_whole_burst(app):
     of the admission path alone (plus the Serve proxy in front of it)."""
     outcomes, held = asyncio.run(saturated_burst(app.base_url))
     lat = [o.latency_s for o in outcomes]
-    print(f"\n[overload] saturated ingress, burst of {BURST}: {dict(Counter((o.status, o.code) for o in outcomes))}; "
-          f"latency p50 {p(lat, 50) * 1000:.0f} ms, p99 {p(lat, 99) * 1000:.0f} ms; held requests then: {held}")
+    print(f"\n[overload] saturated ingress, burst of {BURST}: "
+          f"{dict(Counter((o.status, o.code) for o in outcomes))}; "
+          f"latency p50 {p(lat, 50) * 1000:.0f} ms, p99 {p(lat, 99) * 1000:.0f} ms; "
+          f"held requests then: {held}")
     assert all(o.status == 503 and o.code == "server_overloaded" and o.retry_after == "2" for o in outcomes)
     assert p(lat, 99) < REJECT_P99_BOUND_S
     assert set(held) <= {200, 503} and held.count(200) >= ENGINE_ONGOING

@@ -48,7 +48,8 @@ class Result:
     start: float
     end: float
     stream: bool
-    outcome: str                            # "ok" | "<status>:<error code>" | "sse_error:<code>" | "exc:<type>"
+    # "ok" | "<status>:<error code>" | "sse_error:<code>" | "exc:<type>"
+    outcome: str
 
 
 def _error_code(raw: bytes) -> str:

@@ -183,7 +183,8 @@ def test_cli_sigterm_drains_and_exits_zero(tiny_qwen_dir, tmp_path):
         out: dict[int, tuple[int, int, bool]] = {}
         stream = threading.Thread(target=read_stream, args=(base, 0, out, model, 400), daemon=True)
         stream.start()
-        wait_until(lambda: httpx.get(f"{base}/debug/replicas", timeout=10).json()["replicas"][0]["num_streams"],
+        wait_until(lambda: httpx.get(f"{base}/debug/replicas",
+                                     timeout=10).json()["replicas"][0]["num_streams"],
                    timeout_s=60, interval_s=0.02)
         t_term = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)

@@ -22,8 +22,15 @@ from pydantic import ValidationError
 
 from cluster.api.protocol import CompletionRequest
 from cluster.bench.workloads import Renderer
-from tests.reliability.soak import (INVALID_KINDS, WORKLOADS, SoakRecord, SoakReport, SoakSettings, WorkloadMix,
-                                    invalid_body)
+from tests.reliability.soak import (
+    INVALID_KINDS,
+    WORKLOADS,
+    SoakRecord,
+    SoakReport,
+    SoakSettings,
+    WorkloadMix,
+    invalid_body,
+)
 from tests.reliability.soak_server import ORACLE_CHECKS, SoakResult, replica_pids, run_checked
 
 NUM_REPLICAS = 2

@@ -2,9 +2,9 @@
 with liveness and state oracles, on the toy model (exact, fast) and on a real tiny model.
 
 A case draws the prefix cache on or off, a strategy, page size, track interval, MTP drafts
-(0-4), overlap, chunk and
-budget, concurrency, the waiting queue's policy (``fcfs`` or ``lpm`` with a bypass bound), KV and Mamba pool sizes (down to a KV pool that holds the longest
-request alone and a single Mamba slot), forced pending-allocation failures, stop tokens,
+(0-4), overlap, chunk and budget, concurrency, the waiting queue's policy (``fcfs`` or
+``lpm`` with a bypass bound), KV and Mamba pool sizes (down to a KV pool that holds the
+longest request alone and a single Mamba slot), forced pending-allocation failures, stop tokens,
 aborts (half of them retried at once under the same request id), an acceptance script
 (toy), and the host tier (``cache.host_mamba_slots`` 1-64 and ``host_kv_tokens`` from half
 the longest request up; forced transfer failures ``debug.fail_transfer_prob`` 0 / 0.3 / 1):
@@ -93,7 +93,8 @@ def draw(seed: int, guard_off: bool = False, tiers: bool = False) -> Case:
     chunk = rng.choice([1, 3, 5, 8, 16, 64])
     max_running = rng.choice([1, 2, 3, 4, 6])
     per_request = {"no_buffer": 1, "extra_buffer": 3, "extra_buffer_lazy": 2}[strategy]
-    slots = rng.choice([1, max_running, max_running * per_request, max_running * per_request + rng.choice([1, 4, 12])])
+    slots = rng.choice([1, max_running, max_running * per_request,
+                        max_running * per_request + rng.choice([1, 4, 12])])
     max_tokens = rng.choice([1, 2, 5, 9, 17, 32])
     near = [grid - 1, grid, grid + 1, 2 * grid - 1, 2 * grid + 1, page + 1, max(1, page - 1)]
     spread = rng.choice([40, 40, 80])              # 80: long prompts that crowd a tight pool

@@ -37,7 +37,8 @@ from workers.sampling_params import SamplingParams
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if nested else value
     return out
 
 
@@ -246,5 +247,6 @@ def distinct_prompts(n: int, length: int, vocab: ToyVocab, seed: int,
     rng = random.Random(seed)
     span = vocab.high - vocab.low
     assert first_token_base + n <= span
-    return [[vocab.low + first_token_base + i] + [rng.randrange(vocab.low, vocab.high) for _ in range(length - 1)]
+    return [[vocab.low + first_token_base + i] + [rng.randrange(vocab.low, vocab.high)
+                                                  for _ in range(length - 1)]
             for i in range(n)]

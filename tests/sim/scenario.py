@@ -104,7 +104,8 @@ def workload(scale: Scale, sim: Sim) -> tuple[list[list[int]], Passes]:
     """(warm-up prompts, the scenario's passes) for ``scale``."""
     v = sim.vocab
     warm = distinct_prompts(scale.num_warmup, scale.prompt_len, v, seed=1)
-    prompts = distinct_prompts(scale.num_prompts, scale.prompt_len, v, seed=2, first_token_base=scale.num_warmup)
+    prompts = distinct_prompts(scale.num_prompts, scale.prompt_len, v, seed=2,
+                               first_token_base=scale.num_warmup)
     expected = [v.greedy(p, 2) for p in prompts]
     follow = [p + e + [v.low + (i * 7) % (v.high - v.low)] for i, (p, e) in enumerate(zip(prompts, expected))]
     second = [q for f, p in zip(follow[::-1], prompts[::-1]) for q in (f, p)]

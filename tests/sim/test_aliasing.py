@@ -56,7 +56,8 @@ def test_guard_on(tiny_qwen_dir, scale):
         assert summary["pending_alloc_failures"] >= scale.num_prompts, summary
         if scale in ALIASING:
             # ...and the guard refused the prefill donations the first verify was writing.
-            assert summary["donations_skipped"].get("prefill_unfinished", 0) >= scale.num_prompts // 4, summary
+            skipped = summary["donations_skipped"].get("prefill_unfinished", 0)
+            assert skipped >= scale.num_prompts // 4, summary
         # Every prompt's checkpoint at the grid crossing was eventually published, from the
         # verify's crossing row (the label repaired after a skipped donation).
         for p, out in zip(passes.prompts, passes.outputs["first"]):

@@ -3,7 +3,6 @@ reproduced on the real tiny model, so none is an artefact of the toy runner).
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.sim.harness import Sim
@@ -137,5 +136,6 @@ def test_no_buffer_finish_with_verify_in_flight_real_model(tiny_qwen_dir):
     stop = plain.generate_ids([p], [G])[0].token_ids[0]
     expected = plain.generate_ids([q], [G])[0].token_ids
     llm = make_llm(tiny_qwen_dir, **NO_BUFFER_CASE)
-    llm.generate_ids([p], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))])
+    llm.generate_ids([p], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                          stop_token_ids=(stop,))])
     assert llm.generate_ids([q], [G])[0].token_ids == expected

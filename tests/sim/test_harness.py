@@ -54,7 +54,8 @@ def test_scripted_acceptance_is_exact(tiny_qwen_dir, accept):
     overrides = {"cache": {"enable_prefix_cache": False}, "spec": {"method": "mtp", "num_draft_tokens": 3}}
     with Sim(tiny_qwen_dir, overrides, script=lambda rid, pos, first, k: accept) as sim:
         prompts = distinct_prompts(4, 5, sim.vocab, seed=5)
-        assert [o.token_ids for o in sim.run(prompts, P)] == [sim.vocab.greedy(p, P.max_tokens) for p in prompts]
+        assert [o.token_ids for o in sim.run(prompts, P)] == [sim.vocab.greedy(p, P.max_tokens)
+                                                              for p in prompts]
         stats = sim.stats()
         drafted = stats["hybridserve_spec_draft_tokens_total"]
         accepted = stats["hybridserve_spec_accepted_tokens_total"]

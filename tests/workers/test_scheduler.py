@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from configs.schema import CacheConfig, DebugConfig, SchedulerConfig
 from workers.cache_manager import CacheManager
-from workers.stats import EngineStats
 from workers.request import Request, RequestStatus
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, pages_needed
+from workers.stats import EngineStats
 
 
 def make(num_pages=64, num_slots=8, page_size=4, **cfg):

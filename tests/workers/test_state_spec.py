@@ -12,8 +12,17 @@ from configs.schema import load_config
 from workers.device_pools import build_pools
 from workers.loader import load_model
 from workers.sizing import plan_pools
-from workers.state_spec import (ATTENTION, CacheSpec, StateGroup, StateKind, StateRef, StateSites,
-                                TensorSpec, attention_kind, conv_ssm_kind)
+from workers.state_spec import (
+    ATTENTION,
+    CacheSpec,
+    StateGroup,
+    StateKind,
+    StateRef,
+    StateSites,
+    TensorSpec,
+    attention_kind,
+    conv_ssm_kind,
+)
 
 # Kinds of a later issue, described without any model: short conv only, and a lightning
 # attention state [H, D, D] without conv.

@@ -301,7 +301,8 @@ def engine_acceptance(model_dir: Path, ks: list[int], output_len: int = 48) -> d
         for p in prompts:
             llm.generate([p], params)
         st = llm.stats()
-        out[k] = int(st["hybridserve_spec_accepted_tokens_total"]) / int(st["hybridserve_spec_draft_tokens_total"])
+        drafted = int(st["hybridserve_spec_draft_tokens_total"])
+        out[k] = int(st["hybridserve_spec_accepted_tokens_total"]) / drafted
     return out
 
 

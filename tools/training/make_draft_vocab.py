@@ -56,8 +56,9 @@ def readme_section(out: dict, size: int, vocab_size: int) -> str:
 `{FILE_NAME}`: the {len(out['token_ids']):,} most frequent tokens of the {out['source']}
 ({out['train_tokens']:,} tokens; they cover {out['train_coverage']:.3f} of them{held}), most frequent
 first. The MTP drafter scores these instead of all {vocab_size:,} (`spec.draft_vocab`, default
-`auto`: this file when present), so each chained draft reads {len(out['token_ids']) / vocab_size:.2f} of the lm-head;
-verification scores every token, so outputs do not change.
+`auto`: this file when present), so each chained draft reads
+{len(out['token_ids']) / vocab_size:.2f} of the lm-head; verification scores every token, so
+outputs do not change.
 
 ```
 python -m tools.training.make_draft_vocab --model DIR --size {size}
@@ -68,7 +69,8 @@ python -m tools.training.make_draft_vocab --model DIR --size {size}
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, type=Path, help="model directory (its tokenizer.json; the file goes there)")
+    ap.add_argument("--model", required=True, type=Path,
+                    help="model directory (its tokenizer.json; the file goes there)")
     ap.add_argument("--size", type=int, default=1024, help="tokens in the subset")
     ap.add_argument("--text", nargs="*", type=Path, default=None,
                     help="UTF-8 text files to count (default: the stdlib training split)")
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     out = build(tokenizer, train, heldout, args.size, source)
     (args.model / FILE_NAME).write_text(json.dumps(out) + "\n")
     if (args.model / "README.md").exists():
-        put_section(args.model / "README.md", HEADING, readme_section(out, args.size, tokenizer.get_vocab_size()))
+        put_section(args.model / "README.md", HEADING, readme_section(out, args.size,
+                                                                      tokenizer.get_vocab_size()))
     print(f"wrote {args.model / FILE_NAME}: {len(out['token_ids'])} tokens, "
           f"train coverage {out['train_coverage']}, held-out {out.get('heldout_coverage')}")
     return 0

@@ -46,7 +46,10 @@ class TrainableMtpHead(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         from transformers.models.qwen3_next.modeling_qwen3_next import (
-            Qwen3NextDecoderLayer, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding)
+            Qwen3NextDecoderLayer,
+            Qwen3NextRMSNorm,
+            Qwen3NextRotaryEmbedding,
+        )
 
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.pre_fc_norm_embedding = Qwen3NextRMSNorm(h, eps=eps)

@@ -55,24 +55,28 @@ def _model(info: dict[str, Any]) -> str:
     shape = info["settings"]["shape"]
     total = info["params_main"] + info["params_mtp"]
     return f"""- **Model**: hidden {shape["hidden_size"]}, {4 * shape["num_blocks"]} layers
-  (`[linear_attention x3, full_attention] x {shape["num_blocks"]}`); GDN {shape["linear_num_key_heads"]} key /
-  {shape["linear_num_value_heads"]} value heads of dim {shape["linear_key_head_dim"]}; attention {shape["num_attention_heads"]} heads /
+  (`[linear_attention x3, full_attention] x {shape["num_blocks"]}`);
+  GDN {shape["linear_num_key_heads"]} key / {shape["linear_num_value_heads"]} value heads of
+  dim {shape["linear_key_head_dim"]}; attention {shape["num_attention_heads"]} heads /
   {shape["num_key_value_heads"]} KV heads, head_dim {shape["head_dim"]}, partial rotary 0.25; dense SwiGLU
-  ({shape["intermediate_size"]}) after the GDN layers, MoE after the attention layers ({shape["num_experts"]}
-  experts of {shape["moe_intermediate_size"]}, top-{shape["num_experts_per_tok"]}, + a sigmoid-gated shared expert of
-  {shape["shared_expert_intermediate_size"]}); tied embeddings. MTP head: `fc` 2H→H over
+  ({shape["intermediate_size"]}) after the GDN layers, MoE after the attention layers
+  ({shape["num_experts"]} experts of {shape["moe_intermediate_size"]}, top-{shape["num_experts_per_tok"]}, +
+  a sigmoid-gated shared expert of {shape["shared_expert_intermediate_size"]}); tied embeddings.
+  MTP head: `fc` 2H→H over
   concat[`pre_fc_norm_embedding`(e_{{t+1}}), `pre_fc_norm_hidden`(h_t)], one full-attention MoE
   decoder layer (RoPE at position t+1), `norm`, the shared `lm_head`.
 - **Parameters**: {info["params_main"]:,} main + {info["params_mtp"]:,} MTP = {total:,}
-  ({info["disk_bytes"] / 1e6:.2f} MB `model.safetensors`, stored as {info["settings"]["save_dtype"]}; load it as float32)."""
+  ({info["disk_bytes"] / 1e6:.2f} MB `model.safetensors`, stored as {info["settings"]["save_dtype"]};
+  load it as float32)."""
 
 
 def _training(info: dict[str, Any]) -> str:
     s, t = info["settings"], info["train"]
     amp = ", bfloat16 autocast for the matmuls" if s["amp"] else ""
-    return f"""- **Training**: loss = CE(next token) + {info["mtp_loss_weight"]}·CE(MTP, token t+2) + 0.001·router balance
-  loss; AdamW (β 0.9/0.95, weight decay {s["weight_decay"]} on matrices), peak lr {s["lr"]},
-  {s["warmup_steps"]} warmup steps then cosine to {s["min_lr_ratio"]}×; batch {s["batch_size"]} × {s["seq_len"]} tokens
+    return f"""- **Training**: loss = CE(next token) + {info["mtp_loss_weight"]}·CE(MTP, token t+2) +
+  0.001·router balance loss; AdamW (β 0.9/0.95, weight decay {s["weight_decay"]} on matrices),
+  peak lr {s["lr"]}, {s["warmup_steps"]} warmup steps then cosine to {s["min_lr_ratio"]}×;
+  batch {s["batch_size"]} × {s["seq_len"]} tokens
   (random windows of the token stream, files joined by `<|endoftext|>`); gradient clip {s["grad_clip"]};
   float32 weights{amp}.
   {t["steps"]} steps, {t["tokens_seen"]:,} tokens, **{t["train_seconds"] / 60:.1f} min** of
@@ -164,7 +168,8 @@ def _distill(info: dict[str, Any]) -> str:
                 f"{before['one_step_text']:.3f} | {after['one_step_text']:.3f} |")
     eng = ""
     if info.get("engine_before") and info.get("engine_after"):
-        eng_rows = "\n".join(f"| k = {k} | {info['engine_before'][k]:.3f} | **{info['engine_after'][k]:.3f}** |"
+        eng_rows = "\n".join(f"| k = {k} | {info['engine_before'][k]:.3f} | "
+                             f"**{info['engine_after'][k]:.3f}** |"
                              for k in info["engine_before"])
         eng = f"""
 The engine's own acceptance (accepted ÷ drafted, `num_draft_tokens` = k, greedy, batch 1,
@@ -187,10 +192,12 @@ the MTP rows of the table above are of the head before it):
 (`tools/training/distill_mtp.py`.) Targets are the main model's own next-token
 distributions (KL(main ‖ draft) + {s["hard_weight"]}·CE to its argmax), not the text; data are
 training-text prompts of {s["min_prompt"]}–{s["max_prompt"]} tokens continued by the main model's greedy
-decoding to {s["seq_len"]} tokens (prompt anchors weighted {s["text_weight"]}). The {s["k"]}-step draft chain is
+decoding to {s["seq_len"]} tokens (prompt anchors weighted {s["text_weight"]}).
+The {s["k"]}-step draft chain is
 unrolled as the engine runs it (step j feeds the head's own previous output and token
 x_{{s+j}}; its attention sees the catch-up rows ≤ s and its own chained rows), steps
-weighted {", ".join(str(w) for w in s["step_weights"][:s["k"]])}. AdamW lr {s["lr"]} (cosine to {s["min_lr_ratio"]}×), batch {s["batch_size"]};
+weighted {", ".join(str(w) for w in s["step_weights"][:s["k"]])}.
+AdamW lr {s["lr"]} (cosine to {s["min_lr_ratio"]}×), batch {s["batch_size"]};
 {t["steps"]} steps, **{t["train_seconds"] / 60:.1f} min** of training, {s["threads"]} CPU thread
 ({info["total_seconds"] / 60:.1f} min for the whole script, evaluations included).
 

@@ -32,8 +32,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tools.training.corpus import (EOS_TOKEN, encode_stream, read_corpus, stdlib_files, stdlib_root,
-                                     train_tokenizer)
+from tools.training.corpus import (
+    EOS_TOKEN,
+    encode_stream,
+    read_corpus,
+    stdlib_files,
+    stdlib_root,
+    train_tokenizer,
+)
 from tools.training.mtp_head import TrainableMtpHead, param_count
 from tools.training.readme import write_readme
 

@@ -347,7 +347,8 @@ def _check_ownership(ledger: SlotLedger) -> list[Violation]:
     indexed = {(h, s, role) for h, slots in ledger._by_request.items() for s, role in slots.items()}
     actual = {(o.handle, s, o.role) for s, o in ledger._owner.items() if isinstance(o, RequestOwner)}
     if indexed != actual:
-        out.append(Violation("I2", f"request index disagrees with owner map: {sorted(indexed ^ actual, key=str)}"))
+        out.append(Violation("I2", "request index disagrees with owner map: "
+                                   f"{sorted(indexed ^ actual, key=str)}"))
     stray = sorted(s for s in ledger._content if s not in ledger._owner)
     if stray:
         out.append(Violation("I4", f"content recorded for free slots {stray}"))

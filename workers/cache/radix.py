@@ -300,7 +300,8 @@ class RadixCache:
         self._clock += 1
         return self._clock
 
-    def _new_node(self, parent: TreeNode, key: tuple[int, ...], page_ids: list[int], digest: bytes) -> TreeNode:
+    def _new_node(self, parent: TreeNode, key: tuple[int, ...], page_ids: list[int],
+                  digest: bytes) -> TreeNode:
         node = TreeNode(self._next_node_id, parent, key, page_ids, digest)
         self._next_node_id += 1
         self._nodes[node.node_id] = node
@@ -318,7 +319,8 @@ class RadixCache:
         mid.children[child.key[:self.page_size]] = child
         return mid  # same pages under the same lock state: sizes unchanged
 
-    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], page_ids: list[int], digest: bytes) -> TreeNode:
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], page_ids: list[int],
+                  digest: bytes) -> TreeNode:
         leaf = self._new_node(parent, key, page_ids, digest)
         self._tree_pages.update(page_ids)
         self._evictable_pages += len(page_ids)

@@ -105,7 +105,8 @@ def compile_for_owner(method: Callable[..., Any], owner: int, **kwargs: Any) -> 
     engine's calls (``CallOptions``' guard skip relies on it), each engine's graphs count
     against their own recompile limit, and they are freed with the engine."""
     func = method.__func__                 # type: ignore[attr-defined]
-    code = func.__code__.replace(co_name=f"{func.__name__}_{owner}", co_qualname=f"{func.__qualname__}_{owner}")
+    code = func.__code__.replace(co_name=f"{func.__name__}_{owner}",
+                                 co_qualname=f"{func.__qualname__}_{owner}")
     fresh = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
     return torch.compile(types.MethodType(fresh, method.__self__), **kwargs)   # type: ignore[attr-defined]
 
@@ -138,7 +139,8 @@ class CallOptions:
     def __init__(self, freeze: bool = False, cpp_wrapper: bool = False) -> None:
         import torch._inductor.config as inductor_config
 
-        patches = [torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=RECOMPILE_LIMIT)]
+        patches = [torch._dynamo.config.patch(automatic_dynamic_shapes=False,
+                                              recompile_limit=RECOMPILE_LIMIT)]
         if freeze:
             patches.append(inductor_config.patch(freezing=True))
         if cpp_wrapper:
@@ -194,7 +196,8 @@ _FIELDS: dict[type, tuple[str, ...] | None] = {}
 def _field_names(cls: type) -> tuple[str, ...] | None:
     """A dataclass's field names (None: not a dataclass), looked up once per class."""
     if cls not in _FIELDS:
-        _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+        _FIELDS[cls] = (tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls)
+                        else None)
     return _FIELDS[cls]
 
 

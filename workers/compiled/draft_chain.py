@@ -26,7 +26,14 @@ from torch import Tensor
 
 from configs.schema import CompileConfig
 from kernels import native_ops
-from workers.compiled.cache import CallOptions, check_owner, compile_for_owner, compile_kwargs, configure_cache, new_owner
+from workers.compiled.cache import (
+    CallOptions,
+    check_owner,
+    compile_for_owner,
+    compile_kwargs,
+    configure_cache,
+    new_owner,
+)
 from workers.compiled.progress import CompileProgress, timed
 from workers.compiled.steps import MIN_PAGES, pad_if_needed
 from workers.device_pools import DevicePools
@@ -59,8 +66,8 @@ class CompiledChain:
         kwargs = compile_kwargs(self.on_gpu, self.freeze, gemm_templates=False)   # ATen GEMMs (see there)
         self._compiled: Callable[[Tensor, Tensor, Tensor, int], Tensor] = compile_for_owner(
             self._chain_from, self.owner, dynamic=None, fullgraph=True, **kwargs)
-        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor] = compile_for_owner(
-            self._verify_chain, self.owner, dynamic=None, fullgraph=True, **kwargs)
+        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor] = (
+            compile_for_owner(self._verify_chain, self.owner, dynamic=None, fullgraph=True, **kwargs))
         self._call = CallOptions(freeze=self.freeze, cpp_wrapper=not self.on_gpu)
         self.num_calls = {size: 0 for size in self.sizes}
         self.num_verify_calls = {size: 0 for size in self.sizes}
@@ -84,9 +91,9 @@ class CompiledChain:
         cu = torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=dev)
         flat_ids = ids.reshape(-1)
         catch_up = ForwardBatch(
-            input_ids=flat_ids, positions=pos.reshape(-1), cu_seqlens=cu, seq_lens=(starts + rows).to(torch.int32),
-            out_loc=out_loc.reshape(-1), page_table=table, mamba_slot_ids=cu[:-1] * 0,
-            has_initial_state=cu[:-1] < 0, logits_indices=flat_ids, page_size=ps)
+            input_ids=flat_ids, positions=pos.reshape(-1), cu_seqlens=cu,
+            seq_lens=(starts + rows).to(torch.int32), out_loc=out_loc.reshape(-1), page_table=table,
+            mamba_slot_ids=cu[:-1] * 0, has_initial_state=cu[:-1] < 0, logits_indices=flat_ids, page_size=ps)
         out = self.mtp.forward_tokens(flat_ids, catch_up, hidden_rows, self.pools, layer=0)
         last = torch.arange(size, device=dev) * rows + widths - 1
         return self._chain(out[last], self._batches(starts + widths - 1, table))
@@ -150,7 +157,8 @@ class CompiledChain:
             width = max(max((len(p) for p in page_ids), default=0), MIN_PAGES)
             pages = self.max_pages if self.on_gpu else width
             table = torch.tensor([p + [0] * (pages - len(p)) for p in page_ids] +
-                                 [[0] * pages] * (size - len(page_ids)), dtype=torch.int32, device=self.device)
+                                 [[0] * pages] * (size - len(page_ids)), dtype=torch.int32,
+                                 device=self.device)
         if not self.on_gpu:
             torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
         return table
@@ -178,8 +186,8 @@ class CompiledChain:
         meta = torch.tensor([starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
                             dtype=torch.int64, device=self.device)
         hidden = pad_if_needed(hidden_rows, (0, 0, 0, (size - n) * rows))
-        drafts = self._call.call(self._compiled_verify, hidden, ids, meta[0], meta[1], self._table(page_ids, size),
-                                 self.owner)
+        drafts = self._call.call(self._compiled_verify, hidden, ids, meta[0], meta[1],
+                                 self._table(page_ids, size), self.owner)
         self.num_verify_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
@@ -191,7 +199,8 @@ class CompiledChain:
         for size in self.sizes:
             with timed(progress, f"draft chain (k={self.k}), batch {size}"), torch.inference_mode():
                 self.run(empty, [], [], size)
-            with timed(progress, f"draft chain after a verify (k={self.k}), batch {size}"), torch.inference_mode():
+            label = f"draft chain after a verify (k={self.k}), batch {size}"
+            with timed(progress, label), torch.inference_mode():
                 self.run_verified(empty, [], [], [], size)
             self.num_calls[size] -= 1
             self.num_verify_calls[size] -= 1

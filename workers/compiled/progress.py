@@ -3,8 +3,9 @@
 A cold compile of every bucket takes minutes on a CPU and a warm one seconds; either way the
 user of ``hybridserve serve`` (a replica's stderr reaches the driver's terminal under Ray)
 or of the offline ``LLM`` sees which bucket is being built, i of N, its seconds and whether
-its graph was compiled, loaded from the persistent cache or shared with an earlier bucket. Plain lines rather than a redrawn bar: a replica's stderr is a
-pipe, where a carriage return would only pile up.
+its graph was compiled, loaded from the persistent cache or shared with an earlier bucket.
+Plain lines rather than a redrawn bar: a replica's stderr is a pipe, where a carriage
+return would only pile up.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ class CompileProgress:
         """Writes the total line; returns the seconds since the header."""
         took = CompileTimes(time.monotonic() - self._start, time.process_time() - self._start_cpu)
         sources = "; ".join(f"{n} {source}" for source, n in self._sources.most_common())
-        _write(f"ready in {took.wall_s:.1f} s, {took.cpu_s:.1f} s of CPU ({self.done} of {self.total}: {sources})")
+        _write(f"ready in {took.wall_s:.1f} s, {took.cpu_s:.1f} s of CPU ({self.done} of {self.total}: "
+               f"{sources})")
         return took
 
 

@@ -35,8 +35,15 @@ from torch import Tensor
 
 from configs.schema import CompileConfig
 from kernels import native_ops
-from workers.compiled.cache import (CallOptions, cache_counters, check_owner, compile_for_owner, compile_kwargs,
-                                    configure_cache, new_owner)
+from workers.compiled.cache import (
+    CallOptions,
+    cache_counters,
+    check_owner,
+    compile_for_owner,
+    compile_kwargs,
+    configure_cache,
+    new_owner,
+)
 from workers.compiled.progress import CompileProgress, CompileTimes, timed
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch

@@ -14,8 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.request import Request
-from workers.sampling.inputs import (BadWordInputs, GrammarRows, PenaltyInputs, PromptInputs, RowFilters,
-                                     RowTokens, SamplingInputs)
+from workers.sampling.inputs import (
+    BadWordInputs,
+    GrammarRows,
+    PenaltyInputs,
+    PromptInputs,
+    RowFilters,
+    RowTokens,
+    SamplingInputs,
+)
 from workers.sampling.requests import RequestSampling, request_sampling
 from workers.scheduler_types import ScheduledSeq
 
@@ -197,11 +204,12 @@ class SamplingPlanner:
             repetition=_t([x[2] for x in rows.pen], torch.float32),
             frequency=_t([x[3] for x in rows.pen], torch.float32),
             presence=_t([x[4] for x in rows.pen], torch.float32),
-            draft_rows=_opt([k for k, _ in rows.pen_drafts]), draft_inputs=_opt([i for _, i in rows.pen_drafts]),
-            init_registers=tuple(reg for reg, _, _ in rows.init),
-            init_prompt=_opt([t for _, t in prompt]), init_prompt_reg=_opt([r for r, _ in prompt]),
-            init_output=_opt([t for _, t in output]), init_output_reg=_opt([r for r, _ in output]),
-            seq_registers=tuple(rows.seq_registers), capacity=self.registers.capacity)
+            draft_rows=_opt([k for k, _ in rows.pen_drafts]),
+            draft_inputs=_opt([i for _, i in rows.pen_drafts]),
+            init_registers=tuple(reg for reg, _, _ in rows.init), init_prompt=_opt([t for _, t in prompt]),
+            init_prompt_reg=_opt([r for r, _ in prompt]), init_output=_opt([t for _, t in output]),
+            init_output_reg=_opt([r for r, _ in output]), seq_registers=tuple(rows.seq_registers),
+            capacity=self.registers.capacity)
 
 
 def _filters(rows: _Rows) -> RowFilters:
@@ -243,8 +251,9 @@ def _bad_words(rows: _Rows, seqs: tuple[ScheduledSeq, ...], first_inputs: list[i
             else:
                 cols.append(num_inputs + off + (p - lo) if p >= lo else 0)
         gather.append(cols)
-    return BadWordInputs(rows=_t([r for r, _, _, _ in rows.words]), banned=_t([w[-1] for _, _, w, _ in rows.words]),
-                         prefix=_t(prefix), gather=_t(gather), history=_t(history or [0]))
+    return BadWordInputs(rows=_t([r for r, _, _, _ in rows.words]),
+                         banned=_t([w[-1] for _, _, w, _ in rows.words]), prefix=_t(prefix),
+                         gather=_t(gather), history=_t(history or [0]))
 
 
 def _prompt_inputs(seqs: tuple[ScheduledSeq, ...], first_inputs: list[int]) -> PromptInputs | None:

@@ -25,8 +25,14 @@ from workers.sampling.grammar import GrammarBank, GrammarCompiler, apply_bitmask
 from workers.sampling.inputs import SamplingInputs
 from workers.sampling.logprobs import token_logprobs
 from workers.sampling.penalties import PenaltyState
-from workers.sampling.processors import (add_bias, apply_penalties, ban_bad_words, block_tokens, draw,
-                                         filter_rows)
+from workers.sampling.processors import (
+    add_bias,
+    apply_penalties,
+    ban_bad_words,
+    block_tokens,
+    draw,
+    filter_rows,
+)
 from workers.sampling_params import SamplingParams
 from workers.spec.acceptance import Accepted, accept_greedy_ids, accept_rejection
 from workers.step_inputs import VerifyRows
@@ -129,7 +135,8 @@ class BatchSampler:
             picked = torch.where(si.filters.greedy, best, drawn)
         if drafts is None:                   # one read for the picked tokens and the drafts
             rows = _draft_rows(verify)
-            both = torch.cat([picked, input_ids[torch.tensor(rows, dtype=torch.int64, device=x.device)]]).tolist()
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=x.device)
+            both = torch.cat([picked, input_ids[rows_t]]).tolist()
             host, drafts = both[:picked.shape[0]], _split_drafts(both[picked.shape[0]:], verify)
         else:
             host = picked.tolist()
@@ -176,7 +183,8 @@ class BatchSampler:
 
 
 def _draft_rows(verify: list[VerifyRows | None]) -> list[int]:
-    return [r for v in verify if v is not None for r in range(v.first_row + 1, v.first_row + 1 + v.num_drafts)]
+    return [r for v in verify if v is not None
+            for r in range(v.first_row + 1, v.first_row + 1 + v.num_drafts)]
 
 
 def _split_drafts(flat: list[int], verify: list[VerifyRows | None]) -> list[list[int]]:
@@ -194,4 +202,5 @@ def _drafts(input_ids: torch.Tensor, verify: list[VerifyRows | None]) -> list[li
     rows = _draft_rows(verify)
     if not rows:
         return [[] for _ in verify]
-    return _split_drafts(input_ids[torch.tensor(rows, dtype=torch.int64, device=input_ids.device)].tolist(), verify)
+    return _split_drafts(input_ids[torch.tensor(rows, dtype=torch.int64, device=input_ids.device)].tolist(),
+                         verify)

@@ -23,13 +23,15 @@ def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_top: int) -> lis
 
 
 def prompt_logprobs(p: PromptInputs, hidden: torch.Tensor,
-                    compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[int, int, list[TokenLogprob]]]:
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    ) -> list[tuple[int, int, list[TokenLogprob]]]:
     """Per sequence that asked: (batch index, first prompt position scored, entries)."""
     num_top = max(k for _, _, _, k in p.seqs)
     entries: list[TokenLogprob] = []
     for lo in range(0, int(p.hidden_rows.shape[0]), PROMPT_BLOCK_ROWS):
         rows = p.hidden_rows[lo: lo + PROMPT_BLOCK_ROWS]
-        entries += token_logprobs(compute_logits(hidden[rows]), p.targets[lo: lo + PROMPT_BLOCK_ROWS], num_top)
+        entries += token_logprobs(compute_logits(hidden[rows]), p.targets[lo: lo + PROMPT_BLOCK_ROWS],
+                                  num_top)
     out, at = [], 0
     for b, first, count, k in p.seqs:
         block = entries[at: at + count]

@@ -41,7 +41,8 @@ class StructuredOutput:
         object.__setattr__(self, "choices", tuple(self.choices))
         if self.kind == "choice":
             if not self.choices or not all(isinstance(c, str) for c in self.choices):
-                raise ValueError(f"a choice constraint needs a non-empty list of strings, got {list(self.choices)!r}")
+                raise ValueError("a choice constraint needs a non-empty list of strings, got "
+                                 f"{list(self.choices)!r}")
         elif self.kind != "json_object" and not (isinstance(self.spec, str) and self.spec):
             raise ValueError(f"a {self.kind} constraint needs a non-empty spec string")
         try:

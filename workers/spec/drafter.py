@@ -23,10 +23,10 @@ import torch
 
 from workers.compiled.draft_chain import CompiledChain
 from workers.device_pools import DevicePools
-from workers.spec.draft_vocab import DraftVocab
 from workers.forward_batch import ForwardBatch
 from workers.sampler import _filter_top_k_top_p
 from workers.sampling_params import SamplingParams
+from workers.spec.draft_vocab import DraftVocab
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,8 @@ class MtpDrafter:
             input_ids=ids, positions=torch.tensor(positions, device=dev),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([t0 + n for t0, n in zip(starts, lengths)], dtype=torch.int32, device=dev),
-            out_loc=torch.tensor(out_loc, device=dev), page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            out_loc=torch.tensor(out_loc, device=dev),
+            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
             mamba_slot_ids=torch.zeros(b, dtype=torch.int32, device=dev),
             has_initial_state=torch.zeros(b, dtype=torch.bool, device=dev),
             logits_indices=torch.tensor(cu[1:], device=dev) - 1, page_size=ps)
@@ -142,7 +143,8 @@ class MtpDrafter:
             p = span.params
             if p is None or p.is_greedy:
                 continue
-            probs = torch.softmax(_filter_top_k_top_p(logits[i] / p.temperature, p.effective_top_k, p.top_p), -1)
+            probs = torch.softmax(_filter_top_k_top_p(logits[i] / p.temperature, p.effective_top_k, p.top_p),
+                                  -1)
             index[i] = torch.multinomial(probs, 1, generator=span.generator)[0]
             vocab_size = int(self.target.lm_head_weight().shape[0])
             if self.draft_probs is None:

@@ -99,7 +99,8 @@ def read_entries(groups: Groups, idx: Sequence[int]) -> dict[str, dict[str, torc
     return out
 
 
-def write_entries(groups: Groups, idx: Sequence[int], values: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+def write_entries(groups: Groups, idx: Sequence[int],
+                  values: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
     """The inverse of ``read_entries`` (``values`` as it returns them)."""
     for kind, tensors in groups.items():
         ii = torch.tensor(list(idx), dtype=torch.int64)

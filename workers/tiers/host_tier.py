@@ -27,8 +27,17 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from workers.allocators import IdAllocator
-from workers.cache import (CacheEvent, Checkpoint, MatchResult, RadixCache, RequestOwner, SlotLedger,
-                           SlotRole, TreeNode, Violation)
+from workers.cache import (
+    CacheEvent,
+    Checkpoint,
+    MatchResult,
+    RadixCache,
+    RequestOwner,
+    SlotLedger,
+    SlotRole,
+    TreeNode,
+    Violation,
+)
 from workers.stats import EngineStats
 from workers.tiers.payload import CheckpointPayload, payload_problem
 from workers.tiers.storage import TierStorage
@@ -198,7 +207,8 @@ class HostTier:
                 continue
             content = self.ledger.content_of(ckpt.slot)
             if content is None or content.depth != ckpt.depth:
-                out.append(Violation("I4", f"host tier: node at depth {node.depth}: slot {ckpt.slot} holds {content}"))
+                out.append(Violation("I4", f"host tier: node at depth {node.depth}: "
+                                           f"slot {ckpt.slot} holds {content}"))
         if self.pages.num_free + self.tree.num_cached_pages != self.pages.num_usable:
             out.append(Violation("I2", f"host tier: pages free {self.pages.num_free} + tree "
                                        f"{self.tree.num_cached_pages} != {self.pages.num_usable}"))

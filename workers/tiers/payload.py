@@ -19,7 +19,8 @@ import torch
 
 from workers.cache.prefix_hash import prefix_hash
 
-Layout = dict[str, dict[str, dict[str, tuple[tuple[int, ...], str]]]]   # side -> kind -> name -> (shape, dtype)
+# side -> kind -> name -> (shape, dtype)
+Layout = dict[str, dict[str, dict[str, tuple[tuple[int, ...], str]]]]
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class CheckpointPayload:
 
     @property
     def nbytes(self) -> int:
-        return sum(raw.nbytes for side in self.data.values() for kind in side.values() for _, _, raw in kind.values())
+        return sum(raw.nbytes for side in self.data.values() for kind in side.values()
+                   for _, _, raw in kind.values())
 
     @classmethod
     def build(cls, token_ids: tuple[int, ...], page_size: int, digest: bytes, fingerprint: str,
@@ -49,7 +51,8 @@ class CheckpointPayload:
         return cls(token_ids, page_size, digest, fingerprint, data)
 
     def tensors(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
-        return {side: {kind: {name: _decode(*v) for name, v in named.items()} for kind, named in kinds.items()}
+        return {side: {kind: {name: _decode(*v) for name, v in named.items()}
+                       for kind, named in kinds.items()}
                 for side, kinds in self.data.items()}
 
 
@@ -92,7 +95,8 @@ def payload_problem(payload: Any, page_size: int, fingerprint: str, layout: Layo
             return f"{side} layout {got} != this replica's {kinds}"
         for kind, named in payload.data[side].items():
             for name, (entry, dtype, raw) in named.items():
-                want = int(np.prod(entry)) * entries * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                want = int(np.prod(entry)) * entries * itemsize
                 if raw.nbytes != want:
                     return f"{side}/{kind}/{name}: {raw.nbytes} bytes, expected {want} for {entries} entries"
     return None

@@ -28,8 +28,15 @@ import torch
 
 from workers.device_pools import DevicePools
 from workers.forward_thread import StepFuture
-from workers.tiers.host_pools import (Groups, HostPools, copy_entries, entry_shapes, page_rows, read_entries,
-                                      write_entries)
+from workers.tiers.host_pools import (
+    Groups,
+    HostPools,
+    copy_entries,
+    entry_shapes,
+    page_rows,
+    read_entries,
+    write_entries,
+)
 
 EntryTensors = dict[str, dict[str, dict[str, torch.Tensor]]]   # "slots"/"kv" -> kind -> name -> tensor
 

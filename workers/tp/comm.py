@@ -138,8 +138,9 @@ class TPGroup:
         except RuntimeError as exc:
             self.abort(f"its connect failed: {exc}")
             raise RuntimeError(f"tensor-parallel rank {rank} of {self.world_size} could not connect to its "
-                               f"peers at {rendezvous.host}:{rendezvous.port} within {rendezvous.timeout_s:g}s "
-                               f"(a rank died or stalled while starting): {exc}") from exc
+                               f"peers at {rendezvous.host}:{rendezvous.port} within "
+                               f"{rendezvous.timeout_s:g}s (a rank died or stalled while starting): "
+                               f"{exc}") from exc
 
     def _connect(self, host: str) -> None:
         assert self._store is not None

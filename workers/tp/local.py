@@ -14,8 +14,8 @@ import torch
 
 from configs.schema import HybridServeConfig
 from workers.engine import Engine, resolve_device
-from workers.tp.comm import Rendezvous, TPGroup, open_rendezvous, wait_joined
 from workers.loader import load_config
+from workers.tp.comm import Rendezvous, TPGroup, open_rendezvous, wait_joined
 from workers.tp.engine import TPEngine
 from workers.tp.shard import validate_tp
 

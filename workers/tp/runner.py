@@ -14,9 +14,9 @@ import hashlib
 import logging
 import pickle
 import threading
-from functools import partial
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 

@@ -38,9 +38,18 @@ from workers.models.mamba2 import Mamba2Mixer
 from workers.models.moe import SparseMoE
 from workers.models.short_conv import ShortConv
 from workers.tp.comm import Comm
+from workers.tp.shard_layers import (
+    mamba_groups,
+    part,
+    shard_attention,
+    shard_gdn,
+    shard_mamba1,
+    shard_mamba2,
+    shard_mlp,
+    shard_moe,
+    shard_short_conv,
+)
 from workers.tp.shard_mixers import CHECKS, SHARDERS
-from workers.tp.shard_layers import (mamba_groups, part, shard_attention, shard_gdn, shard_mamba1,
-                                     shard_mamba2, shard_mlp, shard_moe, shard_short_conv)
 
 _SHARDED = "_tp_sharded"
 

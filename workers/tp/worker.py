@@ -20,9 +20,9 @@ from configs.schema import HybridServeConfig
 from workers.device_pools import build_pools
 from workers.engine import resolve_device, resolve_dtype
 from workers.loader import load_model, load_tokenizer
-from workers.sampling.grammar import GrammarCompiler
 from workers.model_runner import ModelRunner, StepResult
 from workers.sampler import GeneratorBank
+from workers.sampling.grammar import GrammarCompiler
 from workers.spec.setup import build_drafter
 from workers.state_spec import ATTENTION
 from workers.tp.comm import Rendezvous, TPGroup
@@ -56,7 +56,8 @@ class TPWorker:
                             getattr(torch, layout.dtype), self.device)
         drafter = None
         if layout.mtp_kv_index is not None:
-            drafter = build_drafter(config, model, pools, layout.mtp_kv_index, layout.max_model_len, self.device)
+            drafter = build_drafter(config, model, pools, layout.mtp_kv_index, layout.max_model_len,
+                                    self.device)
             assert drafter is not None
             shard_module(drafter.mtp, self.group)
         self.generators = GeneratorBank(config.seed, self.device)

@@ -23,7 +23,8 @@ REPLICAS = Row("Replicas", (
            Target(gauge("ray_serve_replica_processing_queries", ENGINE_DEPLOYMENT, ("replica",)),
                   "serve {{replica}}")), width=8),
     Panel("Generated tokens per replica", "Output tokens per second by replica: the work each one does.",
-          (Target(rate("hybridserve_generation_tokens_total", MODEL, ("replica",)), "{{replica}}"),), width=8),
+          (Target(rate("hybridserve_generation_tokens_total", MODEL, ("replica",)), "{{replica}}"),),
+          width=8),
     Panel("Cache-hit share per replica", "Share of each replica's prompt tokens served from its prefix "
           "cache (hit tokens / looked-up tokens over the window). A replica far below the others "
           "is receiving prompts whose checkpoints live elsewhere.",
@@ -70,7 +71,8 @@ SERVE = Row("Ray Serve", (
 CLUSTER = Dashboard(
     uid="hybridserve-cluster",
     title="hybridserve / Cluster",
-    description="Replicas, routing, the cluster checkpoint store and Ray Serve traffic of a hybridserve cluster.",
+    description="Replicas, routing, the cluster checkpoint store and Ray Serve traffic of a hybridserve "
+                "cluster.",
     rows=(REPLICAS, ROUTING, STORE, SERVE),
     variables=(Variable("model", "Model", "label_values(hybridserve_num_running_requests, model)"),
                Variable("application", "Serve application",

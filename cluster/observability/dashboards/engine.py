@@ -80,7 +80,8 @@ POOLS = Row("Pools and prefix cache", (
 CHECKPOINTS = Row("Mamba checkpoints", (
     Panel("Checkpoints inserted and evicted", "Mamba checkpoints added to the radix tree per second by "
           "phase (prefill, decode, finish), freed by eviction, and inserts that found one already there.",
-          (Target(rate("hybridserve_mamba_checkpoints_inserted_total", SEL, ("phase",)), "inserted {{phase}}"),
+          (Target(rate("hybridserve_mamba_checkpoints_inserted_total", SEL, ("phase",)),
+                  "inserted {{phase}}"),
            Target(rate("hybridserve_mamba_checkpoints_evicted_total", SEL), "evicted"),
            Target(rate("hybridserve_mamba_duplicate_inserts_total", SEL), "duplicate inserts"))),
     Panel("Donations made and skipped", "Keep slots handed to the tree without a copy, and donations "

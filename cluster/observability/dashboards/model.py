@@ -153,7 +153,8 @@ def _panel(panel: Panel, panel_id: int, grid: dict[str, int]) -> dict[str, Any]:
                               "spanNulls": False,
                               "thresholdsStyle": {"mode": "line" if panel.alarm_at is not None else "off"}}
         defaults["color"] = {"mode": "palette-classic"}
-        options: dict[str, Any] = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+        options: dict[str, Any] = {"legend": {"displayMode": "list", "placement": "bottom",
+                                              "showLegend": True},
                                    "tooltip": {"mode": "multi", "sort": "desc"}}
     else:
         defaults["color"] = {"mode": "thresholds"}

@@ -13,22 +13,26 @@ TIERS = Row("Checkpoint tiers", (
     Panel("Cache hits by tier", "Requests per second whose prompt resumed from a checkpoint, by the "
           "tier it came from: device (the radix tree), host (promoted from the host tier), store "
           "(fetched from the cluster store, then promoted).",
-          (Target(rate("hybridserve_cache_hits_total", ENGINE_SEL, ("tier",)), "{{tier}}"),), unit="reqps", width=8),
+          (Target(rate("hybridserve_cache_hits_total", ENGINE_SEL, ("tier",)), "{{tier}}"),), unit="reqps",
+          width=8),
     Panel("Hit tokens by tier", "Prompt tokens per second served from each tier (not recomputed).",
           (Target(rate("hybridserve_cache_hit_tokens_total", ENGINE_SEL, ("tier",)), "{{tier}}"),), width=8),
     Panel("Promotions and demotions", "Checkpoints copied device -> host per second by outcome "
           "(demoted on eviction, copied for the store, present already, host_full: dropped, failed) "
           "and host -> device (promoted, failed). Failures only cost a recompute.",
           (Target(rate("hybridserve_tier_demotions_total", ENGINE_SEL, ("outcome",)), "demote {{outcome}}"),
-           Target(rate("hybridserve_tier_promotions_total", ENGINE_SEL, ("outcome",)), "promote {{outcome}}")),
+           Target(rate("hybridserve_tier_promotions_total", ENGINE_SEL, ("outcome",)),
+                  "promote {{outcome}}")),
           unit="ops", width=8),
     Panel("Bytes moved between tiers", "Bytes per second copied device -> host, host -> device, and "
           "put into / fetched from the cluster store.",
           (Target(rate("hybridserve_tier_bytes_total", ENGINE_SEL, ("direction",)), "{{direction}}"),),
           unit="Bps", width=8),
     Panel("Host tier usage", "Checkpoints and KV tokens held in each replica's host tier.",
-          (Target(gauge("hybridserve_host_mamba_slots_used", ENGINE_SEL, ("replica",)), "checkpoints {{replica}}"),
-           Target(gauge("hybridserve_host_kv_tokens_used", ENGINE_SEL, ("replica",)), "KV tokens {{replica}}")),
+          (Target(gauge("hybridserve_host_mamba_slots_used", ENGINE_SEL, ("replica",)),
+                  "checkpoints {{replica}}"),
+           Target(gauge("hybridserve_host_kv_tokens_used", ENGINE_SEL, ("replica",)),
+                  "KV tokens {{replica}}")),
           width=8),
     Panel("Host KV with no checkpoint under it", "KV tokens in the host tier that no host checkpoint "
           "can use (SGLang's 'dead memory'). Must be 0: every host leaf holds a checkpoint.",

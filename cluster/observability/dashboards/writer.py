@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = stale_files(args.out)
         for path in stale:
-            print(f"stale: {path} (regenerate with python -m cluster.observability.dashboards)", file=sys.stderr)
+            print(f"stale: {path} (regenerate with python -m cluster.observability.dashboards)",
+                  file=sys.stderr)
         return 1 if stale else 0
     for path in write(args.out):
         print(path)

@@ -21,7 +21,8 @@ from cluster.serving.engine_client import LocalEngineClient
 from cluster.serving.replica_core import ReplicaCore
 from configs.schema import load_config
 
-SMALL = {"device": "cpu", "dtype": "float32", "cache": {"page_size": 4, "max_kv_tokens": 2048, "max_mamba_slots": 32}}
+SMALL = {"device": "cpu", "dtype": "float32", "cache": {"page_size": 4, "max_kv_tokens": 2048,
+                                                        "max_mamba_slots": 32}}
 
 
 @dataclass
@@ -32,9 +33,11 @@ class App:
     server: OpenAIServer
     headers: dict[str, str]
 
-    def call(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx.Response:
+    def call(self, method: str, path: str, headers: dict[str, str] | None = None,
+             **kwargs: Any) -> httpx.Response:
         async def go() -> httpx.Response:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.api), base_url="http://t") as c:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.api),
+                                         base_url="http://t") as c:
                 return await c.request(method, path, headers=self.headers if headers is None else headers,
                                        **kwargs)
         return self.loop.run_until_complete(go())
@@ -68,7 +71,8 @@ def local_app() -> Iterator[Callable[..., App]]:
         core = loop.run_until_complete(ReplicaCore.create(config, stream_interval_s))
         server = OpenAIServer(LocalEngineClient(core, name), core.loop.engine.tokenizer,
                               ServerSettings.from_config(config, name))
-        app = App(loop, make_api(server), core, server, {"Authorization": f"Bearer {api_key}"} if api_key else {})
+        app = App(loop, make_api(server), core, server, {"Authorization": f"Bearer {api_key}"} if api_key
+                  else {})
         made.append(app)
         return app
 

@@ -37,17 +37,17 @@ TIME_TOOL = {"type": "function", "function": {
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 
 HERMES_SCRIPTS: dict[str, list[str]] = {
-    "assistant\n": ["<think>", "\nThe user wants the weather and the time.", "\n</think>", "\n\n", "<tool_call>",
-                    '\n{"name": "get_weather", "arguments": ', '{"city": "Paris", "days": 3}', "}\n</tool_call>",
-                    "\n<tool_call>", '\n{"name": "get_time", "arguments": ', '{"zone": "CET"}',
-                    "}\n</tool_call>\n"],
+    "assistant\n": ["<think>", "\nThe user wants the weather and the time.", "\n</think>", "\n\n",
+                    "<tool_call>", '\n{"name": "get_weather", "arguments": ', '{"city": "Paris", "days": 3}',
+                    "}\n</tool_call>", "\n<tool_call>", '\n{"name": "get_time", "arguments": ',
+                    '{"zone": "CET"}', "}\n</tool_call>\n"],
     NO_THINK: ["The weather in Paris", " is sunny."],
     CONTINUE: [" the forecast", " for you."],
 }
 XML_SCRIPTS: dict[str, list[str]] = {
-    "assistant\n<think>\n": ["I will look it up.", "\n</think>\n\n", "<tool_call>", "\n<function=get_weather>",
-                             "\n<parameter=city>", "\nParis", "\n</parameter>", "\n<parameter=days>", "\n3",
-                             "\n</parameter>\n</function>", "\n</tool_call>"],
+    "assistant\n<think>\n": ["I will look it up.", "\n</think>\n\n", "<tool_call>",
+                             "\n<function=get_weather>", "\n<parameter=city>", "\nParis", "\n</parameter>",
+                             "\n<parameter=days>", "\n3", "\n</parameter>\n</function>", "\n</tool_call>"],
 }
 # what the scripts produce, as the API should return them
 HERMES_REASONING = "The user wants the weather and the time.\n"
@@ -82,7 +82,8 @@ XML_TEMPLATE = (
                                             "\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>\\n'")
     + _TURNS.replace("CALL", "{{ '\\n<tool_call>\\n<function=' + tc.function.name + '>' }}"
                              "{%- for k, v in tc.function.arguments | items %}"
-                             "{{ '\\n<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>' }}{%- endfor %}"
+                             "{{ '\\n<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>' }}"
+                             "{%- endfor %}"
                              "{{ '\\n</function>\\n</tool_call>' }}")
     + "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
 
@@ -106,7 +107,8 @@ def _set_template(out: Path, template: str) -> None:
 
 def make_scripted_checkpoint(kind: str, out_dir: str | Path) -> Path:
     """``kind``: ``hermes`` or ``xml`` (see the module docstring)."""
-    scripts, template = {"hermes": (HERMES_SCRIPTS, HERMES_TEMPLATE), "xml": (XML_SCRIPTS, XML_TEMPLATE)}[kind]
+    scripts, template = {"hermes": (HERMES_SCRIPTS, HERMES_TEMPLATE),
+                         "xml": (XML_SCRIPTS, XML_TEMPLATE)}[kind]
     out = Path(out_dir)
     build_tiny_tokenizer(out)
     chain = [t for entry, pieces in scripts.items() for t in (entry, *pieces)]

@@ -32,7 +32,8 @@ def test_tokenize_and_detokenize_round_trip(app):
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
     assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
     assert app.call("POST", "/tokenize", json={"prompt": "x"}).json()["token_strs"] is None
-    assert app.call("POST", "/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "the cat sat"}
+    assert app.call("POST", "/detokenize",
+                    json={"tokens": body["tokens"]}).json() == {"prompt": "the cat sat"}
     r = app.call("POST", "/detokenize", json={"tokens": [10**7]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = app.call("POST", "/tokenize", json={"prompt": "x", "model": "other"})
@@ -44,7 +45,8 @@ def test_tokenize_messages_is_the_chat_prompt(app):
     chat = app.call("POST", "/v1/chat/completions", json={"messages": USER, "max_tokens": 1,
                                                           "return_token_ids": True}).json()
     assert chat["prompt_token_ids"] == ids
-    bare = app.call("POST", "/tokenize", json={"messages": USER, "add_generation_prompt": False}).json()["tokens"]
+    bare = app.call("POST", "/tokenize",
+                    json={"messages": USER, "add_generation_prompt": False}).json()["tokens"]
     assert ids[:len(bare)] == bare and len(ids) > len(bare)
 
 
@@ -77,7 +79,8 @@ def test_completions_default_to_the_rest_of_the_context():
         def encode(self, text, add_special_tokens=True):
             return [1, 2, 3]
 
-    prepared = prepare_completion(validate_completion({"prompt": "abc"}), Tok(), max_model_len=100, vocab_size=10)
+    prepared = prepare_completion(validate_completion({"prompt": "abc"}), Tok(), max_model_len=100,
+                                  vocab_size=10)
     assert prepared.params[0].max_tokens == 97
     with_max = prepare_completion(validate_completion({"prompt": "abc", "max_tokens": 5}), Tok(), 100, 10)
     assert with_max.params[0].max_tokens == 5
@@ -93,7 +96,8 @@ def test_logprobs_zero_gives_the_chosen_token_alone(app):
                                                     "temperature": 0, "ignore_eos": True}).json()
     tops = two["choices"][0]["logprobs"]["top_logprobs"]
     # the chosen + the 2 best (fewer when the chosen is among them, or two decode alike: "\ufffd")
-    assert all(1 <= len(top) <= 3 and tok in top for top, tok in zip(tops, two["choices"][0]["logprobs"]["tokens"]))
+    assert all(1 <= len(top) <= 3 and tok in top
+               for top, tok in zip(tops, two["choices"][0]["logprobs"]["tokens"]))
     assert max(len(top) for top in tops) >= 2
     chat = app.call("POST", "/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "logprobs": True,
                                                           "top_logprobs": 0, "ignore_eos": True}).json()
@@ -136,7 +140,8 @@ def test_lone_surrogates_in_chat_and_invalid_utf8_are_a_400(app):
 def test_suffix_is_refused(app):
     r = app.call("POST", "/v1/completions", json={"prompt": "def f(", "suffix": "):\n    pass"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
-    assert app.call("POST", "/v1/completions", json={"prompt": "x", "suffix": None, "max_tokens": 1}).status_code == 200
+    assert app.call("POST", "/v1/completions",
+                    json={"prompt": "x", "suffix": None, "max_tokens": 1}).status_code == 200
 
 
 def test_continuous_usage_stats_put_usage_on_every_chunk(app):
@@ -205,7 +210,8 @@ def test_add_special_tokens_and_truncate_prompt_tokens():
 
     tok = FakeTokenizer()
     on = prepare_completion(validate_completion({"prompt": "abc"}), tok, 100, 10)
-    off = prepare_completion(validate_completion({"prompt": "abc", "add_special_tokens": False}), tok, 100, 10)
+    off = prepare_completion(validate_completion({"prompt": "abc", "add_special_tokens": False}), tok, 100,
+                             10)
     assert tok.flags == [True, False] and on.prompt_ids[0] == [1, 1, 1, 0] and off.prompt_ids[0] == [1, 1, 1]
     chat = prepare_chat(validate_chat({"messages": [{"role": "user", "content": "abcd"}]}), tok, 100, 10)
     assert tok.flags[-1] is False and chat.prompt_ids[0] == [1] * 4          # chat: the template's own

@@ -30,8 +30,8 @@ VLLM_COMMON = [
 VLLM_COMPLETION = VLLM_COMMON + ["prompt", "prompt_embeds", "suffix"]
 VLLM_CHAT = VLLM_COMMON + [
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "reasoning_effort",
-    "include_reasoning", "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "documents",
-    "chat_template", "chat_template_kwargs",
+    "include_reasoning", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+    "documents", "chat_template", "chat_template_kwargs",
     # OpenAI's, beyond vLLM's model
     "audio", "function_call", "functions", "metadata", "modalities", "prediction", "service_tier", "store",
     "web_search_options", "prompt_cache_key", "safety_identifier", "verbosity"]
@@ -90,7 +90,8 @@ HONOURED = {
     "guided_regex": SAMPLING + "test_every_structured_output_form",
     "guided_choice": SAMPLING + "test_every_structured_output_form",
     "guided_grammar": SAMPLING + "test_every_structured_output_form",
-    "guided_decoding_backend": SAMPLING + "test_bad_values_are_400s_naming_the_field",   # xgrammar / auto only
+    # xgrammar / auto only
+    "guided_decoding_backend": SAMPLING + "test_bad_values_are_400s_naming_the_field",
 }
 # carry no meaning for the output: accepted, not used
 IGNORED = {"user": "an end-user id", "request_id": "our ids are our own", "metadata": "stored nowhere",
@@ -103,9 +104,9 @@ SAMPLES: dict[str, Any] = {
     "structural_tag": "{}", "guided_whitespace_pattern": " ", "spaces_between_special_tokens": False,
     "allowed_token_ids": [1], "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["m.P"],
     "prompt_embeds": "AAAA", "cache_salt": "salt", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
-    "priority": 1, "mm_processor_kwargs": {"a": 1}, "suffix": "tail", "echo": True, "functions": [{"name": "f"}],
-    "function_call": "auto", "audio": {"voice": "x"}, "modalities": ["text", "audio"], "prediction": {"a": 1},
-    "web_search_options": {}, "verbosity": "low"}
+    "priority": 1, "mm_processor_kwargs": {"a": 1}, "suffix": "tail", "echo": True,
+    "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},
+    "modalities": ["text", "audio"], "prediction": {"a": 1}, "web_search_options": {}, "verbosity": "low"}
 BASE = {"completion": {"prompt": "hi"}, "chat": {"messages": [{"role": "user", "content": "hi"}]}}
 VALIDATE = {"completion": validate_completion, "chat": validate_chat}
 TABLES = {"completion": {**COMMON, **COMPLETION}, "chat": {**COMMON, **CHAT}}
@@ -148,6 +149,7 @@ def test_refused_fields_are_a_400_naming_them(kind, name):
         VALIDATE[kind]({**BASE[kind], name: neutral})          # asking for nothing is served
 
 
-@pytest.mark.parametrize("kind,name", [(k, n) for k in ("completion", "chat") for n in LISTS[k] if n in IGNORED])
+@pytest.mark.parametrize("kind,name", [(k, n) for k in ("completion", "chat") for n in LISTS[k]
+                                       if n in IGNORED])
 def test_ignored_fields_are_accepted(kind, name):
     VALIDATE[kind]({**BASE[kind], name: "x"})

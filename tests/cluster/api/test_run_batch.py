@@ -97,7 +97,8 @@ def test_tool_calls_reasoning_and_refusals_offline(scripted_hermes_dir, tmp_path
     assert rc == 0
     tools, bias, surrogate = [json.loads(x) for x in out.read_text().splitlines()]
     choice = tools["response"]["body"]["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == HERMES_REASONING
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == HERMES_REASONING
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] \
         == HERMES_CALLS
     assert bias["response"]["status_code"] == 400 and bias["response"]["body"]["error"]["param"] == "audio"

@@ -28,7 +28,8 @@ def env(tiny_qwen_dir):
                                     "cache": {"page_size": 4, "max_kv_tokens": 2048, "max_mamba_slots": 32},
                                     "scheduler": {"chunked_prefill_size": 8}})
     core = loop.run_until_complete(ReplicaCore.create(config))
-    server = OpenAIServer(LocalEngineClient(core), core.loop.engine.tokenizer, ServerSettings("tiny", str(tiny_qwen_dir)))
+    server = OpenAIServer(LocalEngineClient(core), core.loop.engine.tokenizer,
+                          ServerSettings("tiny", str(tiny_qwen_dir)))
     yield loop, make_api(server), core.loop.engine.tokenizer
     loop.run_until_complete(core.shutdown())
     loop.close()
@@ -81,7 +82,8 @@ def test_echo_streams_the_prompt_first(env):
     r = post(env, "/v1/completions", {**req, "stream": True})
     events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
     text = "".join(e["choices"][0]["text"] for e in events)
-    offsets = [o for e in events if e["choices"][0]["logprobs"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+    offsets = [o for e in events if e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
     assert text == full["text"] and offsets == full["logprobs"]["text_offset"]
 
 
@@ -92,7 +94,8 @@ def test_max_tokens_zero_needs_echo_or_prompt_logprobs(env):
 
 def test_vllm_prompt_logprobs_on_both_endpoints(env, tiny_qwen_dir):
     prompt = [5, 9, 33, 71, 8]
-    body = ok(env, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3})
+    body = ok(env, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                       "prompt_logprobs": 3})
     plp = body["choices"][0]["prompt_logprobs"]
     ref = torch.log_softmax(HFOracle(tiny_qwen_dir).logits(prompt), dim=-1)
     assert plp[0] is None and len(plp) == len(prompt)
@@ -102,18 +105,20 @@ def test_vllm_prompt_logprobs_on_both_endpoints(env, tiny_qwen_dir):
         assert entry["rank"] == int((ref[j - 1] > ref[j - 1, prompt[j]]).sum()) + 1
         assert len(plp[j]) in (3, 4)                        # the prompt token and the top 3
     chat_body = ok(env, "/v1/chat/completions", {"messages": chat(), "max_tokens": 1, "prompt_logprobs": 0})
-    assert chat_body["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat_body["prompt_logprobs"][1:])
+    assert chat_body["prompt_logprobs"][0] is None and all(len(e) == 1
+                                                           for e in chat_body["prompt_logprobs"][1:])
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_logit_bias_and_penalties_are_honoured(env, path):
     base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    base.update({"prompt": [5, 6, 7]} if path.endswith("completions") and "chat" not in path else {"messages": chat()})
+    base.update({"prompt": [5, 6, 7]} if path.endswith("completions") and "chat" not in path
+                else {"messages": chat()})
     forced = ok(env, path, {**base, "logit_bias": {"77": 100}})
     assert forced["choices"][0]["token_ids"] == [77] * 6
     plain = ok(env, path, {**base, "logit_bias": {"77": 5}})["choices"][0]["token_ids"]
-    penalised = ok(env, path, {**base, "logit_bias": {"77": 5}, "frequency_penalty": 2.0, "presence_penalty": 2.0,
-                               "repetition_penalty": 1.5})["choices"][0]["token_ids"]
+    penalised = ok(env, path, {**base, "logit_bias": {"77": 5}, "frequency_penalty": 2.0,
+                               "presence_penalty": 2.0, "repetition_penalty": 1.5})["choices"][0]["token_ids"]
     assert plain.count(77) > penalised.count(77) >= 1
 
 
@@ -139,8 +144,9 @@ def test_two_constraints_are_refused(env):
     assert r.status_code == 400 and r.json()["error"]["param"] in ("guided_regex", "response_format")
 
 
-PET = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0,
-                                                                                   "maximum": 20}},
+PET = {"type": "object",
+       "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0,
+                                                                 "maximum": 20}},
        "required": ["kind", "age"], "additionalProperties": False}
 FORMS = {
     "response_format json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
@@ -149,23 +155,28 @@ FORMS = {
                                 lambda t: set(json.loads(t)) == {"kind", "age"}),
     "structured_outputs regex": ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
                                  lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
-    "structured_outputs choice": ({"structured_outputs": {"choice": ["red", "blue"]}}, lambda t: t in ("red", "blue")),
+    "structured_outputs choice": ({"structured_outputs": {"choice": ["red", "blue"]}},
+                                  lambda t: t in ("red", "blue")),
     "structured_outputs grammar": ({"structured_outputs": {"grammar": 'root ::= "x" [0-9]+ "y"'}},
                                    lambda t: re.fullmatch("x[0-9]+y", t)),
     "guided_json": ({"guided_json": PET}, lambda t: json.loads(t)["age"] <= 20),
     "guided_regex": ({"guided_regex": "[a-c]{4}"}, lambda t: re.fullmatch("[a-c]{4}", t)),
     "guided_choice": ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
-    "guided_grammar": ({"guided_grammar": 'root ::= ("ab" | "cd")+ "."'}, lambda t: re.fullmatch("(ab|cd)+[.]", t)),
+    "guided_grammar": ({"guided_grammar": 'root ::= ("ab" | "cd")+ "."'},
+                       lambda t: re.fullmatch("(ab|cd)+[.]", t)),
     "response_format structural_tag": ({"response_format": {"type": "structural_tag", "format": {
-        "type": "tag", "begin": "<p>", "end": "</p>", "content": {"type": "json_schema", "json_schema": PET}}}},
-        lambda t: t.startswith("<p>") and t.endswith("</p>") and json.loads(t[3:-4])["kind"] in ("cat", "dog")),
+        "type": "tag", "begin": "<p>", "end": "</p>",
+        "content": {"type": "json_schema", "json_schema": PET}}}},
+        lambda t: (t.startswith("<p>") and t.endswith("</p>")
+                   and json.loads(t[3:-4])["kind"] in ("cat", "dog"))),
 }
 
 
 @pytest.mark.parametrize("form", list(FORMS))
 def test_every_structured_output_form(env, form):
     fields, valid = FORMS[form]
-    for path, extra in (("/v1/completions", {"prompt": "hello"}), ("/v1/chat/completions", {"messages": chat()})):
+    for path, extra in (("/v1/completions", {"prompt": "hello"}),
+                        ("/v1/chat/completions", {"messages": chat()})):
         body = ok(env, path, {**extra, "max_tokens": 80, "temperature": 0.8, "seed": 3, **fields})
         choice = body["choices"][0]
         text = choice["text"] if "text" in choice else choice["message"]["content"]
@@ -196,7 +207,8 @@ def test_stop_string_kept_and_special_tokens_shown(env):
     base = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     text = ok(env, "/v1/completions", base)["choices"][0]["text"]
     stop = text[4:6]
-    kept = ok(env, "/v1/completions", {**base, "stop": [stop], "include_stop_str_in_output": True})["choices"][0]
+    kept = ok(env, "/v1/completions",
+              {**base, "stop": [stop], "include_stop_str_in_output": True})["choices"][0]
     assert kept["text"] == text[: text.index(stop) + len(stop)] and kept["stop_reason"] == stop
     eos = {**base, "max_tokens": 2, "logit_bias": {str(EOS): 100}}
     assert ok(env, "/v1/completions", eos)["choices"][0]["text"] == ""
@@ -205,8 +217,9 @@ def test_stop_string_kept_and_special_tokens_shown(env):
 
 
 def test_min_tokens_holds_eos_back(env):
-    body = ok(env, "/v1/chat/completions", {"messages": chat(), "max_tokens": 8, "temperature": 0, "min_tokens": 5,
-                                            "logit_bias": {str(EOS): 100}, "return_token_ids": True})
+    body = ok(env, "/v1/chat/completions", {"messages": chat(), "max_tokens": 8, "temperature": 0,
+                                            "min_tokens": 5, "logit_bias": {str(EOS): 100},
+                                            "return_token_ids": True})
     ids = body["choices"][0]["token_ids"]
     assert len(ids) == 6 and EOS not in ids[:5] and ids[5] == EOS
     assert body["usage"]["completion_tokens"] == 6
@@ -224,9 +237,11 @@ def test_run_batch_best_of_and_echo(tiny_qwen_dir):
                                 ("echo", {"max_tokens": 0, "echo": True, "logprobs": 1}))]
     out = {r["custom_id"]: r["response"]["body"]["choices"] for r in run_batch(llm, lines, "m")}
     sums = [sum(c["logprobs"]["token_logprobs"]) for c in out["all"]]
-    assert [c["token_ids"] for c in out["best"]] == [out["all"][max(range(3), key=sums.__getitem__)]["token_ids"]]
+    best = max(range(3), key=sums.__getitem__)
+    assert [c["token_ids"] for c in out["best"]] == [out["all"][best]["token_ids"]]
     echo = out["echo"][0]
-    assert echo["text"] == llm.tokenizer.decode([5, 6, 7, 8]) and echo["logprobs"]["token_logprobs"][0] is None
+    assert echo["text"] == llm.tokenizer.decode([5, 6, 7, 8])
+    assert echo["logprobs"]["token_logprobs"][0] is None
     assert len(echo["logprobs"]["tokens"]) == 4
 
 

@@ -73,7 +73,8 @@ def test_a_batched_stream_has_fewer_events_than_tokens_and_the_same_contents(bat
                                                  [completion(p, True) for p in PROMPTS])]
     slow = [read_stream(r.text) for r in post_all(unbatched, "/v1/completions",
                                                  [completion(p, True) for p in PROMPTS])]
-    whole = [r.json() for r in post_all(unbatched, "/v1/completions", [completion(p, False) for p in PROMPTS])]
+    whole = [r.json() for r in post_all(unbatched, "/v1/completions", [completion(p, False)
+                                                                       for p in PROMPTS])]
     for got, ref, body in zip(fast, slow, whole):
         (choice,) = body["choices"]
         assert len(got["token_ids"]) == MAX_TOKENS and got["events"] < MAX_TOKENS   # several tokens per event
@@ -89,9 +90,12 @@ def test_a_batched_stream_has_fewer_events_than_tokens_and_the_same_contents(bat
 
 
 def test_stop_strings_and_n_survive_batching(batched, unbatched):
-    full = unbatched.call("POST", "/v1/completions", json=completion(PROMPTS[0], False)).json()["choices"][0]["text"]
-    stop = next(full[k:k + 3] for k in range(4, len(full) - 3) if full.find(full[k:k + 3]) == k and full[k:k + 3].strip())
-    want = unbatched.call("POST", "/v1/completions", json=completion(PROMPTS[0], False, stop=[stop], n=2)).json()
+    full = unbatched.call("POST", "/v1/completions",
+                          json=completion(PROMPTS[0], False)).json()["choices"][0]["text"]
+    stop = next(full[k:k + 3] for k in range(4, len(full) - 3)
+                if full.find(full[k:k + 3]) == k and full[k:k + 3].strip())
+    want = unbatched.call("POST", "/v1/completions",
+                          json=completion(PROMPTS[0], False, stop=[stop], n=2)).json()
     objs = sse_objects(batched.call("POST", "/v1/completions",
                                     json=completion(PROMPTS[0], True, stop=[stop], n=2)).text)
     texts, finish = ["", ""], [None, None]

@@ -12,7 +12,8 @@ from cluster.api.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from cluster.api.tool_parsers import convert_value, make_tool_parser, parameter_types, pick_tool_parser
 from tests.cluster.api.scripted_model import TOOLS
 
-HERMES = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": {"a": [1, "}"]}}}'
+HERMES = ('Let me check.\n\n<tool_call>\n'
+          '{"name": "get_weather", "arguments": {"city": "Paris", "n": {"a": [1, "}"]}}}'
           '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n')
 HERMES_CALLS = [("get_weather", '{"city": "Paris", "n": {"a": [1, "}"]}}'), ("get_time", "{}")]
 XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
@@ -65,19 +66,25 @@ def test_arguments_stream_before_the_call_closes():
 
 
 @pytest.mark.parametrize("text,content,calls", [
-    ("no tools here <tool", "no tools here <tool", []),                                      # a partial tag at the end
-    ("<tool_call>\n{bad json}\n</tool_call>", "<tool_call>\n{bad json}\n</tool_call>", []),  # malformed: content
-    ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),           # cut off, nothing sent
-    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),  # string args
+    # a partial tag at the end
+    ("no tools here <tool", "no tools here <tool", []),
+    # malformed: content
+    ("<tool_call>\n{bad json}\n</tool_call>", "<tool_call>\n{bad json}\n</tool_call>", []),
+    # cut off, nothing sent
+    ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),
+    # string args
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),
     ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', "", [("f", '{"a": 1}')]),  # name last
-    ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> and then?', " and then?", [("f", '{"a": 1}')]),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> and then?', " and then?",
+     [("f", '{"a": 1}')]),
 ])
 def test_hermes_edges(text, content, calls):
     assert run(make_tool_parser("hermes"), [text]) == (content, calls)
 
 
 def test_xml_values_follow_the_schema_types():
-    types = {"integer": "integer", "number": "number", "boolean": "boolean", "object": "object", "array": "array"}
+    types = {"integer": "integer", "number": "number", "boolean": "boolean", "object": "object",
+             "array": "array"}
     assert convert_value("\n3\n", "integer") == 3 and convert_value("\n2.5\n", "number") == 2.5
     assert convert_value("\ntrue\n", "boolean") is True and convert_value("\n[1, 2]\n", "array") == [1, 2]
     assert convert_value('\n{"k": 1}\n', "object") == {"k": 1}
@@ -89,8 +96,10 @@ def test_xml_values_follow_the_schema_types():
         [("integer", "4"), ("number", "1e3"), ("boolean", "false"), ("object", "{}"), ("array", "[]")]) + \
         "</function></tool_call>"
     _, calls = run(make_tool_parser("qwen3_xml", {"f": types}), [text])
-    assert json.loads(calls[0][1]) == {"integer": 4, "number": 1000.0, "boolean": False, "object": {}, "array": []}
-    assert run(make_tool_parser("qwen3_xml"), ["<tool_call><function=g></function></tool_call>"]) == ("", [("g", "{}")])
+    assert json.loads(calls[0][1]) == {"integer": 4, "number": 1000.0, "boolean": False, "object": {},
+                                       "array": []}
+    assert run(make_tool_parser("qwen3_xml"),
+               ["<tool_call><function=g></function></tool_call>"]) == ("", [("g", "{}")])
 
 
 def test_parser_is_picked_from_the_template_or_the_config():
@@ -130,7 +139,8 @@ def test_message_from_reasoning_and_calls():
     spec = ChatOutputSpec(reasoning=True, tool_parser="hermes")
     message, called = parse_message(spec, "<think>hmm</think>\n\n" + HERMES)
     assert called and message["reasoning_content"] == "hmm" and message["content"] == "Let me check.\n\n"
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == HERMES_CALLS
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in message["tool_calls"]] == HERMES_CALLS
     only_calls, _ = parse_message(spec, HERMES[len("Let me check."):])
     assert only_calls["content"] is None and only_calls["reasoning_content"] is None
     first, _ = parse_message(ChatOutputSpec(tool_parser="hermes", parallel_tool_calls=False), HERMES)
@@ -159,7 +169,8 @@ def test_forced_schema_for_a_named_function_and_required():
 
 @pytest.mark.parametrize("named,text,expected", [
     ("get_weather", '{"city": "Paris"}', [("get_weather", '{"city": "Paris"}')]),
-    (None, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
+    (None, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+           '{"name": "get_time", "parameters": {}}]',
      [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
 ])
 def test_forced_output_reads_as_tool_calls_in_any_split(named, text, expected):

@@ -10,8 +10,16 @@ import json
 import pytest
 
 from tests.cluster.api.conftest import sse_objects
-from tests.cluster.api.scripted_model import (CONTINUE, HERMES_ANSWER, HERMES_CALLS, HERMES_REASONING, TOOLS,
-                                              WEATHER_TOOL, XML_CALLS, XML_REASONING)
+from tests.cluster.api.scripted_model import (
+    CONTINUE,
+    HERMES_ANSWER,
+    HERMES_CALLS,
+    HERMES_REASONING,
+    TOOLS,
+    WEATHER_TOOL,
+    XML_CALLS,
+    XML_REASONING,
+)
 
 USER = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
 CHAT = "/v1/chat/completions"
@@ -53,7 +61,8 @@ def assemble(objs):
             content += d.get("content") or ""
             for c in d.get("tool_calls", []):
                 if "id" in c:
-                    assert c["index"] not in calls and c["type"] == "function" and c["function"]["arguments"] == ""
+                    assert c["index"] not in calls and c["type"] == "function"
+                    assert c["function"]["arguments"] == ""
                     calls[c["index"]] = {"id": c["id"], "name": c["function"]["name"], "args": ""}
                 else:
                     assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
@@ -91,9 +100,11 @@ def test_parallel_tool_calls_false_keeps_the_first(hermes):
 
 def test_tool_choice_none_leaves_the_text_alone(hermes):
     message = chat(hermes, tools=TOOLS, tool_choice="none")["choices"][0]["message"]
-    assert "tool_calls" not in message and message["content"].startswith("<tool_call>\n{\"name\": \"get_weather\"")
+    assert "tool_calls" not in message
+    assert message["content"].startswith("<tool_call>\n{\"name\": \"get_weather\"")
     assert message["reasoning_content"] == HERMES_REASONING
-    assert chat(hermes, tools=TOOLS, include_reasoning=False)["choices"][0]["message"]["reasoning_content"] is None
+    assert chat(hermes, tools=TOOLS,
+                include_reasoning=False)["choices"][0]["message"]["reasoning_content"] is None
 
 
 def test_chat_template_kwargs_turn_thinking_off(hermes):
@@ -101,7 +112,8 @@ def test_chat_template_kwargs_turn_thinking_off(hermes):
     message = body["choices"][0]["message"]
     assert message == {"role": "assistant", "content": HERMES_ANSWER, "reasoning_content": None}
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert assemble(stream(hermes, chat_template_kwargs={"enable_thinking": False}))[:2] == ("", HERMES_ANSWER)
+    assert assemble(stream(hermes,
+                           chat_template_kwargs={"enable_thinking": False}))[:2] == ("", HERMES_ANSWER)
 
 
 def test_continue_final_message_continues_it(hermes):
@@ -123,9 +135,11 @@ def test_xml_tool_calls_typed_by_the_schema_and_reasoning_opened_by_the_template
 def test_tool_turns_reach_the_template(hermes, xml):
     history = USER + [
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    for app, shown in ((hermes, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    hermes_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for app, shown in ((hermes, hermes_call),
                        (xml, "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>")):
         ids = app.call("POST", "/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
         text = app.call("POST", "/detokenize", json={"tokens": ids}).json()["prompt"]
@@ -142,8 +156,10 @@ def test_per_request_chat_template_needs_the_server_to_trust_it(hermes):
     r = hermes.call("POST", CHAT, json={"messages": USER, "chat_template": template})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     trusting = hermes.with_settings(trust_request_chat_template=True)
-    ids = trusting.call("POST", "/tokenize", json={"messages": USER, "chat_template": template}).json()["tokens"]
-    assert trusting.call("POST", "/detokenize", json={"tokens": ids}).json()["prompt"] == f"Q: {USER[0]['content']} A:"
+    ids = trusting.call("POST", "/tokenize",
+                        json={"messages": USER, "chat_template": template}).json()["tokens"]
+    assert trusting.call("POST", "/detokenize",
+                         json={"tokens": ids}).json()["prompt"] == f"Q: {USER[0]['content']} A:"
     body = trusting.call("POST", CHAT, json={"messages": USER, "chat_template": template, "max_tokens": 2,
                                              "return_token_ids": True}).json()
     assert body["prompt_token_ids"] == ids
@@ -160,8 +176,10 @@ def test_a_named_function_is_enforced(hermes):
     message = body["choices"][0]["message"]
     [(name, args)] = calls_of(message)
     assert name == "show_unit" and json.loads(args) in ({"unit": "c"}, {"unit": "f"})
-    assert message["content"] is None and body["choices"][0]["finish_reason"] == "stop"   # forced: no choice made
-    assert assemble(stream(hermes, tools=UNITS, tool_choice=choice, temperature=0)) == ("", "", [(name, args)], "stop")
+    # forced: no choice made
+    assert message["content"] is None and body["choices"][0]["finish_reason"] == "stop"
+    assert assemble(stream(hermes, tools=UNITS,
+                           tool_choice=choice, temperature=0)) == ("", "", [(name, args)], "stop")
 
 
 def test_tool_choice_required_is_enforced(hermes):
@@ -169,11 +187,13 @@ def test_tool_choice_required_is_enforced(hermes):
         body = chat(hermes, tools=UNITS, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120,
                     temperature=0)
         found = calls_of(body["choices"][0]["message"])
-        assert found and all(n in ("set_unit", "show_unit") and json.loads(a) in ({"unit": "c"}, {"unit": "f"})
+        assert found and all(n in ("set_unit", "show_unit")
+                             and json.loads(a) in ({"unit": "c"}, {"unit": "f"})
                              for n, a in found)
         finish = body["choices"][0]["finish_reason"]
         # one call closes the array; parallel calls may run on to max_tokens (the complete ones count)
-        assert (len(found), finish) == (1, "tool_calls") if not parallel else finish in ("tool_calls", "length")
+        assert ((len(found), finish) == (1, "tool_calls") if not parallel
+                else finish in ("tool_calls", "length"))
         streamed = assemble(stream(hermes, tools=UNITS, tool_choice="required", parallel_tool_calls=parallel,
                                    max_tokens=120, temperature=0))
         assert streamed == ("", "", found, finish)
@@ -214,12 +234,14 @@ def test_tools_on_a_model_without_a_tool_format_are_refused(local_app, tiny_qwen
     assert plain.call("POST", CHAT, json={"messages": USER, "tools": TOOLS, "tool_choice": "none",
                                           "max_tokens": 2}).status_code == 200
     forced = plain.with_settings(tool_call_parser="hermes")          # config server.tool_call_parser
-    assert forced.call("POST", CHAT, json={"messages": USER, "tools": TOOLS, "max_tokens": 2}).status_code == 200
+    assert forced.call("POST", CHAT,
+                       json={"messages": USER, "tools": TOOLS, "max_tokens": 2}).status_code == 200
 
 
 def test_documents_and_reasoning_effort_reach_a_template_that_reads_them(hermes):
     trusting = hermes.with_settings(trust_request_chat_template=True)
-    template = "{{ 'effort=' + reasoning_effort + ' doc=' + documents[0].text + ' q=' + messages[-1].content }}"
+    template = ("{{ 'effort=' + reasoning_effort + ' doc=' + documents[0].text"
+                " + ' q=' + messages[-1].content }}")
     ids = trusting.call("POST", "/tokenize", json={
         "messages": USER, "chat_template": template, "reasoning_effort": "high",
         "documents": [{"title": "t", "text": "the manual"}]}).json()["tokens"]
@@ -235,4 +257,5 @@ def test_images_on_a_vision_checkpoint_say_its_tower_is_not_loaded(local_app, ti
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "messages.0.content.1"
     assert "images are not served yet" in err["message"] and "vision tower" in err["message"]
-    assert vl.call("POST", CHAT, json={"messages": USER, "max_tokens": 2}).status_code == 200   # text is served
+    # text is served
+    assert vl.call("POST", CHAT, json={"messages": USER, "max_tokens": 2}).status_code == 200

@@ -7,9 +7,18 @@ from collections import Counter
 import pytest
 
 from cluster.routing.router_actor import RouterIndexState
-from cluster.routing.routing_policy import (LoadPenalty, RecentPlacements, ReplicaView, RouterSettings,
-                                            RouterState, decide, is_imbalanced, load_cost, max_usable_depth,
-                                            views_from)
+from cluster.routing.routing_policy import (
+    LoadPenalty,
+    RecentPlacements,
+    ReplicaView,
+    RouterSettings,
+    RouterState,
+    decide,
+    is_imbalanced,
+    load_cost,
+    max_usable_depth,
+    views_from,
+)
 from configs.schema import load_config
 from workers.cache.records import CheckpointInserted
 

@@ -217,7 +217,8 @@ def test_the_engine_steps_while_the_event_loop_is_busy():
     async def go():
         engine = FakeEngine(step_s=0.005)
         loop = await EngineLoop.create(lambda: engine)
-        gen = ReplicaCore(loop, load_config()).generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=10_000)]))
+        gen = ReplicaCore(loop, load_config()).generate(GenerateRequest("r", [1],
+                                                                        [SamplingParams(max_tokens=10_000)]))
         assert isinstance(await gen.__anext__(), Accepted)
         await gen.__anext__()
         before = engine.steps
@@ -337,7 +338,8 @@ def test_a_failed_step_fails_its_requests_and_the_replica_goes_on():
     async def go():
         engine = FailingOnceEngine("bad", fail_at=3)
         core = ReplicaCore(await EngineLoop.create(lambda: engine), load_config())
-        good = asyncio.create_task(collect(core, GenerateRequest("good", [1], [SamplingParams(max_tokens=8)])))
+        good = asyncio.create_task(collect(core, GenerateRequest("good", [1],
+                                                                 [SamplingParams(max_tokens=8)])))
         with pytest.raises(EngineLoopError, match="kernel exploded"):
             await collect(core, GenerateRequest("bad", [1], [SamplingParams(max_tokens=8)]))
         items = await good
@@ -383,5 +385,6 @@ def test_a_stop_string_found_off_the_engine_thread_ends_the_request_in_the_engin
     assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == "xxx"
     assert "".join(c.delta_text for c in stopped) == ""
     other = [c for c in chunks if c.index == 1]
-    assert [t for c in other for t in c.new_token_ids] == list(range(6)) and other[-1].finish_reason == "length"
+    assert [t for c in other for t in c.new_token_ids] == list(range(6))
+    assert other[-1].finish_reason == "length"
     assert engine.stopped == ["r-0"] and engine.live == {}

@@ -10,7 +10,8 @@ PAGE = 4
 
 
 def entry(tokens: list[int], nbytes: int = 10, owner: str = "a") -> StoreEntry:
-    return StoreEntry(prefix_hash_chain(tokens, PAGE)[-1], len(tokens), tuple(tokens), nbytes, object(), owner)
+    return StoreEntry(prefix_hash_chain(tokens, PAGE)[-1], len(tokens), tuple(tokens), nbytes, object(),
+                      owner)
 
 
 def test_lookup_returns_the_deepest_entry_on_the_chain():

@@ -68,7 +68,8 @@ def test_a_checkpoint_committed_by_one_replica_is_fetched_by_another(tiny_qwen_d
     assert out.cached_tokens == 20
     s = b.stats()
     assert s["hybridserve_cache_hits_total"] == {"store": 1}
-    assert s["hybridserve_store_fetches_total"] == {"fetched": 1} and s["hybridserve_tier_bytes_total"]["store_get"] > 0
+    assert s["hybridserve_store_fetches_total"] == {"fetched": 1}
+    assert s["hybridserve_tier_bytes_total"]["store_get"] > 0
     # Local now: a second prefetch does not go to the store.
     assert asyncio.run(fetcher.prefetch(Direct(b.engine), follow)) == "none"
 
@@ -81,14 +82,16 @@ def test_a_modelled_cost_model_keeps_its_throughputs(pair, measure):
     store, a, b, backend = pair
     vocab = a.engine.vocab_size
     prompt = committed_prompt(a, StoreClient(backend, 4, "a"), vocab)
-    settings = FetchSettings(bandwidth_bytes_per_s=1e15, prefill_tokens_per_s=1.0, latency_s=0.0, measure=measure)
+    settings = FetchSettings(bandwidth_bytes_per_s=1e15, prefill_tokens_per_s=1.0, latency_s=0.0,
+                             measure=measure)
     client = StoreClient(backend, 4, "b", settings)
     b.generate_ids([random_prompts(vocab, [30], seed=8)[0]], [P])        # forward steps to observe
     assert asyncio.run(client.prefetch(Direct(b.engine), prompt + [7])) == "fetched"
     b.generate_ids([random_prompts(vocab, [30], seed=9)[0]], [P])
     asyncio.run(client.prefetch(Direct(b.engine), random_prompts(vocab, [30], seed=10)[0]))
     moved = (client.bandwidth.value != 1e15, client.prefill.value != 1.0)
-    assert moved == ((True, True) if measure else (False, False)), (client.bandwidth.value, client.prefill.value)
+    assert moved == ((True, True) if measure else (False, False)), (client.bandwidth.value,
+                                                                    client.prefill.value)
 
 
 def test_the_cost_model_can_choose_to_recompute(pair):
@@ -106,7 +109,8 @@ def test_lost_and_invalid_objects_are_recomputed(pair):
     on_path = [e for e in store.entries() if tuple(prompt[:e.depth]) == e.token_ids]   # not its answer's
     deepest = max(on_path, key=lambda e: e.depth)
     store._entries[deepest.key] = replace(deepest, ref=replace(deepest.ref, fingerprint="another model"))
-    assert asyncio.run(StoreClient(backend, 4, "b", slow).prefetch(Direct(b.engine), prompt + [5])) == "invalid"
+    assert asyncio.run(StoreClient(backend, 4, "b", slow).prefetch(Direct(b.engine),
+                                                                   prompt + [5])) == "invalid"
     store._entries[deepest.key] = replace(deepest, ref=None)                  # its node died
     assert asyncio.run(StoreClient(backend, 4, "b", slow).prefetch(Direct(b.engine), prompt + [5])) == "lost"
     assert deepest.key not in store
@@ -146,4 +150,5 @@ def test_fetches_answer_as_cache_off_for_every_strategy_with_mtp_and_overlap(tin
     assert got[0].cached_tokens == max(usable) and got[1].cached_tokens >= max(usable)
     s = b.stats()
     assert s["hybridserve_cache_hits_total"].get("store", 0) >= 1
-    assert s["hybridserve_state_oracle_checks_total"] > 0 and s["hybridserve_state_oracle_mismatches_total"] == 0
+    assert s["hybridserve_state_oracle_checks_total"] > 0
+    assert s["hybridserve_state_oracle_mismatches_total"] == 0

@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.tools.training.conftest import TINY_SHAPE
 from tests.workers.models.test_mtp_head import mtp_harness
-from tests.tools.training.test_train_default import TINY_SHAPE, trained  # noqa: F401 (fixture)
-from tools.training import distill_mtp as dm, train_default as td
+from tools.training import distill_mtp as dm
+from tools.training import train_default as td
 from tools.training.readme import write_distill_section
 from workers.loader import load_model
-from workers.spec.drafter import MtpSpan
 from workers.sampling_params import SamplingParams
+from workers.spec.drafter import MtpSpan
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from workers.allocators import IdAllocator
 from workers.cache import (
@@ -74,20 +80,23 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
 
         def _snapshot(self) -> tuple[int, ...]:
             c = self.cache
-            return (c.num_nodes, c.num_cached_pages, c.num_checkpoints, self.pages.num_free, self.ledger.num_free)
+            return (c.num_nodes, c.num_cached_pages, c.num_checkpoints, self.pages.num_free,
+                    self.ledger.num_free)
 
         def _checked_match(self, toks: list[int]) -> MatchResult:
             """match, compared with a brute-force oracle over all node paths."""
             paths = {n.node_id: self.cache.path_tokens(n) for n in self.cache.iter_nodes()}
             expected = max((n.depth for n in self.cache.iter_nodes()
-                            if n.checkpoint is not None and paths[n.node_id] == tuple(toks[:n.depth])), default=0)
+                            if n.checkpoint is not None and paths[n.node_id] == tuple(toks[:n.depth])),
+                           default=0)
             hit = self.cache.match(toks)
             assert hit.depth == expected and hit.depth <= hit.kv_depth <= len(toks) - len(toks) % self.ps
             if hit.depth == 0:
                 assert hit.node is self.cache.root and hit.checkpoint is None and hit.page_ids == []
             else:  # never a depth without a checkpoint
                 assert hit.checkpoint is not None and hit.checkpoint is hit.node.checkpoint
-                assert hit.checkpoint.depth == hit.depth and paths[hit.node.node_id] == tuple(toks[:hit.depth])
+                assert hit.checkpoint.depth == hit.depth
+                assert paths[hit.node.node_id] == tuple(toks[:hit.depth])
                 assert len(hit.page_ids) == hit.depth // self.ps
             return hit
 
@@ -147,7 +156,8 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
                 return
             assert hit.node.alive and hit.node.checkpoint is hit.checkpoint
             keep = self.ledger.alloc(RequestOwner(rid, SlotRole.KEEP))
-            self.reqs[rid] = Req(rid, list(toks), hit.page_ids + own, set(own), live, keep, hit.node, hit.checkpoint)
+            self.reqs[rid] = Req(rid, list(toks), hit.page_ids + own, set(own), live, keep, hit.node,
+                                 hit.checkpoint)
 
         @precondition(lambda self: self.reqs)
         @rule(i=INDEX, more=tokens)
@@ -225,7 +235,8 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             if pages is None or slot is None:
                 self.pages.free(pages or [])
                 return
-            result = self.cache.insert(toks, pages, Checkpoint.for_tokens(slot, toks, self.ps, self._new_id()))
+            result = self.cache.insert(toks, pages,
+                                       Checkpoint.for_tokens(slot, toks, self.ps, self._new_id()))
             self.pages.free(result.duplicate_page_ids)
             if result.duplicate_checkpoint:
                 self.ledger.free(slot)
@@ -273,7 +284,8 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
         def _assert_freed(self, before: tuple[int, ...], pages: int, checkpoints: int) -> None:
             nodes, cached, ckpts, free_pages, free_slots = before
             after = self._snapshot()
-            assert after[1:] == (cached - pages, ckpts - checkpoints, free_pages + pages, free_slots + checkpoints)
+            assert after[1:] == (cached - pages, ckpts - checkpoints, free_pages + pages,
+                                 free_slots + checkpoints)
 
         # ---- after every step ----------------------------------------------------------
         @invariant()

@@ -61,7 +61,8 @@ def test_match_stops_at_the_deepest_checkpoint_and_walks_through_tombstones(h: H
     assert (hit.node, hit.depth, hit.kv_depth) == (deep.node, 6, 6)
     assert hit.page_ids == deep.page_ids and hit.checkpoint is deep.node.checkpoint
     miss = h.cache.match([1, 2, 3, 4, 5, 9])
-    assert (miss.node, miss.depth, miss.page_ids, miss.checkpoint, miss.kv_depth) == (h.cache.root, 0, [], None, 5)
+    got = (miss.node, miss.depth, miss.page_ids, miss.checkpoint, miss.kv_depth)
+    assert got == (h.cache.root, 0, [], None, 5)
     assert h.cache.num_nodes == num_nodes  # match never splits
     assert h.cache.check_invariants() == []
 
@@ -184,7 +185,8 @@ def test_lock_rules(h: Harness) -> None:
 def test_insert_with_a_pending_writer_is_refused_and_changes_nothing(h: Harness, target: str) -> None:
     for toks in ([1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 4, 7, 8]):
         h.put(toks)  # [1, 2] is a split tombstone; [1, 2, 3, 4] holds a checkpoint above edge [7, 8]
-    toks = {"new_leaf": [1, 2, 3, 4, 5], "split_below_checkpoint": [1, 2, 3, 4, 7], "tombstone": [1, 2]}[target]
+    toks = {"new_leaf": [1, 2, 3, 4, 5], "split_below_checkpoint": [1, 2, 3, 4, 7],
+            "tombstone": [1, 2]}[target]
     covered = h.cache.peek(toks).kv_depth
     pages = h.cache.peek([1, 2, 3, 4, 7, 8]).page_ids[:covered] + (h.pages.alloc(len(toks) - covered) or [])
     slot = h.keep_slot()
@@ -246,7 +248,8 @@ def test_insert_without_checkpoint_inside_the_tree_may_split(h: Harness) -> None
     assert h.cache.check_invariants() == []
 
 
-def test_optional_allocation_never_evicts_but_the_mandatory_one_does(make_harness: Callable[..., Harness]) -> None:
+def test_optional_allocation_never_evicts_but_the_mandatory_one_does(
+        make_harness: Callable[..., Harness]) -> None:
     h = make_harness(num_slots=4)
     for toks in ([1], [2], [3]):
         h.put(toks)

@@ -16,7 +16,13 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from workers.allocators import IdAllocator
 from workers.cache import Checkpoint, RadixCache, RequestOwner, SlotLedger, SlotRole
@@ -121,7 +127,8 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             hit = self.tree.match(toks)
             self.tree.lock(hit.node)
             own = self.tree.alloc_pages(len(toks) // self.ps - len(hit.page_ids))
-            slot = None if own is None else self.tree.alloc_slot_evicting(RequestOwner(self._new_id(), SlotRole.KEEP))
+            slot = None if own is None else self.tree.alloc_slot_evicting(
+                RequestOwner(self._new_id(), SlotRole.KEEP))
             self.tree.unlock(hit.node)
             if own is None or slot is None:
                 self.pages.free(own or [])

@@ -43,4 +43,5 @@ def test_owners_keep_their_graphs_apart_under_the_guard_skip(caplog):
 
 
 def _refusals(caplog) -> int:
-    return sum(r.name == "workers.compiled.cache" and "did not compile" in r.getMessage() for r in caplog.records)
+    return sum(r.name == "workers.compiled.cache" and "did not compile" in r.getMessage()
+               for r in caplog.records)

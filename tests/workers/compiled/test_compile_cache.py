@@ -24,7 +24,8 @@ P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def test_warm_restart_loads_every_graph(tmp_path, compile_cache_dir, capsys):
-    first, second = (make_tiny_checkpoint("granitemoehybrid", tmp_path / f"m{seed}", seed=seed) for seed in (1, 2))
+    first, second = (make_tiny_checkpoint("granitemoehybrid", tmp_path / f"m{seed}", seed=seed)
+                     for seed in (1, 2))
     settings = {"enabled": True, "batch_sizes": (2, 4), "cache_dir": str(compile_cache_dir)}
     graphs = counters["stats"]["unique_graphs"]
     make_llm(first, compile=settings)                        # cold or warm: fills the cache
@@ -73,7 +74,8 @@ def test_verify_steps_and_chain_ask_for_aten_gemms(monkeypatch):
         return record
     monkeypatch.setattr(steps_mod, "compile_kwargs", spy("steps"))
     monkeypatch.setattr(chain_mod, "compile_kwargs", spy("chain"))
-    config, cpu, model = CompileConfig(enabled=True, batch_sizes=(1,)), torch.device("cpu"), torch.nn.Identity()
+    config = CompileConfig(enabled=True, batch_sizes=(1,))
+    cpu, model = torch.device("cpu"), torch.nn.Identity()
     steps_mod.CompiledSteps(model, None, config, cpu, max_pages=4, page_size=16)
     steps_mod.CompiledSteps(model, None, config, cpu, max_pages=4, page_size=16, verify_lens=(4,))
     chain_mod.CompiledChain(model, model, None, config, cpu, num_drafts=3, page_size=16, max_model_len=64,

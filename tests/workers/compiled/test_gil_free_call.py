@@ -45,7 +45,8 @@ class Chain(torch.nn.Module):
 
 def _fresh(size: int = 512) -> Batch:
     gen = torch.Generator().manual_seed(0)
-    return Batch(*(torch.randn(size, size, generator=gen) / size ** 0.5 for _ in range(NUM_INPUTS)), size=size)
+    return Batch(*(torch.randn(size, size, generator=gen) / size ** 0.5 for _ in range(NUM_INPUTS)),
+                 size=size)
 
 
 def _switches_during(fn) -> int:
@@ -86,7 +87,8 @@ def compiled():
 def test_graph_inputs_are_the_tensors_and_dataclass_tensor_fields():
     batch, plain = _fresh(), torch.zeros(2)
     got = graph_inputs((batch, plain, 3, (plain,)))
-    assert [id(t) for t in got] == [id(batch.a), id(batch.b), id(batch.c), id(batch.d), id(batch.e), id(plain)]
+    assert [id(t) for t in got] == [id(batch.a), id(batch.b), id(batch.c), id(batch.d), id(batch.e),
+                                    id(plain)]
 
 
 def test_a_call_holds_each_tensor_argument_once_more(compiled):

@@ -14,7 +14,8 @@ def test_each_graph_says_where_it_came_from(monkeypatch, capsys):
     counters = dict(ZERO)
     monkeypatch.setattr(progress_mod, "cache_counters", lambda: dict(counters))
     shown = CompileProgress(4, "compiling the steps of m", "/cache")
-    for label, key in (("decode step, batch 1", "fxgraph_cache_hit"), ("decode step, batch 2", "fxgraph_cache_miss"),
+    for label, key in (("decode step, batch 1", "fxgraph_cache_hit"),
+                       ("decode step, batch 2", "fxgraph_cache_miss"),
                        ("decode step, batch 4", "fxgraph_cache_bypass"), ("decode step, batch 8", None)):
         with shown.graph(label):
             if key is not None:
@@ -28,8 +29,8 @@ def test_each_graph_says_where_it_came_from(monkeypatch, capsys):
     assert "3/4 decode step, batch 4: 0.0 s (compiled: the cache refuses" in err[6]
     assert err[8].endswith("4/4 decode step, batch 8: 0.0 s (an earlier graph serves it)")
     assert err[9].startswith("[hybridserve compile] ready in ") and err[9].endswith(
-        "(4 of 4: 1 from the cache; 1 compiled, now cached; 1 compiled: the cache refuses frozen, packed graphs "
-        "(pack_weights); 1 an earlier graph serves it)")
+        "(4 of 4: 1 from the cache; 1 compiled, now cached; 1 compiled: the cache refuses frozen, "
+        "packed graphs (pack_weights); 1 an earlier graph serves it)")
     with pytest.raises(ValueError, match="call 5 .* of 4"):
         with shown.graph("one more"):
             pass

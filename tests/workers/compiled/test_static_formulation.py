@@ -80,7 +80,8 @@ def test_decode_steps_with_a_checkpoint_stay_compiled(monkeypatch, tiny_qwen_dir
     checkpoint slot afterwards, so every one of a request's decode steps is compiled (an
     eager step per checkpoint before) and greedy output equals the cache-off engine's."""
     monkeypatch.setattr(torch, "compile", EagerStatic())
-    llm = make_llm(tiny_qwen_dir, cache={"mamba_track_interval": 8}, compile={"enabled": True, "batch_sizes": (1,)})
+    llm = make_llm(tiny_qwen_dir, cache={"mamba_track_interval": 8},
+                   compile={"enabled": True, "batch_sizes": (1,)})
     ref = make_llm(tiny_qwen_dir, compile={"enabled": False}, cache={"enable_prefix_cache": False})
     prompt = random_prompts(llm.engine.vocab_size, [6], seed=7)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

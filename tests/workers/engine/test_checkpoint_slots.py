@@ -30,7 +30,8 @@ def run_watching(llm, prompt):
     while engine.has_unfinished():
         outs += llm.step()
         if req.mamba_slot is not None:
-            roles.append((req.num_computed_tokens, sorted(r.value for r in engine.cache.ledger.slots_of(req.handle).values()),
+            roles.append((req.num_computed_tokens,
+                          sorted(r.value for r in engine.cache.ledger.slots_of(req.handle).values()),
                           req.cache.keep_depth))
     return roles, outs
 

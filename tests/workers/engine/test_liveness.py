@@ -42,7 +42,8 @@ def test_preemption_under_overlap_finishes(tiny_qwen_dir):
     plain = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
     expected = [o.token_ids for o in plain.generate_ids(prompts, [params] * 5)]
     for overlap in (False, True):
-        llm = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False, "max_kv_tokens": 96, "page_size": 16},
+        llm = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False, "max_kv_tokens": 96,
+                                             "page_size": 16},
                        scheduler={"overlap": overlap, "chunked_prefill_size": 4},
                        debug={"check_invariants": True})
         llm.engine.raise_on_violation = True
@@ -63,7 +64,8 @@ def test_one_slot_follow_up_turn_is_admitted(tiny_qwen_dir):
     expected = plain.generate_ids([follow], [P])[0].token_ids
     for strategy in ("no_buffer", "extra_buffer_lazy"):
         for overlap in (False, True):
-            llm = make_llm(tiny_qwen_dir, cache={"max_mamba_slots": 1, "mamba_strategy": strategy, "page_size": 1},
+            llm = make_llm(tiny_qwen_dir, cache={"max_mamba_slots": 1, "mamba_strategy": strategy,
+                                                 "page_size": 1},
                            scheduler={"overlap": overlap}, debug={"check_invariants": True})
             llm.engine.raise_on_violation = True
             assert run_bounded(llm, [prompt])[0].token_ids == first

@@ -12,7 +12,8 @@ P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def policy_llm(model_dir, policy, host):
-    cache = {"mamba_strategy": "extra_buffer_lazy", "page_size": 4, "mamba_track_interval": 8, "max_mamba_slots": 10}
+    cache = {"mamba_strategy": "extra_buffer_lazy", "page_size": 4, "mamba_track_interval": 8,
+             "max_mamba_slots": 10}
     if host:
         cache.update(host_mamba_slots=32, host_kv_tokens=2048)
     llm = make_llm(model_dir, cache=cache, scheduler={"max_running_requests": 2, "policy": policy},
@@ -44,7 +45,8 @@ def test_lpm_changes_the_order_not_the_tokens(tiny_qwen_dir, host):
     for policy in ("fcfs", "lpm"):
         llm = policy_llm(tiny_qwen_dir, policy, host)
         outs1 = llm.generate_ids(turn1, [P] * len(turn1))
-        turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, random_prompts(vocab, [5] * 4, seed=33))]
+        turn2 = [p + o.token_ids + q
+                 for p, o, q in zip(turn1, outs1, random_prompts(vocab, [5] * 4, seed=33))]
         if host:                        # every checkpoint demoted: the queue sees host depths only
             tree = llm.engine.cache.tree
             tree.evict_checkpoints(tree.num_evictable_checkpoints)

@@ -115,7 +115,8 @@ def test_min_tokens_blocks_eos_instead_of_hiding_it(tiny_qwen_dir):
     out = llm.generate_ids([[5, 6, 7]], [p])[0]
     assert out.token_ids[:4] != [EOS] * 4 and EOS not in out.token_ids[:4]
     assert out.token_ids[4:] == [EOS] and out.finish_reason == "stop"
-    stop = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={9: 100.0}, stop_token_ids=[9], min_tokens=3)
+    stop = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={9: 100.0}, stop_token_ids=[9],
+                          min_tokens=3)
     out = llm.generate_ids([[5, 6, 7]], [stop])[0]
     assert len(out.token_ids) == 4 and out.token_ids[-1] == 9 and 9 not in out.token_ids[:3]
 
@@ -162,7 +163,8 @@ def test_best_of_keeps_the_most_likely_sequence(tiny_qwen_dir):
     llm = make_llm(tiny_qwen_dir)
     prompt = [5, 6, 7, 8]
     one = dict(max_tokens=8, temperature=1.2, ignore_eos=True)
-    singles = [llm.generate_ids([prompt], [SamplingParams(**one, seed=40 + j, logprobs=0)])[0] for j in range(4)]
+    singles = [llm.generate_ids([prompt], [SamplingParams(**one, seed=40 + j, logprobs=0)])[0]
+               for j in range(4)]
     sums = [sum(lp.logprob for lp in o.logprobs) for o in singles]
     assert len(set(sums)) == 4                                    # the candidates differ
     best = llm.generate_ids([prompt], [SamplingParams(**one, seed=40, best_of=4)])[0]

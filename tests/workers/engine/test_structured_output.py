@@ -21,7 +21,8 @@ class Pet(BaseModel):
     kind: Literal["cat", "dog", "fish"]
     age: int = Field(ge=0, le=30)
     indoor: bool
-    name: str = Field(pattern=r"^[a-z]{1,6}$")    # not max_length: xgrammar 0.2.9 lets it hold raw control characters
+    # not max_length: xgrammar 0.2.9 lets it hold raw control characters
+    name: str = Field(pattern=r"^[a-z]{1,6}$")
 
 
 SCHEMA = StructuredOutput.json_schema(Pet.model_json_schema(), any_whitespace=False)
@@ -73,8 +74,9 @@ def test_outputs_follow_the_grammar(llm, kind):
 
 
 def test_json_object_and_whitespace(llm):
-    out = llm.generate_ids([[5, 6]], [SamplingParams(max_tokens=80, temperature=0.0,
-                                                     structured_output=StructuredOutput.json_object(False))])[0]
+    params = SamplingParams(max_tokens=80, temperature=0.0,
+                            structured_output=StructuredOutput.json_object(False))
+    out = llm.generate_ids([[5, 6]], [params])[0]
     if out.finish_reason == "stop":
         assert isinstance(json.loads(out.text), dict)
     else:
@@ -125,7 +127,8 @@ def test_identical_under_speculation_and_overlap(tiny_qwen_dir, oracle, overlap)
     plist = [params(k) for k in CONSTRAINTS] * 2
     plain = make_llm(tiny_qwen_dir, scheduler={"overlap": False})
     expected = [o.token_ids for o in plain.generate_ids(prompts, plist)]
-    llm = make_llm(tiny_qwen_dir, scheduler={"overlap": overlap}, spec={"method": "mtp", "num_draft_tokens": 3},
+    llm = make_llm(tiny_qwen_dir, scheduler={"overlap": overlap},
+                   spec={"method": "mtp", "num_draft_tokens": 3},
                    debug={"check_invariants": True})
     llm.engine.raise_on_violation = True
     oracle.expect(llm.engine, prompts, expected)
@@ -140,7 +143,8 @@ def test_identical_under_speculation_and_overlap(tiny_qwen_dir, oracle, overlap)
 def test_seeded_sampling_under_a_grammar_identical_with_overlap(tiny_qwen_dir):
     prompts = random_prompts(512, [4, 10, 7], seed=22)
     plist = [params(k, temperature=1.0, seed=5) for k in ("json_schema", "regex", "grammar")]
-    runs = [[o.token_ids for o in make_llm(tiny_qwen_dir, scheduler={"overlap": ov}).generate_ids(prompts, plist)]
+    runs = [[o.token_ids
+             for o in make_llm(tiny_qwen_dir, scheduler={"overlap": ov}).generate_ids(prompts, plist)]
             for ov in (False, True)]
     assert runs[0] == runs[1]
 
@@ -161,7 +165,8 @@ def test_compiling_off_the_hot_path(tiny_qwen_dir, monkeypatch):
     engine = llm.engine
     so = StructuredOutput.regex(r"[0-9]{4}")
     llm.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    llm.add_request("constrained", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, structured_output=so))
+    llm.add_request("constrained", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0,
+                                                             structured_output=so))
     done = {}
     while "plain" not in done:
         done.update({o.request_id: o for o in llm.step()})
@@ -170,5 +175,6 @@ def test_compiling_off_the_hot_path(tiny_qwen_dir, monkeypatch):
     llm.add_request("again", [9, 9], SamplingParams(max_tokens=8, temperature=0.0, structured_output=so))
     while engine.has_unfinished():
         done.update({o.request_id: o for o in llm.step()})
-    assert re.fullmatch(r"[0-9]{4}", done["constrained"].text) and re.fullmatch(r"[0-9]{4}", done["again"].text)
+    assert re.fullmatch(r"[0-9]{4}", done["constrained"].text)
+    assert re.fullmatch(r"[0-9]{4}", done["again"].text)
     assert compiled == [so]                                     # compiled once, cached by the constraint

@@ -117,10 +117,12 @@ def test_promotion_copies_every_kind_of_state(tiny_checkpoint, family):
     scored = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     got, want = llm.generate_ids([follow], [scored])[0], off.generate_ids([follow], [scored])[0]
     assert got.token_ids == want.token_ids
-    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs],
+                                                                abs=1e-4)
     assert got.cached_tokens == 24 and stat(llm, "hybridserve_tier_promotions_total", "promoted") == 1
     s = llm.stats()
-    assert s["hybridserve_state_oracle_checks_total"] > 0 and s["hybridserve_state_oracle_mismatches_total"] == 0
+    assert s["hybridserve_state_oracle_checks_total"] > 0
+    assert s["hybridserve_state_oracle_mismatches_total"] == 0
 
 
 def test_promotion_with_mtp_and_the_state_oracle(tiny_qwen_dir):
@@ -135,7 +137,8 @@ def test_promotion_with_mtp_and_the_state_oracle(tiny_qwen_dir):
     assert [o.token_ids for o in got] == [o.token_ids for o in off.generate_ids(follows, [P] * 3)]
     assert [o.cached_tokens for o in got] == [24, 24, 24]
     s = llm.stats()
-    assert s["hybridserve_state_oracle_checks_total"] > 0 and s["hybridserve_state_oracle_mismatches_total"] == 0
+    assert s["hybridserve_state_oracle_checks_total"] > 0
+    assert s["hybridserve_state_oracle_mismatches_total"] == 0
 
 
 def test_a_failed_promotion_recomputes_from_the_device_hit(tiny_qwen_dir):
@@ -167,7 +170,8 @@ def test_failed_demotions_and_a_full_host_tier_drop_never_block(tiny_qwen_dir):
         assert [o.token_ids for o in got] == [o.token_ids for o in want] * 2
         demoted = llm.stats()["hybridserve_tier_demotions_total"]
         assert demoted.get("failed" if fail else "host_full", 0) > 0, demoted
-        assert llm.engine.cache.host.num_checkpoints <= host_slots and (not fail or llm.engine.cache.host.num_checkpoints == 0)
+        num_host = llm.engine.cache.host.num_checkpoints
+        assert num_host <= host_slots and (not fail or num_host == 0)
 
 
 def test_multi_turn_under_slot_pressure_hits_every_turn_two(tiny_qwen_dir):
@@ -177,11 +181,13 @@ def test_multi_turn_under_slot_pressure_hits_every_turn_two(tiny_qwen_dir):
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
     counts = {}
     for host in (False, True):
-        cache = {"max_mamba_slots": 24, "host_mamba_slots": 96 if host else 0, "host_kv_tokens": 4096 if host else 0}
+        cache = {"max_mamba_slots": 24, "host_mamba_slots": 96 if host else 0,
+                 "host_kv_tokens": 4096 if host else 0}
         llm = tiered_llm(tiny_qwen_dir, cache=cache, scheduler={"max_running_requests": 4})
         vocab = llm.engine.vocab_size
         systems = random_prompts(vocab, [24] * 5, seed=21)
-        turn1 = [systems[i % 5] + q for i, q in enumerate(random_prompts(vocab, [6 + i % 7 for i in range(20)], seed=22))]
+        turn1 = [systems[i % 5] + q
+                 for i, q in enumerate(random_prompts(vocab, [6 + i % 7 for i in range(20)], seed=22))]
         outs1 = llm.generate_ids(turn1, [P] * 20)
         news = random_prompts(vocab, [4] * 20, seed=23)
         turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, news)]
@@ -233,4 +239,5 @@ def test_an_asynchronous_promotion_holds_the_request_until_the_copy_is_done(tiny
         seen_pending |= req is not None and req.cache.promotion is not None
     assert seen_pending
     assert outs["follow"].token_ids == off.generate_ids([follow], [P])[0].token_ids
-    assert outs["follow"].cached_tokens == 24 and outs["busy"].token_ids == off.generate_ids([busy], [P])[0].token_ids
+    assert outs["follow"].cached_tokens == 24
+    assert outs["busy"].token_ids == off.generate_ids([busy], [P])[0].token_ids

@@ -1,7 +1,6 @@
 """The whole engine against transformers on tiny random checkpoints (fp32, CPU)."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.workers.engine.helpers import greedy_tokens, make_llm, random_prompts

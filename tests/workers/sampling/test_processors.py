@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
-                                                    NoBadWordsLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                                                    SequenceBiasLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from tests.workers.sampling.helpers import EOS, Harness, decode, request, verify
 from workers.sampling.processors import filter_rows
@@ -39,7 +45,8 @@ def hf_rows(processor_of, raw, hist):
 
 
 def batch(params_list, prompts, outputs, drafts, bad_words=()):
-    reqs = [request(f"r{i}", p, o, params, bad_words) for i, (params, p, o) in enumerate(zip(params_list, prompts, outputs))]
+    reqs = [request(f"r{i}", p, o, params, bad_words)
+            for i, (params, p, o) in enumerate(zip(params_list, prompts, outputs))]
     seqs = [verify(r, len(d)) if d else decode(r) for r, d in zip(reqs, drafts)]
     return reqs, seqs
 

@@ -17,7 +17,8 @@ def test_greedy_verify_reads_the_host_once(monkeypatch, tiny_qwen_dir):
 
     def recorded(self, si, input_ids, logits, params, gens, verify, draft_q):
         out = []
-        found = host_reads(lambda: out.append(decide(self, si, input_ids, logits, params, gens, verify, draft_q)))
+        found = host_reads(lambda: out.append(decide(self, si, input_ids, logits, params, gens, verify,
+                                                     draft_q)))
         if any(v is not None for v in verify):
             reads.append([r for r in found if r.startswith(("tolist", "item"))])
         return out[0]

@@ -15,7 +15,7 @@ SPEC = CacheSpec((
     StateGroup(attention_kind(2, 8, 6), 3),
     StateGroup(conv_ssm_kind("gdn", 12, 4, (2, 3, 5)), 2),
     StateGroup(StateKind("lightning", False, (TensorSpec("kv", (2, 4, 4), "bfloat16"),)), 1),  # no conv
-    StateGroup(StateKind("latent", True, (TensorSpec("c", (7,)),)), 2),                         # a new paged kind
+    StateGroup(StateKind("latent", True, (TensorSpec("c", (7,)),)), 2),  # a new paged kind
 ))
 
 
@@ -60,7 +60,8 @@ def test_a_corrupt_copy_reports_failure_and_writes_garbage_not_the_source():
     device, host = pools()
     storage = TensorTierStorage(device, host)
     assert not storage.copy_out(3, [2], 1, [4], corrupt=True)
-    assert not any(torch.equal(h[:, 1], d[:, 3]) for h, d in zip(host.slots["gdn"].values(), device.mamba.groups["gdn"].values()))
+    assert not any(torch.equal(h[:, 1], d[:, 3]) for h, d in zip(host.slots["gdn"].values(),
+                                                                 device.mamba.groups["gdn"].values()))
     storage.copy_out(3, [2], 1, [4])
     assert not storage.copy_in(1, [4], [2], [6], corrupt=True).result()
     assert not torch.equal(device.mamba.groups["gdn"]["ssm"][:, 2], device.mamba.groups["gdn"]["ssm"][:, 3])
@@ -73,7 +74,8 @@ def test_payload_round_trip_and_its_validation():
     from workers.cache.prefix_hash import prefix_hash
 
     storage.copy_out(3, [2, 5], 1, [4, 6])
-    payload = CheckpointPayload.build(tokens, PAGE, prefix_hash(tokens, PAGE), "fp", storage.read_host(1, [4, 6]))
+    payload = CheckpointPayload.build(tokens, PAGE, prefix_hash(tokens, PAGE), "fp",
+                                      storage.read_host(1, [4, 6]))
     layout = storage.layout()
     assert payload_problem(payload, PAGE, "fp", layout) is None
     assert payload.nbytes == storage.nbytes(1, 2)
