@@ -48,7 +48,6 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-
 # Called with (step i, state after step i [n, ...]) by a recurrent fn.
 OnStep = Callable[[int, Tensor], None]
 # (padded inputs, each [n, L, ...]; valid [n, L] bool; initial state [n, ...] fp32, may be

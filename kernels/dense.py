@@ -5,11 +5,12 @@ A product of at most ``FEW_ROWS`` rows -- a decode or verify step's, a draft cha
 lm-head over a few positions -- takes as long as its weight's bytes, and MKL's small-M sgemm
 overlaps little of its arithmetic with that read. ``hybridserve_native::few_rows_linear``
 (``kernels/native_gemm.cpp``) streams each weight row once against every row, faster than
-MKL's packed product at a few rows and as fast at one (BENCHMARKS.md). It runs eager and traced alike: inductor calls it as an
-extern kernel (its fake gives the shape), so a compiled step and the eager forward compute
-those rows with the same bits. An output is one dot product in a fixed order, so a row's
-bits depend on that row alone, never on the row count: a projection gives a verify's row
-the bits it gives the same input in a decode step, whatever the batch.
+MKL's packed product at a few rows and as fast at one (BENCHMARKS.md). It runs eager and
+traced alike: inductor calls it as an extern kernel (its fake gives the shape), so a
+compiled step and the eager forward compute those rows with the same bits. An output is
+one dot product in a fixed order, so a row's bits depend on that row alone, never on the
+row count: a projection gives a verify's row the bits it gives the same input in a decode
+step, whatever the batch.
 
 Above ``FEW_ROWS`` rows (from 12 rows MKL's packed product is as fast), and where the kernel
 does not apply (the ``torch`` kernel backend, autograd, other dtypes, a weight whose rows are

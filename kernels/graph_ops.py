@@ -97,15 +97,17 @@ def _recurrent(name: str, launcher: str, inputs: str, options: str, out_like: in
 
 _DELTA_RULE_INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states"
 _DELTA_RULE_OPTIONS = "float? scale, bool use_qk_l2norm, int chunk_size"
-_SCAN_INPUTS = "Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? dt_bias, Tensor(a!) states"
+_SCAN_INPUTS = ("Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? dt_bias, "
+                "Tensor(a!) states")
 gdn = _recurrent("gdn", "kernels.gdn.triton_varlen:gated_delta_rule_varlen_triton", _DELTA_RULE_INPUTS,
                  _DELTA_RULE_OPTIONS, out_like=2)
 kda = _recurrent("kda", "kernels.kda.triton_varlen:kda_varlen_triton", _DELTA_RULE_INPUTS,
                  _DELTA_RULE_OPTIONS, out_like=2)
 ssd = _recurrent("ssd", "kernels.ssd.triton_varlen:ssd_varlen_triton", _SCAN_INPUTS,
                  "bool dt_softplus, float[] dt_limit, int chunk_size", out_like=0)
-selective_scan = _recurrent("selective_scan", "kernels.selective_scan.triton_varlen:selective_scan_varlen_triton",
-                            _SCAN_INPUTS, "bool dt_softplus, int chunk_size", out_like=0)
+selective_scan = _recurrent("selective_scan",
+                            "kernels.selective_scan.triton_varlen:selective_scan_varlen_triton", _SCAN_INPUTS,
+                            "bool dt_softplus, int chunk_size", out_like=0)
 
 
 # -- causal conv1d: out is [T, D] ------------------------------------------------------------

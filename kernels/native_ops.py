@@ -147,7 +147,8 @@ def _few_rows_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def _gdn_recurrent_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                         has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, q: torch.Tensor,
-                        k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+                        k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor) -> torch.Tensor:
     return v.new_empty(v.shape)          # v is [T, H, V]
 
 
@@ -159,6 +160,6 @@ def _causal_conv1d_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: t
 
 def _ssd_recurrent_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                         has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, x: torch.Tensor,
-                        dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                        softplus: bool, dt_min: float, dt_max: float) -> torch.Tensor:
+                        dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                        C: torch.Tensor, softplus: bool, dt_min: float, dt_max: float) -> torch.Tensor:
     return x.new_empty(x.shape)          # x is [T, H, P]

@@ -23,8 +23,8 @@ import torch
 
 from workers.checkpoints import StepPlan
 from workers.forward_batch import ForwardBatch, is_decode_only, uniform_snapshot_len
-from workers.scheduler_types import StateWrite
 from workers.sampling.inputs import SamplingInputs
+from workers.scheduler_types import StateWrite
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,8 @@ def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
     track = plan.track_of(b)
     if track is not None:
         dst[track.depth - 1 - seq.start] = track.slot     # the state after token depth - 1
-    rows.writes.extend(StateWrite(b, slot, rows.positions[first + i] + 1) for i, slot in enumerate(dst) if slot)
+    rows.writes.extend(StateWrite(b, slot, rows.positions[first + i] + 1) for i, slot in enumerate(dst)
+                       if slot)
     rows.writes.append(StateWrite(b, req.mamba_slot, rows.positions[-1] + 1))
     rows.dst.extend(dst)
     if seq.samples:
@@ -202,9 +203,11 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         tuple(s.request.mamba_slot for s in batch.seqs), tuple(rows.writes),
         row_ids=_host_ids(rows), cu_seqlens=tuple(cu),
         copy_src=opt([a for a, _ in decode_copies]), copy_dst=opt([d for _, d in decode_copies]),
-        starts=tuple(s.start for s in batch.seqs), chained_seqs=tuple(chained), chained_seq_index=opt(chained),
+        starts=tuple(s.start for s in batch.seqs), chained_seqs=tuple(chained),
+        chained_seq_index=opt(chained),
         chained_slots=opt([batch.seqs[b].request.mamba_slot for b in chained]),
-        chained_rows=opt([r for r, _, _ in chained_rows]), chained_row_seq=opt([b for _, b, _ in chained_rows]),
+        chained_rows=opt([r for r, _, _ in chained_rows]),
+        chained_row_seq=opt([b for _, b, _ in chained_rows]),
         chained_row_pos=opt([j for _, _, j in chained_rows]))
 
 

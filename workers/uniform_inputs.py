@@ -172,7 +172,8 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
     start = np.asarray(starts, dtype=np.int64)
     slot = np.asarray(slots, dtype=np.int64)
     positions = (start[:, None] + shape.offsets).reshape(-1)
-    out_loc = table[shape.seq_of_row, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    page_ids = table[shape.seq_of_row, positions // page_size].astype(np.int64)
+    out_loc = page_ids * page_size + positions % page_size
     ids = np.zeros((n_seq, rows), dtype=np.int64)
     future = [b for b, t in enumerate(first_ids) if t < 0]
     if len(future) < n_seq:

@@ -23,8 +23,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.chunking import block_size
-from kernels.launch_grid import row_block_grid
 from kernels.conv1d.reference import check_shapes
+from kernels.launch_grid import row_block_grid
 
 
 @triton.jit

@@ -20,8 +20,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton_state import (chunk_rows, load_initial_state, program_seq_head,
-                                  state_tile, store_snapshot, store_state)
+from kernels.triton_state import (
+    chunk_rows,
+    load_initial_state,
+    program_seq_head,
+    state_tile,
+    store_snapshot,
+    store_state,
+)
 
 
 @triton.jit

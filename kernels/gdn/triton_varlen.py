@@ -12,11 +12,10 @@ from torch import Tensor
 
 from kernels.chunking import ChunkTable, block_size, varlen_launch
 from kernels.gdn.reference import check_shapes
+from kernels.gdn.triton_chunk import gdn_chunk_output_kernel, gdn_chunk_prep_kernel, gdn_chunk_state_kernel
+from kernels.gdn.triton_recurrent import gdn_recurrent_kernel
 from kernels.launch_grid import chunk_head_grid, seq_head_grid
 from kernels.recurrent_batch import RecurrentBatch
-from kernels.gdn.triton_chunk import (gdn_chunk_output_kernel, gdn_chunk_prep_kernel,
-                                      gdn_chunk_state_kernel)
-from kernels.gdn.triton_recurrent import gdn_recurrent_kernel
 
 RECURRENT_MAX_LEN = 16      # as the reference: longer sequences take the chunked kernels
 MAX_BLOCK_T = 64

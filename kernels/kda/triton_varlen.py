@@ -12,8 +12,7 @@ from torch import Tensor
 
 from kernels.chunking import ChunkTable, block_size, varlen_launch
 from kernels.kda.reference import check_shapes
-from kernels.kda.triton_chunk import (kda_chunk_output_kernel, kda_chunk_prep_kernel,
-                                      kda_chunk_state_kernel)
+from kernels.kda.triton_chunk import kda_chunk_output_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel
 from kernels.kda.triton_recurrent import kda_recurrent_kernel
 from kernels.launch_grid import chunk_head_grid, seq_head_grid
 from kernels.recurrent_batch import RecurrentBatch

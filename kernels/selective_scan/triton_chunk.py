@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.selective_scan.triton_recurrent import softplus_dt
-from kernels.triton_state import (chunk_rows, load_initial_state, state_tile, store_snapshot,
-                                  store_state)
+from kernels.triton_state import chunk_rows, load_initial_state, state_tile, store_snapshot, store_state
 
 
 @triton.jit

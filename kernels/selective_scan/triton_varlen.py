@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from kernels.chunking import block_size, varlen_launch
-from kernels.launch_grid import checked, cdiv
+from kernels.launch_grid import cdiv, checked
 from kernels.recurrent_batch import RecurrentBatch
 from kernels.selective_scan.reference import check_shapes
 from kernels.selective_scan.triton_chunk import selective_scan_chunk_kernel

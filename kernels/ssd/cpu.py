@@ -37,8 +37,8 @@ def ssd_cpu(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, d
                    seqs.state_dst_slots, dt_softplus, dt_limit)
 
 
-def _native(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor, states: Tensor,
-            cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor | None,
+def _native(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
+            states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor | None,
             state_dst_slots: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
     check_shapes(x, dt, B, C, states)
     xf = x.float().contiguous()

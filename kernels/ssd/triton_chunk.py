@@ -22,8 +22,15 @@ import triton
 import triton.language as tl
 
 from kernels.ssd.triton_recurrent import discretize
-from kernels.triton_state import (chunk_rows, dot, load_initial_state, program_seq_head,
-                                  state_tile, store_snapshot, store_state)
+from kernels.triton_state import (
+    chunk_rows,
+    dot,
+    load_initial_state,
+    program_seq_head,
+    state_tile,
+    store_snapshot,
+    store_state,
+)
 
 
 @triton.jit

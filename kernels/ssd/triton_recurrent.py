@@ -13,8 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton_state import (load_initial_state, program_seq_head, state_tile,
-                                  store_snapshot, store_state)
+from kernels.triton_state import load_initial_state, program_seq_head, state_tile, store_snapshot, store_state
 
 
 @triton.jit

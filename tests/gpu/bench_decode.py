@@ -110,7 +110,8 @@ def weight_bytes(model: Any, num_tokens: int) -> float:
     E * (1 - (1 - k/E)^T) of E)."""
     total = float(sum(p.numel() * p.element_size() for p in model.parameters()))
     for moe in _moe_layers(model):
-        experts = sum(w.numel() * w.element_size() for w in (moe.w_gate, moe.w_up, moe.w_down) if w is not None)
+        experts = sum(w.numel() * w.element_size() for w in (moe.w_gate, moe.w_up, moe.w_down)
+                      if w is not None)
         e, k = moe.dims.num_experts, moe.dims.top_k
         total -= experts * (1 - k / e) ** num_tokens
     return total

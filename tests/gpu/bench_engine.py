@@ -72,8 +72,8 @@ def add_random_mtp(model: Any, seed: int = 1) -> None:
 def settings_for(spec: EngineSpec, device: torch.device) -> H.Settings:
     dry = device.type == "cpu"
     return H.Settings(batches=spec.batches, modes=(spec.mode,), steps=ENGINE_STEPS, warmup=ENGINE_WARM,
-                      min_request_steps=1, device=device.type, prompt_len=DRY_PROMPT if dry else ENGINE_PROMPT,
-                      admit_steps=64)
+                      min_request_steps=1, device=device.type,
+                      prompt_len=DRY_PROMPT if dry else ENGINE_PROMPT, admit_steps=64)
 
 
 def build_engine(bench: Bench, spec: EngineSpec, settings: H.Settings, dtype: torch.dtype) -> Any:

@@ -60,16 +60,16 @@ def step_rows(path: Path | None, title: str, deadline: Deadline, benches: dict[s
                 row = D.step_row(name, bench, batch, device, dtype, bandwidth_gbs, iters)
             except Exception as exc:
                 traceback.print_exc()
-                report.row(name, None, batch, *[None] * (len(D.COLUMNS) - 4), f"{type(exc).__name__}: {exc}"[:160],
-                           ok=False)
+                report.row(name, None, batch, *[None] * (len(D.COLUMNS) - 4),
+                           f"{type(exc).__name__}: {exc}"[:160], ok=False)
                 continue
             report.row(*row.cells, ok=row.ok)
             figures[name, batch] = E.StepFigures(row.bound_tok_s, row.graph_tok_s)
     return report, figures
 
 
-def engine_table(path: Path | None, suffix: str, deadline: Deadline, benches: dict[str, D.Bench], device: torch.device,
-                 dtype: torch.dtype, figures: dict[tuple[str, int], E.StepFigures],
+def engine_table(path: Path | None, suffix: str, deadline: Deadline, benches: dict[str, D.Bench],
+                 device: torch.device, dtype: torch.dtype, figures: dict[tuple[str, int], E.StepFigures],
                  out_dir: Path | None) -> tuple[Report, list[F.ProfileResult]]:
     dry = device.type == "cpu"
     report = Report(path, "(c2) the engine: Engine.step decoding, tok/s and host CPU per step" + suffix,
@@ -94,16 +94,19 @@ def engine_table(path: Path | None, suffix: str, deadline: Deadline, benches: di
         if deadline.remaining() < need:
             for batch in spec.batches:
                 report.row(spec.model, spec.label, batch, *[None] * (len(E.COLUMNS) - 4),
-                           f"skipped: needs ~{need:.0f} s, {max(deadline.remaining(), 0):.0f} s left", ok=False)
+                           f"skipped: needs ~{need:.0f} s, {max(deadline.remaining(), 0):.0f} s left",
+                           ok=False)
             continue
         E.engine_rows(report, benches[spec.model], spec, device, dtype, figures,
-                      after_batch=lambda engine, batch, settings, spec=spec: maybe_profile(spec, engine, batch, settings))
+                      after_batch=lambda engine, batch, settings, spec=spec: maybe_profile(
+                          spec, engine, batch, settings))
         E.free_device_memory()
     return report, profiles
 
 
 def profile_table(path: Path | None, suffix: str, profiles: list[F.ProfileResult]) -> Report:
-    report = Report(path, "(c3) profiler window: the ops with the most self time per step" + suffix, F.COLUMNS)
+    report = Report(path, "(c3) profiler window: the ops with the most self time per step" + suffix,
+                    F.COLUMNS)
     for result in profiles:
         where = result.trace.name if result.trace is not None else "not written (no --out)"
         report.note(f"Batch {result.batch}, {result.steps} steps; trace: {where}")

@@ -20,9 +20,19 @@ import torch
 
 from kernels import backend
 from kernels.recurrent_batch import RecurrentBatch
-from tests.gpu.common import (Compared, Deadline, Report, compare, cuda_ms, has_flashinfer,
-                              mixed_lens, varlen_meta, verify_snapshots, worst)
 from tests.gpu.checks_new_kernels import FULL_NEW, TOY_NEW, new_checks
+from tests.gpu.common import (
+    Compared,
+    Deadline,
+    Report,
+    compare,
+    cuda_ms,
+    has_flashinfer,
+    mixed_lens,
+    varlen_meta,
+    verify_snapshots,
+    worst,
+)
 from tests.kernels.attention_cases import build_case, run_paged, with_dtype
 
 Tol = tuple[float, float]            # (rtol, atol)
@@ -101,7 +111,8 @@ def gdn_case(batch, heads: tuple[int, int, int], dtype: torch.dtype, device: tor
                                         True, 64, dst)
 
     def call() -> torch.Tensor:
-        return gated_delta_rule_varlen_triton(q, k, v, g, beta, tri_pool, RecurrentBatch(cu, slots, has_init, dst))
+        return gated_delta_rule_varlen_triton(q, k, v, g, beta, tri_pool,
+                                              RecurrentBatch(cu, slots, has_init, dst))
     out = call()
     res = worst(compare(out, ref, *TOL["gdn"][dtype]), compare(tri_pool, ref_pool, *POOL_TOL))
     return res, cuda_ms(call)

@@ -27,5 +27,6 @@ def test_pinned_copies_on_a_copy_stream_move_every_kind_exactly():
     assert isinstance(job, EventJob) and job.result() and job.done()
     assert _equal_entries(device.mamba.groups, device.mamba.groups, [1], [3])
     assert _equal_entries(device.mamba.groups, device.mamba.groups, [2], [3])
-    assert _equal_entries(device.kv.groups, device.kv.groups, page_rows([7, 8], PAGE), page_rows([2, 5], PAGE))
+    assert _equal_entries(device.kv.groups, device.kv.groups, page_rows([7, 8], PAGE),
+                          page_rows([2, 5], PAGE))
     torch.cuda.synchronize()

@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.attention import paged_attention
-from tests.kernels.attention_cases import (build_case, dense_reference, expected_pools,
-                                           run_paged)
+from tests.kernels.attention_cases import build_case, dense_reference, expected_pools, run_paged
 
 TOL = 1e-5
 

@@ -65,7 +65,8 @@ def test_prefill_decode_and_verify_give_a_token_the_same_bits():
     verified = pool.clone()
     for v in range(3):
         rows = slice(3 * v, 3 * v + 3)
-        seqs = RecurrentBatch(torch.tensor([0, 3], dtype=torch.int32), one, torch.tensor([True]), dst[rows], 3)
+        seqs = RecurrentBatch(torch.tensor([0, 3], dtype=torch.int32), one, torch.tensor([True]), dst[rows],
+                              3)
         o = causal_conv1d(x[rows], weight, bias, verified, seqs)
         assert torch.equal(o, out[rows])
     assert torch.equal(verified, prefill) and torch.equal(stepped[1], prefill[1])
@@ -90,8 +91,10 @@ def test_a_half_pool_reads_and_writes_its_dtype(dtype):
     x, weight, bias, pool = _case(6, 24, 4, 5, seed=3)
     half = pool.to(dtype)
     as_fp32 = half.float()
-    out_half = _varlen(x, weight, bias, half, [6], [1], [True], torch.tensor([0, 0, 3, 0, 0, 0], dtype=torch.int32))
-    out_fp32 = _varlen(x, weight, bias, as_fp32, [6], [1], [True], torch.tensor([0, 0, 3, 0, 0, 0], dtype=torch.int32))
+    out_half = _varlen(x, weight, bias, half, [6], [1], [True],
+                       torch.tensor([0, 0, 3, 0, 0, 0], dtype=torch.int32))
+    out_fp32 = _varlen(x, weight, bias, as_fp32, [6], [1], [True],
+                       torch.tensor([0, 0, 3, 0, 0, 0], dtype=torch.int32))
     assert torch.equal(out_half, out_fp32)
     assert torch.equal(half, as_fp32.to(dtype))
 

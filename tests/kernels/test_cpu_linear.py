@@ -18,7 +18,8 @@ def _onednn(x, w, b=None):
                                         (16, 256, 512), (4, 2048, 4096), (300, 256, 768), (1024, 256, 8)])
 def test_the_rule_picks_the_kernel_and_both_agree_with_aten(rows, k, m):
     gen = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(m, generator=gen)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(m, k, generator=gen)
+    b = torch.randn(m, generator=gen)
     onednn = cpu_linear.prefers_onednn() and rows >= 4 and rows * k * m >= 1 << 21
     assert cpu_linear.use_onednn(rows, k, m) is onednn
     got = cpu_linear.linear(x, w, b)
@@ -39,7 +40,8 @@ def test_a_row_does_not_depend_on_the_other_rows_of_its_call(k, m):
 
 
 def test_the_vendor_decides_the_library():
-    assert cpu_linear.prefers_onednn() is (cpu_linear.available() and cpu_linear.cpu_vendor() != "GenuineIntel")
+    assert cpu_linear.prefers_onednn() is (cpu_linear.available()
+                                           and cpu_linear.cpu_vendor() != "GenuineIntel")
 
 
 def test_autograd_other_dtypes_and_traced_steps_keep_f_linear():

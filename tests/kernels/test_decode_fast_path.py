@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kernels import backend, scan_varlen
 from kernels.conv1d import causal_conv1d
 from kernels.gdn import gated_delta_rule
-from kernels.recurrent_batch import RecurrentBatch
 from kernels.gdn.reference import gdn_recurrent
+from kernels.recurrent_batch import RecurrentBatch
 from kernels.ssd import ssd_scan
 
 NUM_SEQS = 5

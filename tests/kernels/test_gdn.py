@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.gdn import reference as gdn
 from kernels.gdn import gated_delta_rule
+from kernels.gdn import reference as gdn
 from tests.kernels.delta_rule_cases import check_bf16_inputs_fp32_pool, check_matches_transformers
 from tests.kernels.varlen_cases import gdn_inputs, lens_strategy, naive_varlen, poison_no_init_slot
 
@@ -92,7 +92,9 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
 def test_matches_transformers(max_abs_diff):
     """Pins l2norm eps, default scale, GVA head mapping and the [H, K, V] layout to HF."""
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    check_matches_transformers(gated_delta_rule, (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule), make_inputs(45, 2, seed=11), TOL, max_abs_diff)
+    check_matches_transformers(gated_delta_rule, (hf.torch_chunk_gated_delta_rule,
+                                                  hf.torch_recurrent_gated_delta_rule),
+                               make_inputs(45, 2, seed=11), TOL, max_abs_diff)
 
 
 def test_dtypes_bf16_inputs_fp32_pool(varlen_case):

@@ -12,8 +12,13 @@ from kernels.kda import kimi_delta_attention
 from kernels.kda import reference as kda_ref
 from kernels.recurrent_batch import RecurrentBatch
 from tests.kernels.delta_rule_cases import check_bf16_inputs_fp32_pool, check_matches_transformers
-from tests.kernels.varlen_cases import (kda_inputs, lens_strategy, naive_varlen,
-                                        poison_no_init_slot, with_snapshot_every_token)
+from tests.kernels.varlen_cases import (
+    kda_inputs,
+    lens_strategy,
+    naive_varlen,
+    poison_no_init_slot,
+    with_snapshot_every_token,
+)
 
 H, K, V = 3, 8, 6
 TOL = 1e-4
@@ -44,8 +49,8 @@ def naive_kda(inp: dict[str, torch.Tensor], case, scale: float | None = None):
 
 def run_op(inp, case, chunk_size: int = 8, **kw):
     states = inp["states"].clone()
-    o = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, case.seqs(), chunk_size=chunk_size,
-            **kw)
+    o = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, case.seqs(),
+                             chunk_size=chunk_size, **kw)
     return o, states
 
 
@@ -96,7 +101,9 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
 def test_matches_transformers(max_abs_diff):
     """Pins l2norm eps, default scale, the per-channel decay and the [H, K, V] layout to HF."""
     hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-    check_matches_transformers(kimi_delta_attention, (hf.chunk_kimi_delta_attention, hf.recurrent_kimi_delta_attention), make_inputs(45, 2, seed=11), TOL, max_abs_diff)
+    check_matches_transformers(kimi_delta_attention, (hf.chunk_kimi_delta_attention,
+                                                      hf.recurrent_kimi_delta_attention),
+                               make_inputs(45, 2, seed=11), TOL, max_abs_diff)
 
 
 def test_update_and_verify_fast_paths_equal_varlen(varlen_case):
@@ -105,13 +112,15 @@ def test_update_and_verify_fast_paths_equal_varlen(varlen_case):
     inp = make_inputs(3, decode.num_slots, seed=4)
     want, want_pool = run_op(inp, decode)
     pool = inp["states"].clone()
-    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, decode.seqs(uniform_len=1))
+    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool,
+                               decode.seqs(uniform_len=1))
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
     verify, dst = with_snapshot_every_token(varlen_case([4, 4], seed=6, init_prob=1.0))
     inp = make_inputs(8, verify.num_slots, seed=6)
     want, want_pool = run_op(inp, verify)
     pool = inp["states"].clone()
-    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, verify.seqs(uniform_len=4))
+    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool,
+                               verify.seqs(uniform_len=4))
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
 
 

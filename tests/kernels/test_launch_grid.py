@@ -6,8 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernels.launch_grid import (CUDA_MAX_GRID, attention_grid, attention_num_tiles, cdiv,
-                                 checked, chunk_head_grid, row_block_grid, seq_head_grid)
+from kernels.launch_grid import (
+    CUDA_MAX_GRID,
+    attention_grid,
+    attention_num_tiles,
+    cdiv,
+    checked,
+    chunk_head_grid,
+    row_block_grid,
+    seq_head_grid,
+)
 
 
 def test_checked_refuses_with_the_numbers():

@@ -122,7 +122,8 @@ FORMS = {"gdn": (gdn_ref, "gated_delta_rule_update_torch", "gated_delta_rule_ver
 def test_the_torch_backend_runs_the_form_of_the_path(op, seqs, form):
     module, *names = FORMS[op]
     want = names[form - 1] or names[2]
-    spies = {name: mock.patch.object(module, name, wraps=getattr(module, name)) for name in set(names) - {None}}
+    spies = {name: mock.patch.object(module, name, wraps=getattr(module, name))
+             for name in set(names) - {None}}
     started = {name: patcher.start() for name, patcher in spies.items()}
     try:
         with backend.use_backend("torch"), torch.inference_mode():

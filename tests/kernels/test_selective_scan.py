@@ -9,11 +9,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.selective_scan import reference as scan
 from kernels.recurrent_batch import RecurrentBatch
 from kernels.selective_scan import mamba_selective_scan
-from tests.kernels.varlen_cases import (lens_strategy, naive_varlen, poison_no_init_slot,
-                                        selective_scan_inputs)
+from kernels.selective_scan import reference as scan
+from tests.kernels.varlen_cases import lens_strategy, naive_varlen, poison_no_init_slot, selective_scan_inputs
 
 H, N = 6, 5
 TOL = 1e-4

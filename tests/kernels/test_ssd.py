@@ -41,8 +41,8 @@ def naive_ssd(inp: dict[str, torch.Tensor], case, dt_limit=(0.0, math.inf)):
 
 def run_op(inp, case, chunk_size: int, **kw):
     states = inp["states"].clone()
-    y = ssd_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], states, case.seqs(),
-            chunk_size=chunk_size, **kw)
+    y = ssd_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], states,
+                 case.seqs(), chunk_size=chunk_size, **kw)
     return y, states
 
 
@@ -115,7 +115,8 @@ def test_matches_transformers(max_abs_diff):
         inp["D"][:, None].expand(H, P), dt_bias=inp["dt_bias"][:, None].expand(H, P),
         dt_softplus=True)
     dec = ssd_scan(inp["x"][40:], inp["dt"][40:], inp["A"], inp["B"][40:], inp["C"][40:],
-              inp["D"], inp["dt_bias"], states, RecurrentBatch(torch.tensor([0, 1], dtype=torch.int32), slot, has_init))
+                   inp["D"], inp["dt_bias"], states,
+                   RecurrentBatch(torch.tensor([0, 1], dtype=torch.int32), slot, has_init))
     assert max_abs_diff(dec, ref_dec) <= TOL
     assert max_abs_diff(states[1], hf_state[0]) <= TOL
 

@@ -1,6 +1,7 @@
-"""The speculative-verify fast path (conv1d, GDN, SSD): B sequences of T tokens, each with an initial state and a
-snapshot slot at every token. Each verify op equals its varlen op on that batch, bitwise:
-outputs and whole pools (live slots, every snapshot slot, untouched slots)."""
+"""The speculative-verify fast path (conv1d, GDN, SSD): B sequences of T tokens, each with
+an initial state and a snapshot slot at every token. Each verify op equals its varlen op on
+that batch, bitwise: outputs and whole pools (live slots, every snapshot slot, untouched
+slots)."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
-"""Builders shared by the GDN, KDA, SSD and selective-scan tests, on the torch path (``tests/kernels/test_*.py``)
-and the Triton path (``tests/kernels/triton_path/``): inputs, lengths, case variants, the
-naive per-token driver over the slot pool, and the pool-and-output comparison.
+"""Builders shared by the GDN, KDA, SSD and selective-scan tests, on the torch path
+(``tests/kernels/test_*.py``) and the Triton path (``tests/kernels/triton_path/``): inputs,
+lengths, case variants, the naive per-token driver over the slot pool, and the
+pool-and-output comparison.
 
 The batches themselves (``VarlenCase``) come from the ``varlen_case`` fixture in conftest.
 """

@@ -12,15 +12,19 @@ from workers.models.base import HybridForCausalLM
 from workers.models.falcon_h1 import FalconH1ForCausalLM
 from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from workers.models.jamba import JambaForCausalLM
+from workers.models.kimi_linear import KimiLinearForCausalLM
 from workers.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from workers.models.lfm3 import Lfm3ForCausalLM
-from workers.models.kimi_linear import KimiLinearForCausalLM
 from workers.models.mamba2_lm import Mamba2ForCausalLM
 from workers.models.minimax import MiniMaxForCausalLM
 from workers.models.nemotron_h import NemotronHForCausalLM
 from workers.models.olmo_hybrid import OlmoHybridForCausalLM
-from workers.models.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                                    Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration)
+from workers.models.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from workers.models.qwen3_next import Qwen3NextForCausalLM
 from workers.models.zamba2 import Zamba2ForCausalLM
 

@@ -32,11 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models.base import (HybridDecoderLayer, HybridForCausalLM, check_hybrid_layer_types,
-                                 default_rope)
+from workers.models.base import HybridDecoderLayer, HybridForCausalLM, check_hybrid_layer_types, default_rope
 from workers.models.deepseek_moe import SwigluLimits, check_mlp_layer_types, with_swiglu_limits
-from workers.models.kimi_linear import (build_kda_mla_layers, check_mla_heads, kda_dims, mla_dims,
-                                        rename_experts)
+from workers.models.kimi_linear import (
+    build_kda_mla_layers,
+    check_mla_heads,
+    kda_dims,
+    mla_dims,
+    rename_experts,
+)
 from workers.models.layers import RMSNorm, RotaryEmbedding
 from workers.models.weights import merge_split_tensors
 from workers.state_spec import StateSites

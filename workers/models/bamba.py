@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models.base import FULL_ATTENTION, LINEAR_ATTENTION, HybridDecoderLayer, HybridForCausalLM, default_rope
+from workers.models.base import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    HybridDecoderLayer,
+    HybridForCausalLM,
+    default_rope,
+)
 from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
 from workers.models.mamba2 import Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims, head_dim, mamba_prefixed_dims

@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from workers.models.base import HybridForCausalLM, default_rope
-from workers.models.layers import (Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm,
-                                   RotaryEmbedding)
+from workers.models.layers import Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm, RotaryEmbedding
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims, head_dim, mamba_prefixed_dims
 from workers.state_spec import StateRef, StateSites

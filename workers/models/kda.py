@@ -3,10 +3,11 @@
 
 Per token: ``q, k, v = q_proj(x), k_proj(x), v_proj(x)`` (H heads of D each), one causal
 conv + SiLU over ``cat(q, k, v)`` (the checkpoint stores it as ``q_conv1d``, ``k_conv1d``,
-``v_conv1d``, [H D, 1, W] each, no bias; the model's loader merges them); ``beta = sigmoid(b_proj(x))``; a log decay per key
-channel ``g`` [H, D] (below); the KDA scan (``kernels.kda``: q, k l2-normalised, q scaled by
-D^-0.5, state [H, D, D] fp32 per slot); the output ``rmsnorm(o) * w * sigmoid(gate)`` per
-head (fp32, weight [D] shared by the heads), then ``o_proj`` (Bailing: ``dense``).
+``v_conv1d``, [H D, 1, W] each, no bias; the model's loader merges them);
+``beta = sigmoid(b_proj(x))``; a log decay per key channel ``g`` [H, D] (below); the KDA
+scan (``kernels.kda``: q, k l2-normalised, q scaled by D^-0.5, state [H, D, D] fp32 per
+slot); the output ``rmsnorm(o) * w * sigmoid(gate)`` per head (fp32, weight [D] shared by
+the heads), then ``o_proj`` (Bailing: ``dense``).
 
 The two families differ only in the gates (``KdaDims.gate``):
 

@@ -32,13 +32,17 @@ from typing import Any
 
 import torch
 
-from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCausalLM,
-                                 check_hybrid_layer_types)
+from workers.models.base import (
+    FULL_ATTENTION,
+    HybridDecoderLayer,
+    HybridForCausalLM,
+    check_hybrid_layer_types,
+)
 from workers.models.deepseek_moe import build_ffn, check_mlp_layer_types
 from workers.models.kda import KdaDims, KimiDeltaAttention
 from workers.models.layers import RMSNorm, RotaryEmbedding
-from workers.models.weights import merge_split_tensors
 from workers.models.mla import LatentAttention, MlaDims
+from workers.models.weights import merge_split_tensors
 from workers.state_spec import StateSites
 
 # released (save_pretrained) names -> ours

@@ -247,7 +247,8 @@ class DenseMLP(nn.Module):
         self.down_proj = linear(intermediate_size, hidden_size, bias, dtype)
         self.fused_names = fused_names
         self.act = activation(act)
-        self.fused_silu = act in ("silu", "swish") and gate_multiplier == 1.0   # kernels.fused_cpu may take it
+        # kernels.fused_cpu may take it
+        self.fused_silu = act in ("silu", "swish") and gate_multiplier == 1.0
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
         self.gate_up_proj_adapter_list: LoraAdapters | None = None
         if adapter_rank:

@@ -33,8 +33,7 @@ import torch
 from torch import nn
 
 from workers.models.base import FULL_ATTENTION, HybridForCausalLM, default_rope
-from workers.models.layers import (Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm,
-                                   RotaryEmbedding)
+from workers.models.layers import Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm, RotaryEmbedding
 from workers.models.mamba2_config import head_dim
 from workers.models.moe import MoeDims, SparseMoE, unfuse_expert_tensors
 from workers.models.short_conv import ShortConv, ShortConvDims

@@ -32,8 +32,15 @@ from torch import nn
 
 from workers.models.base import FULL_ATTENTION, HybridForCausalLM
 from workers.models.layers import Attention, DenseMLP, RMSNorm, RotaryEmbedding
-from workers.models.lfm2 import (CONV, MLP_RENAMES, LfmDecoderLayer, check_layer_types,
-                                 lfm2_attention_dims, rename, short_conv)
+from workers.models.lfm2 import (
+    CONV,
+    MLP_RENAMES,
+    LfmDecoderLayer,
+    check_layer_types,
+    lfm2_attention_dims,
+    rename,
+    short_conv,
+)
 from workers.models.mamba2_config import head_dim
 from workers.state_spec import StateSites
 

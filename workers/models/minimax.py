@@ -33,8 +33,7 @@ from torch import nn
 
 from workers.models.base import FULL_ATTENTION, HybridForCausalLM, check_hybrid_layer_types, default_rope
 from workers.models.kimi_linear import rename_experts
-from workers.models.layers import (Attention, AttentionDims, LayerContext, RMSNorm, RotaryEmbedding,
-                                   activation)
+from workers.models.layers import Attention, AttentionDims, LayerContext, RMSNorm, RotaryEmbedding, activation
 from workers.models.lightning import LightningAttention, LightningDims
 from workers.models.moe import MoeDims, SparseMoE
 from workers.state_spec import StateRef, StateSites

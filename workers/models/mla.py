@@ -97,7 +97,8 @@ class LatentAttention(nn.Module):
         return mla_kind(self.dims.kv_lora_rank, self.dims.qk_rope_head_dim)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x) if self.dims.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = (self.q_proj(x) if self.dims.q_lora_rank is None
+             else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))))
         return q.view(x.shape[0], self.dims.num_heads, self.dims.qk_head_dim)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:

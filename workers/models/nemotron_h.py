@@ -29,8 +29,15 @@ import torch
 from torch import nn
 
 from workers.models.base import FULL_ATTENTION, LINEAR_ATTENTION, HybridForCausalLM, MixerBlock
-from workers.models.layers import (Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding,
-                                   activation, linear)
+from workers.models.layers import (
+    Attention,
+    AttentionDims,
+    DenseMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    activation,
+    linear,
+)
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims, time_step_limit
 from workers.models.moe import MoeDims, SparseMoE

@@ -3,9 +3,9 @@
 ``linear_attention`` layers are pre-norm (``input_layernorm``, ``post_attention_layernorm``)
 around ``linear_attn``: Qwen3-Next's Gated DeltaNet math (``kernels.gdn`` as it is; the layer
 is Qwen3.5's unfused one under OLMo's names) with separate projections ``q_proj``, ``k_proj``,
-``v_proj``, ``a_proj``, ``b_proj``, the output gate ``g_proj``, ``beta = 2 sigmoid(b)`` when ``linear_allow_neg_eigval`` (negative
-eigenvalues of the transition), the output norm's eps fixed at 1e-5 (transformers' choice)
-and ``o_proj``. ``full_attention`` layers are post-norm, OLMo-3's:
+``v_proj``, ``a_proj``, ``b_proj``, the output gate ``g_proj``, ``beta = 2 sigmoid(b)`` when
+``linear_allow_neg_eigval`` (negative eigenvalues of the transition), the output norm's eps
+fixed at 1e-5 (transformers' choice) and ``o_proj``. ``full_attention`` layers are post-norm, OLMo-3's:
 
     h = h + post_attention_layernorm(self_attn(h));  h = h + post_feedforward_layernorm(mlp(h))
 
@@ -36,11 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCausalLM,
-                                 check_hybrid_layer_types, default_rope)
+from workers.models.base import (
+    FULL_ATTENTION,
+    HybridDecoderLayer,
+    HybridForCausalLM,
+    check_hybrid_layer_types,
+    default_rope,
+)
 from workers.models.gated_deltanet import GdnDims, SplitGatedDeltaNet
-from workers.models.layers import (Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm,
-                                   RotaryEmbedding)
+from workers.models.layers import Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm, RotaryEmbedding
 from workers.models.weights import WeightTarget, merge_split_tensors, whole
 from workers.state_spec import StateRef, StateSites
 

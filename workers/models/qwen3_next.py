@@ -19,8 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models.base import (FULL_ATTENTION, HybridDecoderLayer, HybridForCausalLM,
-                                 check_hybrid_layer_types, default_rope)
+from workers.models.base import (
+    FULL_ATTENTION,
+    HybridDecoderLayer,
+    HybridForCausalLM,
+    check_hybrid_layer_types,
+    default_rope,
+)
 from workers.models.gated_deltanet import GatedDeltaNet, GdnDims
 from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
 from workers.models.moe import MoeDims, SparseMoE

@@ -29,8 +29,15 @@ import torch
 from torch import nn
 
 from workers.models.base import LINEAR_ATTENTION, HybridForCausalLM, default_rope
-from workers.models.layers import (Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm,
-                                   RotaryEmbedding, linear)
+from workers.models.layers import (
+    Attention,
+    AttentionDims,
+    DenseMLP,
+    LayerContext,
+    RMSNorm,
+    RotaryEmbedding,
+    linear,
+)
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims
 from workers.models.weights import WeightTarget, module_targets

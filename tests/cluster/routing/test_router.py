@@ -40,7 +40,7 @@ class FakeRef:
         if isinstance(self.result, Exception):
             raise self.result
         return self.result
-        yield  # noqa: unreachable - makes this a generator
+        yield  # unreachable: makes this a generator
 
 
 class FakeMethod:

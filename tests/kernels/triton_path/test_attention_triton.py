@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.attention.reference import paged_attention_torch
-from tests.kernels.attention_cases import (build_case, dense_reference, expected_pools,
-                                           run_paged, with_dtype)
+from tests.kernels.attention_cases import build_case, dense_reference, expected_pools, run_paged, with_dtype
 from tests.kernels.varlen_cases import NO_SHRINK
 
 SCALE = 0.3

@@ -77,7 +77,8 @@ def test_cuda_attention_rules(installed, monkeypatch):
     flashinfer = backend.AttentionImpl.FLASHINFER if installed else backend.AttentionImpl.TRITON
     want = {(torch.bfloat16, 256): flashinfer, (torch.float16, 128): flashinfer,
             (torch.bfloat16, 64): flashinfer, (torch.bfloat16, 32): backend.AttentionImpl.TRITON,
-            (torch.bfloat16, 80): backend.AttentionImpl.TRITON, (torch.float32, 128): backend.AttentionImpl.TRITON}
+            (torch.bfloat16, 80): backend.AttentionImpl.TRITON,
+            (torch.float32, 128): backend.AttentionImpl.TRITON}
     with backend.use_backend("auto"):
         got = {key: backend.attention_impl(_cuda_query(*key)) for key in want}
         # a sliding window (Lfm3) never takes FlashInfer

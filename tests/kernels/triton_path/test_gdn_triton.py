@@ -7,10 +7,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.gdn.reference import gated_delta_rule_varlen_torch
-from tests.kernels.delta_rule_cases import (check_bf16_inputs_and_pool, check_no_l2norm_custom_scale,
-                                            check_verify_writes_every_draft_state)
-from tests.kernels.varlen_cases import (NO_SHRINK, assert_same_result, gdn_inputs, lens_strategy,
-                                        poison_no_init_slot)
+from tests.kernels.delta_rule_cases import (
+    check_bf16_inputs_and_pool,
+    check_no_l2norm_custom_scale,
+    check_verify_writes_every_draft_state,
+)
+from tests.kernels.varlen_cases import (
+    NO_SHRINK,
+    assert_same_result,
+    gdn_inputs,
+    lens_strategy,
+    poison_no_init_slot,
+)
 
 H_K, H_V = 2, 4     # grouped value heads: each key head serves 2 value heads
 
@@ -27,8 +35,8 @@ def run_both(inp, case, device, **kw):
     ref_pool = inp["states"].clone()
     names = ("q", "k", "v", "g", "beta")
     ref = gated_delta_rule_varlen_torch(*(inp[n] for n in names), ref_pool, case.cu_seqlens, case.slot_ids,
-                                        case.has_initial_state, kw.get("scale"), kw.get("use_qk_l2norm", True),
-                                        16, case.state_dst_slots)
+                                        case.has_initial_state, kw.get("scale"),
+                                        kw.get("use_qk_l2norm", True), 16, case.state_dst_slots)
     pool = inp["states"].to(device)
     out = gated_delta_rule_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device),
                                          chunk_size=16, **kw)

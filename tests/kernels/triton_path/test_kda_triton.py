@@ -7,10 +7,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.kda.reference import kda_varlen_torch
-from tests.kernels.delta_rule_cases import (check_bf16_inputs_and_pool, check_no_l2norm_custom_scale,
-                                            check_verify_writes_every_draft_state)
-from tests.kernels.varlen_cases import (NO_SHRINK, assert_same_result, kda_inputs, lens_strategy,
-                                        poison_no_init_slot)
+from tests.kernels.delta_rule_cases import (
+    check_bf16_inputs_and_pool,
+    check_no_l2norm_custom_scale,
+    check_verify_writes_every_draft_state,
+)
+from tests.kernels.varlen_cases import (
+    NO_SHRINK,
+    assert_same_result,
+    kda_inputs,
+    lens_strategy,
+    poison_no_init_slot,
+)
 
 H = 2
 

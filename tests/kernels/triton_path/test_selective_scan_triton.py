@@ -7,9 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.selective_scan.reference import selective_scan_varlen_torch
-from tests.kernels.varlen_cases import (NO_SHRINK, assert_same_result, lens_strategy,
-                                        poison_no_init_slot, selective_scan_inputs,
-                                        with_snapshot_every_token)
+from tests.kernels.varlen_cases import (
+    NO_SHRINK,
+    assert_same_result,
+    lens_strategy,
+    poison_no_init_slot,
+    selective_scan_inputs,
+    with_snapshot_every_token,
+)
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 

@@ -9,8 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.ssd.reference import ssd_varlen_torch
-from tests.kernels.varlen_cases import (NO_SHRINK, assert_same_result, lens_strategy,
-                                        poison_no_init_slot, ssd_inputs, with_snapshot_every_token)
+from tests.kernels.varlen_cases import (
+    NO_SHRINK,
+    assert_same_result,
+    lens_strategy,
+    poison_no_init_slot,
+    ssd_inputs,
+    with_snapshot_every_token,
+)
 
 H, G = 4, 2     # two heads per group
 
@@ -29,8 +35,8 @@ def run_both(inp, case, device, dt_softplus=True, dt_limit=(0.0, math.inf), **kw
     ref = ssd_varlen_torch(*(inp[n] for n in names), ref_pool, case.cu_seqlens, case.slot_ids,
                            case.has_initial_state, dt_softplus, dt_limit, 16, case.state_dst_slots)
     pool = inp["states"].to(device)
-    y = ssd_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device), dt_softplus, dt_limit, 16,
-                          **kw)
+    y = ssd_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device), dt_softplus, dt_limit,
+                          16, **kw)
     return (ref, ref_pool), (y.cpu(), pool.cpu())
 
 

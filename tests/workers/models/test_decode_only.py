@@ -46,7 +46,8 @@ def paths(spies: dict[str, mock.MagicMock], path: Path, names: object = None) ->
 
 def pool_tensors(harness: Harness) -> dict[str, torch.Tensor]:
     pools = harness.pools
-    return {f"{pool}.{kind}.{name}": t for pool, groups in (("kv", pools.kv.groups), ("slot", pools.mamba.groups))
+    return {f"{pool}.{kind}.{name}": t for pool, groups in (("kv", pools.kv.groups),
+                                                            ("slot", pools.mamba.groups))
             for kind, tensors in groups.items() for name, t in tensors.items()}
 
 

@@ -132,7 +132,8 @@ def test_nemotron_legacy_hybrid_override_pattern(tiny_checkpoint, tmp_path) -> N
 
 def test_mamba2_original_embedding_name(tiny_checkpoint, tmp_path) -> None:
     src = tiny_checkpoint("mamba2")
-    old = _rewrite(src, tmp_path / "old", rename=lambda n: n.replace("backbone.embeddings.", "backbone.embedding."))
+    old = _rewrite(src, tmp_path / "old",
+                   rename=lambda n: n.replace("backbone.embeddings.", "backbone.embedding."))
     for a, b in zip(_prefill_logits(src), _prefill_logits(old)):
         assert torch.equal(a, b)
 

@@ -20,7 +20,6 @@ from workers.loader import image_support, load_model
 from workers.models.moe import unfuse_expert_tensors
 
 
-
 def tensor_names(ckpt: Path) -> list[str]:
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         return list(f.keys())
@@ -116,7 +115,8 @@ def test_fused_and_per_expert_layouts_load_the_same(tiny_checkpoint, tmp_path):
     fused = shutil.copytree(per_expert, tmp_path / "fused")
     fuse_experts(fused)
     names = tensor_names(fused)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in names and "mtp.layers.0.mlp.experts.down_proj" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert "mtp.layers.0.mlp.experts.down_proj" in names
     assert not any(".experts.0." in n for n in names)
     a, b = (load_model(d, torch.float32, "cpu").model for d in (per_expert, fused))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
