@@ -52,6 +52,12 @@ class RecurrentBatch:
             return Path.VERIFY
         return Path.VARLEN
 
+    @property
+    def initial_flags(self) -> Tensor | None:
+        """``has_initial_state``, or None where ``uniform_len`` promises every sequence has one
+        (what the C++ loops take: None reads no flags)."""
+        return None if self.uniform_len else self.has_initial_state
+
     def launch_args(self) -> LaunchArgs:
         """The fields in order, as the Triton launchers and their opaque ops take them."""
         return (self.cu_seqlens, self.slot_ids, self.has_initial_state, self.state_dst_slots,

@@ -33,8 +33,7 @@ def causal_conv1d_cpu(x: Tensor, weight: Tensor, bias: Tensor | None, conv_state
     """``kernels.conv1d.causal_conv1d`` on CPU (shapes there): one pass for every path."""
     if not usable(x, weight, bias, conv_states):
         return causal_conv1d_torch(x, weight, bias, conv_states, seqs, activation)
-    has_initial_state = None if seqs.uniform_len else seqs.has_initial_state    # None: every one
-    return _native(x, weight, bias, conv_states, seqs.cu_seqlens, seqs.slot_ids, has_initial_state,
+    return _native(x, weight, bias, conv_states, seqs.cu_seqlens, seqs.slot_ids, seqs.initial_flags,
                    seqs.state_dst_slots, activation)
 
 

@@ -37,8 +37,7 @@ def gated_delta_rule_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     (``chunk_size`` is the reference's; the loop has no chunks)."""
     if not usable(states, q, k, v, g, beta):
         return gated_delta_rule_torch(q, k, v, g, beta, states, seqs, scale, use_qk_l2norm, chunk_size)
-    has_initial_state = None if seqs.uniform_len else seqs.has_initial_state    # None: every one
-    return _native(q, k, v, g, beta, states, seqs.cu_seqlens, seqs.slot_ids, has_initial_state,
+    return _native(q, k, v, g, beta, states, seqs.cu_seqlens, seqs.slot_ids, seqs.initial_flags,
                    seqs.state_dst_slots, scale, use_qk_l2norm)
 
 

@@ -32,8 +32,7 @@ def ssd_cpu(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, d
     the reference's)."""
     if not usable(states, x, dt, A, B, C, D, dt_bias):
         return ssd_torch(x, dt, A, B, C, D, dt_bias, states, seqs, dt_softplus, dt_limit, chunk_size)
-    has_initial_state = None if seqs.uniform_len else seqs.has_initial_state    # None: every one
-    return _native(x, dt, A, B, C, D, dt_bias, states, seqs.cu_seqlens, seqs.slot_ids, has_initial_state,
+    return _native(x, dt, A, B, C, D, dt_bias, states, seqs.cu_seqlens, seqs.slot_ids, seqs.initial_flags,
                    seqs.state_dst_slots, dt_softplus, dt_limit)
 
 

@@ -42,6 +42,8 @@ def test_the_path_rule():
     assert batch(0, snapshots=True).path is Path.VARLEN
     assert batch(0, snapshots=False).path is Path.VARLEN
     assert batch(3, snapshots=False).path is Path.VARLEN        # no form of its own
+    assert batch(3, snapshots=True).initial_flags is None       # every sequence has a state
+    assert batch(0, snapshots=True).initial_flags is not None
 
 
 def test_decode_layout_is_memoised_on_the_slots():
