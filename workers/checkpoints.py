@@ -147,8 +147,14 @@ class CheckpointTracker:
 
     def output_target(self, req: Request) -> int:
         """The deepest page-aligned state a request that runs to ``max_tokens`` computes:
-        its last sampled token is never fed, so H(prompt + max_tokens - 1) is the last."""
+        its last sampled token is never fed, so H(prompt + max_tokens - 1) is the last. None
+        (0) for one token: that is the prompt's end, which the prefill leaves in the live
+        slot and the finish publishes from there (``donate``) -- a snapshot of it would cut
+        the prompt's last chunk in two (one target a chunk) for nothing. Only then: a live
+        slot published at every aligned finish would crowd the pool's useful checkpoints."""
         last = req.num_prompt_tokens + req.params.max_tokens - 1
+        if last == req.num_prompt_tokens:
+            return 0
         return (last // self.page_size) * self.page_size
 
     def _alloc(self, req: Request, role: SlotRole, evict: bool) -> int | None:
@@ -324,12 +330,20 @@ class CheckpointTracker:
 
     # -- publication ----------------------------------------------------------------------------
     def donate(self, req: Request, finished: bool) -> None:
-        """Publish the keep slot's checkpoint into the tree (no copy), if allowed now."""
-        c, tree = req.cache, self.m.tree
-        if tree is None:
+        """Publish the keep slot's checkpoint into the tree (no copy), if allowed now. At the
+        finish of a one-token request, then its live slot's state, the output target it
+        planned no snapshot of (``output_target``), when page aligned and deeper."""
+        if self.m.tree is None:
             return
         if finished and self.strategy == "no_buffer":
             self._live_as_keep(req)
+        self._donate_keep(req, finished)
+        if finished and self.tracks and req.params.max_tokens == 1 and req.cache.keep_depth is None:
+            self._live_as_keep(req)
+            self._donate_keep(req, finished)
+
+    def _donate_keep(self, req: Request, finished: bool) -> None:
+        c = req.cache
         if c.keep_slot is None or c.keep_depth is None:
             return
         path = f"{c.keep_phase}_finished" if finished else (
@@ -344,8 +358,8 @@ class CheckpointTracker:
         self._insert(req, finished)
 
     def _live_as_keep(self, req: Request) -> None:
-        """no_buffer at finish: the live slot is the checkpoint, at the depth of what it holds
-        (a discarded batch may have advanced it past the request's tokens: then none)."""
+        """At finish, the live slot as the checkpoint, at the depth of what it holds (a
+        discarded batch may have advanced it past the request's tokens: then none)."""
         live = req.mamba_slot
         if live is None or self.m.ledger.has_writers(live):
             return
@@ -377,9 +391,10 @@ class CheckpointTracker:
             stats.inc("hybridserve_mamba_duplicate_inserts_total")
             return
         stats.inc("hybridserve_mamba_donations_total")
-        stats.inc("hybridserve_mamba_checkpoints_inserted_total", label="finish" if finished else c.keep_phase)
+        stats.inc("hybridserve_mamba_checkpoints_inserted_total",
+                  label="finish" if finished else c.keep_phase)
         self.m.on_publish(slot, tokens)
-        if slot == req.mamba_slot:              # no_buffer gave away the live slot itself
+        if slot == req.mamba_slot:              # the live slot itself was given away
             req.mamba_slot = None
         c.keep_slot = None
         if not finished and self.strategy == "extra_buffer":    # its two track slots are owned

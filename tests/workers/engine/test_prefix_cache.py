@@ -221,6 +221,27 @@ def test_resumed_prompt_prefills_in_one_chunk(tiny_model_dir, strategy):
     assert list(cold.values()) == [[(0, 16), (16, 23)]]
 
 
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_one_token_request_prefills_in_one_chunk_and_publishes_its_prompt_end(tiny_model_dir, strategy):
+    """``max_tokens`` 1 on a page-aligned prompt (12 tokens, page 4, grid 256): its
+    prompt's end is where its state stops, published from the live slot at the finish; no
+    snapshot is planned for it, so the prompt is not cut at its last reachable page (8):
+    one chunk. The next turn resumes at 12, an identical prompt at 8; tokens as cache-off."""
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm = cached_llm(tiny_model_dir, strategy, interval=256)
+    off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
+    prompt, more = random_prompts(llm.engine.vocab_size, [12, 6], seed=23)
+    chunks = prefill_chunks(llm)
+    out1 = llm.generate_ids([prompt], [one])[0]
+    assert list(chunks.values()) == [[(0, 12)]]
+    turn2 = prompt + out1.token_ids + more
+    again, out2 = llm.generate_ids([prompt], [one])[0], llm.generate_ids([turn2], [P])[0]
+    assert (again.cached_tokens, out2.cached_tokens) == (8, 12)
+    expected = off.generate_ids([prompt, prompt, turn2], [one, one, P])
+    assert [o.token_ids for o in (out1, again, out2)] == [o.token_ids for o in expected]
+    assert llm.stats()["hybridserve_invariant_violations_total"] == {}
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("chunk", [5, 13, 64])
 def test_boundary_sweep(tiny_qwen_dir, page_size, chunk):
