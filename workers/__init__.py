@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from workers.llm import LLM

@@ -28,11 +28,11 @@ from workers.loader import LoadedModel, load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
 from workers.outputs import EngineOutput
 from workers.request import FinishReason, Request
-from workers.sampler import GeneratorBank
 from workers.sampling.grammar import GrammarCompiler, GrammarWaitlist
+from workers.sampling.params import SamplingParams
 from workers.sampling.requests import request_sampling
+from workers.sampling.sampler import GeneratorBank
 from workers.sampling.validate import check_params
-from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, pages_needed
 from workers.sizing import plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layers

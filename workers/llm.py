@@ -8,7 +8,7 @@ from configs.schema import HybridServeConfig, load_config
 from workers.engine import Engine
 from workers.output_processor import OutputProcessor
 from workers.outputs import RequestOutput
-from workers.sampling_params import SamplingParams, nth_seed
+from workers.sampling.params import SamplingParams, nth_seed
 from workers.tp.local import build_local_engine
 
 Prompt = str | list[int]

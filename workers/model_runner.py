@@ -27,13 +27,13 @@ from workers.device_pools import DevicePools
 from workers.forward_thread import ForwardThread, Signal, StepFuture
 from workers.input_batch import InputBatch
 from workers.request import Request, TokenLogprob
-from workers.sampler import GeneratorBank
 from workers.sampling.build import SamplingPlanner
 from workers.sampling.decide import BatchSampler
 from workers.sampling.grammar import GrammarCompiler
 from workers.sampling.inputs import SamplingInputs
 from workers.sampling.logprobs import prompt_logprobs
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
+from workers.sampling.sampler import GeneratorBank
 from workers.scheduler_types import StateWrite
 from workers.spec.drafter import MtpDrafter, MtpSpan
 from workers.step_inputs import PreparedStep, VerifyRows, prepare_step, resolve_chained

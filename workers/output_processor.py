@@ -17,7 +17,7 @@ from typing import NamedTuple
 from workers.detokenizer import Decoder, IncrementalDetokenizer
 from workers.outputs import EngineOutput, OutputDelta, RequestOutput
 from workers.request import TokenLogprob
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 class Processed(NamedTuple):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from workers.sampling.params import SamplingParams
 from workers.sampling.requests import RequestSampling
-from workers.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

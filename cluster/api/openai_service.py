@@ -21,8 +21,8 @@ from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.api.sampling_fields import ConstraintError
 from cluster.api.tool_choice import forced_schema
 from workers.outputs import RequestOutput
+from workers.sampling.params import SamplingParams, nth_seed
 from workers.sampling.structured import StructuredOutput
-from workers.sampling_params import SamplingParams, nth_seed
 
 MIN_TEMPERATURE = 1e-5                     # below it sampling is greedy (as vLLM)
 MIN_TOP_P = 1e-8                           # the same nucleus (top-1) for any smaller top_p

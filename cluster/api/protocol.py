@@ -24,7 +24,7 @@ from pydantic import (
 from cluster.api.errors import OpenAIError, from_validation_error
 from cluster.api.sampling_fields import SamplingExtras
 from cluster.api.unsupported import CHAT, COMMON, COMPLETION, refuse_unsupported
-from workers.sampling_params import SEED_RANGE
+from workers.sampling.params import SEED_RANGE
 
 MAX_STOPS = 4
 StopString = Annotated[str, Field(min_length=1)]

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from workers.sampling.params import LOGIT_BIAS_LIMIT, MAX_BEST_OF, MAX_LOGPROBS
 from workers.sampling.structured import StructuredOutput
-from workers.sampling_params import LOGIT_BIAS_LIMIT, MAX_BEST_OF, MAX_LOGPROBS
 
 
 class ConstraintError(ValueError):

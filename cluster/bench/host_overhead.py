@@ -159,7 +159,7 @@ def _counters(engine: Any) -> tuple[int, int, int, int]:
 
 
 def add_requests(engine: Any, batch: int, settings: Settings, k: int) -> list[str]:
-    from workers.sampling_params import SamplingParams
+    from workers.sampling.params import SamplingParams
 
     rng = random.Random(settings.seed + batch)
     params = SamplingParams(max_tokens=max_tokens(settings, batch, k), temperature=0.0, ignore_eos=True)

@@ -22,7 +22,7 @@ import torch
 from cluster.bench.metrics import RequestRecord
 from workers.forward_batch import ForwardBatch, is_decode_only
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 CPU = {"device": "cpu", "dtype": "float32"}
 # the bench model's dims: a random 8-layer Qwen3-Next of ~15M parameters (``make_bench_model``)

@@ -71,7 +71,7 @@ def _workload(c: Any) -> tuple[list[list[int]], list[int]]:
 
 
 def _engine_seconds(llm: Any, prompts: list[list[int]], lengths: list[int]) -> float:
-    from workers.sampling_params import SamplingParams
+    from workers.sampling.params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     llm.flush_cache()

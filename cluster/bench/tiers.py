@@ -49,7 +49,7 @@ from cluster.routing.routing_policy import RouterSettings
 from cluster.store.checkpoint_store import CheckpointStore, CommitResult, StoreEntry
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.tiers.payload import CheckpointPayload
 
 ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin")

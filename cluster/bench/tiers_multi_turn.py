@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 def multi_turn_case(model: Path, strategy: str, host: bool, seed: int = 21) -> dict[str, Any]:

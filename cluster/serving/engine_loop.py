@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from workers.output_processor import OutputProcessor
 from workers.outputs import EngineOutput, OutputDelta
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.step_failure import StepFailed
 
 if TYPE_CHECKING:                       # the engine's module loads torch; the type is enough here

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.request import TokenLogprob
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.bench.tiers_ttft import RequestTimes, StepCost, batch_shape, fit_step_cost, ttft_split
 from workers.request import Request
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.scheduler_types import ScheduledBatch, ScheduledSeq
 
 

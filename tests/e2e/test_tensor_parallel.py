@@ -28,7 +28,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def reference(model_dir: str, overrides: dict, batch: list[list[int]]) -> list[list[int]]:
     from workers.llm import LLM
-    from workers.sampling_params import SamplingParams
+    from workers.sampling.params import SamplingParams
 
     llm = LLM(model=model_dir, **{**SMALL_ENGINE, **overrides})
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

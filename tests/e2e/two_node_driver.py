@@ -127,7 +127,7 @@ def phase1(args: argparse.Namespace) -> dict[str, Any]:
 
 def phase2(args: argparse.Namespace, first: dict[str, Any]) -> dict[str, Any]:
     from workers.llm import LLM
-    from workers.sampling_params import SamplingParams
+    from workers.sampling.params import SamplingParams
 
     roles = node_roles()
     prompts = [follow_up(p, o, i) for i, (p, o) in enumerate(zip(sessions(args.sessions), first["outputs"]))]

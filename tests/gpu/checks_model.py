@@ -87,7 +87,7 @@ def kernels_only() -> Iterator[None]:
 
 def generate(model_dir: Path, run: Run, dry_run: bool = False) -> list[Any]:
     from workers.llm import LLM
-    from workers.sampling_params import SamplingParams
+    from workers.sampling.params import SamplingParams
 
     spec = {"method": "mtp", "num_draft_tokens": 2} if run.spec else {"method": "none"}
     params = SamplingParams(max_tokens=DRY_RUN_TOKENS if dry_run else MAX_TOKENS,

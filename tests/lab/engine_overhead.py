@@ -20,7 +20,7 @@ import torch
 
 from cluster.bench.inproc import BENCH_DIMS, bare_decode_rate
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 def _timed(fn) -> float:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 def workload(vocab: int, systems: int, questions: int, system_len: int, seed: int = 0) -> list[list[int]]:

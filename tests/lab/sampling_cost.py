@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from workers.llm import LLM
+from workers.sampling.params import SamplingParams
 from workers.sampling.structured import StructuredOutput
-from workers.sampling_params import SamplingParams
 
 
 def variants(out_tokens: int) -> dict[str, SamplingParams]:

@@ -28,7 +28,7 @@ import pytest
 from tests.reliability.conftest import wait_until
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.timeout(900)]
 NUM_REQUESTS = 16

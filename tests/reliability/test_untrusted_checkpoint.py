@@ -23,7 +23,7 @@ import torch
 
 from tests.reliability.conftest import wait_until
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.timeout(300)]
 TRAP_MODULES = ("modeling_evil.py", "configuration_evil.py", "tokenization_evil.py",

@@ -39,7 +39,7 @@ from configs.schema import load_config
 from tests.sim.harness import Sim, TokenLog
 from tests.sim.toy import chain
 from workers.engine import Engine
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 class Livelock(AssertionError):

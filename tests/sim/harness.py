@@ -31,7 +31,7 @@ from tests.sim.toy_tiers import install_toy_tiers
 from workers.cache import CheckpointInserted
 from workers.engine import Engine
 from workers.outputs import EngineOutput
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

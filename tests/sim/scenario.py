@@ -27,7 +27,7 @@ from typing import Any
 
 from tests.sim.harness import Sim, distinct_prompts
 from workers.outputs import RequestOutput
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from tests.sim.harness import Sim
 from tests.workers.engine.helpers import make_llm
 from workers.checkpoints import StepPlan
 from workers.request import Request
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.scheduler_types import ScheduledBatch, ScheduledSeq
 from workers.spec.drafter import MtpDrafter
 from workers.step_inputs import prepare_step

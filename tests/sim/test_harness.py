@@ -6,7 +6,7 @@ import pytest
 
 from tests.sim.harness import Sim, distinct_prompts
 from tests.sim.toy import EMPTY, ToyState, ToyVocab, chain, fold
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -11,7 +11,7 @@ import torch
 from cluster.bench.inproc import make_bench_model
 from workers.host_memory import retained
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 def test_overlap_prefills_do_not_fault_their_memory_in_again(tmp_path):

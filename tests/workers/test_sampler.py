@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.sampler import GeneratorBank, _filter_top_k_top_p, sample
-from workers.sampling_params import SEED_RANGE, SamplingParams, nth_seed
+from workers.sampling.params import SEED_RANGE, SamplingParams, nth_seed
+from workers.sampling.sampler import GeneratorBank, _filter_top_k_top_p, sample
 
 
 def logits(n=4, v=50, seed=0):

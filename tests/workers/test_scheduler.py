@@ -4,7 +4,7 @@ from __future__ import annotations
 from configs.schema import CacheConfig, DebugConfig, SchedulerConfig
 from workers.cache_manager import CacheManager
 from workers.request import Request, RequestStatus
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.scheduler import Scheduler, pages_needed
 from workers.stats import EngineStats
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.input_batch import InputBatch
 from workers.request import Request
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.step_inputs import PreparedStep, prepare_step
 from workers.uniform_inputs import uniform_rows
 

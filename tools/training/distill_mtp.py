@@ -290,7 +290,7 @@ def engine_acceptance(model_dir: Path, ks: list[int], output_len: int = 48) -> d
     import yaml
 
     from workers.llm import LLM
-    from workers.sampling_params import SamplingParams
+    from workers.sampling.params import SamplingParams
 
     prompts = yaml.safe_load(SUITE_WORKLOAD.read_text())["spec"]["prompts"]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)

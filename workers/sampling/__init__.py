@@ -1,6 +1,7 @@
 """Batched sampling: logits processors, penalty registers, grammar bitmasks, prompt logprobs.
 
-Nothing is re-exported here: ``workers.sampling_params`` imports ``structured`` and the
-other modules import ``sampling_params``, so a package ``__init__`` that imported both
-would be an import circle.
+The request's parameters (``params``: ``SamplingParams``) and the sampler that draws from
+the processed logits (``sampler``) live here too. Nothing is re-exported: ``params``
+imports ``structured`` and the other modules import ``params``, so a package ``__init__``
+that imported both would be an import circle.
 """

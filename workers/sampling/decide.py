@@ -20,10 +20,10 @@ from itertools import accumulate
 import torch
 
 from workers.request import TokenLogprob
-from workers.sampler import GeneratorBank
 from workers.sampling.grammar import GrammarBank, GrammarCompiler, apply_bitmask
 from workers.sampling.inputs import SamplingInputs
 from workers.sampling.logprobs import token_logprobs
+from workers.sampling.params import SamplingParams
 from workers.sampling.penalties import PenaltyState
 from workers.sampling.processors import (
     add_bias,
@@ -33,7 +33,7 @@ from workers.sampling.processors import (
     draw,
     filter_rows,
 )
-from workers.sampling_params import SamplingParams
+from workers.sampling.sampler import GeneratorBank
 from workers.spec.acceptance import Accepted, accept_greedy_ids, accept_rejection
 from workers.step_inputs import VerifyRows
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Checks of SamplingParams that need the model (its vocabulary)."""
 from __future__ import annotations
 
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:

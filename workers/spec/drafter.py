@@ -24,8 +24,8 @@ import torch
 from workers.compiled.draft_chain import CompiledChain
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
-from workers.sampler import _filter_top_k_top_p
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
+from workers.sampling.sampler import _filter_top_k_top_p
 from workers.spec.draft_vocab import DraftVocab
 
 

@@ -21,8 +21,8 @@ from functools import partial
 import torch
 
 from workers.model_runner import ModelRunner, StepResult
-from workers.sampler import GeneratorBank
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
+from workers.sampling.sampler import GeneratorBank
 from workers.spec.drafter import MtpDrafter
 from workers.step_inputs import PreparedStep, prepare_step
 from workers.tp.comm import TPGroup

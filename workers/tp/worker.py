@@ -21,8 +21,8 @@ from workers.device_pools import build_pools
 from workers.engine import resolve_device, resolve_dtype
 from workers.loader import load_model, load_tokenizer
 from workers.model_runner import ModelRunner, StepResult
-from workers.sampler import GeneratorBank
 from workers.sampling.grammar import GrammarCompiler
+from workers.sampling.sampler import GeneratorBank
 from workers.spec.setup import build_drafter
 from workers.state_spec import ATTENTION
 from workers.tp.comm import Rendezvous, TPGroup

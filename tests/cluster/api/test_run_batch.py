@@ -7,7 +7,7 @@ import pytest
 
 from cluster.cli import main
 from tests.workers.engine.helpers import make_llm
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 def line(cid, url, body):

@@ -7,7 +7,7 @@ from cluster.api.openai_service import OpenAIError, PreparedRequest
 from cluster.api.streaming import DONE_EVENT, ResponseState, SSERenderer
 from cluster.serving.messages import GenerateChunk
 from workers.request import TokenLogprob
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 class FakeTokenizer:

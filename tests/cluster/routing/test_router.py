@@ -12,7 +12,7 @@ from cluster.routing.router import HybridPrefixRouter, prompt_token_ids
 from cluster.routing.router_actor import MatchReport
 from cluster.serving.messages import GenerateRequest
 from configs.schema import load_config
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 DEP = DeploymentID(name="EngineReplica", app_name="app")
 

@@ -12,7 +12,7 @@ from cluster.serving.messages import Accepted, GenerateError, GenerateRequest
 from cluster.serving.replica_core import ReplicaCore, StreamPacing, build_engine, check_supported
 from configs.schema import load_config
 from workers.outputs import EngineOutput
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.step_failure import StepFailed
 
 

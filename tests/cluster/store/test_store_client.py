@@ -12,7 +12,7 @@ import pytest
 from cluster.store.checkpoint_store import CheckpointStore
 from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 TIERS = {"page_size": 4, "host_mamba_slots": 16, "host_kv_tokens": 1024, "cluster_store_bytes": 1 << 26}

@@ -17,7 +17,7 @@ from kernels import backend
 from tests.kernels.triton_path.test_model_triton import KERNEL_FAMILIES, PROMPTS, TORCH_REFS, _forbidden
 from tests.workers.engine.helpers import make_llm
 from workers.compiled import draft_chain, steps
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

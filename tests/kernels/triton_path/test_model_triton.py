@@ -45,7 +45,7 @@ def make_llm(model_dir, device, **cache):
 
 
 def greedy(llm, prompts: list, one_by_one: bool = False):
-    from workers.sampling_params import SamplingParams
+    from workers.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     if one_by_one:

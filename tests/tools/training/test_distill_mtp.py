@@ -16,7 +16,7 @@ from tools.training import distill_mtp as dm
 from tools.training import train_default as td
 from tools.training.readme import write_distill_section
 from workers.loader import load_model
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.spec.drafter import MtpSpan
 
 

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 from workers.allocators import IdAllocator
 from workers.cache import Checkpoint, RadixCache, RequestOwner, SlotLedger, SlotRole
 from workers.request import Request
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.stats import EngineStats
 from workers.tiers.host_tier import HostTier
 from workers.tiers.promotion import PendingPromotion, Promotions

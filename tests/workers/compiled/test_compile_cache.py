@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from tests.workers.engine.helpers import make_llm, random_prompts
 from tools.tiny import make_tiny_checkpoint
 from workers.compiled.cache import cache_counters, compile_kwargs
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

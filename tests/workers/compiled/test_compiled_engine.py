@@ -16,7 +16,7 @@ from kernels import native_ops
 from kernels.static import _scatter_rows
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.compiled import Bucket
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 BUCKETS = (1, 3)
 BATCHES = (1, 2, 3, 4)            # 2: between the buckets; 4: above them (eager)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.workers.engine.helpers import make_llm, random_prompts
 from tools.tiny import make_tiny_checkpoint
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

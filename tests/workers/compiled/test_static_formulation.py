@@ -12,7 +12,7 @@ import torch
 from kernels.static import static_formulation
 from tests.gpu.host_reads import host_reads
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 BUCKETS = (2, 4)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.spec.drafter import MtpDrafter
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tests.workers.engine.helpers import assert_no_leaks, make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_prompt_too_long(llm):
 
 
 def test_abort_frees_everything(llm):
-    from workers.sampling_params import SamplingParams as SP
+    from workers.sampling.params import SamplingParams as SP
 
     e = llm.engine
     llm.add_request("a", [5] * 20, SP(max_tokens=50, ignore_eos=True))

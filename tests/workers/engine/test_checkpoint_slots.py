@@ -9,7 +9,7 @@ never evicts another for its slot.
 from __future__ import annotations
 
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.spec.draft_vocab import FILE_NAME, DraftVocab, load_draft_vocab
 
 P = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

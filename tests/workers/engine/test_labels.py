@@ -18,7 +18,7 @@ import torch
 import workers.model_runner as model_runner
 from tests.workers.engine.helpers import make_llm, random_prompts
 from tests.workers.engine.test_prefix_cache import shared_prefix_workload
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.scheduler_types import StateWrite
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -6,7 +6,7 @@ Each scenario runs the engine step by step with a step bound derived from the wo
 from __future__ import annotations
 
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

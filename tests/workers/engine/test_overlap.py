@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -13,7 +13,7 @@ import pytest
 from configs.schema import CacheConfig
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.cache import CheckpointInserted
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
 DEFAULT_STRATEGY = CacheConfig().mamba_strategy    # runs for every family; the others on CORE_FAMILIES

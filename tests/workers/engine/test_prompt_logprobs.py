@@ -7,7 +7,7 @@ import torch
 
 from tests.workers.engine.helpers import make_llm, random_prompts
 from tests.workers.models.hf_oracle import HFOracle
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 LENGTHS = [2, 9, 23, 40, 14]
 K = 3

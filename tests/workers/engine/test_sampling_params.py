@@ -8,8 +8,8 @@ import torch
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
 from tests.workers.engine.helpers import OracleDrafts, make_llm, random_prompts
+from workers.sampling.params import SamplingParams
 from workers.sampling.requests import bad_words_token_ids
-from workers.sampling_params import SamplingParams
 
 EOS = 0
 N = 14

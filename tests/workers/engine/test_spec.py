@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.spec.drafter import MtpDrafter
 from workers.state_spec import ATTENTION
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.workers.engine.helpers import assert_no_leaks, greedy_tokens, make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.step_failure import StepFailed
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

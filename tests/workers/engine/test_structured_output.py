@@ -13,8 +13,8 @@ from pydantic import BaseModel, Field
 
 from tests.workers.engine.helpers import OracleDrafts, make_llm, random_prompts
 from workers.sampling.grammar import GrammarCompiler
+from workers.sampling.params import SamplingParams
 from workers.sampling.structured import StructuredOutput
-from workers.sampling_params import SamplingParams
 
 
 class Pet(BaseModel):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.workers.engine.helpers import make_llm, random_prompts
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 HOST = {"host_mamba_slots": 32, "host_kv_tokens": 2048}

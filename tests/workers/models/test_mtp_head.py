@@ -10,7 +10,7 @@ from tests.workers.models.harness import Harness, random_prompts
 from tools.tiny import make_tiny_checkpoint
 from workers.device_pools import build_pools
 from workers.loader import load_model
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 from workers.spec.drafter import MtpDrafter, MtpSpan
 from workers.state_spec import ATTENTION
 

@@ -6,13 +6,13 @@ import itertools
 import torch
 
 from workers.request import Request
-from workers.sampler import GeneratorBank
 from workers.sampling.build import SamplingPlanner
 from workers.sampling.decide import BatchSampler
 from workers.sampling.grammar import GrammarCompiler
 from workers.sampling.inputs import SamplingInputs
+from workers.sampling.params import SamplingParams
 from workers.sampling.requests import RequestSampling
-from workers.sampling_params import SamplingParams
+from workers.sampling.sampler import GeneratorBank
 from workers.scheduler_types import ScheduledSeq
 
 CPU = torch.device("cpu")

@@ -17,8 +17,8 @@ from transformers.generation.logits_process import (
 )
 
 from tests.workers.sampling.helpers import EOS, Harness, decode, request, verify
+from workers.sampling.params import SamplingParams
 from workers.sampling.processors import filter_rows
-from workers.sampling_params import SamplingParams
 
 V = 64
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.gpu.host_reads import host_reads
 from tests.workers.engine.helpers import make_llm, random_prompts
 from workers.sampling.decide import BatchSampler
-from workers.sampling_params import SamplingParams
+from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -21,8 +21,8 @@ from datetime import timedelta
 import pytest
 
 from tests.workers.engine.helpers import make_llm, random_prompts
+from workers.sampling.params import SamplingParams
 from workers.sampling.structured import StructuredOutput
-from workers.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from workers.sampling.inputs import RowFilters
+from workers.sampling.params import SamplingParams
 from workers.sampling.processors import draw, filter_rows
-from workers.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
