@@ -157,16 +157,7 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
     """The ``PreparedStep`` of a uniform batch of ``rows`` rows per sequence."""
     seqs = plan.batch.seqs
     n_seq, verify = len(seqs), seqs[0].is_verify
-    starts, slots, first_ids, tracks = [], [], [], []
-    for b, seq in enumerate(seqs):
-        req = seq.request
-        starts.append(seq.start)
-        slots.append(req.mamba_slot)
-        known = seq.start < len(req.prompt_token_ids) + len(req.output_token_ids)
-        first_ids.append(req.token_at(seq.start) if known else -1)
-        track = plan.by_seq.get(b)
-        if track is not None:
-            tracks.append((b, track.slot, track.depth))
+    starts, slots, first_ids, tracks = _seq_fields(plan)
     shape = _shape(n_seq, rows, verify, scratch_base, device)
     table = inputs.table(inputs.rows([s.request for s in seqs]))
     start = np.asarray(starts, dtype=np.int64)
@@ -203,19 +194,10 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
             i64.add("copy_dst", [s for _, s, _ in tracks])
     chained = [b for b, s in enumerate(seqs) if s.is_chained]
     if chained:
-        i64.add("chained_seq_index", chained)
-        i64.add("chained_slots", slot[chained])
-        i64.add("chained_rows", (np.asarray(chained)[:, None] * rows + shape.offsets).reshape(-1))
-        i64.add("chained_row_seq", np.repeat(chained, rows))
-        i64.add("chained_row_pos", np.repeat(np.arange(len(chained)), rows))
+        _add_chained(i64, chained, slot, rows, shape.offsets)
     uploads: list[Upload] = []
     t64, t32 = i64.to(device, uploads), i32.to(device, uploads)
-    fb = ForwardBatch(
-        input_ids=t64["input_ids"], positions=t64["positions"], cu_seqlens=shape.cu_seqlens,
-        seq_lens=t32["seq_lens"], out_loc=t64["out_loc"], page_table=t32["table"].view(n_seq, -1),
-        mamba_slot_ids=t32["slots"], has_initial_state=shape.has_initial,
-        logits_indices=shape.logits_indices, page_size=page_size,
-        state_dst_slots=shape.dst, decode_only=not verify, verify_len=rows if verify else 0)
+    fb = _forward_batch(t64, t32, shape, n_seq, rows if verify else 0, page_size)
     return PreparedStep(
         plan, fb, t64.get("future_rows"), t64.get("future_slots"), shape.draft_rows,
         t64.get("draft_slots"), shape.draft_index, verify_rows, (None,) * n_seq,
@@ -226,6 +208,41 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
         chained_slots=t64.get("chained_slots"), chained_rows=t64.get("chained_rows"),
         chained_row_seq=t64.get("chained_row_seq"), chained_row_pos=t64.get("chained_row_pos"),
         logits_all_rows=True, sample_slots=t64["sample_slots"], uploads=tuple(uploads))
+
+
+def _seq_fields(plan: StepPlan) -> tuple[list[int], list[int], list[int], list[tuple[int, int, int]]]:
+    """Per sequence: its start, live slot, first input token (-1: being sampled by the step
+    in flight) and, where the plan writes one, its checkpoint (seq index, slot, depth)."""
+    starts, slots, first_ids, tracks = [], [], [], []
+    for b, seq in enumerate(plan.batch.seqs):
+        req = seq.request
+        starts.append(seq.start)
+        slots.append(req.mamba_slot)
+        known = seq.start < len(req.prompt_token_ids) + len(req.output_token_ids)
+        first_ids.append(req.token_at(seq.start) if known else -1)
+        track = plan.by_seq.get(b)
+        if track is not None:
+            tracks.append((b, track.slot, track.depth))
+    return starts, slots, first_ids, tracks
+
+
+def _add_chained(i64: _Pack, chained: list[int], slot: np.ndarray, rows: int, offsets: np.ndarray) -> None:
+    """The chained verifies' rows, slots and positions among them."""
+    i64.add("chained_seq_index", chained)
+    i64.add("chained_slots", slot[chained])
+    i64.add("chained_rows", (np.asarray(chained)[:, None] * rows + offsets).reshape(-1))
+    i64.add("chained_row_seq", np.repeat(chained, rows))
+    i64.add("chained_row_pos", np.repeat(np.arange(len(chained)), rows))
+
+
+def _forward_batch(t64: dict[str, torch.Tensor], t32: dict[str, torch.Tensor], shape: _Shape, n_seq: int,
+                   verify_len: int, page_size: int) -> ForwardBatch:
+    return ForwardBatch(
+        input_ids=t64["input_ids"], positions=t64["positions"], cu_seqlens=shape.cu_seqlens,
+        seq_lens=t32["seq_lens"], out_loc=t64["out_loc"], page_table=t32["table"].view(n_seq, -1),
+        mamba_slot_ids=t32["slots"], has_initial_state=shape.has_initial,
+        logits_indices=shape.logits_indices, page_size=page_size,
+        state_dst_slots=shape.dst, decode_only=not verify_len, verify_len=verify_len)
 
 
 def _verify_rows(seqs, starts: list[int], slots: list[int], tracks: list[tuple[int, int, int]],
