@@ -189,31 +189,7 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
     if (o := d.get("overlap")) and "error" not in o:
         out["overlap_speedup"] = f"{o['tok_s_on']} vs {o['tok_s_off']} tok/s"
     if (t := d.get("tiers")) and "error" not in t:
-        r = {(x["router"], x["tiers"]): x for x in t["results"]}
-        on, off = r.get(("hybrid_prefix", True)), r.get(("hybrid_prefix", False))
-        over = {(x["router"], x["tiers"]): x for x in t["overloaded"]["results"]}
-        oon, ooff = over.get(("hybrid_prefix", True)), over.get(("hybrid_prefix", False))
-        og = t["overloaded"]["goals"]
-        if on and off:
-            point = f"below capacity, host tier {t['settings']['host_factor']} device budgets"
-            out["tiers_prefill_ratio"] = (f"{point}: computed {on['computed_fraction']} vs "
-                                          f"{off['computed_fraction']}; "
-                                          f"overloaded {og['computed_prefill_tiers_over_device']}")
-            lon, loff = on["split"], off["split"]
-            out["tiers_ttft_ratio"] = (
-                f"{point}: modelled {lon['ttft_model_s']} vs {loff['ttft_model_s']} s (queue "
-                f"{lon['queue_model_s']} vs {loff['queue_model_s']}), "
-                f"{lon['ttft_steps']} vs {loff['ttft_steps']} steps; "
-                f"overloaded {og['ttft_model_s_tiers_over_device']}"
-                + (f" ({oon['split']['ttft_model_s']} vs {ooff['split']['ttft_model_s']} s)"
-                   if oon and ooff else ""))
-        if on and (ray := r.get(("ray_prefix", True))):
-            oracle = on.get("explain", {}).get("oracle_cached_fraction")
-            out["tiers_cached_vs_ray"] = (f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; "
-                                          f"oracle {oracle}; overloaded {og['cached_vs_ray']}")
-        m = t["multi_turn"]
-        out["multi_turn_turn2_hits"] = (f"host tier on {m['host']['turn2_hits']}/20, "
-                                        f"off {m['device']['turn2_hits']}/20")
+        out.update(_tiers_notes(t))
     if (e := d.get("eos_workload")) and "error" not in e:
         out["eos_workload_speedup"] = (f"{e['engine_tok_s']} vs {e['hf_tok_s']} tok/s, "
                                        f"{e['num_parameters'] / 1e6:.0f}M "
@@ -224,6 +200,37 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
         out["startup_cold_s"] = f"eager start-up {s['startup_eager_s']} s; batch sizes {s['batch_sizes']}"
         out["startup_warm_s"] = ("the same, over the cache the cold run filled"
                                  + _cache_note(s.get("cache_warm")))
+    return out
+
+
+def _tiers_notes(t: dict[str, Any]) -> dict[str, str]:
+    """The tiers rows' last column: below capacity against device-only, the overloaded point."""
+    out: dict[str, str] = {}
+    r = {(x["router"], x["tiers"]): x for x in t["results"]}
+    on, off = r.get(("hybrid_prefix", True)), r.get(("hybrid_prefix", False))
+    over = {(x["router"], x["tiers"]): x for x in t["overloaded"]["results"]}
+    oon, ooff = over.get(("hybrid_prefix", True)), over.get(("hybrid_prefix", False))
+    og = t["overloaded"]["goals"]
+    if on and off:
+        point = f"below capacity, host tier {t['settings']['host_factor']} device budgets"
+        out["tiers_prefill_ratio"] = (f"{point}: computed {on['computed_fraction']} vs "
+                                      f"{off['computed_fraction']}; "
+                                      f"overloaded {og['computed_prefill_tiers_over_device']}")
+        lon, loff = on["split"], off["split"]
+        out["tiers_ttft_ratio"] = (
+            f"{point}: modelled {lon['ttft_model_s']} vs {loff['ttft_model_s']} s (queue "
+            f"{lon['queue_model_s']} vs {loff['queue_model_s']}), "
+            f"{lon['ttft_steps']} vs {loff['ttft_steps']} steps; "
+            f"overloaded {og['ttft_model_s_tiers_over_device']}"
+            + (f" ({oon['split']['ttft_model_s']} vs {ooff['split']['ttft_model_s']} s)"
+               if oon and ooff else ""))
+    if on and (ray := r.get(("ray_prefix", True))):
+        oracle = on.get("explain", {}).get("oracle_cached_fraction")
+        out["tiers_cached_vs_ray"] = (f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; "
+                                      f"oracle {oracle}; overloaded {og['cached_vs_ray']}")
+    m = t["multi_turn"]
+    out["multi_turn_turn2_hits"] = (f"host tier on {m['host']['turn2_hits']}/20, "
+                                    f"off {m['device']['turn2_hits']}/20")
     return out
 
 
