@@ -25,16 +25,17 @@ serve: install
 prometheus:
 	@sh deploy/prometheus/install.sh
 
-# Lint first (`ruff check .`, configured in pyproject.toml), then everything but the long
-# variants (`slow`: the 10-minute soak, the full fuzz, ...); each has a short variant that
-# runs here. In two parts: the in-process tests on TEST_WORKERS pytest-xdist workers (each
-# runs torch on one thread, so two workers use both cores; a module stays on one worker,
-# its module fixtures built once), then the tests that share the session's Ray cluster and
-# time its answers, in one process.
+# Lint and format check first (`ruff check .`, `ruff format --check .`; pyproject.toml),
+# then everything but the long variants (`slow`: the 10-minute soak, the full fuzz, ...);
+# each has a short variant that runs here. In two parts: the in-process tests on
+# TEST_WORKERS pytest-xdist workers (each runs torch on one thread, so two workers use both
+# cores; a module stays on one worker, its module fixtures built once), then the tests that
+# share the session's Ray cluster and time its answers, in one process.
 TEST_WORKERS ?= 2
 SERIAL_TESTS := tests/e2e tests/observability tests/reliability
 test: install prometheus
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadscope $(addprefix --ignore ,$(SERIAL_TESTS)) $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) $(SERIAL_TESTS)
 

@@ -11,6 +11,7 @@ resource view that may lag), and the cluster does not outlive its head anyway (t
 lives there). They are registered with the Serve controller to die on ``serve.shutdown()``;
 deleting one app leaves its actors until then (they hold no CPU).
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,14 @@ def head_node_strategy() -> Any:
 
 
 def _get_or_create(cls: Any, name: str, *args: Any) -> Any:
-    options: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "get_if_exists": True,
-                               "lifetime": "detached", "num_cpus": 0, "max_restarts": -1}
+    options: dict[str, Any] = {
+        "name": name,
+        "namespace": NAMESPACE,
+        "get_if_exists": True,
+        "lifetime": "detached",
+        "num_cpus": 0,
+        "max_restarts": -1,
+    }
     strategy = head_node_strategy()
     if strategy is not None:
         options["scheduling_strategy"] = strategy

@@ -11,6 +11,7 @@ The app: ``OpenAIIngress`` (route prefix of the app) -> ``EngineReplica`` x
 ``parallel.num_replicas``, routed by ``HybridPrefixRouter`` with ``router.policy``. Every
 deployment gets the whole config and reads its own section.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,10 +35,10 @@ _ROOT = Path(__file__).resolve().parent.parent
 class AppArgs(Frozen):
     """The builder's ``args``; every key but ``config`` is an override of the config."""
 
-    config: str | None = None             # YAML file (relative: to cwd, else the repo root)
-    set: dict[str, Any] = Field(default_factory=dict)   # overrides, dotted or nested keys
-    model_name: str | None = None         # server.served_model_name
-    router: dict[str, Any] = Field(default_factory=dict)    # the config's router section
+    config: str | None = None  # YAML file (relative: to cwd, else the repo root)
+    set: dict[str, Any] = Field(default_factory=dict)  # overrides, dotted or nested keys
+    model_name: str | None = None  # server.served_model_name
+    router: dict[str, Any] = Field(default_factory=dict)  # the config's router section
     replica: dict[str, Any] = Field(default_factory=dict)
     ingress: dict[str, Any] = Field(default_factory=dict)
 
@@ -64,8 +65,11 @@ def replica_placement(config: HybridServeConfig) -> dict[str, Any]:
     from cluster.serving.tp import tp_bundles, uses_gpu
 
     actor = {"num_cpus": replica.num_cpus, **({"num_gpus": 1} if uses_gpu(config) else {})}
-    return {"ray_actor_options": actor, "placement_group_bundles": tp_bundles(config, replica.num_cpus),
-            "placement_group_strategy": "STRICT_PACK"}
+    return {
+        "ray_actor_options": actor,
+        "placement_group_bundles": tp_bundles(config, replica.num_cpus),
+        "placement_group_strategy": "STRICT_PACK",
+    }
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -75,8 +79,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return build_app_from_config(config)
 
 
-def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None,
-                          request_router_config: RequestRouterConfig | None = None) -> Application:
+def build_app_from_config(
+    config: HybridServeConfig, args: AppArgs | None = None, request_router_config: RequestRouterConfig | None = None
+) -> Application:
     """``args``: overrides applied to ``config`` first (its ``config`` path is not read).
     ``request_router_config``: route the engine replicas with another Serve request router
     (e.g. Ray's ``PrefixCacheAffinityRouter``, for comparisons) instead of ours."""
@@ -85,18 +90,22 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
     check_supported(config)
     dumped = config.model_dump(mode="json")
     replica = config.replica
-    engine = serve.deployment(EngineReplica, name="EngineReplica").options(
-        num_replicas=config.parallel.num_replicas,
-        max_ongoing_requests=replica.max_ongoing_requests,
-        max_queued_requests=replica.max_queued_requests,
-        health_check_period_s=replica.health_check_period_s,
-        health_check_timeout_s=replica.health_check_timeout_s,
-        graceful_shutdown_wait_loop_s=replica.graceful_shutdown_wait_loop_s,
-        graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
-        request_router_config=request_router_config or RequestRouterConfig(
-            request_router_class=HybridPrefixRouter, request_router_kwargs={"config": dumped}),
-        **replica_placement(config),
-    ).bind(dumped)
+    engine = (
+        serve.deployment(EngineReplica, name="EngineReplica")
+        .options(
+            num_replicas=config.parallel.num_replicas,
+            max_ongoing_requests=replica.max_ongoing_requests,
+            max_queued_requests=replica.max_queued_requests,
+            health_check_period_s=replica.health_check_period_s,
+            health_check_timeout_s=replica.health_check_timeout_s,
+            graceful_shutdown_wait_loop_s=replica.graceful_shutdown_wait_loop_s,
+            graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
+            request_router_config=request_router_config
+            or RequestRouterConfig(request_router_class=HybridPrefixRouter, request_router_kwargs={"config": dumped}),
+            **replica_placement(config),
+        )
+        .bind(dumped)
+    )
     opts = config.ingress
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=opts.num_replicas,
@@ -104,7 +113,9 @@ def build_app_from_config(config: HybridServeConfig, args: AppArgs | None = None
         max_queued_requests=opts.max_queued_requests,
         graceful_shutdown_wait_loop_s=opts.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=opts.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": opts.num_cpus,
-                           **({"resources": dict(opts.resources)} if opts.resources else {})},
+        ray_actor_options={
+            "num_cpus": opts.num_cpus,
+            **({"resources": dict(opts.resources)} if opts.resources else {}),
+        },
     )
     return ingress.bind(engine, dumped)

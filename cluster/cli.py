@@ -7,6 +7,7 @@ with dotted config names (``--set cache.mamba_track_interval=16``; docs/configur
 vLLM's flags for the common settings (``VLLM_FLAGS``), each the same as a ``--set`` of
 its config key; a flag and a ``--set`` of one key must agree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,8 @@ from configs.schema import HybridServeConfig, combine_overrides, load_config, pa
 
 
 class VllmFlag(NamedTuple):
-    flag: str                 # as vLLM spells it
-    key: str                  # the dotted config key it sets
+    flag: str  # as vLLM spells it
+    key: str  # the dotted config key it sets
     type: type
 
 
@@ -45,16 +46,33 @@ def _dest(flag: str) -> str:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="YAML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field by its dotted name (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field by its dotted name (repeatable)",
+    )
 
 
 def _add_vllm_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                   help="the model directory (config key model; default: the config's)")
+    p.add_argument(
+        "model_dir",
+        nargs="?",
+        default=None,
+        metavar="MODEL_DIR",
+        help="the model directory (config key model; default: the config's)",
+    )
     for f in VLLM_FLAGS:
-        p.add_argument(f.flag, dest=_dest(f.flag), type=f.type, default=None, metavar=f.type.__name__.upper(),
-                       help=f"{setting(f.key).description} (config key {f.key})")
+        p.add_argument(
+            f.flag,
+            dest=_dest(f.flag),
+            type=f.type,
+            default=None,
+            metavar=f.type.__name__.upper(),
+            help=f"{setting(f.key).description} (config key {f.key})",
+        )
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -111,13 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the configured model on a local Ray cluster")
     _add_vllm_args(serve)
     _add_config_args(serve)
-    serve.add_argument("--num-cpus", type=int, default=None,
-                       help="CPUs the local Ray cluster may use (default: all)")
+    serve.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray cluster may use (default: all)")
     serve.add_argument("--app-name", default="hybridserve", help="Serve application name")
-    serve.add_argument("--with-prometheus", action="store_true",
-                       help="also run a local Prometheus (127.0.0.1) scraping this cluster")
-    serve.add_argument("--prometheus-port", type=int, default=9090,
-                       help="port of that Prometheus (default 9090; 0 picks a free one)")
+    serve.add_argument(
+        "--with-prometheus", action="store_true", help="also run a local Prometheus (127.0.0.1) scraping this cluster"
+    )
+    serve.add_argument(
+        "--prometheus-port", type=int, default=9090, help="port of that Prometheus (default 9090; 0 picks a free one)"
+    )
     serve.set_defaults(func=_cmd_serve)
     rb = sub.add_parser("run-batch", help="OpenAI batch JSONL in, JSONL out (no Ray)")
     _add_config_args(rb)

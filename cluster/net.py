@@ -1,4 +1,5 @@
 """Loopback helpers shared by the local cluster, the bench suite and the tests."""
+
 from __future__ import annotations
 
 import socket

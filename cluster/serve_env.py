@@ -17,13 +17,16 @@ Ray reads these in each process when Serve is imported, so they must be in the e
 of whoever starts Ray (``ray.init`` here, ``ray start`` on a cluster:
 ``deploy/rayservice.yaml`` sets them).
 """
+
 from __future__ import annotations
 
 import os
 
-SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1",
-             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+SERVE_ENV = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
 
 
 def apply_serve_env() -> None:

@@ -13,6 +13,7 @@ SIGTERM (as Ray itself blocks SIGINT for them): a SIGTERM sent to the whole proc
 (``kill -- -PGID``, systemd, ``timeout``) reaches only this process, which drains and
 then stops them (``ray.shutdown`` escalates to SIGKILL after 1 s).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,9 +74,12 @@ def drain(app_name: str, grace_s: float, force: threading.Event) -> int:
     return left
 
 
-def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
-                  app_name: str = "hybridserve",
-                  sidecar: Callable[[], contextlib.AbstractContextManager[object]] | None = None) -> int:
+def serve_forever(
+    config: HybridServeConfig,
+    num_cpus: int | None = None,
+    app_name: str = "hybridserve",
+    sidecar: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+) -> int:
     """``sidecar`` (e.g. a local Prometheus) is entered once the app runs, left before it stops."""
     import ray
     from ray import serve
@@ -84,7 +88,7 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
     from cluster.app import build_app_from_config
     from cluster.serve_env import apply_serve_env
 
-    app = build_app_from_config(config)             # config errors surface before Ray starts
+    app = build_app_from_config(config)  # config errors surface before Ray starts
     signals = StopSignals()
     try:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -93,7 +97,7 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
             signals.install()
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)   # a pending SIGTERM lands now
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending SIGTERM lands now
         serve.start(http_options={"host": config.server.host, "port": config.server.port})
         serve.run(app, name=app_name, route_prefix="/")
         api, metrics = endpoint_urls(config)
@@ -106,7 +110,7 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
             print("hybridserve: draining", file=sys.stderr, flush=True)
             left = drain(app_name, config.ingress.graceful_shutdown_timeout_s, signals.force)
             print(f"hybridserve: drained ({left} requests left)", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:                       # before the handlers were installed
+    except KeyboardInterrupt:  # before the handlers were installed
         pass
     finally:
         print("hybridserve: stopping", file=sys.stderr, flush=True)
@@ -119,6 +123,9 @@ def serve_forever(config: HybridServeConfig, num_cpus: int | None = None,
             t1 = time.monotonic()
             ray.shutdown()
             signals.restore()
-            print(f"hybridserve: stopped (Serve {t1 - t0:.1f} s, Ray {time.monotonic() - t1:.1f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"hybridserve: stopped (Serve {t1 - t0:.1f} s, Ray {time.monotonic() - t1:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return 0

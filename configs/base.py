@@ -1,4 +1,5 @@
 """The base of every config section: frozen, unknown keys refused (``extra="forbid"``)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict

@@ -4,6 +4,7 @@ and description, so the document cannot drift from the code.
 ``python -m configs.reference`` (``make config-docs``) rewrites ``docs/configuration.md``;
 ``tests/configs/test_reference.py`` fails while the file differs from ``render()``.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,14 +38,14 @@ Every setting is reachable the same three ways: a YAML file (`--config FILE`, ne
 
 
 class Setting(NamedTuple):
-    key: str                  # dotted, as ``--set`` takes it
+    key: str  # dotted, as ``--set`` takes it
     type: str
     default: str
     description: str
 
 
 class Section(NamedTuple):
-    name: str                 # "" for the top-level settings
+    name: str  # "" for the top-level settings
     description: str
     settings: list[Setting]
 
@@ -82,8 +83,7 @@ def settings_of(model: type[BaseModel], prefix: str = "") -> Iterator[Setting]:
     """Every leaf setting of ``model`` in declaration order (sections excluded)."""
     for name, field in model.model_fields.items():
         if not _is_section(field.annotation):
-            yield Setting(prefix + name, type_text(field.annotation), default_text(field),
-                          field.description or "")
+            yield Setting(prefix + name, type_text(field.annotation), default_text(field), field.description or "")
 
 
 def sections() -> list[Section]:
@@ -111,10 +111,13 @@ def _cell(text: str) -> str:
 def render() -> str:
     lines = [_HEADER]
     for section in sections():
-        lines += [f"## {f'`{section.name}`' if section.name else 'Top level'}: {section.description}", "",
-                  "| key | type | default | description |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{s.key}` | {_cell(s.type)} | `{s.default}` | {_cell(s.description)} |"
-                  for s in section.settings]
+        lines += [
+            f"## {f'`{section.name}`' if section.name else 'Top level'}: {section.description}",
+            "",
+            "| key | type | default | description |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [f"| `{s.key}` | {_cell(s.type)} | `{s.default}` | {_cell(s.description)} |" for s in section.settings]
         lines.append("")
     return "\n".join(lines)
 

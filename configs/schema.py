@@ -7,6 +7,7 @@ Every model is frozen and rejects unknown keys (pydantic ``extra="forbid"``), so
 in YAML or ``--set`` fails loudly with the key named. ``load_config`` merges, in order:
 defaults, a YAML file, a dict of overrides (nested or dotted keys).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,18 +32,19 @@ class CacheConfig(Frozen):
     promoted back on a hit) and the cluster-wide store in Ray's object store
     (``cluster/store``; it needs the host tier: fetched checkpoints land there)."""
 
-    enable_prefix_cache: bool = Field(
-        True, description="reuse cached prefixes (KV pages and Mamba checkpoints)")
+    enable_prefix_cache: bool = Field(True, description="reuse cached prefixes (KV pages and Mamba checkpoints)")
     page_size: int = Field(16, ge=1, description="tokens per KV page")
     mamba_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"] = Field(
         "extra_buffer_lazy",
-        description="track slots a request writes checkpoints to: the live one, two, or one + a borrowed one")
+        description="track slots a request writes checkpoints to: the live one, two, or one + a borrowed one",
+    )
     mamba_track_interval: int = Field(256, ge=1, description="tokens between two checkpoints of a sequence")
     max_mamba_slots: int | None = Field(
-        None, ge=1,
-        description="usable recurrent-state slots (slot 0 is extra); null: sized from the scheduler")
+        None, ge=1, description="usable recurrent-state slots (slot 0 is extra); null: sized from the scheduler"
+    )
     max_kv_tokens: int | None = Field(
-        None, ge=1, description="usable KV tokens (page 0 is extra); null: the default budget")
+        None, ge=1, description="usable KV tokens (page 0 is extra); null: the default budget"
+    )
     host_mamba_slots: int = Field(0, ge=0, description="checkpoint slots in host memory; 0: host tier off")
     host_kv_tokens: int = Field(0, ge=0, description="KV tokens in host memory; 0: host tier off")
     cluster_store_bytes: int = Field(0, ge=0, description="bytes of the cluster checkpoint store; 0: off")
@@ -51,16 +53,21 @@ class CacheConfig(Frozen):
     def _check_tiers(self) -> CacheConfig:
         host = (self.host_mamba_slots, self.host_kv_tokens)
         if (host[0] > 0) != (host[1] > 0):
-            raise ValueError(f"cache.host_mamba_slots ({host[0]}) and cache.host_kv_tokens ({host[1]}) "
-                             "must both be 0 (host tier off) or both > 0")
+            raise ValueError(
+                f"cache.host_mamba_slots ({host[0]}) and cache.host_kv_tokens ({host[1]}) "
+                "must both be 0 (host tier off) or both > 0"
+            )
         if host[0] and not self.enable_prefix_cache:
             raise ValueError(f"cache.host_mamba_slots={host[0]} needs cache.enable_prefix_cache")
         if host[1] and host[1] < self.page_size:
-            raise ValueError(f"cache.host_kv_tokens ({host[1]}) must hold one page of "
-                             f"cache.page_size={self.page_size} tokens")
+            raise ValueError(
+                f"cache.host_kv_tokens ({host[1]}) must hold one page of cache.page_size={self.page_size} tokens"
+            )
         if self.cluster_store_bytes and not host[0]:
-            raise ValueError(f"cache.cluster_store_bytes={self.cluster_store_bytes} needs the host tier "
-                             "(cache.host_mamba_slots and cache.host_kv_tokens > 0)")
+            raise ValueError(
+                f"cache.cluster_store_bytes={self.cluster_store_bytes} needs the host tier "
+                "(cache.host_mamba_slots and cache.host_kv_tokens > 0)"
+            )
         return self
 
     @property
@@ -79,20 +86,19 @@ class SchedulerConfig(Frozen):
     max_batch_tokens: int = Field(4096, ge=1, description="tokens one engine step computes at most")
     chunked_prefill_size: int = Field(512, ge=1, description="prompt tokens of one request per step at most")
     overlap: bool = Field(True, description="schedule the next step while the current one runs")
-    policy: Literal["fcfs", "lpm"] = Field(
-        "fcfs", description="admission order: arrival, or longest cached prefix")
-    lpm_max_bypass: int = Field(
-        8, ge=0, description="under lpm, younger requests admitted before a waiting one")
+    policy: Literal["fcfs", "lpm"] = Field("fcfs", description="admission order: arrival, or longest cached prefix")
+    lpm_max_bypass: int = Field(8, ge=0, description="under lpm, younger requests admitted before a waiting one")
 
 
 class SpecConfig(Frozen):
     method: Literal["none", "mtp"] = Field(
-        "none", description="speculative decoding: none, or mtp (the model's own MTP head)")
+        "none", description="speculative decoding: none, or mtp (the model's own MTP head)"
+    )
     num_draft_tokens: int = Field(3, ge=1, description="tokens drafted per step")
     # Drafts only: verification scores the whole vocabulary, so outputs are unchanged.
     draft_vocab: str | None = Field(
-        "auto",
-        description="tokens the drafter scores: auto (the model's draft_vocab.json), null (all), or a path")
+        "auto", description="tokens the drafter scores: auto (the model's draft_vocab.json), null (all), or a path"
+    )
 
 
 COMPILE_DEFAULT_ENV = "HYBRIDSERVE_COMPILE_DEFAULT"
@@ -125,12 +131,13 @@ class CompileConfig(Frozen):
     runs eager whatever this says (logged).
     """
 
-    enabled: bool = Field(default_factory=compile_default, json_schema_extra={"shown_default": "true"},
-                          description=f"compiled decode steps; default on unless {COMPILE_DEFAULT_ENV}=0")
-    batch_sizes: tuple[int, ...] = Field(
-        (1, 2, 4, 8, 16, 32), description="one compiled graph per batch size")
-    cache_dir: str | None = Field(
-        None, description="persistent inductor caches; null: TORCHINDUCTOR_CACHE_DIR")
+    enabled: bool = Field(
+        default_factory=compile_default,
+        json_schema_extra={"shown_default": "true"},
+        description=f"compiled decode steps; default on unless {COMPILE_DEFAULT_ENV}=0",
+    )
+    batch_sizes: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32), description="one compiled graph per batch size")
+    cache_dir: str | None = Field(None, description="persistent inductor caches; null: TORCHINDUCTOR_CACHE_DIR")
     # Off by default: the persistent caches refuse frozen, packed graphs, so every start-up
     # would compile them again for a step a little faster at larger batches (BENCHMARKS.md).
     pack_weights: bool = Field(False, description="CPU: freeze and pack the weights into the compiled steps")
@@ -153,13 +160,17 @@ class ServerConfig(Frozen):
     port: int = Field(8000, ge=0, le=65535, description="the OpenAI API's port")
     api_key: str | None = Field(None, description="bearer key every route but /health needs; null: open")
     served_model_name: str | None = Field(
-        None, description="the model id the API answers to; null: the model directory's name")
+        None, description="the model id the API answers to; null: the model directory's name"
+    )
     tool_call_parser: Literal["auto", "hermes", "qwen3_xml", "none"] = Field(
-        "auto", description="tool-call format in chat outputs; auto reads the chat template, none: off")
+        "auto", description="tool-call format in chat outputs; auto reads the chat template, none: off"
+    )
     reasoning_parser: Literal["auto", "qwen3", "none"] = Field(
-        "auto", description="think-block text to reasoning_content; auto reads the chat template, none: off")
+        "auto", description="think-block text to reasoning_content; auto reads the chat template, none: off"
+    )
     trust_request_chat_template: bool = Field(
-        False, description="accept a request's own chat_template (Jinja, sandboxed)")
+        False, description="accept a request's own chat_template (Jinja, sandboxed)"
+    )
 
 
 class MetricsConfig(Frozen):
@@ -169,30 +180,32 @@ class MetricsConfig(Frozen):
 class DebugConfig(Frozen):
     check_invariants: bool = Field(False, description="check the ledger's invariants every step")
     fail_pending_alloc_prob: float = Field(
-        0.0, ge=0.0, le=1.0, description="fault injection: probability that a pending allocation fails")
+        0.0, ge=0.0, le=1.0, description="fault injection: probability that a pending allocation fails"
+    )
     disable_alias_guard: bool = Field(False, description="turn off the guard against aliased state slots")
     state_oracle_sample: float = Field(
-        0.0, ge=0.0, le=1.0,
-        description="fraction of checkpoints recomputed by a fresh prefill and compared (TP = 1)")
+        0.0, ge=0.0, le=1.0, description="fraction of checkpoints recomputed by a fresh prefill and compared (TP = 1)"
+    )
     fail_transfer_prob: float = Field(
-        0.0, ge=0.0, le=1.0, description="fault injection: probability that a host <-> device copy fails")
+        0.0, ge=0.0, le=1.0, description="fault injection: probability that a host <-> device copy fails"
+    )
 
 
 class HybridServeConfig(Frozen):
-    model: str = Field(
-        DEFAULT_MODEL_DIR, description="the model directory (relative: to cwd, else the repository)")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="weights and activations")
+    model: str = Field(DEFAULT_MODEL_DIR, description="the model directory (relative: to cwd, else the repository)")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="weights and activations")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     seed: int = Field(0, description="sampling seed of requests without their own")
     max_model_len: int | None = Field(
-        None, ge=2,
-        description="longest sequence (prompt + output); null: what the model and the KV pool allow")
+        None, ge=2, description="longest sequence (prompt + output); null: what the model and the KV pool allow"
+    )
     cache: CacheConfig = Field(CacheConfig(), description="device pools, prefix caching and the tiers")
     scheduler: SchedulerConfig = Field(SchedulerConfig(), description="admission and batching")
     spec: SpecConfig = Field(SpecConfig(), description="speculative decoding")
-    compile: CompileConfig = Field(default_factory=CompileConfig,    # its default read at each load
-                                   description="compiled decode steps")
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig,  # its default read at each load
+        description="compiled decode steps",
+    )
     parallel: ParallelConfig = Field(ParallelConfig(), description="tensor parallelism and engine replicas")
     router: RouterConfig = Field(RouterConfig(), description="which engine replica serves a request")
     replica: ReplicaConfig = Field(ReplicaConfig(), description="each engine replica's Serve deployment")
@@ -207,18 +220,26 @@ class HybridServeConfig(Frozen):
         if sched.chunked_prefill_size > sched.max_batch_tokens:
             raise ValueError(
                 f"scheduler.chunked_prefill_size ({sched.chunked_prefill_size}) must be <= "
-                f"scheduler.max_batch_tokens ({sched.max_batch_tokens})")
+                f"scheduler.max_batch_tokens ({sched.max_batch_tokens})"
+            )
         tp = self.parallel.tensor_parallel_size
         if self.cache.host_tier and tp > 1:
-            raise ValueError(f"cache.host_mamba_slots={self.cache.host_mamba_slots} (the host tier) needs "
-                             f"parallel.tensor_parallel_size=1, got {tp}")
+            raise ValueError(
+                f"cache.host_mamba_slots={self.cache.host_mamba_slots} (the host tier) needs "
+                f"parallel.tensor_parallel_size=1, got {tp}"
+            )
         if self.replica.resources and tp > 1:
-            raise ValueError(f"replica.resources {self.replica.resources} needs "
-                             f"parallel.tensor_parallel_size=1 (a TP replica is placed by its placement "
-                             f"group), got {tp}")
-        if self.compile.enabled and tp > 1:      # a default must not make a TP config invalid
-            logger.warning("compile.enabled with parallel.tensor_parallel_size=%d: the engine runs eager "
-                           "(compiled steps are single-rank)", tp)
+            raise ValueError(
+                f"replica.resources {self.replica.resources} needs "
+                f"parallel.tensor_parallel_size=1 (a TP replica is placed by its placement "
+                f"group), got {tp}"
+            )
+        if self.compile.enabled and tp > 1:  # a default must not make a TP config invalid
+            logger.warning(
+                "compile.enabled with parallel.tensor_parallel_size=%d: the engine runs eager "
+                "(compiled steps are single-rank)",
+                tp,
+            )
         return self
 
     def model_dir(self) -> Path:
@@ -296,8 +317,7 @@ def parse_set_items(items: list[str]) -> dict[str, Any]:
     return tree
 
 
-def load_config(path: str | Path | None = None,
-                overrides: dict[str, Any] | None = None) -> HybridServeConfig:
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> HybridServeConfig:
     """Defaults <- YAML file <- overrides. Raises ValueError naming unknown or bad keys."""
     data: dict[str, Any] = {}
     if path is not None:

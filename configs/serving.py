@@ -4,6 +4,7 @@ They configure the Ray Serve app (``cluster/app.py``) around the engines; the cl
 own settings classes (``RouterSettings``, ``FetchSettings``, ``ServerSettings``) are views
 built from these, so each setting is validated and described here only.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -17,39 +18,47 @@ class RouterConfig(Frozen):
     """``HybridPrefixRouter``: which replica serves a request (``cluster/routing``)."""
 
     policy: Literal["hybrid_prefix", "pow2", "round_robin"] = Field(
-        "hybrid_prefix",
-        description="routing policy: cached prefix against load, power of two, or round robin")
+        "hybrid_prefix", description="routing policy: cached prefix against load, power of two, or round robin"
+    )
     load_penalty_tokens: float = Field(
-        16.0, ge=0,
-        description="prefill tokens one ongoing request costs a newcomer (the learnt penalty's floor)")
+        16.0, ge=0, description="prefill tokens one ongoing request costs a newcomer (the learnt penalty's floor)"
+    )
     load_penalty_auto: bool = Field(
-        True, description="learn the cost of a queued request from the prefill routed requests compute")
+        True, description="learn the cost of a queued request from the prefill routed requests compute"
+    )
     imbalance_abs: int = Field(
-        8, ge=0,
-        description="route to the least loaded replica when the preferred one has this many more requests")
+        8, ge=0, description="route to the least loaded replica when the preferred one has this many more requests"
+    )
     imbalance_rel: float = Field(
-        1.5, ge=1.0, description="... and more than this factor times the least loaded one's requests")
+        1.5, ge=1.0, description="... and more than this factor times the least loaded one's requests"
+    )
     min_match_tokens: int = Field(
-        16, ge=1, description="cached tokens a replica must be expected to save for a prefix decision")
+        16, ge=1, description="cached tokens a replica must be expected to save for a prefix decision"
+    )
     host_hit_value: float = Field(
-        0.9, ge=0, le=1, description="what a host-tier token saves, as a fraction of a device-cached one")
+        0.9, ge=0, le=1, description="what a host-tier token saves, as a fraction of a device-cached one"
+    )
     store_hit_value: float = Field(
-        0.5, ge=0, le=1, description="what a cluster-store token saves, as a fraction of a device-cached one")
+        0.5, ge=0, le=1, description="what a cluster-store token saves, as a fraction of a device-cached one"
+    )
     store_min_gain_tokens: int = Field(
-        0, ge=0,
-        description="tokens a store entry must be deeper than a replica's own to count (fetch break-even)")
+        0, ge=0, description="tokens a store entry must be deeper than a replica's own to count (fetch break-even)"
+    )
     replica_capacity: int = Field(
-        0, ge=0,
-        description="requests a replica runs at once; 0: the engine's scheduler.max_running_requests")
+        0, ge=0, description="requests a replica runs at once; 0: the engine's scheduler.max_running_requests"
+    )
     index_timeout_s: float = Field(
-        0.5, gt=0, description="how long a decision waits for the prefix index before power of two")
+        0.5, gt=0, description="how long a decision waits for the prefix index before power of two"
+    )
     push_interval_s: float = Field(1.0, gt=0, description="seconds between the router's metric pushes")
 
     @model_validator(mode="after")
     def _tier_values_ordered(self) -> RouterConfig:
         if self.store_hit_value > self.host_hit_value:
-            raise ValueError(f"router.store_hit_value ({self.store_hit_value}) must be <= "
-                             f"router.host_hit_value ({self.host_hit_value})")
+            raise ValueError(
+                f"router.store_hit_value ({self.store_hit_value}) must be <= "
+                f"router.host_hit_value ({self.host_hit_value})"
+            )
         return self
 
 
@@ -59,38 +68,40 @@ class ReplicaConfig(Frozen):
 
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine replica (per rank with TP)")
     resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="custom Ray resources per replica, to pin replicas to nodes (TP = 1)")
+        default_factory=dict, description="custom Ray resources per replica, to pin replicas to nodes (TP = 1)"
+    )
     max_ongoing_requests: int = Field(256, ge=1, description="generate streams a replica runs at once")
     max_queued_requests: int = Field(
-        512, ge=-1,
-        description="more waiting per caller's handle, beyond which the ingress answers 503; -1: unbounded")
-    stats_interval_s: float = Field(
-        1.0, gt=0, description="seconds between stats pushes and router heartbeats")
-    events_interval_s: float = Field(
-        0.05, gt=0, description="seconds between checkpoint-event pushes to the router")
+        512, ge=-1, description="more waiting per caller's handle, beyond which the ingress answers 503; -1: unbounded"
+    )
+    stats_interval_s: float = Field(1.0, gt=0, description="seconds between stats pushes and router heartbeats")
+    events_interval_s: float = Field(0.05, gt=0, description="seconds between checkpoint-event pushes to the router")
     health_check_period_s: float = Field(10.0, gt=0, description="seconds between Serve's health checks")
     health_check_timeout_s: float = Field(30.0, gt=0, description="a health check slower than this fails")
     graceful_shutdown_wait_loop_s: float = Field(
-        2.0, gt=0, description="how often a draining replica checks for finished streams")
+        2.0, gt=0, description="how often a draining replica checks for finished streams"
+    )
     graceful_shutdown_timeout_s: float = Field(
-        20.0, ge=0, description="how long a draining replica lets its streams finish")
+        20.0, ge=0, description="how long a draining replica lets its streams finish"
+    )
     stream_interval_s: float = Field(
-        0.05, ge=0, description="least seconds between two items of a stream; 0: an item every engine step")
+        0.05, ge=0, description="least seconds between two items of a stream; 0: an item every engine step"
+    )
     stream_items_per_s: float = Field(
-        100.0, ge=0,
-        description="most stream items per second a replica sends, all streams together; 0: no budget")
+        100.0, ge=0, description="most stream items per second a replica sends, all streams together; 0: no budget"
+    )
     max_stream_interval_s: float = Field(
-        0.25, ge=0, description="most seconds between two items of a stream under the budget")
-    forget_after_s: float = Field(
-        30.0, gt=0, description="the router index forgets a replica silent for this long")
+        0.25, ge=0, description="most seconds between two items of a stream under the budget"
+    )
+    forget_after_s: float = Field(30.0, gt=0, description="the router index forgets a replica silent for this long")
     store_bandwidth_bytes_per_s: float = Field(
-        1e9, gt=0, description="prior of the store's fetch bandwidth (then measured)")
+        1e9, gt=0, description="prior of the store's fetch bandwidth (then measured)"
+    )
     store_latency_s: float = Field(0.002, ge=0, description="a store fetch's fixed cost")
     prefill_tokens_per_s: float = Field(
-        2000.0, gt=0, description="prior of the engine's prefill throughput (then measured)")
-    store_fetch_timeout_s: float = Field(
-        10.0, gt=0, description="a store fetch slower than this is abandoned")
+        2000.0, gt=0, description="prior of the engine's prefill throughput (then measured)"
+    )
+    store_fetch_timeout_s: float = Field(10.0, gt=0, description="a store fetch slower than this is abandoned")
 
 
 class IngressConfig(Frozen):
@@ -104,23 +115,29 @@ class IngressConfig(Frozen):
     num_replicas: int = Field(1, ge=1, description="ingress replicas")
     num_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved per ingress replica")
     resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources per ingress replica, to pin it to nodes")
+        default_factory=dict, description="custom Ray resources per ingress replica, to pin it to nodes"
+    )
     max_ongoing_requests: int = Field(1000, ge=1, description="Serve's limit of requests per ingress replica")
     max_queued_requests: int = Field(
-        256, ge=-1,
-        description="requests queued in the Serve proxy beyond that (plain-text 503); -1: unbounded")
+        256, ge=-1, description="requests queued in the Serve proxy beyond that (plain-text 503); -1: unbounded"
+    )
     max_in_flight: int = Field(
-        512, ge=1, description="requests an ingress replica admits; beyond: OpenAI 503 with Retry-After")
+        512, ge=1, description="requests an ingress replica admits; beyond: OpenAI 503 with Retry-After"
+    )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of that 503")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1, description="larger request bodies get a 413")
     graceful_shutdown_wait_loop_s: float = Field(
-        2.0, gt=0, description="how often a draining ingress checks for finished requests")
+        2.0, gt=0, description="how often a draining ingress checks for finished requests"
+    )
     graceful_shutdown_timeout_s: float = Field(
-        20.0, ge=0, description="how long a draining ingress (and hybridserve serve) waits for requests")
+        20.0, ge=0, description="how long a draining ingress (and hybridserve serve) waits for requests"
+    )
 
     @model_validator(mode="after")
     def _admission_below_serve_limit(self) -> IngressConfig:
         if self.max_in_flight >= self.max_ongoing_requests:
-            raise ValueError(f"ingress.max_in_flight ({self.max_in_flight}) must be below "
-                             f"ingress.max_ongoing_requests ({self.max_ongoing_requests})")
+            raise ValueError(
+                f"ingress.max_in_flight ({self.max_in_flight}) must be below "
+                f"ingress.max_ongoing_requests ({self.max_ongoing_requests})"
+            )
         return self

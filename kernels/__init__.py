@@ -41,6 +41,7 @@ selective-scan references: it splits a varlen batch into short sequences (one pa
 per-token recurrence) and long ones (split at snapshot positions into segments, each run
 chunked or recurrent by length).
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -62,7 +63,7 @@ class SeqPlan(NamedTuple):
 
     starts: list[int]
     lens: list[int]
-    dst: list[int] | None      # state_dst_slots as a list, or None
+    dst: list[int] | None  # state_dst_slots as a list, or None
 
 
 def make_plan(cu_seqlens: Tensor, state_dst_slots: Tensor | None) -> SeqPlan:
@@ -76,8 +77,7 @@ def make_plan(cu_seqlens: Tensor, state_dst_slots: Tensor | None) -> SeqPlan:
     return SeqPlan(cu[:-1], lens, dst)
 
 
-def gather_initial_states(states: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-                          seqs: list[int]) -> Tensor:
+def gather_initial_states(states: Tensor, slot_ids: Tensor, has_initial_state: Tensor, seqs: list[int]) -> Tensor:
     """``[n, ...]`` float32 copies of the live slots of ``seqs``, zeroed where there is no
     initial state (masked_fill, not multiply: such a slot may hold garbage, even NaN)."""
     s0 = states[pick_seqs(slot_ids.long(), seqs)].float()
@@ -106,9 +106,18 @@ def split_at_snapshots(start: int, end: int, dst: list[int] | None) -> list[tupl
     return segments
 
 
-def scan_varlen(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, cu_seqlens: Tensor,
-                slot_ids: Tensor, has_initial_state: Tensor, state_dst_slots: Tensor | None,
-                recurrent_fn: RecurrentFn, chunked_fn: ChunkedFn, recurrent_max_len: int) -> None:
+def scan_varlen(
+    inputs: tuple[Tensor, ...],
+    out: Tensor,
+    states: Tensor,
+    cu_seqlens: Tensor,
+    slot_ids: Tensor,
+    has_initial_state: Tensor,
+    state_dst_slots: Tensor | None,
+    recurrent_fn: RecurrentFn,
+    chunked_fn: ChunkedFn,
+    recurrent_max_len: int,
+) -> None:
     """Run a recurrent scan over a varlen batch; fills ``out`` ([T, ...] fp32) and ``states``.
 
     Sequences of length ``1..recurrent_max_len`` run together through ``recurrent_fn`` (padded,
@@ -127,13 +136,19 @@ def scan_varlen(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, cu_seql
         s_short = _run_short(inputs, out, states, plan, short, s0_short, recurrent_fn)
         states[pick_seqs(live, short)] = s_short.to(states.dtype)
     for i, b in enumerate(longs):
-        s_final = _run_long(inputs, out, states, plan, b, s0_long[i], recurrent_fn, chunked_fn,
-                            recurrent_max_len)
+        s_final = _run_long(inputs, out, states, plan, b, s0_long[i], recurrent_fn, chunked_fn, recurrent_max_len)
         states[live[b]] = s_final.to(states.dtype)
 
 
-def _run_short(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, plan: SeqPlan,
-               seqs: list[int], s0: Tensor, recurrent_fn: RecurrentFn) -> Tensor:
+def _run_short(
+    inputs: tuple[Tensor, ...],
+    out: Tensor,
+    states: Tensor,
+    plan: SeqPlan,
+    seqs: list[int],
+    s0: Tensor,
+    recurrent_fn: RecurrentFn,
+) -> Tensor:
     """Batched per-token recurrence over short sequences padded to the longest; -> [n, ...].
 
     Sequences of one length on adjacent rows (a speculative verify, decodes with snapshots)
@@ -141,21 +156,20 @@ def _run_short(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, plan: Se
     """
     device = out.device
     n, width, first = len(seqs), max(plan.lens[b] for b in seqs), plan.starts[seqs[0]]
-    if all(plan.lens[b] == width and plan.starts[b] == first + i * width
-           for i, b in enumerate(seqs)):
+    if all(plan.lens[b] == width and plan.starts[b] == first + i * width for i, b in enumerate(seqs)):
         flat = slice(first, first + n * width)
         valid = torch.ones(n, width, dtype=torch.bool, device=device)
 
         def pad(x: Tensor) -> Tensor:
             return x[flat].reshape(n, width, *x.shape[1:])
-        o, s_final = recurrent_fn(tuple(pad(x) for x in inputs), valid, s0,
-                                  _snapshot_writer(states, plan, seqs, pad))
+
+        o, s_final = recurrent_fn(tuple(pad(x) for x in inputs), valid, s0, _snapshot_writer(states, plan, seqs, pad))
         out[flat] = o.reshape(n * width, *o.shape[2:])
         return s_final
     lens = torch.tensor([plan.lens[b] for b in seqs], device=device)
     starts = torch.tensor([plan.starts[b] for b in seqs], device=device)
     pos = torch.arange(width, device=device)
-    valid = pos[None, :] < lens[:, None]                              # [n, L]
+    valid = pos[None, :] < lens[:, None]  # [n, L]
     rows = starts[:, None] + torch.minimum(pos[None, :], lens[:, None] - 1)  # [n, L]
     on_step = _snapshot_writer(states, plan, seqs, lambda x: torch.where(valid, x[rows], 0))
     o, s_final = recurrent_fn(tuple(x[rows] for x in inputs), valid, s0, on_step)
@@ -163,8 +177,7 @@ def _run_short(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, plan: Se
     return s_final
 
 
-def _snapshot_writer(states: Tensor, plan: SeqPlan, seqs: list[int],
-                     pad: Callable[[Tensor], Tensor]) -> OnStep | None:
+def _snapshot_writer(states: Tensor, plan: SeqPlan, seqs: list[int], pad: Callable[[Tensor], Tensor]) -> OnStep | None:
     """Per-step callback writing the state after step i into its snapshot slots (if any).
 
     ``pad`` maps a per-row [T] tensor to the padded [n, L] layout, 0 on padding steps.
@@ -174,18 +187,27 @@ def _snapshot_writer(states: Tensor, plan: SeqPlan, seqs: list[int],
     steps = {i for b in seqs for i in range(plan.lens[b]) if plan.dst[plan.starts[b] + i] != 0}
     if not steps:
         return None
-    dst_pad = pad(torch.tensor(plan.dst, device=states.device, dtype=torch.long))   # [n, L]
+    dst_pad = pad(torch.tensor(plan.dst, device=states.device, dtype=torch.long))  # [n, L]
 
     def write(i: int, s: Tensor) -> None:
         if i in steps:
             sel = dst_pad[:, i] != 0
             states[dst_pad[sel, i]] = s[sel].to(states.dtype)
+
     return write
 
 
-def _run_long(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, plan: SeqPlan, b: int,
-              s: Tensor, recurrent_fn: RecurrentFn, chunked_fn: ChunkedFn,
-              recurrent_max_len: int) -> Tensor:
+def _run_long(
+    inputs: tuple[Tensor, ...],
+    out: Tensor,
+    states: Tensor,
+    plan: SeqPlan,
+    b: int,
+    s: Tensor,
+    recurrent_fn: RecurrentFn,
+    chunked_fn: ChunkedFn,
+    recurrent_max_len: int,
+) -> Tensor:
     """One long sequence, segment by segment; each segment chunked or recurrent by its length."""
     start = plan.starts[b]
     for seg_start, seg_end, dst_slot in split_at_snapshots(start, start + plan.lens[b], plan.dst):
@@ -202,13 +224,14 @@ def _run_long(inputs: tuple[Tensor, ...], out: Tensor, states: Tensor, plan: Seq
     return s
 
 
-def run_chunks(chunk_fn: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...],
-               s: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+def run_chunks(
+    chunk_fn: Callable[..., tuple[Tensor, Tensor]], inputs: tuple[Tensor, ...], s: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
     """A segment's chunked form: ``chunk_fn(*chunk_inputs, s) -> (out, s)`` over consecutive
     chunks of at most ``chunk_size`` rows of every input; -> (out [L, ...], final state)."""
     outs = []
     for c0 in range(0, inputs[0].shape[0], chunk_size):
-        o, s = chunk_fn(*(x[c0:c0 + chunk_size] for x in inputs), s)
+        o, s = chunk_fn(*(x[c0 : c0 + chunk_size] for x in inputs), s)
         outs.append(o)
     return torch.cat(outs, dim=0), s
 
@@ -222,6 +245,13 @@ from kernels.selective_scan import mamba_selective_scan  # noqa: E402
 from kernels.ssd import ssd_scan  # noqa: E402
 
 __all__ = [
-    "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "mamba_selective_scan", "paged_attention",
-    "rms_norm", "run_chunks", "scan_varlen", "ssd_scan",
+    "causal_conv1d",
+    "gated_delta_rule",
+    "gated_rms_norm",
+    "mamba_selective_scan",
+    "paged_attention",
+    "rms_norm",
+    "run_chunks",
+    "scan_varlen",
+    "ssd_scan",
 ]

@@ -18,6 +18,7 @@ kernel modules are imported lazily, on an op's first Triton / FlashInfer call: a
 that never selects Triton never compiles or imports a kernel module of ours, and nothing
 imports ``flashinfer`` off CUDA.
 """
+
 from __future__ import annotations
 
 import enum
@@ -122,9 +123,14 @@ def attention_impl(q: torch.Tensor, windowed: bool = False) -> AttentionImpl:
             _require_interpreter()
             return AttentionImpl.TRITON
         return AttentionImpl.TORCH
-    if (backend is Backend.AUTO and not windowed and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in FLASHINFER_HEAD_DIMS and not torch.compiler.is_compiling()
-            and flashinfer_available()):
+    if (
+        backend is Backend.AUTO
+        and not windowed
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] in FLASHINFER_HEAD_DIMS
+        and not torch.compiler.is_compiling()
+        and flashinfer_available()
+    ):
         return AttentionImpl.FLASHINFER
     return AttentionImpl.TRITON
 
@@ -142,5 +148,7 @@ def interpreting() -> bool:
 
 def _require_interpreter() -> None:
     if not interpreting():
-        raise RuntimeError(f"{ENV_VAR}=triton on CPU tensors needs TRITON_INTERPRET=1 in the "
-                           "environment before the Triton kernel modules are imported")
+        raise RuntimeError(
+            f"{ENV_VAR}=triton on CPU tensors needs TRITON_INTERPRET=1 in the "
+            "environment before the Triton kernel modules are imported"
+        )

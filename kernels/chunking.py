@@ -10,6 +10,7 @@ token with a snapshot slot* (the chunking restarts there, like the reference's s
 So a snapshot always falls on a chunk end, where the sequential state pass holds exactly the
 state to write. Without snapshots a sequence of L tokens has ceil(L / block_t) chunks.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -23,8 +24,8 @@ from kernels.recurrent_batch import RecurrentBatch
 
 
 class LengthSplit(NamedTuple):
-    short: list[int]    # sequences with 1..recurrent_max_len tokens
-    long: list[int]     # sequences with more
+    short: list[int]  # sequences with 1..recurrent_max_len tokens
+    long: list[int]  # sequences with more
 
 
 class ChunkTable(NamedTuple):
@@ -35,11 +36,11 @@ class ChunkTable(NamedTuple):
     ``chunk_dst[c] != 0``, the state after its last token is also written to that slot.
     """
 
-    seq_ids: Tensor             # [n]
-    seq_chunk_offsets: Tensor   # [n + 1]
-    chunk_starts: Tensor        # [num_chunks]
-    chunk_lens: Tensor          # [num_chunks]
-    chunk_dst: Tensor           # [num_chunks]
+    seq_ids: Tensor  # [n]
+    seq_chunk_offsets: Tensor  # [n + 1]
+    chunk_starts: Tensor  # [num_chunks]
+    chunk_lens: Tensor  # [num_chunks]
+    chunk_dst: Tensor  # [num_chunks]
     num_chunks: int
 
 
@@ -49,8 +50,7 @@ def split_by_length(plan: SeqPlan, recurrent_max_len: int) -> LengthSplit:
     return LengthSplit(short, long)
 
 
-def build_chunk_table(plan: SeqPlan, seqs: list[int], block_t: int,
-                      device: torch.device) -> ChunkTable:
+def build_chunk_table(plan: SeqPlan, seqs: list[int], block_t: int, device: torch.device) -> ChunkTable:
     starts: list[int] = []
     lens: list[int] = []
     dsts: list[int] = []
@@ -70,8 +70,9 @@ def build_chunk_table(plan: SeqPlan, seqs: list[int], block_t: int,
     def as_tensor(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
 
-    return ChunkTable(as_tensor(seqs), as_tensor(offsets), as_tensor(starts), as_tensor(lens),
-                      as_tensor(dsts), len(starts))
+    return ChunkTable(
+        as_tensor(seqs), as_tensor(offsets), as_tensor(starts), as_tensor(lens), as_tensor(dsts), len(starts)
+    )
 
 
 def uniform_plan(num_seqs: int, device: torch.device) -> LaunchPlan:
@@ -98,15 +99,21 @@ def block_size(n: int, lo: int = 16, hi: int | None = None) -> int:
 class LaunchPlan(NamedTuple):
     """Everything host-side a recurrent op's Triton launch needs for one batch."""
 
-    short_ids: Tensor | None          # int32 [number of short sequences] on the device
-    chunks: ChunkTable | None         # of the long ones
+    short_ids: Tensor | None  # int32 [number of short sequences] on the device
+    chunks: ChunkTable | None  # of the long ones
 
 
 _plans: TensorMemo[LaunchPlan] = TensorMemo()
 
 
-def launch_plan(cu_seqlens: Tensor, state_dst_slots: Tensor | None, recurrent_max_len: int,
-                block_t: int, device: torch.device, uniform_len: int = 0) -> LaunchPlan:
+def launch_plan(
+    cu_seqlens: Tensor,
+    state_dst_slots: Tensor | None,
+    recurrent_max_len: int,
+    block_t: int,
+    device: torch.device,
+    uniform_len: int = 0,
+) -> LaunchPlan:
     """The launch plan of a batch, memoised on its metadata tensors (``kernels.memo``).
 
     Building it reads ``cu_seqlens`` (and the snapshot slots) on the host: one device sync,
@@ -133,24 +140,31 @@ class VarlenLaunch(NamedTuple):
     as int32 tensors on the inputs' device."""
 
     plan: LaunchPlan
-    cu: Tensor                  # [B + 1]
-    slots: Tensor               # [B]
-    has_init: Tensor            # [B], 0 / 1
-    dst: Tensor                 # [T]; ``cu`` when there are no snapshots (a dummy pointer)
+    cu: Tensor  # [B + 1]
+    slots: Tensor  # [B]
+    has_init: Tensor  # [B], 0 / 1
+    dst: Tensor  # [T]; ``cu`` when there are no snapshots (a dummy pointer)
     has_dst: bool
 
 
-def varlen_launch(states: Tensor, seqs: RecurrentBatch, recurrent_max_len: int, block_t: int,
-                  device: torch.device) -> VarlenLaunch:
+def varlen_launch(
+    states: Tensor, seqs: RecurrentBatch, recurrent_max_len: int, block_t: int, device: torch.device
+) -> VarlenLaunch:
     """The launch of ``seqs`` over the pool ``states`` (updated in place: it must be contiguous)."""
     if not states.is_contiguous():
         raise ValueError("the state pool must be contiguous (it is updated in place)")
-    plan = launch_plan(seqs.cu_seqlens, seqs.state_dst_slots, recurrent_max_len, block_t, device,
-                       seqs.uniform_len)
+    plan = launch_plan(seqs.cu_seqlens, seqs.state_dst_slots, recurrent_max_len, block_t, device, seqs.uniform_len)
 
     def int32(t: Tensor) -> Tensor:
         return t.to(device=device, dtype=torch.int32)
+
     cu = int32(seqs.cu_seqlens)
     dst = seqs.state_dst_slots
-    return VarlenLaunch(plan, cu, int32(seqs.slot_ids), int32(seqs.has_initial_state),
-                        cu if dst is None else int32(dst), dst is not None)
+    return VarlenLaunch(
+        plan,
+        cu,
+        int32(seqs.slot_ids),
+        int32(seqs.has_initial_state),
+        cu if dst is None else int32(dst),
+        dst is not None,
+    )

@@ -28,6 +28,7 @@ process that runs this module's linear) caps both at ``ONEDNN_CACHE_CAPACITY`` e
 the environment already sets them. Within a step every layer shares the step's row count,
 so a few row counts' entries cover it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -89,8 +90,7 @@ def use_onednn(rows: int, in_features: int, out_features: int) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, through oneDNN where ``use_onednn`` says so (fp32, CPU,
     no autograd, not traced)."""
-    if _eligible(x, weight, bias) and use_onednn(x.numel() // max(x.shape[-1], 1), weight.shape[1],
-                                                 weight.shape[0]):
+    if _eligible(x, weight, bias) and use_onednn(x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0]):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -102,6 +102,7 @@ def _eligible(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         return False
     if bias is not None and bias.dtype != torch.float32:
         return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                              or (bias is not None and bias.requires_grad)))
-
+    return not (
+        torch.is_grad_enabled()
+        and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    )

@@ -12,6 +12,7 @@ e^-80 (1.8e-35) multiplies terms bounded by the l2-normalised keys and the state
 cannot change an fp32 sum holding any term above ~1e-28: outputs and states are bitwise
 those of the plain exp, and strong decays (trained checkpoints') run much faster.
 """
+
 from __future__ import annotations
 
 from torch import Tensor

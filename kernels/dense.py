@@ -16,6 +16,7 @@ Above ``FEW_ROWS`` rows (from 12 rows MKL's packed product is as fast), and wher
 does not apply (the ``torch`` kernel backend, autograd, other dtypes, a weight whose rows are
 not contiguous, the native ops not built), ``cpu_linear.linear`` runs.
 """
+
 from __future__ import annotations
 
 import torch

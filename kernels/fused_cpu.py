@@ -10,6 +10,7 @@ Anything else takes the torch reference. Their bits are not the reference's (the
 squares in another order; SiLU by ``silu_of``); a row's bits depend on that row alone, so
 batching and prefix caching stay exact (``tests/kernels/test_fused_cpu.py``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tens
     return torch.ops.hybridserve_native.rms_norm(x, weight.contiguous(), eps, zero_centered)
 
 
-def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int | None,
-                   norm_before_gate: bool) -> Tensor:
+def gated_rms_norm(
+    x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int | None, norm_before_gate: bool
+) -> Tensor:
     size = x.shape[-1] if group_size is None else group_size
     if size <= 0 or x.shape[-1] % size:
         raise ValueError(f"group_size {group_size} does not divide the last dim {x.shape[-1]}")

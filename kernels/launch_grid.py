@@ -10,6 +10,7 @@ launch that the driver would fail with a bare ``invalid argument``.
 No triton import: the grids are tested on machines without a GPU
 (``tests/kernels/triton_path/test_grid_limits.py``).
 """
+
 from __future__ import annotations
 
 CUDA_MAX_GRID = (2**31 - 1, 65_535, 65_535)
@@ -27,8 +28,7 @@ def checked(grid: Grid, kernel: str) -> Grid:
         raise ValueError(f"{kernel}: a launch grid has 1-3 non-negative axes, got {grid}")
     over = [axis for axis, (n, cap) in enumerate(zip(grid, CUDA_MAX_GRID)) if n > cap]
     if over:
-        raise ValueError(f"{kernel}: launch grid {grid} exceeds CUDA's limits {CUDA_MAX_GRID} "
-                         f"on axis {over}")
+        raise ValueError(f"{kernel}: launch grid {grid} exceeds CUDA's limits {CUDA_MAX_GRID} on axis {over}")
     return grid
 
 
@@ -41,8 +41,7 @@ def seq_head_grid(kernel: str, num_seqs: int, num_heads: int, width: int, block:
     return checked((num_seqs * num_heads, cdiv(width, block)), kernel)
 
 
-def chunk_head_grid(kernel: str, num_chunks: int, num_heads: int, width: int | None = None,
-                    block: int = 1) -> Grid:
+def chunk_head_grid(kernel: str, num_chunks: int, num_heads: int, width: int | None = None, block: int = 1) -> Grid:
     """A program per (chunk, head[, feature block]): ``(num_chunks, num_heads[, blocks])``."""
     if width is None:
         return checked((num_chunks, num_heads), kernel)
@@ -64,8 +63,7 @@ def attention_num_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
     return num_tokens // block_q + num_seqs
 
 
-def attention_grid(kernel: str, num_tokens: int, num_seqs: int, block_q: int,
-                   num_kv_heads: int) -> Grid:
+def attention_grid(kernel: str, num_tokens: int, num_seqs: int, block_q: int, num_kv_heads: int) -> Grid:
     """``(query tiles, KV heads)``: a program per tile of one sequence's queries and one KV
     head, with the query heads of that KV head's group inside the tile."""
     return checked((attention_num_tiles(num_tokens, num_seqs, block_q), num_kv_heads), kernel)

@@ -29,6 +29,7 @@ the reason is logged once.
 to each tensor while the result lives: a compiled call's inputs held so are dropped by the
 graph without taking the GIL (why, in the .cpp; ``workers/compiled/cache.py`` holds them).
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,18 +48,29 @@ NAME = "hybridserve_native"
 HERE = Path(__file__).parent
 # One library: native_ops.cpp defines it, each other file adds ops to it; all include
 # native_common.h (ninja's dependency files rebuild what includes it when it changes).
-SOURCES = ("native_ops.cpp", "native_gemm.cpp", "native_gdn.cpp", "native_conv.cpp", "native_ssd.cpp",
-           "native_fused.cpp", "native_refs.cpp")
+SOURCES = (
+    "native_ops.cpp",
+    "native_gemm.cpp",
+    "native_gdn.cpp",
+    "native_conv.cpp",
+    "native_ssd.cpp",
+    "native_fused.cpp",
+    "native_refs.cpp",
+)
 
 
 def build_flags() -> list[str]:
     """-O2 and native_ops.cpp's constants from ``kernels.cpu_linear`` (part of the build cache's key)."""
-    return ["-O2", f"-DHS_MIN_ROWS={cpu_linear.MIN_ROWS}", f"-DHS_MIN_MACS={cpu_linear.MIN_MACS}",
-            f"-DHS_PREFERS_ONEDNN={'true' if cpu_linear.prefers_onednn() else 'false'}"]
+    return [
+        "-O2",
+        f"-DHS_MIN_ROWS={cpu_linear.MIN_ROWS}",
+        f"-DHS_MIN_MACS={cpu_linear.MIN_MACS}",
+        f"-DHS_PREFERS_ONEDNN={'true' if cpu_linear.prefers_onednn() else 'false'}",
+    ]
 
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}       # "loaded": bool, once load() ran; "error": str
+_state: dict[str, object] = {}  # "loaded": bool, once load() ran; "error": str
 
 
 def build_dir() -> Path:
@@ -87,7 +99,7 @@ def failure() -> str | None:
     return None if error is None else str(error)
 
 
-POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)     # pools the native loops take
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # pools the native loops take
 
 
 def usable(pool: torch.Tensor, *inputs: torch.Tensor | None) -> bool:
@@ -116,12 +128,21 @@ def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(NAME, sources=[str(HERE / name) for name in SOURCES], is_python_module=False,
-             build_directory=str(build_dir()), extra_cflags=build_flags(), verbose=False)
-    except Exception as exc:          # no compiler / ninja / headers: the Python op stays
+        load(
+            NAME,
+            sources=[str(HERE / name) for name in SOURCES],
+            is_python_module=False,
+            build_directory=str(build_dir()),
+            extra_cflags=build_flags(),
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler / ninja / headers: the Python op stays
         _state["error"] = f"{type(exc).__name__}: {exc}"
-        logger.warning("compiled CPU steps keep the Python pool-write and expert-loop ops (each "
-                       "call takes the GIL): the native ops did not build: %s", _state["error"])
+        logger.warning(
+            "compiled CPU steps keep the Python pool-write and expert-loop ops (each "
+            "call takes the GIL): the native ops did not build: %s",
+            _state["error"],
+        )
         return False
     torch.library.register_fake(f"{NAME}::scatter_rows")(_scatter_rows_fake)
     torch.library.register_fake(f"{NAME}::moe_experts")(_moe_experts_fake)
@@ -136,8 +157,16 @@ def _scatter_rows_fake(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor
     return None
 
 
-def _moe_experts_fake(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate: torch.Tensor | None,
-                      w_up: torch.Tensor, w_down: torch.Tensor, act: str, limit: float = 0.0) -> torch.Tensor:
+def _moe_experts_fake(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+    limit: float = 0.0,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_down.shape[1])
 
 
@@ -145,21 +174,49 @@ def _few_rows_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _gdn_recurrent_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                        has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, q: torch.Tensor,
-                        k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                        beta: torch.Tensor) -> torch.Tensor:
-    return v.new_empty(v.shape)          # v is [T, H, V]
+def _gdn_recurrent_fake(
+    states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    dst: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> torch.Tensor:
+    return v.new_empty(v.shape)  # v is [T, H, V]
 
 
-def _causal_conv1d_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                        has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, x: torch.Tensor,
-                        weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    return x.new_empty(x.shape)          # x is [T, D]
+def _causal_conv1d_fake(
+    states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    dst: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+) -> torch.Tensor:
+    return x.new_empty(x.shape)  # x is [T, D]
 
 
-def _ssd_recurrent_fake(states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                        has_initial_state: torch.Tensor | None, dst: torch.Tensor | None, x: torch.Tensor,
-                        dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                        C: torch.Tensor, softplus: bool, dt_min: float, dt_max: float) -> torch.Tensor:
-    return x.new_empty(x.shape)          # x is [T, H, P]
+def _ssd_recurrent_fake(
+    states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    dst: torch.Tensor | None,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    softplus: bool,
+    dt_min: float,
+    dt_max: float,
+) -> torch.Tensor:
+    return x.new_empty(x.shape)  # x is [T, H, P]

@@ -7,6 +7,7 @@ batches they accept (``tests/kernels/test_decode_fast_path.py``, ``test_verify_f
 The model runner's ``ForwardBatch.recurrent`` is the step's one instance, shared by every layer:
 the GPU paths memoise their launch plans on these tensors' identity (``kernels.memo``).
 """
+
 from __future__ import annotations
 
 import enum
@@ -21,9 +22,9 @@ from kernels.memo import TensorMemo
 class Path(enum.Enum):
     """Which form of an op a batch may take (each equals the varlen form on its batches)."""
 
-    DECODE = "decode"      # one token per sequence, every initial state, no snapshot
-    VERIFY = "verify"      # uniform_len tokens per sequence, every initial state, a snapshot at each
-    VARLEN = "varlen"      # anything
+    DECODE = "decode"  # one token per sequence, every initial state, no snapshot
+    VERIFY = "verify"  # uniform_len tokens per sequence, every initial state, a snapshot at each
+    VARLEN = "varlen"  # anything
 
 
 LaunchArgs = tuple[Tensor, Tensor, Tensor, "Tensor | None", int]
@@ -38,10 +39,10 @@ class RecurrentBatch:
     non-zero at every token. 0 is always safe (the varlen form).
     """
 
-    cu_seqlens: Tensor                      # int32 [B + 1]
-    slot_ids: Tensor                        # int32 [B]: each sequence's live slot
-    has_initial_state: Tensor               # bool [B]: read the live slot (else zeros)
-    state_dst_slots: Tensor | None = None   # int32 [T]: != 0, also write the state after token t there
+    cu_seqlens: Tensor  # int32 [B + 1]
+    slot_ids: Tensor  # int32 [B]: each sequence's live slot
+    has_initial_state: Tensor  # bool [B]: read the live slot (else zeros)
+    state_dst_slots: Tensor | None = None  # int32 [T]: != 0, also write the state after token t there
     uniform_len: int = 0
 
     @property
@@ -60,8 +61,7 @@ class RecurrentBatch:
 
     def launch_args(self) -> LaunchArgs:
         """The fields in order, as the Triton launchers and their opaque ops take them."""
-        return (self.cu_seqlens, self.slot_ids, self.has_initial_state, self.state_dst_slots,
-                self.uniform_len)
+        return (self.cu_seqlens, self.slot_ids, self.has_initial_state, self.state_dst_slots, self.uniform_len)
 
     @classmethod
     def decode(cls, slot_ids: Tensor) -> RecurrentBatch:
@@ -75,8 +75,13 @@ class RecurrentBatch:
 
 def _unit_layout(slot_ids: Tensor) -> RecurrentBatch:
     num_seqs, device = slot_ids.shape[0], slot_ids.device
-    return RecurrentBatch(torch.arange(num_seqs + 1, dtype=torch.int32, device=device), slot_ids,
-                          torch.ones(num_seqs, dtype=torch.bool, device=device), None, 1)
+    return RecurrentBatch(
+        torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        slot_ids,
+        torch.ones(num_seqs, dtype=torch.bool, device=device),
+        None,
+        1,
+    )
 
 
 _decodes: TensorMemo[RecurrentBatch] = TensorMemo()

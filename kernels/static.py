@@ -15,6 +15,7 @@ Two things differ when a step is traced or captured instead of run eagerly:
   On CPU, once ``kernels.native_ops.load()`` succeeded, the op traced is its C++ twin
   ``hybridserve_native::scatter_rows`` (no GIL, no interpreter inside a compiled step).
 """
+
 from __future__ import annotations
 
 import threading

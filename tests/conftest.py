@@ -7,6 +7,7 @@ once per family of ``tools.tiny_registry.TINY_FAMILIES``, and every test that ta
 ``tiny_mtp_model_dir`` once per family with MTP weights, so a registered family is tested
 with no new test. Checkpoints are built lazily, once per session and family (seed 0, with
 ``mtp.*`` tensors where the family has them)."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,9 @@ MTP_FAMILIES = sorted(name for name, f in TINY_FAMILIES.items() if f.has_mtp)
 # with MTP), Mamba1 (jamba), KDA + MLA (kimi_linear), lightning attention (minimax), short
 # convolutions (lfm2). A test marked ``core_families`` runs the other families only in
 # ``make test-slow`` (every family still loads and matches transformers in ``make test``).
-CORE_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h", "jamba", "kimi_linear",
-                           "minimax", "lfm2"})
+CORE_FAMILIES = frozenset(
+    {"qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h", "jamba", "kimi_linear", "minimax", "lfm2"}
+)
 assert CORE_FAMILIES <= set(FAMILIES), CORE_FAMILIES - set(FAMILIES)
 
 
@@ -54,9 +56,9 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], Path]:
     def get(name: str) -> Path:
         if name not in built:
             family = TINY_FAMILIES[name]
-            built[name] = make_tiny_checkpoint(name, tmp_path_factory.mktemp(name), seed=0,
-                                               mtp=family.has_mtp)
+            built[name] = make_tiny_checkpoint(name, tmp_path_factory.mktemp(name), seed=0, mtp=family.has_mtp)
         return built[name]
+
     return get
 
 
@@ -107,7 +109,7 @@ def scripted_xml_dir(tmp_path_factory):
     return make_scripted_checkpoint("xml", tmp_path_factory.mktemp("scripted_xml"))
 
 
-RAY_NUM_CPUS = 16                          # logical: replicas ask for 1 each, the machine has 2
+RAY_NUM_CPUS = 16  # logical: replicas ask for 1 each, the machine has 2
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,10 @@ def serve_session() -> Iterator[ServeSession]:
 
     from cluster.serve_env import apply_serve_env
 
-    apply_serve_env()                     # the production transport (gRPC proxy -> ingress)
-    ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False,
-             log_to_driver=bool(os.environ.get("HYBRIDSERVE_TEST_RAY_LOGS")))
+    apply_serve_env()  # the production transport (gRPC proxy -> ingress)
+    ray.init(
+        num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=bool(os.environ.get("HYBRIDSERVE_TEST_RAY_LOGS"))
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield ServeSession(port, ray.get_runtime_context().gcs_address)
@@ -133,7 +136,7 @@ def serve_session() -> Iterator[ServeSession]:
     ray.shutdown()
 
 
-@pytest.hookimpl(tryfirst=True)          # before ``-m`` deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.core_families(all_families_for={"strategy": "x"}, families=...)``: the
     test's items of a family outside ``families`` (default ``CORE_FAMILIES``) become ``slow``,

@@ -5,6 +5,7 @@ functions and ones under ``if TYPE_CHECKING:`` included (a lazy or annotation-on
 still makes two modules one idea); only a submodule's import of its own package's
 ``__init__`` does not. Parsed from the source, nothing is imported.
 """
+
 from __future__ import annotations
 
 import ast
@@ -53,8 +54,7 @@ def _graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         # a package's own __init__ is imported by every submodule: not an edge worth a cycle
-        graph[name] = {m for m in _imports(path, modules)
-                       if m != name and not name.startswith(m + ".")}
+        graph[name] = {m for m in _imports(path, modules) if m != name and not name.startswith(m + ".")}
     return graph
 
 
@@ -114,12 +114,18 @@ FORBIDDEN = {
     "workers": ("cluster", "tools"),
     "tools": ("cluster",),
     "cluster.observability": ("cluster.api", "cluster.serving", "cluster.bench", "cluster.app"),
-    "cluster.routing": ("cluster.api", "cluster.serving", "cluster.observability", "cluster.bench",
-                        "cluster.app"),
+    "cluster.routing": ("cluster.api", "cluster.serving", "cluster.observability", "cluster.bench", "cluster.app"),
     "cluster.serving": ("cluster.api", "cluster.bench", "cluster.app", "cluster.cli"),
     "cluster.api": ("cluster.bench", "cluster.app", "cluster.cli"),
-    "cluster.store": ("cluster.api", "cluster.serving", "cluster.routing", "cluster.observability",
-                      "cluster.actors", "cluster.bench", "cluster.app"),
+    "cluster.store": (
+        "cluster.api",
+        "cluster.serving",
+        "cluster.routing",
+        "cluster.observability",
+        "cluster.actors",
+        "cluster.bench",
+        "cluster.app",
+    ),
     "cluster.actors": ("cluster.api", "cluster.serving", "cluster.bench", "cluster.app", "cluster.cli"),
 }
 
@@ -129,15 +135,20 @@ def _in(module: str, package: str) -> bool:
 
 
 def test_import_directions():
-    bad = [f"{src} imports {dst}" for src, dsts in sorted(_graph().items()) for dst in sorted(dsts)
-           for pkg, banned in FORBIDDEN.items() if _in(src, pkg) and any(_in(dst, b) for b in banned)]
+    bad = [
+        f"{src} imports {dst}"
+        for src, dsts in sorted(_graph().items())
+        for dst in sorted(dsts)
+        for pkg, banned in FORBIDDEN.items()
+        if _in(src, pkg) and any(_in(dst, b) for b in banned)
+    ]
     assert bad == []
 
 
 # -- the product apart from the lab (DESIGN §2): cluster/bench is what ``hybridserve bench``
 # runs (the client, the suite and what the suite imports) and tools a user points at a
 # server; a harness of a finished investigation lives in tests/lab, never in a product package
-BENCH_ENTRIES = ("cluster.cli", "cluster.bench.http_latency")   # http_latency: ``--url URL``
+BENCH_ENTRIES = ("cluster.cli", "cluster.bench.http_latency")  # http_latency: ``--url URL``
 
 
 def _reachable(graph: dict[str, set[str]], starts: tuple[str, ...]) -> set[str]:
@@ -156,8 +167,12 @@ def test_bench_holds_only_what_the_cli_runs():
 
 
 def test_only_the_cli_imports_bench():
-    bad = [f"{src} imports {dst}" for src, dsts in sorted(_graph().items()) for dst in sorted(dsts)
-           if _in(dst, "cluster.bench") and not (_in(src, "cluster.bench") or src == "cluster.cli")]
+    bad = [
+        f"{src} imports {dst}"
+        for src, dsts in sorted(_graph().items())
+        for dst in sorted(dsts)
+        if _in(dst, "cluster.bench") and not (_in(src, "cluster.bench") or src == "cluster.cli")
+    ]
     assert bad == []
 
 
@@ -175,23 +190,35 @@ def _top_level_imports(path: Path) -> set[str]:
 def test_only_the_bench_imports_the_tiny_factory():
     """tools/ makes checkpoints; serving never runs it. The bench builds its random models with
     ``tools.tiny*``; the training tools are imported by nothing outside ``tools``."""
-    bad = [f"{src} imports {dst}" for src, dsts in sorted(_graph().items()) for dst in sorted(dsts)
-           if _in(dst, "tools") and not _in(src, "tools")
-           and not (_in(src, "cluster.bench") and dst.startswith("tools.tiny"))]
+    bad = [
+        f"{src} imports {dst}"
+        for src, dsts in sorted(_graph().items())
+        for dst in sorted(dsts)
+        if _in(dst, "tools")
+        and not _in(src, "tools")
+        and not (_in(src, "cluster.bench") and dst.startswith("tools.tiny"))
+    ]
     assert bad == []
 
 
 def test_product_imports_no_tests():
-    bad = [str(path.relative_to(ROOT)) for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py"))
-           if "tests" in _top_level_imports(path)]
+    bad = [
+        str(path.relative_to(ROOT))
+        for pkg in PACKAGES
+        for path in sorted((ROOT / pkg).rglob("*.py"))
+        if "tests" in _top_level_imports(path)
+    ]
     assert bad == []
 
 
 def test_reachability_finds_a_stray_harness():
-    graph = {"cluster.cli": {"cluster.bench.command"}, "cluster.bench.command": {"cluster.bench.suite"},
-             "cluster.bench.suite": set(), "cluster.bench.probe": {"cluster.bench.suite"}}
-    assert _reachable(graph, ("cluster.cli",)) == {"cluster.cli", "cluster.bench.command",
-                                                   "cluster.bench.suite"}
+    graph = {
+        "cluster.cli": {"cluster.bench.command"},
+        "cluster.bench.command": {"cluster.bench.suite"},
+        "cluster.bench.suite": set(),
+        "cluster.bench.probe": {"cluster.bench.suite"},
+    }
+    assert _reachable(graph, ("cluster.cli",)) == {"cluster.cli", "cluster.bench.command", "cluster.bench.suite"}
 
 
 # -- DESIGN.md: every "DESIGN §n" (and "DESIGN §n rule m") in the code names a heading of it
@@ -204,11 +231,10 @@ def _sections(text: str) -> dict[str, str]:
     """Numbered heading -> its text, subsections included (up to the next heading of the
     same or a higher level)."""
     lines = text.splitlines()
-    heads = [(i, len(m.group(1)), m.group(2)) for i, line in enumerate(lines)
-             if (m := HEADING.match(line))]
+    heads = [(i, len(m.group(1)), m.group(2)) for i, line in enumerate(lines) if (m := HEADING.match(line))]
     out = {}
     for k, (i, level, number) in enumerate(heads):
-        end = next((j for j, lvl, _ in heads[k + 1:] if lvl <= level), len(lines))
+        end = next((j for j, lvl, _ in heads[k + 1 :] if lvl <= level), len(lines))
         out[number] = "\n".join(lines[i:end])
     return out
 
@@ -229,8 +255,9 @@ def _code_citations() -> list[tuple[str, str, str]]:
     for pkg in PACKAGES + ("tests",):
         for path in sorted((ROOT / pkg).rglob("*.py")):
             for n, line in enumerate(path.read_text().splitlines(), 1):
-                found += [(f"{path.relative_to(ROOT)}:{n}", m.group(1), m.group(2) or "")
-                          for m in CITATION.finditer(line)]
+                found += [
+                    (f"{path.relative_to(ROOT)}:{n}", m.group(1), m.group(2) or "") for m in CITATION.finditer(line)
+                ]
     return found
 
 
@@ -253,23 +280,28 @@ def test_citation_checker_finds_a_dangling_citation():
     assert set(sections) == {"1", "1.1", "2"}
     assert _unresolved([("a", "1", "2"), ("b", "1.1", ""), ("c", "2", "")], sections) == []
     assert _unresolved([("a", "3", ""), ("b", "2", "2"), ("c", "1.2", "")], sections) == [
-        "a: DESIGN §3 has no heading", "b: DESIGN §2 has no rule 2", "c: DESIGN §1.2 has no heading"]
+        "a: DESIGN §3 has no heading",
+        "b: DESIGN §2 has no rule 2",
+        "c: DESIGN §1.2 has no heading",
+    ]
 
 
 # -- product code names no tracker items: a comment or docstring keeps its one-line why
 ISSUE_REF = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
-NOT_PRODUCT = ("cluster/bench/",)     # the benchmark client and suite; tests/ is not scanned
+NOT_PRODUCT = ("cluster/bench/",)  # the benchmark client and suite; tests/ is not scanned
 # Still being cleaned by their owners (a path leaves this list once it is clean):
 STILL_DIRTY: tuple[str, ...] = ()
 
 
 def _prose(source: str) -> list[tuple[int, str]]:
     """(line, text) of every comment and every string statement (docstrings) of a module."""
-    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-           if tok.type == tokenize.COMMENT]
+    out = [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    ]
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-                and isinstance(node.value.value, str)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             out += [(node.lineno + i, line) for i, line in enumerate(node.value.value.splitlines())]
     return sorted(out)
 
@@ -289,6 +321,8 @@ def test_no_tracker_numbers_in_product_code():
 
 
 def test_tracker_number_finder_reads_comments_and_docstrings():
-    source = ('"""Compiled steps (issue 16)."""\n'
-              'def f():\n    """See Issue #7."""\n    return "issue 3"  # from issues 41-42\n')
+    source = (
+        '"""Compiled steps (issue 16)."""\n'
+        'def f():\n    """See Issue #7."""\n    return "issue 3"  # from issues 41-42\n'
+    )
     assert [ref.split(":")[1] for ref in _issue_refs("m.py", source)] == ["1", "3", "4"]

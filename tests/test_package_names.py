@@ -2,6 +2,7 @@
 ``kernels`` distribution, which transformers probes (``is_kernels_available``) and, from
 5.25 on, requires. The import must resolve to ours, and transformers must not take ours for
 HF's: it reads the version of the distribution owning the import name (this project's)."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -12,7 +13,7 @@ from packaging.version import Version
 from transformers.utils import import_utils
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTRACT_RELEASE = Version("5.24")     # Lfm3 came in 5.23; the README states what 5.24 writes
+CONTRACT_RELEASE = Version("5.24")  # Lfm3 came in 5.23; the README states what 5.24 writes
 
 
 def test_kernels_is_this_projects_package() -> None:
@@ -26,7 +27,8 @@ def test_transformers_does_not_take_ours_for_hf_kernels() -> None:
     ours = Version(importlib.metadata.version("hybridserve"))
     low, high = Version(import_utils.KERNELS_MIN_VERSION), Version(import_utils.KERNELS_MAX_VERSION)
     assert not low <= ours <= Version(f"{high.major}.{high.minor}.999"), (
-        f"hybridserve {ours} falls in HF kernels' accepted range [{low}, {high}]")
+        f"hybridserve {ours} falls in HF kernels' accepted range [{low}, {high}]"
+    )
     assert not import_utils.is_kernels_available()
 
 
@@ -39,7 +41,10 @@ def test_transformers_floor_has_every_served_class() -> None:
 
     missing = [name for name in SUPPORTED_ARCHITECTURES if not hasattr(transformers, name)]
     assert not missing, f"transformers {transformers.__version__} lacks {missing}"
-    pins = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-            if d.startswith("transformers")]
+    pins = [
+        d
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if d.startswith("transformers")
+    ]
     floor = Version(pins[0].split(">=")[1].split(",")[0])
     assert floor >= CONTRACT_RELEASE, f"transformers floor {floor} < {CONTRACT_RELEASE}"

@@ -12,6 +12,7 @@
 
 Regenerate the shipped placeholder with ``python -m tools.tiny --out configs/models/tiny-hybrid``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,13 @@ def build_tiny_tokenizer(out_dir: str | Path) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  min_frequency=1, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=1,
+        show_progress=False,
+    )
     tok.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer)
     tok.save(str(out / "tokenizer.json"))
     write_tokenizer_config(out)
@@ -59,7 +64,7 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, **overrides: Any) -> An
         return cls(**{**ids, **family.config, **overrides})
     outer = dict(family.config)
     outer[key] = {**ids, **outer[key], **overrides}
-    if "tie_word_embeddings" in overrides:          # a VL checkpoint ties at its top level
+    if "tie_word_embeddings" in overrides:  # a VL checkpoint ties at its top level
         outer["tie_word_embeddings"] = overrides["tie_word_embeddings"]
     return cls(**outer)
 
@@ -75,13 +80,16 @@ def _hf_model(arch: str, cfg: Any, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, shards: int = 1,
-                         mtp: bool = False, **config_overrides: Any) -> Path:
+def make_tiny_checkpoint(
+    arch: str, out_dir: str | Path, *, seed: int = 0, shards: int = 1, mtp: bool = False, **config_overrides: Any
+) -> Path:
     """Write a tiny random checkpoint of ``arch`` (+ tokenizer) into ``out_dir``; returns it."""
     family = get_family(arch)
     if mtp and family.mtp_writer is None:
-        raise ValueError(f"mtp=True: the tiny {arch!r} has no MTP weights; families with mtp: "
-                         f"{[f.name for f in TINY_FAMILIES.values() if f.has_mtp]}")
+        raise ValueError(
+            f"mtp=True: the tiny {arch!r} has no MTP weights; families with mtp: "
+            f"{[f.name for f in TINY_FAMILIES.values() if f.has_mtp]}"
+        )
     out = Path(out_dir)
     vocab = build_tiny_tokenizer(out)
     cfg = tiny_config(arch, vocab, SPECIAL_TOKENS.index(EOS_TOKEN), **config_overrides)
@@ -95,7 +103,7 @@ def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, shard
     if family.layout_writer is not None:
         family.layout_writer(out)
     for path in out.glob("*.safetensors"):
-        path.chmod(0o644)           # save_pretrained writes 0600; the files are not secret
+        path.chmod(0o644)  # save_pretrained writes 0600; the files are not secret
     return out
 
 
@@ -118,12 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1)
     args = parser.parse_args(argv)
-    out = make_tiny_checkpoint(args.arch, args.out, seed=args.seed, shards=args.shards,
-                               mtp=get_family(args.arch).has_mtp)
+    out = make_tiny_checkpoint(
+        args.arch, args.out, seed=args.seed, shards=args.shards, mtp=get_family(args.arch).has_mtp
+    )
     (out / "README.md").write_text(
         f"# tiny-hybrid\n\nRandom-weight placeholder model ({args.arch}, seed {args.seed}), "
         "not trained: it generates gibberish. Regenerate with\n"
-        f"`python -m tools.tiny --out {args.out}`.\n")
+        f"`python -m tools.tiny --out {args.out}`.\n"
+    )
     print(f"wrote {out}")
 
 

@@ -3,6 +3,7 @@
 The text lives here (not read from the Python installation) so every machine trains the
 same merges. Changing it changes the tokenizer of every freshly generated tiny checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,9 +85,13 @@ def write_tokenizer_config(out_dir: Path) -> None:
     ``EOS_TOKEN`` is eos and pad, the other specials are additional, ChatML template."""
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": None, "unk_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
         "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != EOS_TOKEN],
-        "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

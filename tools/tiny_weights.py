@@ -9,6 +9,7 @@ persistent buffer a checkpoint saves, in a fixed order.
 MTP writers add ``mtp.*`` tensors that transformers itself neither creates nor loads, laid
 out as the released checkpoints are (``add_qwen_mtp``, ``add_nemotron_mtp``).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ RedrawRule = Callable[[str, torch.Tensor, torch.Generator], bool]
 def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norms: bool) -> None:
     """Re-draw one HF tensor in place (see the module docstring); drawn on ``p``'s device, so
     ``gen`` must live there too (the GPU bench draws a 1B model on the GPU)."""
+
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32, device=p.device)
 
@@ -34,9 +36,9 @@ def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norm
 
     if p.dim() >= 2:
         p.copy_(randn(*p.shape) / math.sqrt(p.shape[-1]))
-    elif name.endswith("A_log"):            # A in [1, 16], as in Mamba / GDN inits
+    elif name.endswith("A_log"):  # A in [1, 16], as in Mamba / GDN inits
         p.copy_(torch.log(1.0 + 15.0 * rand(p.shape)))
-    elif name.endswith("dt_bias"):          # softplus(dt_bias) log-uniform in [1e-3, 1e-1]
+    elif name.endswith("dt_bias"):  # softplus(dt_bias) log-uniform in [1e-3, 1e-1]
         dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * rand(p.shape))
         p.copy_(dt + torch.log(-torch.expm1(-dt)))
     elif name.endswith(".D"):
@@ -44,7 +46,7 @@ def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norm
     elif name.endswith(".weight") and "norm" in name.split(".")[-2]:
         plain = not zero_centered_norms or name.endswith("linear_attn.norm.weight")
         p.copy_((1.0 if plain else 0.0) + 0.1 * randn(*p.shape))
-    else:                                   # biases, score-correction biases
+    else:  # biases, score-correction biases
         p.copy_(0.1 * randn(*p.shape))
 
 
@@ -60,15 +62,13 @@ def redraw_mamba1(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
     return False
 
 
-def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool,
-                  rule: RedrawRule | None = None) -> None:
+def redraw_model_(model: torch.nn.Module, seed: int, zero_centered_norms: bool, rule: RedrawRule | None = None) -> None:
     """Every parameter (named_parameters order), then every saved buffer, re-drawn from
     ``seed``; ``rule`` (a family's own) is asked first for each tensor."""
     gen = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
     saved = model.state_dict(keep_vars=True)
-    buffers = [(n, b) for n, b in model.named_buffers()
-               if n in saved and n not in params and b.is_floating_point()]
+    buffers = [(n, b) for n, b in model.named_buffers() if n in saved and n not in params and b.is_floating_point()]
     with torch.no_grad():
         for name, t in [*params.items(), *buffers]:
             if rule is None or not rule(name, t, gen):
@@ -111,8 +111,14 @@ def add_qwen_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
     for j in range(1 if n is None else n):
         shapes.update(tensor_shapes(out_dir, f"{prefix}layers.{full[0]}.", f"mtp.layers.{j}."))
     h = text.hidden_size
-    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
-                   "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
+    shapes.update(
+        {
+            "mtp.fc.weight": (h, 2 * h),
+            "mtp.pre_fc_norm_embedding.weight": (h,),
+            "mtp.pre_fc_norm_hidden.weight": (h,),
+            "mtp.norm.weight": (h,),
+        }
+    )
     append_tensors(out_dir, random_tensors(shapes, seed + 1, zero_centered_norms=True))
 
 
@@ -126,8 +132,9 @@ def add_nemotron_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
     one ``final_layernorm`` [H].
     """
     if cfg.num_nextn_predict_layers < 1:
-        raise ValueError(f"mtp=True needs num_nextn_predict_layers >= 1 in the config, "
-                         f"not {cfg.num_nextn_predict_layers}")
+        raise ValueError(
+            f"mtp=True needs num_nextn_predict_layers >= 1 in the config, not {cfg.num_nextn_predict_layers}"
+        )
     kinds = list(cfg.mtp_layers_block_type)
     backbone = list(cfg.layers_block_type)
     missing = sorted(set(kinds) - set(backbone))
@@ -140,8 +147,9 @@ def add_nemotron_mtp(out_dir: Path, cfg: Any, seed: int) -> None:
             dst = f"mtp.layers.{m * len(kinds) + b}."
             shapes.update(tensor_shapes(out_dir, f"backbone.layers.{backbone.index(kind)}.", dst))
             if b == 0:
-                shapes.update({dst + "enorm.weight": (h,), dst + "hnorm.weight": (h,),
-                               dst + "eh_proj.weight": (h, 2 * h)})
+                shapes.update(
+                    {dst + "enorm.weight": (h,), dst + "hnorm.weight": (h,), dst + "eh_proj.weight": (h, 2 * h)}
+                )
             if b == len(kinds) - 1:
                 shapes[dst + "final_layernorm.weight"] = (h,)
     append_tensors(out_dir, random_tensors(shapes, seed + 1, zero_centered_norms=False))
@@ -156,12 +164,11 @@ def tensor_shapes(out_dir: Path, src_prefix: str, dst_prefix: str) -> dict[str, 
         with safe_open(str(out_dir / name), "pt") as f:
             for key in f.keys():
                 if key.startswith(src_prefix):
-                    shapes[dst_prefix + key[len(src_prefix):]] = tuple(f.get_slice(key).get_shape())
+                    shapes[dst_prefix + key[len(src_prefix) :]] = tuple(f.get_slice(key).get_shape())
     return shapes
 
 
-def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int,
-                   zero_centered_norms: bool) -> dict[str, torch.Tensor]:
+def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int, zero_centered_norms: bool) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in sorted(shapes.items()):

@@ -1,4 +1,5 @@
 """Everything inside one TP group: engine, scheduler, caches, model runner, models."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -3,6 +3,7 @@
 Id 0 of each pool is a dummy write target (padding rows write there) and is never
 handed out, so valid ids are ``1 .. size - 1``.
 """
+
 from __future__ import annotations
 
 

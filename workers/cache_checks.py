@@ -9,6 +9,7 @@ Recounts from scratch (for tests and ``debug.check_invariants``):
   running request's computed length for its live slot -- wherever no pending writer can
   still change the slot.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,8 +19,14 @@ from workers.cache import RadixCache, SlotLedger, SlotRole, Violation
 from workers.request import Request
 
 
-def check_pools(ledger: SlotLedger, tree: RadixCache | None, pages: IdAllocator,
-                running: Sequence[Request], held: Sequence[Request], deferred_pages: int) -> list[Violation]:
+def check_pools(
+    ledger: SlotLedger,
+    tree: RadixCache | None,
+    pages: IdAllocator,
+    running: Sequence[Request],
+    held: Sequence[Request],
+    deferred_pages: int,
+) -> list[Violation]:
     out = list(ledger.check())
     if tree is not None:
         out += [v for v in tree.check_invariants() if v not in out]
@@ -30,14 +37,20 @@ def check_pools(ledger: SlotLedger, tree: RadixCache | None, pages: IdAllocator,
     return out
 
 
-def _check_pages(tree: RadixCache | None, pages: IdAllocator, held: Sequence[Request],
-                 deferred: int) -> list[Violation]:
+def _check_pages(
+    tree: RadixCache | None, pages: IdAllocator, held: Sequence[Request], deferred: int
+) -> list[Violation]:
     own = sum(len(r.page_ids) - r.cache.num_tree_pages for r in held)
     tree_pages = tree.num_cached_pages if tree is not None else 0
     if pages.num_free + tree_pages + own + deferred == pages.num_usable:
         return []
-    return [Violation("I2", f"KV pages: free {pages.num_free} + tree {tree_pages} + requests {own} + "
-                            f"deferred {deferred} != {pages.num_usable}")]
+    return [
+        Violation(
+            "I2",
+            f"KV pages: free {pages.num_free} + tree {tree_pages} + requests {own} + "
+            f"deferred {deferred} != {pages.num_usable}",
+        )
+    ]
 
 
 def _check_live_slots(ledger: SlotLedger, running: Sequence[Request]) -> list[Violation]:
@@ -70,14 +83,27 @@ def _check_request_labels(ledger: SlotLedger, running: Sequence[Request]) -> lis
         if c.keep_slot is not None and c.keep_depth is not None and not ledger.has_writers(c.keep_slot):
             content = ledger.content_of(c.keep_slot)
             if content is None or content.depth != c.keep_depth:
-                out.append(Violation("I4", f"request {r.request_id}: keep depth {c.keep_depth}, slot "
-                                           f"{c.keep_slot} holds {content}"))
+                out.append(
+                    Violation(
+                        "I4", f"request {r.request_id}: keep depth {c.keep_depth}, slot {c.keep_slot} holds {content}"
+                    )
+                )
         live = r.mamba_slot
-        if (live is None or r.inflight_batch is not None or c.cow_src is not None
-                or r.num_computed_tokens == 0 or ledger.has_writers(live)):
+        if (
+            live is None
+            or r.inflight_batch is not None
+            or c.cow_src is not None
+            or r.num_computed_tokens == 0
+            or ledger.has_writers(live)
+        ):
             continue
         content = ledger.content_of(live)
         if content is None or content.depth != r.num_computed_tokens:
-            out.append(Violation("I4", f"request {r.request_id}: computed {r.num_computed_tokens} tokens, "
-                                       f"live slot {live} holds {content}"))
+            out.append(
+                Violation(
+                    "I4",
+                    f"request {r.request_id}: computed {r.num_computed_tokens} tokens, "
+                    f"live slot {live} holds {content}",
+                )
+            )
     return out

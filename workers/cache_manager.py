@@ -24,6 +24,7 @@ Rules held here (checked by ``check_invariants``):
   checkpoint into the device tree through the ordinary donation. With the cluster store
   on, a device hit is also written through to the host tier (and so committed).
 """
+
 from __future__ import annotations
 
 import random
@@ -52,8 +53,9 @@ from workers.tiers.promotion import PendingPromotion, PromotionPlan, Promotions
 
 
 class CacheManager:
-    def __init__(self, cache: CacheConfig, debug: DebugConfig, num_pages: int, num_slots: int,
-                 stats: EngineStats, seed: int = 0) -> None:
+    def __init__(
+        self, cache: CacheConfig, debug: DebugConfig, num_pages: int, num_slots: int, stats: EngineStats, seed: int = 0
+    ) -> None:
         self.config = cache
         self.page_size = cache.page_size
         self.stats = stats
@@ -66,20 +68,31 @@ class CacheManager:
         self.host: HostTier | None = None
         self.promotions: Promotions | None = None
         if cache.host_tier:
-            self.host = HostTier(self.page_size, cache.host_kv_tokens // self.page_size + 1,
-                                 cache.host_mamba_slots + 1, stats, on_event=self._on_event,
-                                 fail_prob=debug.fail_transfer_prob, seed=seed,
-                                 keep_commits=cache.cluster_store_bytes > 0)
+            self.host = HostTier(
+                self.page_size,
+                cache.host_kv_tokens // self.page_size + 1,
+                cache.host_mamba_slots + 1,
+                stats,
+                on_event=self._on_event,
+                fail_prob=debug.fail_transfer_prob,
+                seed=seed,
+                keep_commits=cache.cluster_store_bytes > 0,
+            )
             self.promotions = Promotions(self.host, self.ledger)
         if cache.enable_prefix_cache:
-            self.tree = RadixCache(self.page_size, self.pages, self.ledger, on_event=self._on_event,
-                                   on_drop=self._demote if self.host is not None else None)
+            self.tree = RadixCache(
+                self.page_size,
+                self.pages,
+                self.ledger,
+                on_event=self._on_event,
+                on_drop=self._demote if self.host is not None else None,
+            )
         self.checks = debug.check_invariants
-        self.label_violations: list[Violation] = []      # found while processing (checks on)
+        self.label_violations: list[Violation] = []  # found while processing (checks on)
         self.record_published = debug.state_oracle_sample > 0
         self.published: list[tuple[int, list[int]]] = []  # (slot, path tokens), for the oracle
         self.tracker = CheckpointTracker(self, cache, debug, random.Random(seed))
-        self._deferred_pages: list[tuple[int, list[int]]] = []   # (free after batch id, pages)
+        self._deferred_pages: list[tuple[int, list[int]]] = []  # (free after batch id, pages)
         self._deferred_releases: list[tuple[Request, bool]] = []  # (request, finished)
         self._inflight: set[int] = set()
 
@@ -156,13 +169,17 @@ class CacheManager:
         live = self.alloc_slot(RequestOwner(req.handle, SlotRole.LIVE), evict=True)
         if live is None and match is not None and match.depth > 0:
             self.tree.unlock(match.node)  # type: ignore[union-attr]
-            match = match._replace(node=self.tree.root, depth=0, page_ids=[],  # type: ignore[union-attr]
-                                   checkpoint=None)
+            match = match._replace(
+                node=self.tree.root,
+                depth=0,
+                page_ids=[],  # type: ignore[union-attr]
+                checkpoint=None,
+            )
             live = self.alloc_slot(RequestOwner(req.handle, SlotRole.LIVE), evict=True)
         if live is None:
             return False
         req.mamba_slot = live
-        req.page_epoch += 1                     # its pages are set anew below
+        req.page_epoch += 1  # its pages are set anew below
         req.cache = RequestCacheState()
         first_lookup = not req.lookup_counted
         promotion = self._plan_promotion(req, match)
@@ -176,7 +193,7 @@ class CacheManager:
             assert self.promotions is not None
             req.page_ids.extend(promotion.page_ids)
             if self.promotions.start(req, promotion, first_lookup).job.done():
-                self.poll_transfers()           # a synchronous copy: the request runs this step
+                self.poll_transfers()  # a synchronous copy: the request runs this step
         return True
 
     def _write_through(self, match: MatchResult) -> None:
@@ -204,7 +221,7 @@ class CacheManager:
         return max(device, self.host.peek(usable).depth) if self.host is not None else device
 
     def _match(self, req: Request) -> MatchResult | None:
-        limit = req.max_cached_prefix        # prompt logprobs still missing cap the hit
+        limit = req.max_cached_prefix  # prompt logprobs still missing cap the hit
         if self.tree is None or req.page_ids or limit <= 0:
             return None
         return self.tree.match(req.all_token_ids[:limit])
@@ -251,18 +268,21 @@ class CacheManager:
         assert host is not None and host.storage is not None
         self.stats.inc("hybridserve_tier_promotions_total", label="promoted" if ok else "failed")
         if ok:
-            self.stats.inc("hybridserve_tier_bytes_total",
-                           host.storage.nbytes(len(p.slots), len(plan.page_ids)), label="host_to_device")
+            self.stats.inc(
+                "hybridserve_tier_bytes_total",
+                host.storage.nbytes(len(p.slots), len(plan.page_ids)),
+                label="host_to_device",
+            )
             host.from_store.discard(plan.host_node.node_id)
         if p.first_lookup:
             self._count_hit(req, plan.depth if ok else plan.from_depth, plan.origin if ok else "device")
         if not ok or req.mamba_slot is None or req.is_finished:
-            return                              # recomputes from its device hit / is released next
+            return  # recomputes from its device hit / is released next
         c = req.cache
         req.num_computed_tokens = plan.depth
-        c.cow_src = None                        # the live slot holds H(depth) already
+        c.cow_src = None  # the live slot holds H(depth) already
         c.targets = [t for t in c.targets if t > plan.depth]
-        if c.keep_slot in p.slots:              # publish the promoted checkpoint on the device
+        if c.keep_slot in p.slots:  # publish the promoted checkpoint on the device
             c.keep_depth, c.keep_phase, c.keep_batch = plan.depth, "prefill", plan.transfer_id
             self.tracker.donate(req, finished=False)
 
@@ -287,8 +307,10 @@ class CacheManager:
         for src, dst in plan.cow:
             content = self.ledger.content_of(src)
             if content is None or content.depth != starts[dst]:
-                self.report("I4", f"copy of slot {src} ({content}) into live slot {dst} for a "
-                                  f"sequence starting at {starts[dst]}")
+                self.report(
+                    "I4",
+                    f"copy of slot {src} ({content}) into live slot {dst} for a sequence starting at {starts[dst]}",
+                )
 
     def complete_step(self, batch: ScheduledBatch, plan: StepPlan, writes: Sequence[StateWrite]) -> None:
         """The batch's result is in: contents recorded, writers cleared, labels updated (no
@@ -315,7 +337,7 @@ class CacheManager:
     def donate_unfinished(self, batch: ScheduledBatch) -> None:
         for seq in batch.seqs:
             req = seq.request
-            if req.cache.keep_depth is not None and not req.is_finished:   # something to publish
+            if req.cache.keep_depth is not None and not req.is_finished:  # something to publish
                 self.tracker.donate(req, finished=False)
 
     def _release_deferred(self) -> None:
@@ -339,7 +361,7 @@ class CacheManager:
             return
         if finished and self.tree is not None:
             self.tracker.donate(req, finished=True)
-        self.free_pages(req.page_ids[req.cache.num_tree_pages:], self.reader_of(req))
+        self.free_pages(req.page_ids[req.cache.num_tree_pages :], self.reader_of(req))
         req.page_ids = []
         req.page_epoch += 1
         self.ledger.free_request(req.handle)

@@ -32,6 +32,7 @@ the ledger's content record of the slot, which holds what the runner reported it
 (``StateWrite``) when the batch's result was processed; a slot that another in-flight
 batch will still write gets no label until that batch is processed too.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,8 +75,8 @@ class TrackWrite:
     request: Request
     slot: int
     depth: int
-    phase: str          # "prefill" | "decode"
-    inplace: bool       # lazy fallback: written into the keep slot itself
+    phase: str  # "prefill" | "decode"
+    inplace: bool  # lazy fallback: written into the keep slot itself
     batch_id: int
 
 
@@ -84,7 +85,7 @@ class StepPlan:
     """Everything a launched batch will write besides KV, frozen at launch."""
 
     batch: ScheduledBatch
-    cow: tuple[tuple[int, int], ...]          # (tree checkpoint slot, live slot) copies
+    cow: tuple[tuple[int, int], ...]  # (tree checkpoint slot, live slot) copies
     tracks: tuple[TrackWrite, ...]
     by_seq: dict[int, TrackWrite] = field(init=False, repr=False, compare=False)
 
@@ -104,8 +105,7 @@ class StepPlan:
 
 
 class CheckpointTracker:
-    def __init__(self, manager: TrackerHost, cache: CacheConfig, debug: DebugConfig,
-                 rng: random.Random) -> None:
+    def __init__(self, manager: TrackerHost, cache: CacheConfig, debug: DebugConfig, rng: random.Random) -> None:
         self.m = manager
         self.page_size = cache.page_size
         self.strategy = cache.mamba_strategy if manager.tree is not None else None
@@ -127,8 +127,13 @@ class CheckpointTracker:
         ps, c = self.page_size, req.cache
         last_reachable = ((req.num_tokens - 1) // ps) * ps
         grid_below = self.prefill_grid_target(last_reachable, resume_depth)
-        c.targets = sorted({t for t in (kv_depth, grid_below, last_reachable, self.output_target(req))
-                            if t > req.num_computed_tokens and t >= ps})
+        c.targets = sorted(
+            {
+                t
+                for t in (kv_depth, grid_below, last_reachable, self.output_target(req))
+                if t > req.num_computed_tokens and t >= ps
+            }
+        )
         c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
         if self.strategy == "extra_buffer":
             c.next_slot = self._alloc(req, SlotRole.PENDING, evict=True)
@@ -179,7 +184,7 @@ class CheckpointTracker:
             c.pending_slot = self._alloc(req, SlotRole.PENDING, evict=False)
         second = c.next_slot if self.strategy == "extra_buffer" else c.pending_slot
         if second is None and c.keep_slot is None:
-            return True                         # nowhere to write: the checkpoint is skipped anyway
+            return True  # nowhere to write: the checkpoint is skipped anyway
         return self._idle(second) or self._idle_keep(req)
 
     def _idle(self, slot: int | None) -> bool:
@@ -244,14 +249,15 @@ class CheckpointTracker:
                 if c.pending_slot is None:
                     self.m.stats.inc("hybridserve_mamba_pending_alloc_failures_total")
             second = c.pending_slot
-            if c.keep_slot is None and not self._idle(second):   # given up at the last publication
+            if c.keep_slot is None and not self._idle(second):  # given up at the last publication
                 # Only a prompt checkpoint may evict another for its slot: a decode one
                 # saves the next turn at most the answer, less than what it would evict.
                 c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=phase == "prefill")
         if self._idle(second):
             return second, False  # type: ignore[return-value]
-        if self._idle_keep(req) or (second is None and c.keep_slot is not None and
-                                    (reuse_busy or self._idle(c.keep_slot))):
+        if self._idle_keep(req) or (
+            second is None and c.keep_slot is not None and (reuse_busy or self._idle(c.keep_slot))
+        ):
             self.m.stats.inc("hybridserve_mamba_inplace_track_writes_total")
             return c.keep_slot, True  # type: ignore[return-value]
         return (second, False) if second is not None and reuse_busy else None
@@ -269,9 +275,10 @@ class CheckpointTracker:
             depth = written.get((w.seq_index, w.slot))
             if depth is None:
                 continue
-            if depth != w.depth:                # a runner bug: the slot is never published
-                self.m.report("I4", f"batch {w.batch_id} planned H({w.depth}) into slot {w.slot}; "
-                                    f"the runner wrote H({depth})")
+            if depth != w.depth:  # a runner bug: the slot is never published
+                self.m.report(
+                    "I4", f"batch {w.batch_id} planned H({w.depth}) into slot {w.slot}; the runner wrote H({depth})"
+                )
                 if w.slot == w.request.cache.keep_slot:
                     w.request.cache.keep_depth = None
                 continue
@@ -279,10 +286,10 @@ class CheckpointTracker:
 
     def _label(self, w: TrackWrite, depth: int) -> None:
         req, c, ledger = w.request, w.request.cache, self.m.ledger
-        if req.mamba_slot is None:              # released meanwhile; its slots are gone
+        if req.mamba_slot is None:  # released meanwhile; its slots are gone
             return
-        if req.is_finished:                     # this batch's tokens for it are discarded
-            if w.slot == c.keep_slot:           # ...and it overwrote the keep slot's state
+        if req.is_finished:  # this batch's tokens for it are discarded
+            if w.slot == c.keep_slot:  # ...and it overwrote the keep slot's state
                 c.keep_depth = None
             return
         owner = ledger.owner_of(w.slot)
@@ -296,8 +303,10 @@ class CheckpointTracker:
             # A later in-flight batch writes this slot too (the same-slot fallback, or a
             # verify writing in place into keep): its content is not final, so this
             # checkpoint cannot be published; that batch's result labels the slot instead.
-            self.m.stats.inc("hybridserve_mamba_donations_skipped_total",
-                             label="prefill_unfinished" if w.phase == "prefill" else "decode")
+            self.m.stats.inc(
+                "hybridserve_mamba_donations_skipped_total",
+                label="prefill_unfinished" if w.phase == "prefill" else "decode",
+            )
             if w.slot == c.keep_slot:
                 c.keep_depth = None
             return
@@ -324,7 +333,7 @@ class CheckpointTracker:
         if old_keep is not None:
             if ledger.may_move(old_keep):
                 ledger.free(old_keep)
-            else:                               # an in-flight batch still writes it: reuse later
+            else:  # an in-flight batch still writes it: reuse later
                 c.pending_slot = old_keep
                 ledger.relabel(old_keep, SlotRole.PENDING)
 
@@ -346,8 +355,11 @@ class CheckpointTracker:
         c = req.cache
         if c.keep_slot is None or c.keep_depth is None:
             return
-        path = f"{c.keep_phase}_finished" if finished else (
-            "prefill_unfinished" if c.keep_phase == "prefill" else "decode")
+        path = (
+            f"{c.keep_phase}_finished"
+            if finished
+            else ("prefill_unfinished" if c.keep_phase == "prefill" else "decode")
+        )
         if not self.m.ledger.may_move(c.keep_slot):
             self.m.stats.inc("hybridserve_mamba_donations_skipped_total", label=path)
             return
@@ -376,11 +388,12 @@ class CheckpointTracker:
         depth, slot = c.keep_depth, c.keep_slot
         tokens = req.all_token_ids[:depth]
         num_pages = depth // self.page_size
-        result = tree.insert(tokens, req.page_ids[:num_pages],
-                             Checkpoint.for_tokens(slot, tokens, self.page_size, c.keep_batch))
+        result = tree.insert(
+            tokens, req.page_ids[:num_pages], Checkpoint.for_tokens(slot, tokens, self.page_size, c.keep_batch)
+        )
         self.m.free_pages(result.duplicate_page_ids, self.m.reader_of(req))
         req.page_ids[:num_pages] = result.page_ids
-        req.page_epoch += 1                     # the prefix's ids may be the tree's copies now
+        req.page_epoch += 1  # the prefix's ids may be the tree's copies now
         c.num_tree_pages = num_pages
         tree.lock(result.node)
         if c.locked_node is not None:
@@ -391,13 +404,12 @@ class CheckpointTracker:
             stats.inc("hybridserve_mamba_duplicate_inserts_total")
             return
         stats.inc("hybridserve_mamba_donations_total")
-        stats.inc("hybridserve_mamba_checkpoints_inserted_total",
-                  label="finish" if finished else c.keep_phase)
+        stats.inc("hybridserve_mamba_checkpoints_inserted_total", label="finish" if finished else c.keep_phase)
         self.m.on_publish(slot, tokens)
-        if slot == req.mamba_slot:              # the live slot itself was given away
+        if slot == req.mamba_slot:  # the live slot itself was given away
             req.mamba_slot = None
         c.keep_slot = None
-        if not finished and self.strategy == "extra_buffer":    # its two track slots are owned
+        if not finished and self.strategy == "extra_buffer":  # its two track slots are owned
             c.keep_slot = self._alloc(req, SlotRole.KEEP, evict=True)
         # Lazy takes no new keep slot now: one held with nothing to write into starves the
         # admissions of others (3 running with live + keep + their published checkpoint

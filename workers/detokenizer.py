@@ -4,6 +4,7 @@ Byte-level BPE can split one character over several tokens, so text is only rele
 once decoding no longer ends in the replacement character. For streaming, text that
 could still be the start of a stop string is held back until it is decided.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -14,8 +15,13 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = (),
-                 include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        stop: tuple[str, ...] = (),
+        include_stop_str: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tok = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
@@ -39,10 +45,10 @@ class IncrementalDetokenizer:
         a stop string counts only if it ends in text added while stops are checked.
         """
         self._ids.append(token_id)
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._add_text(full[len(prefix):], check_stop)
+            self._add_text(full[len(prefix) :], check_stop)
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
         return self.matched_stop
@@ -55,7 +61,7 @@ class IncrementalDetokenizer:
         if not check_stop:
             return
         best: tuple[int, str] | None = None
-        for s in self.stop:            # a match must end in the new text
+        for s in self.stop:  # a match must end in the new text
             idx = self.text.find(s, max(0, before - len(s) + 1))
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
@@ -68,10 +74,10 @@ class IncrementalDetokenizer:
         """At finish: release any bytes still held for an incomplete character."""
         if self.matched_stop is not None or self._read_offset == len(self._ids):
             return
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix):
-            self._add_text(full[len(prefix):])
+            self._add_text(full[len(prefix) :])
         self._read_offset = len(self._ids)
 
     def stream_delta(self, finished: bool) -> str:
@@ -79,6 +85,6 @@ class IncrementalDetokenizer:
         limit = len(self.text) if finished or self.matched_stop else max(len(self.text) - self._hold, 0)
         if limit <= self._streamed:
             return ""
-        delta = self.text[self._streamed:limit]
+        delta = self.text[self._streamed : limit]
         self._streamed = limit
         return delta

@@ -15,6 +15,7 @@ kind of the spec (``workers/state_spec.py``), ``[layers of the kind, entries, *s
 
 A layer reads its tensors with ``pool.layer(ref)`` (``{tensor name: [entries, *shape]}``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -25,16 +26,20 @@ import torch
 from workers.state_spec import ATTENTION, CacheSpec, StateGroup, StateRef
 
 LayerState = dict[str, torch.Tensor]
-MAX_GPU_PAIR_COPIES = 4        # copy_slots: more pairs on a GPU take one gather and one scatter
-MAX_CPU_PAIR_COPIES = 8        # ... and on a CPU (an op per pair and state tensor otherwise)
+MAX_GPU_PAIR_COPIES = 4  # copy_slots: more pairs on a GPU take one gather and one scatter
+MAX_CPU_PAIR_COPIES = 8  # ... and on a CPU (an op per pair and state tensor otherwise)
 
 
-def _allocate(groups: tuple[StateGroup, ...], num_entries: int, dtype: torch.dtype,
-              device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
-    return {g.kind.name: {t.name: torch.zeros((g.num_layers, num_entries, *t.shape),
-                                              dtype=t.torch_dtype(dtype), device=device)
-                          for t in g.kind.tensors}
-            for g in groups}
+def _allocate(
+    groups: tuple[StateGroup, ...], num_entries: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        g.kind.name: {
+            t.name: torch.zeros((g.num_layers, num_entries, *t.shape), dtype=t.torch_dtype(dtype), device=device)
+            for t in g.kind.tensors
+        }
+        for g in groups
+    }
 
 
 class _GroupedPool:
@@ -57,8 +62,9 @@ class _GroupedPool:
 
 
 class KVPool(_GroupedPool):
-    def __init__(self, spec: CacheSpec, num_pages: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, spec: CacheSpec, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.groups = _allocate(spec.paged_groups, num_pages * page_size, dtype, device)
         self.num_pages = num_pages
         self.page_size = page_size
@@ -77,8 +83,7 @@ class KVPool(_GroupedPool):
 class MambaPool(_GroupedPool):
     """The slot pool (every recurrent state kind; named for the Mamba checkpoints it holds)."""
 
-    def __init__(self, spec: CacheSpec, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, spec: CacheSpec, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         self.groups = _allocate(spec.slot_groups, num_slots, dtype, device)
         self.num_slots = num_slots
         self.dtype = dtype
@@ -98,8 +103,9 @@ class MambaPool(_GroupedPool):
         device = next(self.tensors()).device
         most = MAX_GPU_PAIR_COPIES if device.type != "cpu" else MAX_CPU_PAIR_COPIES
         if len(set(src) | set(dst)) < len(src) + len(dst) or len(src) > most:
-            self.copy_slot(torch.tensor(src, dtype=torch.int64, device=device),
-                           torch.tensor(dst, dtype=torch.int64, device=device))
+            self.copy_slot(
+                torch.tensor(src, dtype=torch.int64, device=device), torch.tensor(dst, dtype=torch.int64, device=device)
+            )
             return
         for t in self.tensors():
             for a, b in zip(src, dst):
@@ -122,8 +128,8 @@ class DevicePools:
     mamba: MambaPool
 
 
-def build_pools(spec: CacheSpec, num_pages: int, page_size: int, num_slots: int,
-                dtype: torch.dtype, device: torch.device) -> DevicePools:
+def build_pools(
+    spec: CacheSpec, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype, device: torch.device
+) -> DevicePools:
     """Both pools for ``spec``; tensors whose ``TensorSpec.dtype`` is None take ``dtype``."""
-    return DevicePools(KVPool(spec, num_pages, page_size, dtype, device),
-                       MambaPool(spec, num_slots, dtype, device))
+    return DevicePools(KVPool(spec, num_pages, page_size, dtype, device), MambaPool(spec, num_slots, dtype, device))

@@ -6,6 +6,7 @@ token ids (tokenization happens at the edge) and returns token-id deltas
 Bad input raises ValueError naming the values; nothing is allocated for a rejected
 request.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,6 +23,7 @@ from workers.cache_manager import CacheManager
 from workers.compiled import build_compiled
 from workers.device_pools import build_pools
 from workers.engine_outputs import EngineOutputs
+from workers.engine_store import StoreEndpoints
 from workers.forward_thread import StepFuture
 from workers.host_memory import retain_freed_memory
 from workers.loader import LoadedModel, load_model, load_tokenizer
@@ -41,7 +43,7 @@ from workers.state_spec import ATTENTION
 from workers.stats import EngineStats
 from workers.step_failure import LaunchedStep, StepFailed, recover_failed_step
 from workers.tiers.host_pools import HostPools
-from workers.tiers.payload import CheckpointPayload, model_fingerprint
+from workers.tiers.payload import model_fingerprint
 from workers.tiers.storage import TensorTierStorage
 
 logger = logging.getLogger(__name__)
@@ -59,21 +61,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-class Engine:
-    supports_tensor_parallel = False      # the TP engine (workers/tp) overrides the hooks
+class Engine(StoreEndpoints):
+    supports_tensor_parallel = False  # the TP engine (workers/tp) overrides the hooks
 
     def __init__(self, config: HybridServeConfig, tokenizer=None) -> None:
         if config.parallel.tensor_parallel_size > 1 and not self.supports_tensor_parallel:
             raise ValueError(
                 f"parallel.tensor_parallel_size={config.parallel.tensor_parallel_size} needs the "
-                "TP engine: use workers.LLM, workers.tp.build_local_engine or the cluster")
+                "TP engine: use workers.LLM, workers.tp.build_local_engine or the cluster"
+            )
         if config.parallel.tensor_parallel_size > 1 and config.debug.state_oracle_sample > 0:
-            raise ValueError(f"debug.state_oracle_sample={config.debug.state_oracle_sample} needs "
-                             f"parallel.tensor_parallel_size=1, got {config.parallel.tensor_parallel_size}")
+            raise ValueError(
+                f"debug.state_oracle_sample={config.debug.state_oracle_sample} needs "
+                f"parallel.tensor_parallel_size=1, got {config.parallel.tensor_parallel_size}"
+            )
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            retain_freed_memory()          # forwards off the main thread (workers/host_memory.py)
+            retain_freed_memory()  # forwards off the main thread (workers/host_memory.py)
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model_dir())
         if not (model_dir / "config.json").exists():
@@ -92,17 +97,31 @@ class Engine:
         self.grammar_wait = GrammarWaitlist(self.grammar_compiler)
         self.runner = self._build_runner()
         self._attach_tiers()
-        self.outputs = EngineOutputs(self.stats, self.max_model_len, release=self.scheduler.release,
-                                     on_finish=lambda r: self.runner.drop_request(r))
-        self._launched: deque[LaunchedStep] = deque()   # launched, not yet fully processed
-        self.oracle = (StateOracle(self.model, self.pools, config.cache.page_size, self.device, self.dtype,
-                                   config.debug.state_oracle_sample, config.seed)
-                       if config.debug.state_oracle_sample > 0 else None)
+        self.outputs = EngineOutputs(
+            self.stats,
+            self.max_model_len,
+            release=self.scheduler.release,
+            on_finish=lambda r: self.runner.drop_request(r),
+        )
+        self._launched: deque[LaunchedStep] = deque()  # launched, not yet fully processed
+        self.oracle = (
+            StateOracle(
+                self.model,
+                self.pools,
+                config.cache.page_size,
+                self.device,
+                self.dtype,
+                config.debug.state_oracle_sample,
+                config.seed,
+            )
+            if config.debug.state_oracle_sample > 0
+            else None
+        )
         self._oracle_checks: list[StepFuture[bool]] = []
         self._next_handle = 1
         self._gauge_steps = 0
         self.num_overlapped_launches = 0
-        self.raise_on_violation = False   # tests turn this on: violations raise, not just count
+        self.raise_on_violation = False  # tests turn this on: violations raise, not just count
 
     def _load_model(self, model_dir: Path) -> LoadedModel:
         """Hook: load the checkpoint (a TP engine shards it here, before the pools)."""
@@ -110,13 +129,19 @@ class Engine:
 
     def _build_runner(self) -> ModelRunner:
         """Hook: the model runner (a TP engine's also ships each step to the other ranks)."""
-        return ModelRunner(self.model, self.pools, self.config.cache.page_size,
-                           self.device, self.generators, overlap=self.lag > 0,
-                           scratch_base=self.slot_ledger.num_slots, drafter=self.drafter,
-                           grammar_compiler=self.grammar_compiler,
-                           compiled=build_compiled(self.config, self.model, self.pools, self.device,
-                                                   self.max_model_len, self.drafter),
-                           max_pages=self.max_pages_per_request())
+        return ModelRunner(
+            self.model,
+            self.pools,
+            self.config.cache.page_size,
+            self.device,
+            self.generators,
+            overlap=self.lag > 0,
+            scratch_base=self.slot_ledger.num_slots,
+            drafter=self.drafter,
+            grammar_compiler=self.grammar_compiler,
+            compiled=build_compiled(self.config, self.model, self.pools, self.device, self.max_model_len, self.drafter),
+            max_pages=self.max_pages_per_request(),
+        )
 
     def max_pages_per_request(self) -> int:
         """Pages a running request may hold: its context, a verify past it and the drafts."""
@@ -158,27 +183,35 @@ class Engine:
         num_target_kv = spec.num_layers(ATTENTION)
         mtp_layers = num_mtp_kv_layers(self.config.spec, self.model)
         pool_spec = spec.with_layers(ATTENTION, num_target_kv + mtp_layers) if num_target_kv else spec
-        self.pools = build_pools(pool_spec, sizes.num_pages, page_size, sizes.num_slots + num_scratch,
-                                 self.dtype, self.device)
-        self.cache = CacheManager(self.config.cache, self.config.debug, sizes.num_pages,
-                                  sizes.num_slots, self.stats, seed=self.config.seed)
+        self.pools = build_pools(
+            pool_spec, sizes.num_pages, page_size, sizes.num_slots + num_scratch, self.dtype, self.device
+        )
+        self.cache = CacheManager(
+            self.config.cache, self.config.debug, sizes.num_pages, sizes.num_slots, self.stats, seed=self.config.seed
+        )
         self.page_allocator = self.cache.pages
         self.slot_ledger = self.cache.ledger
         self.scheduler = Scheduler(self.config.scheduler, self.cache, self.max_model_len, k)
-        self.drafter = build_drafter(self.config, self.model, self.pools, num_target_kv,
-                                     self.max_model_len, self.device)
+        self.drafter = build_drafter(
+            self.config, self.model, self.pools, num_target_kv, self.max_model_len, self.device
+        )
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._validate(request_id, prompt_token_ids)
         check_params(params, self.vocab_size)
-        req = Request(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic(),
-                      handle=self._next_handle, eos_token_id=self.eos_token_id,
-                      sampling=request_sampling(params, self.eos_token_id, self.tokenizer))
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            arrival_time=time.monotonic(),
+            handle=self._next_handle,
+            eos_token_id=self.eos_token_id,
+            sampling=request_sampling(params, self.eos_token_id, self.tokenizer),
+        )
         self._next_handle += 1
         self.outputs.add(req)
-        if not self.grammar_wait.hold(req):       # a grammar still compiling: admitted later
+        if not self.grammar_wait.hold(req):  # a grammar still compiling: admitted later
             self.scheduler.add(req)
 
     def _admit_compiled(self) -> list[EngineOutput]:
@@ -187,8 +220,12 @@ class Engine:
             self.scheduler.add(req)
         outputs = []
         for req, exc in failed:
-            logger.error("request %s: its grammar %s did not compile: %s", req.request_id,
-                         req.params.structured_output.describe(), exc)
+            logger.error(
+                "request %s: its grammar %s did not compile: %s",
+                req.request_id,
+                req.params.structured_output.describe(),
+                exc,
+            )
             self.outputs.finish(req, FinishReason.ABORT)
             outputs.append(self.outputs.output(req, [], None))
         return outputs
@@ -205,7 +242,8 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens; the maximum context length is "
-                f"{self.max_model_len}, leaving no room to generate")
+                f"{self.max_model_len}, leaving no room to generate"
+            )
         wrong = [t for t in prompt if type(t) is not int]
         if wrong:
             raise ValueError(f"prompt token ids must be ints, got {wrong[:5]!r}")
@@ -229,8 +267,13 @@ class Engine:
         return self.outputs.output(req, [], None)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or bool(self._launched) or bool(self._oracle_checks)
-                or len(self.grammar_wait) > 0 or self.cache.has_transfers())
+        return (
+            self.scheduler.has_work()
+            or bool(self._launched)
+            or bool(self._oracle_checks)
+            or len(self.grammar_wait) > 0
+            or self.cache.has_transfers()
+        )
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -269,12 +312,12 @@ class Engine:
         if launched is None and not had_previous and self.scheduler.has_work():
             if not self.cache.has_transfers():
                 raise RuntimeError(self._stuck_message())
-            self.cache.poll_transfers(wait=True)   # only copies in flight: wait for the oldest
-        if launched is not None and had_previous:   # N+1 launched before N's result is processed
+            self.cache.poll_transfers(wait=True)  # only copies in flight: wait for the oldest
+        if launched is not None and had_previous:  # N+1 launched before N's result is processed
             self.num_overlapped_launches += 1
             self.stats.inc("hybridserve_overlapped_steps_total")
         keep = self.lag if launched is not None else 0
-        while len(self._launched) > keep:          # oldest first; the lag leaves one in flight
+        while len(self._launched) > keep:  # oldest first; the lag leaves one in flight
             outputs += self._process(self._launched[0])
             self._launched.popleft()
         return outputs
@@ -312,7 +355,7 @@ class Engine:
         batch, plan = step.batch, step.plan
         assert plan is not None and step.future is not None
         result: StepResult = step.future.result()
-        self.runner.wait_started()     # overlap: the next step's forward first (ModelRunner.wait_started)
+        self.runner.wait_started()  # overlap: the next step's forward first (ModelRunner.wait_started)
         self.stats.observe("hybridserve_step_duration_seconds", result.forward_seconds)
         self.stats.inc("hybridserve_forward_tokens_total", batch.num_tokens)
         self.stats.inc("hybridserve_engine_steps_total", label="compiled" if result.compiled else "eager")
@@ -326,7 +369,7 @@ class Engine:
         self.cache.complete_step(batch, plan, result.writes)
         step.completed = True
         self.scheduler.on_complete(batch, rows_committed)
-        for b, first, entries in result.prompt_logprobs:     # before the outputs that carry them
+        for b, first, entries in result.prompt_logprobs:  # before the outputs that carry them
             self.outputs.add_prompt_logprobs(batch.seqs[b].request, first, entries)
         outputs = []
         drafted = accepted = generated = 0
@@ -335,7 +378,7 @@ class Engine:
             if seq.is_verify:
                 drafted += seq.num_draft_tokens
                 accepted += rows_committed[i] - 1
-            if not req.is_finished:          # finished while this batch was in flight: discard
+            if not req.is_finished:  # finished while this batch was in flight: discard
                 out = self.outputs.append(req, result.token_ids[n], result.logprobs[n])
                 generated += len(out.new_token_ids)
                 outputs.append(out)
@@ -344,7 +387,7 @@ class Engine:
             self.stats.inc("hybridserve_spec_draft_tokens_total", drafted)
             self.stats.inc("hybridserve_spec_accepted_tokens_total", accepted)
         for seq in batch.seqs:
-            if not seq.request.prompt_counted:      # once per request, cache hit or not
+            if not seq.request.prompt_counted:  # once per request, cache hit or not
                 seq.request.prompt_counted = True
                 self.stats.inc("hybridserve_prompt_tokens_total", seq.request.num_prompt_tokens)
         self.cache.donate_unfinished(batch)
@@ -355,8 +398,10 @@ class Engine:
         request that fits the pools alone always finishes), reported instead of a hang."""
         s = self.scheduler
         running = [(r.request_id, r.num_computed_tokens, len(r.page_ids)) for r in s.running]
-        return (f"engine made no progress: {len(s.running)} running, {len(s.waiting)} waiting, "
-                f"pools {self.pool_counts()}, running {running}")
+        return (
+            f"engine made no progress: {len(s.running)} running, {len(s.waiting)} waiting, "
+            f"pools {self.pool_counts()}, running {running}"
+        )
 
     def _check_invariants(self) -> None:
         violations = self.check_invariants()
@@ -364,8 +409,9 @@ class Engine:
         for v in violations:
             self.stats.inc("hybridserve_invariant_violations_total", label=v.invariant)
         if violations and self.raise_on_violation:
-            raise AssertionError("invariant violations: " + "; ".join(f"{v.invariant}: {v.message}"
-                                                                      for v in violations))
+            raise AssertionError(
+                "invariant violations: " + "; ".join(f"{v.invariant}: {v.message}" for v in violations)
+            )
 
     def check_invariants(self) -> list[Violation]:
         return self.cache.check_invariants(self.scheduler.running)
@@ -386,56 +432,3 @@ class Engine:
     def check_workers(self) -> None:
         """Raise when the engine can no longer step (the replica's health check). One
         process: nothing beside this thread to check (``TPEngine`` checks its ranks)."""
-
-    # -- the cluster store (cluster/store drives these on the engine thread) --------------------
-    def local_depth(self, token_ids: list[int]) -> int:
-        """The deepest checkpoint this engine holds (device or host) usable for a prompt."""
-        usable = token_ids[: len(token_ids) - 1]
-        tree, host = self.cache.tree, self.cache.host
-        device = tree.peek(usable).depth if tree is not None else 0
-        return max(device, host.peek(usable).depth if host is not None else 0)
-
-    def import_checkpoint(self, payload: CheckpointPayload, expected_hash: bytes | None = None) -> str:
-        """Validate a checkpoint fetched from the store and place it in the host tier, where
-        admission promotes it: ``imported``, ``present``, ``host_full`` or ``invalid``."""
-        host = self.cache.host
-        if host is None:
-            raise ValueError("import_checkpoint needs the host tier (cache.host_mamba_slots > 0)")
-        if expected_hash is not None and getattr(payload, "prefix_hash", None) != expected_hash:
-            return "invalid"
-        return host.import_payload(payload, self.fingerprint)
-
-    def export_store_commits(self) -> list[CheckpointPayload]:
-        """Copies of the checkpoints demoted since the last call that the host still holds."""
-        host = self.cache.host
-        if host is None:
-            return []
-        out = [host.export(tokens, self.fingerprint) for tokens in host.take_commits()]
-        return [p for p in out if p is not None]
-
-    def pool_counts(self) -> dict[str, int]:
-        tree, host = self.cache.tree, self.cache.host
-        counts = {"kv_pages_free": self.page_allocator.num_free,
-                  "kv_pages_usable": self.page_allocator.num_usable,
-                  "kv_pages_cached": tree.num_cached_pages if tree else 0,
-                  "mamba_slots_free": self.slot_ledger.num_free,
-                  "mamba_slots_usable": self.slot_ledger.num_usable,
-                  "mamba_slots_cached": self.slot_ledger.num_tree_owned}
-        if host is not None:
-            counts.update(host_pages_free=host.pages.num_free, host_pages_usable=host.pages.num_usable,
-                          host_slots_free=host.ledger.num_free, host_slots_usable=host.ledger.num_usable)
-        return counts
-
-    def _update_gauges(self) -> None:
-        g = self.stats.gauges
-        g["hybridserve_num_running_requests"] = len(self.scheduler.running)
-        g["hybridserve_num_waiting_requests"] = len(self.scheduler.waiting)
-        g["hybridserve_kv_pool_usage_ratio"] = self.page_allocator.usage_ratio()
-        g["hybridserve_mamba_pool_usage_ratio"] = self.slot_ledger.usage_ratio()
-        host = self.cache.host
-        if host is not None:
-            g["hybridserve_host_mamba_slots_used"] = host.ledger.num_tree_owned
-            g["hybridserve_host_kv_tokens_used"] = host.tree.num_cached_pages * host.page_size
-            self._gauge_steps += 1
-            if self._gauge_steps % 16 == 1:           # a walk of the host tree: not every step
-                g["hybridserve_host_kv_dead_tokens"] = host.dead_tokens()

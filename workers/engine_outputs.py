@@ -5,6 +5,7 @@ Pure Python over Request objects; the engine calls it once per processed batch, 
 tokens) per request. Text -- detokenization and stop strings -- is the front-end's
 (``workers.output_processor``); a stop string it finds comes back as ``Engine.stop``.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,13 @@ from workers.stats import EngineStats
 
 
 class EngineOutputs:
-    def __init__(self, stats: EngineStats, max_model_len: int,
-                 release: Callable[[Request, bool], None], on_finish: Callable[[Request], None]) -> None:
+    def __init__(
+        self,
+        stats: EngineStats,
+        max_model_len: int,
+        release: Callable[[Request, bool], None],
+        on_finish: Callable[[Request], None],
+    ) -> None:
         self.stats = stats
         self.max_model_len = max_model_len
         self._release = release
@@ -27,13 +33,12 @@ class EngineOutputs:
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
 
-    def append(self, req: Request, token_ids: list[int],
-               logprobs: list[TokenLogprob | None]) -> EngineOutput:
+    def append(self, req: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> EngineOutput:
         """Append tokens (several for an accepted speculation) until one finishes the request."""
         if req.first_token_time is None:
             now = req.first_token_time = time.monotonic()
             self.stats.observe("hybridserve_time_to_first_token_seconds", now - req.arrival_time)
-        if req.params.max_tokens == 0:        # prefill only: the token sampled after the prompt is dropped
+        if req.params.max_tokens == 0:  # prefill only: the token sampled after the prompt is dropped
             self.finish(req, FinishReason.LENGTH)
             return self.output(req, [], None)
         p, out = req.params, req.output_token_ids
@@ -57,7 +62,7 @@ class EngineOutputs:
             return
         have = len(req.prompt_logprobs)
         assert first <= have, f"{req.request_id}: prompt logprobs from {first}, only {have} held"
-        req.prompt_logprobs.extend(entries[have - first:])
+        req.prompt_logprobs.extend(entries[have - first :])
 
     @staticmethod
     def _check_stop(req: Request, token_id: int) -> FinishReason:
@@ -84,8 +89,7 @@ class EngineOutputs:
             tpot = (req.finished_time - req.first_token_time) / (req.num_output_tokens - 1)
             self.stats.observe("hybridserve_time_per_output_token_seconds", tpot)
 
-    def output(self, req: Request, new_ids: list[int],
-               new_logprobs: list[TokenLogprob] | None) -> EngineOutput:
+    def output(self, req: Request, new_ids: list[int], new_logprobs: list[TokenLogprob] | None) -> EngineOutput:
         """The request's news; its prompt logprobs ride on the first output (``prompt_sent``)."""
         finished = req.is_finished
         prompt = None
@@ -94,7 +98,13 @@ class EngineOutputs:
             prompt = req.prompt_logprobs
         if finished:
             self.requests.pop(req.request_id, None)
-        return EngineOutput(req.request_id, new_ids, new_logprobs, finished,
-                            req.finish_reason.value if req.finish_reason else None,
-                            req.stop_reason if isinstance(req.stop_reason, int) else None,
-                            req.num_cached_tokens, prompt)
+        return EngineOutput(
+            req.request_id,
+            new_ids,
+            new_logprobs,
+            finished,
+            req.finish_reason.value if req.finish_reason else None,
+            req.stop_reason if isinstance(req.stop_reason, int) else None,
+            req.num_cached_tokens,
+            prompt,
+        )

@@ -7,6 +7,7 @@ or a decode (one token); both kinds mix freely in one batch.
 
 Shapes use one vocabulary: B sequences, T new tokens, S pool slots / KV locations.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,19 +18,29 @@ import torch
 from kernels.recurrent_batch import RecurrentBatch
 
 
-def is_decode_only(num_new_tokens: Sequence[int], has_initial_state: Sequence[bool],
-                   state_dst_slots: Sequence[int] | None) -> bool:
+def is_decode_only(
+    num_new_tokens: Sequence[int], has_initial_state: Sequence[bool], state_dst_slots: Sequence[int] | None
+) -> bool:
     """The ``ForwardBatch.decode_only`` rule, on the host lists a builder holds."""
-    return (len(num_new_tokens) > 0 and all(n == 1 for n in num_new_tokens)
-            and all(has_initial_state)
-            and (state_dst_slots is None or not any(state_dst_slots)))
+    return (
+        len(num_new_tokens) > 0
+        and all(n == 1 for n in num_new_tokens)
+        and all(has_initial_state)
+        and (state_dst_slots is None or not any(state_dst_slots))
+    )
 
 
-def uniform_snapshot_len(num_new_tokens: Sequence[int], has_initial_state: Sequence[bool],
-                         state_dst_slots: Sequence[int] | None) -> int:
+def uniform_snapshot_len(
+    num_new_tokens: Sequence[int], has_initial_state: Sequence[bool], state_dst_slots: Sequence[int] | None
+) -> int:
     """The ``ForwardBatch.verify_len`` rule, on the host lists a builder holds."""
-    if (not num_new_tokens or len(set(num_new_tokens)) != 1 or not all(has_initial_state)
-            or state_dst_slots is None or not all(state_dst_slots)):
+    if (
+        not num_new_tokens
+        or len(set(num_new_tokens)) != 1
+        or not all(has_initial_state)
+        or state_dst_slots is None
+        or not all(state_dst_slots)
+    ):
         return 0
     return num_new_tokens[0]
 
@@ -66,15 +77,15 @@ class ForwardBatch:
       decode-only batch) and the uniform length (1 if ``decode_only``, else ``verify_len``).
     """
 
-    input_ids: torch.Tensor          # int64 [T]
-    positions: torch.Tensor          # int64 [T]
-    cu_seqlens: torch.Tensor         # int32 [B + 1]
-    seq_lens: torch.Tensor           # int32 [B]
-    out_loc: torch.Tensor            # int64 [T]
-    page_table: torch.Tensor         # int32 [B, max_pages]
-    mamba_slot_ids: torch.Tensor     # int32 [B]
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    cu_seqlens: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    out_loc: torch.Tensor  # int64 [T]
+    page_table: torch.Tensor  # int32 [B, max_pages]
+    mamba_slot_ids: torch.Tensor  # int32 [B]
     has_initial_state: torch.Tensor  # bool  [B]
-    logits_indices: torch.Tensor     # int64 [N]
+    logits_indices: torch.Tensor  # int64 [N]
     page_size: int
     state_dst_slots: torch.Tensor | None = None  # int32 [T]
     decode_only: bool = False
@@ -82,10 +93,17 @@ class ForwardBatch:
     recurrent: RecurrentBatch = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "recurrent", RecurrentBatch(
-            self.cu_seqlens, self.mamba_slot_ids, self.has_initial_state,
-            None if self.decode_only else self.state_dst_slots,
-            1 if self.decode_only else self.verify_len))
+        object.__setattr__(
+            self,
+            "recurrent",
+            RecurrentBatch(
+                self.cu_seqlens,
+                self.mamba_slot_ids,
+                self.has_initial_state,
+                None if self.decode_only else self.state_dst_slots,
+                1 if self.decode_only else self.verify_len,
+            ),
+        )
 
     @property
     def num_seqs(self) -> int:

@@ -7,6 +7,7 @@ shows at small batches. Here completion is one lock, taken at creation and relea
 when the result is in (a waiter takes and returns it), and the queue is the C
 ``queue.SimpleQueue``.
 """
+
 from __future__ import annotations
 
 import queue
@@ -28,7 +29,7 @@ class Signal:
         self._set = False
 
     def set(self) -> None:
-        if not self._set:                 # set only on one thread (the forward thread)
+        if not self._set:  # set only on one thread (the forward thread)
             self._set = True
             self._lock.release()
 

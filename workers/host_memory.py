@@ -10,6 +10,7 @@ next, which makes the step measurably slower than on the main thread (BENCHMARKS
 once per process: the faults go, at the cost of up to that much freed memory kept per arena.
 A no-op where the C library has no ``mallopt`` (not glibc).
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -8,6 +8,7 @@ counts. A step reads a snapshot of its rows (``table``), so the scheduler thread
 rows while a launched step runs. Rows return when the request finishes (``drop``); a
 preempted request keeps its row, rewritten on readmission. Scheduler thread only.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -60,7 +61,7 @@ class InputBatch:
             raise ValueError(f"{n} pages exceed the input batch's {self.max_pages} per request")
         self.page_table[row, done:n] = pages[done:]
         if done == 0:
-            self.page_table[row, n:max(int(self.num_pages[row]), n)] = 0
+            self.page_table[row, n : max(int(self.num_pages[row]), n)] = 0
         entry[2] = n
         self.num_pages[row] = n
 

@@ -1,4 +1,5 @@
 """The offline Python API, shaped like vLLM's ``LLM`` (DESIGN §4.4)."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,7 @@ class LLM:
     The engine (and, once enabled, its prefix cache) persists across ``generate`` calls.
     """
 
-    def __init__(self, model: str | None = None, config: HybridServeConfig | None = None,
-                 **overrides: Any) -> None:
+    def __init__(self, model: str | None = None, config: HybridServeConfig | None = None, **overrides: Any) -> None:
         if config is None:
             if model is not None:
                 overrides["model"] = model
@@ -29,9 +29,9 @@ class LLM:
         elif model is not None or overrides:
             raise ValueError("pass either config= or model=/overrides, not both")
         self.config = config
-        self.engine: Engine = build_local_engine(config)   # TP > 1: worker ranks as processes
+        self.engine: Engine = build_local_engine(config)  # TP > 1: worker ranks as processes
         self.tokenizer = self.engine.tokenizer
-        self.frontend = OutputProcessor(self.tokenizer)    # text, stop strings: off the engine
+        self.frontend = OutputProcessor(self.tokenizer)  # text, stop strings: off the engine
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -46,8 +46,9 @@ class LLM:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A bad prompt raises ValueError before anything is queued.
@@ -64,8 +65,9 @@ class LLM:
         outputs = self.generate_ids(encoded, plist)
         return [_with_prompt(o, p) for o, p in zip(outputs, prompts)]
 
-    def generate_ids(self, encoded: list[list[int]], plist: list[SamplingParams],
-                     expand_best_of: bool = True) -> list[RequestOutput]:
+    def generate_ids(
+        self, encoded: list[list[int]], plist: list[SamplingParams], expand_best_of: bool = True
+    ) -> list[RequestOutput]:
         """Token-id prompts, one SamplingParams each; all run together, in input order.
 
         ``best_of = b`` runs b sequences for the prompt (seeds ``seed + j`` when seeded)
@@ -73,8 +75,11 @@ class LLM:
         runs each params once (a caller that expanded best_of itself, reporting each
         sequence's ``cumulative_logprob``).
         """
-        copies = [(i, ids, _copy_params(p, j)) for i, (ids, p) in enumerate(zip(encoded, plist))
-                  for j in range((p.best_of or 1) if expand_best_of else 1)]
+        copies = [
+            (i, ids, _copy_params(p, j))
+            for i, (ids, p) in enumerate(zip(encoded, plist))
+            for j in range((p.best_of or 1) if expand_best_of else 1)
+        ]
         order: dict[str, int] = {}
         added: list[str] = []
         try:
@@ -84,8 +89,8 @@ class LLM:
                 order[rid] = n
                 added.append(rid)
             results = self._run(order)
-        except BaseException:                    # bad input, a failed step, an interrupt:
-            for rid in added:                    # nothing of this call stays queued
+        except BaseException:  # bad input, a failed step, an interrupt:
+            for rid in added:  # nothing of this call stays queued
                 self.engine.abort(rid)
                 self.frontend.discard(rid)
             raise
@@ -105,7 +110,7 @@ class LLM:
                 if out.request_id in order:
                     results[order[out.request_id]] = out
                     remaining -= 1
-        while self.engine.has_unfinished():      # the overlap lag leaves one batch in flight
+        while self.engine.has_unfinished():  # the overlap lag leaves one batch in flight
             self.engine.step()
         return results
 
@@ -118,7 +123,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One engine step; the whole outputs of the requests that finished in it."""
         processed = self.frontend.process(self.engine.step())
-        for rid in processed.stop:               # a stop string: the engine ends it too
+        for rid in processed.stop:  # a stop string: the engine ends it too
             self.engine.stop(rid)
         return [self.frontend.final(d.request_id) for d in processed.deltas if d.finished]
 
@@ -127,7 +132,7 @@ class LLM:
         out = self.engine.abort(request_id)
         if request_id not in self.frontend:
             return None
-        if out is None:                          # already ended in the engine (or unknown)
+        if out is None:  # already ended in the engine (or unknown)
             self.frontend.discard(request_id)
             return None
         self.frontend.process([out])

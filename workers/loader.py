@@ -16,6 +16,7 @@ Untrusted checkpoints: nothing in the directory is ever imported or unpickled.
 Tensors are streamed file by file into the model's ``load_weights``, which checks names
 and shapes strictly.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 class LoadedModel(NamedTuple):
     model: HybridForCausalLM
-    hf_config: Any          # the served language model's config (a VL checkpoint's text_config)
+    hf_config: Any  # the served language model's config (a VL checkpoint's text_config)
 
 
 def read_raw_config(model_dir: Path) -> dict[str, Any]:
@@ -53,15 +54,17 @@ def check_raw_config(raw: dict[str, Any]) -> str:
     """Reject what we cannot serve before transformers parses the config; -> architecture."""
     archs = raw.get("architectures") or []
     if len(archs) != 1:
-        raise ValueError(f"config.json must name exactly one architecture, got {archs}; "
-                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    get_model_class(archs[0])       # ValueError listing the supported ones
+        raise ValueError(
+            f"config.json must name exactly one architecture, got {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    get_model_class(archs[0])  # ValueError listing the supported ones
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
         raise ValueError(f"quantized checkpoints are not supported (quant_method={method!r})")
     if raw.get("auto_map"):
-        raise ValueError(f"config.json has auto_map {raw['auto_map']!r} (remote code); "
-                         "hybridserve never runs checkpoint code")
+        raise ValueError(
+            f"config.json has auto_map {raw['auto_map']!r} (remote code); hybridserve never runs checkpoint code"
+        )
     return archs[0]
 
 
@@ -81,15 +84,16 @@ def _indexed_shards(model_dir: Path, index: Path) -> list[Path]:
     names = sorted(set(map(str, weight_map.values())))
     bad = [n for n in names if not n.endswith(".safetensors") or Path(n).name != n]
     if bad:
-        raise ValueError(f"{index} lists shards {bad[:5]} that are not *.safetensors files in "
-                         f"{model_dir}; hybridserve loads nothing else (pickle is never loaded)")
+        raise ValueError(
+            f"{index} lists shards {bad[:5]} that are not *.safetensors files in "
+            f"{model_dir}; hybridserve loads nothing else (pickle is never loaded)"
+        )
     return [model_dir / name for name in names]
 
 
 def pickle_weight_files(model_dir: Path) -> list[str]:
     """Names of pickle-format weight files in ``model_dir`` (never opened)."""
-    return sorted(p.name for p in model_dir.iterdir()
-                  if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
+    return sorted(p.name for p in model_dir.iterdir() if p.is_file() and p.name.endswith(PICKLE_SUFFIXES))
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -101,9 +105,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     else:
         pickles = pickle_weight_files(model_dir)
         if pickles:
-            raise ValueError(f"{model_dir} has only pickle weights ({', '.join(pickles)}); "
-                             "pickle is not loaded (unpickling can run arbitrary code): "
-                             f"convert the checkpoint to {SINGLE_FILE}")
+            raise ValueError(
+                f"{model_dir} has only pickle weights ({', '.join(pickles)}); "
+                "pickle is not loaded (unpickling can run arbitrary code): "
+                f"convert the checkpoint to {SINGLE_FILE}"
+            )
         raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
@@ -134,9 +140,11 @@ def check_tokenizer_config(model_dir: Path) -> None:
     name = raw.get("tokenizer_class")
     cls = tokenizer_class_from_name(name) if isinstance(name, str) and name else None
     if cls is None or not cls.__module__.startswith("transformers."):
-        raise ValueError(f"{path} has auto_map {raw['auto_map']!r} and tokenizer_class {name!r}, "
-                         "which transformers does not ship: the tokenizer needs checkpoint code, "
-                         "and hybridserve never runs checkpoint code")
+        raise ValueError(
+            f"{path} has auto_map {raw['auto_map']!r} and tokenizer_class {name!r}, "
+            "which transformers does not ship: the tokenizer needs checkpoint code, "
+            "and hybridserve never runs checkpoint code"
+        )
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -152,8 +160,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype,
-               device: torch.device | str) -> LoadedModel:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
     model_dir = Path(model_dir)
     hf_config = load_config(model_dir)
     cls = get_model_class(hf_config.architectures[0])

@@ -11,6 +11,7 @@ Results come back as Python lists, read once per step on the forward thread. A v
 also reads its acceptance there to commit the state after the last accepted token (and a
 grid-crossing state) from the scratch snapshots into the live / track slots.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,28 +47,37 @@ T = TypeVar("T")
 class StepResult:
     """Per sampling sequence of the batch, in batch order."""
 
-    token_ids: list[list[int]]                 # 1 token, or accepted drafts + 1 for a verify
+    token_ids: list[list[int]]  # 1 token, or accepted drafts + 1 for a verify
     logprobs: list[list[TokenLogprob | None]]
-    num_accepted: list[int | None]             # drafts accepted (verify rows only)
-    writes: tuple[StateWrite, ...] = ()        # every ledger slot this step wrote, with its depth
+    num_accepted: list[int | None]  # drafts accepted (verify rows only)
+    writes: tuple[StateWrite, ...] = ()  # every ledger slot this step wrote, with its depth
     forward_seconds: float = 0.0
-    gap_seconds: float | None = None           # forward thread idle before this step
+    gap_seconds: float | None = None  # forward thread idle before this step
     # Per sequence that asked for prompt logprobs: (batch index, first prompt position, entries).
     prompt_logprobs: tuple[tuple[int, int, list[TokenLogprob]], ...] = ()
-    compiled: bool = False                     # the forward ran a compiled step (else eager)
-    recompiles: int = 0                        # graphs compiled in this step after the warm-up
+    compiled: bool = False  # the forward ran a compiled step (else eager)
+    recompiles: int = 0  # graphs compiled in this step after the warm-up
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pools: DevicePools, page_size: int,
-                 device: torch.device, generators: GeneratorBank, overlap: bool,
-                 scratch_base: int, drafter: MtpDrafter | None = None,
-                 grammar_compiler: GrammarCompiler | None = None,
-                 compiled: CompiledSteps | None = None, max_pages: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pools: DevicePools,
+        page_size: int,
+        device: torch.device,
+        generators: GeneratorBank,
+        overlap: bool,
+        scratch_base: int,
+        drafter: MtpDrafter | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
+        compiled: CompiledSteps | None = None,
+        max_pages: int = 0,
+    ) -> None:
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, device
         self.generators = generators
-        self.planner = SamplingPlanner()                 # host side (scheduler thread)
-        self.sampler = BatchSampler(device, generators, grammar_compiler)   # forward thread
+        self.planner = SamplingPlanner()  # host side (scheduler thread)
+        self.sampler = BatchSampler(device, generators, grammar_compiler)  # forward thread
         self.scratch_base = scratch_base
         self.drafter = drafter
         self.compiled = compiled
@@ -77,11 +87,11 @@ class ModelRunner:
         # Drafts the last verify of each live slot accepted: where a chained verify starts.
         self.accepted = torch.zeros(pools.mamba.num_slots, dtype=torch.int64, device=device)
         self.accepted_host = [0] * pools.mamba.num_slots
-        self._recompiles = 0                  # compiled calls' recompiles counted so far
+        self._recompiles = 0  # compiled calls' recompiles counted so far
         self._executor = ForwardThread("hybridserve-forward") if overlap else None
         self._last_end: float | None = None
-        self._latest_started: Signal | None = None   # scheduler thread: the last launch's
-        self._starting: Signal | None = None         # forward thread: the running step's
+        self._latest_started: Signal | None = None  # scheduler thread: the last launch's
+        self._starting: Signal | None = None  # forward thread: the running step's
 
     def launch(self, plan: StepPlan) -> StepFuture[StepResult]:
         prepared = self._prepare(plan, self.planner.build(plan.batch.seqs))
@@ -102,8 +112,7 @@ class ModelRunner:
         rows = uniform_rows(plan.batch) if self.inputs is not None else 0
         if rows:
             assert self.inputs is not None
-            return prepare_uniform(plan, self.inputs, rows, self.page_size, self.device, self.scratch_base,
-                                   sampling)
+            return prepare_uniform(plan, self.inputs, rows, self.page_size, self.device, self.scratch_base, sampling)
         return replace(prepare_step(plan, self.page_size, self.device, self.scratch_base), sampling=sampling)
 
     def _signalled(self, run: Callable[[], StepResult], started: Signal) -> StepResult:
@@ -162,7 +171,7 @@ class ModelRunner:
             self.pools.mamba.copy_slots([s for s, _ in plan.cow], [d for _, d in plan.cow])
         bucket = self.compiled.pick(fb) if self.compiled is not None else None
         hidden, all_logits = self._forward(fb, bucket)
-        if prepared.copy_src is not None:             # snapshots of a decode batch (step_inputs)
+        if prepared.copy_src is not None:  # snapshots of a decode batch (step_inputs)
             assert prepared.copy_dst is not None
             self.pools.mamba.copy_slot(prepared.copy_src, prepared.copy_dst)
         si = prepared.sampling.on(self.device) if prepared.sampling is not None else None
@@ -187,13 +196,23 @@ class ModelRunner:
         if self.drafter is not None and not self._draft_verified(prepared, hidden, tokens, params):
             self.drafter.run(self._mtp_spans(prepared, hidden, tokens, accepted, params, gens))
         self._last_end = time.monotonic()
-        return StepResult(tokens, logprobs, accepted, tuple(writes), self._last_end - start, gap, prompt,
-                          compiled=bucket is not None, recompiles=self._new_recompiles())
+        return StepResult(
+            tokens,
+            logprobs,
+            accepted,
+            tuple(writes),
+            self._last_end - start,
+            gap,
+            prompt,
+            compiled=bucket is not None,
+            recompiles=self._new_recompiles(),
+        )
 
     def _new_recompiles(self) -> int:
         chain = self.drafter.compiled_chain if self.drafter is not None else None
-        total = ((self.compiled.num_recompiles if self.compiled is not None else 0)
-                 + (chain.num_recompiles if chain is not None else 0))
+        total = (self.compiled.num_recompiles if self.compiled is not None else 0) + (
+            chain.num_recompiles if chain is not None else 0
+        )
         new, self._recompiles = total - self._recompiles, total
         return new
 
@@ -218,8 +237,15 @@ class ModelRunner:
             assert self.drafter is not None
             ids[prepared.draft_rows] = self.drafter.draft_tokens[prepared.draft_slots, prepared.draft_index]
 
-    def _decide(self, prepared: PreparedStep, si: SamplingInputs, logits: torch.Tensor,
-                params: list[SamplingParams], gens: list[torch.Generator], writes: list[StateWrite]):
+    def _decide(
+        self,
+        prepared: PreparedStep,
+        si: SamplingInputs,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        gens: list[torch.Generator],
+        writes: list[StateWrite],
+    ):
         """Sample each sampling sequence, or verify its drafts; commit verified states (and
         append what the commits wrote to ``writes``)."""
         by_seq = {v.seq_index: v for v in prepared.verify}
@@ -244,8 +270,7 @@ class ModelRunner:
             self.accepted[torch.tensor(slots, device=self.device)] = torch.tensor(counts, device=self.device)
         return decision.token_ids, decision.logprobs, decision.num_accepted, decision.last_ids
 
-    def _set_last_tokens(self, prepared: PreparedStep, tokens: list[list[int]],
-                         last: torch.Tensor | None) -> None:
+    def _set_last_tokens(self, prepared: PreparedStep, tokens: list[list[int]], last: torch.Tensor | None) -> None:
         """Each sampling sequence's last token into its live slot's register (the next step's
         placeholder): from the device when the step's sampled tokens are still there."""
         if last is not None and prepared.sample_slots is not None:
@@ -253,22 +278,29 @@ class ModelRunner:
             return
         slots = [prepared.live_slots[i] for i, s in enumerate(prepared.plan.batch.seqs) if s.samples]
         self.last_token[torch.tensor(slots, device=self.device)] = torch.tensor(
-            [t[-1] for t in tokens], device=self.device)
+            [t[-1] for t in tokens], device=self.device
+        )
 
     def _draft_q(self, v: VerifyRows) -> torch.Tensor:
         """The distributions the drafts of a sampled verify were drawn from."""
         assert self.drafter is not None and self.drafter.draft_probs is not None
         return self.drafter.draft_probs[v.live_slot, : v.num_drafts]
 
-    def _draft_verified(self, prepared: PreparedStep, hidden: torch.Tensor,
-                        tokens: list[list[int]], params: list[SamplingParams]) -> bool:
+    def _draft_verified(
+        self, prepared: PreparedStep, hidden: torch.Tensor, tokens: list[list[int]], params: list[SamplingParams]
+    ) -> bool:
         """A greedy verify batch (every sequence 1 + k rows): the head's catch-up and its k
         drafts in one compiled call (``CompiledChain.run_verified``); False: the eager drafter."""
         drafter, fb = self.drafter, prepared.fb
         assert drafter is not None
         chain = drafter.compiled_chain
-        if (chain is None or drafter.num_layers != 1 or fb.verify_len != drafter.k + 1
-                or len(params) != fb.num_seqs or not all(p.is_greedy for p in params)):
+        if (
+            chain is None
+            or drafter.num_layers != 1
+            or fb.verify_len != drafter.k + 1
+            or len(params) != fb.num_seqs
+            or not all(p.is_greedy for p in params)
+        ):
             return False
         size = chain.pick(fb.num_seqs, greedy=True)
         if size is None:
@@ -295,9 +327,18 @@ class ModelRunner:
                 n += 1
             else:
                 nxt = self._known_ids(prepared, first + 1, first + width) + [prepared.next_tokens[b]]
-            spans.append(MtpSpan(prepared.starts[b], hidden[first:first + width],
-                                 torch.tensor(nxt, device=self.device), list(prepared.page_ids[b]),
-                                 prepared.live_slots[b], seq.request.request_id, p, g))
+            spans.append(
+                MtpSpan(
+                    prepared.starts[b],
+                    hidden[first : first + width],
+                    torch.tensor(nxt, device=self.device),
+                    list(prepared.page_ids[b]),
+                    prepared.live_slots[b],
+                    seq.request.request_id,
+                    p,
+                    g,
+                )
+            )
         return spans
 
     @staticmethod

@@ -8,6 +8,7 @@ returns the request's id among ``stop`` so the caller ends it in the engine too
 (``Engine.stop``). The engine may have produced a few more tokens by then: they are
 dropped here, never shown.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -22,7 +23,7 @@ from workers.sampling.params import SamplingParams
 
 class Processed(NamedTuple):
     deltas: list[OutputDelta]
-    stop: list[str]             # requests a stop string ended here: end them in the engine too
+    stop: list[str]  # requests a stop string ended here: end them in the engine too
 
 
 @dataclass
@@ -53,11 +54,16 @@ class OutputProcessor:
         return request_id in self._tracked
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                       params.skip_special_tokens)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
         self._tracked[request_id] = _Tracked(
-            prompt_token_ids, params, detok, logprobs=[] if params.logprobs is not None else None,
-            cumulative_logprob=0.0 if params.needs_logprobs else None)
+            prompt_token_ids,
+            params,
+            detok,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.needs_logprobs else None,
+        )
 
     def process(self, outputs: Iterable[EngineOutput]) -> Processed:
         """Deltas for the outputs of requests this processor tracks (others are skipped);
@@ -78,11 +84,20 @@ class OutputProcessor:
         t = self._tracked.pop(request_id)
         assert t.finished, request_id
         return RequestOutput(
-            request_id=request_id, prompt_token_ids=t.prompt_token_ids, token_ids=t.token_ids,
-            text=t.detok.text, cached_tokens=t.cached_tokens, finished=True,
-            finish_reason=t.finish_reason, stop_reason=t.stop_reason, new_token_ids=t.last_ids,
-            delta_text="", logprobs=t.logprobs, prompt_logprobs=t.prompt_logprobs,
-            cumulative_logprob=t.cumulative_logprob)
+            request_id=request_id,
+            prompt_token_ids=t.prompt_token_ids,
+            token_ids=t.token_ids,
+            text=t.detok.text,
+            cached_tokens=t.cached_tokens,
+            finished=True,
+            finish_reason=t.finish_reason,
+            stop_reason=t.stop_reason,
+            new_token_ids=t.last_ids,
+            delta_text="",
+            logprobs=t.logprobs,
+            prompt_logprobs=t.prompt_logprobs,
+            cumulative_logprob=t.cumulative_logprob,
+        )
 
     def discard(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
@@ -111,6 +126,15 @@ class OutputProcessor:
             t.finish_reason, t.stop_reason = out.finish_reason, out.stop_reason
             t.detok.flush()
         t.last_ids = kept
-        return OutputDelta(out.request_id, kept, t.detok.stream_delta(t.finished), shown, t.finished,
-                           t.finish_reason, t.stop_reason, t.cached_tokens, t.cumulative_logprob,
-                           out.prompt_logprobs)
+        return OutputDelta(
+            out.request_id,
+            kept,
+            t.detok.stream_delta(t.finished),
+            shown,
+            t.finished,
+            t.finish_reason,
+            t.stop_reason,
+            t.cached_tokens,
+            t.cumulative_logprob,
+            out.prompt_logprobs,
+        )

@@ -5,6 +5,7 @@ num_computed_tokens : num_computed_tokens + n]``. A prefill chunk, a decode toke
 recompute after preemption are all that one rule. The request holds ids of pool
 entries (KV pages, its live Mamba slot) but never tensors.
 """
+
 from __future__ import annotations
 
 import enum
@@ -21,9 +22,9 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"        # EOS, a stop string or a stop token
-    LENGTH = "length"    # max_tokens or the model's context length
-    ABORT = "abort"      # cancelled by the caller
+    STOP = "stop"  # EOS, a stop string or a stop token
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the caller
 
 
 @dataclass
@@ -31,7 +32,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
-    rank: int | None = None       # 1 + the number of tokens more likely than token_id (prompt logprobs)
+    rank: int | None = None  # 1 + the number of tokens more likely than token_id (prompt logprobs)
 
 
 @dataclass
@@ -82,26 +83,26 @@ class Request:
     # Per prompt position (entry 0 is None: nothing scores the first token); filled as
     # prefill chunks are processed when params.prompt_logprobs is set, else empty.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    sampling: RequestSampling | None = None   # resolved at add (bad-word ids, blocked ids)
+    sampling: RequestSampling | None = None  # resolved at add (bad-word ids, blocked ids)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
-    lookup_counted: bool = False        # the first prefix lookup has been counted
-    prompt_counted: bool = False        # the prompt's tokens have been counted once
-    prompt_sent: bool = False           # its prompt logprobs went out with an output
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    lookup_counted: bool = False  # the first prefix lookup has been counted
+    prompt_counted: bool = False  # the prompt's tokens have been counted once
+    prompt_sent: bool = False  # its prompt logprobs went out with an output
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     page_ids: list[int] = field(default_factory=list)
-    page_epoch: int = 0                  # bumped whenever page_ids changes other than by appending
+    page_epoch: int = 0  # bumped whenever page_ids changes other than by appending
     mamba_slot: int | None = None
-    num_pending_tokens: int = 0          # tokens that launched, unprocessed batches will append
-    inflight_batch: int | None = None    # newest launched, unprocessed batch holding this request
-    num_inflight_verifies: int = 0       # launched verifies whose acceptance is not processed yet
-    inflight_verify_drafts: int = 0      # drafts of the newest of them (how far it may move the next)
-    has_drafts: bool = False             # the MTP head drafted after this request's last sample
+    num_pending_tokens: int = 0  # tokens that launched, unprocessed batches will append
+    inflight_batch: int | None = None  # newest launched, unprocessed batch holding this request
+    num_inflight_verifies: int = 0  # launched verifies whose acceptance is not processed yet
+    inflight_verify_drafts: int = 0  # drafts of the newest of them (how far it may move the next)
+    has_drafts: bool = False  # the MTP head drafted after this request's last sample
     cache: RequestCacheState = field(default_factory=lambda: RequestCacheState())
     num_preemptions: int = 0
-    num_bypassed: int = 0                # younger requests admitted while it waited (lpm's bound)
+    num_bypassed: int = 0  # younger requests admitted while it waited (lpm's bound)
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -115,8 +116,7 @@ class Request:
         needs the logits of those positions, so its hit stops where they start (cold,
         at first); the cache is not read past it, while its checkpoints are still written."""
         limit = self.num_tokens - 1
-        missing = (self.params.prompt_logprobs is not None
-                   and len(self.prompt_logprobs) < self.num_prompt_tokens)
+        missing = self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
         return min(limit, len(self.prompt_logprobs) - 1) if missing else limit
 
     @property
@@ -149,7 +149,7 @@ class Request:
         if end <= n:
             return self.prompt_token_ids[start:end]
         head = self.prompt_token_ids[start:n] if start < n else []
-        return head + self.output_token_ids[max(start - n, 0):end - n]
+        return head + self.output_token_ids[max(start - n, 0) : end - n]
 
     @property
     def is_finished(self) -> bool:

@@ -55,6 +55,7 @@ joins ``running`` but gets no tokens, and is not preempted, until the copy compl
 Invariant: after ``schedule``, every running request holds a live slot and at least
 ``ceil((num_computed_tokens + num_new_tokens) / page_size)`` pages.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -69,7 +70,7 @@ from workers.scheduler_types import ScheduledBatch, ScheduledSeq
 __all__ = ["Scheduler", "ScheduledBatch", "ScheduledSeq", "pages_needed"]
 
 
-LPM_WINDOW = 128     # lpm looks this deep into the queue (SGLang falls back to fcfs past 128)
+LPM_WINDOW = 128  # lpm looks this deep into the queue (SGLang falls back to fcfs past 128)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -77,10 +78,11 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, max_model_len: int,
-                 num_draft_tokens: int = 0) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache: CacheManager, max_model_len: int, num_draft_tokens: int = 0
+    ) -> None:
         self.config = config
-        self.num_draft_tokens = num_draft_tokens      # > 0: decodes are speculative verifies
+        self.num_draft_tokens = num_draft_tokens  # > 0: decodes are speculative verifies
         self.cache = cache
         self.page_size = cache.page_size
         self.max_model_len = max_model_len
@@ -156,9 +158,9 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
-        stalled = False            # a request could not grow: everyone younger waits a step
+        stalled = False  # a request could not grow: everyone younger waits a step
         for request in list(self.running):
-            if stalled or request.status is not RequestStatus.RUNNING:   # preempted in this loop
+            if stalled or request.status is not RequestStatus.RUNNING:  # preempted in this loop
                 continue
             expected = request.num_expected_tokens
             n = self._num_to_compute(request, budget, expected)
@@ -183,7 +185,7 @@ class Scheduler:
             return self._chained_len(request, budget)
         if request.num_pending_tokens and self._reaches_limit(request, expected):
             return 0
-        if request.cache.promotion is not None:          # its prefix is still being copied in
+        if request.cache.promotion is not None:  # its prefix is still being copied in
             return 0
         missing = expected - request.num_computed_tokens
         if missing == 1 and self._verifies(request):
@@ -192,7 +194,7 @@ class Scheduler:
         start = request.num_computed_tokens
         targets = self.cache.tracker.targets_within(request, start + n)
         if len(targets) > 1:
-            n = targets[0] - start                  # one checkpoint per chunk
+            n = targets[0] - start  # one checkpoint per chunk
         if targets and not self.cache.tracker.may_write_target(request):
             return 0
         return max(0, n)
@@ -206,9 +208,14 @@ class Scheduler:
         """Rows of a verify chained after the request's in-flight one (0: it waits a step)."""
         p, n = request.params, 1 + self.num_draft_tokens
         furthest = request.num_computed_tokens + request.inflight_verify_drafts + 1 + self.num_draft_tokens
-        if (request.num_inflight_verifies > 1 or n > budget or p.bad_words
-                or request.num_output_tokens < p.min_tokens or request.num_output_tokens + 1 >= p.max_tokens
-                or furthest > self.max_model_len - 1):
+        if (
+            request.num_inflight_verifies > 1
+            or n > budget
+            or p.bad_words
+            or request.num_output_tokens < p.min_tokens
+            or request.num_output_tokens + 1 >= p.max_tokens
+            or furthest > self.max_model_len - 1
+        ):
             return 0
         return n
 
@@ -224,23 +231,25 @@ class Scheduler:
     def _scheduled(self, request: Request, n: int, expected: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         if request.num_inflight_verifies:
-            return ScheduledSeq(request, start + 1, n, samples=True, num_draft_tokens=n - 1,
-                                max_shift=request.inflight_verify_drafts)
+            return ScheduledSeq(
+                request, start + 1, n, samples=True, num_draft_tokens=n - 1, max_shift=request.inflight_verify_drafts
+            )
         if expected - start == 1 and self._verifies(request):
             return ScheduledSeq(request, start, n, samples=True, num_draft_tokens=n - 1)
         return ScheduledSeq(request, start, n, samples=start + n == expected)
 
     def _pages_short(self, request: Request, n: int, expected: int) -> int:
         end = request.num_computed_tokens + n
-        if request.num_inflight_verifies:          # chained: it may start that much further
+        if request.num_inflight_verifies:  # chained: it may start that much further
             end += request.inflight_verify_drafts + 1
         if self.num_draft_tokens and end >= expected:
             # The MTP head drafts (and writes its KV) up to k - 1 positions further.
             end = min(end + self.num_draft_tokens, self.max_model_len)
         return max(0, pages_needed(end, self.page_size) - len(request.page_ids))
 
-    def _grow_pages(self, request: Request, n: int, preempted: list[Request],
-                    scheduled: list[ScheduledSeq], expected: int) -> bool:
+    def _grow_pages(
+        self, request: Request, n: int, preempted: list[Request], scheduled: list[ScheduledSeq], expected: int
+    ) -> bool:
         """Give ``request`` pages for ``n`` more tokens, preempting the youngest if needed.
 
         A victim is the youngest running request not given work in this step (so never one
@@ -251,7 +260,7 @@ class Scheduler:
         need = self._pages_short(request, n, expected)
         if need == 0:
             return True
-        busy: set[int] | None = None           # built only when a victim is needed
+        busy: set[int] | None = None  # built only when a victim is needed
         while True:
             new = self.cache.alloc_pages(need)
             if new is not None:
@@ -290,7 +299,7 @@ class Scheduler:
             if not self.cache.admit(request):
                 break
             n, new, expected = 0, [], request.num_expected_tokens
-            if request.cache.promotion is None:       # a promoting request runs once copied in
+            if request.cache.promotion is None:  # a promoting request runs once copied in
                 n = self._num_to_compute(request, budget, expected)
                 new = self.cache.alloc_pages(self._pages_short(request, n, expected)) if n > 0 else None
                 if new is None:

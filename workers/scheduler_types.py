@@ -1,4 +1,5 @@
 """What the scheduler decides for one step (frozen; read by the runner and the caches)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,9 +38,9 @@ class ScheduledSeq(SeqSpan):
     request: Request
     start: int
     num_new_tokens: int
-    samples: bool          # the chunk reaches the end of the known tokens: sample after it
-    num_draft_tokens: int = 0   # a speculative verify: 1 real token + this many drafts
-    max_shift: int = 0     # a chained verify (``is_chained``): drafts of the verify before it
+    samples: bool  # the chunk reaches the end of the known tokens: sample after it
+    num_draft_tokens: int = 0  # a speculative verify: 1 real token + this many drafts
+    max_shift: int = 0  # a chained verify (``is_chained``): drafts of the verify before it
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ holds one state per invocation). ``StateSites`` hands the refs out while a model
 and derives the spec from the modules afterwards, so a TP-sharded model (heads narrowed in
 place) describes its own rank's shard.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,7 +54,7 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str | None = None        # a torch dtype name; None = the model's dtype
+    dtype: str | None = None  # a torch dtype name; None = the model's dtype
 
     def torch_dtype(self, default: torch.dtype) -> torch.dtype:
         return default if self.dtype is None else getattr(torch, self.dtype)
@@ -65,7 +66,7 @@ class TensorSpec:
 @dataclass(frozen=True)
 class StateKind:
     name: str
-    paged: bool                     # True: per KV token in pages; False: per slot
+    paged: bool  # True: per KV token in pages; False: per slot
     tensors: tuple[TensorSpec, ...]
 
     def num_bytes(self, default: torch.dtype) -> int:
@@ -73,22 +74,21 @@ class StateKind:
         return sum(t.num_bytes(default) for t in self.tensors)
 
 
-def attention_kind(num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
-                   name: str = ATTENTION) -> StateKind:
+def attention_kind(num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, name: str = ATTENTION) -> StateKind:
     v_dim = head_dim if v_head_dim is None else v_head_dim
-    return StateKind(name, True, (TensorSpec("k", (num_kv_heads, head_dim)),
-                                  TensorSpec("v", (num_kv_heads, v_dim))))
+    return StateKind(name, True, (TensorSpec("k", (num_kv_heads, head_dim)), TensorSpec("v", (num_kv_heads, v_dim))))
 
 
-def conv_ssm_kind(name: str, conv_dim: int, conv_width: int, ssm_shape: tuple[int, ...],
-                  ssm_dtype: str = "float32") -> StateKind:
+def conv_ssm_kind(
+    name: str, conv_dim: int, conv_width: int, ssm_shape: tuple[int, ...], ssm_dtype: str = "float32"
+) -> StateKind:
     """A recurrent kind with a causal-conv window (the last W-1 inputs) and a scan state."""
-    return StateKind(name, False, (TensorSpec("conv", (conv_dim, conv_width - 1)),
-                                   TensorSpec("ssm", tuple(ssm_shape), ssm_dtype)))
+    return StateKind(
+        name, False, (TensorSpec("conv", (conv_dim, conv_width - 1)), TensorSpec("ssm", tuple(ssm_shape), ssm_dtype))
+    )
 
 
-def mamba1_kind(d_inner: int, conv_width: int, state_size: int,
-                ssm_dtype: str = "float32") -> StateKind:
+def mamba1_kind(d_inner: int, conv_width: int, state_size: int, ssm_dtype: str = "float32") -> StateKind:
     """Mamba1: the conv window of the x branch and the selective-scan state [d_inner, N]."""
     return conv_ssm_kind(MAMBA1, d_inner, conv_width, (d_inner, state_size), ssm_dtype)
 
@@ -96,13 +96,14 @@ def mamba1_kind(d_inner: int, conv_width: int, state_size: int,
 def short_conv_kind(dim: int, conv_width: int) -> StateKind:
     """A gated short convolution keeps only its conv window: the last W-1 inputs [dim, W-1]."""
     return StateKind(SHORT_CONV, False, (TensorSpec("conv", (dim, conv_width - 1)),))
+
+
 def mla_kind(latent_dim: int, rope_dim: int, name: str = "mla") -> StateKind:
     """MLA's cache: one row [c (latent_dim) | k_rope (rope_dim)] per token, shared by all heads."""
     return StateKind(name, True, (TensorSpec("latent", (1, latent_dim + rope_dim)),))
 
 
-def kda_kind(num_heads: int, k_head_dim: int, v_head_dim: int, conv_width: int,
-             name: str = "kda") -> StateKind:
+def kda_kind(num_heads: int, k_head_dim: int, v_head_dim: int, conv_width: int, name: str = "kda") -> StateKind:
     """Kimi Delta Attention: the conv window of q, k, v (in that order) and the [H, K, V] state."""
     conv_dim = num_heads * (2 * k_head_dim + v_head_dim)
     return conv_ssm_kind(name, conv_dim, conv_width, (num_heads, k_head_dim, v_head_dim))
@@ -159,10 +160,11 @@ class CacheSpec:
         if self.group(name) is None:
             if num_layers == 0:
                 return self
-            raise ValueError(f"the model keeps no {name!r} state to add {num_layers} layer(s) to; "
-                             f"its kinds: {[g.kind.name for g in self.groups]}")
-        return CacheSpec(tuple(replace(g, num_layers=num_layers) if g.kind.name == name else g
-                               for g in self.groups))
+            raise ValueError(
+                f"the model keeps no {name!r} state to add {num_layers} layer(s) to; "
+                f"its kinds: {[g.kind.name for g in self.groups]}"
+            )
+        return CacheSpec(tuple(replace(g, num_layers=num_layers) if g.kind.name == name else g for g in self.groups))
 
     @classmethod
     def from_sites(cls, sites: Iterable[tuple[StateRef, StateKind]]) -> CacheSpec:
@@ -175,8 +177,7 @@ class CacheSpec:
                 raise ValueError(f"state ref {ref} names kind {ref.kind!r}, its module keeps {kind.name!r}")
             seen = kinds.setdefault(kind.name, kind)
             if seen != kind:
-                raise ValueError(f"layers of state kind {kind.name!r} disagree on its shapes: "
-                                 f"{seen} vs {kind}")
+                raise ValueError(f"layers of state kind {kind.name!r} disagree on its shapes: {seen} vs {kind}")
             indices.setdefault(kind.name, []).append(ref.index)
         for name, idx in indices.items():
             if sorted(idx) != list(range(len(idx))):
@@ -214,6 +215,22 @@ class StateSites:
         return CacheSpec.from_sites((ref, m.state_kind()) for ref, m in self._sites)
 
 
-__all__ = ["ATTENTION", "MAMBA1", "SHORT_CONV", "CacheSpec", "HasState", "StateGroup",
-           "StateKind", "StateRef", "StateSites", "TensorSpec", "attention_kind", "conv_ssm_kind",
-           "kda_kind", "lightning_kind", "mamba1_kind", "mla_kind", "short_conv_kind"]
+__all__ = [
+    "ATTENTION",
+    "MAMBA1",
+    "SHORT_CONV",
+    "CacheSpec",
+    "HasState",
+    "StateGroup",
+    "StateKind",
+    "StateRef",
+    "StateSites",
+    "TensorSpec",
+    "attention_kind",
+    "conv_ssm_kind",
+    "kda_kind",
+    "lightning_kind",
+    "mamba1_kind",
+    "mla_kind",
+    "short_conv_kind",
+]

@@ -4,6 +4,7 @@ Keys are the Prometheus names. A labelled counter maps label value -> count; a h
 keeps every observation since the last ``drain_observations`` (the cluster drains them
 into real histograms) plus running count and sum.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -22,11 +23,11 @@ COUNTERS = (
     "hybridserve_preemptions_total",
     "hybridserve_prompt_tokens_total",
     "hybridserve_generation_tokens_total",
-    "hybridserve_forward_tokens_total",       # tokens fed to forwards (with step durations: a rate)
-    "hybridserve_overlapped_steps_total",     # steps launched while the step before was in flight
-    "hybridserve_compile_recompiles_total",   # compiled calls that compiled a graph after the warm-up
-    "hybridserve_invariant_checks_total",     # debug.check_invariants: steps checked
-    "hybridserve_state_oracle_checks_total",      # debug.state_oracle_sample: checkpoints recomputed
+    "hybridserve_forward_tokens_total",  # tokens fed to forwards (with step durations: a rate)
+    "hybridserve_overlapped_steps_total",  # steps launched while the step before was in flight
+    "hybridserve_compile_recompiles_total",  # compiled calls that compiled a graph after the warm-up
+    "hybridserve_invariant_checks_total",  # debug.check_invariants: steps checked
+    "hybridserve_state_oracle_checks_total",  # debug.state_oracle_sample: checkpoints recomputed
     "hybridserve_state_oracle_mismatches_total",  # ... whose slot did not hold that state
 )
 LABELLED_COUNTERS = {
@@ -34,11 +35,11 @@ LABELLED_COUNTERS = {
     "hybridserve_mamba_checkpoints_inserted_total": "phase",
     "hybridserve_invariant_violations_total": "invariant",
     "hybridserve_requests_total": "finish_reason",
-    "hybridserve_engine_steps_total": "path",              # compiled (a compile.* bucket) or eager
+    "hybridserve_engine_steps_total": "path",  # compiled (a compile.* bucket) or eager
     # The tiers (workers/tiers): device -> host, host -> device, the cluster store (the
     # outcomes and directions: LABEL_VALUES below).
-    "hybridserve_cache_hits_total": "tier",                # requests whose prompt hit, by deepest tier
-    "hybridserve_cache_hit_tokens_total": "tier",          # ... and the prompt tokens it served
+    "hybridserve_cache_hits_total": "tier",  # requests whose prompt hit, by deepest tier
+    "hybridserve_cache_hit_tokens_total": "tier",  # ... and the prompt tokens it served
     "hybridserve_tier_demotions_total": "outcome",
     "hybridserve_tier_promotions_total": "outcome",
     "hybridserve_tier_bytes_total": "direction",
@@ -53,8 +54,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "hybridserve_tier_demotions_total": ("demoted", "copied", "present", "host_full", "failed"),
     "hybridserve_tier_promotions_total": ("promoted", "failed"),
     "hybridserve_tier_bytes_total": ("device_to_host", "host_to_device", "store_put", "store_get"),
-    "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "host_full",
-                                        "error"),
+    "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "host_full", "error"),
     "hybridserve_store_commits_total": ("committed", "duplicate", "error"),
 }
 HISTOGRAMS = (
@@ -69,9 +69,9 @@ GAUGES = (
     "hybridserve_num_waiting_requests",
     "hybridserve_kv_pool_usage_ratio",
     "hybridserve_mamba_pool_usage_ratio",
-    "hybridserve_host_mamba_slots_used",          # host tier: checkpoints held in host memory
-    "hybridserve_host_kv_tokens_used",            # ... KV tokens held there
-    "hybridserve_host_kv_dead_tokens",            # ... of which with no checkpoint under them (must be 0)
+    "hybridserve_host_mamba_slots_used",  # host tier: checkpoints held in host memory
+    "hybridserve_host_kv_tokens_used",  # ... KV tokens held there
+    "hybridserve_host_kv_dead_tokens",  # ... of which with no checkpoint under them (must be 0)
 )
 # Pushed by the cluster store's actor (cluster/store), one series per app (replica "store").
 STORE_GAUGES = ("hybridserve_store_objects", "hybridserve_store_bytes")
@@ -82,11 +82,10 @@ STORE_COUNTERS = ("hybridserve_store_evictions_total",)
 class EngineStats:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     labelled: dict[str, dict[str, int]] = field(
-        default_factory=lambda: {name: defaultdict(int) for name in LABELLED_COUNTERS})
-    observations: dict[str, list[float]] = field(
-        default_factory=lambda: {name: [] for name in HISTOGRAMS})
-    totals: dict[str, tuple[int, float]] = field(
-        default_factory=lambda: dict.fromkeys(HISTOGRAMS, (0, 0.0)))
+        default_factory=lambda: {name: defaultdict(int) for name in LABELLED_COUNTERS}
+    )
+    observations: dict[str, list[float]] = field(default_factory=lambda: {name: [] for name in HISTOGRAMS})
+    totals: dict[str, tuple[int, float]] = field(default_factory=lambda: dict.fromkeys(HISTOGRAMS, (0, 0.0)))
     gauges: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GAUGES, 0.0))
 
     def inc(self, name: str, amount: int = 1, label: str | None = None) -> None:
@@ -98,7 +97,7 @@ class EngineStats:
     def observe(self, name: str, value: float) -> None:
         obs = self.observations[name]
         obs.append(value)
-        if len(obs) > 100_000:          # bounded if nobody drains
+        if len(obs) > 100_000:  # bounded if nobody drains
             del obs[: len(obs) // 2]
         count, total = self.totals[name]
         self.totals[name] = (count + 1, total + value)

@@ -10,6 +10,7 @@ alone published) -- and its requests end with ``abort``, which frees their slots
 without publishing. A failure before any batch existed ends every running request (the
 scheduler may have been part-way through them). Waiting requests hold nothing and stay.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -34,7 +35,7 @@ class LaunchedStep:
     batch: ScheduledBatch
     plan: StepPlan | None = None
     future: StepFuture | None = None
-    completed: bool = False            # the cache has recorded the batch's writes
+    completed: bool = False  # the cache has recorded the batch's writes
 
 
 class FailingEngine(Protocol):
@@ -66,7 +67,7 @@ def recover_failed_step(engine: FailingEngine, launched: deque[LaunchedStep]) ->
     steps = list(launched)
     for step in steps:
         if step.future is not None:
-            step.future.exception()                  # wait for the forward thread; the error is known
+            step.future.exception()  # wait for the forward thread; the error is known
     touched = _touched_requests(engine, steps)
     for step in steps:
         if not step.completed:

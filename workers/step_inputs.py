@@ -14,10 +14,12 @@ rows by the drafts that one accepted (positions, context lengths and KV location
 device, from the runner's per-slot register; the host copies of its start from the host
 one).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -33,8 +35,8 @@ class VerifyRows:
     first_row: int
     num_drafts: int
     live_slot: int
-    scratch: tuple[int, ...]   # one snapshot slot per row (k + 1)
-    track_slot: int            # 0: no checkpoint planned in this verify
+    scratch: tuple[int, ...]  # one snapshot slot per row (k + 1)
+    track_slot: int  # 0: no checkpoint planned in this verify
     track_depth: int
 
     def commit(self, num_accepted: int, start: int) -> tuple[list[int], list[int], tuple[StateWrite, ...]]:
@@ -58,10 +60,10 @@ class VerifyRows:
 class PreparedStep:
     plan: StepPlan
     fb: ForwardBatch
-    future_rows: torch.Tensor | None     # rows whose token the batch before is sampling
-    future_slots: torch.Tensor | None    # ... read from last_token[slot]
-    draft_rows: torch.Tensor | None      # rows holding MTP drafts
-    draft_slots: torch.Tensor | None     # ... read from draft_tokens[slot, index]
+    future_rows: torch.Tensor | None  # rows whose token the batch before is sampling
+    future_slots: torch.Tensor | None  # ... read from last_token[slot]
+    draft_rows: torch.Tensor | None  # rows holding MTP drafts
+    draft_slots: torch.Tensor | None  # ... read from draft_tokens[slot, index]
     draft_index: torch.Tensor | None
     verify: tuple[VerifyRows, ...]
     next_tokens: tuple[int | None, ...]  # per seq: the known token after a non-final chunk
@@ -71,7 +73,7 @@ class PreparedStep:
     # What the non-verify sequences write into ledger slots, read off the rows above (the
     # live slot after the last row, each snapshot row's slot); verifies add theirs at commit.
     writes: tuple[StateWrite, ...] = ()
-    sampling: SamplingInputs | None = None   # host tensors (workers.sampling.build), set at launch
+    sampling: SamplingInputs | None = None  # host tensors (workers.sampling.build), set at launch
     # Host copies of ``fb.input_ids`` (placeholder rows -1: filled on the device) and
     # ``fb.cu_seqlens``: the drafter's inputs are built from them, not read back.
     row_ids: Sequence[int] = ()
@@ -110,11 +112,12 @@ class _Rows:
         self.drafts: list[tuple[int, int, int]] = []
         self.logits: list[int] = []
         self.writes: list[StateWrite] = []
-        self.num_scratch = 0           # scratch slots handed to the verifies so far
+        self.num_scratch = 0  # scratch slots handed to the verifies so far
 
 
-def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
-             scratch_base: int, verify: list[VerifyRows]) -> None:
+def _add_seq(
+    rows: _Rows, b: int, seq, plan: StepPlan, page_size: int, scratch_base: int, verify: list[VerifyRows]
+) -> None:
     req = seq.request
     first = len(rows.ids)
     for i, pos in enumerate(range(seq.start, seq.end)):
@@ -130,42 +133,60 @@ def _add_seq(rows: _Rows, b: int, seq, plan: StepPlan, page_size: int,
         rows.out_loc.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
     if seq.is_verify:
         n = seq.num_new_tokens
-        base = scratch_base + rows.num_scratch        # widths may differ
+        base = scratch_base + rows.num_scratch  # widths may differ
         rows.num_scratch += n
         scratch = tuple(range(base, base + n))
         rows.dst.extend(scratch)
         rows.logits.extend(range(first, first + n))
         track = plan.track_of(b)
-        verify.append(VerifyRows(b, first, seq.num_draft_tokens, req.mamba_slot, scratch,
-                                 track.slot if track else 0, track.depth if track else 0))
+        verify.append(
+            VerifyRows(
+                b,
+                first,
+                seq.num_draft_tokens,
+                req.mamba_slot,
+                scratch,
+                track.slot if track else 0,
+                track.depth if track else 0,
+            )
+        )
         return
     dst = [0] * seq.num_new_tokens
     track = plan.track_of(b)
     if track is not None:
-        dst[track.depth - 1 - seq.start] = track.slot     # the state after token depth - 1
-    rows.writes.extend(StateWrite(b, slot, rows.positions[first + i] + 1) for i, slot in enumerate(dst)
-                       if slot)
+        dst[track.depth - 1 - seq.start] = track.slot  # the state after token depth - 1
+    rows.writes.extend(StateWrite(b, slot, rows.positions[first + i] + 1) for i, slot in enumerate(dst) if slot)
     rows.writes.append(StateWrite(b, req.mamba_slot, rows.positions[-1] + 1))
     rows.dst.extend(dst)
     if seq.samples:
         rows.logits.append(len(rows.ids) - 1)
 
 
-def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
-                 scratch_base: int) -> PreparedStep:
-    batch = plan.batch
-    rows = _Rows()
-    verify: list[VerifyRows] = []
-    cu = [0]
-    max_pages = max(len(s.request.page_ids) for s in batch.seqs)
-    page_table = [[0] * max_pages for _ in batch.seqs]
-    next_tokens: list[int | None] = []
-    for b, seq in enumerate(batch.seqs):
-        _add_seq(rows, b, seq, plan, page_size, scratch_base, verify)
-        page_table[b][: len(seq.request.page_ids)] = seq.request.page_ids
-        cu.append(len(rows.ids))
+class _Walk(NamedTuple):
+    rows: _Rows
+    verify: list[VerifyRows]
+    cu: list[int]
+    page_table: list[list[int]]
+    next_tokens: list[int | None]
+
+
+def _walk(plan: StepPlan, page_size: int, scratch_base: int) -> _Walk:
+    """Every sequence's rows, verify rows, row bounds, page-table row and known next token."""
+    walk = _Walk(_Rows(), [], [0], [], [])
+    max_pages = max(len(s.request.page_ids) for s in plan.batch.seqs)
+    for b, seq in enumerate(plan.batch.seqs):
+        _add_seq(walk.rows, b, seq, plan, page_size, scratch_base, walk.verify)
+        pages = seq.request.page_ids
+        walk.page_table.append(list(pages) + [0] * (max_pages - len(pages)))
+        walk.cu.append(len(walk.rows.ids))
         known = seq.end < seq.request.num_tokens
-        next_tokens.append(seq.request.token_at(seq.end) if known and not seq.samples else None)
+        walk.next_tokens.append(seq.request.token_at(seq.end) if known and not seq.samples else None)
+    return walk
+
+
+def prepare_step(plan: StepPlan, page_size: int, device: torch.device, scratch_base: int) -> PreparedStep:
+    batch = plan.batch
+    rows, verify, cu, page_table, next_tokens = _walk(plan, page_size, scratch_base)
 
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -184,35 +205,57 @@ def prepare_step(plan: StepPlan, page_size: int, device: torch.device,
         decode_copies = [(s.request.mamba_slot, d) for s, d in zip(batch.seqs, rows.dst) if d]
         snapshots = ()
     fb = ForwardBatch(
-        input_ids=t(rows.ids, torch.int64), positions=t(rows.positions, torch.int64),
-        cu_seqlens=t(cu, torch.int32), seq_lens=t([s.end for s in batch.seqs], torch.int32),
-        out_loc=t(rows.out_loc, torch.int64), page_table=t(page_table, torch.int32),
+        input_ids=t(rows.ids, torch.int64),
+        positions=t(rows.positions, torch.int64),
+        cu_seqlens=t(cu, torch.int32),
+        seq_lens=t([s.end for s in batch.seqs], torch.int32),
+        out_loc=t(rows.out_loc, torch.int64),
+        page_table=t(page_table, torch.int32),
         mamba_slot_ids=t([s.request.mamba_slot for s in batch.seqs], torch.int32),
         has_initial_state=t(has_init, torch.bool),
-        logits_indices=t(rows.logits, torch.int64), page_size=page_size,
+        logits_indices=t(rows.logits, torch.int64),
+        page_size=page_size,
         state_dst_slots=t(rows.dst, torch.int32) if snapshots else None,
         decode_only=is_decode_only(num_new, has_init, None if decode_copies else rows.dst),
-        verify_len=uniform_snapshot_len(num_new, has_init, rows.dst if snapshots else None))
-    chained = [b for b, s in enumerate(batch.seqs) if s.is_chained]
-    chained_rows = [(r, b, j) for j, b in enumerate(chained) for r in range(cu[b], cu[b + 1])]
+        verify_len=uniform_snapshot_len(num_new, has_init, rows.dst if snapshots else None),
+    )
     return PreparedStep(
-        plan, fb, opt([r for r, _ in rows.future]), opt([s for _, s in rows.future]),
-        opt([r for r, _, _ in rows.drafts]), opt([s for _, s, _ in rows.drafts]),
-        opt([i for _, _, i in rows.drafts]), tuple(verify), tuple(next_tokens),
+        plan,
+        fb,
+        opt([r for r, _ in rows.future]),
+        opt([s for _, s in rows.future]),
+        opt([r for r, _, _ in rows.drafts]),
+        opt([s for _, s, _ in rows.drafts]),
+        opt([i for _, _, i in rows.drafts]),
+        tuple(verify),
+        tuple(next_tokens),
         tuple(tuple(s.request.page_ids) for s in batch.seqs),
-        tuple(s.request.mamba_slot for s in batch.seqs), tuple(rows.writes),
-        row_ids=_host_ids(rows), cu_seqlens=tuple(cu),
-        copy_src=opt([a for a, _ in decode_copies]), copy_dst=opt([d for _, d in decode_copies]),
-        starts=tuple(s.start for s in batch.seqs), chained_seqs=tuple(chained),
+        tuple(s.request.mamba_slot for s in batch.seqs),
+        tuple(rows.writes),
+        row_ids=_host_ids(rows),
+        cu_seqlens=tuple(cu),
+        copy_src=opt([a for a, _ in decode_copies]),
+        copy_dst=opt([d for _, d in decode_copies]),
+        starts=tuple(s.start for s in batch.seqs),
+        **_chained_fields(batch.seqs, cu, opt),
+    )
+
+
+def _chained_fields(seqs, cu: list[int], opt) -> dict:
+    """The chained verifies (``PreparedStep.chained_*``): their sequences, slots, rows."""
+    chained = [b for b, s in enumerate(seqs) if s.is_chained]
+    rows = [(r, b, j) for j, b in enumerate(chained) for r in range(cu[b], cu[b + 1])]
+    return dict(
+        chained_seqs=tuple(chained),
         chained_seq_index=opt(chained),
-        chained_slots=opt([batch.seqs[b].request.mamba_slot for b in chained]),
-        chained_rows=opt([r for r, _, _ in chained_rows]),
-        chained_row_seq=opt([b for _, b, _ in chained_rows]),
-        chained_row_pos=opt([j for _, _, j in chained_rows]))
+        chained_slots=opt([seqs[b].request.mamba_slot for b in chained]),
+        chained_rows=opt([r for r, _, _ in rows]),
+        chained_row_seq=opt([b for _, b, _ in rows]),
+        chained_row_pos=opt([j for _, _, j in rows]),
+    )
 
 
-def resolve_chained(prepared: PreparedStep, accepted: torch.Tensor,
-                    accepted_host: Sequence[int]) -> PreparedStep:
+def resolve_chained(prepared: PreparedStep, accepted: torch.Tensor, accepted_host: Sequence[int]) -> PreparedStep:
     """Move each chained verify by the drafts its request's previous verify accepted
     (``accepted`` / ``accepted_host``: per live slot, on the device / host); the device
     tensors are edited in place, the host copies of the starts replaced."""

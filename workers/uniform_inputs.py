@@ -10,6 +10,7 @@ pinned memory on a side stream, with an event the forward waits on (``Upload``),
 step's inputs do not queue behind the forward in flight. Same ``PreparedStep`` as the
 general builder (tested equal: ``tests/workers/test_uniform_inputs.py``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -115,12 +116,12 @@ class _Shape(NamedTuple):
     """A uniform step's inputs that depend on its shape alone, built once per shape: the
     graph and the sampler only read them."""
 
-    seq_of_row: np.ndarray          # [B * rows]
-    offsets: np.ndarray             # [rows]
+    seq_of_row: np.ndarray  # [B * rows]
+    offsets: np.ndarray  # [rows]
     cu_seqlens: torch.Tensor
     has_initial: torch.Tensor
     logits_indices: torch.Tensor
-    dst: torch.Tensor | None        # verify: scratch slot per row
+    dst: torch.Tensor | None  # verify: scratch slot per row
     draft_rows: torch.Tensor | None
     draft_index: torch.Tensor | None
 
@@ -144,54 +145,35 @@ def _new_shape(n_seq: int, rows: int, verify: bool, scratch_base: int, device: t
     offsets = np.arange(rows, dtype=np.int64)
     draft_rows = (np.arange(n_seq)[:, None] * rows + offsets[1:]).reshape(-1)
     return _Shape(
-        np.repeat(np.arange(n_seq), rows), offsets, t(np.arange(0, n_seq * rows + 1, rows), torch.int32),
+        np.repeat(np.arange(n_seq), rows),
+        offsets,
+        t(np.arange(0, n_seq * rows + 1, rows), torch.int32),
         torch.ones(n_seq, dtype=torch.bool, device=device),
         t(np.arange(n_seq * rows) if verify else np.arange(n_seq)),
         t(scratch_base + np.arange(n_seq * rows), torch.int32) if verify else None,
-        t(draft_rows) if verify else None, t(np.tile(offsets[:-1], n_seq)) if verify else None)
+        t(draft_rows) if verify else None,
+        t(np.tile(offsets[:-1], n_seq)) if verify else None,
+    )
 
 
-def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: int,
-                    device: torch.device, scratch_base: int,
-                    sampling: SamplingInputs | None = None) -> PreparedStep:
+def prepare_uniform(
+    plan: StepPlan,
+    inputs: InputBatch,
+    rows: int,
+    page_size: int,
+    device: torch.device,
+    scratch_base: int,
+    sampling: SamplingInputs | None = None,
+) -> PreparedStep:
     """The ``PreparedStep`` of a uniform batch of ``rows`` rows per sequence."""
     seqs = plan.batch.seqs
     n_seq, verify = len(seqs), seqs[0].is_verify
     starts, slots, first_ids, tracks = _seq_fields(plan)
     shape = _shape(n_seq, rows, verify, scratch_base, device)
     table = inputs.table(inputs.rows([s.request for s in seqs]))
-    start = np.asarray(starts, dtype=np.int64)
-    slot = np.asarray(slots, dtype=np.int64)
-    positions = (start[:, None] + shape.offsets).reshape(-1)
-    page_ids = table[shape.seq_of_row, positions // page_size].astype(np.int64)
-    out_loc = page_ids * page_size + positions % page_size
-    ids = np.zeros((n_seq, rows), dtype=np.int64)
-    future = [b for b, t in enumerate(first_ids) if t < 0]
-    if len(future) < n_seq:
-        ids[:, 0] = np.maximum(first_ids, 0)
-
     i64, i32 = _Pack(np.int64), _Pack(np.int32)
-    i64.add("input_ids", ids)
-    i64.add("positions", positions)
-    i64.add("out_loc", out_loc)
-    i64.add("sample_slots", slot)
-    if future:
-        i64.add("future_rows", np.asarray(future, dtype=np.int64) * rows)
-        i64.add("future_slots", slot[future])
-    i32.add("seq_lens", start + rows)
-    i32.add("slots", slot)
-    i32.add("table", table)
-    verify_rows: tuple[VerifyRows, ...] = ()
-    writes: list[StateWrite] = []
-    if verify:
-        i64.add("draft_slots", np.repeat(slot, rows - 1))
-        verify_rows = _verify_rows(seqs, starts, slots, tracks, rows, scratch_base)
-    else:
-        writes = [StateWrite(b, s, p + 1) for b, (s, p) in enumerate(zip(slots, starts))]
-        writes += [StateWrite(b, s, d) for b, s, d in tracks]
-        if tracks:
-            i64.add("copy_src", [slots[b] for b, _, _ in tracks])
-            i64.add("copy_dst", [s for _, s, _ in tracks])
+    slot = _add_rows(i64, i32, shape, table, starts, slots, first_ids, rows, page_size)
+    verify_rows, writes = _rows_and_writes(i64, plan, starts, slots, slot, tracks, rows, scratch_base)
     chained = [b for b, s in enumerate(seqs) if s.is_chained]
     if chained:
         _add_chained(i64, chained, slot, rows, shape.offsets)
@@ -199,15 +181,30 @@ def prepare_uniform(plan: StepPlan, inputs: InputBatch, rows: int, page_size: in
     t64, t32 = i64.to(device, uploads), i32.to(device, uploads)
     fb = _forward_batch(t64, t32, shape, n_seq, rows if verify else 0, page_size)
     return PreparedStep(
-        plan, fb, t64.get("future_rows"), t64.get("future_slots"), shape.draft_rows,
-        t64.get("draft_slots"), shape.draft_index, verify_rows, (None,) * n_seq,
-        PageRows(table), tuple(slots), tuple(writes), sampling=sampling, row_ids=(),
+        plan,
+        fb,
+        t64.get("future_rows"),
+        t64.get("future_slots"),
+        shape.draft_rows,
+        t64.get("draft_slots"),
+        shape.draft_index,
+        verify_rows,
+        (None,) * n_seq,
+        PageRows(table),
+        tuple(slots),
+        writes,
+        sampling=sampling,
+        row_ids=(),
         cu_seqlens=range(0, n_seq * rows + 1, rows),
-        copy_src=t64.get("copy_src"), copy_dst=t64.get("copy_dst"), starts=tuple(starts),
-        chained_seqs=tuple(chained), chained_seq_index=t64.get("chained_seq_index"),
-        chained_slots=t64.get("chained_slots"), chained_rows=t64.get("chained_rows"),
-        chained_row_seq=t64.get("chained_row_seq"), chained_row_pos=t64.get("chained_row_pos"),
-        logits_all_rows=True, sample_slots=t64["sample_slots"], uploads=tuple(uploads))
+        copy_src=t64.get("copy_src"),
+        copy_dst=t64.get("copy_dst"),
+        starts=tuple(starts),
+        chained_seqs=tuple(chained),
+        **{name: t64.get(name) for name in CHAINED},
+        logits_all_rows=True,
+        sample_slots=t64["sample_slots"],
+        uploads=tuple(uploads),
+    )
 
 
 def _seq_fields(plan: StepPlan) -> tuple[list[int], list[int], list[int], list[tuple[int, int, int]]]:
@@ -226,6 +223,68 @@ def _seq_fields(plan: StepPlan) -> tuple[list[int], list[int], list[int], list[t
     return starts, slots, first_ids, tracks
 
 
+def _add_rows(
+    i64: _Pack,
+    i32: _Pack,
+    shape: _Shape,
+    table: np.ndarray,
+    starts: list[int],
+    slots: list[int],
+    first_ids: list[int],
+    rows: int,
+    page_size: int,
+) -> np.ndarray:
+    """The rows' ids, positions and KV locations, the sequences' slots, lengths and page
+    table; the slots as an array."""
+    n_seq = len(starts)
+    start = np.asarray(starts, dtype=np.int64)
+    slot = np.asarray(slots, dtype=np.int64)
+    positions = (start[:, None] + shape.offsets).reshape(-1)
+    page_ids = table[shape.seq_of_row, positions // page_size].astype(np.int64)
+    out_loc = page_ids * page_size + positions % page_size
+    ids = np.zeros((n_seq, rows), dtype=np.int64)
+    future = [b for b, t in enumerate(first_ids) if t < 0]
+    if len(future) < n_seq:
+        ids[:, 0] = np.maximum(first_ids, 0)
+    i64.add("input_ids", ids)
+    i64.add("positions", positions)
+    i64.add("out_loc", out_loc)
+    i64.add("sample_slots", slot)
+    if future:
+        i64.add("future_rows", np.asarray(future, dtype=np.int64) * rows)
+        i64.add("future_slots", slot[future])
+    i32.add("seq_lens", start + rows)
+    i32.add("slots", slot)
+    i32.add("table", table)
+    return slot
+
+
+def _rows_and_writes(
+    i64: _Pack,
+    plan: StepPlan,
+    starts: list[int],
+    slots: list[int],
+    slot: np.ndarray,
+    tracks: list[tuple[int, int, int]],
+    rows: int,
+    scratch_base: int,
+) -> tuple[tuple[VerifyRows, ...], tuple[StateWrite, ...]]:
+    """A verify's rows (and its drafts' slots), or a decode's state writes (and its
+    checkpoints' copies)."""
+    if plan.batch.seqs[0].is_verify:
+        i64.add("draft_slots", np.repeat(slot, rows - 1))
+        return _verify_rows(plan.batch.seqs, starts, slots, tracks, rows, scratch_base), ()
+    writes = [StateWrite(b, s, p + 1) for b, (s, p) in enumerate(zip(slots, starts))]
+    writes += [StateWrite(b, s, d) for b, s, d in tracks]
+    if tracks:
+        i64.add("copy_src", [slots[b] for b, _, _ in tracks])
+        i64.add("copy_dst", [s for _, s, _ in tracks])
+    return (), tuple(writes)
+
+
+CHAINED = ("chained_seq_index", "chained_slots", "chained_rows", "chained_row_seq", "chained_row_pos")
+
+
 def _add_chained(i64: _Pack, chained: list[int], slot: np.ndarray, rows: int, offsets: np.ndarray) -> None:
     """The chained verifies' rows, slots and positions among them."""
     i64.add("chained_seq_index", chained)
@@ -235,23 +294,40 @@ def _add_chained(i64: _Pack, chained: list[int], slot: np.ndarray, rows: int, of
     i64.add("chained_row_pos", np.repeat(np.arange(len(chained)), rows))
 
 
-def _forward_batch(t64: dict[str, torch.Tensor], t32: dict[str, torch.Tensor], shape: _Shape, n_seq: int,
-                   verify_len: int, page_size: int) -> ForwardBatch:
+def _forward_batch(
+    t64: dict[str, torch.Tensor],
+    t32: dict[str, torch.Tensor],
+    shape: _Shape,
+    n_seq: int,
+    verify_len: int,
+    page_size: int,
+) -> ForwardBatch:
     return ForwardBatch(
-        input_ids=t64["input_ids"], positions=t64["positions"], cu_seqlens=shape.cu_seqlens,
-        seq_lens=t32["seq_lens"], out_loc=t64["out_loc"], page_table=t32["table"].view(n_seq, -1),
-        mamba_slot_ids=t32["slots"], has_initial_state=shape.has_initial,
-        logits_indices=shape.logits_indices, page_size=page_size,
-        state_dst_slots=shape.dst, decode_only=not verify_len, verify_len=verify_len)
+        input_ids=t64["input_ids"],
+        positions=t64["positions"],
+        cu_seqlens=shape.cu_seqlens,
+        seq_lens=t32["seq_lens"],
+        out_loc=t64["out_loc"],
+        page_table=t32["table"].view(n_seq, -1),
+        mamba_slot_ids=t32["slots"],
+        has_initial_state=shape.has_initial,
+        logits_indices=shape.logits_indices,
+        page_size=page_size,
+        state_dst_slots=shape.dst,
+        decode_only=not verify_len,
+        verify_len=verify_len,
+    )
 
 
-def _verify_rows(seqs, starts: list[int], slots: list[int], tracks: list[tuple[int, int, int]],
-                 rows: int, scratch_base: int) -> tuple[VerifyRows, ...]:
+def _verify_rows(
+    seqs, starts: list[int], slots: list[int], tracks: list[tuple[int, int, int]], rows: int, scratch_base: int
+) -> tuple[VerifyRows, ...]:
     track_of = {b: (s, d) for b, s, d in tracks}
     out = []
     for b, seq in enumerate(seqs):
         base = scratch_base + b * rows
         slot, depth = track_of.get(b, (0, 0))
-        out.append(VerifyRows(b, b * rows, seq.num_draft_tokens, slots[b],
-                              tuple(range(base, base + rows)), slot, depth))
+        out.append(
+            VerifyRows(b, b * rows, seq.num_draft_tokens, slots[b], tuple(range(base, base + rows)), slot, depth)
+        )
     return tuple(out)

@@ -22,6 +22,7 @@ with a plain-text body, not an OpenAI error object. Keeping ``max_in_flight`` be
 ingress deployment's ``max_ongoing_requests`` means requests reach this middleware
 instead of queuing in the proxy (``cluster/app.py`` checks that).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -33,11 +34,14 @@ from cluster.api.http_api import OPEN_PATHS, error_response, route_path
 
 
 class AdmissionLimit:
-    def __init__(self, app: ASGIApp, max_in_flight: int, retry_after_s: int = 1,
-                 exempt_paths: Iterable[str] = OPEN_PATHS) -> None:
+    def __init__(
+        self, app: ASGIApp, max_in_flight: int, retry_after_s: int = 1, exempt_paths: Iterable[str] = OPEN_PATHS
+    ) -> None:
         if max_in_flight < 1 or retry_after_s < 0:
-            raise ValueError(f"need max_in_flight >= 1 and retry_after_s >= 0, got "
-                             f"max_in_flight={max_in_flight}, retry_after_s={retry_after_s}")
+            raise ValueError(
+                f"need max_in_flight >= 1 and retry_after_s >= 0, got "
+                f"max_in_flight={max_in_flight}, retry_after_s={retry_after_s}"
+            )
         self.app = app
         self.max_in_flight = max_in_flight
         self.retry_after_s = retry_after_s
@@ -74,10 +78,18 @@ class AdmissionLimit:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, draining: bool = False) -> None:
         if draining:
-            err = OpenAIError("the server is shutting down; retry on another server", status=503,
-                              type="service_unavailable", code="server_shutting_down")
+            err = OpenAIError(
+                "the server is shutting down; retry on another server",
+                status=503,
+                type="service_unavailable",
+                code="server_shutting_down",
+            )
         else:
-            err = OpenAIError(f"the server is at its limit of {self.max_in_flight} concurrent requests; "
-                              f"retry after {self.retry_after_s} s", status=503,
-                              type="service_unavailable", code="server_overloaded")
+            err = OpenAIError(
+                f"the server is at its limit of {self.max_in_flight} concurrent requests; "
+                f"retry after {self.retry_after_s} s",
+                status=503,
+                type="service_unavailable",
+                code="server_overloaded",
+            )
         await error_response(err, {"retry-after": str(self.retry_after_s)})(scope, receive, send)

@@ -6,6 +6,7 @@ tool calls in what follows the reasoning) and ``parse_message`` to a whole text.
 through the same incremental parsers, so a streamed choice and the same choice returned
 whole carry the same reasoning, content and tool calls (ids aside).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -19,14 +20,14 @@ from cluster.api.tool_parsers import ToolCallDelta, ToolCallParser, make_tool_pa
 
 @dataclass(frozen=True)
 class ChatOutputSpec:
-    reasoning: bool = False                   # split <think> reasoning from the answer
-    starts_in_reasoning: bool = False         # the prompt left a think block open
-    include_reasoning: bool = True            # False: reasoning is parsed and dropped
-    tool_parser: str | None = None            # parse tool calls in this format (tool_choice auto)
+    reasoning: bool = False  # split <think> reasoning from the answer
+    starts_in_reasoning: bool = False  # the prompt left a think block open
+    include_reasoning: bool = True  # False: reasoning is parsed and dropped
+    tool_parser: str | None = None  # parse tool calls in this format (tool_choice auto)
     tool_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    parallel_tool_calls: bool = True          # False: only the first call is returned
-    forced: bool = False                      # the output is constrained JSON (tool_choice.forced_schema)
-    forced_name: str | None = None            # ... the arguments of this function; None: required
+    parallel_tool_calls: bool = True  # False: only the first call is returned
+    forced: bool = False  # the output is constrained JSON (tool_choice.forced_schema)
+    forced_name: str | None = None  # ... the arguments of this function; None: required
 
     @property
     def parses(self) -> bool:
@@ -57,8 +58,7 @@ class MessageDelta:
 def _call_delta(c: ToolCallDelta) -> dict[str, Any]:
     if c.id is None:
         return {"index": c.index, "function": {"arguments": c.arguments}}
-    return {"index": c.index, "id": c.id, "type": "function",
-            "function": {"name": c.name, "arguments": c.arguments}}
+    return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 class ChatOutputParser:

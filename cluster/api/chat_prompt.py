@@ -12,6 +12,7 @@ when the model has a reasoning parser, tool calls parsed for ``tool_choice: auto
 ``required`` and a named function are enforced by a JSON-schema constraint
 (``tool_choice``, built in ``openai_service``), so their output is that JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,26 @@ from cluster.api.reasoning import THINK_OPEN, prompt_opens_reasoning
 from cluster.api.tool_parsers import parameter_types, pick_tool_parser
 
 # apply_chat_template's own parameters: not for chat_template_kwargs to override
-RESERVED_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+RESERVED_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 IMAGE_PARTS = frozenset({"image_url", "image", "input_image"})
 
 
@@ -56,15 +73,25 @@ class ChatSetup:
     tool_parser: str | None
     reasoning_parser: str | None
     trust_request_chat_template: bool = False
-    unserved_vision: bool = False         # the checkpoint has a vision tower we do not run
+    unserved_vision: bool = False  # the checkpoint has a vision tower we do not run
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
-                      trust_request_chat_template: bool = False, model_dir: str | None = None) -> ChatSetup:
+    def for_tokenizer(
+        cls,
+        tokenizer: Any,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "auto",
+        trust_request_chat_template: bool = False,
+        model_dir: str | None = None,
+    ) -> ChatSetup:
         template = template_text(tokenizer)
-        return cls(template, pick_tool_parser(tool_call_parser, template),
-                   pick_reasoning_parser(reasoning_parser, template), trust_request_chat_template,
-                   _unserved_vision(model_dir))
+        return cls(
+            template,
+            pick_tool_parser(tool_call_parser, template),
+            pick_reasoning_parser(reasoning_parser, template),
+            trust_request_chat_template,
+            _unserved_vision(model_dir),
+        )
 
 
 def _unserved_vision(model_dir: str | None) -> bool:
@@ -94,14 +121,20 @@ def _content_text(i: int, content: Any, setup: ChatSetup) -> str:
         if part.type == "text":
             texts.append(part.text or "")
         elif part.type in IMAGE_PARTS:
-            why = ("this checkpoint's vision tower is not loaded, only its language model"
-                   if setup.unserved_vision
-                   else "this server takes text content parts only")
-            raise OpenAIError(f"images are not served yet: {why}", param=f"messages.{i}.content.{j}",
-                              code="unsupported_content")
+            why = (
+                "this checkpoint's vision tower is not loaded, only its language model"
+                if setup.unserved_vision
+                else "this server takes text content parts only"
+            )
+            raise OpenAIError(
+                f"images are not served yet: {why}", param=f"messages.{i}.content.{j}", code="unsupported_content"
+            )
         else:
-            raise OpenAIError(f"content parts of type {part.type!r} are not supported (only 'text')",
-                              param=f"messages.{i}.content.{j}.type", code="unsupported_content")
+            raise OpenAIError(
+                f"content parts of type {part.type!r} are not supported (only 'text')",
+                param=f"messages.{i}.content.{j}.type",
+                code="unsupported_content",
+            )
     return "".join(texts)
 
 
@@ -115,8 +148,9 @@ def message_dict(i: int, m: ChatMessage, setup: ChatSetup) -> dict[str, Any]:
             try:
                 args = json.loads(call.function.arguments)
             except json.JSONDecodeError:
-                raise OpenAIError("tool call arguments must be JSON text",
-                                  param=f"messages.{i}.tool_calls.{j}.function.arguments") from None
+                raise OpenAIError(
+                    "tool call arguments must be JSON text", param=f"messages.{i}.tool_calls.{j}.function.arguments"
+                ) from None
             calls.append({**call.model_dump(), "function": {"name": call.function.name, "arguments": args}})
         out["tool_calls"] = calls
     return out
@@ -126,9 +160,11 @@ def _template(fields: ChatPromptFields, setup: ChatSetup) -> str | None:
     if fields.chat_template is None:
         return setup.chat_template
     if not setup.trust_request_chat_template:
-        raise OpenAIError("per-request chat templates are disabled on this server "
-                          "(config server.trust_request_chat_template)", param="chat_template",
-                          code="unsupported_parameter")
+        raise OpenAIError(
+            "per-request chat templates are disabled on this server (config server.trust_request_chat_template)",
+            param="chat_template",
+            code="unsupported_parameter",
+        )
     return fields.chat_template
 
 
@@ -136,15 +172,18 @@ def _template_kwargs(fields: ChatPromptFields, template: str | None) -> dict[str
     kwargs = dict(fields.chat_template_kwargs or {})
     clash = sorted(RESERVED_KWARGS & kwargs.keys())
     if clash:
-        raise OpenAIError(f"chat_template_kwargs may not set {clash}: use the request fields",
-                          param=f"chat_template_kwargs.{clash[0]}")
+        raise OpenAIError(
+            f"chat_template_kwargs may not set {clash}: use the request fields",
+            param=f"chat_template_kwargs.{clash[0]}",
+        )
     # honoured only by a template that reads them: refused rather than silently dropped
     for name in ("documents", "reasoning_effort"):
         value = getattr(fields, name)
         if value is not None:
             if name not in (template or ""):
-                raise OpenAIError(f"{name} is not used by this model's chat template", param=name,
-                                  code="unsupported_parameter")
+                raise OpenAIError(
+                    f"{name} is not used by this model's chat template", param=name, code="unsupported_parameter"
+                )
             kwargs[name] = value
     return kwargs
 
@@ -156,8 +195,14 @@ def render_chat(fields: ChatPromptFields, tokenizer: Any, setup: ChatSetup) -> R
     tools = [t.model_dump(exclude_none=True) for t in fields.tools] if fields.tools else None
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=template, add_generation_prompt=fields.add_generation_prompt,
-            continue_final_message=fields.continue_final_message, tokenize=False, **kwargs)
+            messages,
+            tools=tools,
+            chat_template=template,
+            add_generation_prompt=fields.add_generation_prompt,
+            continue_final_message=fields.continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
         raise OpenAIError(f"could not apply the chat template: {exc}"[:500], param="messages") from None
     ids = list(tokenizer.encode(text, add_special_tokens=fields.add_special_tokens))
@@ -166,17 +211,22 @@ def render_chat(fields: ChatPromptFields, tokenizer: Any, setup: ChatSetup) -> R
 
 def chat_output_spec(req: ChatCompletionRequest, rendered: RenderedChat, setup: ChatSetup) -> ChatOutputSpec:
     mode = req.tool_mode
-    if mode in ("required", "named"):          # constrained JSON (tool_choice.forced_schema), no reasoning
+    if mode in ("required", "named"):  # constrained JSON (tool_choice.forced_schema), no reasoning
         named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
         return ChatOutputSpec(forced=True, forced_name=named, parallel_tool_calls=req.parallel_tool_calls)
     if mode == "auto" and setup.tool_parser is None:
-        raise OpenAIError("this model's chat template shows no tool-call format, so tool calls cannot be "
-                          "parsed (config server.tool_call_parser); send tool_choice none or no tools",
-                          param="tool_choice" if req.tool_choice else "tools", code="unsupported_parameter")
+        raise OpenAIError(
+            "this model's chat template shows no tool-call format, so tool calls cannot be "
+            "parsed (config server.tool_call_parser); send tool_choice none or no tools",
+            param="tool_choice" if req.tool_choice else "tools",
+            code="unsupported_parameter",
+        )
     tools = [t.model_dump() for t in req.tools or []]
     return ChatOutputSpec(
         reasoning=setup.reasoning_parser is not None,
         starts_in_reasoning=setup.reasoning_parser is not None and prompt_opens_reasoning(rendered.text),
         include_reasoning=req.include_reasoning,
         tool_parser=setup.tool_parser if mode == "auto" else None,
-        tool_params=parameter_types(tools), parallel_tool_calls=req.parallel_tool_calls)
+        tool_params=parameter_types(tools),
+        parallel_tool_calls=req.parallel_tool_calls,
+    )

@@ -4,6 +4,7 @@
 unavailable engine (503); ``http_api`` renders it. ``from_validation_error`` turns a
 pydantic failure into the 400 naming the first invalid field.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,14 +14,19 @@ from pydantic import ValidationError
 
 
 class OpenAIError(Exception):
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # pydantic names the member of a union in ``loc`` (``("stop", "list[constrained-str]")``)

@@ -14,6 +14,7 @@ Request bodies: ``application/json`` only (else 415, as vLLM), at most
 ``ServerSettings.max_body_bytes`` (else 413, from ``content-length`` before reading and
 counted while reading, so a chunked body cannot get past it either).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -43,14 +44,13 @@ def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> R
     headers = dict(headers or {})
     if err.status == 503:
         headers.setdefault("retry-after", str(RETRY_AFTER_S))
-    return Response(json.dumps(err.body()), status_code=err.status, headers=headers,
-                    media_type="application/json")
+    return Response(json.dumps(err.body()), status_code=err.status, headers=headers, media_type="application/json")
 
 
 def route_path(scope: Scope) -> str:
     """The path below the app's mount point (Serve mounts apps under a route prefix)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 class AuthMiddleware:
@@ -71,8 +71,9 @@ class AuthMiddleware:
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id") if self.echo_request_id else None
         if self.api_key is not None and route_path(scope) not in OPEN_PATHS and not self._ok(headers):
-            err = OpenAIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                              status=401, code="invalid_api_key")
+            err = OpenAIError(
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'", status=401, code="invalid_api_key"
+            )
             extra = {"www-authenticate": "Bearer"}
             if rid:
                 extra["x-request-id"] = rid.decode("latin-1")
@@ -91,21 +92,27 @@ class AuthMiddleware:
 
     def _ok(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        return (scheme.lower() == b"bearer" and self.api_key is not None
-                and hmac.compare_digest(token.strip(), self.api_key))
+        return (
+            scheme.lower() == b"bearer"
+            and self.api_key is not None
+            and hmac.compare_digest(token.strip(), self.api_key)
+        )
 
 
 async def read_json_body(request: Request, limit: int) -> bytes:
     """The raw body of a JSON request: 415 unless ``application/json``, 413 past ``limit``."""
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
-        raise OpenAIError(f"Content-Type must be application/json, got {media_type or 'none'!r}"[:200],
-                          status=415, code="unsupported_media_type")
+        raise OpenAIError(
+            f"Content-Type must be application/json, got {media_type or 'none'!r}"[:200],
+            status=415,
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length")
     if declared is not None and not declared.isdigit():
         raise OpenAIError(f"invalid Content-Length {declared[:40]!r}")
     if declared is not None and int(declared) > limit:
-        raise _too_large(limit)                  # refused before reading a byte of it
+        raise _too_large(limit)  # refused before reading a byte of it
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -115,8 +122,7 @@ async def read_json_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(limit: int) -> OpenAIError:
-    return OpenAIError(f"request body is larger than the limit of {limit} bytes", status=413,
-                       code="request_too_large")
+    return OpenAIError(f"request body is larger than the limit of {limit} bytes", status=413, code="request_too_large")
 
 
 def make_api(server: OpenAIServer, echo_request_id: bool = True) -> FastAPI:
@@ -142,13 +148,16 @@ def _generate_routes(app: FastAPI, server: OpenAIServer, limit: int) -> None:
     async def model(model_id: str) -> JSONResponse:
         return JSONResponse(await server.model(model_id))
 
-    @app.post("/v1/completions", openapi_extra=operation("Completion", GENERATE_ERRORS,
-                                                         "CompletionRequest", stream=True))
+    @app.post(
+        "/v1/completions", openapi_extra=operation("Completion", GENERATE_ERRORS, "CompletionRequest", stream=True)
+    )
     async def completions(request: Request) -> Response:
         return await _respond(server, await server.start_completion(await read_json_body(request, limit)))
 
-    @app.post("/v1/chat/completions", openapi_extra=operation("ChatCompletion", GENERATE_ERRORS,
-                                                              "ChatCompletionRequest", stream=True))
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=operation("ChatCompletion", GENERATE_ERRORS, "ChatCompletionRequest", stream=True),
+    )
     async def chat_completions(request: Request) -> Response:
         return await _respond(server, await server.start_chat(await read_json_body(request, limit)))
 
@@ -158,8 +167,7 @@ def _tokenizer_routes(app: FastAPI, server: OpenAIServer, limit: int) -> None:
     async def tokenize(request: Request) -> JSONResponse:
         return JSONResponse(await server.tokenize(await read_json_body(request, limit)))
 
-    @app.post("/detokenize", openapi_extra=operation("DetokenizeResponse", TOKENIZE_ERRORS,
-                                                     "DetokenizeRequest"))
+    @app.post("/detokenize", openapi_extra=operation("DetokenizeResponse", TOKENIZE_ERRORS, "DetokenizeRequest"))
     async def detokenize(request: Request) -> JSONResponse:
         return JSONResponse(await server.detokenize(await read_json_body(request, limit)))
 
@@ -175,7 +183,7 @@ def _service_routes(app: FastAPI, server: OpenAIServer) -> None:
         return Response(status_code=200)
 
     @app.get("/ping", response_class=Response, openapi_extra=operation(None, (503,)))
-    async def ping_get() -> Response:           # SageMaker's health route
+    async def ping_get() -> Response:  # SageMaker's health route
         return await health()
 
     @app.post("/ping", response_class=Response, openapi_extra=operation(None, (503,)))
@@ -205,8 +213,9 @@ def _service_routes(app: FastAPI, server: OpenAIServer) -> None:
 
 async def _respond(server: OpenAIServer, started: StartedResponse) -> Response:
     if started.stream:
-        return StreamingResponse(server.events(started), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+        return StreamingResponse(
+            server.events(started), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
     return JSONResponse(await server.collect(started))
 
 
@@ -218,11 +227,9 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(OpenAIError(str(exc.detail), status=exc.status_code, type=kind),
-                              dict(exc.headers or {}))
+        return error_response(OpenAIError(str(exc.detail), status=exc.status_code, type=kind), dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
-        return error_response(OpenAIError(f"internal error: {type(exc).__name__}", status=500,
-                                          type="internal_error"))
+        return error_response(OpenAIError(f"internal error: {type(exc).__name__}", status=500, type="internal_error"))

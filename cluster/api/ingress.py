@@ -8,6 +8,7 @@ wrapped in ``AdmissionLimit`` (``cluster/api/admission.py``): at most
 ``ingress.max_in_flight`` concurrent requests per ingress replica, the rest answered 503 +
 ``Retry-After`` at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ from configs.schema import HybridServeConfig
 class ServeEngineClient:
     """``EngineClient`` over the engine deployment's handle."""
 
-    def __init__(self, handle: DeploymentHandle, app_name: str, forget_after_s: float,
-                 metrics_host: str, metrics_port: int) -> None:
+    def __init__(
+        self, handle: DeploymentHandle, app_name: str, forget_after_s: float, metrics_host: str, metrics_port: int
+    ) -> None:
         self._handle = handle
         # by value: stream items travel on the replicas' gRPC channel, not as Ray objects,
         # which costs this hop less CPU per item (BENCHMARKS.md, the HTTP path)
@@ -86,15 +88,14 @@ class OpenAIIngress:
         from workers.loader import load_tokenizer
 
         cfg = HybridServeConfig.model_validate(config)
-        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())   # data only, no checkpoint code
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())  # data only, no checkpoint code
         app_name = serve.get_replica_context().app_name
-        client = ServeEngineClient(engine, app_name, cfg.replica.forget_after_s, cfg.server.host,
-                                   cfg.metrics.port)
+        client = ServeEngineClient(engine, app_name, cfg.replica.forget_after_s, cfg.server.host, cfg.metrics.port)
         self._server = OpenAIServer(client, tokenizer, ServerSettings.from_config(cfg))
         self._max_in_flight, self._retry_after_s = cfg.ingress.max_in_flight, cfg.ingress.retry_after_s
 
     def __serve_build_asgi_app__(self) -> Any:
-        api = make_api(self._server, echo_request_id=False)   # Serve's proxy echoes x-request-id
+        api = make_api(self._server, echo_request_id=False)  # Serve's proxy echoes x-request-id
         self._admission = AdmissionLimit(api, self._max_in_flight, self._retry_after_s)
         return self._admission
 

@@ -8,6 +8,7 @@ Completions' ``top_logprobs`` holds the chosen token and the ``logprobs`` best o
 ``logprobs: 0`` gives the chosen token alone), as vLLM and OpenAI's legacy API define it;
 chat's ``top_logprobs`` list holds the ``top_logprobs`` best only (empty for 0).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,14 +27,16 @@ def token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
     return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id], skip_special_tokens=True)
 
 
-def completion_logprobs(lps: list[TokenLogprob], tokenizer: Any, text_offset: int = 0,
-                        as_ids: bool = False) -> dict[str, Any]:
+def completion_logprobs(
+    lps: list[TokenLogprob], tokenizer: Any, text_offset: int = 0, as_ids: bool = False
+) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object; ``text_offset`` starts the offsets."""
     return completion_logprobs_from(lps, tokenizer, text_offset, as_ids)[0]
 
 
-def completion_logprobs_from(lps: list[TokenLogprob], tokenizer: Any, text_offset: int,
-                             as_ids: bool = False) -> tuple[dict[str, Any], int]:
+def completion_logprobs_from(
+    lps: list[TokenLogprob], tokenizer: Any, text_offset: int, as_ids: bool = False
+) -> tuple[dict[str, Any], int]:
     """``completion_logprobs`` and the offset after its last token, where the next stream
     chunk's offsets start: each token's offset is the length of the tokens' texts before
     it, as in the whole response, whatever the chunk boundaries (the streamed text itself
@@ -50,8 +53,12 @@ def completion_logprobs_from(lps: list[TokenLogprob], tokenizer: Any, text_offse
         for tid, v in lp.top:
             top.setdefault(token_text(tokenizer, tid, as_ids), _value(v))
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [_value(lp.logprob) for lp in lps],
-            "top_logprobs": tops, "text_offset": offsets}, pos
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_value(lp.logprob) for lp in lps],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }, pos
 
 
 def chat_logprobs(lps: list[TokenLogprob], tokenizer: Any, as_ids: bool = False) -> dict[str, Any]:
@@ -59,5 +66,6 @@ def chat_logprobs(lps: list[TokenLogprob], tokenizer: Any, as_ids: bool = False)
         tok = token_text(tokenizer, tid, as_ids)
         return {"token": tok, "logprob": _value(value), "bytes": list(tok.encode("utf-8"))}
 
-    return {"content": [{**entry(lp.token_id, lp.logprob),
-                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+    return {
+        "content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+    }

@@ -10,6 +10,7 @@ event followed by ``[DONE]``.
 Leaving early -- the client disconnects, the handler is cancelled -- cancels every
 replica stream of the request, which aborts its choices in the engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,13 +24,7 @@ from typing import Any
 
 from cluster.api.chat_prompt import ChatSetup
 from cluster.api.errors import OpenAIError
-from cluster.api.openai_service import (
-    PreparedRequest,
-    chat_body,
-    completion_body,
-    prepare_chat,
-    prepare_completion,
-)
+from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
 from cluster.api.prompt_logprobs import keep_best
 from cluster.api.protocol import (
     ChatCompletionRequest,
@@ -59,13 +54,13 @@ class ServerSettings:
     ``ingress.max_body_bytes`` (``from_config``; ``configs/schema.py`` validates them)."""
 
     model_name: str
-    model_root: str                       # the checkpoint the name stands for (``root``)
+    model_root: str  # the checkpoint the name stands for (``root``)
     api_key: str | None = _SERVER.api_key
     max_body_bytes: int = _INGRESS.max_body_bytes
     tool_call_parser: str = _SERVER.tool_call_parser
     reasoning_parser: str = _SERVER.reasoning_parser
     trust_request_chat_template: bool = _SERVER.trust_request_chat_template
-    created: int = field(default_factory=lambda: int(time.time()))   # /v1/models ``created``
+    created: int = field(default_factory=lambda: int(time.time()))  # /v1/models ``created``
 
     @classmethod
     def from_config(cls, config: HybridServeConfig, model_name: str | None = None) -> ServerSettings:
@@ -73,9 +68,15 @@ class ServerSettings:
         the checkpoint's absolute path, so a bench client on this machine can load the same
         tokenizer whatever its working directory."""
         s = config.server
-        return cls(model_name or config.served_model_name(), str(config.model_dir().resolve()), s.api_key,
-                   config.ingress.max_body_bytes, s.tool_call_parser, s.reasoning_parser,
-                   s.trust_request_chat_template)
+        return cls(
+            model_name or config.served_model_name(),
+            str(config.model_dir().resolve()),
+            s.api_key,
+            config.ingress.max_body_bytes,
+            s.tool_call_parser,
+            s.reasoning_parser,
+            s.trust_request_chat_template,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,13 @@ class OpenAIServer:
         self.client = client
         self.tokenizer = tokenizer
         self.settings = settings
-        self.chat_setup = ChatSetup.for_tokenizer(tokenizer, settings.tool_call_parser,
-                                                  settings.reasoning_parser,
-                                                  settings.trust_request_chat_template, settings.model_root)
+        self.chat_setup = ChatSetup.for_tokenizer(
+            tokenizer,
+            settings.tool_call_parser,
+            settings.reasoning_parser,
+            settings.trust_request_chat_template,
+            settings.model_root,
+        )
         self._info: ModelInfo | None = None
 
     async def model_info(self) -> ModelInfo:
@@ -121,9 +126,16 @@ class OpenAIServer:
 
     async def _model_card(self) -> dict[str, Any]:
         info = await self.model_info()
-        return {"id": self.settings.model_name, "object": "model", "created": self.settings.created,
-                "owned_by": "hybridserve", "root": self.settings.model_root, "parent": None,
-                "max_model_len": info.max_model_len, "permission": []}
+        return {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": self.settings.created,
+            "owned_by": "hybridserve",
+            "root": self.settings.model_root,
+            "parent": None,
+            "max_model_len": info.max_model_len,
+            "permission": [],
+        }
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [await self._model_card()]}
@@ -135,9 +147,12 @@ class OpenAIServer:
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
-            raise OpenAIError(f"The model `{name}` does not exist; this server serves "
-                              f"`{self.settings.model_name}`", status=404, param="model",
-                              code="model_not_found")
+            raise OpenAIError(
+                f"The model `{name}` does not exist; this server serves `{self.settings.model_name}`",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
 
     async def start_completion(self, raw: bytes) -> StartedResponse:
         return await self._start(validate_completion(parse_json(raw)), prepare_completion, "cmpl")
@@ -145,17 +160,23 @@ class OpenAIServer:
     async def start_chat(self, raw: bytes) -> StartedResponse:
         return await self._start(validate_chat(parse_json(raw)), prepare_chat, "chatcmpl")
 
-    async def _start(self, req: CompletionRequest | ChatCompletionRequest,
-                     prepare: Callable[..., PreparedRequest], prefix: str) -> StartedResponse:
+    async def _start(
+        self, req: CompletionRequest | ChatCompletionRequest, prepare: Callable[..., PreparedRequest], prefix: str
+    ) -> StartedResponse:
         self._check_model(req.model)
         info = await self.model_info()
         prepared = prepare(req, self.tokenizer, info.max_model_len, info.vocab_size, self.chat_setup)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams = await self._open_streams(prepared, request_id)
         options = req.stream_options
-        return StartedResponse(prepared, request_id, streams, req.stream,
-                               bool(options and options.include_usage),
-                               bool(options and options.continuous_usage_stats))
+        return StartedResponse(
+            prepared,
+            request_id,
+            streams,
+            req.stream,
+            bool(options and options.include_usage),
+            bool(options and options.continuous_usage_stats),
+        )
 
     async def tokenize(self, raw: bytes) -> dict[str, Any]:
         req = validate_tokenize(parse_json(raw))
@@ -194,7 +215,7 @@ class OpenAIServer:
         try:
             for i, ids in enumerate(prepared.prompt_ids):
                 text = prepared.prompt_texts[i] if i < len(prepared.prompt_texts) else ""
-                req = GenerateRequest(f"{request_id}-{i}", ids, prepared.params[i * n:(i + 1) * n], text)
+                req = GenerateRequest(f"{request_id}-{i}", ids, prepared.params[i * n : (i + 1) * n], text)
                 streams.append(self.client.generate(req))
                 first = await streams[-1].__anext__()
                 if isinstance(first, GenerateError):
@@ -222,15 +243,20 @@ class OpenAIServer:
             await merged.aclose()
         render = chat_body if started.prepared.kind == "chat" else completion_body
         prepared = started.prepared
-        outputs = keep_best(state.outputs(), prepared.n, prepared.kept().n)      # best_of
+        outputs = keep_best(state.outputs(), prepared.n, prepared.kept().n)  # best_of
         return render(prepared.kept(), outputs, self.settings.model_name, self.tokenizer, started.request_id)
 
     async def events(self, started: StartedResponse) -> AsyncIterator[str]:
         """SSE events; closing this generator early cancels the replica streams."""
         state = ResponseState(started.prepared)
-        renderer = SSERenderer(started.prepared, self.settings.model_name, started.request_id,
-                               self.tokenizer, started.include_usage,
-                               continuous_usage=started.continuous_usage)
+        renderer = SSERenderer(
+            started.prepared,
+            self.settings.model_name,
+            started.request_id,
+            self.tokenizer,
+            started.include_usage,
+            continuous_usage=started.continuous_usage,
+        )
         merged = merge_streams(started.streams)
         try:
             for event in renderer.first_events(len(state.choices)):
@@ -332,5 +358,9 @@ def _unavailable(exc: BaseException) -> OpenAIError:
     logger.warning("engine call failed: %r", exc)
     cause = getattr(exc, "cause", None) or exc
     first = (str(cause).strip().splitlines() or [""])[0][:200]
-    return OpenAIError(f"the engine is unavailable: {type(cause).__name__}: {first}", status=503,
-                       type="service_unavailable", code="engine_unavailable")
+    return OpenAIError(
+        f"the engine is unavailable: {type(cause).__name__}: {first}",
+        status=503,
+        type="service_unavailable",
+        code="engine_unavailable",
+    )

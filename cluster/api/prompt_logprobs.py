@@ -4,6 +4,7 @@ keeping the best ``n`` of ``best_of`` sequences.
 The engine scores each prompt token from the model's raw logits during prefill
 (``RequestOutput.prompt_logprobs``: entry 0 is None, nothing scores the first token).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -25,8 +26,7 @@ def top_entries(lp: TokenLogprob, k: int, tokenizer) -> dict[str, float]:
     return out
 
 
-def echo_logprobs(prompt_ids: list[int], entries: list[TokenLogprob | None], k: int,
-                  tokenizer) -> dict[str, list[Any]]:
+def echo_logprobs(prompt_ids: list[int], entries: list[TokenLogprob | None], k: int, tokenizer) -> dict[str, list[Any]]:
     """The prompt's part of a completions ``logprobs`` object (``echo``): one entry per
     prompt token, the first with null logprobs, offsets from 0."""
     tokens = [_text(tokenizer, t) for t in prompt_ids]
@@ -34,14 +34,15 @@ def echo_logprobs(prompt_ids: list[int], entries: list[TokenLogprob | None], k: 
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens,
-            "token_logprobs": [None if e is None else e.logprob for e in entries],
-            "top_logprobs": [None if e is None else top_entries(e, k, tokenizer) for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [None if e is None else top_entries(e, k, tokenizer) for e in entries],
+        "text_offset": offsets,
+    }
 
 
-def vllm_prompt_logprobs(entries: list[TokenLogprob | None], k: int,
-                         tokenizer) -> list[dict[str, Any] | None]:
+def vllm_prompt_logprobs(entries: list[TokenLogprob | None], k: int, tokenizer) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: per position null or {token id: {logprob, rank, decoded_token}}
     holding the prompt token and the top k."""
     out: list[dict[str, Any] | None] = []
@@ -52,8 +53,9 @@ def vllm_prompt_logprobs(entries: list[TokenLogprob | None], k: int,
         ranked = {e.token_id: (e.logprob, e.rank)}
         for i, (token_id, value) in enumerate(e.top[:k]):
             ranked.setdefault(token_id, (value, i + 1))
-        out.append({str(t): {"logprob": v, "rank": r, "decoded_token": _text(tokenizer, t)}
-                    for t, (v, r) in ranked.items()})
+        out.append(
+            {str(t): {"logprob": v, "rank": r, "decoded_token": _text(tokenizer, t)} for t, (v, r) in ranked.items()}
+        )
     return out
 
 
@@ -64,8 +66,11 @@ def keep_best(outputs: list[RequestOutput], run: int, keep: int) -> list[Request
         return outputs
     best: list[RequestOutput] = []
     for start in range(0, len(outputs), run):
-        group = outputs[start:start + run]
-        ranked = sorted(group, key=lambda o: o.cumulative_logprob if o.cumulative_logprob is not None
-                        else float("-inf"), reverse=True)
+        group = outputs[start : start + run]
+        ranked = sorted(
+            group,
+            key=lambda o: o.cumulative_logprob if o.cumulative_logprob is not None else float("-inf"),
+            reverse=True,
+        )
         best.extend(ranked[:keep])
     return [replace(o, request_id=str(i)) for i, o in enumerate(best)]

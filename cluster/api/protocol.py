@@ -7,19 +7,12 @@ where JSON schema can say them, so ``/openapi.json`` (``cluster/api/openapi_sche
 describes what is accepted; what depends on the model (context length, vocabulary, chat
 template) is checked in ``openai_service`` / ``chat_prompt``.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.api.errors import OpenAIError, from_validation_error
 from cluster.api.sampling_fields import SamplingExtras
@@ -34,14 +27,14 @@ FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False    # usage on every chunk (with include_usage)
+    continuous_usage_stats: bool = False  # usage on every chunk (with include_usage)
 
 
 class _SamplingFields(SamplingExtras):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)     # None: the rest of the context
+    max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
@@ -50,12 +43,12 @@ class _SamplingFields(SamplingExtras):
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[TokenId] | None = None
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])     # int64, as torch seeds
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # int64, as torch seeds
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False       # logprob tokens as "token_id:N"
-    truncate_prompt_tokens: int | None = Field(None, ge=1)   # keep the last N prompt tokens
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the last N prompt tokens
     user: str | None = None
 
     @field_validator("stop")
@@ -65,10 +58,14 @@ class _SamplingFields(SamplingExtras):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: (str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    prompt: (
+        str
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False                              # the prompt (and its logprobs) before the completion
+    echo: bool = False  # the prompt (and its logprobs) before the completion
     # None: the rest of the context; 0: echo / prompt_logprobs only
     max_tokens: int | None = Field(None, ge=0)
     add_special_tokens: bool = True
@@ -95,7 +92,7 @@ class ContentPart(BaseModel):
 
 class FunctionCall(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
-    arguments: str                          # JSON text, as the model produced it
+    arguments: str  # JSON text, as the model produced it
 
 
 class MessageToolCall(BaseModel):
@@ -112,9 +109,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None     # assistant turns that called tools
-    tool_call_id: str | None = None                     # tool turns: the call answered
-    reasoning_content: str | None = None                # assistant turns of reasoning models
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call answered
+    reasoning_content: str | None = None  # assistant turns of reasoning models
 
 
 class FunctionDefinition(BaseModel):
@@ -208,7 +205,7 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
         """``none`` | ``auto`` | ``required`` | ``named`` (OpenAI's default: auto with tools)."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
-        if not self.tools:                       # required with no tools behaves as none
+        if not self.tools:  # required with no tools behaves as none
             return "none"
         return self.tool_choice or "auto"
 
@@ -245,8 +242,11 @@ def check_unicode(body: Any) -> None:
     bad = _lone_surrogate(body, "")
     if bad is not None:
         param = bad.encode("utf-8", "backslashreplace").decode() or None
-        raise OpenAIError("request body holds a lone UTF-16 surrogate (an escape like \\udcff that "
-                          "encodes no character)", param=param, code="invalid_unicode")
+        raise OpenAIError(
+            "request body holds a lone UTF-16 surrogate (an escape like \\udcff that encodes no character)",
+            param=param,
+            code="invalid_unicode",
+        )
 
 
 def _lone_surrogate(obj: Any, path: str) -> str | None:

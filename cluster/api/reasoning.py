@@ -11,6 +11,7 @@ An output with no ``<think>`` where one could start is all content; one cut off 
 ``feed`` returns (reasoning, content) text released so far, holding back a possible
 partial tag; ``finish`` releases the rest. Any split of the text gives the same result.
 """
+
 from __future__ import annotations
 
 from cluster.api.tool_parsers import partial_suffix
@@ -37,9 +38,9 @@ class ReasoningSplitter:
             if state == "start":
                 head = self._buf.lstrip()
                 if head.startswith(THINK_OPEN):
-                    self._buf, self._state = head[len(THINK_OPEN):], "reasoning_start"
+                    self._buf, self._state = head[len(THINK_OPEN) :], "reasoning_start"
                     continue
-                if THINK_OPEN.startswith(head):          # undecided: empty or a partial tag
+                if THINK_OPEN.startswith(head):  # undecided: empty or a partial tag
                     return reasoning, content
                 self._state = "content"
             elif state in ("reasoning_start", "after"):  # drop leading whitespace
@@ -52,11 +53,11 @@ class ReasoningSplitter:
                 end = self._buf.find(THINK_CLOSE)
                 if end >= 0:
                     reasoning += self._buf[:end]
-                    self._buf, self._state = self._buf[end + len(THINK_CLOSE):], "after"
+                    self._buf, self._state = self._buf[end + len(THINK_CLOSE) :], "after"
                     continue
                 keep = partial_suffix(self._buf, THINK_CLOSE)
-                reasoning += self._buf[:len(self._buf) - keep]
-                self._buf = self._buf[len(self._buf) - keep:]
+                reasoning += self._buf[: len(self._buf) - keep]
+                self._buf = self._buf[len(self._buf) - keep :]
                 return reasoning, content
             else:
                 content += self._buf

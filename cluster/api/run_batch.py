@@ -5,6 +5,7 @@ Each input line: ``{"custom_id", "method": "POST", "url": "/v1/completions" |
 batch; a bad line gets an error object in its output line and the others still run.
 Output lines keep input order.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,19 +15,15 @@ from typing import Any, Iterable
 
 from cluster.api.chat_prompt import ChatSetup
 from cluster.api.errors import OpenAIError
-from cluster.api.openai_service import (
-    PreparedRequest,
-    chat_body,
-    completion_body,
-    prepare_chat,
-    prepare_completion,
-)
+from cluster.api.openai_service import PreparedRequest, chat_body, completion_body, prepare_chat, prepare_completion
 from cluster.api.prompt_logprobs import keep_best
 from cluster.api.protocol import check_unicode, validate_chat, validate_completion
 from workers.llm import LLM
 
-_ROUTES = {"/v1/completions": (validate_completion, prepare_completion, completion_body),
-           "/v1/chat/completions": (validate_chat, prepare_chat, chat_body)}
+_ROUTES = {
+    "/v1/completions": (validate_completion, prepare_completion, completion_body),
+    "/v1/chat/completions": (validate_chat, prepare_chat, chat_body),
+}
 
 
 @dataclass
@@ -55,8 +52,7 @@ def _parse_line(line: str, llm: LLM, setup: ChatSetup) -> _Entry:
         if not isinstance(body, dict):
             raise OpenAIError("body must be a JSON object", param="body")
         check_unicode(body)
-        entry.prepared = prepare(validate(body), llm.tokenizer, llm.engine.max_model_len,
-                                 llm.engine.vocab_size, setup)
+        entry.prepared = prepare(validate(body), llm.tokenizer, llm.engine.max_model_len, llm.engine.vocab_size, setup)
     except OpenAIError as exc:
         entry.error = exc
     return entry
@@ -65,18 +61,29 @@ def _parse_line(line: str, llm: LLM, setup: ChatSetup) -> _Entry:
 def _result_line(entry: _Entry, body: dict[str, Any] | None) -> dict[str, Any]:
     rid = f"batch_req_{uuid.uuid4().hex}"
     if entry.error is not None:
-        return {"id": rid, "custom_id": entry.custom_id,
-                "response": {"status_code": entry.error.status, "request_id": rid,
-                             "body": entry.error.body()},
-                "error": {"code": entry.error.code or entry.error.type, "message": entry.error.message}}
-    return {"id": rid, "custom_id": entry.custom_id,
-            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+        return {
+            "id": rid,
+            "custom_id": entry.custom_id,
+            "response": {"status_code": entry.error.status, "request_id": rid, "body": entry.error.body()},
+            "error": {"code": entry.error.code or entry.error.type, "message": entry.error.message},
+        }
+    return {
+        "id": rid,
+        "custom_id": entry.custom_id,
+        "response": {"status_code": 200, "request_id": rid, "body": body},
+        "error": None,
+    }
 
 
 def run_batch(llm: LLM, lines: Iterable[str], model_name: str) -> list[dict[str, Any]]:
     s = llm.config.server
-    setup = ChatSetup.for_tokenizer(llm.tokenizer, s.tool_call_parser, s.reasoning_parser,
-                                    s.trust_request_chat_template, str(llm.config.model_dir()))
+    setup = ChatSetup.for_tokenizer(
+        llm.tokenizer,
+        s.tool_call_parser,
+        s.reasoning_parser,
+        s.trust_request_chat_template,
+        str(llm.config.model_dir()),
+    )
     entries = [_parse_line(line, llm, setup) for line in lines if line.strip()]
     valid = [e for e in entries if e.prepared is not None]
     prompts = [ids for e in valid for ids in e.prepared.choice_prompts()]  # type: ignore[union-attr]

@@ -9,6 +9,7 @@
 names. ``constraint`` turns them into the one ``StructuredOutput`` the engine honours (a
 400 naming the field when two are given or a schema does not compile).
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -97,20 +98,29 @@ class SamplingExtras(BaseModel):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams keyword arguments for these fields (the constraint included)."""
-        return dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                    logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                    bad_words=tuple(self.bad_words or ()),
-                    include_stop_str_in_output=self.include_stop_str_in_output,
-                    skip_special_tokens=self.skip_special_tokens, structured_output=self.constraint())
+        return dict(
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            bad_words=tuple(self.bad_words or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            structured_output=self.constraint(),
+        )
 
     def constraint(self) -> StructuredOutput | None:
         """The one structured-output constraint asked for (ConstraintError otherwise)."""
-        found = [c for c in (self._from_response_format(), self._from_structured_outputs(),
-                             *self._from_guided()) if c is not None]
+        found = [
+            c
+            for c in (self._from_response_format(), self._from_structured_outputs(), *self._from_guided())
+            if c is not None
+        ]
         if len(found) > 1:
-            raise ConstraintError(f"only one structured-output constraint may be given; got "
-                                  f"{', '.join(p for p, _ in found)}", found[1][0])
+            raise ConstraintError(
+                f"only one structured-output constraint may be given; got {', '.join(p for p, _ in found)}", found[1][0]
+            )
         return found[0][1] if found else None
 
     def _from_response_format(self) -> tuple[str, StructuredOutput] | None:
@@ -122,32 +132,45 @@ class SamplingExtras(BaseModel):
         if rf.type == "json_schema":
             js = rf.json_schema
             if js is None or js.json_schema is None:
-                raise ConstraintError("response_format json_schema needs json_schema.schema",
-                                      "response_format.json_schema")
+                raise ConstraintError(
+                    "response_format json_schema needs json_schema.schema", "response_format.json_schema"
+                )
             # Always xgrammar's strict mode (as vLLM): an object without properties the
             # schema does not name is valid whether or not the client asked for strict.
-            return "response_format", _build("response_format.json_schema.schema",
-                                             StructuredOutput.json_schema, js.json_schema)
+            return "response_format", _build(
+                "response_format.json_schema.schema", StructuredOutput.json_schema, js.json_schema
+            )
         tag = {k: v for k, v in (rf.model_extra or {}).items()}
-        return "response_format", _build("response_format", StructuredOutput.structural_tag,
-                                         {"type": "structural_tag", **tag})
+        return "response_format", _build(
+            "response_format", StructuredOutput.structural_tag, {"type": "structural_tag", **tag}
+        )
 
     def _from_structured_outputs(self) -> tuple[str, StructuredOutput] | None:
         so = self.structured_outputs
         if so is None:
             return None
         if so.whitespace_pattern is not None:
-            raise ConstraintError("whitespace_pattern is not supported by the xgrammar backend",
-                                  "structured_outputs.whitespace_pattern")
+            raise ConstraintError(
+                "whitespace_pattern is not supported by the xgrammar backend", "structured_outputs.whitespace_pattern"
+            )
         ws = not so.disable_any_whitespace
-        given = [(name, value) for name, value in (("json", so.json_), ("regex", so.regex),
-                                                   ("choice", so.choice), ("grammar", so.grammar),
-                                                   ("structural_tag", so.structural_tag))
-                 if value is not None] + ([("json_object", True)] if so.json_object else [])
+        given = [
+            (name, value)
+            for name, value in (
+                ("json", so.json_),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+                ("structural_tag", so.structural_tag),
+            )
+            if value is not None
+        ] + ([("json_object", True)] if so.json_object else [])
         if len(given) != 1:
-            raise ConstraintError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
-                                  f"json_object, structural_tag; got {[n for n, _ in given] or 'none'}",
-                                  "structured_outputs")
+            raise ConstraintError(
+                f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag; got {[n for n, _ in given] or 'none'}",
+                "structured_outputs",
+            )
         name, value = given[0]
         return "structured_outputs", _constraint(f"structured_outputs.{name}", name, value, ws)
 

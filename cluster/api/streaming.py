@@ -13,6 +13,7 @@ parsed (``PreparedRequest.chat``) streams ``reasoning_content``, ``content`` and
 ``tool_calls`` deltas from its own ``ChatOutputParser``; one that called tools finishes
 with ``tool_calls``.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,14 +52,14 @@ class ChoiceState:
 class ChoiceDelta:
     """Everything one choice gained from one batch of chunks."""
 
-    index: int                            # global choice index in the response
+    index: int  # global choice index in the response
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     stop_reason: str | int | None
-    is_first: bool                        # the choice's first delta
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # on the first delta, when asked
+    is_first: bool  # the choice's first delta
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked
 
 
 class ResponseState:
@@ -95,21 +96,40 @@ class ResponseState:
             state.finish_reason, state.stop_reason = last.finish_reason, last.stop_reason
         first = not self._started[i]
         self._started[i] = True
-        return ChoiceDelta(i, ids, text, lps, last.finish_reason if last.finished else None,
-                           last.stop_reason if last.finished else None, first, state.prompt_logprobs)
+        return ChoiceDelta(
+            i,
+            ids,
+            text,
+            lps,
+            last.finish_reason if last.finished else None,
+            last.stop_reason if last.finished else None,
+            first,
+            state.prompt_logprobs,
+        )
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
 
     def outputs(self) -> list[RequestOutput]:
-        return [RequestOutput(request_id=str(i), prompt_token_ids=c.prompt_token_ids,
-                              token_ids=list(c.token_ids), text=c.text, cached_tokens=c.cached_tokens,
-                              finished=c.finished, finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason, new_token_ids=[], delta_text="",
-                              logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs,
-                              cumulative_logprob=c.cumulative_logprob)
-                for i, c in enumerate(self.choices)]
+        return [
+            RequestOutput(
+                request_id=str(i),
+                prompt_token_ids=c.prompt_token_ids,
+                token_ids=list(c.token_ids),
+                text=c.text,
+                cached_tokens=c.cached_tokens,
+                finished=c.finished,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                new_token_ids=[],
+                delta_text="",
+                logprobs=c.logprobs,
+                prompt_logprobs=c.prompt_logprobs,
+                cumulative_logprob=c.cumulative_logprob,
+            )
+            for i, c in enumerate(self.choices)
+        ]
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prepared, self.outputs())
@@ -120,8 +140,16 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 class SSERenderer:
-    def __init__(self, prepared: PreparedRequest, model: str, request_id: str, tokenizer: Any,
-                 include_usage: bool, created: int | None = None, continuous_usage: bool = False) -> None:
+    def __init__(
+        self,
+        prepared: PreparedRequest,
+        model: str,
+        request_id: str,
+        tokenizer: Any,
+        include_usage: bool,
+        created: int | None = None,
+        continuous_usage: bool = False,
+    ) -> None:
         self.prepared = prepared
         self.chat = prepared.kind == "chat"
         self.model = model
@@ -133,12 +161,16 @@ class SSERenderer:
         spec = prepared.chat
         num_choices = len(prepared.prompt_ids) * prepared.n
         self._parsers = [ChatOutputParser(spec) for _ in range(num_choices)] if spec is not None else None
-        self._lp_offsets = [0] * num_choices   # completions: where the next token's text_offset starts
+        self._lp_offsets = [0] * num_choices  # completions: where the next token's text_offset starts
 
     def _envelope(self, choices: list[dict[str, Any]], state: ResponseState | None = None) -> dict[str, Any]:
-        obj: dict[str, Any] = {"id": self.request_id,
-                               "object": "chat.completion.chunk" if self.chat else "text_completion",
-                               "created": self.created, "model": self.model, "choices": choices}
+        obj: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             obj["usage"] = state.usage() if self.continuous_usage and state is not None else None
         return obj
@@ -147,18 +179,31 @@ class SSERenderer:
         """Chat opens every choice with an empty assistant delta; completions send nothing."""
         if not self.chat:
             return []
-        return [sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]))
-                for i in range(num_choices)]
+        return [
+            sse(
+                self._envelope(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+            for i in range(num_choices)
+        ]
 
     def delta_events(self, deltas: Sequence[ChoiceDelta], state: ResponseState | None = None) -> list[str]:
         events = []
         for d in deltas:
             delta = self._chat_delta(d) if self.chat else {}
             opens = d.is_first and (self.prepared.echo or self.prepared.prompt_logprobs is not None)
-            if not (delta or d.text and not self.chat or d.finish_reason or opens
-                    or (d.token_ids and self._shows_tokens())):
-                continue                  # nothing a client could see (held-back text)
+            if not (
+                delta or d.text and not self.chat or d.finish_reason or opens or (d.token_ids and self._shows_tokens())
+            ):
+                continue  # nothing a client could see (held-back text)
             events.append(sse(self._envelope([self._choice(d, delta)], state)))
         return events
 
@@ -172,8 +217,9 @@ class SSERenderer:
         parsed = parser.feed(d.text)
         if d.finish_reason is not None:
             end = parser.finish()
-            parsed = MessageDelta(parsed.reasoning + end.reasoning, parsed.content + end.content,
-                                  parsed.tool_calls + end.tool_calls)
+            parsed = MessageDelta(
+                parsed.reasoning + end.reasoning, parsed.content + end.content, parsed.tool_calls + end.tool_calls
+            )
         return parsed.openai_delta()
 
     def _choice(self, d: ChoiceDelta, delta: dict[str, Any]) -> dict[str, Any]:
@@ -182,22 +228,31 @@ class SSERenderer:
         if self.chat:
             called = self._parsers is not None and self._parsers[d.index].called_tools
             choice: dict[str, Any] = {
-                "index": d.index, "delta": delta,
+                "index": d.index,
+                "delta": delta,
                 "logprobs": chat_logprobs(d.logprobs, self.tokenizer, as_ids) if want_lps else None,  # type: ignore[arg-type]
-                "finish_reason": chat_finish_reason(d.finish_reason, called)}
+                "finish_reason": chat_finish_reason(d.finish_reason, called),
+            }
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.stop_reason
         else:
             lps = None
             if want_lps:
                 lps, self._lp_offsets[d.index] = completion_logprobs_from(
-                    d.logprobs, self.tokenizer, self._lp_offsets[d.index], as_ids)  # type: ignore[arg-type]
-            choice = {"index": d.index, "text": d.text, "logprobs": lps,
-                      "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                    d.logprobs, self.tokenizer, self._lp_offsets[d.index], as_ids
+                )  # type: ignore[arg-type]
+            choice = {
+                "index": d.index,
+                "text": d.text,
+                "logprobs": lps,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
             self._echo(choice, d)
         if d.is_first and self.prepared.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(d.prompt_logprobs or [],
-                                                             self.prepared.prompt_logprobs, self.tokenizer)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                d.prompt_logprobs or [], self.prepared.prompt_logprobs, self.tokenizer
+            )
         if self.prepared.return_token_ids:
             choice["token_ids"] = d.token_ids
             if d.is_first:
@@ -211,8 +266,20 @@ class SSERenderer:
             return
         prompt = d.index // self.prepared.n
         if d.is_first:
-            out = RequestOutput(str(d.index), self.prepared.prompt_ids[prompt], [], "", 0, False, None, None,
-                                [], "", d.logprobs, prompt_logprobs=d.prompt_logprobs)
+            out = RequestOutput(
+                str(d.index),
+                self.prepared.prompt_ids[prompt],
+                [],
+                "",
+                0,
+                False,
+                None,
+                None,
+                [],
+                "",
+                d.logprobs,
+                prompt_logprobs=d.prompt_logprobs,
+            )
             echo_choice(choice, self.prepared, prompt, out, self.tokenizer)
         elif choice["logprobs"] is not None:
             shift = len(self.prepared.prompt_texts[prompt])

@@ -13,6 +13,7 @@ output into the same ``ParsedDelta``s as the format parsers: a named call stream
 arguments as they are generated; ``required`` emits each call once its array item is
 complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ def _parameters(tool: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     params = dict(tool["function"].get("parameters") or EMPTY_OBJECT)
     for name, schema in params.pop("$defs", {}).items():
         if defs.setdefault(name, schema) != schema:
-            raise OpenAIError(f"tools define $defs {name!r} differently; tool_choice required needs one "
-                              "definition per name", param="tools")
+            raise OpenAIError(
+                f"tools define $defs {name!r} differently; tool_choice required needs one definition per name",
+                param="tools",
+            )
     return params
 
 
@@ -42,10 +45,17 @@ def forced_schema(tools: Sequence[dict[str, Any]], named: str | None, parallel: 
         tool = next(t for t in tools if t["function"]["name"] == named)
         schema = _parameters(tool, defs)
     else:
-        items = [{"type": "object",
-                  "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                 "parameters": _parameters(t, defs)},
-                  "required": ["name", "parameters"]} for t in tools]
+        items = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": _parameters(t, defs),
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in tools
+        ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not parallel:
             schema["maxItems"] = 1
@@ -59,7 +69,7 @@ class ForcedToolParser:
         self.named = named
         self.num_calls = 0
         self._buf = ""
-        self._pos = 0                         # required: where the next array item may start
+        self._pos = 0  # required: where the next array item may start
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -79,12 +89,14 @@ class ForcedToolParser:
             try:
                 item, end = decoder.raw_decode(self._buf, start)
             except json.JSONDecodeError:
-                return out                    # an item still being written
+                return out  # an item still being written
             self._pos = end
             if isinstance(item, dict) and isinstance(item.get("name"), str):
                 args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
-                out.tool_calls += [ToolCallDelta(self.num_calls, new_call_id(), item["name"], ""),
-                                   ToolCallDelta(self.num_calls, None, None, args)]
+                out.tool_calls += [
+                    ToolCallDelta(self.num_calls, new_call_id(), item["name"], ""),
+                    ToolCallDelta(self.num_calls, None, None, args),
+                ]
                 self.num_calls += 1
 
     def _skip(self, pos: int) -> int:

@@ -29,6 +29,7 @@ is the streaming parser fed once), except that a malformed call is returned as c
 when it is seen whole but cannot be taken back once its first delta was streamed.
 Whitespace between or after tool calls is dropped.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,10 +45,10 @@ PARSERS = ("hermes", "qwen3_xml")
 
 @dataclass(frozen=True)
 class ToolCallDelta:
-    index: int                            # the call's position in the message's tool_calls
-    id: str | None                        # set on the call's first delta only
-    name: str | None                      # ditto
-    arguments: str                        # a fragment of the arguments JSON text
+    index: int  # the call's position in the message's tool_calls
+    id: str | None  # set on the call's first delta only
+    name: str | None  # ditto
+    arguments: str  # a fragment of the arguments JSON text
 
 
 @dataclass
@@ -74,7 +75,7 @@ class ToolCallParser:
 
     def __init__(self, tool_params: Mapping[str, Mapping[str, str]] | None = None) -> None:
         self.tool_params = tool_params or {}  # function -> parameter -> JSON type
-        self.num_calls = 0                    # calls started (header sent)
+        self.num_calls = 0  # calls started (header sent)
         self._buf = ""
         self._in_call = False
         self._header_sent = False
@@ -90,19 +91,18 @@ class ToolCallParser:
                     self._text(out, len(self._buf) - partial_suffix(self._buf, OPEN))
                     return out
                 self._text(out, start, before_call=True)
-                self._buf = self._buf[len(OPEN):]
+                self._buf = self._buf[len(OPEN) :]
                 self._in_call, self._header_sent, self._args_sent = True, False, ""
                 continue
             end = self._buf.find(CLOSE)
             if end < 0:
-                self._extend(out,
-                             self._partial(self._buf[:len(self._buf) - partial_suffix(self._buf, CLOSE)]))
+                self._extend(out, self._partial(self._buf[: len(self._buf) - partial_suffix(self._buf, CLOSE)]))
                 return out
-            body, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
+            body, self._buf = self._buf[:end], self._buf[end + len(CLOSE) :]
             self._in_call = False
             done = self._complete(body)
             if done is None and not self._header_sent:
-                out.content += OPEN + body + CLOSE          # not a call after all
+                out.content += OPEN + body + CLOSE  # not a call after all
             elif done is not None:
                 self._extend(out, done)
 
@@ -144,7 +144,7 @@ class ToolCallParser:
             self._header_sent = True
             self.num_calls += 1
         if args.startswith(self._args_sent) and len(args) > len(self._args_sent):
-            out.tool_calls.append(ToolCallDelta(self.num_calls - 1, None, None, args[len(self._args_sent):]))
+            out.tool_calls.append(ToolCallDelta(self.num_calls - 1, None, None, args[len(self._args_sent) :]))
             self._args_sent = args
 
     def _partial(self, body: str) -> tuple[str | None, str] | None:
@@ -168,7 +168,7 @@ class HermesToolParser(ToolCallParser):
         head = _HERMES_HEAD.match(body)
         if head is None:
             return None
-        rest = body[head.end():]
+        rest = body[head.end() :]
         if not rest.lstrip().startswith("{"):
             return json.loads(head.group(1)), ""
         safe = rest.rstrip()
@@ -186,7 +186,7 @@ class HermesToolParser(ToolCallParser):
         args = obj.get("arguments", obj.get("parameters", {}))
         head = _HERMES_HEAD.match(body)
         if head is not None and isinstance(args, dict):
-            raw = body[head.end():].rstrip()[:-1].rstrip()     # the object as written
+            raw = body[head.end() :].rstrip()[:-1].rstrip()  # the object as written
             if _loads(raw) == args:
                 return obj["name"], raw
         if isinstance(args, str) and isinstance(_loads(args), dict):
@@ -219,9 +219,11 @@ class Qwen3XmlToolParser(ToolCallParser):
 
     def _arguments(self, name: str, params: list[tuple[str, str]], closed: bool) -> str:
         types = self.tool_params.get(name, {})
-        parts = [f"{json.dumps(k.strip(), ensure_ascii=False)}: "
-                 f"{json.dumps(convert_value(v, types.get(k.strip())), ensure_ascii=False)}"
-                 for k, v in params]
+        parts = [
+            f"{json.dumps(k.strip(), ensure_ascii=False)}: "
+            f"{json.dumps(convert_value(v, types.get(k.strip())), ensure_ascii=False)}"
+            for k, v in params
+        ]
         text = "{" + ", ".join(parts) if parts else ""
         return (text or "{") + "}" if closed else text
 
@@ -233,8 +235,14 @@ def convert_value(raw: str, json_type: str | None) -> Any:
     if json_type in (None, "string"):
         return value
     parsed = _loads(value.strip())
-    wanted = {"integer": int, "number": (int, float), "boolean": bool, "object": dict,
-              "array": list, "null": type(None)}.get(json_type)
+    wanted = {
+        "integer": int,
+        "number": (int, float),
+        "boolean": bool,
+        "object": dict,
+        "array": list,
+        "null": type(None),
+    }.get(json_type)
     if wanted is None or parsed is _INVALID or (isinstance(parsed, bool) and json_type != "boolean"):
         return value
     return parsed if isinstance(parsed, wanted) else value

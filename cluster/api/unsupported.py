@@ -9,6 +9,7 @@ table feeds ``/openapi.json`` (the field is described with its neutral values on
 
 When a feature lands, its field leaves this table and becomes a field of ``protocol``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -23,7 +24,7 @@ NOT_SERVED = "is not supported by this server"
 
 @dataclass(frozen=True)
 class Unsupported:
-    neutral: tuple[Any, ...]              # values that ask for nothing (accepted)
+    neutral: tuple[Any, ...]  # values that ask for nothing (accepted)
     reason: str
 
 
@@ -48,7 +49,7 @@ COMMON: dict[str, Unsupported] = {
     "mm_processor_kwargs": _u({}, reason=NOT_SERVED),
 }
 COMPLETION: dict[str, Unsupported] = {
-    "suffix": _u("", reason=NOT_SERVED),               # no fill-in-the-middle template
+    "suffix": _u("", reason=NOT_SERVED)  # no fill-in-the-middle template
 }
 CHAT: dict[str, Unsupported] = {
     "echo": _u(False),
@@ -75,11 +76,14 @@ def refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, Unsupported]
         if name in body and not any(_same(body[name], n) for n in entry.neutral):
             shown = repr(body[name])
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise OpenAIError(f"{name}={shown} {entry.reason}; send it unset or null", param=name,
-                              code="unsupported_parameter")
+            raise OpenAIError(
+                f"{name}={shown} {entry.reason}; send it unset or null", param=name, code="unsupported_parameter"
+            )
 
 
 def schema_properties(table: Mapping[str, Unsupported]) -> dict[str, Any]:
     """JSON schema properties: each field accepts only its neutral values."""
-    return {name: {"enum": list(entry.neutral), "description": f"{name} {entry.reason}: only the "
-                   "neutral value is accepted"} for name, entry in table.items()}
+    return {
+        name: {"enum": list(entry.neutral), "description": f"{name} {entry.reason}: only the neutral value is accepted"}
+        for name, entry in table.items()
+    }

@@ -16,6 +16,7 @@ holds turn k's answer). Warm-up sessions run first, unmeasured, at full speed.
 Timings per request (``metrics.RequestRecord``): TTFT at the first chunk with content,
 ITL between content chunks, E2EL at the end of the stream; see ``metrics`` for the rest.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,19 +41,19 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(seed)
-    theta = 1.0 / (rate * burstiness)       # gamma(shape k, scale theta) has mean 1 / rate
+    theta = 1.0 / (rate * burstiness)  # gamma(shape k, scale theta) has mean 1 / rate
     times, t = [], 0.0
     for _ in range(n):
         t += rng.gammavariate(burstiness, theta)
         times.append(t)
-    scale = (n / rate) / times[-1]          # vLLM: the schedule lasts exactly n / rate
+    scale = (n / rate) / times[-1]  # vLLM: the schedule lasts exactly n / rate
     return [x * scale for x in times]
 
 
 @dataclass(frozen=True)
 class Target:
-    base_url: str                         # e.g. http://127.0.0.1:8000 or .../v1
-    model: str | None = None              # None: the first id of /v1/models
+    base_url: str  # e.g. http://127.0.0.1:8000 or .../v1
+    model: str | None = None  # None: the first id of /v1/models
     api_key: str | None = None
     ignore_eos: bool = True
     timeout_s: float = 600.0
@@ -110,8 +111,13 @@ async def _models(client: Any, target: Target) -> dict[str, Any]:
 
 
 def _payload(workload: Workload, model: str, target: Target, prompt: Any, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if target.ignore_eos:
         body["ignore_eos"] = True
     if workload.api == "chat":
@@ -119,7 +125,7 @@ def _payload(workload: Workload, model: str, target: Target, prompt: Any, max_to
     else:
         body["prompt"] = prompt
         if workload.prompt_format == "ids" and any(len(s.turns) > 1 for s in workload.sessions):
-            body["return_token_ids"] = True     # the next turn's prompt holds these ids
+            body["return_token_ids"] = True  # the next turn's prompt holds these ids
     return body
 
 
@@ -153,8 +159,7 @@ def choice_content(api: str, choice: dict[str, Any]) -> tuple[str, list[int]]:
     return text, list(choice.get("token_ids") or [])
 
 
-async def _send(client: Any, target: Target, workload: Workload, body: dict[str, Any],
-                prompt_len_hint: int) -> _Reply:
+async def _send(client: Any, target: Target, workload: Workload, body: dict[str, Any], prompt_len_hint: int) -> _Reply:
     path = "chat/completions" if workload.api == "chat" else "completions"
     start = time.perf_counter()
     ttft, last, itl = 0.0, 0.0, []
@@ -172,7 +177,7 @@ async def _send(client: Any, target: Target, workload: Workload, body: dict[str,
                 if obj is None:
                     continue
                 if not isinstance(obj, dict):
-                    break                       # [DONE]
+                    break  # [DONE]
                 if obj.get("error"):
                     raise RuntimeError(f"stream error: {obj['error']}")
                 now = time.perf_counter()
@@ -197,10 +202,16 @@ async def _send(client: Any, target: Target, workload: Workload, body: dict[str,
         return _Reply(RequestRecord(False, start, error="no content in the stream"), "", [])
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
-    record = RequestRecord(True, start, ttft, end - start, tuple(itl),
-                           prompt_tokens=int(usage.get("prompt_tokens") or prompt_len_hint),
-                           output_tokens=int(usage.get("completion_tokens") or len(token_ids) or num_chunks),
-                           cached_tokens=int(details.get("cached_tokens") or 0))
+    record = RequestRecord(
+        True,
+        start,
+        ttft,
+        end - start,
+        tuple(itl),
+        prompt_tokens=int(usage.get("prompt_tokens") or prompt_len_hint),
+        output_tokens=int(usage.get("completion_tokens") or len(token_ids) or num_chunks),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+    )
     return _Reply(record, "".join(text_parts), token_ids)
 
 
@@ -234,10 +245,17 @@ class _Conversation:
             self.messages.append({"role": "assistant", "content": reply.text})
 
 
-async def _run_sessions(client: Any, target: Target, workload: Workload, model: str,
-                        sessions: Sequence[Session], times: Sequence[float], renderer: Renderer,
-                        limit: asyncio.Semaphore | None,
-                        on_done: Callable[[int], None] | None) -> list[tuple[RecordLabel, RequestRecord]]:
+async def _run_sessions(
+    client: Any,
+    target: Target,
+    workload: Workload,
+    model: str,
+    sessions: Sequence[Session],
+    times: Sequence[float],
+    renderer: Renderer,
+    limit: asyncio.Semaphore | None,
+    on_done: Callable[[int], None] | None,
+) -> list[tuple[RecordLabel, RequestRecord]]:
     t0 = time.perf_counter()
     out: list[tuple[RecordLabel, RequestRecord]] = []
 
@@ -258,38 +276,41 @@ async def _run_sessions(client: Any, target: Target, workload: Workload, model: 
             if on_done is not None:
                 on_done(len(out))
             if not reply.record.success:
-                return                      # later turns need this answer
+                return  # later turns need this answer
             conv.answer(reply)
 
     await asyncio.gather(*(one(s, at) for s, at in zip(sessions, times)))
     return out
 
 
-async def run_benchmark(target: Target, workload: Workload, load: LoadSettings = LoadSettings(),
-                        renderer: Renderer | None = None,
-                        on_done: Callable[[int], None] | None = None) -> BenchResult:
+async def run_benchmark(
+    target: Target,
+    workload: Workload,
+    load: LoadSettings = LoadSettings(),
+    renderer: Renderer | None = None,
+    on_done: Callable[[int], None] | None = None,
+) -> BenchResult:
     """Run the warm-up sessions, then the measured ones; metrics over the measured ones."""
     import httpx
 
     if load.max_concurrency is not None and load.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {load.max_concurrency}")
-    limits = httpx.Limits(max_connections=load.max_concurrency,
-                          max_keepalive_connections=load.max_concurrency)
+    limits = httpx.Limits(max_connections=load.max_concurrency, max_keepalive_connections=load.max_concurrency)
     timeout = httpx.Timeout(target.timeout_s, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = target.model or (await _models(client, target))["id"]
         renderer = renderer or Renderer()
         limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
         if workload.warmup:
-            warm = await _run_sessions(client, target, workload, model, workload.warmup,
-                                       [0.0] * len(workload.warmup), renderer, limit, None)
+            warm = await _run_sessions(
+                client, target, workload, model, workload.warmup, [0.0] * len(workload.warmup), renderer, limit, None
+            )
             bad = [r.error for _, r in warm if not r.success]
             if bad:
                 raise RuntimeError(f"{len(bad)} warm-up requests failed, first: {bad[0]}")
         times = arrival_times(len(workload.sessions), load.rate, load.burstiness, load.seed)
         start = time.perf_counter()
-        done = await _run_sessions(client, target, workload, model, workload.sessions, times, renderer,
-                                   limit, on_done)
+        done = await _run_sessions(client, target, workload, model, workload.sessions, times, renderer, limit, on_done)
         duration = time.perf_counter() - start
     done.sort(key=lambda lr: (lr[0].session_id, lr[0].turn))
     labels = [lab for lab, _ in done]

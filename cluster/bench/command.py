@@ -9,6 +9,7 @@
 
 ``--set`` overrides fields of the workload (run mode) or of the suite config (suite mode).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,14 @@ from configs.schema import parse_set_items
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("mode", nargs="?", choices=("suite", "host-overhead"), default=None,
-                   help="'suite': run the comparison suite (starts its own local cluster); "
-                        "'host-overhead': the engine's host CPU per request and step, in process")
+    p.add_argument(
+        "mode",
+        nargs="?",
+        choices=("suite", "host-overhead"),
+        default=None,
+        help="'suite': run the comparison suite (starts its own local cluster); "
+        "'host-overhead': the engine's host CPU per request and step, in process",
+    )
     p.add_argument("--url", default=None, help="server base URL (with or without /v1)")
     p.add_argument("--workload", default="random", help="a name in configs/workloads or a YAML path")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
@@ -37,18 +43,33 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N sessions")
     p.add_argument("--seed", type=int, default=None, help="workload and arrival seed")
-    p.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS",
-                   help="SLOs for goodput, e.g. ttft:2000 tpot:250 e2el:10000")
+    p.add_argument(
+        "--goodput",
+        nargs="*",
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:2000 tpot:250 e2el:10000",
+    )
     p.add_argument("--percentiles", default="99", help="comma-separated, e.g. 50,90,99")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer dir for text prompts (default: the server's model root if local)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer dir for text prompts (default: the server's model root if local)"
+    )
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     p.add_argument("--config", type=Path, default=None, help="suite mode: suite YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a workload field (or, in suite mode, a suite field)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a workload field (or, in suite mode, a suite field)",
+    )
     p.add_argument("--out", default=None, help="run mode: JSON result file; suite mode: output dir")
-    add_host_overhead_args(p.add_argument_group("host-overhead mode (--model: a checkpoint dir instead of "
-                                                "the null model; --seed: the prompts')"))
+    add_host_overhead_args(
+        p.add_argument_group(
+            "host-overhead mode (--model: a checkpoint dir instead of the null model; --seed: the prompts')"
+        )
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,24 +101,39 @@ def _run_once(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"num_prompts": args.num_prompts})
     workload = build(spec, workload_path(args.workload).stem)
     if args.num_prompts is not None:
-        workload = replace(workload, sessions=workload.sessions[:args.num_prompts])
+        workload = replace(workload, sessions=workload.sessions[: args.num_prompts])
     target = Target(args.url, args.model, args.api_key, ignore_eos=not args.no_ignore_eos)
     renderer = Renderer()
     if workload.prompt_format == "text":
         renderer = Renderer.from_path(args.tokenizer or _local_root(target))
-    load = LoadSettings(rate=args.rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                        seed=spec.seed, slos_ms=parse_slos(args.goodput),
-                        percentiles=tuple(float(p) for p in args.percentiles.split(",") if p))
+    load = LoadSettings(
+        rate=args.rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=spec.seed,
+        slos_ms=parse_slos(args.goodput),
+        percentiles=tuple(float(p) for p in args.percentiles.split(",") if p),
+    )
     result = asyncio.run(run_benchmark(target, workload, load, renderer))
     print(format_report(result.metrics, f"{workload.name} @ {result.model}"))
     failures = [r.error for r in result.records if not r.success]
     if failures:
         print(f"first failure: {failures[0]}", file=sys.stderr)
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "workload": workload.name, "spec": spec.model_dump(), "model": result.model,
-            "rate": args.rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-            "metrics": result.metrics.to_dict()}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "workload": workload.name,
+                    "spec": spec.model_dump(),
+                    "model": result.model,
+                    "rate": args.rate,
+                    "burstiness": args.burstiness,
+                    "max_concurrency": args.max_concurrency,
+                    "metrics": result.metrics.to_dict(),
+                },
+                indent=2,
+            )
+        )
     return 0 if result.metrics.completed else 1
 
 
@@ -113,7 +149,7 @@ def _local_root(target: Any) -> str | None:
         return str(root)
     from configs.schema import HybridServeConfig
 
-    if root:   # a repo-relative model path (ours reports config.model)
+    if root:  # a repo-relative model path (ours reports config.model)
         resolved = HybridServeConfig(model=root).model_dir()
         if (resolved / "tokenizer_config.json").exists():
             return str(resolved)

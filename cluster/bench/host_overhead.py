@@ -20,6 +20,7 @@ steps). Torch runs one intra-op thread: a second thread's share of a forward wou
 host time. With ``--json`` the last line of stdout is the whole result
 (``host_us_per_request_step``: the default mode's figure per batch size).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,19 +37,29 @@ from typing import Any
 
 from cluster.bench.host_overhead_probe import FORWARD, Probe, resolve, wrapper_cost_s
 
-NULL_MODEL = dict(hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
-                  linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                  intermediate_size=32, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                  max_position_embeddings=16384)
-MODES: dict[str, dict[str, Any]] = {
-    "default": {},
-    "mtp": {"spec": {"method": "mtp", "num_draft_tokens": 3}},
-}
+NULL_MODEL = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    intermediate_size=32,
+    mlp_only_layers=[0],
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    max_position_embeddings=16384,
+)
+MODES: dict[str, dict[str, Any]] = {"default": {}, "mtp": {"spec": {"method": "mtp", "num_draft_tokens": 3}}}
 BATCHES = (1, 8, 32, 128, 256, 512)
 PAGE_SIZE = 16
-BATCH_SOURCE = "scheduler.schedule"   # returns the launched batch (``.seqs``) or None
+BATCH_SOURCE = "scheduler.schedule"  # returns the launched batch (``.seqs``) or None
 OVERLAP_COUNTER = "hybridserve_overlapped_steps_total"
 
 
@@ -62,10 +73,10 @@ class Point:
     host_us_per_request_step: float
     host_us_per_step: float
     forward_us_per_step: float
-    phases_us_per_request_step: dict[str, float]   # every present phase, and "other"
-    probe_us_per_step: float                       # the wrappers' own cost, subtracted
-    verified_per_request_step: float               # sequences with is_verify / (steps x batch)
-    launches_per_step: float                       # steps whose schedule launched a batch
+    phases_us_per_request_step: dict[str, float]  # every present phase, and "other"
+    probe_us_per_step: float  # the wrappers' own cost, subtracted
+    verified_per_request_step: float  # sequences with is_verify / (steps x batch)
+    launches_per_step: float  # steps whose schedule launched a batch
     overlapped_fraction: float
     tokens_per_request_step: float
     wall_ms_per_step: float
@@ -83,7 +94,7 @@ class Settings:
     device: str = "cpu"
     seed: int = 0
     prompt_len: int = 8
-    admit_steps: int = 16        # steps allowed for every request to get its first token
+    admit_steps: int = 16  # steps allowed for every request to get its first token
 
     def steps_for(self, batch: int) -> int:
         return max(self.steps, math.ceil(self.min_request_steps / batch))
@@ -93,8 +104,9 @@ class Settings:
         if bad:
             raise ValueError(f"unknown modes {bad}; use {list(MODES)}")
         if not self.batches or min(self.batches) < 1 or self.steps < 1 or self.warmup < 0:
-            raise ValueError(f"batches {list(self.batches)} must be >= 1, steps {self.steps} >= 1, "
-                             f"warmup {self.warmup} >= 0")
+            raise ValueError(
+                f"batches {list(self.batches)} must be >= 1, steps {self.steps} >= 1, warmup {self.warmup} >= 0"
+            )
 
 
 def build_model(out_dir: Path) -> Path:
@@ -113,14 +125,19 @@ def build_engine(model_dir: Path, mode: str, settings: Settings) -> Any:
     from workers.engine import Engine
 
     k = int(MODES[mode].get("spec", {}).get("num_draft_tokens", 0))
-    tokens = max(b * (settings.prompt_len + max_tokens(settings, b, k) + k + PAGE_SIZE)
-                 for b in settings.batches)
+    tokens = max(b * (settings.prompt_len + max_tokens(settings, b, k) + k + PAGE_SIZE) for b in settings.batches)
     biggest = max(settings.batches)
-    overrides = dict(model=str(model_dir), device=settings.device, dtype="float32",
-                     cache={"page_size": PAGE_SIZE, "max_kv_tokens": tokens},
-                     scheduler={"max_running_requests": biggest,
-                                "max_batch_tokens": max(4096, biggest * max(settings.prompt_len, k + 1))},
-                     **MODES[mode])
+    overrides = dict(
+        model=str(model_dir),
+        device=settings.device,
+        dtype="float32",
+        cache={"page_size": PAGE_SIZE, "max_kv_tokens": tokens},
+        scheduler={
+            "max_running_requests": biggest,
+            "max_batch_tokens": max(4096, biggest * max(settings.prompt_len, k + 1)),
+        },
+        **MODES[mode],
+    )
     return Engine(load_config(overrides=overrides))
 
 
@@ -143,6 +160,7 @@ class BatchCounter:
                 if count_verifies:
                     self.verifies += sum(1 for s in batch.seqs if getattr(s, "is_verify", False))
             return batch
+
         setattr(owner, name, counted)
 
     def reset(self) -> None:
@@ -154,8 +172,12 @@ def _counters(engine: Any) -> tuple[int, int, int, int]:
     stats = engine.stats
     overlapped = stats.counters.get(OVERLAP_COUNTER, getattr(engine, "num_overlapped_launches", 0))
     steps = stats.labelled.get("hybridserve_engine_steps_total", {})
-    return (int(overlapped), int(steps.get("compiled", 0)), int(steps.get("eager", 0)),
-            int(stats.counters.get("hybridserve_generation_tokens_total", 0)))
+    return (
+        int(overlapped),
+        int(steps.get("compiled", 0)),
+        int(steps.get("eager", 0)),
+        int(stats.counters.get("hybridserve_generation_tokens_total", 0)),
+    )
 
 
 def add_requests(engine: Any, batch: int, settings: Settings, k: int) -> list[str]:
@@ -165,8 +187,7 @@ def add_requests(engine: Any, batch: int, settings: Settings, k: int) -> list[st
     params = SamplingParams(max_tokens=max_tokens(settings, batch, k), temperature=0.0, ignore_eos=True)
     ids = [f"ho-{batch}-{i}" for i in range(batch)]
     for rid in ids:
-        engine.add_request(rid, [rng.randrange(3, engine.vocab_size - 8) for _ in range(settings.prompt_len)],
-                           params)
+        engine.add_request(rid, [rng.randrange(3, engine.vocab_size - 8) for _ in range(settings.prompt_len)], params)
     return ids
 
 
@@ -189,8 +210,9 @@ def drain(engine: Any, ids: list[str]) -> None:
         engine.step()
 
 
-def measure(engine: Any, probe: Probe, counter: BatchCounter, mode: str, batch: int,
-            settings: Settings, wrapper_s: float) -> Point:
+def measure(
+    engine: Any, probe: Probe, counter: BatchCounter, mode: str, batch: int, settings: Settings, wrapper_s: float
+) -> Point:
     k = int(MODES[mode].get("spec", {}).get("num_draft_tokens", 0))
     ids = add_requests(engine, batch, settings, k)
     until_decoding(engine, ids, settings.admit_steps)
@@ -211,14 +233,27 @@ def measure(engine: Any, probe: Probe, counter: BatchCounter, mode: str, batch: 
     probe_s = totals.calls * wrapper_s
     host = max(cpu - forward - probe_s, 0.0)
     per_req = 1e6 / (steps * batch)
-    phases = {p: round(totals.seconds.get(p, 0.0) * per_req, 3) for p in probe.table
-              if p != FORWARD and p not in probe.absent}            # in the table's order
+    phases = {
+        p: round(totals.seconds.get(p, 0.0) * per_req, 3) for p in probe.table if p != FORWARD and p not in probe.absent
+    }  # in the table's order
     phases["other"] = round(max(host - sum(totals.seconds.values()), 0.0) * per_req, 3)
-    return Point(mode, batch, steps, round(host * per_req, 3), round(host * 1e6 / steps, 1),
-                 round(forward * 1e6 / steps, 1), phases, round(probe_s * 1e6 / steps, 1),
-                 round(counter.verifies / (steps * batch), 4), round(counter.launches / steps, 4),
-                 round((after[0] - before[0]) / steps, 4), round((after[3] - before[3]) / (steps * batch), 4),
-                 round(wall * 1e3 / steps, 3), after[1] - before[1], after[2] - before[2])
+    return Point(
+        mode,
+        batch,
+        steps,
+        round(host * per_req, 3),
+        round(host * 1e6 / steps, 1),
+        round(forward * 1e6 / steps, 1),
+        phases,
+        round(probe_s * 1e6 / steps, 1),
+        round(counter.verifies / (steps * batch), 4),
+        round(counter.launches / steps, 4),
+        round((after[0] - before[0]) / steps, 4),
+        round((after[3] - before[3]) / (steps * batch), 4),
+        round(wall * 1e3 / steps, 3),
+        after[1] - before[1],
+        after[2] - before[2],
+    )
 
 
 def run_points(settings: Settings, model_dir: Path | None = None, log: Any = None) -> dict[str, Any]:
@@ -226,7 +261,7 @@ def run_points(settings: Settings, model_dir: Path | None = None, log: Any = Non
     import torch
 
     settings.check()
-    torch.set_num_threads(1)          # a forward's second thread would count as host time
+    torch.set_num_threads(1)  # a forward's second thread would count as host time
     load_start = os.getloadavg()
     wrapper_s = wrapper_cost_s()
     points: list[Point] = []
@@ -249,41 +284,69 @@ def run_points(settings: Settings, model_dir: Path | None = None, log: Any = Non
     return summarize(points, settings, absent, wrapper_s, load_start, os.getloadavg())
 
 
-def summarize(points: list[Point], settings: Settings, absent: dict[str, list[str]], wrapper_s: float,
-              load_start: tuple[float, ...], load_end: tuple[float, ...]) -> dict[str, Any]:
+def summarize(
+    points: list[Point],
+    settings: Settings,
+    absent: dict[str, list[str]],
+    wrapper_s: float,
+    load_start: tuple[float, ...],
+    load_end: tuple[float, ...],
+) -> dict[str, Any]:
     def by_batch(mode: str, field: str) -> dict[str, Any]:
         return {str(p.batch): getattr(p, field) for p in points if p.mode == mode}
 
     out: dict[str, Any] = {
         "host_us_per_request_step": by_batch("default", "host_us_per_request_step"),
-        "host_us_per_step": by_batch("default", "host_us_per_step")}
+        "host_us_per_step": by_batch("default", "host_us_per_step"),
+    }
     for mode in settings.modes:
-        out[mode] = {f: by_batch(mode, f) for f in ("host_us_per_request_step", "host_us_per_step",
-                                                    "phases_us_per_request_step", "verified_per_request_step",
-                                                    "overlapped_fraction", "tokens_per_request_step")}
-    out.update(absent_phases=absent, points=[asdict(p) for p in points], settings=asdict(settings),
-               wrapper_us=round(wrapper_s * 1e6, 3), loadavg_start=load_start, loadavg_end=load_end)
+        out[mode] = {
+            f: by_batch(mode, f)
+            for f in (
+                "host_us_per_request_step",
+                "host_us_per_step",
+                "phases_us_per_request_step",
+                "verified_per_request_step",
+                "overlapped_fraction",
+                "tokens_per_request_step",
+            )
+        }
+    out.update(
+        absent_phases=absent,
+        points=[asdict(p) for p in points],
+        settings=asdict(settings),
+        wrapper_us=round(wrapper_s * 1e6, 3),
+        loadavg_start=load_start,
+        loadavg_end=load_end,
+    )
     return out
 
 
 def format_point(p: Point) -> str:
     phases = " ".join(f"{k} {v:.1f}" for k, v in p.phases_us_per_request_step.items())
-    return (f"{p.mode:>7} B={p.batch:<4} host {p.host_us_per_request_step:7.2f} us/req-step "
-            f"({p.host_us_per_step / 1e3:.2f} ms/step; {phases}); forward {p.forward_us_per_step / 1e3:.2f} "
-            f"ms/step; verified {p.verified_per_request_step:.2f}, overlapped {p.overlapped_fraction:.2f}, "
-            f"tokens {p.tokens_per_request_step:.2f}/req-step; wall {p.wall_ms_per_step:.2f} ms/step, "
-            f"{p.steps} steps")
+    return (
+        f"{p.mode:>7} B={p.batch:<4} host {p.host_us_per_request_step:7.2f} us/req-step "
+        f"({p.host_us_per_step / 1e3:.2f} ms/step; {phases}); forward {p.forward_us_per_step / 1e3:.2f} "
+        f"ms/step; verified {p.verified_per_request_step:.2f}, overlapped {p.overlapped_fraction:.2f}, "
+        f"tokens {p.tokens_per_request_step:.2f}/req-step; wall {p.wall_ms_per_step:.2f} ms/step, "
+        f"{p.steps} steps"
+    )
 
 
 def add_args(p: argparse.ArgumentParser | Any) -> None:
     """The options (``hybridserve bench host-overhead`` adds them as a group)."""
-    p.add_argument("--batch", dest="batches", type=int, nargs="+", default=list(BATCHES),
-                   help="batch sizes (host-overhead)")
+    p.add_argument(
+        "--batch", dest="batches", type=int, nargs="+", default=list(BATCHES), help="batch sizes (host-overhead)"
+    )
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="host-overhead modes")
     p.add_argument("--steps", type=int, default=Settings.steps, help="measured steps per point (at least)")
     p.add_argument("--warmup", type=int, default=Settings.warmup, help="steps after every request decodes")
-    p.add_argument("--min-request-steps", type=int, default=Settings.min_request_steps,
-                   help="small batches run more steps: at least this many request-steps")
+    p.add_argument(
+        "--min-request-steps",
+        type=int,
+        default=Settings.min_request_steps,
+        help="small batches run more steps: at least this many request-steps",
+    )
     p.add_argument("--device", default="cpu", help="host-overhead: the engine's device")
     p.add_argument("--json", action="store_true", help="the last line of stdout is the result as JSON")
 
@@ -292,8 +355,15 @@ def run(args: argparse.Namespace) -> int:
     """Shared by ``main`` and ``hybridserve bench host-overhead`` (whose ``--model``, ``--out``
     and ``--seed`` are the bench command's own: a checkpoint dir, the JSON file, the prompts' seed)."""
     seed = getattr(args, "seed", None)
-    settings = Settings(tuple(args.batches), tuple(args.modes), args.steps, args.warmup,
-                        args.min_request_steps, args.device, 0 if seed is None else seed)
+    settings = Settings(
+        tuple(args.batches),
+        tuple(args.modes),
+        args.steps,
+        args.warmup,
+        args.min_request_steps,
+        args.device,
+        0 if seed is None else seed,
+    )
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
     model = Path(args.model) if getattr(args, "model", None) else None
     if model is not None and not (model / "config.json").exists():

@@ -16,6 +16,7 @@ sum to at most the process's CPU time. A wrapper costs two clock reads (~0.5 us 
 made once per batch are wrapped; a per-request wrapper would cost more than the work it
 measures.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,7 @@ from typing import Any
 PHASES: dict[str, tuple[str, ...]] = {
     "schedule": ("scheduler.schedule",),
     "plan": ("cache.plan_step",),
-    "inputs": ("workers.model_runner:prepare_step", "workers.model_runner:prepare_uniform",
-               "runner.planner.build"),
+    "inputs": ("workers.model_runner:prepare_step", "workers.model_runner:prepare_uniform", "runner.planner.build"),
     "sampling": ("runner.sampler.decide",),
     # What _process does besides "complete": the engine's outputs (token-id deltas, stop
     # tokens and lengths, per-token stats). Text and stop strings are the front-end's
@@ -43,17 +43,23 @@ PHASES: dict[str, tuple[str, ...]] = {
 FORWARD = "forward"
 # The model's computations: left out of the host figure.
 FORWARD_PATHS: tuple[str, ...] = (
-    "model.forward", "model.compute_logits", "model.logits_from", "runner.compiled.run",
-    "drafter.mtp.forward", "drafter.compiled_chain.run", "drafter.compiled_chain.run_verified")
+    "model.forward",
+    "model.compute_logits",
+    "model.logits_from",
+    "runner.compiled.run",
+    "drafter.mtp.forward",
+    "drafter.compiled_chain.run",
+    "drafter.compiled_chain.run_verified",
+)
 
 
 @dataclass(frozen=True)
 class Hook:
     phase: str
     path: str
-    owner: Any            # the object (or module) holding the attribute
+    owner: Any  # the object (or module) holding the attribute
     name: str
-    had_own: bool         # the owner's __dict__ held the attribute before (restored on exit)
+    had_own: bool  # the owner's __dict__ held the attribute before (restored on exit)
     original: Any
 
 
@@ -96,11 +102,15 @@ class Probe:
     Per-thread accumulators (a thread appends its own under a lock once), so two threads
     never update one number; ``totals`` sums them."""
 
-    def __init__(self, engine: Any, phases: dict[str, tuple[str, ...]] | None = None,
-                 forward_paths: tuple[str, ...] = FORWARD_PATHS) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        phases: dict[str, tuple[str, ...]] | None = None,
+        forward_paths: tuple[str, ...] = FORWARD_PATHS,
+    ) -> None:
         self.engine = engine
         self.table = {**(PHASES if phases is None else phases), FORWARD: forward_paths}
-        self.missing: dict[str, list[str]] = {}     # phase -> paths that did not resolve
+        self.missing: dict[str, list[str]] = {}  # phase -> paths that did not resolve
         self._hooks: list[Hook] = []
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -154,6 +164,7 @@ class Probe:
                 calls[0] += 1
                 if stack:
                     stack[-1].child += elapsed
+
         return timed
 
     def _mine(self) -> tuple[dict[str, float], list[_Frame], list[int]]:
@@ -186,6 +197,7 @@ def wrapper_cost_s(calls: int = 20000) -> float:
     accounting), measured on an empty function."""
     probe = Probe(None, phases={}, forward_paths=())
     timed = probe._wrap("calibration", lambda: None)
+
     def plain() -> None:
         return None
 

@@ -23,6 +23,7 @@ a client reads; events per stream show the replica's stream pacing.
 A shared machine only ever slows a run down: compare the best (min TTFT, max tok/s) of
 runs interleaved with what they are compared to, and report the load averages with them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ TTFT_METRIC = "hybridserve_time_to_first_token_seconds"
 
 class Stream(NamedTuple):
     ttft_s: float
-    stamps: list[tuple[float, int]]       # (seconds since sent, tokens) of each event carrying tokens
+    stamps: list[tuple[float, int]]  # (seconds since sent, tokens) of each event carrying tokens
 
 
 class Client:
@@ -99,7 +100,7 @@ def engine_ttft(metrics_text: str) -> tuple[float, int] | None:
 def _read_engine(client: Client) -> tuple[float, int] | None:
     try:
         return engine_ttft(client.get("/metrics").decode())
-    except RuntimeError:                  # no /metrics
+    except RuntimeError:  # no /metrics
         return None
 
 
@@ -116,15 +117,21 @@ def _engine_after(client: Client, base: tuple[float, int], num: int, timeout_s: 
 
 def summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"min": ordered[0], "median": statistics.median(ordered), "mean": statistics.fmean(ordered),
-            "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+    return {
+        "min": ordered[0],
+        "median": statistics.median(ordered),
+        "mean": statistics.fmean(ordered),
+        "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+    }
 
 
 def measure_ttft(client: Client, model: str, prompts: list[list[int]]) -> dict[str, Any]:
     """Client TTFT of each prompt (one at a time, one token each) and the engine's mean."""
-    base = _read_engine(client)           # None: the client's side only
-    ttfts = [client.stream({"model": model, "prompt": p, "max_tokens": 1, "temperature": 0.0,
-                            "ignore_eos": True}).ttft_s for p in prompts]
+    base = _read_engine(client)  # None: the client's side only
+    ttfts = [
+        client.stream({"model": model, "prompt": p, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}).ttft_s
+        for p in prompts
+    ]
     out: dict[str, Any] = {"client_ms": {k: 1e3 * v for k, v in summary(ttfts).items()}}
     engine = _engine_after(client, base, len(prompts)) if base is not None else None
     if engine is not None:
@@ -134,8 +141,9 @@ def measure_ttft(client: Client, model: str, prompts: list[list[int]]) -> dict[s
 
 
 def measure_stream(client: Client, model: str, prompt: list[int], num_tokens: int) -> dict[str, float]:
-    got = client.stream({"model": model, "prompt": prompt, "max_tokens": num_tokens, "temperature": 0.0,
-                         "ignore_eos": True})
+    got = client.stream(
+        {"model": model, "prompt": prompt, "max_tokens": num_tokens, "temperature": 0.0, "ignore_eos": True}
+    )
     (first, n0), (last, _) = got.stamps[0], got.stamps[-1]
     tokens = sum(n for _, n in got.stamps)
     if tokens != num_tokens or last <= first:
@@ -152,11 +160,12 @@ def run(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         model = json.loads(client.get("/v1/models"))["data"][0]["id"]
         rng = random.Random(args.seed)
-        for p in prompts(rng, 3, args.prompt_len):             # warm: first calls, routes, caches
+        for p in prompts(rng, 3, args.prompt_len):  # warm: first calls, routes, caches
             client.stream({"model": model, "prompt": p, "max_tokens": 2, "temperature": 0.0})
         result = {"ttft": measure_ttft(client, model, prompts(rng, args.requests, args.prompt_len))}
-        streams = [measure_stream(client, model, p, args.stream_tokens)
-                   for p in prompts(rng, args.streams, args.prompt_len)]
+        streams = [
+            measure_stream(client, model, p, args.stream_tokens) for p in prompts(rng, args.streams, args.prompt_len)
+        ]
         result["stream"] = {"samples": streams, "best_tok_s": max(s["tok_s"] for s in streams)}
         return result
     finally:
@@ -179,23 +188,28 @@ def report(result: dict[str, Any]) -> str:
     t = result["ttft"]
     c = t["client_ms"]
     args = result["args"]
-    lines = [f"TTFT ms ({args['requests']} requests, {args['prompt_len']}-token prompts): "
-             f"min {c['min']:.1f}, median {c['median']:.1f}, mean {c['mean']:.1f}, p90 {c['p90']:.1f}"]
+    lines = [
+        f"TTFT ms ({args['requests']} requests, {args['prompt_len']}-token prompts): "
+        f"min {c['min']:.1f}, median {c['median']:.1f}, mean {c['mean']:.1f}, p90 {c['p90']:.1f}"
+    ]
     if "engine_mean_ms" in t:
-        lines.append(f"  engine (arrival to output) mean {t['engine_mean_ms']:.1f}; "
-                     f"the serving path's hops mean {t['hops_mean_ms']:.1f}")
+        lines.append(
+            f"  engine (arrival to output) mean {t['engine_mean_ms']:.1f}; "
+            f"the serving path's hops mean {t['hops_mean_ms']:.1f}"
+        )
     s = result["stream"]
-    lines.append(f"one stream of {result['args']['stream_tokens']} tokens: tok/s "
-                 + ", ".join(f"{x['tok_s']:.1f} ({x['events']} events)" for x in s["samples"])
-                 + f"; best {s['best_tok_s']:.1f}")
+    lines.append(
+        f"one stream of {result['args']['stream_tokens']} tokens: tok/s "
+        + ", ".join(f"{x['tok_s']:.1f} ({x['events']} events)" for x in s["samples"])
+        + f"; best {s['best_tok_s']:.1f}"
+    )
     lines.append(f"load average: start {result['loadavg_start']}, end {result['loadavg_end']}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=None,
-                    help="a running server (default: deploy the default config locally)")
+    ap.add_argument("--url", default=None, help="a running server (default: deploy the default config locally)")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=256)
@@ -204,8 +218,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args(argv)
     if args.requests < 1 or args.prompt_len < 1 or args.stream_tokens < 3 or args.streams < 1:
-        raise SystemExit(f"need requests >= 1, prompt-len >= 1, stream-tokens >= 3, streams >= 1; got "
-                         f"{args.requests}, {args.prompt_len}, {args.stream_tokens}, {args.streams}")
+        raise SystemExit(
+            f"need requests >= 1, prompt-len >= 1, stream-tokens >= 3, streams >= 1; got "
+            f"{args.requests}, {args.prompt_len}, {args.stream_tokens}, {args.streams}"
+        )
     if args.seed is None:
         args.seed = time.time_ns()
     result: dict[str, Any] = {"args": vars(args), "loadavg_start": [round(x, 2) for x in os.getloadavg()]}

@@ -9,6 +9,7 @@ Timings are ``time.perf_counter`` around real work; nothing is simulated.
 On a shared machine, other processes only ever slow a run down, so the comparisons use the
 best of ``repeats`` interleaved runs (A B A B ...), reported with every sample.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,12 +27,23 @@ from workers.sampling.params import SamplingParams
 
 CPU = {"device": "cpu", "dtype": "float32"}
 # the bench model's dims: a random 8-layer Qwen3-Next of ~15M parameters (``make_bench_model``)
-BENCH_DIMS = dict(hidden_size=256, num_hidden_layers=8,
-                  layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
-                  + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
-                  linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2,
-                  moe_intermediate_size=256, shared_expert_intermediate_size=256, intermediate_size=512)
+BENCH_DIMS = dict(
+    hidden_size=256,
+    num_hidden_layers=8,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    intermediate_size=512,
+)
 
 
 def engine_kwargs(compile_cfg: Any, batch: int, all_sizes: bool = False) -> dict[str, Any]:
@@ -60,8 +72,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def engine_records(llm: LLM, prompts: Sequence[list[int]],
-                   max_tokens: int) -> tuple[list[RequestRecord], float]:
+def engine_records(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[RequestRecord], float]:
     """Run ``prompts`` together through the engine; (records, wall seconds)."""
     engine = llm.engine
     start = time.perf_counter()
@@ -91,9 +102,12 @@ def engine_records(llm: LLM, prompts: Sequence[list[int]],
             if out.finished:
                 done[out.request_id] = out
     wall = time.perf_counter() - start
-    records = [RequestRecord(True, start, first[r] - start, last[r] - start, tuple(gaps[r]),
-                             len(p), num_out[r], done[r].cached_tokens)
-               for r, p in zip(ids, prompts)]
+    records = [
+        RequestRecord(
+            True, start, first[r] - start, last[r] - start, tuple(gaps[r]), len(p), num_out[r], done[r].cached_tokens
+        )
+        for r, p in zip(ids, prompts)
+    ]
     return records, wall
 
 
@@ -136,9 +150,17 @@ def run_batch_seconds(llm: LLM, prompts: Sequence[list[int]], max_tokens: int) -
     """Wall time of ``hybridserve run-batch``'s path (JSONL in, bodies out) on ``prompts``."""
     from cluster.api.run_batch import run_batch
 
-    lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": list(p), "max_tokens": max_tokens, "temperature": 0,
-                                  "ignore_eos": True}}) for i, p in enumerate(prompts)]
+    lines = [
+        json.dumps(
+            {
+                "custom_id": str(i),
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": list(p), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            }
+        )
+        for i, p in enumerate(prompts)
+    ]
     llm.flush_cache()
     start = time.perf_counter()
     results = run_batch(llm, lines, "bench")
@@ -163,11 +185,17 @@ class HFGenerate:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         start = time.perf_counter()
-        self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                            do_sample=False, pad_token_id=0)
+        self.model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         return time.perf_counter() - start
 
 
@@ -194,12 +222,21 @@ def bare_decode_rate(llm: LLM, prompts: list[list[int]], out_tokens: int) -> flo
         pos = torch.arange(start, start + q).repeat(b)
         rows = torch.arange(b).repeat_interleave(q)
         out_loc = page_table[rows, pos // ps].long() * ps + pos % ps
-        return ForwardBatch(ids.reshape(-1), pos, torch.arange(0, b * q + 1, q, dtype=torch.int32),
-                            torch.full((b,), start + q, dtype=torch.int32), out_loc, page_table, slots,
-                            torch.full((b,), start > 0), torch.arange(q - 1, b * q, q), ps,
-                            decode_only=is_decode_only([q] * b, [start > 0] * b, None))
+        return ForwardBatch(
+            ids.reshape(-1),
+            pos,
+            torch.arange(0, b * q + 1, q, dtype=torch.int32),
+            torch.full((b,), start + q, dtype=torch.int32),
+            out_loc,
+            page_table,
+            slots,
+            torch.full((b,), start > 0),
+            torch.arange(q - 1, b * q, q),
+            ps,
+            decode_only=is_decode_only([q] * b, [start > 0] * b, None),
+        )
 
-    compiled = engine.runner.compiled      # the engine's compiled decode step, when it has one
+    compiled = engine.runner.compiled  # the engine's compiled decode step, when it has one
 
     def logits(fb: ForwardBatch) -> torch.Tensor:
         bucket = compiled.pick(fb) if compiled is not None else None

@@ -20,6 +20,7 @@ Added here (not vLLM's): ``cached_fraction`` (prompt tokens the server reported 
 cached ÷ prompt tokens, from ``usage.prompt_tokens_details.cached_tokens``), ``max_concurrency``
 (the most requests in flight at once) and SGLang's ``concurrency`` (sum of E2EL ÷ wall).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,10 +37,10 @@ class RequestRecord:
     """What the client saw of one request. Times in seconds, ``start`` on any clock."""
 
     success: bool
-    start: float = 0.0                    # when the request was sent
-    ttft: float = 0.0                     # first content chunk - start
-    e2el: float = 0.0                     # end of stream - start
-    itl: tuple[float, ...] = ()           # gaps between content chunks (len = chunks - 1)
+    start: float = 0.0  # when the request was sent
+    ttft: float = 0.0  # first content chunk - start
+    e2el: float = 0.0  # end of stream - start
+    itl: tuple[float, ...] = ()  # gaps between content chunks (len = chunks - 1)
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -60,7 +61,7 @@ class Summary:
     mean: float
     median: float
     std: float
-    percentiles: dict[str, float] = field(default_factory=dict)   # "p99" -> ms
+    percentiles: dict[str, float] = field(default_factory=dict)  # "p99" -> ms
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,10 @@ class BenchMetrics:
     total_input_tokens: int
     total_output_tokens: int
     cached_tokens: int
-    request_throughput: float             # req/s
-    output_throughput: float              # output tok/s
-    total_token_throughput: float         # (input + output) tok/s
-    request_goodput: float | None         # good req/s; None when no SLO was given
+    request_throughput: float  # req/s
+    output_throughput: float  # output tok/s
+    total_token_throughput: float  # (input + output) tok/s
+    request_goodput: float | None  # good req/s; None when no SLO was given
     cached_fraction: float
     max_concurrency: int
     concurrency: float
@@ -107,9 +108,13 @@ def summarize(values_s: Sequence[float], percentiles: Sequence[float] = (99,)) -
         return Summary(0.0, 0.0, 0.0, {_pname(p): 0.0 for p in percentiles})
     n = len(values_s)
     mean = sum(values_s) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values_s) / n)   # population, like np.std
-    return Summary(1000 * mean, 1000 * percentile(values_s, 50), 1000 * std,
-                   {_pname(p): 1000 * percentile(values_s, p) for p in percentiles})
+    std = math.sqrt(sum((v - mean) ** 2 for v in values_s) / n)  # population, like np.std
+    return Summary(
+        1000 * mean,
+        1000 * percentile(values_s, 50),
+        1000 * std,
+        {_pname(p): 1000 * percentile(values_s, p) for p in percentiles},
+    )
 
 
 def _pname(p: float) -> str:
@@ -126,8 +131,9 @@ def is_good(record: RequestRecord, slos_ms: Mapping[str, float]) -> bool:
 
 def max_in_flight(records: Sequence[RequestRecord]) -> int:
     """The most requests in flight at once (all requests, failed ones included)."""
-    edges = sorted([(r.start, 1) for r in records] + [(r.start + r.e2el, -1) for r in records],
-                   key=lambda e: (e[0], e[1]))            # ends before starts at equal times
+    edges = sorted(
+        [(r.start, 1) for r in records] + [(r.start + r.e2el, -1) for r in records], key=lambda e: (e[0], e[1])
+    )  # ends before starts at equal times
     peak = cur = 0
     for _, step in edges:
         cur += step
@@ -135,9 +141,12 @@ def max_in_flight(records: Sequence[RequestRecord]) -> int:
     return peak
 
 
-def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
-                    slos_ms: Mapping[str, float] | None = None,
-                    percentiles: Sequence[float] = (99,)) -> BenchMetrics:
+def compute_metrics(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    slos_ms: Mapping[str, float] | None = None,
+    percentiles: Sequence[float] = (99,),
+) -> BenchMetrics:
     if duration_s <= 0:
         raise ValueError(f"duration_s must be positive, got {duration_s}")
     slos = dict(slos_ms or {})
@@ -152,15 +161,25 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     itls = [gap for r in ok for gap in r.itl]
     goodput = sum(is_good(r, slos) for r in ok) / duration_s if slos else None
     return BenchMetrics(
-        completed=len(ok), failed=len(records) - len(ok), duration_s=duration_s,
-        total_input_tokens=total_in, total_output_tokens=total_out, cached_tokens=cached,
-        request_throughput=len(ok) / duration_s, output_throughput=total_out / duration_s,
-        total_token_throughput=(total_in + total_out) / duration_s, request_goodput=goodput,
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        duration_s=duration_s,
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        cached_tokens=cached,
+        request_throughput=len(ok) / duration_s,
+        output_throughput=total_out / duration_s,
+        total_token_throughput=(total_in + total_out) / duration_s,
+        request_goodput=goodput,
         cached_fraction=cached / total_in if total_in else 0.0,
-        max_concurrency=max_in_flight(records), concurrency=sum(r.e2el for r in ok) / duration_s,
+        max_concurrency=max_in_flight(records),
+        concurrency=sum(r.e2el for r in ok) / duration_s,
         ttft_ms=summarize([r.ttft for r in ok], percentiles),
-        tpot_ms=summarize(tpots, percentiles), itl_ms=summarize(itls, percentiles),
-        e2el_ms=summarize([r.e2el for r in ok], percentiles), slos_ms=slos)
+        tpot_ms=summarize(tpots, percentiles),
+        itl_ms=summarize(itls, percentiles),
+        e2el_ms=summarize([r.e2el for r in ok], percentiles),
+        slos_ms=slos,
+    )
 
 
 def parse_slos(items: Sequence[str]) -> dict[str, float]:
@@ -200,8 +219,12 @@ def format_report(m: BenchMetrics, title: str = "Serving Benchmark Result") -> s
         row(f"Request goodput (req/s) [{slos}]:", m.request_goodput)
     row("Output token throughput (tok/s):", m.output_throughput)
     row("Total token throughput (tok/s):", m.total_token_throughput)
-    for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, label in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         s: Summary = getattr(m, f"{name}_ms")
         lines.append(f"{'-' * 15}{label}{'-' * 15}")
         row(f"Mean {name.upper()} (ms):", s.mean)

@@ -7,6 +7,7 @@ process and thread spent between the two snapshots (a process that exited in bet
 missing from ``after`` and counts 0; one that started counts from 0). Resolution is one
 clock tick (10 ms on Linux), so compare runs of seconds, not single requests.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,9 @@ CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 @dataclass(frozen=True)
 class ProcCpu:
     pid: int
-    name: str                             # cmdline (Ray workers: ``ray::ActorClass...``)
+    name: str  # cmdline (Ray workers: ``ray::ActorClass...``)
     cpu_s: float
-    threads: dict[int, tuple[str, float]] = field(default_factory=dict)   # tid -> (comm, cpu_s)
+    threads: dict[int, tuple[str, float]] = field(default_factory=dict)  # tid -> (comm, cpu_s)
 
 
 def _stat(path: Path) -> tuple[str, int, float] | None:
@@ -31,8 +32,8 @@ def _stat(path: Path) -> tuple[str, int, float] | None:
         raw = path.read_text()
     except OSError:
         return None
-    comm = raw[raw.find("(") + 1:raw.rfind(")")]
-    fields = raw[raw.rfind(")") + 2:].split()   # from field 3 (state) on
+    comm = raw[raw.find("(") + 1 : raw.rfind(")")]
+    fields = raw[raw.rfind(")") + 2 :].split()  # from field 3 (state) on
     return comm, int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
@@ -96,16 +97,23 @@ def role(name: str, pids: dict[str, set[int]] | None = None, pid: int = -1) -> s
     for known, members in (pids or {}).items():
         if pid in members:
             return known
-    for key, label in (("OpenAIIngress", "ingress"), ("EngineReplica", "replica"), ("ProxyActor", "proxy"),
-                       ("ServeController", "controller"), ("gcs_server", "ray_system"),
-                       ("raylet", "ray_system"), ("ray::", "other_ray_workers")):
+    for key, label in (
+        ("OpenAIIngress", "ingress"),
+        ("EngineReplica", "replica"),
+        ("ProxyActor", "proxy"),
+        ("ServeController", "controller"),
+        ("gcs_server", "ray_system"),
+        ("raylet", "ray_system"),
+        ("ray::", "other_ray_workers"),
+    ):
         if key in name:
             return label
     return "other"
 
 
-def ms_per_unit_by_role(delta: dict[int, ProcCpu], units: int,
-                        pids: dict[str, set[int]] | None = None) -> dict[str, float]:
+def ms_per_unit_by_role(
+    delta: dict[int, ProcCpu], units: int, pids: dict[str, set[int]] | None = None
+) -> dict[str, float]:
     """CPU ms per unit (an output token, say) of each ``role``, summed over its processes."""
     per_role: dict[str, float] = {}
     for pid, proc in delta.items():

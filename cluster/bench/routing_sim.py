@@ -26,6 +26,7 @@ turn k's prompt + output + the next message, as in ``client``. Reported per rout
 replica count: cached-token fraction (prompt tokens served from a checkpoint ÷ prompt
 tokens), max/min requests per replica, and mean time to first token in the model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,30 +45,39 @@ from cluster.bench.workloads import Session, Workload, load_workload
 from cluster.routing.routing_policy import RouterSettings, max_usable_depth
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 
-__all__ = ["PROPOSED", "ROUTERS", "SimReplica", "SimResult", "SimSettings", "format_table", "run_grid",
-           "scaled_workload", "simulate"]
-
+__all__ = [
+    "PROPOSED",
+    "ROUTERS",
+    "SimReplica",
+    "SimResult",
+    "SimSettings",
+    "format_table",
+    "run_grid",
+    "scaled_workload",
+    "simulate",
+]
 
 
 @dataclass(frozen=True)
 class SimSettings:
     num_replicas: int = 8
-    cache_tokens: int = 3072              # per replica (KV tokens the checkpoints' paths may use)
+    cache_tokens: int = 3072  # per replica (KV tokens the checkpoints' paths may use)
     page_size: int = 16
-    track_interval: int = 256             # cache.mamba_track_interval
-    chunk_size: int = 512                 # scheduler.chunked_prefill_size
-    max_batch: int = 8                    # requests a replica serves at once
+    track_interval: int = 256  # cache.mamba_track_interval
+    chunk_size: int = 512  # scheduler.chunked_prefill_size
+    max_batch: int = 8  # requests a replica serves at once
     overhead_s: float = 0.005
-    prefill_s: float = 0.0002             # per uncached prompt token
-    decode_s: float = 0.005               # per output token
-    rate_per_replica: float = 30.0        # sessions per second per replica
-    think_s: float = 0.5                  # multi-turn: mean (exponential) pause before the next turn
-    index_lag_s: float = 0.05             # replica event -> router index
-    sessions_per_replica: int = 12        # multi-turn: chats per replica (~4k tokens > cache)
+    prefill_s: float = 0.0002  # per uncached prompt token
+    decode_s: float = 0.005  # per output token
+    rate_per_replica: float = 30.0  # sessions per second per replica
+    think_s: float = 0.5  # multi-turn: mean (exponential) pause before the next turn
+    index_lag_s: float = 0.05  # replica event -> router index
+    sessions_per_replica: int = 12  # multi-turn: chats per replica (~4k tokens > cache)
     seed: int = 0
 
 
 # -- the modelled replica cache -----------------------------------------------------------------
+
 
 class SimReplica:
     """An LRU of checkpoints whose paths' pages fit ``cache_tokens`` (see module doc)."""
@@ -75,14 +85,14 @@ class SimReplica:
     def __init__(self, s: SimSettings) -> None:
         self.s = s
         self._capacity_pages = max(s.cache_tokens // s.page_size, 1)
-        self._page_refs: dict[int, int] = {}                       # page key -> covering checkpoints
-        self._ckpts: OrderedDict[int, tuple[int, ...]] = OrderedDict()   # key -> path, LRU first
+        self._page_refs: dict[int, int] = {}  # page key -> covering checkpoints
+        self._ckpts: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # key -> path, LRU first
 
     def _keys(self, tokens: Sequence[int], depth: int) -> list[int]:
         """Chained keys of the first ``depth // page`` pages of ``tokens``."""
         keys, h, p = [], 0, self.s.page_size
         for i in range(depth // p):
-            h = hash((h, tuple(tokens[i * p:(i + 1) * p])))
+            h = hash((h, tuple(tokens[i * p : (i + 1) * p])))
             keys.append(h)
         return keys
 
@@ -131,7 +141,7 @@ class SimReplica:
         grid_below = (last // grid) * grid
         targets = sorted({d for d in (branch, grid_below if grid_below > hit else 0, last) if d > 0})
         depths, pos = set(targets), hit
-        while pos < len(tokens):           # chunks end at chunk_size, a target or the prompt end
+        while pos < len(tokens):  # chunks end at chunk_size, a target or the prompt end
             end = min([pos + self.s.chunk_size, len(tokens)] + [t for t in targets if t > pos])
             if end % grid == 0:
                 depths.add(end)
@@ -179,8 +189,7 @@ class _Simulation:
         self.s, self.workload = s, workload
         self.names = [f"r{i:02d}" for i in range(s.num_replicas)]
         self.rng = random.Random(s.seed)
-        self.router = make_router(router_name, self.names, self.rng,
-                                  RouterSettings(replica_capacity=s.max_batch))
+        self.router = make_router(router_name, self.names, self.rng, RouterSettings(replica_capacity=s.max_batch))
         self.replicas = {r: SimReplica(s) for r in self.names}
         self.ongoing = dict.fromkeys(self.names, 0)
         self.busy = dict.fromkeys(self.names, 0)
@@ -195,11 +204,10 @@ class _Simulation:
         heapq.heappush(self._heap, (t, self._seq, kind, payload))
 
     def run(self) -> list[_Job]:
-        for warm in self.workload.warmup:          # unmeasured, one at a time, before t = 0
+        for warm in self.workload.warmup:  # unmeasured, one at a time, before t = 0
             self._serve_instantly(warm)
         rate = self.s.rate_per_replica * self.s.num_replicas
-        for sess, t in zip(self.workload.sessions, arrival_times(len(self.workload.sessions), rate,
-                                                                 seed=self.s.seed)):
+        for sess, t in zip(self.workload.sessions, arrival_times(len(self.workload.sessions), rate, seed=self.s.seed)):
             self.push(t, "arrive", self._job(sess, 0, list(sess.shared_ids), t))
         while self._heap:
             t, _, kind, payload = heapq.heappop(self._heap)
@@ -276,10 +284,18 @@ def simulate(workload: Workload, router: str, settings: SimSettings) -> SimResul
     for j in done:
         per[j.replica] += 1
     low = min(per.values())
-    return SimResult(router, workload.name, settings.num_replicas, len(done), prompt, cached,
-                     round(cached / prompt, 4) if prompt else 0.0, per,
-                     round(max(per.values()) / low, 3) if low else float("inf"),
-                     round(sum(sim.ttfts) / len(sim.ttfts), 4) if sim.ttfts else 0.0)
+    return SimResult(
+        router,
+        workload.name,
+        settings.num_replicas,
+        len(done),
+        prompt,
+        cached,
+        round(cached / prompt, 4) if prompt else 0.0,
+        per,
+        round(max(per.values()) / low, 3) if low else float("inf"),
+        round(sum(sim.ttfts) / len(sim.ttfts), 4) if sim.ttfts else 0.0,
+    )
 
 
 def scaled_workload(name: str, settings: SimSettings, overrides: dict[str, Any] | None = None) -> Workload:
@@ -293,9 +309,13 @@ def scaled_workload(name: str, settings: SimSettings, overrides: dict[str, Any] 
     return load_workload(name, extra)
 
 
-def run_grid(workloads: Sequence[str], replicas: Sequence[int], routers: Sequence[str] = ROUTERS,
-             base: SimSettings = SimSettings(),
-             overrides: dict[str, dict[str, Any]] | None = None) -> list[SimResult]:
+def run_grid(
+    workloads: Sequence[str],
+    replicas: Sequence[int],
+    routers: Sequence[str] = ROUTERS,
+    base: SimSettings = SimSettings(),
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> list[SimResult]:
     results = []
     for name in workloads:
         for n in replicas:
@@ -306,14 +326,17 @@ def run_grid(workloads: Sequence[str], replicas: Sequence[int], routers: Sequenc
 
 
 def format_table(results: Sequence[SimResult]) -> str:
-    lines = [f"{'workload':<16}{'replicas':>9}{'router':>17}{'cached':>9}{'vs rr':>8}{'load max/min':>14}"
-             f"{'ttft ms':>9}"]
+    lines = [
+        f"{'workload':<16}{'replicas':>9}{'router':>17}{'cached':>9}{'vs rr':>8}{'load max/min':>14}{'ttft ms':>9}"
+    ]
     rr = {(r.workload, r.num_replicas): r.cached_fraction for r in results if r.router == "round_robin"}
     for r in results:
         base = rr.get((r.workload, r.num_replicas))
         ratio = f"{r.cached_fraction / base:.2f}" if base else "-"
-        lines.append(f"{r.workload:<16}{r.num_replicas:>9}{r.router:>17}{r.cached_fraction:>9.3f}{ratio:>8}"
-                     f"{r.load_max_min:>14.2f}{1000 * r.mean_ttft_s:>9.1f}")
+        lines.append(
+            f"{r.workload:<16}{r.num_replicas:>9}{r.router:>17}{r.cached_fraction:>9.3f}{ratio:>8}"
+            f"{r.load_max_min:>14.2f}{1000 * r.mean_ttft_s:>9.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -327,8 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-tokens", type=int, default=SimSettings.cache_tokens, help="per replica")
     ap.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = ap.parse_args(argv)
-    base = SimSettings(cache_tokens=args.cache_tokens, track_interval=args.track_interval,
-                       chunk_size=args.chunk_size)
+    base = SimSettings(cache_tokens=args.cache_tokens, track_interval=args.track_interval, chunk_size=args.chunk_size)
     results = run_grid(args.workload, args.replicas, args.routers, base)
     if args.json:
         for r in results:

@@ -12,6 +12,7 @@ prompt from the ``prompt`` attribute of the first call argument -- our
 Per-replica counters come from the app's ``/metrics`` (the metrics actor), which works
 whatever the router; ``/debug/replicas`` needs our router's ``target_replica``.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,13 +25,13 @@ from cluster.serve_env import apply_serve_env
 from configs.schema import load_config
 
 ROUTERS = ("hybrid_prefix", "round_robin", "ray_prefix")
-RAY_NUM_CPUS = 16                        # logical; replicas ask for 1 each on a 2-core machine
+RAY_NUM_CPUS = 16  # logical; replicas ask for 1 each on a 2-core machine
 
 
 @dataclass(frozen=True)
 class App:
     name: str
-    base_url: str                         # http://127.0.0.1:PORT/NAME
+    base_url: str  # http://127.0.0.1:PORT/NAME
     metrics_url: str
     deploy_s: float
 
@@ -47,8 +48,7 @@ class LocalCluster:
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         apply_serve_env()
-        ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False, configure_logging=False)
         self.port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         return self
@@ -62,8 +62,14 @@ class LocalCluster:
         finally:
             ray.shutdown()
 
-    def deploy(self, name: str, engine: dict[str, Any], router: str = "hybrid_prefix",
-               replica: dict[str, Any] | None = None, router_options: dict[str, Any] | None = None) -> App:
+    def deploy(
+        self,
+        name: str,
+        engine: dict[str, Any],
+        router: str = "hybrid_prefix",
+        replica: dict[str, Any] | None = None,
+        router_options: dict[str, Any] | None = None,
+    ) -> App:
         from ray import serve
 
         from cluster.app import AppArgs, build_app_from_config
@@ -72,15 +78,17 @@ class LocalCluster:
             raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
         metrics_port = free_port()
         policy = "hybrid_prefix" if router == "ray_prefix" else router
-        config = load_config(overrides={**engine, "metrics": {"port": metrics_port},
-                                        "router": {"policy": policy}})
-        args = AppArgs.model_validate({"model_name": name, "replica": replica or {},
-                                       "router": router_options or {}})
+        config = load_config(overrides={**engine, "metrics": {"port": metrics_port}, "router": {"policy": policy}})
+        args = AppArgs.model_validate({"model_name": name, "replica": replica or {}, "router": router_options or {}})
         app = build_app_from_config(config, args, ray_prefix_router() if router == "ray_prefix" else None)
         start = time.perf_counter()
         serve.run(app, name=name, route_prefix=f"/{name}")
-        return App(name, f"http://127.0.0.1:{self.port}/{name}", f"http://127.0.0.1:{metrics_port}/metrics",
-                   time.perf_counter() - start)
+        return App(
+            name,
+            f"http://127.0.0.1:{self.port}/{name}",
+            f"http://127.0.0.1:{metrics_port}/metrics",
+            time.perf_counter() - start,
+        )
 
     def delete(self, app: App) -> None:
         from ray import serve
@@ -93,18 +101,21 @@ class LocalCluster:
 
 def ray_prefix_router() -> Any:
     """Ray Serve LLM's ``PrefixCacheAffinityRouter`` with its defaults, for the engine replicas."""
-    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-        PrefixCacheAffinityRouter,
-    )
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
     from ray.serve.config import RequestRouterConfig
 
     return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter)
 
 
-def replica_counters(metrics_url: str, names: tuple[str, ...] = (
-        "hybridserve_requests_total", "hybridserve_prompt_tokens_total",
+def replica_counters(
+    metrics_url: str,
+    names: tuple[str, ...] = (
+        "hybridserve_requests_total",
+        "hybridserve_prompt_tokens_total",
         "hybridserve_prefix_hit_tokens_total",
-        "hybridserve_prefix_query_tokens_total")) -> dict[str, dict[str, float]]:
+        "hybridserve_prefix_query_tokens_total",
+    ),
+) -> dict[str, dict[str, float]]:
     """replica label -> counter name -> value (labelled counters summed over their label)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
@@ -119,13 +130,15 @@ def replica_counters(metrics_url: str, names: tuple[str, ...] = (
     return out
 
 
-def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-                   name: str) -> dict[str, float]:
+def counter_deltas(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], name: str
+) -> dict[str, float]:
     return {r: after[r].get(name, 0.0) - before.get(r, {}).get(name, 0.0) for r in after}
 
 
-def wait_for_counters(metrics_url: str, name: str, total: float,
-                      timeout_s: float = 20.0) -> dict[str, dict[str, float]]:
+def wait_for_counters(
+    metrics_url: str, name: str, total: float, timeout_s: float = 20.0
+) -> dict[str, dict[str, float]]:
     """Poll /metrics until ``name`` summed over replicas reaches ``total`` (pushes lag)."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -3,6 +3,7 @@ two load-only baselines. Each sees what it would see in the cluster: ``choose`` 
 prompt's token ids and every replica's ongoing requests; ``on_routed`` follows a
 decision (Ray's router records the prompt there); ``on_events`` delivers a replica's
 checkpoint events (after the index lag the simulator applies)."""
+
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ from cluster.routing.routing_policy import RouterSettings, RouterState, max_usab
 from workers.cache.records import CheckpointEvicted, CheckpointInserted
 
 ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin", "pow2")
-PROPOSED = ("hybrid_prefix_kv",)          # sim-only variants, not shipped routers
+PROPOSED = ("hybrid_prefix_kv",)  # sim-only variants, not shipped routers
 Event = CheckpointInserted | CheckpointEvicted
 
 
@@ -32,8 +33,9 @@ class HybridPrefixSim:
 
     name = "hybrid_prefix"
 
-    def __init__(self, replicas: Sequence[str], rng: random.Random,
-                 settings: RouterSettings = RouterSettings()) -> None:
+    def __init__(
+        self, replicas: Sequence[str], rng: random.Random, settings: RouterSettings = RouterSettings()
+    ) -> None:
         self.state = RouterIndexState(forget_after_s=float("inf"))
         self.index = self.state.index
         for r in replicas:
@@ -46,11 +48,18 @@ class HybridPrefixSim:
         report = self.state.match(tokens, ids, max_usable_depth(len(tokens)))
         return self._decide(tokens, ids, report.depths, loads, now, report.host_depths, report.store_depth)
 
-    def _decide(self, tokens: Sequence[int], ids: list[str], depths: dict[str, int], loads: dict[str, int],
-                now: float, host_depths: dict[str, int] | None = None, store_depth: int = 0) -> str:
+    def _decide(
+        self,
+        tokens: Sequence[int],
+        ids: list[str],
+        depths: dict[str, int],
+        loads: dict[str, int],
+        now: float,
+        host_depths: dict[str, int] | None = None,
+        store_depth: int = 0,
+    ) -> str:
         sizes = {r: self.index.num_checkpoints(r) for r in ids}
-        views = views_from(ids, depths, loads, sizes, self.routing.recent.counts(now), host_depths,
-                           store_depth)
+        views = views_from(ids, depths, loads, sizes, self.routing.recent.counts(now), host_depths, store_depth)
         return self.routing.decide(views, len(tokens), now, self.rng).ranks[0][0]
 
     def on_routed(self, tokens: Sequence[int], replica: str, now: float) -> None:
@@ -71,16 +80,21 @@ class HybridPrefixKvSim(HybridPrefixSim):
 
     name = "hybrid_prefix_kv"
 
-    def __init__(self, replicas: Sequence[str], rng: random.Random,
-                 settings: RouterSettings = RouterSettings(), page_size: int = 16) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        rng: random.Random,
+        settings: RouterSettings = RouterSettings(),
+        page_size: int = 16,
+    ) -> None:
         super().__init__(replicas, rng, settings)
         self.page = page_size
-        self.kv: dict[int, dict[str, int]] = {}        # page key -> replica -> covering checkpoints
+        self.kv: dict[int, dict[str, int]] = {}  # page key -> replica -> covering checkpoints
 
     def _keys(self, tokens: Sequence[int]) -> list[int]:
         keys, h = [], 0
         for i in range(len(tokens) // self.page):
-            h = hash((h, tuple(tokens[i * self.page:(i + 1) * self.page])))
+            h = hash((h, tuple(tokens[i * self.page : (i + 1) * self.page])))
             keys.append(h)
         return keys
 
@@ -119,8 +133,13 @@ class RayPrefixSim:
 
     name = "ray_prefix"
 
-    def __init__(self, replicas: Sequence[str], rng: random.Random,
-                 imbalanced_threshold: float = float("inf"), match_rate_threshold: float = 0.1) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        rng: random.Random,
+        imbalanced_threshold: float = float("inf"),
+        match_rate_threshold: float = 0.1,
+    ) -> None:
         from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
         self.tree = PrefixTree()
@@ -189,15 +208,19 @@ def _least_loaded(ids: Sequence[str], loads: dict[str, int], rng: random.Random)
     return rng.choice(sorted(r for r in ids if loads[r] == low))
 
 
-def make_router(name: str, replicas: Sequence[str], rng: random.Random,
-                settings: RouterSettings | None = None) -> SimRouter:
+def make_router(
+    name: str, replicas: Sequence[str], rng: random.Random, settings: RouterSettings | None = None
+) -> SimRouter:
     """``settings`` are the hybrid routers' (``RouterSettings()`` when None)."""
     if settings is not None and name in ("hybrid_prefix", "hybrid_prefix_kv"):
         return (HybridPrefixSim if name == "hybrid_prefix" else HybridPrefixKvSim)(replicas, rng, settings)
     makers: dict[str, Callable[[Sequence[str], random.Random], SimRouter]] = {
-        "hybrid_prefix": HybridPrefixSim, "hybrid_prefix_kv": HybridPrefixKvSim,
+        "hybrid_prefix": HybridPrefixSim,
+        "hybrid_prefix_kv": HybridPrefixKvSim,
         "ray_prefix": RayPrefixSim,
-        "round_robin": RoundRobinSim, "pow2": Pow2Sim}
+        "round_robin": RoundRobinSim,
+        "pow2": Pow2Sim,
+    }
     if name not in makers:
         raise ValueError(f"router must be one of {ROUTERS + PROPOSED}, got {name!r}")
     return makers[name](replicas, rng)

@@ -19,6 +19,7 @@ is reported with its error and the others still run.
 and met per key), ``details`` (every section's measurements and samples), ``machine``
 and ``config``. The same table is written to ``DIR/table.md``.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ from typing import Any
 
 from cluster.bench.suite_config import GOALS, SuiteConfig, load_suite_config
 
-HEADLINE = {                      # summary key -> (section, path inside its result)
+HEADLINE = {  # summary key -> (section, path inside its result)
     "serving_efficiency": ("serving", ("efficiency", "serving_efficiency")),
     "vs_transformers_speedup": ("vs_transformers", ("vs_transformers_speedup",)),
     "prefix_cache_prefill_fraction": ("serving", ("prefix_cache", "prefix_cache_prefill_fraction")),
@@ -71,10 +72,17 @@ def machine_info() -> dict[str, Any]:
     import ray
     import torch
 
-    return {"cpu": first("/proc/cpuinfo", "model name"), "cpu_count": os.cpu_count(),
-            "memory": first("/proc/meminfo", "MemTotal"), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-            "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
+    return {
+        "cpu": first("/proc/cpuinfo", "model name"),
+        "cpu_count": os.cpu_count(),
+        "memory": first("/proc/meminfo", "MemTotal"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_start": os.getloadavg(),
+    }
 
 
 def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[str, Any] | None = None) -> int:
@@ -86,15 +94,14 @@ def run_suite(out_dir: Path, config_path: Path | None = None, overrides: dict[st
 
     cfg = load_suite_config(config_path, overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)          # like a replica (Ray gives a 1-CPU actor one OMP thread)
+    torch.set_num_threads(1)  # like a replica (Ray gives a 1-CPU actor one OMP thread)
     inproc.quiet_transformers()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     start = time.perf_counter()
     machine = machine_info()
     details: dict[str, Any] = {}
     timings: dict[str, float] = {}
-    model = (Path(cfg.bench_model) if cfg.bench_model
-             else inproc.make_bench_model(out_dir / "models" / "bench-15m"))
+    model = Path(cfg.bench_model) if cfg.bench_model else inproc.make_bench_model(out_dir / "models" / "bench-15m")
 
     def section(name: str, fn: Callable[[], dict[str, Any]]) -> None:
         if name not in cfg.sections:
@@ -141,8 +148,9 @@ def _dig(d: Any, path: tuple[str, ...]) -> Any:
     return d
 
 
-def build_summary(details: dict[str, Any], cfg: SuiteConfig, machine: dict[str, Any],
-                  timings: dict[str, float], wall_s: float) -> dict[str, Any]:
+def build_summary(
+    details: dict[str, Any], cfg: SuiteConfig, machine: dict[str, Any], timings: dict[str, float], wall_s: float
+) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     goals = {}
     for key, (section, path) in HEADLINE.items():
@@ -150,8 +158,15 @@ def build_summary(details: dict[str, Any], cfg: SuiteConfig, machine: dict[str, 
         summary[key] = value
         goal = GOALS[key]
         goals[key] = {"goal": goal.text(), "met": goal.met(value), "what": goal.what}
-    summary.update(goals=goals, notes=notes(details), details=details, machine=machine,
-                   section_seconds=timings, wall_s=round(wall_s, 1), config=cfg.model_dump())
+    summary.update(
+        goals=goals,
+        notes=notes(details),
+        details=details,
+        machine=machine,
+        section_seconds=timings,
+        wall_s=round(wall_s, 1),
+        config=cfg.model_dump(),
+    )
     return summary
 
 
@@ -161,45 +176,58 @@ def notes(d: dict[str, Any]) -> dict[str, str]:
     for name, sec in d.items():
         if "error" in sec:
             out[name] = f"section failed: {sec['error']}"
-    if (e := _dig(d, ("serving", "efficiency"))):
-        out["serving_efficiency"] = (f"HTTP {e['http_decode_tok_s']} vs bare {e['bare_decode_tok_s']} tok/s "
-                                     f"(engine in-process {e['engine_decode_tok_s']}), batch {e['batch']}")
+    if e := _dig(d, ("serving", "efficiency")):
+        out["serving_efficiency"] = (
+            f"HTTP {e['http_decode_tok_s']} vs bare {e['bare_decode_tok_s']} tok/s "
+            f"(engine in-process {e['engine_decode_tok_s']}), batch {e['batch']}"
+        )
     if (t := d.get("vs_transformers")) and "error" not in t:
-        out["vs_transformers_speedup"] = (f"{t['run_batch_tok_s']} vs {t['hf_batched_tok_s']} tok/s "
-                                          f"(HF one padded batch); HF one prompt at a time: "
-                                          f"{t['vs_transformers_sequential_speedup']}x")
-    if (p := _dig(d, ("serving", "prefix_cache"))):
-        out["prefix_cache_prefill_fraction"] = (f"{p['cached_tokens']['on']} of {p['prompt_tokens']['on']} "
-                                                f"prompt tokens cached, {p['num_requests']} requests")
-        out["prefix_cache_ttft_ratio"] = (f"{p['mean_ttft_ms']['on']} vs {p['mean_ttft_ms']['off']} ms; "
-                                          f"a {p['floor_prompt_len']}-token prompt takes "
-                                          f"{p['ttft_floor_ms']} ms")
+        out["vs_transformers_speedup"] = (
+            f"{t['run_batch_tok_s']} vs {t['hf_batched_tok_s']} tok/s "
+            f"(HF one padded batch); HF one prompt at a time: "
+            f"{t['vs_transformers_sequential_speedup']}x"
+        )
+    if p := _dig(d, ("serving", "prefix_cache")):
+        out["prefix_cache_prefill_fraction"] = (
+            f"{p['cached_tokens']['on']} of {p['prompt_tokens']['on']} "
+            f"prompt tokens cached, {p['num_requests']} requests"
+        )
+        out["prefix_cache_ttft_ratio"] = (
+            f"{p['mean_ttft_ms']['on']} vs {p['mean_ttft_ms']['off']} ms; "
+            f"a {p['floor_prompt_len']}-token prompt takes "
+            f"{p['ttft_floor_ms']} ms"
+        )
     if (r := d.get("routing")) and "error" not in r:
         fr = {k: v["cached_fraction"] for k, v in r["routers"].items()}
-        out["routing_hit_ratio_vs_round_robin"] = (f"cached {fr['hybrid_prefix']} vs {fr['round_robin']}, "
-                                                   f"{r['num_replicas']} replicas")
+        out["routing_hit_ratio_vs_round_robin"] = (
+            f"cached {fr['hybrid_prefix']} vs {fr['round_robin']}, {r['num_replicas']} replicas"
+        )
         out["routing_hit_ratio_vs_ray"] = f"cached {fr['hybrid_prefix']} vs {fr['ray_prefix']}"
         out["routing_load_max_min"] = "requests " + " / ".join(
-            str(int(v)) for v in r["routers"]["hybrid_prefix"]["requests_per_replica"].values())
+            str(int(v)) for v in r["routers"]["hybrid_prefix"]["requests_per_replica"].values()
+        )
     if (s := d.get("spec")) and "error" not in s:
         which = "trained default" if s["trained_model"] else "FALLBACK tiny-hybrid (trained model absent)"
-        out["spec_tpot_speedup"] = (f"{which}, k={s['num_draft_tokens']}, acceptance "
-                                    f"{s['acceptance_by_k'][s['num_draft_tokens']]}; "
-                                    f"by k: {s['speedup_by_k']}")
+        out["spec_tpot_speedup"] = (
+            f"{which}, k={s['num_draft_tokens']}, acceptance "
+            f"{s['acceptance_by_k'][s['num_draft_tokens']]}; "
+            f"by k: {s['speedup_by_k']}"
+        )
     if (o := d.get("overlap")) and "error" not in o:
         out["overlap_speedup"] = f"{o['tok_s_on']} vs {o['tok_s_off']} tok/s"
     if (t := d.get("tiers")) and "error" not in t:
         out.update(_tiers_notes(t))
     if (e := d.get("eos_workload")) and "error" not in e:
-        out["eos_workload_speedup"] = (f"{e['engine_tok_s']} vs {e['hf_tok_s']} tok/s, "
-                                       f"{e['num_parameters'] / 1e6:.0f}M "
-                                       f"parameters, {len(e['output_lens'])} requests, batch {e['batch']}")
+        out["eos_workload_speedup"] = (
+            f"{e['engine_tok_s']} vs {e['hf_tok_s']} tok/s, "
+            f"{e['num_parameters'] / 1e6:.0f}M "
+            f"parameters, {len(e['output_lens'])} requests, batch {e['batch']}"
+        )
     if (h := d.get("host_overhead")) and "error" not in h:
         out.update(_host_notes(h))
     if (s := d.get("startup")) and "error" not in s:
         out["startup_cold_s"] = f"eager start-up {s['startup_eager_s']} s; batch sizes {s['batch_sizes']}"
-        out["startup_warm_s"] = ("the same, over the cache the cold run filled"
-                                 + _cache_note(s.get("cache_warm")))
+        out["startup_warm_s"] = "the same, over the cache the cold run filled" + _cache_note(s.get("cache_warm"))
     return out
 
 
@@ -213,24 +241,27 @@ def _tiers_notes(t: dict[str, Any]) -> dict[str, str]:
     og = t["overloaded"]["goals"]
     if on and off:
         point = f"below capacity, host tier {t['settings']['host_factor']} device budgets"
-        out["tiers_prefill_ratio"] = (f"{point}: computed {on['computed_fraction']} vs "
-                                      f"{off['computed_fraction']}; "
-                                      f"overloaded {og['computed_prefill_tiers_over_device']}")
+        out["tiers_prefill_ratio"] = (
+            f"{point}: computed {on['computed_fraction']} vs "
+            f"{off['computed_fraction']}; "
+            f"overloaded {og['computed_prefill_tiers_over_device']}"
+        )
         lon, loff = on["split"], off["split"]
         out["tiers_ttft_ratio"] = (
             f"{point}: modelled {lon['ttft_model_s']} vs {loff['ttft_model_s']} s (queue "
             f"{lon['queue_model_s']} vs {loff['queue_model_s']}), "
             f"{lon['ttft_steps']} vs {loff['ttft_steps']} steps; "
             f"overloaded {og['ttft_model_s_tiers_over_device']}"
-            + (f" ({oon['split']['ttft_model_s']} vs {ooff['split']['ttft_model_s']} s)"
-               if oon and ooff else ""))
+            + (f" ({oon['split']['ttft_model_s']} vs {ooff['split']['ttft_model_s']} s)" if oon and ooff else "")
+        )
     if on and (ray := r.get(("ray_prefix", True))):
         oracle = on.get("explain", {}).get("oracle_cached_fraction")
-        out["tiers_cached_vs_ray"] = (f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; "
-                                      f"oracle {oracle}; overloaded {og['cached_vs_ray']}")
+        out["tiers_cached_vs_ray"] = (
+            f"cached {on['cached_fraction']} vs {ray['cached_fraction']}; "
+            f"oracle {oracle}; overloaded {og['cached_vs_ray']}"
+        )
     m = t["multi_turn"]
-    out["multi_turn_turn2_hits"] = (f"host tier on {m['host']['turn2_hits']}/20, "
-                                    f"off {m['device']['turn2_hits']}/20")
+    out["multi_turn_turn2_hits"] = f"host tier on {m['host']['turn2_hits']}/20, off {m['device']['turn2_hits']}/20"
     return out
 
 
@@ -238,11 +269,14 @@ def _host_notes(h: dict[str, Any]) -> dict[str, str]:
     """The host-overhead rows' last column: the per-request figure over every batch size."""
     per = " / ".join(f"{v}" for v in h["host_us_per_request_step"].values())
     batches = "/".join(h["host_us_per_request_step"])
-    out = {"host_us_per_step_1": f"us per request-step at batch {batches}: {per}",
-           "host_us_per_request_step_128": f"load {h['loadavg_start'][0]:.1f}-{h['loadavg_end'][0]:.1f}"}
-    if (m := h.get("mtp")):
+    out = {
+        "host_us_per_step_1": f"us per request-step at batch {batches}: {per}",
+        "host_us_per_request_step_128": f"load {h['loadavg_start'][0]:.1f}-{h['loadavg_end'][0]:.1f}",
+    }
+    if m := h.get("mtp"):
         out["host_us_per_request_step_256"] = "MTP k=3: " + " / ".join(
-            f"{v}" for v in m["host_us_per_request_step"].values())
+            f"{v}" for v in m["host_us_per_request_step"].values()
+        )
         out["mtp_verified_per_request_step_32"] = f"by batch {m['verified_per_request_step']}"
         out["mtp_overlapped_fraction_32"] = f"by batch {m['overlapped_fraction']}"
     return out
@@ -252,8 +286,10 @@ def _cache_note(cache: dict[str, int] | None) -> str:
     """What the warm start-up's FX-graph cache did (frozen graphs are refused: bypasses)."""
     if not cache:
         return ""
-    return (f" (FX-graph cache: {cache['fxgraph_cache_hit']} hits, {cache['fxgraph_cache_miss']} misses, "
-            f"{cache['fxgraph_cache_bypass']} refused)")
+    return (
+        f" (FX-graph cache: {cache['fxgraph_cache_hit']} hits, {cache['fxgraph_cache_miss']} misses, "
+        f"{cache['fxgraph_cache_bypass']} refused)"
+    )
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -262,24 +298,51 @@ def format_table(summary: dict[str, Any]) -> str:
         g = summary["goals"][key]
         value = summary[key]
         met = {True: "yes", False: "**no**", None: "n/a"}[g["met"]]
-        lines.append(f"| {key} | {'—' if value is None else value} | {g['goal']} | {met} | "
-                     f"{summary['notes'].get(key, '')} |")
+        lines.append(
+            f"| {key} | {'—' if value is None else value} | {g['goal']} | {met} | {summary['notes'].get(key, '')} |"
+        )
     sim = _dig(summary, ("details", "simulation"))
     if sim and "table" in sim:
         st, dt = sim["settings"], sim["default_engine_settings"]
-        lines += ["",
-                  f"Routing simulator (real index and routers, modelled replicas; chunk {st['chunk_size']}, "
-                  f"checkpoint grid {st['track_interval']}, {st['cache_tokens']} cache tokens per replica):",
-                  "", "```", sim["table"], "```", "",
-                  f"Same cache-pressure replay with the default chunk {dt['chunk_size']} and grid "
-                  f"{dt['track_interval']}:", "", "```", sim["default_engine_table"], "```"]
+        lines += [
+            "",
+            f"Routing simulator (real index and routers, modelled replicas; chunk {st['chunk_size']}, "
+            f"checkpoint grid {st['track_interval']}, {st['cache_tokens']} cache tokens per replica):",
+            "",
+            "```",
+            sim["table"],
+            "```",
+            "",
+            f"Same cache-pressure replay with the default chunk {dt['chunk_size']} and grid {dt['track_interval']}:",
+            "",
+            "```",
+            sim["default_engine_table"],
+            "```",
+        ]
     tiers = _dig(summary, ("details", "tiers"))
     if tiers and "table" in tiers:
-        lines += ["", "Checkpoint tiers, slot_pressure over in-process replicas (bench/tiers.py), below "
-                  "capacity (the goals' point):", "",
-                  "```", tiers["table"], "", tiers.get("split_table", ""), "", tiers.get("explain_table", ""),
-                  "```"]
+        lines += [
+            "",
+            "Checkpoint tiers, slot_pressure over in-process replicas (bench/tiers.py), below "
+            "capacity (the goals' point):",
+            "",
+            "```",
+            tiers["table"],
+            "",
+            tiers.get("split_table", ""),
+            "",
+            tiers.get("explain_table", ""),
+            "```",
+        ]
         if (over := tiers.get("overloaded")) and "table" in over:
-            lines += ["", "The same, overloaded (the workload's defaults):", "", "```", over["table"], "",
-                      over.get("split_table", ""), "```"]
+            lines += [
+                "",
+                "The same, overloaded (the workload's defaults):",
+                "",
+                "```",
+                over["table"],
+                "",
+                over.get("split_table", ""),
+                "```",
+            ]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
 """The suite's configuration (``configs/workloads/suite.yaml``) and its goals."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,8 +34,8 @@ class PrefixCacheCfg(_Strict):
     workload: str = "shared_prefix"
     overrides: dict[str, Any] = Field(default_factory=dict)
     max_concurrency: int = Field(1, ge=1)
-    chunks: int = Field(4, ge=1)          # cache on / off alternate chunk by chunk
-    floor_prompt_len: int = Field(16, ge=1)   # TTFT of a prompt this short: the fixed cost
+    chunks: int = Field(4, ge=1)  # cache on / off alternate chunk by chunk
+    floor_prompt_len: int = Field(16, ge=1)  # TTFT of a prompt this short: the fixed cost
 
 
 class RoutingCfg(_Strict):
@@ -48,14 +49,14 @@ class RoutingCfg(_Strict):
 
 
 class SpecCfg(_Strict):
-    repeats: int | None = Field(None, ge=1)   # None: the suite's repeats
+    repeats: int | None = Field(None, ge=1)  # None: the suite's repeats
     output_len: int = Field(48, ge=3)
     sweep: list[int] = Field(default_factory=list)
     prompts: list[str] = Field(min_length=1)
 
 
 class OverlapCfg(_Strict):
-    repeats: int | None = Field(None, ge=1)   # None: the suite's repeats
+    repeats: int | None = Field(None, ge=1)  # None: the suite's repeats
     batch: int = Field(16, ge=1)
     prompt_len: int = Field(64, ge=1)
     output_len: int = Field(32, ge=1)
@@ -63,20 +64,22 @@ class OverlapCfg(_Strict):
 
 class CompileCfg(_Strict):
     """``compile.*`` of every suite engine; each section compiles one bucket, its own batch."""
+
     enabled: bool = True
-    cache_dir: str | None = None          # None: inductor's default (persists across runs)
+    cache_dir: str | None = None  # None: inductor's default (persists across runs)
 
 
 class EosWorkloadCfg(_Strict):
     """Continuous batching's case on a ~100M Qwen3-Next with real head dims: outputs of
     sampled lengths, each request stopping at its own (as at EOS)."""
+
     num_prompts: int = Field(24, ge=1)
-    batch: int = Field(8, ge=1)                   # engine concurrency = HF batch size
+    batch: int = Field(8, ge=1)  # engine concurrency = HF batch size
     min_prompt_len: int = Field(32, ge=1)
     max_prompt_len: int = Field(256, ge=1)
     min_output_len: int = Field(4, ge=1)
     max_output_len: int = Field(128, ge=1)
-    repeats: int | None = Field(1, ge=1)          # None: the suite's repeats
+    repeats: int | None = Field(1, ge=1)  # None: the suite's repeats
 
 
 class StartupCfg(_Strict):
@@ -94,12 +97,13 @@ class TiersCfg(_Strict):
     num_replicas: int = Field(4, ge=1)
     num_sessions: int = Field(32, ge=1)
     num_turns: int = Field(4, ge=1)
-    host_factor: int = Field(2, ge=1)     # host tier per replica, in device budgets (ClusterSettings.engine)
+    host_factor: int = Field(2, ge=1)  # host tier per replica, in device budgets (ClusterSettings.engine)
     routers: list[str] = Field(default_factory=lambda: ["hybrid_prefix", "ray_prefix"])
 
 
 class HostOverheadCfg(_Strict):
     """bench/host_overhead.py: the engine's host CPU per request-step on a near-null model."""
+
     batches: list[int] = Field(default_factory=lambda: [1, 8, 32, 128, 256, 512])
     modes: list[str] = Field(default_factory=lambda: ["default", "mtp"])
     steps: int = Field(30, ge=1)
@@ -127,8 +131,18 @@ class SuiteConfig(_Strict):
     sections: list[str] = Field(default_factory=lambda: list(SECTIONS))
 
 
-SECTIONS = ("overlap", "spec", "vs_transformers", "eos_workload", "startup", "host_overhead", "serving",
-            "routing", "simulation", "tiers")
+SECTIONS = (
+    "overlap",
+    "spec",
+    "vs_transformers",
+    "eos_workload",
+    "startup",
+    "host_overhead",
+    "serving",
+    "routing",
+    "simulation",
+    "tiers",
+)
 
 
 def load_suite_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> SuiteConfig:
@@ -155,7 +169,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 class Goal(NamedTuple):
-    op: str                               # ">=", "<=", or "report" (a figure without a goal)
+    op: str  # ">=", "<=", or "report" (a figure without a goal)
     bound: float
     what: str
 
@@ -176,28 +190,31 @@ GOALS: dict[str, Goal] = {
     "prefix_cache_prefill_fraction": Goal("<=", 0.2, "prompt tokens computed ÷ prompt tokens, shared prefix"),
     "prefix_cache_ttft_ratio": Goal("<=", 0.35, "mean TTFT cache on ÷ off, shared prefix"),
     "routing_hit_ratio_vs_round_robin": Goal(">=", 2.0, "cached-token fraction hybrid_prefix ÷ round_robin"),
-    "routing_hit_ratio_vs_ray": Goal(">=", 1.15, "cached-token fraction hybrid_prefix ÷ Ray "
-                                                 "PrefixCacheAffinityRouter"),
+    "routing_hit_ratio_vs_ray": Goal(">=", 1.15, "cached-token fraction hybrid_prefix ÷ Ray PrefixCacheAffinityRouter"),
     "routing_load_max_min": Goal("<=", 1.5, "requests per replica max ÷ min, hybrid_prefix"),
     "spec_tpot_speedup": Goal(">=", 1.4, "TPOT spec off ÷ on, batch 1"),
     "overlap_speedup": Goal(">=", 1.0, "throughput overlap on ÷ off, batch 16"),
     "tiers_prefill_ratio": Goal("<=", 0.5, "computed prefill fraction tiers on ÷ device only, slot_pressure"),
-    "tiers_ttft_ratio": Goal("<=", 0.6, "mean modelled TTFT tiers on ÷ device only, slot_pressure below "
-                                        "capacity (bench/tiers.py ClusterSettings.below_capacity)"),
-    "tiers_cached_vs_ray": Goal(">=", 1.15,
-                                "cached fraction hybrid_prefix ÷ Ray's rule, tiers on, slot_pressure"),
-    "multi_turn_turn2_hits": Goal(">=", 20,
-                                  "turn-2 prompts resuming from their turn-1 prompt, of 20, host tier on"),
-    "eos_workload_speedup": Goal(">=", 2.0, "engine ÷ transformers generate, ~100M Qwen3-Next, "
-                                            "outputs ending at sampled lengths"),
+    "tiers_ttft_ratio": Goal(
+        "<=",
+        0.6,
+        "mean modelled TTFT tiers on ÷ device only, slot_pressure below "
+        "capacity (bench/tiers.py ClusterSettings.below_capacity)",
+    ),
+    "tiers_cached_vs_ray": Goal(">=", 1.15, "cached fraction hybrid_prefix ÷ Ray's rule, tiers on, slot_pressure"),
+    "multi_turn_turn2_hits": Goal(">=", 20, "turn-2 prompts resuming from their turn-1 prompt, of 20, host tier on"),
+    "eos_workload_speedup": Goal(
+        ">=", 2.0, "engine ÷ transformers generate, ~100M Qwen3-Next, outputs ending at sampled lengths"
+    ),
     "startup_cold_s": Goal("report", 0.0, "engine start-up with compilation, empty compile cache"),
     "startup_warm_s": Goal("report", 0.0, "engine start-up with compilation, warm compile cache"),
-    "host_us_per_step_1": Goal("<=", 150,
-                               "host CPU us per step at batch 1, near-null Qwen3-Next, default engine"),
+    "host_us_per_step_1": Goal("<=", 150, "host CPU us per step at batch 1, near-null Qwen3-Next, default engine"),
     "host_us_per_request_step_128": Goal("<=", 15, "host CPU us per request-step at batch 128, the same"),
     "host_us_per_request_step_256": Goal("<=", 15, "host CPU us per request-step at batch 256, the same"),
-    "mtp_verified_per_request_step_32": Goal(">=", 0.95, "sequences verified per step ÷ batch, MTP k=3 + "
-                                                          "overlap, batch 32"),
-    "mtp_overlapped_fraction_32": Goal(">=", 0.9, "steps launched while the one before was in flight, "
-                                                  "MTP k=3 + overlap, batch 32"),
+    "mtp_verified_per_request_step_32": Goal(
+        ">=", 0.95, "sequences verified per step ÷ batch, MTP k=3 + overlap, batch 32"
+    ),
+    "mtp_overlapped_fraction_32": Goal(
+        ">=", 0.9, "steps launched while the one before was in flight, MTP k=3 + overlap, batch 32"
+    ),
 }

@@ -27,6 +27,7 @@ mean TTFT in global steps (deterministic) and in seconds (needs an idle machine)
 The defaults overload the cluster; ``--below-capacity`` (``ClusterSettings.below_capacity``)
 is the operating point of a serving benchmark, where TTFT is not the queue's length.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,6 +44,7 @@ from typing import Any
 from cluster.bench.sim_routers import make_router
 from cluster.bench.tiers_explain import Explainer, format_explanation  # noqa: F401 - re-exported
 from cluster.bench.tiers_multi_turn import multi_turn_case  # noqa: F401 - re-exported
+from cluster.bench.tiers_settings import ROUTERS, ClusterSettings
 from cluster.bench.tiers_ttft import StepCost, StepLog, fit_step_cost, format_split, ttft_split
 from cluster.bench.workloads import Session, load_workload
 from cluster.routing.routing_policy import RouterSettings
@@ -51,85 +53,6 @@ from cluster.store.client import FetchSettings, LocalStoreBackend, StoreClient
 from workers.llm import LLM
 from workers.sampling.params import SamplingParams
 from workers.tiers.payload import CheckpointPayload
-
-ROUTERS = ("hybrid_prefix", "ray_prefix", "round_robin")
-
-
-@dataclass(frozen=True)
-class ClusterSettings:
-    num_replicas: int = 4
-    kv_tokens: int = 24576            # device KV per replica
-    slot_kv_tokens: int = 3072        # Qwen3-Next-80B: one slot (36 GDN layers) ~ 3,150 KV tokens
-    host_factor: int = 2              # host tier per replica, in device budgets (see ``engine``)
-    max_running: int = 3
-    page_size: int = 16
-    track_interval: int = 64
-    chunk: int = 256
-    store_factor: float = 4.0         # cluster store, in replica device budgets (see ``store_budget``)
-    store_kv_tokens_per_s: float = 200_000.0   # a fetch's bandwidth, in KV tokens (modelled)
-    prefill_tokens_per_s: float = 10_000.0     # a replica's prefill (modelled), for the cost model
-    arrival_steps: float = 2.0        # overloaded: see ``below_capacity``
-    think_steps: int = 6
-    policy: str = "fcfs"              # scheduler.policy of every replica (fcfs | lpm)
-    load_penalty_tokens: float = RouterSettings.load_penalty_tokens   # our router's load term (floor)
-    load_penalty_auto: bool = RouterSettings.load_penalty_auto        # learnt (routing_policy.LoadPenalty)
-    seed: int = 0
-
-    def below_capacity(self) -> ClusterSettings:
-        """The operating point for TTFT (BENCHMARKS.md, the tiers' TTFT goal): these settings
-        with the session clock of a serving benchmark, below the cluster's capacity.
-
-        The defaults overload the cluster (sessions every 2 steps, 6 steps between turns):
-        TTFT there is the queue's length under any cache. ``think_steps`` 60: a tool call
-        between turns (code, search) takes a second or more at a modelled step of these
-        replicas (``tiers_ttft.StepCost``). ``arrival_steps`` 6: sessions start below the
-        cluster's capacity, so most running slots are busy but the queue stays short.
-        The router runs its defaults: its learnt load penalty (``routing_policy.LoadPenalty``,
-        the prefill a routed request computes) spreads each tool set's sessions over the
-        replicas, so TTFT is prefill, which the tiers cut, not one replica's queue."""
-        return replace(self, think_steps=60, arrival_steps=6.0)
-
-    @property
-    def num_slots(self) -> int:
-        return max(self.kv_tokens // self.slot_kv_tokens, self.max_running + 1)
-
-    def engine(self, model: Path, tiers: bool) -> dict[str, Any]:
-        """One replica's engine config. The host tier is ``host_factor`` device budgets,
-        modelled on Qwen3-Next-80B on an 8 x H200 node (2 TB of DRAM, ~45 GB of cache per
-        GPU after weights): 2 pins 2 x 45 GB x 8 = 0.72 TB, which leaves room beside Ray's
-        object store (30 % of DRAM, at most 200 GB, where the cluster store lives) and the
-        processes; 4 (1.44 TB) is the most such a node could pin, 8 (2.9 TB) does not fit.
-        ``cluster_store_bytes`` only switches the engine's commits on here: the in-process
-        store's budget is ``store_budget``."""
-        cache = {"page_size": self.page_size, "max_kv_tokens": self.kv_tokens,
-                 "max_mamba_slots": self.num_slots, "mamba_track_interval": self.track_interval}
-        if tiers:
-            cache.update(host_mamba_slots=self.host_factor * self.num_slots,
-                         host_kv_tokens=self.host_factor * self.kv_tokens,
-                         cluster_store_bytes=1 << 30 if self.store_factor > 0 else 0)
-        return {"model": str(model), "device": "cpu", "dtype": "float32", "seed": self.seed, "cache": cache,
-                "scheduler": {"max_running_requests": self.max_running, "chunked_prefill_size": self.chunk,
-                              "max_batch_tokens": max(self.chunk, 512), "policy": self.policy}}
-
-    def store_model(self, token_bytes: int, slot_bytes: int) -> tuple[int, int, FetchSettings]:
-        """The store at Qwen3-Next's proportions, from the tiny model's sizes (bytes of one KV
-        token, of one slot): (budget bytes, bytes charged per entry on top of its payload,
-        the fetch cost model's settings).
-
-        The tiny model's slot weighs ~16 KV tokens, not ``slot_kv_tokens``, so its payloads
-        would be all KV and a byte budget would hold ~8x the entries the modelled store
-        does. Each entry is charged its slot at ``slot_kv_tokens`` KV tokens; the budget is
-        ``store_factor`` replica device budgets (KV + slots at that weight: 4 = the
-        cluster's device cache again, in the object store of its nodes). The cost model's
-        throughputs are fixed (not measured from this CPU, so that fetch decisions are
-        counts): ``store_kv_tokens_per_s`` (200k = 5 GB/s at Qwen3-Next's ~24 KiB of KV a
-        token) and ``prefill_tokens_per_s``; a fetch then pays when it saves more than
-        ~200 tokens of prefill (a ~75 MB Qwen3-Next checkpoint at 5 GB/s against 10k tokens/s)."""
-        slot_extra = max(0, self.slot_kv_tokens * token_bytes - slot_bytes)
-        device = self.kv_tokens * token_bytes + self.num_slots * (slot_bytes + slot_extra)
-        fetch = FetchSettings(bandwidth_bytes_per_s=self.store_kv_tokens_per_s * token_bytes,
-                              prefill_tokens_per_s=self.prefill_tokens_per_s, measure=False)
-        return int(self.store_factor * device), slot_extra, fetch
 
 
 @dataclass
@@ -145,8 +68,8 @@ class TiersResult:
     mean_ttft_s: float
     hits_by_tier: dict[str, int] = field(default_factory=dict)
     store: dict[str, int] = field(default_factory=dict)
-    explain: dict[str, Any] = field(default_factory=dict)    # tiers_explain.Explanation.as_dict
-    split: dict[str, float] = field(default_factory=dict)    # tiers_ttft.ttft_split: queue vs prefill
+    explain: dict[str, Any] = field(default_factory=dict)  # tiers_explain.Explanation.as_dict
+    split: dict[str, float] = field(default_factory=dict)  # tiers_ttft.ttft_split: queue vs prefill
 
 
 class _Direct:
@@ -175,8 +98,11 @@ class _ModelledStore(LocalStoreBackend):
         self.slot_extra = slot_extra
 
     async def commit(self, payload: CheckpointPayload, owner: str) -> CommitResult:
-        return self.store.commit(StoreEntry(payload.prefix_hash, payload.depth, payload.token_ids,
-                                            payload.nbytes + self.slot_extra, payload, owner))
+        return self.store.commit(
+            StoreEntry(
+                payload.prefix_hash, payload.depth, payload.token_ids, payload.nbytes + self.slot_extra, payload, owner
+            )
+        )
 
 
 @dataclass
@@ -189,22 +115,32 @@ class _Live:
     wall: float
     first_step: int | None = None
     first_wall: float | None = None
-    output: list[int] = field(default_factory=list)    # its tokens so far
+    output: list[int] = field(default_factory=list)  # its tokens so far
 
 
 class _Cluster:
-    def __init__(self, model: Path, s: ClusterSettings, tiers: bool, router: str,
-                 cost: StepCost = StepCost(), calibrate: bool = False) -> None:
+    def __init__(
+        self,
+        model: Path,
+        s: ClusterSettings,
+        tiers: bool,
+        router: str,
+        cost: StepCost = StepCost(),
+        calibrate: bool = False,
+    ) -> None:
         self.s, self.tiers = s, tiers
         self.names = [f"r{i}" for i in range(s.num_replicas)]
         self.llms = {n: LLM(**s.engine(model, tiers)) for n in self.names}
         for llm in self.llms.values():
-            llm.engine.record_cache_events()          # the router index is fed them (``_publish``)
+            llm.engine.record_cache_events()  # the router index is fed them (``_publish``)
         self.logs = {n: StepLog(llm.engine, cost, calibrate) for n, llm in self.llms.items()}
         self.store: CheckpointStore | None = None
         self.clients: dict[str, StoreClient] = {}
-        settings = RouterSettings(load_penalty_tokens=s.load_penalty_tokens,
-                                  load_penalty_auto=s.load_penalty_auto, replica_capacity=s.max_running)
+        settings = RouterSettings(
+            load_penalty_tokens=s.load_penalty_tokens,
+            load_penalty_auto=s.load_penalty_auto,
+            replica_capacity=s.max_running,
+        )
         if tiers and s.store_factor > 0:
             storage = self.llms[self.names[0]].engine.cache.host.storage
             budget, extra, fetch = s.store_model(storage.nbytes(0, 1) // s.page_size, storage.nbytes(1, 0))
@@ -222,13 +158,13 @@ class _Cluster:
         if self.clients:
             outcome = asyncio.run(self.clients[live.replica].prefetch(_Direct(engine), live.prompt))
             self.explainer.on_fetch(rid, outcome)
-        params = SamplingParams(max_tokens=live.session.turns[live.turn].max_tokens, temperature=0.0,
-                                ignore_eos=True)
+        params = SamplingParams(max_tokens=live.session.turns[live.turn].max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(rid, live.prompt, params)
 
     def run(self, sessions: Sequence[Session]) -> list[tuple[_Live, Any]]:
         due: list[tuple[int, int, Session, int, list[int]]] = [
-            (i * self.s.arrival_steps, i, sess, 0, list(sess.shared_ids)) for i, sess in enumerate(sessions)]
+            (i * self.s.arrival_steps, i, sess, 0, list(sess.shared_ids)) for i, sess in enumerate(sessions)
+        ]
         live: dict[str, _Live] = {}
         done: list[tuple[_Live, Any]] = []
         while due or live:
@@ -270,8 +206,15 @@ class _Cluster:
                 self.explainer.on_done(out.request_id, item.prompt + item.output, out.cached_tokens)
                 if item.turn + 1 < len(item.session.turns):
                     history = item.prompt + item.output
-                    due.append((self.step_no + self.s.think_steps, item.session.session_id, item.session,
-                                item.turn + 1, history))
+                    due.append(
+                        (
+                            self.step_no + self.s.think_steps,
+                            item.session.session_id,
+                            item.session,
+                            item.turn + 1,
+                            history,
+                        )
+                    )
 
     def _publish(self, name: str, llm: LLM) -> None:
         events = llm.engine.drain_cache_events()
@@ -282,9 +225,15 @@ class _Cluster:
             self.explainer.on_events(events)
 
 
-def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
-            s: ClusterSettings = ClusterSettings(), cost: StepCost = StepCost(),
-            samples: list[tuple[int, int, float]] | None = None) -> TiersResult:
+def run_one(
+    model: Path,
+    sessions: Sequence[Session],
+    router: str,
+    tiers: bool,
+    s: ClusterSettings = ClusterSettings(),
+    cost: StepCost = StepCost(),
+    samples: list[tuple[int, int, float]] | None = None,
+) -> TiersResult:
     """One run; ``samples`` (if given) collects every step's (computed, rows, seconds)."""
     cluster = _Cluster(model, s, tiers, router, cost, calibrate=samples is not None)
     done = cluster.run(sessions)
@@ -299,10 +248,21 @@ def run_one(model: Path, sessions: Sequence[Session], router: str, tiers: bool,
         for tier, n in llm.stats()["hybridserve_cache_hits_total"].items():
             hits[tier] = hits.get(tier, 0) + n
     store = cluster.store.stats() if cluster.store else {}
-    return TiersResult(router, tiers, len(done), prompt, cached, round(1 - cached / prompt, 4),
-                       round(cached / prompt, 4), round(sum(ttft_steps) / len(ttft_steps), 2),
-                       round(sum(ttft_s) / len(ttft_s), 4), hits, {k: int(v) for k, v in store.items()},
-                       cluster.explainer.result.as_dict(), ttft_split(cluster.logs.values()))
+    return TiersResult(
+        router,
+        tiers,
+        len(done),
+        prompt,
+        cached,
+        round(1 - cached / prompt, 4),
+        round(cached / prompt, 4),
+        round(sum(ttft_steps) / len(ttft_steps), 2),
+        round(sum(ttft_s) / len(ttft_s), 4),
+        hits,
+        {k: int(v) for k, v in store.items()},
+        cluster.explainer.result.as_dict(),
+        ttft_split(cluster.logs.values()),
+    )
 
 
 def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
@@ -314,23 +274,30 @@ def goals(results: Sequence[TiersResult]) -> dict[str, float | None]:
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
-    return {"computed_prefill_tiers_over_device": ratio(ours and ours.computed_fraction,
-                                                        device and device.computed_fraction),
-            "ttft_steps_tiers_over_device": ratio(ours and ours.mean_ttft_steps,
-                                                  device and device.mean_ttft_steps),
-            "ttft_s_tiers_over_device": ratio(ours and ours.mean_ttft_s, device and device.mean_ttft_s),
-            "ttft_model_s_tiers_over_device": ratio(ours and ours.split["ttft_model_s"],
-                                                    device and device.split["ttft_model_s"]),
-            "cached_vs_ray": ratio(ours and ours.cached_fraction, ray and ray.cached_fraction)}
+    return {
+        "computed_prefill_tiers_over_device": ratio(
+            ours and ours.computed_fraction, device and device.computed_fraction
+        ),
+        "ttft_steps_tiers_over_device": ratio(ours and ours.mean_ttft_steps, device and device.mean_ttft_steps),
+        "ttft_s_tiers_over_device": ratio(ours and ours.mean_ttft_s, device and device.mean_ttft_s),
+        "ttft_model_s_tiers_over_device": ratio(
+            ours and ours.split["ttft_model_s"], device and device.split["ttft_model_s"]
+        ),
+        "cached_vs_ray": ratio(ours and ours.cached_fraction, ray and ray.cached_fraction),
+    }
 
 
 def format_table(results: Sequence[TiersResult]) -> str:
-    lines = [f"{'router':<15}{'tiers':>6}{'requests':>9}{'computed':>10}{'cached':>8}{'ttft steps':>11}"
-             f"{'ttft s':>8}  hits by tier"]
+    lines = [
+        f"{'router':<15}{'tiers':>6}{'requests':>9}{'computed':>10}{'cached':>8}{'ttft steps':>11}"
+        f"{'ttft s':>8}  hits by tier"
+    ]
     for r in results:
-        lines.append(f"{r.router:<15}{'on' if r.tiers else 'off':>6}{r.num_requests:>9}"
-                     f"{r.computed_fraction:>10.3f}{r.cached_fraction:>8.3f}{r.mean_ttft_steps:>11.2f}"
-                     f"{r.mean_ttft_s:>8.3f}  {r.hits_by_tier}")
+        lines.append(
+            f"{r.router:<15}{'on' if r.tiers else 'off':>6}{r.num_requests:>9}"
+            f"{r.computed_fraction:>10.3f}{r.cached_fraction:>8.3f}{r.mean_ttft_steps:>11.2f}"
+            f"{r.mean_ttft_s:>8.3f}  {r.hits_by_tier}"
+        )
     return "\n".join(lines)
 
 
@@ -342,30 +309,56 @@ def _arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--toolsets", type=int, default=None, help="override num_toolsets (system prompts)")
     ap.add_argument("--routers", nargs="+", default=list(ROUTERS))
-    ap.add_argument("--host-factor", type=int, default=ClusterSettings.host_factor,
-                    help="host tier per replica, in device budgets")
-    ap.add_argument("--store-factor", type=float, default=ClusterSettings.store_factor,
-                    help="cluster store, in replica device budgets (0: no store)")
-    ap.add_argument("--think-steps", type=int, default=ClusterSettings.think_steps,
-                    help="steps between a turn's answer and the next turn (the tool call)")
-    ap.add_argument("--arrival-steps", type=float, default=ClusterSettings.arrival_steps,
-                    help="steps between two sessions' first turns")
-    ap.add_argument("--policy", choices=("fcfs", "lpm"), default=ClusterSettings.policy,
-                    help="the replicas' scheduler.policy (waiting-queue order)")
-    ap.add_argument("--load-penalty-tokens", type=float, default=ClusterSettings.load_penalty_tokens,
-                    help="our router's RouterSettings.load_penalty_tokens (the floor of the learnt penalty)")
-    ap.add_argument("--fixed-load-penalty", action="store_true",
-                    help="RouterSettings.load_penalty_auto off: the penalty is --load-penalty-tokens")
-    ap.add_argument("--below-capacity", action="store_true",
-                    help="ClusterSettings.below_capacity(): think 60, sessions every 6 steps")
+    ap.add_argument("--host-factor", type=int, default=ClusterSettings.host_factor, help="host tier, device budgets")
+    ap.add_argument(
+        "--store-factor",
+        type=float,
+        default=ClusterSettings.store_factor,
+        help="cluster store, in replica device budgets (0: no store)",
+    )
+    ap.add_argument(
+        "--think-steps",
+        type=int,
+        default=ClusterSettings.think_steps,
+        help="steps between a turn's answer and the next turn (the tool call)",
+    )
+    ap.add_argument(
+        "--arrival-steps",
+        type=float,
+        default=ClusterSettings.arrival_steps,
+        help="steps between two sessions' first turns",
+    )
+    ap.add_argument(
+        "--policy",
+        choices=("fcfs", "lpm"),
+        default=ClusterSettings.policy,
+        help="the replicas' scheduler.policy (waiting-queue order)",
+    )
+    ap.add_argument(
+        "--load-penalty-tokens",
+        type=float,
+        default=ClusterSettings.load_penalty_tokens,
+        help="our router's RouterSettings.load_penalty_tokens (the floor of the learnt penalty)",
+    )
+    ap.add_argument(
+        "--fixed-load-penalty",
+        action="store_true",
+        help="RouterSettings.load_penalty_auto off: the penalty is --load-penalty-tokens",
+    )
+    ap.add_argument(
+        "--below-capacity",
+        action="store_true",
+        help="ClusterSettings.below_capacity(): think 60, sessions every 6 steps",
+    )
     ap.add_argument("--tiers-only", action="store_true", help="skip the device-only runs")
     ap.add_argument("--multi-turn", action="store_true", help="only the 20-conversation turn-2 case")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--explain", action="store_true",
-                    help="computed prompt tokens by cause (tiers_explain.py)")
-    ap.add_argument("--calibrate", action="store_true",
-                    help="fit the modelled step cost (tiers_ttft.StepCost) to this machine's step times, "
-                         "then use it")
+    ap.add_argument("--explain", action="store_true", help="computed prompt tokens by cause (tiers_explain.py)")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="fit the modelled step cost (tiers_ttft.StepCost) to this machine's step times, then use it",
+    )
     return ap
 
 
@@ -382,14 +375,22 @@ def main(argv: list[str] | None = None) -> None:
             for host in (False, True):
                 print(json.dumps(multi_turn_case(model, strategy, host)))
         return
-    overrides = {k: v for k, v in (("num_sessions", args.sessions), ("num_turns", args.turns),
-                                   ("num_toolsets", args.toolsets)) if v}
+    overrides = {
+        k: v
+        for k, v in (("num_sessions", args.sessions), ("num_turns", args.turns), ("num_toolsets", args.toolsets))
+        if v
+    }
     sessions = load_workload("slot_pressure", overrides).sessions
-    s = ClusterSettings(num_replicas=args.replicas, host_factor=args.host_factor,
-                        store_factor=args.store_factor, think_steps=args.think_steps,
-                        arrival_steps=args.arrival_steps, policy=args.policy,
-                        load_penalty_tokens=args.load_penalty_tokens,
-                        load_penalty_auto=not args.fixed_load_penalty)
+    s = ClusterSettings(
+        num_replicas=args.replicas,
+        host_factor=args.host_factor,
+        store_factor=args.store_factor,
+        think_steps=args.think_steps,
+        arrival_steps=args.arrival_steps,
+        policy=args.policy,
+        load_penalty_tokens=args.load_penalty_tokens,
+        load_penalty_auto=not args.fixed_load_penalty,
+    )
     if args.below_capacity:
         s = s.below_capacity()
     modes = (True,) if args.tiers_only else (False, True)

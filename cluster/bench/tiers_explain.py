@@ -40,6 +40,7 @@ page-aligned prefix shared with anything sent before (``sent``: the workload's b
 ``oracle_computed_fraction``, with what was computed by then (``oracle``: the bound given
 the arrival times).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -50,8 +51,18 @@ from cluster.routing.prefix_index import PrefixIndex
 from cluster.store.checkpoint_store import CheckpointStore
 from workers.cache.records import CheckpointInserted
 
-CAUSES = ("first_system", "new_suffix", "in_flight", "page", "previous_output", "placement", "dropped",
-          "elsewhere", "refused", "lost_in_queue")
+CAUSES = (
+    "first_system",
+    "new_suffix",
+    "in_flight",
+    "page",
+    "previous_output",
+    "placement",
+    "dropped",
+    "elsewhere",
+    "refused",
+    "lost_in_queue",
+)
 
 
 @dataclass
@@ -66,9 +77,9 @@ class Snapshot:
     alive: int
     reachable: int
     system_len: int
-    previous_prompt: int          # the previous turn's prompt length (0 on a first turn)
+    previous_prompt: int  # the previous turn's prompt length (0 on a first turn)
     page: int = 16
-    fetch: str = "none"           # the store prefetch's outcome
+    fetch: str = "none"  # the store prefetch's outcome
 
 
 @dataclass
@@ -94,11 +105,14 @@ class Explanation:
 
     def as_dict(self) -> dict[str, Any]:
         total = self.prompt_tokens or 1
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "oracle_cached_fraction": self._fraction(self.sent_oracle_tokens),
-                "oracle_computed_fraction": self._fraction(self.oracle_tokens),
-                "computed_by_cause": dict(self.computed),
-                "computed_fraction_by_cause": {k: round(v / total, 4) for k, v in self.computed.items()}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "oracle_cached_fraction": self._fraction(self.sent_oracle_tokens),
+            "oracle_computed_fraction": self._fraction(self.oracle_tokens),
+            "computed_by_cause": dict(self.computed),
+            "computed_fraction_by_cause": {k: round(v / total, 4) for k, v in self.computed.items()},
+        }
 
 
 def split(snap: Snapshot, cached: int) -> dict[str, int]:
@@ -161,8 +175,7 @@ class Explainer:
             if isinstance(e, CheckpointInserted):
                 self.ever.insert("ever", e.token_ids)
 
-    def on_route(self, rid: str, prompt: Sequence[int], replica: str, system_len: int,
-                 previous_prompt: int) -> None:
+    def on_route(self, rid: str, prompt: Sequence[int], replica: str, system_len: int, previous_prompt: int) -> None:
         limit = max(len(prompt) - 1, 0)
         usable = list(prompt[:limit])
         sent, seen = min(self.sent.shared(prompt), limit), min(self.seen.shared(prompt), limit)
@@ -170,8 +183,18 @@ class Explainer:
         store = self._store_depth(usable)
         ever = self.ever.match(usable, limit, ["ever"])["ever"]
         alive = max([store] + list(depths.values()))
-        self.snaps[rid] = Snapshot(len(prompt), sent, seen, seen // self.page * self.page, max(ever, alive),
-                                   alive, max(depths[replica], store), system_len, previous_prompt, self.page)
+        self.snaps[rid] = Snapshot(
+            len(prompt),
+            sent,
+            seen,
+            seen // self.page * self.page,
+            max(ever, alive),
+            alive,
+            max(depths[replica], store),
+            system_len,
+            previous_prompt,
+            self.page,
+        )
         self.sent.add(prompt)
 
     def on_prefilled(self, prompt: Sequence[int]) -> None:
@@ -209,7 +232,8 @@ def format_explanation(rows: Sequence[tuple[str, bool, dict[str, Any]]]) -> str:
     for router, tiers, ex in rows:
         total = ex["prompt_tokens"] or 1
         fractions = ex["computed_fraction_by_cause"]
-        lines.append(f"{router:<15}{'on' if tiers else 'off':>6}{ex['oracle_cached_fraction']:>8.3f}"
-                     f"{ex['cached_tokens'] / total:>8.3f}" + "".join(f"{fractions[c]:>14.3f}"
-                                                                      for c in CAUSES))
+        lines.append(
+            f"{router:<15}{'on' if tiers else 'off':>6}{ex['oracle_cached_fraction']:>8.3f}"
+            f"{ex['cached_tokens'] / total:>8.3f}" + "".join(f"{fractions[c]:>14.3f}" for c in CAUSES)
+        )
     return "\n".join(lines)

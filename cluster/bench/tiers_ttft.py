@@ -18,6 +18,7 @@ machine, modelled seconds do not. Arrivals and think times stay in global steps 
 replicas advance in lockstep): the modelled figures weigh each step a request waits by what
 its replica computed in it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -92,7 +93,7 @@ class StepLog:
         self.times: dict[str, RequestTimes] = {}
         self.samples: list[tuple[int, int, float]] = []
         self._shapes: dict[int, tuple[int, int]] = {}
-        self._sampled: dict[str, float] = {}      # request id -> end of the batch sampling its first token
+        self._sampled: dict[str, float] = {}  # request id -> end of the batch sampling its first token
         launch = engine.scheduler.on_launch
 
         def on_launch(batch: ScheduledBatch) -> None:
@@ -139,7 +140,7 @@ class StepLog:
         t = self.times[rid]
         if t.first_step is None:
             t.first_step, t.first_clock = step, self._sampled.pop(rid, self.clock)
-            if t.admit_step is None:        # admitted and sampled within one step (no overlap)
+            if t.admit_step is None:  # admitted and sampled within one step (no overlap)
                 t.admit_step = step
             if t.admit_clock is None:
                 t.admit_clock = t.first_clock
@@ -154,10 +155,14 @@ def ttft_split(logs: Iterable[StepLog]) -> dict[str, float]:
     modelled seconds (``ttft = queue + prefill`` in both units); the longest TTFT in steps
     (what a queue-reordering policy could starve)."""
     done = [t for log in logs for t in log.times.values() if t.first_step is not None]
-    out: dict[str, float] = {"requests": len(done),
-                             "max_ttft_steps": max((t.first_step - t.arrival_step for t in done), default=0)}
-    for unit, arrival, admit, first in (("steps", "arrival_step", "admit_step", "first_step"),
-                                        ("model_s", "arrival_clock", "admit_clock", "first_clock")):
+    out: dict[str, float] = {
+        "requests": len(done),
+        "max_ttft_steps": max((t.first_step - t.arrival_step for t in done), default=0),
+    }
+    for unit, arrival, admit, first in (
+        ("steps", "arrival_step", "admit_step", "first_step"),
+        ("model_s", "arrival_clock", "admit_clock", "first_clock"),
+    ):
         out[f"ttft_{unit}"] = round(_mean([getattr(t, first) - getattr(t, arrival) for t in done]), 4)
         out[f"queue_{unit}"] = round(_mean([getattr(t, admit) - getattr(t, arrival) for t in done]), 4)
         out[f"prefill_{unit}"] = round(_mean([getattr(t, first) - getattr(t, admit) for t in done]), 4)
@@ -166,13 +171,17 @@ def ttft_split(logs: Iterable[StepLog]) -> dict[str, float]:
 
 def format_split(rows: Sequence[tuple[str, bool, dict[str, float]]], cost: StepCost) -> str:
     """(router, tiers, ``ttft_split``) rows: mean TTFT = queue + prefill, steps and modelled s."""
-    lines = [f"mean TTFT = queue wait + prefill, in global steps and modelled seconds "
-             f"(a={cost.a:.4g} s + b={cost.b:.3g} s/token + c={cost.c:.3g} s/decode row; tiers_ttft.py):",
-             f"{'router':<15}{'tiers':>6}{'ttft st':>9}{'queue st':>9}{'prefill st':>11}"
-             f"{'ttft ms':>9}{'queue ms':>9}{'prefill ms':>11}{'max st':>8}"]
+    lines = [
+        f"mean TTFT = queue wait + prefill, in global steps and modelled seconds "
+        f"(a={cost.a:.4g} s + b={cost.b:.3g} s/token + c={cost.c:.3g} s/decode row; tiers_ttft.py):",
+        f"{'router':<15}{'tiers':>6}{'ttft st':>9}{'queue st':>9}{'prefill st':>11}"
+        f"{'ttft ms':>9}{'queue ms':>9}{'prefill ms':>11}{'max st':>8}",
+    ]
     for router, tiers, sp in rows:
-        lines.append(f"{router:<15}{'on' if tiers else 'off':>6}{sp['ttft_steps']:>9.2f}"
-                     f"{sp['queue_steps']:>9.2f}{sp['prefill_steps']:>11.2f}{1e3 * sp['ttft_model_s']:>9.1f}"
-                     f"{1e3 * sp['queue_model_s']:>9.1f}{1e3 * sp['prefill_model_s']:>11.1f}"
-                     f"{sp['max_ttft_steps']:>8}")
+        lines.append(
+            f"{router:<15}{'on' if tiers else 'off':>6}{sp['ttft_steps']:>9.2f}"
+            f"{sp['queue_steps']:>9.2f}{sp['prefill_steps']:>11.2f}{1e3 * sp['ttft_model_s']:>9.1f}"
+            f"{1e3 * sp['queue_model_s']:>9.1f}{1e3 * sp['prefill_model_s']:>11.1f}"
+            f"{sp['max_ttft_steps']:>8}"
+        )
     return "\n".join(lines)

@@ -34,6 +34,7 @@ Kinds (parameters as in the field names of each spec):
 Same spec and seed -> the same sessions, byte for byte; ``seed`` in the YAML can be
 overridden (the CLI's ``--seed``).
 """
+
 from __future__ import annotations
 
 import random
@@ -51,15 +52,15 @@ WORKLOAD_DIR = Path(__file__).resolve().parents[2] / "configs" / "workloads"
 # -- what the client runs -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Turn:
-    user_ids: tuple[int, ...]             # the turn's new user content
+    user_ids: tuple[int, ...]  # the turn's new user content
     max_tokens: int
 
 
 @dataclass(frozen=True)
 class Session:
     session_id: int
-    group: str                            # tenant / prefix group / conversation label
-    shared_ids: tuple[int, ...]           # sent before the first turn (system prompt, context)
+    group: str  # tenant / prefix group / conversation label
+    shared_ids: tuple[int, ...]  # sent before the first turn (system prompt, context)
     turns: tuple[Turn, ...]
 
     def first_prompt_ids(self) -> list[int]:
@@ -70,11 +71,11 @@ class Session:
 class Workload:
     name: str
     kind: str
-    api: str                              # "completions" | "chat"
-    prompt_format: str                    # "ids" | "text" (completions only; chat is text)
+    api: str  # "completions" | "chat"
+    prompt_format: str  # "ids" | "text" (completions only; chat is text)
     sessions: list[Session]
     warmup: list[Session] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)   # derived sizes, for reports
+    info: dict[str, Any] = field(default_factory=dict)  # derived sizes, for reports
 
     @property
     def num_requests(self) -> int:
@@ -106,7 +107,7 @@ class RandomSpec(_Spec):
     input_len: int = Field(256, ge=1)
     output_len: int = Field(32, ge=1)
     range_ratio: float = Field(0.25, ge=0.0, lt=1.0)
-    prefix_len: int = Field(0, ge=0)      # one random prefix shared by every prompt
+    prefix_len: int = Field(0, ge=0)  # one random prefix shared by every prompt
 
 
 class SharedPrefixSpec(_Spec):
@@ -144,8 +145,10 @@ class CachePressureSpec(_Spec):
         if self.num_tenants is not None:
             return self.num_tenants
         if self.cluster_cache_tokens is None:
-            raise ValueError("cache_pressure needs num_tenants or cluster_cache_tokens "
-                             "(the cluster's cache size in tokens) to size the tenants")
+            raise ValueError(
+                "cache_pressure needs num_tenants or cluster_cache_tokens "
+                "(the cluster's cache size in tokens) to size the tenants"
+            )
         return max(1, round(self.cache_fraction * self.cluster_cache_tokens / self.context_len))
 
 
@@ -172,8 +175,10 @@ class SlotPressureSpec(_Spec):
     output_len: int = Field(24, ge=1)
 
 
-WorkloadSpec = Annotated[Union[RandomSpec, SharedPrefixSpec, PrefixRepetitionSpec, CachePressureSpec,
-                               MultiTurnSpec, SlotPressureSpec], Field(discriminator="kind")]
+WorkloadSpec = Annotated[
+    Union[RandomSpec, SharedPrefixSpec, PrefixRepetitionSpec, CachePressureSpec, MultiTurnSpec, SlotPressureSpec],
+    Field(discriminator="kind"),
+]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(WorkloadSpec)
 
 
@@ -204,8 +209,7 @@ def load_spec(name_or_path: str | Path, overrides: Mapping[str, Any] | None = No
     try:
         return _ADAPTER.validate_python(data)
     except ValidationError as exc:
-        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
-                         for e in exc.errors())
+        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"invalid workload {path.name}: {errs}") from None
 
 
@@ -230,10 +234,20 @@ class _Ids:
 def _random(spec: RandomSpec) -> tuple[list[Session], list[Session], dict[str, Any]]:
     ids = _Ids(spec)
     prefix = ids.draw(spec.prefix_len)
-    sessions = [Session(i, "random", prefix,
-                        (Turn(ids.draw(ids.length(spec.input_len, spec.range_ratio)),
-                              ids.length(spec.output_len, spec.range_ratio)),))
-                for i in range(spec.num_prompts)]
+    sessions = [
+        Session(
+            i,
+            "random",
+            prefix,
+            (
+                Turn(
+                    ids.draw(ids.length(spec.input_len, spec.range_ratio)),
+                    ids.length(spec.output_len, spec.range_ratio),
+                ),
+            ),
+        )
+        for i in range(spec.num_prompts)
+    ]
     return sessions, [], {}
 
 
@@ -246,8 +260,10 @@ def _shared_prefix(spec: SharedPrefixSpec) -> tuple[list[Session], list[Session]
         pairs.sort(key=lambda p: (p[1], p[0]))
     elif spec.order == "shuffled":
         ids.rng.shuffle(pairs)
-    sessions = [Session(i, f"group-{g}", systems[g], (Turn(questions[(g, q)], spec.output_len),))
-                for i, (g, q) in enumerate(pairs)]
+    sessions = [
+        Session(i, f"group-{g}", systems[g], (Turn(questions[(g, q)], spec.output_len),))
+        for i, (g, q) in enumerate(pairs)
+    ]
     return sessions, [], {}
 
 
@@ -256,8 +272,9 @@ def _prefix_repetition(spec: PrefixRepetitionSpec) -> tuple[list[Session], list[
     prefixes = [ids.draw(spec.prefix_len) for _ in range(spec.num_prefixes)]
     items = [(i % spec.num_prefixes, ids.draw(spec.suffix_len)) for i in range(spec.num_prompts)]
     ids.rng.shuffle(items)
-    sessions = [Session(i, f"prefix-{p}", prefixes[p], (Turn(suffix, spec.output_len),))
-                for i, (p, suffix) in enumerate(items)]
+    sessions = [
+        Session(i, f"prefix-{p}", prefixes[p], (Turn(suffix, spec.output_len),)) for i, (p, suffix) in enumerate(items)
+    ]
     return sessions, [], {}
 
 
@@ -280,8 +297,7 @@ def _cache_pressure(spec: CachePressureSpec) -> tuple[list[Session], list[Sessio
     sessions = [session(len(warm) + i, t) for i, t in enumerate(queries(spec.queries_per_tenant))]
     info = {"num_tenants": num_tenants, "context_tokens": num_tenants * spec.context_len}
     if spec.cluster_cache_tokens:
-        info["context_fraction_of_cluster_cache"] = round(
-            num_tenants * spec.context_len / spec.cluster_cache_tokens, 3)
+        info["context_fraction_of_cluster_cache"] = round(num_tenants * spec.context_len / spec.cluster_cache_tokens, 3)
     return sessions, warmup, info
 
 
@@ -305,15 +321,19 @@ def _slot_pressure(spec: SlotPressureSpec) -> tuple[list[Session], list[Session]
         for _ in range(spec.num_turns - 1):
             tool = ids.draw(ids.length(spec.tool_output_len, spec.tool_output_range))
             turns.append(Turn(tool + ids.draw(spec.instruction_len), spec.output_len))
-        sessions.append(Session(i, f"toolset-{i % spec.num_toolsets}", toolsets[i % spec.num_toolsets],
-                                tuple(turns)))
+        sessions.append(Session(i, f"toolset-{i % spec.num_toolsets}", toolsets[i % spec.num_toolsets], tuple(turns)))
     final = [len(s.shared_ids) + sum(len(t.user_ids) + t.max_tokens for t in s.turns) for s in sessions]
     return sessions, [], {"mean_final_context": round(sum(final) / len(final), 1)}
 
 
 _GENERATORS: dict[str, Callable[[Any], tuple[list[Session], list[Session], dict[str, Any]]]] = {
-    "random": _random, "shared_prefix": _shared_prefix, "prefix_repetition": _prefix_repetition,
-    "cache_pressure": _cache_pressure, "multi_turn": _multi_turn, "slot_pressure": _slot_pressure}
+    "random": _random,
+    "shared_prefix": _shared_prefix,
+    "prefix_repetition": _prefix_repetition,
+    "cache_pressure": _cache_pressure,
+    "multi_turn": _multi_turn,
+    "slot_pressure": _slot_pressure,
+}
 
 
 def build(spec: Any, name: str | None = None) -> Workload:
@@ -322,11 +342,13 @@ def build(spec: Any, name: str | None = None) -> Workload:
 
 
 # -- rendering ids as text -----------------------------------------------------------------
-_WORDS = ("the quick brown fox jumps over lazy dog small model still say hello world once upon "
-          "time there was little server that answered every request with care speed read prompt "
-          "thought while then wrote answer one token at system user asks question assistant "
-          "replies memory state cache prefix layer batch response stream red orange yellow green "
-          "blue indigo violet morning coffee tea noon bread soup night sleep monday friday").split()
+_WORDS = (
+    "the quick brown fox jumps over lazy dog small model still say hello world once upon "
+    "time there was little server that answered every request with care speed read prompt "
+    "thought while then wrote answer one token at system user asks question assistant "
+    "replies memory state cache prefix layer batch response stream red orange yellow green "
+    "blue indigo violet morning coffee tea noon bread soup night sleep monday friday"
+).split()
 
 
 class Renderer:
@@ -359,6 +381,6 @@ class Renderer:
             text = str(tok.decode(list(ids), skip_special_tokens=True))
             again = tok.encode(text, add_special_tokens=False)
             if len(again) > len(ids):
-                text = str(tok.decode(again[:len(ids)], skip_special_tokens=True))
+                text = str(tok.decode(again[: len(ids)], skip_special_tokens=True))
             return text
         return " ".join(_WORDS[i % len(_WORDS)] for i in ids) + " "

@@ -4,6 +4,7 @@ Replicas push ``(model, replica, snapshot, observations)`` every stats interval;
 push decision deltas. The actor serves ``/metrics`` on ``host:port`` from a
 ``prometheus_client`` HTTP thread; ``render`` returns the same text for tests.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,9 @@ class MetricsActor:
     def url(self) -> str:
         return self.address
 
-    def push_replica(self, model: str, replica: str, snapshot: Mapping[str, object],
-                     observations: Mapping[str, Sequence[float]]) -> None:
+    def push_replica(
+        self, model: str, replica: str, snapshot: Mapping[str, object], observations: Mapping[str, Sequence[float]]
+    ) -> None:
         self._registry.update_replica(model, replica, snapshot, observations)
         self._registry.expire(self._stale_after_s)
 

@@ -19,6 +19,7 @@ graph and alert on, and ``rate()`` sees the first increment.
 Replicas silent for ``max_age_s`` are dropped by ``expire``. Thread-safe: pushes come
 from the actor's thread, ``collect`` from the HTTP server's.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -35,8 +36,7 @@ from workers.request import FinishReason
 from workers.stats import LABEL_VALUES as TIER_LABEL_VALUES
 from workers.stats import LABELLED_COUNTERS
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-                   20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BUCKETS = {
     "hybridserve_time_to_first_token_seconds": LATENCY_BUCKETS,
@@ -50,8 +50,12 @@ ROUTER_DECISIONS = "hybridserve_router_decisions_total"
 # workers/request.py, the tiers' in workers/stats.py); values outside them are still
 # exported when counted.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
-    "hybridserve_mamba_donations_skipped_total": ("prefill_finished", "prefill_unfinished",
-                                                  "decode_finished", "decode"),
+    "hybridserve_mamba_donations_skipped_total": (
+        "prefill_finished",
+        "prefill_unfinished",
+        "decode_finished",
+        "decode",
+    ),
     "hybridserve_mamba_checkpoints_inserted_total": ("prefill", "decode", "finish"),
     "hybridserve_invariant_violations_total": tuple(f"I{i}" for i in range(1, 11)),
     "hybridserve_requests_total": tuple(r.value for r in FinishReason),
@@ -62,7 +66,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
 @dataclass
 class _Histogram:
     bounds: tuple[float, ...]
-    counts: list[int]                     # per bucket (not cumulative); last = +Inf
+    counts: list[int]  # per bucket (not cumulative); last = +Inf
     total: float = 0.0
 
     @classmethod
@@ -98,8 +102,14 @@ class MetricsRegistry:
         self._decisions: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
 
-    def update_replica(self, model: str, replica: str, snapshot: Mapping[str, object],
-                       observations: Mapping[str, Sequence[float]], now: float | None = None) -> None:
+    def update_replica(
+        self,
+        model: str,
+        replica: str,
+        snapshot: Mapping[str, object],
+        observations: Mapping[str, Sequence[float]],
+        now: float | None = None,
+    ) -> None:
         with self._lock:
             series = self._replicas.setdefault((model, replica), _ReplicaSeries())
             series.last_push = time.monotonic() if now is None else now
@@ -153,8 +163,7 @@ class MetricsRegistry:
             for name, v in s.gauges.items():
                 _family(fams, name, GaugeMetricFamily, base).add_metric([model, replica], v)
             for name, h in s.histograms.items():
-                _family(fams, name, HistogramMetricFamily, base).add_metric(
-                    [model, replica], h.buckets(), h.total)
+                _family(fams, name, HistogramMetricFamily, base).add_metric([model, replica], h.buckets(), h.total)
         decisions = dict.fromkeys(((m, r) for m, _ in self._replicas for r in REASONS), 0.0)
         decisions.update(self._decisions)
         if decisions:
@@ -170,7 +179,7 @@ def _absorb(series: _ReplicaSeries, name: str, value: object) -> None:
         return
     if isinstance(value, Mapping):
         if "count" in value and "sum" in value:
-            return                        # histogram totals: bucketed from observations
+            return  # histogram totals: bucketed from observations
         counts = dict.fromkeys(LABEL_VALUES.get(name, ()), 0.0)
         counts.update({str(k): float(v) for k, v in value.items()})  # type: ignore[arg-type]
         series.labelled[name] = counts

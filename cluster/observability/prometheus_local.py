@@ -10,6 +10,7 @@ exporter. Two scrape jobs, named as in ``deploy/prometheus/prometheus.yml``:
 - ``ray``: every local Ray node's metrics agent (``ray_*``, including ``ray_serve_*``), at
   the export port each node reports in ``ray.nodes()``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +41,7 @@ _LOOPBACK_HOSTS = ("0.0.0.0", "::", "127.0.0.1", "localhost", "")
 @dataclass(frozen=True)
 class ScrapeJob:
     name: str
-    targets: tuple[str, ...]                # host:port
+    targets: tuple[str, ...]  # host:port
     metrics_path: str = "/metrics"
 
 
@@ -54,9 +55,10 @@ def render_config(jobs: Sequence[ScrapeJob], scrape_interval_s: float) -> str:
     doc = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "scrape_configs": [
-            {"job_name": job.name, "metrics_path": job.metrics_path,
-             "static_configs": [{"targets": list(job.targets)}]}
-            for job in jobs if job.targets],
+            {"job_name": job.name, "metrics_path": job.metrics_path, "static_configs": [{"targets": list(job.targets)}]}
+            for job in jobs
+            if job.targets
+        ],
     }
     return yaml.safe_dump(doc, sort_keys=False)
 
@@ -86,15 +88,20 @@ def local_ray_targets() -> tuple[str, ...]:
 
 
 def cluster_jobs(config: HybridServeConfig) -> list[ScrapeJob]:
-    return [ScrapeJob("hybridserve", (metrics_actor_target(config),)),
-            ScrapeJob("ray", local_ray_targets())]
+    return [ScrapeJob("hybridserve", (metrics_actor_target(config),)), ScrapeJob("ray", local_ray_targets())]
 
 
 class LocalPrometheus:
     """One prometheus subprocess on 127.0.0.1; ``start``/``stop`` or ``with``."""
 
-    def __init__(self, jobs: Sequence[ScrapeJob], port: int = 0, scrape_interval_s: float = 1.0,
-                 binary: str | None = None, extra_config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        jobs: Sequence[ScrapeJob],
+        port: int = 0,
+        scrape_interval_s: float = 1.0,
+        binary: str | None = None,
+        extra_config: dict[str, Any] | None = None,
+    ) -> None:
         found = find_prometheus(binary)
         if found is None:
             raise ValueError(f"no prometheus binary ({binary or 'prometheus'} not on PATH); {INSTALL_HINT}")
@@ -122,13 +129,18 @@ class LocalPrometheus:
         config = yaml.safe_load(render_config(self.jobs, self.scrape_interval_s))
         config.update(self.extra_config)
         (self._dir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
-        cmd = [self.binary, f"--config.file={self._dir / 'prometheus.yml'}",
-               f"--storage.tsdb.path={self._dir / 'data'}",
-               f"--web.listen-address=127.0.0.1:{self.port}",
-               "--storage.tsdb.retention.time=1d", "--log.level=warn"]
+        cmd = [
+            self.binary,
+            f"--config.file={self._dir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={self._dir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--storage.tsdb.retention.time=1d",
+            "--log.level=warn",
+        ]
         with (self._dir / "prometheus.log").open("wb") as log:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         try:
             self._wait_ready(timeout_s)
         except BaseException:
@@ -192,8 +204,9 @@ class LocalPrometheus:
 
 
 @contextlib.contextmanager
-def prometheus_for_cluster(config: HybridServeConfig, port: int = 9090,
-                           scrape_interval_s: float = 2.0) -> Iterator[LocalPrometheus]:
+def prometheus_for_cluster(
+    config: HybridServeConfig, port: int = 9090, scrape_interval_s: float = 2.0
+) -> Iterator[LocalPrometheus]:
     """A Prometheus scraping the running local cluster (``ray.init`` done), with the
     shipped alert rules loaded."""
     jobs = cluster_jobs(config)
@@ -204,8 +217,9 @@ def prometheus_for_cluster(config: HybridServeConfig, port: int = 9090,
         yield prom
 
 
-def prometheus_sidecar(config: HybridServeConfig,
-                       port: int = 9090) -> Callable[[], contextlib.AbstractContextManager[LocalPrometheus]]:
+def prometheus_sidecar(
+    config: HybridServeConfig, port: int = 9090
+) -> Callable[[], contextlib.AbstractContextManager[LocalPrometheus]]:
     """``serve --with-prometheus``: fail now (ValueError) if there is no binary, start later."""
     if find_prometheus() is None:
         raise ValueError(f"--with-prometheus: no prometheus binary on PATH; {INSTALL_HINT}")

@@ -20,6 +20,7 @@ Contract:
 - Per replica at most ``max_checkpoints_per_replica`` entries; the oldest inserted goes
   first when that is exceeded (a guard against lost evict events, not a cache policy).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -32,7 +33,7 @@ class _Node:
     __slots__ = ("edge", "children", "parent", "owners", "depth")
 
     def __init__(self, edge: tuple[int, ...], parent: _Node | None, depth: int) -> None:
-        self.edge = edge                      # tokens from the parent's depth to this depth
+        self.edge = edge  # tokens from the parent's depth to this depth
         self.children: dict[int, _Node] = {}  # keyed by the first token of the child's edge
         self.parent = parent
         self.owners: set[str] = set()
@@ -41,13 +42,13 @@ class _Node:
 
 class IndexSummary(NamedTuple):
     num_nodes: int
-    checkpoints: dict[str, int]           # replica -> number of checkpoints held
+    checkpoints: dict[str, int]  # replica -> number of checkpoints held
 
 
 class PrefixIndex:
     def __init__(self, max_checkpoints_per_replica: int = 1_000_000) -> None:
         self._root = _Node((), None, 0)
-        self._nodes: dict[str, dict[_Node, None]] = {}   # replica -> its nodes, oldest first
+        self._nodes: dict[str, dict[_Node, None]] = {}  # replica -> its nodes, oldest first
         self._num_nodes = 1
         self._max_per_replica = max_checkpoints_per_replica
 
@@ -61,7 +62,7 @@ class PrefixIndex:
         node = self._find_or_create(tuple(token_ids))
         mine = self._nodes.setdefault(replica, {})
         if replica in node.owners:
-            mine.pop(node)                    # refresh its age
+            mine.pop(node)  # refresh its age
         node.owners.add(replica)
         mine[node] = None
         while len(mine) > self._max_per_replica:
@@ -96,8 +97,9 @@ class PrefixIndex:
         self._nodes[replica] = {}
 
     # -- queries ------------------------------------------------------------------------
-    def match(self, token_ids: Sequence[int], max_depth: int | None = None,
-              replicas: Iterable[str] | None = None) -> dict[str, int]:
+    def match(
+        self, token_ids: Sequence[int], max_depth: int | None = None, replicas: Iterable[str] | None = None
+    ) -> dict[str, int]:
         """Replica -> deepest usable checkpoint depth (replicas asked for default to 0)."""
         limit = len(token_ids) if max_depth is None else min(max_depth, len(token_ids))
         best: dict[str, int] = dict.fromkeys(replicas, 0) if replicas is not None else {}
@@ -107,7 +109,7 @@ class PrefixIndex:
             child = node.children.get(token_ids[depth])
             if child is None or child.depth > limit:
                 break
-            if tuple(token_ids[depth:child.depth]) != child.edge:
+            if tuple(token_ids[depth : child.depth]) != child.edge:
                 break
             node, depth = child, child.depth
             for owner in node.owners:
@@ -129,7 +131,7 @@ class PrefixIndex:
         node, depth = self._root, 0
         while depth < len(tokens):
             child = node.children.get(tokens[depth])
-            if child is None or tokens[depth:child.depth] != child.edge:
+            if child is None or tokens[depth : child.depth] != child.edge:
                 return None
             node, depth = child, child.depth
         return node if node is not self._root else None

@@ -19,6 +19,7 @@ ingress uses it to reach each replica for ``/flush_cache`` and ``/debug/replicas
 Decision counts (``hybridserve_router_decisions_total{reason}``) are pushed to the
 metrics actor as deltas every ``push_interval_s``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,9 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None
 
 
 class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    def initialize_state(self, config: dict[str, Any] | None = None, index_actor: Any = None,
-                         metrics_actor: Any = None, **_: Any) -> None:
+    def initialize_state(
+        self, config: dict[str, Any] | None = None, index_actor: Any = None, metrics_actor: Any = None, **_: Any
+    ) -> None:
         """Router kwargs from ``RequestRouterConfig``: the app's config (``model_dump``), whose
         ``router`` section this reads; the ``*_actor`` ones are for tests."""
         cfg = HybridServeConfig.model_validate(config or {})
@@ -88,8 +90,9 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._index.forget.remote([rid.to_full_id_str() for rid in gone])
 
     # -- routing ------------------------------------------------------------------------
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off when all are full
             target = self._targeted(candidate_replicas, pending_request)
@@ -111,20 +114,21 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._count(reason)
         return ranks
 
-    def _targeted(self, candidates: list[RunningReplica],
-                  pending_request: PendingRequest) -> RunningReplica | None:
+    def _targeted(self, candidates: list[RunningReplica], pending_request: PendingRequest) -> RunningReplica | None:
         target = pending_request.kwargs.get("target_replica") if pending_request.kwargs else None
         if not target:
             return None
         for r in candidates:
             if r.replica_id.to_full_id_str() == target:
                 return r
-        return None                       # gone: any replica answers, the caller sees who
+        return None  # gone: any replica answers, the caller sees who
 
-    async def _pow2(self, candidates: list[RunningReplica],
-                    pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+    async def _pow2(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
         return await PowerOfTwoChoicesRequestRouter.choose_replicas(
-            self, candidate_replicas=candidates, pending_request=pending_request)  # type: ignore[arg-type]
+            self, candidate_replicas=candidates, pending_request=pending_request
+        )  # type: ignore[arg-type]
 
     def _round_robin(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         ordered = sorted(candidates, key=lambda r: r.replica_id.to_full_id_str())
@@ -132,16 +136,24 @@ class HybridPrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._rr_counter += 1
         return [[ordered[(start + k) % len(ordered)]] for k in range(len(ordered))]
 
-    async def _prefix_ranks(self, candidates: list[RunningReplica],
-                            tokens: list[int]) -> tuple[list[list[RunningReplica]], str]:
+    async def _prefix_ranks(
+        self, candidates: list[RunningReplica], tokens: list[int]
+    ) -> tuple[list[list[RunningReplica]], str]:
         by_id = {r.replica_id.to_full_id_str(): r for r in candidates}
         ids = list(by_id)
         report_ref = self._index.match.remote(tokens, ids, max_usable_depth(len(tokens)))
         loads = await self._loads(candidates)
         report = await asyncio.wait_for(report_ref, self._index_timeout_s)  # type: ignore[arg-type]
         now = time.monotonic()
-        views = views_from(ids, report.depths, loads, report.sizes, self._state.recent.counts(now),
-                           report.host_depths, report.store_depth)
+        views = views_from(
+            ids,
+            report.depths,
+            loads,
+            report.sizes,
+            self._state.recent.counts(now),
+            report.host_depths,
+            report.store_depth,
+        )
         decision = self._state.decide(views, len(tokens), now, self._rng)
         return [[by_id[rid] for rid in rank] for rank in decision.ranks], decision.reason
 

@@ -10,6 +10,7 @@ that has not sent anything for ``forget_after_s`` is dropped too (covers replica
 died while no router was watching); the store tier is never expired (the store outlives
 replicas). Methods run one at a time.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,10 +25,10 @@ STORE_OWNER = "store"
 
 
 class MatchReport(NamedTuple):
-    depths: dict[str, int]                # replica -> deepest usable checkpoint depth on its device
-    sizes: dict[str, int]                 # replica -> checkpoints indexed (device)
-    host_depths: dict[str, int] = {}      # replica -> ... in its host tier
-    store_depth: int = 0                  # the cluster store's deepest usable checkpoint
+    depths: dict[str, int]  # replica -> deepest usable checkpoint depth on its device
+    sizes: dict[str, int]  # replica -> checkpoints indexed (device)
+    host_depths: dict[str, int] = {}  # replica -> ... in its host tier
+    store_depth: int = 0  # the cluster store's deepest usable checkpoint
 
 
 class RouterIndexState:
@@ -88,9 +89,14 @@ class RouterIndexState:
 
     def summary(self) -> dict[str, Any]:
         s = self.index.summary()
-        return {"num_nodes": s.num_nodes, "checkpoints": s.checkpoints, "num_events": self.num_events,
-                "replicas": self.replicas(), "host_checkpoints": self.host_index.summary().checkpoints,
-                "store_checkpoints": self.store_index.num_checkpoints(STORE_OWNER)}
+        return {
+            "num_nodes": s.num_nodes,
+            "checkpoints": s.checkpoints,
+            "num_events": self.num_events,
+            "replicas": self.replicas(),
+            "host_checkpoints": self.host_index.summary().checkpoints,
+            "store_checkpoints": self.store_index.num_checkpoints(STORE_OWNER),
+        }
 
 
 @ray.remote(num_cpus=0)

@@ -44,6 +44,7 @@ Decision, in order:
 there is one candidate replica (nothing to rank, so the index is not asked); neither is
 decided here.
 """
+
 from __future__ import annotations
 
 import random
@@ -68,7 +69,7 @@ class RouterSettings:
 
     load_penalty_tokens: float = _DEFAULTS.load_penalty_tokens
     load_penalty_auto: bool = _DEFAULTS.load_penalty_auto
-    replica_capacity: int = _DEFAULTS.replica_capacity      # 0: unknown (see load_cost)
+    replica_capacity: int = _DEFAULTS.replica_capacity  # 0: unknown (see load_cost)
     imbalance_abs: int = _DEFAULTS.imbalance_abs
     imbalance_rel: float = _DEFAULTS.imbalance_rel
     min_match_tokens: int = _DEFAULTS.min_match_tokens
@@ -90,7 +91,7 @@ class ReplicaView(NamedTuple):
     depth: int
     load: int
     num_checkpoints: int = 0
-    recent_cold: int = 0                  # this router's cold placements not yet visible
+    recent_cold: int = 0  # this router's cold placements not yet visible
     host_depth: int = 0
     store_depth: int = 0
 
@@ -118,9 +119,9 @@ class RecentPlacements:
 
 
 class RoutingDecision(NamedTuple):
-    ranks: list[list[str]]                # replica ids, most preferred rank first
-    reason: str                           # one of REASONS
-    depth: int                            # cached tokens expected on the first choice
+    ranks: list[list[str]]  # replica ids, most preferred rank first
+    reason: str  # one of REASONS
+    depth: int  # cached tokens expected on the first choice
 
 
 def max_usable_depth(prompt_len: int) -> int:
@@ -148,8 +149,12 @@ class LoadPenalty:
         self._mean = computed if self._mean is None else self._mean + self.alpha * (computed - self._mean)
 
 
-def decide(views: Sequence[ReplicaView], settings: RouterSettings,
-           rng: random.Random | None = None, penalty: float | None = None) -> RoutingDecision:
+def decide(
+    views: Sequence[ReplicaView],
+    settings: RouterSettings,
+    rng: random.Random | None = None,
+    penalty: float | None = None,
+) -> RoutingDecision:
     """The decision of the module docstring; ``penalty`` (``LoadPenalty.tokens``) replaces
     ``settings.load_penalty_tokens`` when given."""
     if not views:
@@ -157,22 +162,19 @@ def decide(views: Sequence[ReplicaView], settings: RouterSettings,
     penalty = settings.load_penalty_tokens if penalty is None else penalty
     rng = rng or random.Random()
     shuffled = list(views)
-    rng.shuffle(shuffled)                 # ties are broken at random, not by list order
+    rng.shuffle(shuffled)  # ties are broken at random, not by list order
     saved = {v.replica_id: expected_saved(v, settings) for v in views}
     if max(saved.values()) < settings.min_match_tokens:
         ordered = sorted(shuffled, key=lambda v: (v.load + v.recent_cold, v.num_checkpoints))
         return RoutingDecision(_least_loaded_ranks(ordered), "cold", 0)
-    by_score = sorted(shuffled, key=lambda v: (-(saved[v.replica_id] - load_cost(v.load, settings, penalty)),
-                                               v.load))
+    by_score = sorted(shuffled, key=lambda v: (-(saved[v.replica_id] - load_cost(v.load, settings, penalty)), v.load))
     best = by_score[0]
     min_load = min(v.load for v in views)
     if is_imbalanced(best.load, min_load, settings):
         ordered = sorted(shuffled, key=lambda v: (v.load, -saved[v.replica_id]))
-        return RoutingDecision(_least_loaded_ranks(ordered), "imbalanced",
-                               round(saved[ordered[0].replica_id]))
+        return RoutingDecision(_least_loaded_ranks(ordered), "imbalanced", round(saved[ordered[0].replica_id]))
     rest = [v.replica_id for v in by_score[1:]]
-    return RoutingDecision([[best.replica_id]] + ([rest] if rest else []), "prefix",
-                           round(saved[best.replica_id]))
+    return RoutingDecision([[best.replica_id]] + ([rest] if rest else []), "prefix", round(saved[best.replica_id]))
 
 
 def load_cost(load: int, settings: RouterSettings, penalty: float) -> float:
@@ -186,22 +188,39 @@ def load_cost(load: int, settings: RouterSettings, penalty: float) -> float:
 def expected_saved(view: ReplicaView, settings: RouterSettings) -> float:
     """Prompt tokens a replica is expected not to recompute (see the module docstring)."""
     fetches = view.store_depth - max(view.depth, view.host_depth) >= max(settings.store_min_gain_tokens, 1)
-    return max(float(view.depth), settings.host_hit_value * view.host_depth,
-               settings.store_hit_value * view.store_depth if fetches else 0.0)
+    return max(
+        float(view.depth),
+        settings.host_hit_value * view.host_depth,
+        settings.store_hit_value * view.store_depth if fetches else 0.0,
+    )
 
 
 def is_imbalanced(load: int, min_load: int, settings: RouterSettings) -> bool:
-    return (load - min_load > settings.imbalance_abs
-            and load > settings.imbalance_rel * min_load)
+    return load - min_load > settings.imbalance_abs and load > settings.imbalance_rel * min_load
 
 
-def views_from(candidates: Sequence[str], depths: Mapping[str, int], loads: Mapping[str, int | None],
-               sizes: Mapping[str, int] | None = None, recent_cold: Mapping[str, int] | None = None,
-               host_depths: Mapping[str, int] | None = None, store_depth: int = 0) -> list[ReplicaView]:
+def views_from(
+    candidates: Sequence[str],
+    depths: Mapping[str, int],
+    loads: Mapping[str, int | None],
+    sizes: Mapping[str, int] | None = None,
+    recent_cold: Mapping[str, int] | None = None,
+    host_depths: Mapping[str, int] | None = None,
+    store_depth: int = 0,
+) -> list[ReplicaView]:
     sizes, recent_cold, host_depths = sizes or {}, recent_cold or {}, host_depths or {}
-    return [ReplicaView(r, int(depths.get(r, 0)), int(loads.get(r) or 0), int(sizes.get(r, 0)),
-                        int(recent_cold.get(r, 0)), int(host_depths.get(r, 0)), int(store_depth))
-            for r in candidates]
+    return [
+        ReplicaView(
+            r,
+            int(depths.get(r, 0)),
+            int(loads.get(r) or 0),
+            int(sizes.get(r, 0)),
+            int(recent_cold.get(r, 0)),
+            int(host_depths.get(r, 0)),
+            int(store_depth),
+        )
+        for r in candidates
+    ]
 
 
 class RouterState:
@@ -213,8 +232,9 @@ class RouterState:
         self.recent = recent or RecentPlacements()
         self.penalty = LoadPenalty(settings)
 
-    def decide(self, views: Sequence[ReplicaView], prompt_len: int, now: float,
-               rng: random.Random | None = None) -> RoutingDecision:
+    def decide(
+        self, views: Sequence[ReplicaView], prompt_len: int, now: float, rng: random.Random | None = None
+    ) -> RoutingDecision:
         decision = decide(views, self.settings, rng, self.penalty.tokens)
         if decision.reason == "cold":
             self.recent.add(decision.ranks[0][0], now)

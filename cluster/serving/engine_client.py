@@ -7,6 +7,7 @@ over a ``ReplicaCore`` in the same process (no Ray).
 A ``GenerateStream`` is an async iterator of replica stream items (see ``messages``)
 with ``cancel()``, which must make the replica abort the request's unfinished choices.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,7 @@ class EngineClient(Protocol):
     async def flush_cache(self) -> list[dict[str, Any]]: ...
     async def replica_stats(self) -> list[dict[str, Any]]: ...
     async def health(self) -> None: ...
-    async def metrics_text(self) -> str: ...       # the hybridserve_* Prometheus text
+    async def metrics_text(self) -> str: ...  # the hybridserve_* Prometheus text
 
 
 class _LocalStream:
@@ -78,7 +79,6 @@ class LocalEngineClient:
         self.core.check_health()
 
     async def metrics_text(self) -> str:
-        snapshot, observations = await self.core.loop.run(
-            lambda e: (e.stats.snapshot(), e.stats.drain_observations()))
+        snapshot, observations = await self.core.loop.run(lambda e: (e.stats.snapshot(), e.stats.drain_observations()))
         self._registry.update_replica(self.model_name, "local", snapshot, observations)
         return render_text(self._prom)

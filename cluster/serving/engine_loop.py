@@ -18,6 +18,7 @@ steps in a row, or any other error, is fatal: the loop stores the error, fails e
 stream with it and stops stepping (calls still run: stats, health); ``error`` is then set
 and ``check_health`` callers should report it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,22 +34,22 @@ from workers.outputs import EngineOutput, OutputDelta
 from workers.sampling.params import SamplingParams
 from workers.step_failure import StepFailed
 
-if TYPE_CHECKING:                       # the engine's module loads torch; the type is enough here
+if TYPE_CHECKING:  # the engine's module loads torch; the type is enough here
     from workers.engine import Engine
 
 T = TypeVar("T")
-IDLE_POLL_S = 0.001                       # the wait after a second step in a row with no output
-MAX_FAILED_STEPS = 3                      # recovered step failures in a row before the loop gives up
+IDLE_POLL_S = 0.001  # the wait after a second step in a row with no output
+MAX_FAILED_STEPS = 3  # recovered step failures in a row before the loop gives up
 logger = logging.getLogger(__name__)
 
 
 class _StepResult(NamedTuple):
     outputs: list[EngineOutput]
     has_more: bool
-    started: float                        # perf_counter when the step began, on the engine thread
+    started: float  # perf_counter when the step began, on the engine thread
     wall_s: float
-    cpu_s: float                          # that thread's CPU time in it (wall - cpu: waits for a core
-                                          # or the GIL)
+    cpu_s: float  # that thread's CPU time in it (wall - cpu: waits for a core
+    # or the GIL)
 
 
 class LoopTimes(NamedTuple):
@@ -57,8 +58,8 @@ class LoopTimes(NamedTuple):
     num_steps: int
     step_wall_s: float
     step_cpu_s: float
-    step_gap_s: float                     # the engine off its steps between a step and the next while
-                                          # work was left
+    step_gap_s: float  # the engine off its steps between a step and the next while
+    # work was left
 
 
 class EngineLoopError(RuntimeError):
@@ -67,7 +68,7 @@ class EngineLoopError(RuntimeError):
 
 class _Call(NamedTuple):
     fn: Callable[[Engine], Any]
-    future: asyncio.Future[Any] | None    # None: nobody waits for the result
+    future: asyncio.Future[Any] | None  # None: nobody waits for the result
 
 
 class OutputStream:
@@ -87,7 +88,7 @@ class OutputStream:
         self._queue: asyncio.Queue[OutputDelta | BaseException] = asyncio.Queue()
         self._unfinished = set(request_ids)
         self._closed = False
-        self._wake: asyncio.Future[None] | None = None   # set while next_batch holds a batch back
+        self._wake: asyncio.Future[None] | None = None  # set while next_batch holds a batch back
 
     @property
     def finished(self) -> bool:
@@ -96,7 +97,7 @@ class OutputStream:
     def _put(self, item: OutputDelta | BaseException) -> None:
         self._queue.put_nowait(item)
         if self._wake is not None and _ends(item) and not self._wake.done():
-            self._wake.set_result(None)   # a held batch that now ends a request goes at once
+            self._wake.set_result(None)  # a held batch that now ends a request goes at once
 
     async def next_batch(self, not_before: float = 0.0) -> list[tuple[int, OutputDelta]] | None:
         """Wait for an output; if the event loop's clock is before ``not_before`` then, also
@@ -146,13 +147,13 @@ class EngineLoop:
 
     def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
         self.engine: Engine = None  # type: ignore[assignment]  # set by create, before any use
-        self.frontend: OutputProcessor | None = None    # the event loop's thread only
+        self.frontend: OutputProcessor | None = None  # the event loop's thread only
         self._aloop = aloop
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
-        self._work = threading.Event()    # set by every call; the idle engine thread waits on it
+        self._work = threading.Event()  # set by every call; the idle engine thread waits on it
         self._streams: dict[str, OutputStream] = {}
-        self._stepping = True             # False: shutting down (calls still run)
-        self._closed = False              # the thread has stopped: no more calls
+        self._stepping = True  # False: shutting down (calls still run)
+        self._closed = False  # the thread has stopped: no more calls
         self.error: BaseException | None = None
         self.num_steps = 0
         self._step_wall_s = self._step_cpu_s = self._step_gap_s = 0.0
@@ -169,7 +170,7 @@ class EngineLoop:
             loop._work.set()
             raise
         loop.frontend = OutputProcessor(loop.engine.tokenizer)
-        loop._work.set()                  # the engine exists now: start stepping if it has work
+        loop._work.set()  # the engine exists now: start stepping if it has work
         return loop
 
     async def run(self, fn: Callable[[Engine], T]) -> T:
@@ -190,8 +191,9 @@ class EngineLoop:
     def num_streams(self) -> int:
         return len({id(s) for s in self._streams.values()})
 
-    async def submit(self, request_ids: Sequence[str], prompt_token_ids: list[int],
-                     params: Sequence[SamplingParams]) -> OutputStream:
+    async def submit(
+        self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams]
+    ) -> OutputStream:
         """Queue every request or none: a ValueError from the engine undoes the others."""
         if self.error is not None:
             raise EngineLoopError(f"engine loop failed: {self.error!r}")
@@ -205,7 +207,7 @@ class EngineLoop:
         except BaseException as exc:
             self._unregister(request_ids)
             if isinstance(exc, asyncio.CancelledError):
-                self.abort_soon(request_ids)   # the add may have run before the cancel
+                self.abort_soon(request_ids)  # the add may have run before the cancel
             raise
         return stream
 
@@ -224,16 +226,15 @@ class EngineLoop:
 
     # -- the engine thread ---------------------------------------------------------------
     def _main(self) -> None:
-        last_end: float | None = None     # the previous step's end, when it left work
-        empty = 0                         # steps in a row without outputs (an overlap launch gives one)
-        failed = 0                        # recovered step failures in a row
+        last_end: float | None = None  # the previous step's end, when it left work
+        empty = 0  # steps in a row without outputs (an overlap launch gives one)
+        failed = 0  # recovered step failures in a row
         while not self._closed:
             self._run_calls()
-            if not (self._stepping and self.error is None and self.engine is not None
-                    and self._has_work()):
+            if not (self._stepping and self.error is None and self.engine is not None and self._has_work()):
                 last_end = None
                 self._work.wait()
-                self._work.clear()        # then re-check: a call set before the clear is queued
+                self._work.clear()  # then re-check: a call set before the clear is queued
                 continue
             try:
                 result = _step(self.engine)
@@ -259,15 +260,15 @@ class EngineLoop:
             empty = 0 if result.outputs else empty + 1
             if result.outputs:
                 self._post(self._dispatch, result.outputs)
-            elif empty > 1:               # work only in other threads (a grammar compiling): do not spin
+            elif empty > 1:  # work only in other threads (a grammar compiling): do not spin
                 self._work.wait(IDLE_POLL_S)
-                self._work.clear()        # a call that set it is queued: the loop's top runs it
+                self._work.clear()  # a call that set it is queued: the loop's top runs it
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the event loop's thread (dropped once that loop is closed)."""
         try:
             self._aloop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:          # the event loop is closed: nobody is left to tell
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
             self._closed = True
 
     def _has_work(self) -> bool:
@@ -285,7 +286,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if call.future is not None and call.future.cancelled():
-                continue                  # its caller is gone (read racily: at worst it runs)
+                continue  # its caller is gone (read racily: at worst it runs)
             try:
                 value, error = call.fn(self.engine), None
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
@@ -298,7 +299,7 @@ class EngineLoop:
     # -- the event loop's thread ---------------------------------------------------------
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         assert self.frontend is not None
-        processed = self.frontend.process(outputs)   # closed streams' requests are discarded there
+        processed = self.frontend.process(outputs)  # closed streams' requests are discarded there
         if processed.stop:
             ids = processed.stop
             self._calls.put(_Call(lambda e: _stop_all(e, ids), None))
@@ -306,7 +307,7 @@ class EngineLoop:
         for delta in processed.deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
-                continue                  # closed stream: its abort is on the way
+                continue  # closed stream: its abort is on the way
             stream._put(delta)
             if delta.finished:
                 self._streams.pop(delta.request_id, None)
@@ -339,7 +340,7 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - shutting down; report, do not raise
                 logger.warning("engine shutdown failed", exc_info=True)
         else:
-            await self.run(lambda engine: None)   # wait for the step in progress
+            await self.run(lambda engine: None)  # wait for the step in progress
         self._closed = True
         self._work.set()
 
@@ -363,8 +364,7 @@ def _ends(item: OutputDelta | BaseException) -> bool:
     return isinstance(item, BaseException) or item.finished
 
 
-def _add_all(engine: Engine, request_ids: Sequence[str], prompt: list[int],
-             params: Sequence[SamplingParams]) -> None:
+def _add_all(engine: Engine, request_ids: Sequence[str], prompt: list[int], params: Sequence[SamplingParams]) -> None:
     added: list[str] = []
     try:
         for rid, p in zip(request_ids, params):
@@ -389,5 +389,4 @@ def _stop_all(engine: Engine, request_ids: Sequence[str]) -> None:
 def _step(engine: Engine) -> _StepResult:
     start, cpu = time.perf_counter(), time.thread_time()
     outputs = engine.step() if engine.has_unfinished() else []
-    return _StepResult(outputs, engine.has_unfinished(), start, time.perf_counter() - start,
-                       time.thread_time() - cpu)
+    return _StepResult(outputs, engine.has_unfinished(), start, time.perf_counter() - start, time.thread_time() - cpu)

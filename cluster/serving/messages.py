@@ -10,6 +10,7 @@ The replica's ``generate`` stream yields, in order:
 2. then lists of ``GenerateChunk`` (per-step deltas, several coalesced when the consumer
    is slower than the engine) until every choice has sent ``finished=True``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,10 +21,10 @@ from workers.sampling.params import SamplingParams
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    request_id: str                       # unique per prompt; choice j runs as f"{id}-{j}"
+    request_id: str  # unique per prompt; choice j runs as f"{id}-{j}"
     prompt_token_ids: list[int]
-    params: list[SamplingParams]          # one per choice (n of them)
-    prompt: str = ""                      # the prompt text when known (for text-based routers)
+    params: list[SamplingParams]  # one per choice (n of them)
+    prompt: str = ""  # the prompt text when known (for text-based routers)
 
     @property
     def num_choices(self) -> int:
@@ -34,16 +35,16 @@ class GenerateRequest:
 class GenerateChunk:
     """The delta of one choice produced by one engine step."""
 
-    index: int                            # choice index within the GenerateRequest
+    index: int  # choice index within the GenerateRequest
     new_token_ids: list[int]
     delta_text: str
-    logprobs: list[TokenLogprob] | None   # for new_token_ids, when asked for
+    logprobs: list[TokenLogprob] | None  # for new_token_ids, when asked for
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None
     cached_tokens: int
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # once, on the choice's first chunk
-    cumulative_logprob: float | None = None    # of the tokens so far (logprobs / best_of)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, on the choice's first chunk
+    cumulative_logprob: float | None = None  # of the tokens so far (logprobs / best_of)
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,10 @@ class ReplicaStats:
 
     replica_id: str
     replica_label: str
-    num_streams: int                      # open generate streams on this replica
-    has_unfinished: bool                  # the engine still holds requests
-    pools: dict[str, int]                 # free/used/usable KV pages and Mamba slots
+    num_streams: int  # open generate streams on this replica
+    has_unfinished: bool  # the engine still holds requests
+    pools: dict[str, int]  # free/used/usable KV pages and Mamba slots
     counters: dict[str, object] = field(default_factory=dict)  # EngineStats.snapshot()
-    node_id: str = ""                     # the Ray node the replica runs on (empty without Ray)
-    loop: dict[str, float] = field(default_factory=dict)       # EngineLoop.times: steps, step wall and CPU s
-    pid: int = 0                          # the replica's process (per-process CPU in the hop bench)
+    node_id: str = ""  # the Ray node the replica runs on (empty without Ray)
+    loop: dict[str, float] = field(default_factory=dict)  # EngineLoop.times: steps, step wall and CPU s
+    pid: int = 0  # the replica's process (per-process CPU in the hop bench)

@@ -15,6 +15,7 @@ Methods: ``generate`` (streaming; cancelling the call aborts the request in the 
 ``model_info``, ``flush_cache``, ``stats``, ``check_health`` (Serve calls it). Calls with
 ``target_replica`` are routed to that replica by ``HybridPrefixRouter``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,14 +64,18 @@ class EngineReplica:
         self._index = get_index_actor(ctx.app_name, self._opts.forget_after_s)
         self._metrics = get_metrics_actor(ctx.app_name, self._config.server.host, self._config.metrics.port)
         self._store = self._store_client(ctx.app_name)
-        self._core = await ReplicaCore.create(self._config, StreamPacing.from_config(self._opts),
-                                              fetcher=self._store)
+        self._core = await ReplicaCore.create(self._config, StreamPacing.from_config(self._opts), fetcher=self._store)
         frozen = freeze_startup_objects()
-        self._lock = asyncio.Lock()         # orders event pushes against flush + clear
+        self._lock = asyncio.Lock()  # orders event pushes against flush + clear
         self._index.apply.remote(self._replica_id, [])
         self._publisher = asyncio.get_running_loop().create_task(self._publish_forever())
-        logger.info("replica %s (rank %s) ready: max_model_len=%d, %d start-up objects frozen",
-                    self._replica_id, self._label, self._core.loop.engine.max_model_len, frozen)
+        logger.info(
+            "replica %s (rank %s) ready: max_model_len=%d, %d start-up objects frozen",
+            self._replica_id,
+            self._label,
+            self._core.loop.engine.max_model_len,
+            frozen,
+        )
 
     def _store_client(self, app_name: str) -> StoreClient | None:
         budget = self._config.cache.cluster_store_bytes
@@ -78,8 +83,9 @@ class EngineReplica:
             return None
         actor = get_store_actor(app_name, budget, self._model_name, self._metrics)
         settings = FetchSettings.from_config(self._opts)
-        return StoreClient(RayStoreBackend(actor, settings.timeout_s), self._config.cache.page_size,
-                           self._replica_id, settings)
+        return StoreClient(
+            RayStoreBackend(actor, settings.timeout_s), self._config.cache.page_size, self._replica_id, settings
+        )
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         async for item in self._core.generate(req):
@@ -92,7 +98,7 @@ class EngineReplica:
         async with self._lock:
             flushed = await self._core.flush_cache()
             self._index.clear.remote(self._replica_id)
-            if self._store is not None:            # later prompts start cold everywhere
+            if self._store is not None:  # later prompts start cold everywhere
                 await self._store.clear()
                 self._index.clear_store.remote()
         return {"replica_id": self._replica_id, "replica_label": self._label, "flushed": flushed}
@@ -128,16 +134,15 @@ class EngineReplica:
                 self._index.apply.remote(self._replica_id, events)
 
     async def _publish_stats(self) -> None:
-        snapshot, observations = await self._core.loop.run(
-            lambda e: (e.stats.snapshot(), e.stats.drain_observations()))
+        snapshot, observations = await self._core.loop.run(lambda e: (e.stats.snapshot(), e.stats.drain_observations()))
         self._metrics.push_replica.remote(self._model_name, self._label, snapshot, observations)
-        self._index.apply.remote(self._replica_id, [])   # heartbeat
+        self._index.apply.remote(self._replica_id, [])  # heartbeat
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown: stop publishing, leave the index, stop the engine."""
         publisher = getattr(self, "_publisher", None)
         if publisher is None:
-            return                        # the constructor failed part way
+            return  # the constructor failed part way
         publisher.cancel()
         try:
             self._index.forget.remote([self._replica_id])

@@ -15,6 +15,7 @@ store in the engine's host tier before the request is queued (``cluster/store/cl
 a failing fetcher never fails a request. The engine keeps its cache events for the router
 index (``_publishing``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,19 +26,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from cluster.serving.engine_loop import EngineLoop
-from cluster.serving.messages import (
-    Accepted,
-    GenerateChunk,
-    GenerateError,
-    GenerateRequest,
-    ModelInfo,
-    ReplicaStats,
-)
+from cluster.serving.messages import Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo, ReplicaStats
 from configs.schema import HybridServeConfig
 from configs.serving import ReplicaConfig
 from workers.outputs import OutputDelta
 
-if TYPE_CHECKING:                       # the engine's module loads torch; the type is enough here
+if TYPE_CHECKING:  # the engine's module loads torch; the type is enough here
     from workers.engine import Engine
 
 StreamItem = Accepted | GenerateError | list[GenerateChunk]
@@ -130,16 +124,22 @@ class ReplicaCore:
     """``pacing``: when each stream sends its next item (``StreamPacing``; a float is its
     ``interval_s`` alone)."""
 
-    def __init__(self, loop: EngineLoop, config: HybridServeConfig, pacing: StreamPacing | float = 0.0,
-                 fetcher: Fetcher | None = None) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        config: HybridServeConfig,
+        pacing: StreamPacing | float = 0.0,
+        fetcher: Fetcher | None = None,
+    ) -> None:
         self.loop = loop
         self.config = config
         self.pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))
         self.fetcher = fetcher
 
     @classmethod
-    async def create(cls, config: HybridServeConfig, pacing: StreamPacing | float = 0.0,
-                     fetcher: Fetcher | None = None) -> ReplicaCore:
+    async def create(
+        cls, config: HybridServeConfig, pacing: StreamPacing | float = 0.0, fetcher: Fetcher | None = None
+    ) -> ReplicaCore:
         # refused before the build
         pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))
         loop = await EngineLoop.create(lambda: _publishing(build_engine(config)))
@@ -176,6 +176,7 @@ class ReplicaCore:
         Cache events up to and including the flush are dropped: the caller clears this
         replica's entries in the router index instead.
         """
+
         def flush(engine: Engine) -> bool:
             engine.drain_cache_events()
             engine.flush_cache()
@@ -185,20 +186,27 @@ class ReplicaCore:
         return await self.loop.run(flush)
 
     async def stats(self, replica_id: str, label: str) -> ReplicaStats:
-        num_streams = self.loop.num_streams   # read here, on the event loop's thread
+        num_streams = self.loop.num_streams  # read here, on the event loop's thread
         times = dict(self.loop.times._asdict())
 
         def read(engine: Engine) -> ReplicaStats:
-            return ReplicaStats(replica_id, label, num_streams, bool(engine.has_unfinished()),
-                                engine.pool_counts(), engine.stats.snapshot(), loop=times,
-                                pid=os.getpid())
+            return ReplicaStats(
+                replica_id,
+                label,
+                num_streams,
+                bool(engine.has_unfinished()),
+                engine.pool_counts(),
+                engine.stats.snapshot(),
+                loop=times,
+                pid=os.getpid(),
+            )
 
         return await self.loop.run(read)
 
     def check_health(self) -> None:
         if self.loop.error is not None:
             raise RuntimeError(f"engine loop failed: {self.loop.error!r}")
-        self.loop.engine.check_workers()   # TP: every other rank alive
+        self.loop.engine.check_workers()  # TP: every other rank alive
 
     async def shutdown(self) -> None:
         await self.loop.shutdown()
@@ -206,7 +214,15 @@ class ReplicaCore:
 
 def _chunk(index: int, delta: OutputDelta) -> GenerateChunk:
     """A choice's delta as the ingress receives it (prompt logprobs ride on its first)."""
-    return GenerateChunk(index=index, new_token_ids=delta.new_token_ids, delta_text=delta.delta_text,
-                         logprobs=delta.logprobs, finished=delta.finished, finish_reason=delta.finish_reason,
-                         stop_reason=delta.stop_reason, cached_tokens=delta.cached_tokens,
-                         prompt_logprobs=delta.prompt_logprobs, cumulative_logprob=delta.cumulative_logprob)
+    return GenerateChunk(
+        index=index,
+        new_token_ids=delta.new_token_ids,
+        delta_text=delta.delta_text,
+        logprobs=delta.logprobs,
+        finished=delta.finished,
+        finish_reason=delta.finish_reason,
+        stop_reason=delta.stop_reason,
+        cached_tokens=delta.cached_tokens,
+        prompt_logprobs=delta.prompt_logprobs,
+        cumulative_logprob=delta.cumulative_logprob,
+    )

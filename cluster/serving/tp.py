@@ -9,6 +9,7 @@ when one dies while starting), then builds the ``TPEngine`` (rank 0) in this pro
 Called outside a placement group (a driver script), it creates one for ranks 1..N-1 and
 removes it on shutdown. Workers are owned by the replica, so they die with it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -113,11 +114,17 @@ def build_tp_engine(config: HybridServeConfig) -> Any:
     store, rendezvous = open_rendezvous(ray.util.get_node_ip_address(), world)
     res = rank_resources(config)
     payload = config.model_dump(mode="json")
-    actors = [TPWorkerActor.options(
-        num_cpus=res["CPU"], num_gpus=res.get("GPU", 0.0), name=None,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=first_bundle + rank - 1),
-    ).remote(payload, rank, rendezvous, torch.get_num_threads()) for rank in range(1, world)]
+    actors = [
+        TPWorkerActor.options(
+            num_cpus=res["CPU"],
+            num_gpus=res.get("GPU", 0.0),
+            name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=first_bundle + rank - 1
+            ),
+        ).remote(payload, rank, rendezvous, torch.get_num_threads())
+        for rank in range(1, world)
+    ]
     workers = RayWorkers(actors, [a.run.remote() for a in actors], owned)
     try:
         wait_joined(store, rendezvous, workers.check_health)
@@ -126,6 +133,5 @@ def build_tp_engine(config: HybridServeConfig) -> Any:
     except BaseException:
         workers.shutdown(timeout_s=0)
         raise
-    logger.info("tensor-parallel group of %d ready (rendezvous %s:%d)", world, rendezvous.host,
-                rendezvous.port)
+    logger.info("tensor-parallel group of %d ready (rendezvous %s:%d)", world, rendezvous.host, rendezvous.port)
     return engine

@@ -12,6 +12,7 @@ a fetch raises, the fetcher drops the entry (``drop``) and recomputes. Every sec
 actor pushes its gauges (objects, bytes) and evictions to the metrics actor as the series
 ``replica="store"``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,7 @@ logger = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class CheckpointStoreActor:
-    def __init__(self, budget_bytes: int, model: str = "", metrics: Any = None,
-                 push_interval_s: float = 1.0) -> None:
+    def __init__(self, budget_bytes: int, model: str = "", metrics: Any = None, push_interval_s: float = 1.0) -> None:
         self._store = CheckpointStore(budget_bytes)
         self._lock = threading.Lock()
         self._model, self._metrics = model, metrics
@@ -52,12 +52,14 @@ class CheckpointStoreActor:
         with self._lock:
             if payload.prefix_hash in self._store:
                 return self._store.commit(StoreEntry(payload.prefix_hash, payload.depth, (), 0, None, owner))
-        ref = ray.put(payload)                     # owned by this actor, stored on its node
+        ref = ray.put(payload)  # owned by this actor, stored on its node
         with self._lock:
-            result = self._store.commit(StoreEntry(payload.prefix_hash, payload.depth, payload.token_ids,
-                                                   payload.nbytes, ref, owner))
-        return CommitResult(result.outcome, [StoreEntry(e.key, e.depth, e.token_ids, e.nbytes, None, e.owner)
-                                             for e in result.evicted])
+            result = self._store.commit(
+                StoreEntry(payload.prefix_hash, payload.depth, payload.token_ids, payload.nbytes, ref, owner)
+            )
+        return CommitResult(
+            result.outcome, [StoreEntry(e.key, e.depth, e.token_ids, e.nbytes, None, e.owner) for e in result.evicted]
+        )
 
     def drop(self, key: bytes) -> bool:
         with self._lock:
@@ -70,10 +72,13 @@ class CheckpointStoreActor:
     def summary(self) -> dict[str, Any]:
         with self._lock:
             entries = self._store.entries()
-            return {**self._store.stats(), "budget_bytes": self._store.budget_bytes,
-                    "node_id": ray.get_runtime_context().get_node_id(),
-                    "owners": sorted({e.owner for e in entries}),
-                    "entries": [(e.key, e.depth, e.owner) for e in entries]}
+            return {
+                **self._store.stats(),
+                "budget_bytes": self._store.budget_bytes,
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "owners": sorted({e.owner for e in entries}),
+                "entries": [(e.key, e.depth, e.owner) for e in entries],
+            }
 
     def _push_forever(self, interval_s: float) -> None:
         while True:

@@ -12,6 +12,7 @@ than the whole budget is refused. Dropping an entry drops the store's reference:
 Ray, the object is freed once no fetch holds it. ``drop`` is also how a fetcher reports an
 object that was lost (its node died): the entry goes, and the prompt is recomputed.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -27,7 +28,7 @@ class StoreEntry:
     token_ids: tuple[int, ...]
     nbytes: int
     ref: Any
-    owner: str                      # the replica that committed it
+    owner: str  # the replica that committed it
 
 
 class StoreHit(NamedTuple):
@@ -38,7 +39,7 @@ class StoreHit(NamedTuple):
 
 
 class CommitResult(NamedTuple):
-    outcome: str                    # committed | duplicate | too_big
+    outcome: str  # committed | duplicate | too_big
     evicted: list[StoreEntry]
 
 
@@ -47,7 +48,7 @@ class CheckpointStore:
         if budget_bytes <= 0:
             raise ValueError(f"cache.cluster_store_bytes must be > 0 for a store, got {budget_bytes}")
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[bytes, StoreEntry] = OrderedDict()   # LRU first
+        self._entries: OrderedDict[bytes, StoreEntry] = OrderedDict()  # LRU first
         self.num_bytes = 0
         self.num_evictions = 0
 
@@ -106,5 +107,8 @@ class CheckpointStore:
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters in ``workers.stats`` names (STORE_GAUGES, STORE_COUNTERS)."""
-        return {"hybridserve_store_objects": self.num_objects, "hybridserve_store_bytes": self.num_bytes,
-                "hybridserve_store_evictions_total": self.num_evictions}
+        return {
+            "hybridserve_store_objects": self.num_objects,
+            "hybridserve_store_bytes": self.num_bytes,
+            "hybridserve_store_evictions_total": self.num_evictions,
+        }

@@ -22,6 +22,7 @@ Commit (``commit_pending``, from the replica's publisher): checkpoints the engin
 to its host tier since the last call, exported with the KV of their path, minus those
 the store already has. Returns the store-tier events for the router index.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,7 @@ from workers.cache.records import CheckpointEvicted, CheckpointInserted
 from workers.tiers.cost import FetchCost, Throughput
 from workers.tiers.payload import CheckpointPayload
 
-if TYPE_CHECKING:                       # the engine's module loads torch; the type is enough here
+if TYPE_CHECKING:  # the engine's module loads torch; the type is enough here
     from workers.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -75,14 +76,18 @@ class FetchSettings:
     bandwidth_bytes_per_s: float = _REPLICA.store_bandwidth_bytes_per_s
     latency_s: float = _REPLICA.store_latency_s
     prefill_tokens_per_s: float = _REPLICA.prefill_tokens_per_s
-    margin: float = 0.1                  # a fetch must beat recomputing by this fraction
+    margin: float = 0.1  # a fetch must beat recomputing by this fraction
     timeout_s: float = _REPLICA.store_fetch_timeout_s
     measure: bool = True
 
     @classmethod
     def from_config(cls, replica: ReplicaConfig) -> FetchSettings:
-        return cls(replica.store_bandwidth_bytes_per_s, replica.store_latency_s, replica.prefill_tokens_per_s,
-                   timeout_s=replica.store_fetch_timeout_s)
+        return cls(
+            replica.store_bandwidth_bytes_per_s,
+            replica.store_latency_s,
+            replica.prefill_tokens_per_s,
+            timeout_s=replica.store_fetch_timeout_s,
+        )
 
 
 class LocalStoreBackend:
@@ -103,8 +108,9 @@ class LocalStoreBackend:
         return self.store.missing(keys)
 
     async def commit(self, payload: CheckpointPayload, owner: str) -> CommitResult:
-        return self.store.commit(StoreEntry(payload.prefix_hash, payload.depth, payload.token_ids,
-                                            payload.nbytes, payload, owner))
+        return self.store.commit(
+            StoreEntry(payload.prefix_hash, payload.depth, payload.token_ids, payload.nbytes, payload, owner)
+        )
 
     async def drop(self, key: bytes) -> None:
         self.store.drop(key)
@@ -121,13 +127,14 @@ def store_events(result: CommitResult, payload: CheckpointPayload) -> list[Any]:
 
 
 class StoreClient:
-    def __init__(self, backend: StoreBackend, page_size: int, replica_id: str,
-                 settings: FetchSettings = FetchSettings()) -> None:
+    def __init__(
+        self, backend: StoreBackend, page_size: int, replica_id: str, settings: FetchSettings = FetchSettings()
+    ) -> None:
         self.backend, self.page_size, self.replica_id = backend, page_size, replica_id
         self.settings = settings
         self.bandwidth = Throughput(settings.bandwidth_bytes_per_s)
         self.prefill = Throughput(settings.prefill_tokens_per_s)
-        self._forward: tuple[float, float] | None = None       # (tokens, seconds) last seen
+        self._forward: tuple[float, float] | None = None  # (tokens, seconds) last seen
 
     # -- fetch ------------------------------------------------------------------------------
     async def prefetch(self, loop: EngineRunner, token_ids: Sequence[int]) -> str:
@@ -149,13 +156,18 @@ class StoreClient:
             logger.warning("checkpoint store fetch failed", exc_info=True)
             outcomes.append("error")
         if outcomes:
-            await loop.run(lambda e: [e.stats.inc("hybridserve_store_fetches_total", label=o)
-                                      for o in outcomes])
+            await loop.run(lambda e: [e.stats.inc("hybridserve_store_fetches_total", label=o) for o in outcomes])
         return outcomes[-1] if outcomes else "none"
 
     async def _fetch(self, loop: EngineRunner, hit: StoreHit, local: int) -> str:
-        cost = FetchCost(hit.nbytes, hit.depth - local, self.bandwidth.value, self.prefill.value,
-                         self.settings.latency_s, self.settings.margin)
+        cost = FetchCost(
+            hit.nbytes,
+            hit.depth - local,
+            self.bandwidth.value,
+            self.prefill.value,
+            self.settings.latency_s,
+            self.settings.margin,
+        )
         if not cost.should_fetch:
             return "recomputed"
         start = time.monotonic()
@@ -195,8 +207,12 @@ class StoreClient:
                 logger.warning("checkpoint store commit failed", exc_info=True)
                 outcomes.append(("error", 0))
                 continue
-            outcomes.append((result.outcome if result.outcome != "too_big" else "error",
-                             p.nbytes if result.outcome == "committed" else 0))
+            outcomes.append(
+                (
+                    result.outcome if result.outcome != "too_big" else "error",
+                    p.nbytes if result.outcome == "committed" else 0,
+                )
+            )
             events += store_events(result, p)
         await loop.run(lambda e: _count_commits(e, outcomes))
         return events
@@ -207,8 +223,9 @@ class StoreClient:
 
 def _forward_totals(engine: Engine) -> tuple[float, float]:
     s = engine.stats
-    return float(s.counters.get("hybridserve_forward_tokens_total", 0)), \
-        float(s.totals["hybridserve_step_duration_seconds"][1])
+    return float(s.counters.get("hybridserve_forward_tokens_total", 0)), float(
+        s.totals["hybridserve_step_duration_seconds"][1]
+    )
 
 
 def _import(engine: Engine, payload: CheckpointPayload, hit: StoreHit) -> str:

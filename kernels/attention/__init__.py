@@ -17,6 +17,7 @@ bf16, no host sync) and ``flashinfer_backend`` (FlashInfer's paged prefill/decod
 over the same pool, viewed as NHD pages; imported only on CUDA, for the head dims it is built
 for, and never with a window). ``kernels.backend.attention_impl`` picks one.
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -27,9 +28,20 @@ from kernels.attention.reference import check_window, paged_attention_torch, wri
 __all__ = ["paged_attention", "write_kv"]
 
 
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
-                    out_loc: Tensor, page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor,
-                    page_size: int, scale: float, window: int | None = None) -> Tensor:
+def paged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    out_loc: Tensor,
+    page_table: Tensor,
+    cu_seqlens: Tensor,
+    seq_lens: Tensor,
+    page_size: int,
+    scale: float,
+    window: int | None = None,
+) -> Tensor:
     """q [T, Hq, D]; k, v [T, Hkv, D]; pools [L_total, Hkv, D]; out_loc int64 [T];
     page_table int32 [B, max_pages]; cu_seqlens int32 [B+1]; seq_lens int32 [B] -> [T, Hq, D].
 
@@ -40,10 +52,14 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Ten
     impl = backend.attention_impl(q, windowed=window is not None)
     if impl is backend.AttentionImpl.FLASHINFER:
         from kernels.attention.flashinfer_backend import paged_attention_flashinfer
-        return paged_attention_flashinfer(q, k, v, k_pool, v_pool, out_loc, page_table,
-                                          cu_seqlens, seq_lens, page_size, scale)
+
+        return paged_attention_flashinfer(
+            q, k, v, k_pool, v_pool, out_loc, page_table, cu_seqlens, seq_lens, page_size, scale
+        )
     if impl is backend.AttentionImpl.TRITON:
-        return graph_ops.paged_attention(q, k, v, k_pool, v_pool, out_loc, page_table,
-                                         cu_seqlens, seq_lens, page_size, scale, window)
-    return paged_attention_torch(q, k, v, k_pool, v_pool, out_loc, page_table, cu_seqlens,
-                                 seq_lens, page_size, scale, window)
+        return graph_ops.paged_attention(
+            q, k, v, k_pool, v_pool, out_loc, page_table, cu_seqlens, seq_lens, page_size, scale, window
+        )
+    return paged_attention_torch(
+        q, k, v, k_pool, v_pool, out_loc, page_table, cu_seqlens, seq_lens, page_size, scale, window
+    )

@@ -10,6 +10,7 @@ rows, ``kernels/native_conv.cpp``), ``triton_conv`` (varlen prefill/verify, stat
 the one-token update). ``kernels.backend`` picks one, and that backend the form
 ``seqs.path`` allows (the reference and Triton have a one-token decode form).
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -22,8 +23,14 @@ from kernels.recurrent_batch import RecurrentBatch
 __all__ = ["causal_conv1d"]
 
 
-def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
-                  seqs: RecurrentBatch, activation: str | None = "silu") -> Tensor:
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_states: Tensor,
+    seqs: RecurrentBatch,
+    activation: str | None = "silu",
+) -> Tensor:
     """x [T, D], weight [D, W], bias [D] | None, conv_states [S, D, W-1] -> [T, D] (x.dtype).
 
     Updates ``conv_states`` in place (see module docstring).

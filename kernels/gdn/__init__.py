@@ -14,6 +14,7 @@ decode and speculative verify, snapshot after any token), ``triton_chunk`` (chun
 prefill), ``triton_varlen`` (the launcher). ``kernels.backend`` picks one per call, and that
 backend the form ``seqs.path`` allows.
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -26,9 +27,18 @@ from kernels.recurrent_batch import RecurrentBatch
 __all__ = ["gated_delta_rule", "l2norm"]
 
 
-def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
-                     seqs: RecurrentBatch, scale: float | None = None, use_qk_l2norm: bool = True,
-                     chunk_size: int = 64) -> Tensor:
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    states: Tensor,
+    seqs: RecurrentBatch,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> Tensor:
     """q, k [T, Hk, K]; v [T, H, V]; g, beta [T, H]; states [S, H, K, V] -> o [T, H, V].
 
     ``scale`` defaults to K**-0.5. Updates ``states`` in place (live and snapshot slots).

@@ -15,6 +15,7 @@ The loop's sums are not the reference's (MKL's products, a chunked form for long
 do not build (``kernels.native_ops``), or autograd must see the op, the torch reference runs.
 Why a loop: at model sizes it is several times faster than the reference (BENCHMARKS.md).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,27 +31,68 @@ def usable(states: Tensor, *inputs: Tensor) -> bool:
     return states.dim() == 4 and native_ops.usable(states, *inputs)
 
 
-def gated_delta_rule_cpu(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
-                         seqs: RecurrentBatch, scale: float | None, use_qk_l2norm: bool,
-                         chunk_size: int) -> Tensor:
+def gated_delta_rule_cpu(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    states: Tensor,
+    seqs: RecurrentBatch,
+    scale: float | None,
+    use_qk_l2norm: bool,
+    chunk_size: int,
+) -> Tensor:
     """``kernels.gdn.gated_delta_rule`` on CPU (shapes there): one loop for every path
     (``chunk_size`` is the reference's; the loop has no chunks)."""
     if not usable(states, q, k, v, g, beta):
         return gated_delta_rule_torch(q, k, v, g, beta, states, seqs, scale, use_qk_l2norm, chunk_size)
-    return _native(q, k, v, g, beta, states, seqs.cu_seqlens, seqs.slot_ids, seqs.initial_flags,
-                   seqs.state_dst_slots, scale, use_qk_l2norm)
+    return _native(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        states,
+        seqs.cu_seqlens,
+        seqs.slot_ids,
+        seqs.initial_flags,
+        seqs.state_dst_slots,
+        scale,
+        use_qk_l2norm,
+    )
 
 
-def _native(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor, cu_seqlens: Tensor,
-            slot_ids: Tensor, has_initial_state: Tensor | None, state_dst_slots: Tensor | None,
-            scale: float | None, use_qk_l2norm: bool) -> Tensor:
+def _native(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    states: Tensor,
+    cu_seqlens: Tensor,
+    slot_ids: Tensor,
+    has_initial_state: Tensor | None,
+    state_dst_slots: Tensor | None,
+    scale: float | None,
+    use_qk_l2norm: bool,
+) -> Tensor:
     check_shapes(q, k, v, g, beta, states)
-    if use_qk_l2norm and fused_cpu.usable(q, k):        # eager: one pass each (kernels.fused_cpu)
+    if use_qk_l2norm and fused_cpu.usable(q, k):  # eager: one pass each (kernels.fused_cpu)
         q_scale = scale if scale is not None else q.shape[-1] ** -0.5
         qf, kf = fused_cpu.l2norm_scale(q, L2NORM_EPS, q_scale), fused_cpu.l2norm_scale(k, L2NORM_EPS, 1.0)
     else:
         qf, kf = normalized_qk(q, k, scale, use_qk_l2norm)
     out = torch.ops.hybridserve_native.gdn_recurrent(
-        states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots, qf.contiguous(), kf.contiguous(),
-        v.float().contiguous(), g.float().contiguous(), beta.float().contiguous())
+        states,
+        cu_seqlens,
+        slot_ids,
+        has_initial_state,
+        state_dst_slots,
+        qf.contiguous(),
+        kf.contiguous(),
+        v.float().contiguous(),
+        g.float().contiguous(),
+        beta.float().contiguous(),
+    )
     return out.to(v.dtype)

@@ -17,6 +17,7 @@ launcher). ``kernels.backend`` picks one per call.
 ``kimi_delta_attention`` is the op; the backend runs the form ``seqs.path`` allows (the reference has a decode
 and a verify form besides the varlen one; Triton one launcher for all).
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -28,9 +29,18 @@ from kernels.recurrent_batch import RecurrentBatch
 __all__ = ["kimi_delta_attention"]
 
 
-def kimi_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
-        seqs: RecurrentBatch, scale: float | None = None, use_qk_l2norm: bool = True,
-        chunk_size: int = DEFAULT_CHUNK) -> Tensor:
+def kimi_delta_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    states: Tensor,
+    seqs: RecurrentBatch,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> Tensor:
     """q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; states [S, H, K, V] -> o [T, H, V].
 
     Updates ``states`` in place (live and snapshot slots); see ``kernels`` for the contract.

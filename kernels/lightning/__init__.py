@@ -17,6 +17,7 @@ recurrence and the chunked form) and on the Triton path (selective state update 
 chunked kernels) alike, slot-indexed, with ``has_initial_state`` and per-token snapshots,
 and the pool's state per slot is [H, V, K] fp32. There is no conv state.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,18 +40,24 @@ def state_shape(num_heads: int, head_dim: int, v_head_dim: int | None = None) ->
 def _ssd_args(q: Tensor, k: Tensor, slope: Tensor, states: Tensor) -> tuple[Tensor, ...]:
     """dt [T, H] of ones, A = -slope, D = dt_bias = 0 [H]; validates the shapes."""
     num_tokens, num_heads, k_dim = q.shape
-    if (k.shape != q.shape or slope.shape != (num_heads,) or states.dim() != 4
-            or states.shape[1] != num_heads or states.shape[3] != k_dim):
-        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"slope {tuple(slope.shape)}, states {tuple(states.shape)} "
-                         "(expected states [S, H, V, K])")
+    if (
+        k.shape != q.shape
+        or slope.shape != (num_heads,)
+        or states.dim() != 4
+        or states.shape[1] != num_heads
+        or states.shape[3] != k_dim
+    ):
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"slope {tuple(slope.shape)}, states {tuple(states.shape)} "
+            "(expected states [S, H, V, K])"
+        )
     f32 = dict(dtype=torch.float32, device=q.device)
     zeros = torch.zeros(num_heads, **f32)
     return torch.ones(num_tokens, num_heads, **f32), -slope.float(), zeros, zeros
 
 
-def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, states: Tensor,
-                        seqs: RecurrentBatch) -> Tensor:
+def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, states: Tensor, seqs: RecurrentBatch) -> Tensor:
     """q, k [T, H, K]; v [T, H, V]; slope [H] (> 0); states [S, H, V, K] -> o [T, H, V].
 
     Updates ``states`` in place (live and snapshot slots); see ``kernels`` for the contract.

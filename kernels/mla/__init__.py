@@ -16,6 +16,7 @@ Causal rule and batch layout as ``kernels.attention`` (query i of sequence b sit
 ``reference`` (torch SDPA over the gathered rows: the CPU path and the oracle) and
 ``triton_paged`` (one kernel for prefill, verify and decode; no host sync).
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -26,17 +27,26 @@ from kernels.mla.reference import mla_attention_torch, write_latent
 __all__ = ["mla_attention", "write_latent"]
 
 
-def mla_attention(q: Tensor, latent: Tensor, pool: Tensor, out_loc: Tensor, page_table: Tensor,
-                  cu_seqlens: Tensor, seq_lens: Tensor, page_size: int, scale: float,
-                  latent_dim: int) -> Tensor:
+def mla_attention(
+    q: Tensor,
+    latent: Tensor,
+    pool: Tensor,
+    out_loc: Tensor,
+    page_table: Tensor,
+    cu_seqlens: Tensor,
+    seq_lens: Tensor,
+    page_size: int,
+    scale: float,
+    latent_dim: int,
+) -> Tensor:
     """q [T, H, R + P]; latent [T, R + P] (the new tokens' [c | k_r]); pool [L_total, 1, R + P];
     out_loc int64 [T]; page_table int32 [B, max_pages]; cu_seqlens int32 [B + 1]; seq_lens
     int32 [B]; ``latent_dim`` = R -> o [T, H, R].
 
     Writes ``latent`` into the pool at ``out_loc`` first, then attends.
     """
-    if backend.attention_impl(q) is not backend.AttentionImpl.TORCH:      # no FlashInfer MLA
-        return graph_ops.mla_attention(q, latent, pool, out_loc, page_table, cu_seqlens, seq_lens,
-                                       page_size, scale, latent_dim)
-    return mla_attention_torch(q, latent, pool, out_loc, page_table, cu_seqlens, seq_lens,
-                               page_size, scale, latent_dim)
+    if backend.attention_impl(q) is not backend.AttentionImpl.TORCH:  # no FlashInfer MLA
+        return graph_ops.mla_attention(
+            q, latent, pool, out_loc, page_table, cu_seqlens, seq_lens, page_size, scale, latent_dim
+        )
+    return mla_attention_torch(q, latent, pool, out_loc, page_table, cu_seqlens, seq_lens, page_size, scale, latent_dim)

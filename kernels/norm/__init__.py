@@ -8,6 +8,7 @@
 Files: ``reference`` (torch) and ``triton_norm`` (one fused kernel for every variant); an
 eager CPU fp32 call takes the C++ kernels of ``kernels.fused_cpu``.
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -27,8 +28,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centered: bool = False)
     return rms_norm_torch(x, weight, eps, zero_centered)
 
 
-def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float,
-                   group_size: int | None = None, norm_before_gate: bool = True) -> Tensor:
+def gated_rms_norm(
+    x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int | None = None, norm_before_gate: bool = True
+) -> Tensor:
     """x, z [..., D], weight [D] -> [..., D] in x.dtype; rms over groups of ``group_size``
     channels (default: all D)."""
     if backend.use_triton(x):

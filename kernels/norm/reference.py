@@ -8,6 +8,7 @@
 Every product is formed in float32 and rounded once at the end; transformers rounds to the
 input dtype before multiplying by the weight, so bf16 results may differ by one ulp.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def rms_norm_torch(x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -
     return (_normalize(x.float(), eps) * w).to(x.dtype)
 
 
-def gated_rms_norm_torch(x: Tensor, z: Tensor, weight: Tensor, eps: float,
-                          group_size: int | None, norm_before_gate: bool) -> Tensor:
+def gated_rms_norm_torch(
+    x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int | None, norm_before_gate: bool
+) -> Tensor:
     gate = F.silu(z.float())
     if norm_before_gate:
         y = _normalize(x.float(), eps, group_size) * weight.float() * gate

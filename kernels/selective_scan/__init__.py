@@ -16,6 +16,7 @@ Jamba applies afterwards (``y * silu(z)``) and the conv before stay outside (the
 ``mamba_selective_scan`` is the op; the backend runs the form ``seqs.path`` allows (the
 reference has a one-step decode form besides the varlen one; Triton one launcher for all).
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -27,9 +28,19 @@ from kernels.selective_scan.reference import discretize_dt, mamba_selective_scan
 __all__ = ["discretize_dt", "mamba_selective_scan"]
 
 
-def mamba_selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
-                         dt_bias: Tensor | None, states: Tensor, seqs: RecurrentBatch,
-                         dt_softplus: bool = True, chunk_size: int = 64) -> Tensor:
+def mamba_selective_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    states: Tensor,
+    seqs: RecurrentBatch,
+    dt_softplus: bool = True,
+    chunk_size: int = 64,
+) -> Tensor:
     """x, dt [T, H] (dt raw); A [H, N]; B, C [T, N]; D, dt_bias [H] or None;
     states [S, H, N] -> y [T, H] in x.dtype. Updates ``states`` in place (live and snapshot
     slots). ``chunk_size`` picks the chunk of the chunked path (the result does not depend

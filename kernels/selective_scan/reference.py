@@ -11,6 +11,7 @@ A [H, N] is the negative decay rate per channel and state (``-exp(A_log)``): unl
 scalar per head, every state column decays at its own rate, so the chunked path is an
 inclusive associative scan of (decay, input) pairs within a chunk, not SSD's segment sums.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -35,43 +36,93 @@ def discretize_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool) -> Tens
 def check_shapes(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, states: Tensor) -> None:
     num_tokens, num_channels = x.shape
     state_dim = A.shape[-1]
-    ok = (dt.shape == x.shape and A.shape == (num_channels, state_dim)
-          and B.shape == (num_tokens, state_dim) and C.shape == B.shape
-          and states.shape[1:] == (num_channels, state_dim))
+    ok = (
+        dt.shape == x.shape
+        and A.shape == (num_channels, state_dim)
+        and B.shape == (num_tokens, state_dim)
+        and C.shape == B.shape
+        and states.shape[1:] == (num_channels, state_dim)
+    )
     if not ok:
-        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
-                         f"A {tuple(A.shape)}, B {tuple(B.shape)}, C {tuple(C.shape)}, "
-                         f"states {tuple(states.shape)} (expected [S, H, N])")
+        raise ValueError(
+            f"shapes disagree: x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
+            f"A {tuple(A.shape)}, B {tuple(B.shape)}, C {tuple(C.shape)}, "
+            f"states {tuple(states.shape)} (expected [S, H, N])"
+        )
 
 
 def _skip(out: Tensor, xf: Tensor, D: Tensor | None) -> Tensor:
     return out if D is None else out + D.float() * xf
 
 
-def mamba_selective_scan_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
-                               dt_bias: Tensor | None, states: Tensor, seqs: RecurrentBatch,
-                               dt_softplus: bool, chunk_size: int) -> Tensor:
+def mamba_selective_scan_torch(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    states: Tensor,
+    seqs: RecurrentBatch,
+    dt_softplus: bool,
+    chunk_size: int,
+) -> Tensor:
     """``kernels.selective_scan.mamba_selective_scan`` in torch: the one-step form on a
     decode, the varlen form otherwise (it has no verify form)."""
     if seqs.path is Path.DECODE:
         return selective_scan_update_torch(x, dt, A, B, C, D, dt_bias, states, seqs.slot_ids, dt_softplus)
-    return selective_scan_varlen_torch(x, dt, A, B, C, D, dt_bias, states, seqs.cu_seqlens, seqs.slot_ids,
-                                       seqs.has_initial_state, dt_softplus, chunk_size, seqs.state_dst_slots)
+    return selective_scan_varlen_torch(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        dt_bias,
+        states,
+        seqs.cu_seqlens,
+        seqs.slot_ids,
+        seqs.has_initial_state,
+        dt_softplus,
+        chunk_size,
+        seqs.state_dst_slots,
+    )
 
 
-def selective_scan_varlen_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                                D: Tensor | None, dt_bias: Tensor | None, states: Tensor,
-                                cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor,
-                                dt_softplus: bool, chunk_size: int,
-                                state_dst_slots: Tensor | None) -> Tensor:
+def selective_scan_varlen_torch(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    states: Tensor,
+    cu_seqlens: Tensor,
+    slot_ids: Tensor,
+    has_initial_state: Tensor,
+    dt_softplus: bool,
+    chunk_size: int,
+    state_dst_slots: Tensor | None,
+) -> Tensor:
     check_shapes(x, dt, A, B, C, states)
     xf = x.float()
     step = discretize_dt(dt, dt_bias, dt_softplus)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     a = A.float()
-    scan_varlen((xf, step, B.float(), C.float()), out, states, cu_seqlens, slot_ids,
-                has_initial_state, state_dst_slots, partial(scan_recurrent, A=a),
-                partial(scan_chunked, A=a, chunk_size=chunk_size), RECURRENT_MAX_LEN)
+    scan_varlen(
+        (xf, step, B.float(), C.float()),
+        out,
+        states,
+        cu_seqlens,
+        slot_ids,
+        has_initial_state,
+        state_dst_slots,
+        partial(scan_recurrent, A=a),
+        partial(scan_chunked, A=a, chunk_size=chunk_size),
+        RECURRENT_MAX_LEN,
+    )
     return _skip(out, xf, D).to(x.dtype)
 
 
@@ -82,8 +133,9 @@ def scan_step(xdt: Tensor, decay: Tensor, b: Tensor, c: Tensor, s: Tensor) -> Te
     return torch.bmm(s, c[:, :, None])[:, :, 0]
 
 
-def scan_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
-                   on_step: OnStep | None = None, *, A: Tensor) -> tuple[Tensor, Tensor]:
+def scan_recurrent(
+    inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor, on_step: OnStep | None = None, *, A: Tensor
+) -> tuple[Tensor, Tensor]:
     """Per-token recurrence on padded rows (without the D skip); updates ``s`` in place.
 
     inputs: x, dt' [n, L, H]; B, C [n, L, N]. valid [n, L]: padded steps get dt' = 0, which
@@ -91,7 +143,7 @@ def scan_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
     """
     x, step, b, c = inputs
     step = torch.where(valid[..., None], step, 0.0)
-    decay = (step[..., None] * A).exp()                                 # [n, L, H, N]
+    decay = (step[..., None] * A).exp()  # [n, L, H, N]
     xdt = x * step
     outs = []
     for i in range(x.shape[1]):
@@ -101,8 +153,7 @@ def scan_recurrent(inputs: tuple[Tensor, ...], valid: Tensor, s: Tensor,
     return torch.stack(outs, dim=1), s
 
 
-def scan_chunked(inputs: tuple[Tensor, ...], s: Tensor, *, A: Tensor,
-                 chunk_size: int) -> tuple[Tensor, Tensor]:
+def scan_chunked(inputs: tuple[Tensor, ...], s: Tensor, *, A: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
     """Chunked form of one segment (without D): x, dt' [L, H]; B, C [L, N]; s [H, N]."""
     x, step, b, c = inputs
     outs = []
@@ -113,8 +164,7 @@ def scan_chunked(inputs: tuple[Tensor, ...], s: Tensor, *, A: Tensor,
     return torch.cat(outs, dim=0), s
 
 
-def _scan_chunk(x: Tensor, step: Tensor, b: Tensor, c: Tensor, A: Tensor,
-                s: Tensor) -> tuple[Tensor, Tensor]:
+def _scan_chunk(x: Tensor, step: Tensor, b: Tensor, c: Tensor, A: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """One chunk of n tokens from state s [H, N] -> (y [n, H], state after the chunk).
 
     S_i = a_i S_{i-1} + u_i with a_i = exp(dt'_i A), u_i = dt'_i x_i B_i^T, all [H, N]. The
@@ -122,29 +172,38 @@ def _scan_chunk(x: Tensor, step: Tensor, b: Tensor, c: Tensor, A: Tensor,
     scan (log2(n) doubling steps) gives every S_i = acc_a_i S_0 + acc_u_i at once; products
     of decays stay in (0, 1], so the form is as stable as the recurrence.
     """
-    acc_a = (step[:, :, None] * A).exp()                                # [n, H, N]
-    acc_u = (x * step)[:, :, None] * b[:, None, :]                      # [n, H, N]
+    acc_a = (step[:, :, None] * A).exp()  # [n, H, N]
+    acc_u = (x * step)[:, :, None] * b[:, None, :]  # [n, H, N]
     offset = 1
     while offset < x.shape[0]:
         prev_a, prev_u = acc_a[:-offset], acc_u[:-offset]
         acc_u = torch.cat([acc_u[:offset], acc_a[offset:] * prev_u + acc_u[offset:]])
         acc_a = torch.cat([acc_a[:offset], acc_a[offset:] * prev_a])
         offset *= 2
-    states = acc_a * s + acc_u                                          # S_i: [n, H, N]
+    states = acc_a * s + acc_u  # S_i: [n, H, N]
     y = torch.einsum("thn,tn->th", states, c)
     return y, states[-1]
 
 
-def selective_scan_update_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                                D: Tensor | None, dt_bias: Tensor | None, states: Tensor,
-                                slot_ids: Tensor, dt_softplus: bool) -> Tensor:
+def selective_scan_update_torch(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    states: Tensor,
+    slot_ids: Tensor,
+    dt_softplus: bool,
+) -> Tensor:
     """One token per sequence, every initial state present: gather the live slots once, one
     ``scan_step`` (the varlen recurrence's own step, so the results are bitwise equal), scatter."""
     check_shapes(x, dt, A, B, C, states)
     xf = x.float()
-    step = discretize_dt(dt, dt_bias, dt_softplus)                     # [B, H]
+    step = discretize_dt(dt, dt_bias, dt_softplus)  # [B, H]
     slots = slot_ids.long()
-    s = states[slots].float()                                           # a copy [B, H, N]
+    s = states[slots].float()  # a copy [B, H, N]
     y = scan_step(xf * step, (step[..., None] * A.float()).exp(), B.float(), C.float(), s)
     states[slots] = s.to(states.dtype)
     return _skip(y, xf, D).to(x.dtype)

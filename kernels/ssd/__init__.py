@@ -15,6 +15,7 @@ any token), ``triton_chunk`` (chunked prefill), ``triton_varlen`` (the launcher)
 ``ssd_scan`` is the op; the backend runs the form ``seqs.path`` allows (the reference has a decode
 and a verify form besides the varlen one; the C++ loop and Triton one entry for all).
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -27,9 +28,20 @@ from kernels.ssd.reference import discretize_dt, ssd_torch
 __all__ = ["discretize_dt", "ssd_scan"]
 
 
-def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-        states: Tensor, seqs: RecurrentBatch, dt_softplus: bool = True,
-        dt_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = 256) -> Tensor:
+def ssd_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    dt_bias: Tensor,
+    states: Tensor,
+    seqs: RecurrentBatch,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    chunk_size: int = 256,
+) -> Tensor:
     """x [T, H, P]; dt [T, H] raw; A, D, dt_bias [H]; B, C [T, G, N]; states [S, H, P, N].
 
     Returns y [T, H, P] in x.dtype; updates ``states`` in place (live and snapshot slots).

@@ -10,6 +10,7 @@ bits (MKL's products, a chunked form for long segments) are within a tolerance
 (``tests/kernels/test_ssd_native.py``). Where the native ops do not build, or autograd must
 see the op, the torch reference runs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,24 +26,74 @@ def usable(states: Tensor, *inputs: Tensor) -> bool:
     return states.dim() == 4 and native_ops.usable(states, *inputs)
 
 
-def ssd_cpu(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-            states: Tensor, seqs: RecurrentBatch, dt_softplus: bool, dt_limit: tuple[float, float],
-            chunk_size: int) -> Tensor:
+def ssd_cpu(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    dt_bias: Tensor,
+    states: Tensor,
+    seqs: RecurrentBatch,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    chunk_size: int,
+) -> Tensor:
     """``kernels.ssd.ssd`` on CPU (shapes there): one loop for every path (``chunk_size`` is
     the reference's)."""
     if not usable(states, x, dt, A, B, C, D, dt_bias):
         return ssd_torch(x, dt, A, B, C, D, dt_bias, states, seqs, dt_softplus, dt_limit, chunk_size)
-    return _native(x, dt, A, B, C, D, dt_bias, states, seqs.cu_seqlens, seqs.slot_ids, seqs.initial_flags,
-                   seqs.state_dst_slots, dt_softplus, dt_limit)
+    return _native(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        dt_bias,
+        states,
+        seqs.cu_seqlens,
+        seqs.slot_ids,
+        seqs.initial_flags,
+        seqs.state_dst_slots,
+        dt_softplus,
+        dt_limit,
+    )
 
 
-def _native(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-            states: Tensor, cu_seqlens: Tensor, slot_ids: Tensor, has_initial_state: Tensor | None,
-            state_dst_slots: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
+def _native(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    dt_bias: Tensor,
+    states: Tensor,
+    cu_seqlens: Tensor,
+    slot_ids: Tensor,
+    has_initial_state: Tensor | None,
+    state_dst_slots: Tensor | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+) -> Tensor:
     check_shapes(x, dt, B, C, states)
     xf = x.float().contiguous()
     y = torch.ops.hybridserve_native.ssd_recurrent(
-        states, cu_seqlens, slot_ids, has_initial_state, state_dst_slots, xf, dt.float().contiguous(),
-        dt_bias.float().contiguous(), A.float().contiguous(), B.float().contiguous(), C.float().contiguous(),
-        dt_softplus, float(dt_limit[0]), float(dt_limit[1]))
+        states,
+        cu_seqlens,
+        slot_ids,
+        has_initial_state,
+        state_dst_slots,
+        xf,
+        dt.float().contiguous(),
+        dt_bias.float().contiguous(),
+        A.float().contiguous(),
+        B.float().contiguous(),
+        C.float().contiguous(),
+        dt_softplus,
+        float(dt_limit[0]),
+        float(dt_limit[1]),
+    )
     return (y + D.float()[:, None] * xf).to(x.dtype)

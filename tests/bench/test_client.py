@@ -1,5 +1,6 @@
 """The load client against a fake OpenAI SSE server on 127.0.0.1 (no Ray), and its
 arrival process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -65,13 +66,24 @@ def test_rate_spreads_the_sends():
     with FakeOpenAI(first_delay_s=0.0, token_delay_s=0.0) as server:
         res = _run(server, w, rate=20.0, seed=1)
     starts = sorted(r.start for r in res.records)
-    assert starts[-1] - starts[0] == pytest.approx(arrival_times(5, 20.0, seed=1)[-1]
-                                                   - arrival_times(5, 20.0, seed=1)[0], abs=0.05)
+    assert starts[-1] - starts[0] == pytest.approx(
+        arrival_times(5, 20.0, seed=1)[-1] - arrival_times(5, 20.0, seed=1)[0], abs=0.05
+    )
 
 
 def test_multi_turn_chat_carries_the_answers_forward():
-    w = build(MultiTurnSpec(num_sessions=2, num_turns=3, system_len=4, first_len=3, user_len=2,
-                            output_len=2, api="chat", prompt_format="text"))
+    w = build(
+        MultiTurnSpec(
+            num_sessions=2,
+            num_turns=3,
+            system_len=4,
+            first_len=3,
+            user_len=2,
+            output_len=2,
+            api="chat",
+            prompt_format="text",
+        )
+    )
     with FakeOpenAI(first_delay_s=0.0, token_delay_s=0.0) as server:
         res = asyncio.run(run_benchmark(Target(server.url + "/v1"), w, LoadSettings(), Renderer()))
     assert res.metrics.completed == 6 and [lab.turn for lab in res.labels] == [0, 1, 2, 0, 1, 2]
@@ -79,7 +91,7 @@ def test_multi_turn_chat_carries_the_answers_forward():
     assert len(last) == 2
     roles = [m["role"] for m in last[0]["messages"]]
     assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert last[0]["messages"][2]["content"] == "t0 t1 "      # the first answer, as streamed
+    assert last[0]["messages"][2]["content"] == "t0 t1 "  # the first answer, as streamed
     # the empty role delta is not the first token: TTFT and token counts come from content
     assert all(len(r.itl) == 1 for r in res.records)
 

@@ -1,6 +1,7 @@
 """``hybridserve bench host-overhead``: the probe's accounting (a fake clock, exact), its
 table against today's engine, the JSON the CLI prints, and the engine's per-request host
 work counted in calls (not timed) at two batch sizes."""
+
 from __future__ import annotations
 
 import itertools
@@ -53,18 +54,20 @@ def test_phases_are_exclusive_and_missing_paths_make_a_phase_absent(monkeypatch)
     clock = FakeClock()
     monkeypatch.setattr(P, "time", types.SimpleNamespace(thread_time=clock))
     work = Work(clock)
-    probe = P.Probe(work, phases={"outer": ("outer",), "gone": ("no.such", "nope"),
-                                  "half": ("inner", "missing")}, forward_paths=("lone",))
+    probe = P.Probe(
+        work,
+        phases={"outer": ("outer",), "gone": ("no.such", "nope"), "half": ("inner", "missing")},
+        forward_paths=("lone",),
+    )
     with probe.installed():
         assert work.outer() == "done"
         work.lone()
         totals = probe.totals()
         assert totals.seconds == {"outer": 5.0, "half": 5.0, P.FORWARD: 7.0} and totals.calls == 3
-        assert probe.absent == ["gone"] and probe.missing == {"gone": ["no.such", "nope"],
-                                                              "half": ["missing"]}
+        assert probe.absent == ["gone"] and probe.missing == {"gone": ["no.such", "nope"], "half": ["missing"]}
         probe.reset()
         assert probe.totals().seconds == {} and probe.totals().calls == 0
-    assert "outer" not in vars(work) and "lone" not in vars(work)      # the class's methods again
+    assert "outer" not in vars(work) and "lone" not in vars(work)  # the class's methods again
 
 
 def test_module_paths_are_wrapped_and_restored():
@@ -89,14 +92,31 @@ def test_the_table_matches_the_engine(null_model):
         missing = {k: v for k, v in probe.missing.items() if k != P.FORWARD}
         assert missing == {}, f"host_overhead_probe.PHASES is out of date: {missing}"
         assert {"model.forward", "model.compute_logits", "drafter.mtp.forward"}.isdisjoint(
-            probe.missing.get(P.FORWARD, []))
+            probe.missing.get(P.FORWARD, [])
+        )
     finally:
         engine.runner.shutdown()
 
 
 def test_cli_prints_the_result_as_its_last_json_line(null_model, capsys):
-    rc = main(["bench", "host-overhead", "--model", str(null_model), "--batch", "1", "4", "--steps", "3",
-               "--warmup", "1", "--min-request-steps", "1", "--json"])
+    rc = main(
+        [
+            "bench",
+            "host-overhead",
+            "--model",
+            str(null_model),
+            "--batch",
+            "1",
+            "4",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--min-request-steps",
+            "1",
+            "--json",
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result["host_us_per_request_step"]) == {"1", "4"}
@@ -128,7 +148,7 @@ class CallCounter:
 
     def _profile(self, frame, event, arg) -> None:
         if self._on and event in ("call", "c_call"):
-            next(self._calls)             # atomic under the GIL: two threads count here
+            next(self._calls)  # atomic under the GIL: two threads count here
 
     def count(self, fn) -> int:
         start = next(self._calls)
@@ -145,8 +165,9 @@ class CallCounter:
         threading.setprofile(None)
 
 
-def calls_per_request_step(engine, counter: CallCounter, mode: str, batch: int, settings: H.Settings,
-                           steps: int = 4) -> float:
+def calls_per_request_step(
+    engine, counter: CallCounter, mode: str, batch: int, settings: H.Settings, steps: int = 4
+) -> float:
     """Calls per request and step in a steady decode window of ``steps`` steps."""
     ids = H.add_requests(engine, batch, settings, 3 if mode == "mtp" else 0)
     H.until_decoding(engine, ids, settings.admit_steps)
@@ -164,7 +185,7 @@ def test_host_calls_per_request_do_not_grow_with_the_batch(null_model, mode):
     shows as calls per request-step growing with B. Counted, not timed: 64 vs 256."""
     settings = H.Settings(batches=(64, 256), steps=4, warmup=2)
     engine = H.build_engine(null_model, mode, settings)
-    counter = CallCounter()              # before the first step starts the forward thread
+    counter = CallCounter()  # before the first step starts the forward thread
     try:
         small, large = (calls_per_request_step(engine, counter, mode, b, settings) for b in (64, 256))
     finally:

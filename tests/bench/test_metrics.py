@@ -1,5 +1,6 @@
 """Metric definitions on hand-made timings: vLLM's TTFT / TPOT / ITL / E2EL, throughput,
 goodput and numpy-compatible percentiles, checked to exact values."""
+
 from __future__ import annotations
 
 import random
@@ -18,12 +19,15 @@ from cluster.bench.metrics import (
 )
 
 # Three successful requests and one failure; times in seconds.
-A = RequestRecord(True, start=0.0, ttft=0.1, e2el=0.5, itl=(0.1, 0.1, 0.2), prompt_tokens=10,
-                  output_tokens=5, cached_tokens=4)        # TPOT = 0.4 / 4 = 0.1
-B = RequestRecord(True, start=0.2, ttft=0.3, e2el=0.9, itl=(0.3, 0.3), prompt_tokens=20,
-                  output_tokens=3, cached_tokens=0)        # TPOT = 0.6 / 2 = 0.3
-C = RequestRecord(True, start=1.0, ttft=0.2, e2el=0.2, itl=(), prompt_tokens=30, output_tokens=1,
-                  cached_tokens=30)                        # one token: no TPOT, 0 for goodput
+A = RequestRecord(
+    True, start=0.0, ttft=0.1, e2el=0.5, itl=(0.1, 0.1, 0.2), prompt_tokens=10, output_tokens=5, cached_tokens=4
+)  # TPOT = 0.4 / 4 = 0.1
+B = RequestRecord(
+    True, start=0.2, ttft=0.3, e2el=0.9, itl=(0.3, 0.3), prompt_tokens=20, output_tokens=3, cached_tokens=0
+)  # TPOT = 0.6 / 2 = 0.3
+C = RequestRecord(
+    True, start=1.0, ttft=0.2, e2el=0.2, itl=(), prompt_tokens=30, output_tokens=1, cached_tokens=30
+)  # one token: no TPOT, 0 for goodput
 F = RequestRecord(False, start=0.4, error="HTTP 500")
 
 
@@ -36,9 +40,9 @@ def test_latency_summaries_follow_vllm():
     m = compute_metrics([A, B, C, F], duration_s=2.0)
     assert (m.completed, m.failed) == (3, 1)
     assert m.ttft_ms.mean == pytest.approx(200.0) and m.ttft_ms.median == pytest.approx(200.0)
-    assert m.tpot_ms.mean == pytest.approx(200.0)              # C has no TPOT; F failed
+    assert m.tpot_ms.mean == pytest.approx(200.0)  # C has no TPOT; F failed
     assert m.tpot_ms.median == pytest.approx(200.0)
-    assert m.itl_ms.mean == pytest.approx(1000 * 1.0 / 5)      # pooled gaps: .1 .1 .2 .3 .3
+    assert m.itl_ms.mean == pytest.approx(1000 * 1.0 / 5)  # pooled gaps: .1 .1 .2 .3 .3
     assert m.itl_ms.median == pytest.approx(100.0 * 2)
     assert m.e2el_ms.mean == pytest.approx(1000 * 1.6 / 3)
     assert m.ttft_ms.std == pytest.approx(1000 * np.std([0.1, 0.3, 0.2]))
@@ -53,7 +57,7 @@ def test_throughputs_count_successes_over_wall_time():
     assert m.total_token_throughput == pytest.approx(34.5)
     assert m.cached_fraction == pytest.approx(34 / 60)
     assert m.concurrency == pytest.approx(1.6 / 2.0)
-    assert m.request_goodput is None                           # no SLO given
+    assert m.request_goodput is None  # no SLO given
 
 
 def test_goodput_needs_every_slo_and_counts_one_token_tpot_as_zero():
@@ -62,7 +66,7 @@ def test_goodput_needs_every_slo_and_counts_one_token_tpot_as_zero():
     m = compute_metrics([A, B, C, F], duration_s=2.0, slos_ms=slos)
     assert m.request_goodput == pytest.approx(2 / 2.0)
     assert compute_metrics([A, B, C], 1.0, {"e2el": 500.0}).request_goodput == pytest.approx(2.0)
-    assert is_good(A, {"ttft": 100.0})                         # at the SLO is within it
+    assert is_good(A, {"ttft": 100.0})  # at the SLO is within it
 
 
 def test_empty_and_all_failed_runs_give_zeros():
@@ -79,8 +83,12 @@ def test_percentile_matches_numpy(q):
 
 
 def test_max_in_flight_counts_overlaps_and_back_to_back_requests():
-    recs = [RequestRecord(True, start=0.0, e2el=1.0), RequestRecord(True, start=0.5, e2el=1.0),
-            RequestRecord(True, start=1.0, e2el=1.0), RequestRecord(True, start=0.6, e2el=0.1)]
+    recs = [
+        RequestRecord(True, start=0.0, e2el=1.0),
+        RequestRecord(True, start=0.5, e2el=1.0),
+        RequestRecord(True, start=1.0, e2el=1.0),
+        RequestRecord(True, start=0.6, e2el=0.1),
+    ]
     assert max_in_flight(recs) == 3
 
 

@@ -1,5 +1,6 @@
 """The suite's config, goals and report (no measurements), and ``hybridserve bench`` run
 mode end to end against the fake server."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def test_every_headline_key_has_a_goal():
 
 
 def test_summary_and_table_from_section_results():
-    details = {"overlap": {"overlap_speedup": 1.1, "tok_s_on": 11.0, "tok_s_off": 10.0},
-               "spec": {"error": "RuntimeError: boom"}}
+    details = {
+        "overlap": {"overlap_speedup": 1.1, "tok_s_on": 11.0, "tok_s_off": 10.0},
+        "spec": {"error": "RuntimeError: boom"},
+    }
     s = build_summary(details, load_suite_config(), {"cpu": "x"}, {"overlap": 1.0}, 3.0)
     assert s["overlap_speedup"] == 1.1 and s["goals"]["overlap_speedup"]["met"] is True
     assert s["spec_tpot_speedup"] is None and s["goals"]["spec_tpot_speedup"]["met"] is None
@@ -43,8 +46,15 @@ def test_summary_and_table_from_section_results():
 
 def test_startup_row_says_what_the_warm_cache_refused():
     cache = {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 12}
-    details = {"startup": {"startup_cold_s": 400.0, "startup_warm_s": 250.0, "startup_eager_s": 4.0,
-                           "batch_sizes": [1, 2], "cache_warm": cache}}
+    details = {
+        "startup": {
+            "startup_cold_s": 400.0,
+            "startup_warm_s": 250.0,
+            "startup_eager_s": 4.0,
+            "batch_sizes": [1, 2],
+            "cache_warm": cache,
+        }
+    }
     s = build_summary(details, load_suite_config(), {"cpu": "x"}, {"startup": 1.0}, 3.0)
     assert s["startup_warm_s"] == 250.0
     assert "0 hits, 0 misses, 12 refused" in s["notes"]["startup_warm_s"]
@@ -53,9 +63,27 @@ def test_startup_row_says_what_the_warm_cache_refused():
 def test_bench_command_runs_a_workload_and_writes_json(tmp_path, capsys):
     out = tmp_path / "r.json"
     with FakeOpenAI(first_delay_s=0.01, token_delay_s=0.0) as server:
-        rc = main(["bench", "--url", server.url, "--workload", "shared_prefix", "--num-prompts", "5",
-                   "--set", "output_len=3", "--max-concurrency", "2", "--goodput", "ttft:5000",
-                   "--percentiles", "50,99", "--out", str(out)])
+        rc = main(
+            [
+                "bench",
+                "--url",
+                server.url,
+                "--workload",
+                "shared_prefix",
+                "--num-prompts",
+                "5",
+                "--set",
+                "output_len=3",
+                "--max-concurrency",
+                "2",
+                "--goodput",
+                "ttft:5000",
+                "--percentiles",
+                "50,99",
+                "--out",
+                str(out),
+            ]
+        )
     assert rc == 0
     report = capsys.readouterr().out
     assert "Successful requests:" in report and "P99 TTFT" in report and "goodput" in report
@@ -73,19 +101,34 @@ def test_bench_command_needs_a_url_or_the_suite():
 def test_the_tiers_goals_are_read_at_one_operating_point():
     def row(router, on, computed, ttft):
         split = {"ttft_model_s": ttft, "queue_model_s": 0.0, "ttft_steps": 2.0}
-        return {"router": router, "tiers": on, "computed_fraction": computed, "cached_fraction": 1 - computed,
-                "mean_ttft_steps": 2.0, "split": split, "explain": {"oracle_cached_fraction": 0.77}}
+        return {
+            "router": router,
+            "tiers": on,
+            "computed_fraction": computed,
+            "cached_fraction": 1 - computed,
+            "mean_ttft_steps": 2.0,
+            "split": split,
+            "explain": {"oracle_cached_fraction": 0.77},
+        }
 
     def point(scale):
-        rows = [row("hybrid_prefix", False, 0.6, 0.06), row("hybrid_prefix", True, 0.3 * scale, 0.03 * scale),
-                row("ray_prefix", True, 0.5, 0.7)]
-        goals = {"computed_prefill_tiers_over_device": 0.5 * scale,
-                 "ttft_model_s_tiers_over_device": 0.5 * scale, "cached_vs_ray": round(0.7 / 0.5, 3)}
-        return {"results": rows, "goals": goals, "settings": {"host_factor": 2}, "table": "t",
-                "split_table": "s"}
+        rows = [
+            row("hybrid_prefix", False, 0.6, 0.06),
+            row("hybrid_prefix", True, 0.3 * scale, 0.03 * scale),
+            row("ray_prefix", True, 0.5, 0.7),
+        ]
+        goals = {
+            "computed_prefill_tiers_over_device": 0.5 * scale,
+            "ttft_model_s_tiers_over_device": 0.5 * scale,
+            "cached_vs_ray": round(0.7 / 0.5, 3),
+        }
+        return {"results": rows, "goals": goals, "settings": {"host_factor": 2}, "table": "t", "split_table": "s"}
 
-    tiers = {**point(1.0), "overloaded": point(1.5),
-             "multi_turn": {"host": {"turn2_hits": 20}, "device": {"turn2_hits": 0}}}
+    tiers = {
+        **point(1.0),
+        "overloaded": point(1.5),
+        "multi_turn": {"host": {"turn2_hits": 20}, "device": {"turn2_hits": 0}},
+    }
     s = build_summary({"tiers": tiers}, load_suite_config(), {"cpu": "x"}, {"tiers": 1.0}, 3.0)
     assert (s["tiers_prefill_ratio"], s["tiers_ttft_ratio"], s["tiers_cached_vs_ray"]) == (0.5, 0.5, 1.4)
     assert "below capacity, host tier 2" in s["notes"]["tiers_ttft_ratio"]

@@ -2,6 +2,7 @@
 workload's shape, and the in-process cluster with tiers off and on for our router and
 Ray's rule -- counts only (every figure here is a count or a count of steps; seconds are
 reported, not checked)."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,12 +10,29 @@ import pytest
 from cluster.bench import tiers as T
 from cluster.bench.workloads import load_workload
 
-SMALL = {"num_sessions": 6, "num_turns": 3, "num_toolsets": 2, "system_len": 48, "task_len": 16,
-         "tool_output_len": 24, "instruction_len": 4, "output_len": 4}
+SMALL = {
+    "num_sessions": 6,
+    "num_turns": 3,
+    "num_toolsets": 2,
+    "system_len": 48,
+    "task_len": 16,
+    "tool_output_len": 24,
+    "instruction_len": 4,
+    "output_len": 4,
+}
 # Two replicas of 4 slots each (2 running): the 6 sessions' checkpoints do not fit on device.
-SETTINGS = T.ClusterSettings(num_replicas=2, kv_tokens=2048, slot_kv_tokens=512, host_factor=4,
-                             max_running=2, page_size=8, track_interval=16, chunk=128, arrival_steps=1,
-                             think_steps=2)
+SETTINGS = T.ClusterSettings(
+    num_replicas=2,
+    kv_tokens=2048,
+    slot_kv_tokens=512,
+    host_factor=4,
+    max_running=2,
+    page_size=8,
+    track_interval=16,
+    chunk=128,
+    arrival_steps=1,
+    think_steps=2,
+)
 
 
 def test_slot_pressure_contexts_grow_by_tool_outputs_every_turn():
@@ -29,8 +47,11 @@ def test_slot_pressure_contexts_grow_by_tool_outputs_every_turn():
 @pytest.fixture(scope="module")
 def results(tiny_qwen_dir):
     sessions = load_workload("slot_pressure", SMALL).sessions
-    return [T.run_one(tiny_qwen_dir, sessions, router, on, SETTINGS)
-            for router in ("hybrid_prefix", "ray_prefix") for on in (False, True)]
+    return [
+        T.run_one(tiny_qwen_dir, sessions, router, on, SETTINGS)
+        for router in ("hybrid_prefix", "ray_prefix")
+        for on in (False, True)
+    ]
 
 
 def test_every_turn_runs_and_the_tiers_serve_more_of_the_prompts(results):
@@ -75,6 +96,8 @@ def test_the_store_is_modelled_at_qwen3_next_proportions():
     entry = 16896 + extra + 400 * 1024
 
     def fetches(tokens: int) -> bool:
-        return FetchCost(entry, tokens, fetch.bandwidth_bytes_per_s, fetch.prefill_tokens_per_s,
-                         fetch.latency_s, fetch.margin).should_fetch
+        return FetchCost(
+            entry, tokens, fetch.bandwidth_bytes_per_s, fetch.prefill_tokens_per_s, fetch.latency_s, fetch.margin
+        ).should_fetch
+
     assert not fetches(150) and fetches(250)

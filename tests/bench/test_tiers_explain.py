@@ -1,5 +1,6 @@
 """The computed-token breakdown of ``cluster/bench/tiers_explain.py``: its waterfall (pure),
 and, on a small in-process run, that it accounts for every prompt token."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,15 +12,35 @@ from tests.bench.test_tiers_bench import SETTINGS, SMALL
 
 
 def snap(**kw) -> Snapshot:
-    base = dict(prompt=400, sent=300, seen=300, oracle=288, ever=256, alive=192, reachable=128,
-                system_len=100, previous_prompt=270, page=16)
+    base = dict(
+        prompt=400,
+        sent=300,
+        seen=300,
+        oracle=288,
+        ever=256,
+        alive=192,
+        reachable=128,
+        system_len=100,
+        previous_prompt=270,
+        page=16,
+    )
     return Snapshot(**{**base, **kw})
 
 
 def test_every_gap_of_the_waterfall_has_its_cause():
     out = split(snap(), cached=64)
-    assert out == {"first_system": 0, "new_suffix": 100, "in_flight": 0, "page": 12, "previous_output": 18,
-                   "placement": 14, "dropped": 64, "elsewhere": 64, "refused": 0, "lost_in_queue": 64}
+    assert out == {
+        "first_system": 0,
+        "new_suffix": 100,
+        "in_flight": 0,
+        "page": 12,
+        "previous_output": 18,
+        "placement": 14,
+        "dropped": 64,
+        "elsewhere": 64,
+        "refused": 0,
+        "lost_in_queue": 64,
+    }
     assert sum(out.values()) == 400 - 64
     refused = split(snap(fetch="recomputed"), cached=64)
     assert refused["refused"] == 64 and refused["lost_in_queue"] == 0

@@ -1,5 +1,6 @@
 """The TTFT split and the modelled step cost of ``cluster/bench/tiers_ttft.py``: exact on
 made-up inputs, and consistent with ``bench/tiers.py``'s own TTFT on a small run."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,16 +25,22 @@ def test_batch_shape_counts_prompt_tokens_and_decode_rows():
         r = Request("r", list(range(1, n_prompt + 1)), SamplingParams(max_tokens=8))
         r.output_token_ids = [5] * n_out
         return r
-    seqs = (ScheduledSeq(req(40, 0), 0, 32, samples=False),      # a prefill chunk
-            ScheduledSeq(req(10, 0), 0, 10, samples=True),       # the last chunk, sampling
-            ScheduledSeq(req(10, 3), 12, 1, samples=True),       # a decode
-            ScheduledSeq(req(9, 0), 8, 1, samples=True))         # a 1-token last chunk: prompt
+
+    seqs = (
+        ScheduledSeq(req(40, 0), 0, 32, samples=False),  # a prefill chunk
+        ScheduledSeq(req(10, 0), 0, 10, samples=True),  # the last chunk, sampling
+        ScheduledSeq(req(10, 3), 12, 1, samples=True),  # a decode
+        ScheduledSeq(req(9, 0), 8, 1, samples=True),
+    )  # a 1-token last chunk: prompt
     assert batch_shape(ScheduledBatch(0, seqs, ())) == (43, 1)
 
 
 def test_split_means_add_up():
-    times = [RequestTimes(0, 0.0, 3, 0.05, 4, 0.07), RequestTimes(2, 0.03, 2, 0.03, 5, 0.09),
-             RequestTimes(4, 0.1)]                                # no first token yet: left out
+    times = [
+        RequestTimes(0, 0.0, 3, 0.05, 4, 0.07),
+        RequestTimes(2, 0.03, 2, 0.03, 5, 0.09),
+        RequestTimes(4, 0.1),
+    ]  # no first token yet: left out
     sp = ttft_split([type("Log", (), {"times": {str(i): t for i, t in enumerate(times)}})()])
     assert sp["requests"] == 2 and sp["max_ttft_steps"] == 4
     assert (sp["queue_steps"], sp["prefill_steps"], sp["ttft_steps"]) == (1.5, 2.0, 3.5)

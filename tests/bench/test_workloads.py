@@ -1,4 +1,5 @@
 """Workloads: every shipped YAML loads, generation is deterministic, shapes are right."""
+
 from __future__ import annotations
 
 import pytest
@@ -62,9 +63,8 @@ def test_prefix_repetition_cycles_prefixes():
 
 
 def test_cache_pressure_sizes_tenants_from_the_cluster_cache():
-    spec = CachePressureSpec(cluster_cache_tokens=10_000, context_len=500, queries_per_tenant=3,
-                             warmup_per_tenant=1)
-    assert spec.tenants() == 14                                  # 0.7 * 10000 / 500
+    spec = CachePressureSpec(cluster_cache_tokens=10_000, context_len=500, queries_per_tenant=3, warmup_per_tenant=1)
+    assert spec.tenants() == 14  # 0.7 * 10000 / 500
     w = build(spec)
     assert w.info["num_tenants"] == 14 and w.info["context_fraction_of_cluster_cache"] == 0.7
     assert len(w.sessions) == 42 and len(w.warmup) == 14
@@ -75,8 +75,11 @@ def test_cache_pressure_sizes_tenants_from_the_cluster_cache():
 
 
 def test_multi_turn_sessions_have_their_turns():
-    w = build(MultiTurnSpec(num_sessions=3, num_turns=4, system_len=8, first_len=6, user_len=2,
-                            api="chat", prompt_format="text"))
+    w = build(
+        MultiTurnSpec(
+            num_sessions=3, num_turns=4, system_len=8, first_len=6, user_len=2, api="chat", prompt_format="text"
+        )
+    )
     assert len(w.sessions) == 3 and w.num_requests == 12
     s = w.sessions[0]
     assert len(s.shared_ids) == 8 and [len(t.user_ids) for t in s.turns] == [6, 2, 2, 2]

@@ -1,4 +1,5 @@
 """The app builder and the serve YAML: arguments are validated before anything starts."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,9 +66,14 @@ def test_the_router_knows_how_many_requests_a_replica_runs_at_once():
 
 
 def test_builder_sections_and_set_reach_every_deployment_as_one_config():
-    app = build_app({"model_name": "served", "replica": {"max_ongoing_requests": 7},
-                     "ingress": {"max_body_bytes": 1234, "num_replicas": 2},
-                     "set": {"router.host_hit_value": 0.8, "replica.stream_interval_s": 0.0}})
+    app = build_app(
+        {
+            "model_name": "served",
+            "replica": {"max_ongoing_requests": 7},
+            "ingress": {"max_body_bytes": 1234, "num_replicas": 2},
+            "set": {"router.host_hit_value": 0.8, "replica.stream_interval_s": 0.0},
+        }
+    )
     ingress = app._bound_deployment
     engine = ingress.init_args[0]._bound_deployment
     config = load_config(overrides=engine.init_args[0])

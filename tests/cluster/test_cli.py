@@ -1,5 +1,6 @@
 """``hybridserve serve``'s arguments: vLLM's flags land on their config keys, ``--set``
 reaches every documented setting, and a flag and a ``--set`` that disagree are refused."""
+
 from __future__ import annotations
 
 import re
@@ -55,8 +56,9 @@ def test_serve_takes_the_model_dir_and_vllms_flags():
     argv = [arg for flag, (_, raw, _) in EXPECTED.items() for arg in (flag, raw)]
     config = _serve_config("configs/models/tiny-hybrid", *argv)
     assert config.model == "configs/models/tiny-hybrid"
-    assert {flag: _value(config, key) for flag, (key, _, _) in EXPECTED.items()} == \
-        {flag: value for flag, (_, _, value) in EXPECTED.items()}
+    assert {flag: _value(config, key) for flag, (key, _, _) in EXPECTED.items()} == {
+        flag: value for flag, (_, _, value) in EXPECTED.items()
+    }
     assert config.served_model_name() == "my-model"
 
 
@@ -84,8 +86,14 @@ def test_flags_win_over_the_config_file(tmp_path):
 
 def test_every_documented_setting_is_accepted_by_set_and_yaml(tmp_path):
     documented = documented_keys()
-    assert {"router.host_hit_value", "replica.stream_interval_s", "replica.prefill_tokens_per_s",
-            "ingress.max_body_bytes", "cache.page_size", "max_model_len"} <= documented
+    assert {
+        "router.host_hit_value",
+        "replica.stream_interval_s",
+        "replica.prefill_tokens_per_s",
+        "ingress.max_body_bytes",
+        "cache.page_size",
+        "max_model_len",
+    } <= documented
     unknown = [key for key in sorted(documented) if not _known(key)]
     assert not unknown, f"documented but not in configs/schema.py: {unknown}"
     for key in sorted(documented):

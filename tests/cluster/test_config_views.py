@@ -1,5 +1,6 @@
 """The cluster's settings classes are views of the config: built from it, they hold its
 values, and their defaults are its defaults."""
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -11,18 +12,44 @@ from cluster.store.client import FetchSettings
 from configs.schema import HybridServeConfig, load_config
 
 # every field of every view set away from its default
-CONFIG = load_config(overrides={
-    "router": {"load_penalty_tokens": 3.0, "load_penalty_auto": False, "imbalance_abs": 2,
-               "imbalance_rel": 2.5, "min_match_tokens": 5, "host_hit_value": 0.7, "store_hit_value": 0.3,
-               "store_min_gain_tokens": 11, "replica_capacity": 4},
-    "replica": {"stream_interval_s": 0.02, "stream_items_per_s": 50.0, "max_stream_interval_s": 0.5,
-                "store_bandwidth_bytes_per_s": 5e8, "store_latency_s": 0.01, "prefill_tokens_per_s": 123.0,
-                "store_fetch_timeout_s": 3.0},
-    "server": {"api_key": "k", "served_model_name": "served", "tool_call_parser": "hermes",
-               "reasoning_parser": "none", "trust_request_chat_template": True},
-    "ingress.max_body_bytes": 1234})
-FETCH_KEYS = {"bandwidth_bytes_per_s": "store_bandwidth_bytes_per_s", "latency_s": "store_latency_s",
-              "prefill_tokens_per_s": "prefill_tokens_per_s", "timeout_s": "store_fetch_timeout_s"}
+CONFIG = load_config(
+    overrides={
+        "router": {
+            "load_penalty_tokens": 3.0,
+            "load_penalty_auto": False,
+            "imbalance_abs": 2,
+            "imbalance_rel": 2.5,
+            "min_match_tokens": 5,
+            "host_hit_value": 0.7,
+            "store_hit_value": 0.3,
+            "store_min_gain_tokens": 11,
+            "replica_capacity": 4,
+        },
+        "replica": {
+            "stream_interval_s": 0.02,
+            "stream_items_per_s": 50.0,
+            "max_stream_interval_s": 0.5,
+            "store_bandwidth_bytes_per_s": 5e8,
+            "store_latency_s": 0.01,
+            "prefill_tokens_per_s": 123.0,
+            "store_fetch_timeout_s": 3.0,
+        },
+        "server": {
+            "api_key": "k",
+            "served_model_name": "served",
+            "tool_call_parser": "hermes",
+            "reasoning_parser": "none",
+            "trust_request_chat_template": True,
+        },
+        "ingress.max_body_bytes": 1234,
+    }
+)
+FETCH_KEYS = {
+    "bandwidth_bytes_per_s": "store_bandwidth_bytes_per_s",
+    "latency_s": "store_latency_s",
+    "prefill_tokens_per_s": "prefill_tokens_per_s",
+    "timeout_s": "store_fetch_timeout_s",
+}
 SERVER_KEYS = ("api_key", "tool_call_parser", "reasoning_parser", "trust_request_chat_template")
 
 

@@ -1,5 +1,6 @@
 """The Serve environment (``cluster.serve_env``): names Ray reads, a user's value wins, and
 the Kuberay manifest sets the same values on every Ray node."""
+
 from __future__ import annotations
 
 from pathlib import Path

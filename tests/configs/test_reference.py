@@ -1,4 +1,5 @@
 """The configuration reference is the schema's: regenerated, it is byte for byte the file."""
+
 from __future__ import annotations
 
 from configs.reference import REFERENCE_PATH, render, sections, type_text
@@ -12,8 +13,13 @@ def test_every_setting_has_a_one_line_description():
     settings = [s for section in sections() for s in section.settings]
     missing = [s.key for s in settings if not s.description.strip() or "\n" in s.description]
     assert not missing, f"settings without a one-line Field(description=...): {missing}"
-    assert {"router.host_hit_value", "replica.stream_interval_s", "ingress.max_body_bytes",
-            "server.served_model_name", "max_model_len"} <= {s.key for s in settings}
+    assert {
+        "router.host_hit_value",
+        "replica.stream_interval_s",
+        "ingress.max_body_bytes",
+        "server.served_model_name",
+        "max_model_len",
+    } <= {s.key for s in settings}
 
 
 def test_types_read_as_yaml_words():

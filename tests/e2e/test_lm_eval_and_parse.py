@@ -1,6 +1,7 @@
 """Third-party clients against a live server (Ray Serve, loopback): lm-eval 0.4.13's
 ``local-completions`` runs a multiple-choice loglikelihood task on a local dataset, and
 the official ``openai`` client's ``chat.completions.parse`` gets a valid pydantic object."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,11 @@ from tests.workers.models.hf_oracle import HFOracle
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 MODEL = "tiny-eval"
 
-DOCS = [{"question": "The sky is", "choices": ["blue", "green", "a loud noise"], "answer": 0},
-        {"question": "def add(a, b): return", "choices": ["a + b", "a * b"], "answer": 0},
-        {"question": "Two plus two equals", "choices": ["four", "five", "twenty two", "none"], "answer": 0}]
+DOCS = [
+    {"question": "The sky is", "choices": ["blue", "green", "a loud noise"], "answer": 0},
+    {"question": "def add(a, b): return", "choices": ["a + b", "a * b"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["four", "five", "twenty two", "none"], "answer": 0},
+]
 TASK = """task: tiny_mc
 dataset_path: json
 dataset_kwargs:
@@ -48,12 +51,23 @@ def test_lm_eval_loglikelihoods_equal_transformers(app, tiny_qwen_dir, tmp_path,
     data = tmp_path / "tiny_mc.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     (tmp_path / "tiny_mc.yaml").write_text(TASK.format(data=data))
-    lm = LocalCompletionsAPI(base_url=f"{app.openai_base}/completions", model=MODEL,
-                             tokenizer=str(tiny_qwen_dir), tokenizer_backend="huggingface",
-                             tokenized_requests=True, num_concurrent=1, max_retries=1, max_length=1024)
-    results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"],
-                                      task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
-                                      num_fewshot=0)
+    lm = LocalCompletionsAPI(
+        base_url=f"{app.openai_base}/completions",
+        model=MODEL,
+        tokenizer=str(tiny_qwen_dir),
+        tokenizer_backend="huggingface",
+        tokenized_requests=True,
+        num_concurrent=1,
+        max_retries=1,
+        max_length=1024,
+    )
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["tiny_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+        num_fewshot=0,
+    )
     samples = results["samples"]["tiny_mc"]
     assert len(samples) == len(DOCS) and "acc,none" in results["results"]["tiny_mc"]
     oracle = HFOracle(tiny_qwen_dir)
@@ -81,8 +95,13 @@ def test_openai_parse_returns_a_valid_object(app):
     client = openai.OpenAI(base_url=app.openai_base, api_key="none", max_retries=0, timeout=120)
     for seed in range(3):
         completion = client.chat.completions.parse(
-            model=MODEL, messages=[{"role": "user", "content": "Describe a pet."}], response_format=Pet,
-            max_tokens=200, temperature=0.7, seed=seed)
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe a pet."}],
+            response_format=Pet,
+            max_tokens=200,
+            temperature=0.7,
+            seed=seed,
+        )
         message = completion.choices[0].message
         assert completion.choices[0].finish_reason == "stop"
         assert isinstance(message.parsed, Pet)

@@ -1,4 +1,5 @@
 """The OpenAI API end to end through Ray Serve, with the official ``openai`` client."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,7 @@ MODEL = "tiny-e2e"
 
 @pytest.fixture(scope="module")
 def app(deployed, tiny_qwen_dir):
-    return deployed("oai", str(tiny_qwen_dir), overrides={"server": {"api_key": KEY}},
-                    args={"model_name": MODEL})
+    return deployed("oai", str(tiny_qwen_dir), overrides={"server": {"api_key": KEY}}, args={"model_name": MODEL})
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +39,19 @@ def test_models_health_and_api_key(app, client, http):
     # bench clients load it
     assert Path(raw["root"]).is_absolute() and Path(raw["root"], "config.json").is_file()
     assert raw["max_model_len"] > 100
-    assert httpx.get(f"{app.base_url}/health").status_code == 200          # no key needed
+    assert httpx.get(f"{app.base_url}/health").status_code == 200  # no key needed
     r = httpx.get(f"{app.openai_base}/models", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_completions_stream_and_cached_tokens(client):
-    kwargs = dict(model=MODEL, prompt="a quick brown fox jumps over the dog", max_tokens=10,
-                  temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL,
+        prompt="a quick brown fox jumps over the dog",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     first = client.completions.create(**kwargs)
     again = client.completions.create(**kwargs)
     assert first.usage.completion_tokens == 10
@@ -59,13 +64,16 @@ def test_completions_stream_and_cached_tokens(client):
 
 
 def test_chat_with_the_checkpoint_template(client):
-    kwargs = dict(model=MODEL, messages=[{"role": "system", "content": "be brief"},
-                                         {"role": "user", "content": "hello there"}],
-                  max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**kwargs)
     assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 8
-    chunks = list(client.chat.completions.create(**kwargs, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -73,23 +81,43 @@ def test_chat_with_the_checkpoint_template(client):
 
 
 def test_n_seed_logprobs_stop_and_token_ids(client):
-    kwargs = dict(model=MODEL, prompt=[11, 12, 13, 14, 15], max_tokens=6, n=2, seed=5, temperature=1.0,
-                  logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    kwargs = dict(
+        model=MODEL,
+        prompt=[11, 12, 13, 14, 15],
+        max_tokens=6,
+        n=2,
+        seed=5,
+        temperature=1.0,
+        logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     a, b = client.completions.create(**kwargs), client.completions.create(**kwargs)
     assert len(a.choices) == 2
     assert [c.model_extra["token_ids"] for c in a.choices] == [c.model_extra["token_ids"] for c in b.choices]
     assert a.model_extra["prompt_token_ids"] == [11, 12, 13, 14, 15]
     assert len(a.choices[0].logprobs.token_logprobs) == 6
-    assert all(len(t) <= 3 for t in a.choices[0].logprobs.top_logprobs)      # the chosen + the 2 best
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                          max_tokens=4, logprobs=True, top_logprobs=2, temperature=0)
+    assert all(len(t) <= 3 for t in a.choices[0].logprobs.top_logprobs)  # the chosen + the 2 best
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=0,
+    )
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
-    base = client.completions.create(model=MODEL, prompt="stop here", max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = next(base[i:i + 2] for i in range(1, len(base) - 1) if "\ufffd" not in base[i:i + 2])
-    cut = client.completions.create(model=MODEL, prompt="stop here", max_tokens=16, temperature=0,
-                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
-    assert cut.text == base[:base.index(stop)] and cut.finish_reason == "stop"
+    base = (
+        client.completions.create(
+            model=MODEL, prompt="stop here", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = next(base[i : i + 2] for i in range(1, len(base) - 1) if "\ufffd" not in base[i : i + 2])
+    cut = client.completions.create(
+        model=MODEL, prompt="stop here", max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert cut.text == base[: base.index(stop)] and cut.finish_reason == "stop"
 
 
 BAD_CASES = {
@@ -116,8 +144,11 @@ def test_bad_requests_are_4xx_error_objects(client, case, stream):
 
 
 def test_malformed_json_and_bad_chat_are_4xx(http):
-    for path, body in (("/v1/completions", b'{"prompt": "x",'), ("/v1/chat/completions", b"[]"),
-                       ("/v1/chat/completions", json.dumps({"messages": [], "stream": True}).encode())):
+    for path, body in (
+        ("/v1/completions", b'{"prompt": "x",'),
+        ("/v1/chat/completions", b"[]"),
+        ("/v1/chat/completions", json.dumps({"messages": [], "stream": True}).encode()),
+    ):
         r = http.post(path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400, (path, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -134,8 +165,7 @@ def test_client_disconnect_aborts_and_frees_the_pools(http):
     idle = _replica(http)["pools"]
     assert idle["kv_pages_free"] == idle["kv_pages_usable"]
     aborted_before = _replica(http)["counters"]["hybridserve_requests_total"].get("abort", 0)
-    body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 1500, "ignore_eos": True,
-            "stream": True}
+    body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -147,6 +177,7 @@ def test_client_disconnect_aborts_and_frees_the_pools(http):
     def settled():
         rep = _replica(http)
         return rep if rep["num_streams"] == 0 and not rep["has_unfinished"] else None
+
     rep = wait_until(settled, timeout_s=30)
     assert rep["counters"]["hybridserve_requests_total"].get("abort", 0) == aborted_before + 1
     assert rep["counters"]["hybridserve_generation_tokens_total"] < 1500
@@ -173,15 +204,18 @@ def test_metrics_counters_move_after_traffic(app, client):
     def scraped():
         s = _scrape(app.metrics_url)
         return s if _total(s, "hybridserve_generation_tokens_total") > 0 else None
+
     before = wait_until(scraped, timeout_s=30)
-    client.completions.create(model=MODEL, prompt="count me", max_tokens=7, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=MODEL, prompt="count me", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
 
     def moved():
         s = _scrape(app.metrics_url)
         name = "hybridserve_generation_tokens_total"
         grown = _total(s, name) >= _total(before, name) + 7
         return s if grown else None
+
     after = wait_until(moved, timeout_s=30)
     labels = [k for k in after if k.startswith("hybridserve_generation_tokens_total{")]
     assert labels and all('"model": "tiny-e2e"' in k and '"replica": "0"' in k for k in labels)
@@ -200,20 +234,28 @@ def test_service_endpoints_through_serve(app, client, http):
     assert tokens["count"] == len(tokens["tokens"]) > 0
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "hello world"
     chat_ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=1, extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, extra_body={"return_token_ids": True}
+    )
     assert chat.model_extra["prompt_token_ids"] == chat_ids
     assert http.get("/tokenizer_info").json()["tokenizer_class"]
     assert http.get("/version").json()["version"]
-    assert httpx.get(f"{app.base_url}/ping").status_code == 200                 # no key, as /health
+    assert httpx.get(f"{app.base_url}/ping").status_code == 200  # no key, as /health
     text = http.get("/metrics").text
     assert "hybridserve_requests_total" in text and 'model="tiny-e2e"' in text
-    zero = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, logprobs=0,
-                                     extra_body={"ignore_eos": True})
+    zero = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=3, logprobs=0, extra_body={"ignore_eos": True}
+    )
     lps = zero.choices[0].logprobs
     assert [list(top) for top in lps.top_logprobs] == [[tok] for tok in lps.tokens]
-    chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True,
-                                            stream_options={"include_usage": True,
-                                                            "continuous_usage_stats": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="hi",
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 3

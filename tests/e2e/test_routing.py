@@ -1,5 +1,6 @@
 """Two replicas: hybrid-prefix routing finds the replica holding the checkpoint, round
 robin does not; a killed replica leaves the router index."""
+
 from __future__ import annotations
 
 import random
@@ -13,7 +14,7 @@ from tests.e2e.conftest import index_actor, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 NUM_PREFIXES = 10
-PAGE = 4                                   # SMALL_ENGINE's page size
+PAGE = 4  # SMALL_ENGINE's page size
 
 
 def prompts(seed: int) -> list[tuple[list[int], list[int]]]:
@@ -21,7 +22,7 @@ def prompts(seed: int) -> list[tuple[list[int], list[int]]]:
     rng = random.Random(seed)
     pairs = []
     for k in range(NUM_PREFIXES):
-        base = [rng.randrange(10, 400) for _ in range(PAGE * 6 + 3)]   # not page aligned
+        base = [rng.randrange(10, 400) for _ in range(PAGE * 6 + 3)]  # not page aligned
         follow = list(base) if k % 2 == 0 else base + [rng.randrange(10, 400) for _ in range(9)]
         pairs.append((base, follow))
     return pairs
@@ -52,9 +53,15 @@ def hit_rate(app, seed: int) -> float:
 
 @pytest.fixture(scope="module")
 def hybrid_app(deployed, tiny_qwen_dir):
-    return deployed("hp", str(tiny_qwen_dir), overrides={"parallel": {"num_replicas": 2}},
-                    args={"model_name": "hp", "replica": {"num_cpus": 1, "stats_interval_s": 0.2,
-                                                          "events_interval_s": 0.02, "forget_after_s": 60}})
+    return deployed(
+        "hp",
+        str(tiny_qwen_dir),
+        overrides={"parallel": {"num_replicas": 2}},
+        args={
+            "model_name": "hp",
+            "replica": {"num_cpus": 1, "stats_interval_s": 0.2, "events_interval_s": 0.02, "forget_after_s": 60},
+        },
+    )
 
 
 def test_hybrid_prefix_routes_repeats_to_the_checkpoint(hybrid_app):
@@ -68,10 +75,11 @@ def test_hybrid_prefix_routes_repeats_to_the_checkpoint(hybrid_app):
 def test_router_decisions_reach_the_metrics(hybrid_app):
     import httpx
 
-    def decisions():                      # every reason is exported, at 0 until counted
+    def decisions():  # every reason is exported, at 0 until counted
         text = httpx.get(hybrid_app.metrics_url, timeout=10).text
         series = 'hybridserve_router_decisions_total{model="hp",reason="prefix"} '
         return any(line.startswith(series) and float(line.split()[-1]) > 0 for line in text.splitlines())
+
     wait_until(decisions, timeout_s=15)
 
 
@@ -85,6 +93,7 @@ def test_killed_replica_is_dropped_from_the_index(hybrid_app):
     def forgotten():
         summary = ray.get(idx.summary.remote())
         return victim not in summary["checkpoints"] and victim not in summary["replicas"]
+
     wait_until(forgotten, timeout_s=60, interval_s=0.2)
     # the deployment heals and routing keeps working
     client = openai.OpenAI(base_url=hybrid_app.openai_base, api_key="none", max_retries=2, timeout=60)
@@ -96,10 +105,13 @@ def test_killed_replica_is_dropped_from_the_index(hybrid_app):
 def round_robin_app(deployed, tiny_qwen_dir, hybrid_app):
     from ray import serve
 
-    serve.delete(hybrid_app.name)          # free the two engines first (2 cores)
-    return deployed("rr", str(tiny_qwen_dir),
-                    overrides={"parallel": {"num_replicas": 2}, "router": {"policy": "round_robin"}},
-                    args={"model_name": "rr"})
+    serve.delete(hybrid_app.name)  # free the two engines first (2 cores)
+    return deployed(
+        "rr",
+        str(tiny_qwen_dir),
+        overrides={"parallel": {"num_replicas": 2}, "router": {"policy": "round_robin"}},
+        args={"model_name": "rr"},
+    )
 
 
 def test_round_robin_does_not_follow_the_checkpoint(round_robin_app):

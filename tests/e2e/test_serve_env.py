@@ -1,6 +1,7 @@
 """The Serve settings of ``cluster.serve_env`` reach the replicas: their code runs on the
 replica's own event loop, with no user-code thread (one thread hop less per request and
 per stream item)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,10 +19,11 @@ def test_replica_code_runs_on_the_replicas_own_loop(serve_session):
         async def __call__(self) -> dict[str, object]:
             from ray.serve._private import constants
 
-            return {"separate_thread": constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
-                    "separate_router_loop": constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
-                    "user_code_threads": [t.name for t in threading.enumerate()
-                                          if "user_code_event_loop" in t.name]}
+            return {
+                "separate_thread": constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
+                "separate_router_loop": constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
+                "user_code_threads": [t.name for t in threading.enumerate() if "user_code_event_loop" in t.name],
+            }
 
     handle = serve.run(Where.bind(), name="serve-env", route_prefix="/serve-env")
     try:

@@ -1,4 +1,5 @@
 """``serve run deploy/serve.yaml`` starts its own local cluster, answers, and stops on SIGINT."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_run_with_the_shipped_config(tmp_path):
     config = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
     port, metrics_port = free_port(), free_port()
-    config["http_options"]["port"] = port          # only the ports differ from the shipped file
+    config["http_options"]["port"] = port  # only the ports differ from the shipped file
     app = config["applications"][0]
     app["args"]["set"]["metrics.port"] = metrics_port
     path = tmp_path / "serve.yaml"
@@ -31,9 +32,15 @@ def test_serve_run_with_the_shipped_config(tmp_path):
     serve_bin = Path(sys.executable).with_name("serve")
     # SIGINT at its default in the child (a background job of a non-interactive shell starts
     # with it ignored, and children inherit that), so the Ctrl-C below reaches `serve run`
-    proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [str(serve_bin), "run", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         base = f"http://127.0.0.1:{port}"
 
@@ -45,12 +52,12 @@ def test_serve_run_with_the_shipped_config(tmp_path):
                 return httpx.get(f"{base}/v1/models", timeout=5).status_code == 200
             except httpx.HTTPError:
                 return False
+
         wait_until(ready, timeout_s=180, interval_s=1.0)
         body = {"model": "qwen3-next-tiny-py", "prompt": "hello", "max_tokens": 4, "temperature": 0}
         out = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
         assert out["usage"]["completion_tokens"] == 4
-        assert "hybridserve_" in wait_until(
-            lambda: _metrics_text(metrics_port), timeout_s=30, interval_s=0.5)
+        assert "hybridserve_" in wait_until(lambda: _metrics_text(metrics_port), timeout_s=30, interval_s=0.5)
     finally:
         # SIGINT to `serve run` alone, as `kill -INT`: it stops Serve and the local cluster
         # it started (sent to the whole group, the fresh GCS and raylet could die first and
@@ -66,7 +73,7 @@ def test_serve_run_with_the_shipped_config(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
-        with contextlib.suppress(ProcessLookupError):    # whatever of its cluster is left
+        with contextlib.suppress(ProcessLookupError):  # whatever of its cluster is left
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
     assert proc.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]

@@ -8,6 +8,7 @@ makes the ranks compare a digest of their decisions after every step, so a rank 
 a different step fails the request. The reference is the offline ``LLM`` at TP = 1 with
 the same engine config.
 """
+
 from __future__ import annotations
 
 import httpx
@@ -36,8 +37,7 @@ def reference(model_dir: str, overrides: dict, batch: list[list[int]]) -> list[l
 
 
 def complete(base_url: str, batch: list[list[int]]) -> tuple[list[list[int]], int]:
-    body = {"prompt": batch, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {"prompt": batch, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     data = r.json()
@@ -50,8 +50,10 @@ def test_tp2_greedy_tokens_equal_tp1(deployed, tiny_qwen_dir, tiny_granite_dir, 
     import ray
 
     model_dir = str(tiny_qwen_dir if arch == "qwen3_next" else tiny_granite_dir)
-    engine = {"debug": {"check_invariants": True},
-              **({"spec": {"method": "mtp", "num_draft_tokens": 2}} if arch == "qwen3_next" else {})}
+    engine = {
+        "debug": {"check_invariants": True},
+        **({"spec": {"method": "mtp", "num_draft_tokens": 2}} if arch == "qwen3_next" else {}),
+    }
     batch = prompts(512)
     expected = reference(model_dir, engine, batch)
     app = deployed(f"tp-{arch}", model_dir, overrides={**engine, "parallel": {"tensor_parallel_size": 2}})

@@ -4,6 +4,7 @@ Two apps over the scripted checkpoints (``tests/cluster/api/scripted_model.py``:
 greedy output is a known text), one per Qwen3 tool-call format; each parser is picked
 from the checkpoint's chat template (``server.tool_call_parser: auto``).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,12 @@ USER = [{"role": "user", "content": "Weather in Paris, and the time?"}]
 
 @pytest.fixture(scope="module")
 def hermes(deployed, scripted_hermes_dir):
-    app = deployed("tools-hermes", str(scripted_hermes_dir), args={"model_name": "scripted"},
-                   overrides={"server": {"trust_request_chat_template": True}})
+    app = deployed(
+        "tools-hermes",
+        str(scripted_hermes_dir),
+        args={"model_name": "scripted"},
+        overrides={"server": {"trust_request_chat_template": True}},
+    )
     return openai.OpenAI(base_url=app.openai_base, api_key="none", max_retries=0, timeout=60)
 
 
@@ -64,26 +69,40 @@ def test_hermes_tool_calls_and_reasoning(hermes):
     choice = out.choices[0]
     assert calls(choice.message) == HERMES_CALLS and choice.finish_reason == "tool_calls"
     assert choice.message.model_extra["reasoning_content"] == HERMES_REASONING
-    assert [json.loads(a) for _, a in calls(choice.message)] == [{"city": "Paris", "days": 3},
-                                                                 {"zone": "CET"}]
+    assert [json.loads(a) for _, a in calls(choice.message)] == [{"city": "Paris", "days": 3}, {"zone": "CET"}]
     assert streamed(hermes, "scripted", tools=TOOLS) == (HERMES_REASONING, "", HERMES_CALLS, "tool_calls")
 
 
 def test_chat_template_kwargs_and_tool_turns(hermes):
-    out = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS,
-                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    out = hermes.chat.completions.create(
+        model="scripted", messages=USER, tools=TOOLS, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert out.choices[0].message.content == HERMES_ANSWER and not out.choices[0].message.tool_calls
     history = USER + [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     again = hermes.chat.completions.create(model="scripted", messages=history, tools=TOOLS)
-    assert calls(again.choices[0].message) == HERMES_CALLS                 # the template took the turns
-    forced = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS, temperature=0,
-                                            tool_choice={"type": "function",
-                                                         "function": {"name": "get_time"}},
-                                            max_tokens=40)
-    [call] = forced.choices[0].message.tool_calls                      # enforced by a JSON-schema constraint
+    assert calls(again.choices[0].message) == HERMES_CALLS  # the template took the turns
+    forced = hermes.chat.completions.create(
+        model="scripted",
+        messages=USER,
+        tools=TOOLS,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=40,
+    )
+    [call] = forced.choices[0].message.tool_calls  # enforced by a JSON-schema constraint
     assert call.function.name == "get_time" and forced.choices[0].message.content is None
 
 
@@ -96,19 +115,25 @@ def test_xml_tool_calls(xml):
 
 def test_template_options_through_serve(hermes):
     """parallel_tool_calls, include_reasoning, continue_final_message, a request's own template."""
-    one = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS,
-                                         parallel_tool_calls=False)
+    one = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS, parallel_tool_calls=False)
     assert calls(one.choices[0].message) == HERMES_CALLS[:1]
-    hidden = hermes.chat.completions.create(model="scripted", messages=USER, tools=TOOLS,
-                                            extra_body={"include_reasoning": False})
+    hidden = hermes.chat.completions.create(
+        model="scripted", messages=USER, tools=TOOLS, extra_body={"include_reasoning": False}
+    )
     assert hidden.choices[0].message.model_extra["reasoning_content"] is None
     more = hermes.chat.completions.create(
-        model="scripted", messages=USER + [{"role": "assistant", "content": CONTINUE}],
-        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        model="scripted",
+        messages=USER + [{"role": "assistant", "content": CONTINUE}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
     assert more.choices[0].message.content == " the forecast for you."
     own = hermes.chat.completions.create(
-        model="scripted", messages=USER, max_tokens=3,
-        extra_body={"chat_template": "{{ messages[0].content + ' ' }}", "return_token_ids": True})
-    plain = hermes.chat.completions.create(model="scripted", messages=USER, max_tokens=3,
-                                           extra_body={"return_token_ids": True})
+        model="scripted",
+        messages=USER,
+        max_tokens=3,
+        extra_body={"chat_template": "{{ messages[0].content + ' ' }}", "return_token_ids": True},
+    )
+    plain = hermes.chat.completions.create(
+        model="scripted", messages=USER, max_tokens=3, extra_body={"return_token_ids": True}
+    )
     assert own.model_extra["prompt_token_ids"] != plain.model_extra["prompt_token_ids"]

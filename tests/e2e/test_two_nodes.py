@@ -13,6 +13,7 @@ depth on whichever replica it lands, fetching from the store where needed
 (``store_fetches{outcome="fetched"}``); what the dead replica held but never committed is
 recomputed.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,22 +59,24 @@ def test_worker_node_dies_the_store_survives_and_nothing_is_wrong(cluster, tiny_
     assert sorted(nodes.values()) == ["head", "worker"], nodes
     owner_nodes = {key: node_of(owner, nodes) for key, owner in first["store_owners"].items()}
     assert set(owner_nodes.values()) == {"head", "worker"}, first["store_owners"]
-    assert first["store_node"] == "head"              # pinned there, whichever replica created it
+    assert first["store_node"] == "head"  # pinned there, whichever replica created it
 
     cluster.kill_worker()
     second = cluster.run_driver(common + ["--first", json.dumps(first), "phase2"], timeout_s=600)
-    print(f"\n[two nodes] store objects before the kill {first['store_objects']}, "
-          f"after {second['store_after']}; fetch outcomes after it {second['fetches']}; "
-          f"cached {second['cached']}; hits by tier {second['hits']}; "
-          f"committed {sorted(first['store_owners'].values())}; store on the {first['store_node']}")
+    print(
+        f"\n[two nodes] store objects before the kill {first['store_objects']}, "
+        f"after {second['store_after']}; fetch outcomes after it {second['fetches']}; "
+        f"cached {second['cached']}; hits by tier {second['hits']}; "
+        f"committed {sorted(first['store_owners'].values())}; store on the {first['store_node']}"
+    )
     assert set(second["replica_nodes"].values()) == {"head"} and len(second["replica_nodes"]) == 2
-    assert second["wrong"] == []                      # no request got a wrong answer
-    assert second["fetches"].get("fetched", 0) >= 1   # the store's objects are used
+    assert second["wrong"] == []  # no request got a wrong answer
+    assert second["fetches"].get("fetched", 0) >= 1  # the store's objects are used
     assert second["store_after"] >= first["store_objects"]
     committed_by = {"head": 0, "worker": 0}
     for i, (prompt, cached) in enumerate(zip(sessions(len(second["cached"])), second["cached"])):
         hit = deepest_owner(prompt, owner_nodes)
-        if hit is not None:                           # committed: survived, whoever committed it
+        if hit is not None:  # committed: survived, whoever committed it
             assert cached >= hit[0], (i, cached, hit)
             committed_by[hit[1]] += 1
     assert committed_by["worker"] >= 1, committed_by  # ... including the dead node's replica's

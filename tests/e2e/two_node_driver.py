@@ -12,6 +12,7 @@ worker node) waits for Serve to bring the lost replica back on the head, runs ev
 session's second turn and compares every answer with a cache-off engine in this process.
 Each phase prints one JSON line: what the test asserts on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,20 @@ import httpx
 APP = "twonode"
 SESSIONS = 12
 SYSTEM_LEN = 64
-ENGINE = {"device": "cpu", "dtype": "float32",
-          "cache": {"page_size": 4, "max_kv_tokens": 4096, "max_mamba_slots": 8, "mamba_track_interval": 16,
-                    "host_mamba_slots": 64, "host_kv_tokens": 8192, "cluster_store_bytes": 256 << 20},
-          "scheduler": {"max_running_requests": 2, "max_batch_tokens": 512, "chunked_prefill_size": 128}}
+ENGINE = {
+    "device": "cpu",
+    "dtype": "float32",
+    "cache": {
+        "page_size": 4,
+        "max_kv_tokens": 4096,
+        "max_mamba_slots": 8,
+        "mamba_track_interval": 16,
+        "host_mamba_slots": 64,
+        "host_kv_tokens": 8192,
+        "cluster_store_bytes": 256 << 20,
+    },
+    "scheduler": {"max_running_requests": 2, "max_batch_tokens": 512, "chunked_prefill_size": 128},
+}
 MAX_TOKENS = 4
 
 
@@ -43,13 +54,21 @@ def follow_up(prompt: list[int], output: list[int], i: int) -> list[int]:
 
 
 def complete(http: httpx.Client, tokens: list[int]) -> dict[str, Any]:
-    body = {"model": APP, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "model": APP,
+        "prompt": tokens,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = http.post("/v1/completions", json=body)
     r.raise_for_status()
     out = r.json()
-    return {"token_ids": out["choices"][0]["token_ids"],
-            "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"]}
+    return {
+        "token_ids": out["choices"][0]["token_ids"],
+        "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"],
+    }
 
 
 def store_summary() -> dict[str, Any]:
@@ -72,8 +91,11 @@ def replica_nodes(http: httpx.Client) -> dict[str, str]:
 def node_roles() -> dict[str, str]:
     import ray
 
-    return {n["NodeID"]: ("head" if "node:__internal_head__" in n["Resources"] else "worker")
-            for n in ray.nodes() if n["Alive"]}
+    return {
+        n["NodeID"]: ("head" if "node:__internal_head__" in n["Resources"] else "worker")
+        for n in ray.nodes()
+        if n["Alive"]
+    }
 
 
 def _if(value: Any, ok: Any) -> Any:
@@ -97,14 +119,23 @@ def deploy(model: str, http_port: int) -> None:
     from tests.e2e.two_nodes import REPLICA_RESOURCE
 
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    config = load_config(overrides={**ENGINE, "model": model, "parallel": {"num_replicas": 2},
-                                    "metrics": {"port": 0}})
-    args = AppArgs.model_validate({
-        "model_name": APP, "router": {"min_match_tokens": 4},
-        "replica": {"num_cpus": 1, "resources": {REPLICA_RESOURCE: 1}, "stats_interval_s": 0.3,
-                    "events_interval_s": 0.05, "health_check_period_s": 1, "health_check_timeout_s": 5,
-                    "prefill_tokens_per_s": 200.0},
-        "ingress": {"resources": {"head_node": 1}}})
+    config = load_config(overrides={**ENGINE, "model": model, "parallel": {"num_replicas": 2}, "metrics": {"port": 0}})
+    args = AppArgs.model_validate(
+        {
+            "model_name": APP,
+            "router": {"min_match_tokens": 4},
+            "replica": {
+                "num_cpus": 1,
+                "resources": {REPLICA_RESOURCE: 1},
+                "stats_interval_s": 0.3,
+                "events_interval_s": 0.05,
+                "health_check_period_s": 1,
+                "health_check_timeout_s": 5,
+                "prefill_tokens_per_s": 200.0,
+            },
+            "ingress": {"resources": {"head_node": 1}},
+        }
+    )
     serve.run(build_app_from_config(config, args), name=APP, route_prefix=f"/{APP}")
 
 
@@ -116,13 +147,19 @@ def phase1(args: argparse.Namespace) -> dict[str, Any]:
         placed = wait(lambda: _if(replica_nodes(http), lambda n: len(n) == 2), 120, "two replicas")
         outs = [complete(http, p) for p in sessions(args.sessions)]
         # Demotions are committed by the publishers within a few intervals.
-        summary = wait(lambda: _if(store_summary(), lambda s: len(s["owners"]) == 2), 60,
-                       "store entries committed by both replicas")
+        summary = wait(
+            lambda: _if(store_summary(), lambda s: len(s["owners"]) == 2),
+            60,
+            "store entries committed by both replicas",
+        )
         owners = {e[0].hex(): e[2] for e in summary["entries"]}
-    return {"replica_nodes": {name: roles.get(node, "?") for name, node in placed.items()},
-            "outputs": [o["token_ids"] for o in outs], "store_owners": owners,
-            "store_objects": summary["hybridserve_store_objects"],
-            "store_node": roles.get(summary["node_id"], "?")}
+    return {
+        "replica_nodes": {name: roles.get(node, "?") for name, node in placed.items()},
+        "outputs": [o["token_ids"] for o in outs],
+        "store_owners": owners,
+        "store_objects": summary["hybridserve_store_objects"],
+        "store_node": roles.get(summary["node_id"], "?"),
+    }
 
 
 def phase2(args: argparse.Namespace, first: dict[str, Any]) -> dict[str, Any]:
@@ -132,23 +169,32 @@ def phase2(args: argparse.Namespace, first: dict[str, Any]) -> dict[str, Any]:
     roles = node_roles()
     prompts = [follow_up(p, o, i) for i, (p, o) in enumerate(zip(sessions(args.sessions), first["outputs"]))]
     with httpx.Client(base_url=f"http://127.0.0.1:{args.http_port}/{APP}", timeout=120) as http:
-        placed = wait(lambda: _if(replica_nodes(http), lambda n: len(n) == 2 and all(
-            roles.get(node) == "head" for node in n.values())), 180, "two replicas on the head")
+        placed = wait(
+            lambda: _if(
+                replica_nodes(http), lambda n: len(n) == 2 and all(roles.get(node) == "head" for node in n.values())
+            ),
+            180,
+            "two replicas on the head",
+        )
         outs = [complete(http, p) for p in prompts]
         stats = http.get("/debug/replicas").json()["replicas"]
     off = LLM(model=args.model, device="cpu", dtype="float32", cache={"enable_prefix_cache": False})
-    ref = off.generate_ids(prompts, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)]
-                           * len(prompts))
+    ref = off.generate_ids(
+        prompts, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)] * len(prompts)
+    )
     fetches: dict[str, int] = {}
     for r in stats:
         for outcome, n in r["counters"].get("hybridserve_store_fetches_total", {}).items():
             fetches[outcome] = fetches.get(outcome, 0) + n
-    return {"replica_nodes": {name: roles.get(node, "?") for name, node in placed.items()},
-            "wrong": [i for i, (o, r) in enumerate(zip(outs, ref)) if o["token_ids"] != r.token_ids],
-            "cached": [o["cached"] for o in outs], "prompt_lens": [len(p) for p in prompts],
-            "fetches": fetches, "store_after": store_summary()["hybridserve_store_objects"],
-            "hits": {r["replica_id"][-6:]: r["counters"].get("hybridserve_cache_hits_total", {})
-                     for r in stats}}
+    return {
+        "replica_nodes": {name: roles.get(node, "?") for name, node in placed.items()},
+        "wrong": [i for i, (o, r) in enumerate(zip(outs, ref)) if o["token_ids"] != r.token_ids],
+        "cached": [o["cached"] for o in outs],
+        "prompt_lens": [len(p) for p in prompts],
+        "fetches": fetches,
+        "store_after": store_summary()["hybridserve_store_objects"],
+        "hits": {r["replica_id"][-6:]: r["counters"].get("hybridserve_cache_hits_total", {}) for r in stats},
+    }
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ Resources: the head has ``head_node`` (the app's ingress and named actors go the
 ``REPLICA_SLOTS`` engine-replica slots, the worker has one slot: replicas spread over both
 nodes, and the head can take the worker's replica back when the worker dies.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,11 +38,16 @@ class TwoNodeCluster:
         root.mkdir(parents=True, exist_ok=True)
         token = root / "token"
         token.write_text(secrets.token_hex(32))
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-                    "RAY_AUTH_TOKEN_PATH": str(token),
-                    # notice a dead node within a few seconds, not half a minute
-                    "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
-                    "RAY_health_check_initial_delay_ms": "1000"}
+        self.env = {
+            **os.environ,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            # notice a dead node within a few seconds, not half a minute
+            "RAY_health_check_period_ms": "1000",
+            "RAY_health_check_failure_threshold": "3",
+            "RAY_health_check_initial_delay_ms": "1000",
+        }
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.head_cpus, self.worker_cpus = head_cpus, worker_cpus
@@ -52,27 +58,44 @@ class TwoNodeCluster:
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "w")
-        return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats",
-                                 "--node-ip-address=127.0.0.1", *args], env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", *args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def start(self, timeout_s: float = 120.0) -> TwoNodeCluster:
-        self.head = self._start("head", ["--head", f"--port={self.port}", f"--num-cpus={self.head_cpus}",
-                                         "--include-dashboard=false", f"--temp-dir={self.ray_dir}",
-                                         "--resources="
-                                         + json.dumps({"head_node": 100, REPLICA_RESOURCE: REPLICA_SLOTS})])
+        self.head = self._start(
+            "head",
+            [
+                "--head",
+                f"--port={self.port}",
+                f"--num-cpus={self.head_cpus}",
+                "--include-dashboard=false",
+                f"--temp-dir={self.ray_dir}",
+                "--resources=" + json.dumps({"head_node": 100, REPLICA_RESOURCE: REPLICA_SLOTS}),
+            ],
+        )
         self.wait_nodes(1, timeout_s)
-        self.worker = self._start("worker", [f"--address={self.address}", f"--num-cpus={self.worker_cpus}",
-                                             "--resources="
-                                             + json.dumps({"worker_node": 100, REPLICA_RESOURCE: 1})])
+        self.worker = self._start(
+            "worker",
+            [
+                f"--address={self.address}",
+                f"--num-cpus={self.worker_cpus}",
+                "--resources=" + json.dumps({"worker_node": 100, REPLICA_RESOURCE: 1}),
+            ],
+        )
         self.wait_nodes(2, timeout_s)
         return self
 
     def alive_nodes(self) -> int:
-        code = ("import ray, json; ray.init(address=%r, logging_level='ERROR'); "
-                "print(json.dumps(sum(n['Alive'] for n in ray.nodes())))" % self.address)
-        out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
-                             timeout=60)
+        code = (
+            "import ray, json; ray.init(address=%r, logging_level='ERROR'); "
+            "print(json.dumps(sum(n['Alive'] for n in ray.nodes())))" % self.address
+        )
+        out = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60)
         try:
             return int(out.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -82,8 +105,9 @@ class TwoNodeCluster:
         deadline = time.monotonic() + timeout_s
         while self.alive_nodes() != n:
             if time.monotonic() > deadline:
-                logs = "".join((self.root / f).read_text()[-1500:] for f in ("head.log", "worker.log")
-                               if (self.root / f).exists())
+                logs = "".join(
+                    (self.root / f).read_text()[-1500:] for f in ("head.log", "worker.log") if (self.root / f).exists()
+                )
                 raise AssertionError(f"the cluster did not reach {n} alive nodes in {timeout_s}s:\n{logs}")
             time.sleep(1.0)
 
@@ -105,10 +129,15 @@ class TwoNodeCluster:
 
     def run_driver(self, args: list[str], timeout_s: float) -> dict:
         """``python -m tests.e2e.two_node_driver ARGS`` on this cluster; its last stdout line (JSON)."""
-        out = subprocess.run([sys.executable, "-m", "tests.e2e.two_node_driver", "--address", self.address,
-                              *args],
-                             env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.two_node_driver", "--address", self.address, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if out.returncode != 0:
-            raise AssertionError(f"driver {args[:1]} failed "
-                                 f"({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+            raise AssertionError(
+                f"driver {args[:1]} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+            )
         return json.loads(out.stdout.strip().splitlines()[-1])

@@ -29,6 +29,7 @@ The bound counts what a step must move at least once: every weight (of the route
 those some token picks: their expected number under uniform routing), each sequence's
 recurrent states (read and written, fp32) and its KV, over ``--bandwidth-gbs`` (4.8 TB/s).
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -44,37 +45,84 @@ from kernels.static import static_formulation
 from tests.gpu.common import Compared, compare, cuda_ms
 from tests.gpu.host_reads import host_reads
 
-ONE_B = dict(hidden_size=2048, num_hidden_layers=16,
-             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4,
-             num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-             linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-             linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=5632,
-             mlp_only_layers=list(range(16)))
-MOE_2B = dict(ONE_B, mlp_only_layers=[], num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
-              shared_expert_intermediate_size=1024, decoder_sparse_step=1, norm_topk_prob=True)
-TOY = dict(ONE_B, hidden_size=64, num_hidden_layers=4, layer_types=ONE_B["layer_types"][:4],
-           num_attention_heads=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-           linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=128,
-           mlp_only_layers=list(range(4)))
-TOY_MOE = dict(TOY, mlp_only_layers=[], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)
+ONE_B = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    intermediate_size=5632,
+    mlp_only_layers=list(range(16)),
+)
+MOE_2B = dict(
+    ONE_B,
+    mlp_only_layers=[],
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=1024,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+)
+TOY = dict(
+    ONE_B,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=ONE_B["layer_types"][:4],
+    num_attention_heads=4,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    intermediate_size=128,
+    mlp_only_layers=list(range(4)),
+)
+TOY_MOE = dict(
+    TOY,
+    mlp_only_layers=[],
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+)
 MODELS = {"dense": ONE_B, "moe": MOE_2B}
 TOY_MODELS = {"dense": TOY, "moe": TOY_MOE}
 BATCHES, TOY_BATCHES = [1, 32, 128, 256], [2]
 CONTEXT, PAGE_SIZE = 512, 16
-COLUMNS = ["model", "experts (captured step)", "batch", "context", "GB/step", "bound tok/s", "eager ms",
-           "eager tok/s", "graph ms", "graph tok/s", "graph % bound", "graph vs eager logits"]
+COLUMNS = [
+    "model",
+    "experts (captured step)",
+    "batch",
+    "context",
+    "GB/step",
+    "bound tok/s",
+    "eager ms",
+    "eager tok/s",
+    "graph ms",
+    "graph tok/s",
+    "graph % bound",
+    "graph vs eager logits",
+]
 
 
 class Bench(NamedTuple):
-    model: Any                  # HybridForCausalLM
+    model: Any  # HybridForCausalLM
     hf_config: Any
-    model_dir: Path             # config.json + tokenizer: what the engine is built from
+    model_dir: Path  # config.json + tokenizer: what the engine is built from
 
 
 class StepRow(NamedTuple):
-    cells: list[object]         # one per COLUMNS
-    ok: bool                    # the step captured, graph logits = eager logits
+    cells: list[object]  # one per COLUMNS
+    ok: bool  # the step captured, graph logits = eager logits
     bound_tok_s: float
     graph_tok_s: float | None
 
@@ -87,8 +135,9 @@ def build(dims: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -
 
     out = Path(tempfile.mkdtemp(prefix="hybridserve-bench-"))
     vocab = build_tiny_tokenizer(out)
-    cfg = tiny_config("qwen3_next", vocab, SPECIAL_TOKENS.index(EOS_TOKEN),
-                      architectures=["Qwen3NextForCausalLM"], **dims)
+    cfg = tiny_config(
+        "qwen3_next", vocab, SPECIAL_TOKENS.index(EOS_TOKEN), architectures=["Qwen3NextForCausalLM"], **dims
+    )
     cfg.save_pretrained(str(out))
     model = get_model_class("Qwen3NextForCausalLM")(cfg, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -110,8 +159,7 @@ def weight_bytes(model: Any, num_tokens: int) -> float:
     E * (1 - (1 - k/E)^T) of E)."""
     total = float(sum(p.numel() * p.element_size() for p in model.parameters()))
     for moe in _moe_layers(model):
-        experts = sum(w.numel() * w.element_size() for w in (moe.w_gate, moe.w_up, moe.w_down)
-                      if w is not None)
+        experts = sum(w.numel() * w.element_size() for w in (moe.w_gate, moe.w_up, moe.w_down) if w is not None)
         e, k = moe.dims.num_experts, moe.dims.top_k
         total -= experts * (1 - k / e) ** num_tokens
     return total
@@ -128,8 +176,9 @@ def experts_path(model: Any, num_tokens: int) -> str:
     return f"every expert on every token: {e / k:g}x the rows; no grouped kernel"
 
 
-def decode_step(bench: Bench, batch: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[Callable[[], torch.Tensor], Any, float]:
+def decode_step(
+    bench: Bench, batch: int, device: torch.device, dtype: torch.dtype
+) -> tuple[Callable[[], torch.Tensor], Any, float]:
     """(step -> logits, the pools, bytes the step must move) for ``batch`` sequences each
     decoding position ``CONTEXT`` (distinct pages and slots; slot 0 / page 0 unused)."""
     from workers.device_pools import build_pools
@@ -143,10 +192,16 @@ def decode_step(bench: Bench, batch: int, device: torch.device,
     fb = ForwardBatch(
         input_ids=torch.randint(10, bench.hf_config.vocab_size, (batch,), device=device),
         positions=torch.full((batch,), CONTEXT, dtype=torch.long, device=device),
-        cu_seqlens=torch.arange(batch + 1, **i32), seq_lens=torch.full((batch,), CONTEXT + 1, **i32),
-        out_loc=out_loc, page_table=table, mamba_slot_ids=torch.arange(1, batch + 1, **i32),
+        cu_seqlens=torch.arange(batch + 1, **i32),
+        seq_lens=torch.full((batch,), CONTEXT + 1, **i32),
+        out_loc=out_loc,
+        page_table=table,
+        mamba_slot_ids=torch.arange(1, batch + 1, **i32),
         has_initial_state=torch.ones(batch, dtype=torch.bool, device=device),
-        logits_indices=torch.arange(batch, device=device), page_size=PAGE_SIZE, decode_only=True)
+        logits_indices=torch.arange(batch, device=device),
+        page_size=PAGE_SIZE,
+        decode_only=True,
+    )
     pools = build_pools(spec, batch * pages + 1, PAGE_SIZE, batch + 1, dtype, device)
     model = bench.model
 
@@ -184,7 +239,7 @@ def graph_step(step: Step, pools: Any, capture: Capture) -> tuple[Callable[[], A
     """(replay, graph logits vs eager logits): the step captured, checked on the same pool
     contents as one eager step (the step updates the pools in place)."""
     step()
-    step()                       # compiled, and the kernels' memoised launch plans built
+    step()  # compiled, and the kernels' memoised launch plans built
     _sync(_pool_tensors(pools)[0].device)
     replay, logits = capture(step)
     saved = [t.clone() for t in _pool_tensors(pools)]
@@ -201,15 +256,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def step_row(name: str, bench: Bench, batch: int, device: torch.device, dtype: torch.dtype,
-             bandwidth_gbs: float, iters: int) -> StepRow:
+def step_row(
+    name: str, bench: Bench, batch: int, device: torch.device, dtype: torch.dtype, bandwidth_gbs: float, iters: int
+) -> StepRow:
     """One table row (see ``COLUMNS``); ok when the step captured and its logits matched."""
     with torch.inference_mode(), backend.use_backend("triton"):
         step, pools, nbytes = decode_step(bench, batch, device, dtype)
         bound_ms = nbytes / (bandwidth_gbs * 1e6)
         eager_ms = _time(step, iters)
         capture = capture_cuda if device.type == "cuda" else capture_eager
-        with static_formulation():          # what a compiled step runs (no host reads)
+        with static_formulation():  # what a compiled step runs (no host reads)
             graph_ms, graph_cell, graph_ok = _graph_columns(step, pools, capture, iters)
         del pools
 
@@ -218,13 +274,25 @@ def step_row(name: str, bench: Bench, batch: int, device: torch.device, dtype: t
 
     def pct(ms: float | None) -> str | None:
         return None if ms is None else f"{100 * bound_ms / ms:.1f}%"
-    cells = [name, experts_path(bench.model, batch), batch, CONTEXT, nbytes / 1e9, tok_s(bound_ms), eager_ms,
-             tok_s(eager_ms), graph_ms, tok_s(graph_ms), pct(graph_ms), graph_cell]
+
+    cells = [
+        name,
+        experts_path(bench.model, batch),
+        batch,
+        CONTEXT,
+        nbytes / 1e9,
+        tok_s(bound_ms),
+        eager_ms,
+        tok_s(eager_ms),
+        graph_ms,
+        tok_s(graph_ms),
+        pct(graph_ms),
+        graph_cell,
+    ]
     return StepRow(cells, graph_ok, tok_s(bound_ms) or 0.0, tok_s(graph_ms))
 
 
-def _graph_columns(step: Step, pools: Any, capture: Capture,
-                   iters: int) -> tuple[float | None, str, bool]:
+def _graph_columns(step: Step, pools: Any, capture: Capture, iters: int) -> tuple[float | None, str, bool]:
     """(graph ms, the logits-check cell, ok). A step that reads the host is not captured (the
     capture would fail); the reads are named instead, as is a capture that fails."""
     reads = host_reads(step)
@@ -232,7 +300,7 @@ def _graph_columns(step: Step, pools: Any, capture: Capture,
         return None, f"**not captured**: host reads {sorted(set(reads))[:3]}", False
     try:
         replay, graph = graph_step(step, pools, capture)
-    except Exception as exc:         # the eager numbers stand without the graph's
+    except Exception as exc:  # the eager numbers stand without the graph's
         traceback.print_exc()
         return None, f"**capture failed**: {type(exc).__name__}: {exc}"[:120], False
     cell = f"{'ok' if graph.ok else '**FAIL**'} ({graph.max_err:.2g})"

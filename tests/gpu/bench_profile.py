@@ -4,6 +4,7 @@ too). The trace goes to ``OUT/profile_b<batch>.json.gz`` (Perfetto or chrome://t
 whole op table to ``OUT/profile_b<batch>.txt``, and the ops with the most self time, host and
 device, per step, to the stage's table (c3).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -22,8 +23,8 @@ COLUMNS = ["op", "calls/step", "self CPU us/step", "self device us/step"]
 class ProfileResult(NamedTuple):
     batch: int
     steps: int
-    trace: Path | None                  # the gzipped chrome trace, when written
-    rows: list[list[object]]            # COLUMNS, the top ops by self device and self CPU time
+    trace: Path | None  # the gzipped chrome trace, when written
+    rows: list[list[object]]  # COLUMNS, the top ops by self device and self CPU time
 
 
 def _self_device_us(event: Any) -> float:
@@ -39,10 +40,11 @@ def top_ops(events: Any, steps: int, top: int = TOP) -> list[list[object]]:
     by_device = sorted(events, key=_self_device_us, reverse=True)[:top]
     by_device = [e for e in by_device if _self_device_us(e) > 0]
     names = {e.key for e in by_device}
-    by_cpu = [e for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
-              if e.key not in names][:top]
-    return [[e.key[:80], e.count / steps, e.self_cpu_time_total / steps, _self_device_us(e) / steps]
-            for e in by_device + by_cpu]
+    by_cpu = [e for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True) if e.key not in names][:top]
+    return [
+        [e.key[:80], e.count / steps, e.self_cpu_time_total / steps, _self_device_us(e) / steps]
+        for e in by_device + by_cpu
+    ]
 
 
 def _all_threads() -> Any:
@@ -50,17 +52,15 @@ def _all_threads() -> Any:
     syncs; None where this torch lacks it (the main thread's ops only)."""
     from torch._C._profiler import _ExperimentalConfig
 
-    for wanted in ({"profile_all_threads": True, "enable_cuda_sync_events": True},
-                   {"profile_all_threads": True}):
+    for wanted in ({"profile_all_threads": True, "enable_cuda_sync_events": True}, {"profile_all_threads": True}):
         try:
             return _ExperimentalConfig(**wanted)
-        except TypeError:           # an older torch: without the option
+        except TypeError:  # an older torch: without the option
             continue
     return None
 
 
-def profile_window(engine: Any, mode: str, batch: int, settings: H.Settings,
-                   out_dir: Path | None) -> ProfileResult:
+def profile_window(engine: Any, mode: str, batch: int, settings: H.Settings, out_dir: Path | None) -> ProfileResult:
     """Admit ``batch`` requests, decode until steady, profile ``PROFILE_STEPS`` steps, drain."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -20,6 +20,7 @@ references, both bf16, diverged in all five sequences, at top-2 gaps of 0.016 to
 a three-way tie: the kernels' top-2 tied, without the reference's token), so a fixed gap is no
 test of bf16.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -47,24 +48,29 @@ def prompts(dry_run: bool) -> list[list[str]]:
 
 
 MAX_TOKENS, DRY_RUN_TOKENS = 16, 4
-TOP = 5                 # logprobs returned per token: the bf16 rule's top-k
-TORCH_REFS = [(kernels.gdn, "gated_delta_rule_torch"), (kernels.ssd, "ssd_torch"),
-              (kernels.conv1d, "causal_conv1d_torch"), (kernels.norm, "rms_norm_torch"),
-              (kernels.norm, "gated_rms_norm_torch"), (kernels.attention, "paged_attention_torch")]
+TOP = 5  # logprobs returned per token: the bf16 rule's top-k
+TORCH_REFS = [
+    (kernels.gdn, "gated_delta_rule_torch"),
+    (kernels.ssd, "ssd_torch"),
+    (kernels.conv1d, "causal_conv1d_torch"),
+    (kernels.norm, "rms_norm_torch"),
+    (kernels.norm, "gated_rms_norm_torch"),
+    (kernels.attention, "paged_attention_torch"),
+]
 COLUMNS = ["model", "run", "against", "tokens equal", "first divergence", "result"]
 
 
 class Run(NamedTuple):
     device: str
     dtype: str
-    backend: str            # "auto" / "triton": the kernels (references forbidden); "torch"
+    backend: str  # "auto" / "triton": the kernels (references forbidden); "torch"
     spec: bool = False
 
 
 class Outcome(NamedTuple):
-    equal: int              # tokens compared equal before the first divergence (or all)
+    equal: int  # tokens compared equal before the first divergence (or all)
     total: int
-    divergence: str         # "" when none, else where and the reference's top-2 gap
+    divergence: str  # "" when none, else where and the reference's top-2 gap
     ok: bool
 
 
@@ -90,14 +96,20 @@ def generate(model_dir: Path, run: Run, dry_run: bool = False) -> list[Any]:
     from workers.sampling.params import SamplingParams
 
     spec = {"method": "mtp", "num_draft_tokens": 2} if run.spec else {"method": "none"}
-    params = SamplingParams(max_tokens=DRY_RUN_TOKENS if dry_run else MAX_TOKENS,
-                            temperature=0.0, ignore_eos=True, logprobs=TOP)
+    params = SamplingParams(
+        max_tokens=DRY_RUN_TOKENS if dry_run else MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP
+    )
     with ExitStack() as stack:
         stack.enter_context(backend.use_backend(run.backend))
         if run.backend != "torch":
             stack.enter_context(kernels_only())
-        llm = LLM(model=str(model_dir), device=run.device, dtype=run.dtype, spec=spec,
-                  cache={"page_size": 16, "max_kv_tokens": 8192, "mamba_track_interval": 16})
+        llm = LLM(
+            model=str(model_dir),
+            device=run.device,
+            dtype=run.dtype,
+            spec=spec,
+            cache={"page_size": 16, "max_kv_tokens": 8192, "mamba_track_interval": 16},
+        )
         try:
             return [out for batch in prompts(dry_run) for out in llm.generate(batch, params)]
         finally:
@@ -109,20 +121,20 @@ def compare_greedy(got: list[Any], want: list[Any], tie: float | None) -> Outcom
     for g, w in zip(got, want):
         total += len(w.token_ids)
         if g.cached_tokens != w.cached_tokens:
-            return Outcome(equal, total, f"cached tokens {g.cached_tokens} vs {w.cached_tokens} "
-                           f"for {w.prompt[:20]!r}", False)
+            return Outcome(
+                equal, total, f"cached tokens {g.cached_tokens} vs {w.cached_tokens} for {w.prompt[:20]!r}", False
+            )
         for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)):
             if a == b:
                 equal += 1
                 continue
             top = w.logprobs[i].top
             gap = top[0][1] - top[1][1]
-            if tie is None:         # bf16: each token in the other's top-5
+            if tie is None:  # bf16: each token in the other's top-5
                 ok = a in {t for t, _ in top} and b in {t for t, _ in g.logprobs[i].top}
             else:
                 ok = gap <= tie
-            return Outcome(equal, total, f"token {i} of {w.prompt[:20]!r}: {a} vs {b}, top-2 gap "
-                           f"{gap:.2g}", ok)
+            return Outcome(equal, total, f"token {i} of {w.prompt[:20]!r}: {a} vs {b}, top-2 gap {gap:.2g}", ok)
     return Outcome(equal, total, "", len(got) == len(want))
 
 
@@ -133,16 +145,17 @@ def cases(dry_run: bool) -> list[tuple[str, Run, Run, float | None]]:
     A dry run (CPU, interpreter) takes the MTP case alone: the others run the same code, and
     ``tests/kernels/triton_path/test_model_triton.py`` runs both families that way already.
     """
-    mtp = ("qwen3_next+mtp", Run("cpu" if dry_run else "cuda", "float32",
-                                 "triton" if dry_run else "auto", spec=True),
-           Run("cpu", "float32", "torch", spec=True), 1e-2)
+    mtp = (
+        "qwen3_next+mtp",
+        Run("cpu" if dry_run else "cuda", "float32", "triton" if dry_run else "auto", spec=True),
+        Run("cpu", "float32", "torch", spec=True),
+        1e-2,
+    )
     if dry_run:
         return [mtp]
     archs = ("qwen3_next", "granitemoehybrid")
-    fp32 = [(arch, Run("cuda", "float32", "auto"), Run("cpu", "float32", "torch"), 1e-2)
-            for arch in archs]
-    bf16 = [(arch, Run("cuda", "bfloat16", "auto"), Run("cuda", "bfloat16", "torch"), None)
-            for arch in archs]
+    fp32 = [(arch, Run("cuda", "float32", "auto"), Run("cpu", "float32", "torch"), 1e-2) for arch in archs]
+    bf16 = [(arch, Run("cuda", "bfloat16", "auto"), Run("cuda", "bfloat16", "torch"), None) for arch in archs]
     return fp32 + [mtp] + bf16
 
 
@@ -162,13 +175,11 @@ def run(report: Report, deadline: Deadline, dry_run: bool) -> None:
                 dirs[name] = make_tiny_checkpoint(arch, root / name, seed=0, mtp="+mtp" in name)
             got, want = generate(dirs[name], run_, dry_run), generate(dirs[name], ref, dry_run)
             res = compare_greedy(got, want, tie)
-        except Exception as exc:        # report it and go on with the next case
+        except Exception as exc:  # report it and go on with the next case
             traceback.print_exc()
-            report.row(name, label, against, None, f"{type(exc).__name__}: {exc}"[:160], None,
-                       ok=False)
+            report.row(name, label, against, None, f"{type(exc).__name__}: {exc}"[:160], None, ok=False)
             continue
-        report.row(name, label, against, f"{res.equal}/{res.total}", res.divergence or "none",
-                   res.ok, ok=res.ok)
+        report.row(name, label, against, f"{res.equal}/{res.total}", res.divergence or "none", res.ok, ok=res.ok)
 
 
 def _label(run: Run) -> str:

@@ -1,6 +1,7 @@
 """Helpers shared by the device checks (``tests/gpu/device_checks.py`` and its stages) and
 the pytest wrappers of ``tests/gpu``: batch builders, comparisons, timing and the markdown
 report every stage writes."""
+
 from __future__ import annotations
 
 import sys
@@ -14,13 +15,19 @@ import torch
 def has_flashinfer() -> bool:
     try:
         import flashinfer  # noqa: F401
-    except Exception:       # missing, or a broken install: the FlashInfer checks skip
+    except Exception:  # missing, or a broken install: the FlashInfer checks skip
         return False
     return True
 
 
-def varlen_meta(lens: list[int], num_live_slots: int, snapshots: dict[int, int] | None = None,
-                init_prob: float = 0.7, seed: int = 0, device: str = "cuda"):
+def varlen_meta(
+    lens: list[int],
+    num_live_slots: int,
+    snapshots: dict[int, int] | None = None,
+    init_prob: float = 0.7,
+    seed: int = 0,
+    device: str = "cuda",
+):
     """cu_seqlens, slot_ids, has_initial_state, state_dst_slots (or None), num_slots.
 
     Live slots are 1..B (shuffled) out of ``num_live_slots + 1``; ``snapshots`` maps a flat
@@ -43,8 +50,7 @@ def varlen_meta(lens: list[int], num_live_slots: int, snapshots: dict[int, int] 
     return to(cu), to(slots), to(has_init), (to(dst) if dst is not None else None), num_slots
 
 
-def mixed_lens(num_decode: int, num_verify: int, verify_len: int,
-               prefills: list[int]) -> list[int]:
+def mixed_lens(num_decode: int, num_verify: int, verify_len: int, prefills: list[int]) -> list[int]:
     return [1] * num_decode + [verify_len] * num_verify + prefills
 
 

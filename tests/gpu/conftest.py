@@ -6,6 +6,7 @@ Skipped without CUDA, and when ``TRITON_INTERPRET`` is on (the CPU interpreter t
 ``tests/kernels/triton_path`` set it; run ``pytest tests/gpu`` in its own process). The other
 files here run anywhere: the CPU dry run of the device-check script.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,11 @@ import torch
 
 from kernels.backend import interpreting
 
-REASON = ("needs CUDA" if not torch.cuda.is_available() else
-          "TRITON_INTERPRET is set: run tests/gpu in its own pytest process")
+REASON = (
+    "needs CUDA"
+    if not torch.cuda.is_available()
+    else "TRITON_INTERPRET is set: run tests/gpu in its own pytest process"
+)
 SKIP = not torch.cuda.is_available() or interpreting()
 
 

@@ -11,12 +11,13 @@ later). ``--dry-run`` runs the same code on the CPU at toy sizes, Triton through
 interpreter, so that the stages are known to parse and wire up without a GPU; its numbers
 mean nothing.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 
-if "--dry-run" in sys.argv:         # Triton reads this when it is first imported
+if "--dry-run" in sys.argv:  # Triton reads this when it is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
@@ -29,24 +30,25 @@ import torch  # noqa: E402
 from tests.gpu.common import Deadline, Report  # noqa: E402
 
 STAGES = ("env", "kernels", "model", "bench")
-TITLES = {"env": "Environment", "kernels": "(a) kernels against their torch references",
-          "model": "(b) whole-model greedy equality, GPU kernels vs torch references",
-          "bench": "(c) decode throughput, ~1B dense and ~2B MoE random Qwen3-Next: a step eager and "
-                   "captured vs the HBM bound"}
+TITLES = {
+    "env": "Environment",
+    "kernels": "(a) kernels against their torch references",
+    "model": "(b) whole-model greedy equality, GPU kernels vs torch references",
+    "bench": "(c) decode throughput, ~1B dense and ~2B MoE random Qwen3-Next: a step eager and "
+    "captured vs the HBM bound",
+}
 
 
 def stage_env(report: Report, dry_run: bool) -> None:
     report.row("python", platform.python_version(), ok=True)
     cuda = torch.cuda.is_available()
     gpu = torch.cuda.get_device_name() if cuda else "none"
-    report.row("torch", f"{torch.__version__} (cuda {torch.version.cuda}, device {gpu})",
-               ok=cuda or dry_run)
-    for name in ("triton", "transformers", "tokenizers", "safetensors", "pydantic", "yaml",
-                 "flashinfer"):
+    report.row("torch", f"{torch.__version__} (cuda {torch.version.cuda}, device {gpu})", ok=cuda or dry_run)
+    for name in ("triton", "transformers", "tokenizers", "safetensors", "pydantic", "yaml", "flashinfer"):
         try:
             module = importlib.import_module(name)
             report.row(name, getattr(module, "__version__", "?"), ok=True)
-        except Exception as exc:        # flashinfer is optional; the others fail the row
+        except Exception as exc:  # flashinfer is optional; the others fail the row
             report.row(name, f"missing ({type(exc).__name__})", ok=name == "flashinfer")
     try:
         importlib.import_module("workers.llm")
@@ -77,15 +79,18 @@ def main(argv: list[str] | None = None) -> int:
         stage_env(report, args.dry_run)
     elif args.stage == "kernels":
         from tests.gpu import checks_kernels as stage
+
         report = Report(path, title, stage.COLUMNS)
         device = torch.device("cpu" if args.dry_run else "cuda")
         stage.run(stage.TOY if args.dry_run else stage.FULL, device, report, deadline)
     elif args.stage == "model":
         from tests.gpu import checks_model as stage
+
         report = Report(path, title, stage.COLUMNS)
         stage.run(report, deadline, args.dry_run)
     else:
         from tests.gpu import bench_stage
+
         failures = bench_stage.run(path, title, deadline, args.dry_run, args.bandwidth_gbs, args.out)
         print(f"\n{args.stage}: {failures} failed row(s)", flush=True)
         return 1 if failures else 0

@@ -8,6 +8,7 @@ call with the first call site outside torch, so the check runs on the CPU before
 the step. Calls made by Triton itself (its CPU interpreter moves every argument through the
 host) are not the step's and are left out.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,18 +17,36 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu",
-                   "numpy", "nonzero", "argwhere", "unique", "unique_consecutive",
-                   "masked_select", "bincount", "tensor", "as_tensor", "from_numpy"})
+READS = frozenset(
+    {
+        "item",
+        "tolist",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "cpu",
+        "numpy",
+        "nonzero",
+        "argwhere",
+        "unique",
+        "unique_consecutive",
+        "masked_select",
+        "bincount",
+        "tensor",
+        "as_tensor",
+        "from_numpy",
+    }
+)
 INDEXING = frozenset({"__getitem__", "__setitem__", "index_put_", "index_put"})
 
 
 def _is_read(name: str, args: tuple, kwargs: dict) -> bool:
     if name in READS:
         return True
-    if name == "repeat_interleave":          # tensor repeats: the output size is data
+    if name == "repeat_interleave":  # tensor repeats: the output size is data
         return any(isinstance(a, torch.Tensor) for a in list(args[1:]) + list(kwargs.values()))
-    if name in INDEXING:                     # a boolean mask index: a nonzero inside
+    if name in INDEXING:  # a boolean mask index: a nonzero inside
         index = args[1] if len(args) > 1 else None
         parts = index if isinstance(index, (tuple, list)) else (index,)
         return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
@@ -39,7 +58,7 @@ def _call_site() -> str:
     while frame is not None:
         path = frame.f_code.co_filename
         if "/triton/" in path:
-            return ""                        # Triton's own (interpreter) traffic
+            return ""  # Triton's own (interpreter) traffic
         if "/torch/" not in path:
             return f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.f_lineno}"
         frame = frame.f_back
@@ -51,8 +70,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.reads: list[str] = []
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if _is_read(name, args, kwargs):

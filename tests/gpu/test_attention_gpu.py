@@ -1,5 +1,6 @@
 """Attention dispatch and FlashInfer's plans on CUDA (the kernels' numbers against the torch
 path are stage (a)'s rows, ``test_kernels_gpu.py``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,7 @@ def test_dispatch_on_cuda(head_dim, monkeypatch):
     if flashinfer:
         monkeypatch.setattr(triton_paged, "paged_attention_triton", _boom)
     with backend.use_backend("auto"):
-        out, _, _ = run_paged(kernels.attention.paged_attention, _case(MIXED, head_dim, 1),
-                              head_dim ** -0.5, "cuda")
+        out, _, _ = run_paged(kernels.attention.paged_attention, _case(MIXED, head_dim, 1), head_dim**-0.5, "cuda")
     assert out.isfinite().all()
 
 
@@ -49,12 +49,18 @@ def test_flashinfer_plan_reused_across_layers_and_replanned_for_a_new_batch():
     from kernels.attention.reference import paged_attention_torch
 
     first = {n: t.to("cuda") for n, t in _case(MIXED, 256, seed=2).items() if n in NAMES}
-    second = {**first, "k_pool": torch.randn_like(first["k_pool"]),
-              "v_pool": torch.randn_like(first["v_pool"]), "q": torch.randn_like(first["q"])}
+    second = {
+        **first,
+        "k_pool": torch.randn_like(first["k_pool"]),
+        "v_pool": torch.randn_like(first["v_pool"]),
+        "q": torch.randn_like(first["q"]),
+    }
     third = {n: t.to("cuda") for n, t in _case(DECODE, 256, seed=3).items() if n in NAMES}
     for case in (first, second, third):
-        want = paged_attention_torch(**{**case, "k_pool": case["k_pool"].clone(),
-                                        "v_pool": case["v_pool"].clone()},
-                                     page_size=16, scale=256 ** -0.5)
-        got = paged_attention_flashinfer(**case, page_size=16, scale=256 ** -0.5)
+        want = paged_attention_torch(
+            **{**case, "k_pool": case["k_pool"].clone(), "v_pool": case["v_pool"].clone()},
+            page_size=16,
+            scale=256**-0.5,
+        )
+        got = paged_attention_flashinfer(**case, page_size=16, scale=256**-0.5)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

@@ -1,6 +1,7 @@
 """Parts of the bench stage checked on the CPU: the HBM bound of an MoE step counts only the
 experts some token picks, the experts column says what a captured step computes (no grouped
 kernel), and the random MTP weights of the engine rows make a head."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,8 @@ def test_the_bound_reads_the_expected_experts(moe):
 
 
 def test_the_experts_column_names_the_formulation(moe):
-    assert D.experts_path(moe, 1).startswith("gathered rows (2 of 8")       # T*k < E
-    assert "every expert on every token: 4x" in D.experts_path(moe, 4)      # E / k
+    assert D.experts_path(moe, 1).startswith("gathered rows (2 of 8")  # T*k < E
+    assert "every expert on every token: 4x" in D.experts_path(moe, 4)  # E / k
 
 
 @pytest.mark.parametrize("dims", ["TOY", "TOY_MOE"])

@@ -2,6 +2,7 @@
 pools, copies on the storage's own stream, a demotion that has landed on the host when it
 returns, and a promotion that is an event polled for completion. The same pools as the
 CPU tests (every kind of state, kinds no model has yet included)."""
+
 from __future__ import annotations
 
 import torch
@@ -20,13 +21,12 @@ def test_pinned_copies_on_a_copy_stream_move_every_kind_exactly():
     assert all(t.is_pinned() for g in (*host.slots.values(), *host.kv.values()) for t in g.values())
     storage = TensorTierStorage(device, host)
     assert storage.stream is not None
-    assert storage.copy_out(3, [2, 5], 1, [4, 6])          # synchronous: on the host now
+    assert storage.copy_out(3, [2, 5], 1, [4, 6])  # synchronous: on the host now
     assert _equal_entries(host.slots, device.mamba.groups, [1], [3])
     assert _equal_entries(host.kv, device.kv.groups, page_rows([4, 6], PAGE), page_rows([2, 5], PAGE))
     job = storage.copy_in(1, [4, 6], [1, 2], [7, 8])
     assert isinstance(job, EventJob) and job.result() and job.done()
     assert _equal_entries(device.mamba.groups, device.mamba.groups, [1], [3])
     assert _equal_entries(device.mamba.groups, device.mamba.groups, [2], [3])
-    assert _equal_entries(device.kv.groups, device.kv.groups, page_rows([7, 8], PAGE),
-                          page_rows([2, 5], PAGE))
+    assert _equal_entries(device.kv.groups, device.kv.groups, page_rows([7, 8], PAGE), page_rows([2, 5], PAGE))
     torch.cuda.synchronize()

@@ -2,6 +2,7 @@
 and the Triton kernel's (``tests/kernels/triton_path/test_attention_triton.py``): a batch of
 sequences over a shuffled page pool, and naive per-sequence dense softmax attention over the
 un-paged keys and values, the oracle both paths are held to."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,7 @@ import torch
 Case = dict[str, Any]
 
 
-def build_case(seqs: list[tuple[int, int]], page_size: int, h_q: int, h_kv: int, seed: int,
-               head_dim: int = 8) -> Case:
+def build_case(seqs: list[tuple[int, int]], page_size: int, h_q: int, h_kv: int, seed: int, head_dim: int = 8) -> Case:
     """seqs: (cached prefix, new tokens) per sequence. Pages are shuffled, page 0 unused.
 
     The cached prefix's K/V are already in the pool; the new tokens' K/V come as ``k``, ``v``
@@ -32,9 +32,9 @@ def build_case(seqs: list[tuple[int, int]], page_size: int, h_q: int, h_kv: int,
     out_loc = []
     for b, (prefix, new) in enumerate(seqs):
         table[b, : pages_per_seq[b]] = torch.tensor(order[: pages_per_seq[b]], dtype=torch.int32)
-        order = order[pages_per_seq[b]:]
+        order = order[pages_per_seq[b] :]
         locs = [int(table[b, p // page_size]) * page_size + p % page_size for p in range(ctx[b])]
-        k_pool[locs[:prefix]] = k_full[b][:prefix]          # the cached prefix is already there
+        k_pool[locs[:prefix]] = k_full[b][:prefix]  # the cached prefix is already there
         v_pool[locs[:prefix]] = v_full[b][:prefix]
         out_loc += locs[prefix:]
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
@@ -44,9 +44,17 @@ def build_case(seqs: list[tuple[int, int]], page_size: int, h_q: int, h_kv: int,
         q=torch.randn(int(cu[-1]), h_q, head_dim, generator=gen),
         k=torch.cat([k[p:] for k, (p, _) in zip(k_full, seqs)] or [empty]),
         v=torch.cat([v[p:] for v, (p, _) in zip(v_full, seqs)] or [empty]),
-        k_pool=k_pool, v_pool=v_pool, out_loc=torch.tensor(out_loc, dtype=torch.int64),
-        page_table=table, cu_seqlens=cu, seq_lens=torch.tensor(ctx, dtype=torch.int32),
-        page_size=page_size, k_full=k_full, v_full=v_full, seqs=seqs)
+        k_pool=k_pool,
+        v_pool=v_pool,
+        out_loc=torch.tensor(out_loc, dtype=torch.int64),
+        page_table=table,
+        cu_seqlens=cu,
+        seq_lens=torch.tensor(ctx, dtype=torch.int32),
+        page_size=page_size,
+        k_full=k_full,
+        v_full=v_full,
+        seqs=seqs,
+    )
 
 
 def dense_reference(case: Case, scale: float, window: int | None = None) -> torch.Tensor:
@@ -61,8 +69,8 @@ def dense_reference(case: Case, scale: float, window: int | None = None) -> torc
             pos = prefix + i
             first = 0 if window is None else max(0, pos - window + 1)
             for h in range(h_q):
-                keys = case["k_full"][b][first: pos + 1, h // (h_q // h_kv)]
-                vals = case["v_full"][b][first: pos + 1, h // (h_q // h_kv)]
+                keys = case["k_full"][b][first : pos + 1, h // (h_q // h_kv)]
+                vals = case["v_full"][b][first : pos + 1, h // (h_q // h_kv)]
                 probs = torch.softmax(keys @ q[start + i, h] * scale, dim=0)
                 out[start + i, h] = probs @ vals
     return out
@@ -78,9 +86,13 @@ def with_dtype(case: Case, dtype: torch.dtype) -> Case:
     return out
 
 
-def run_paged(fn: Callable[..., torch.Tensor], case: Case, scale: float,
-              device: torch.device | str = "cpu",
-              window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_paged(
+    fn: Callable[..., torch.Tensor],
+    case: Case,
+    scale: float,
+    device: torch.device | str = "cpu",
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fn`` (a paged_attention implementation) on copies of the case's pools, on ``device``:
     -> (output, k pool, v pool), on the CPU."""
     dev = torch.device(device)

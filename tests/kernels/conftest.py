@@ -1,4 +1,5 @@
 """Shared fixtures for the kernel tests: random varlen batches over a slot pool."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -21,9 +22,9 @@ class VarlenCase:
     """
 
     lens: list[int]
-    cu_seqlens: torch.Tensor          # int32 [B + 1]
-    slot_ids: torch.Tensor            # int32 [B]
-    has_initial_state: torch.Tensor   # bool [B]
+    cu_seqlens: torch.Tensor  # int32 [B + 1]
+    slot_ids: torch.Tensor  # int32 [B]
+    has_initial_state: torch.Tensor  # bool [B]
     state_dst_slots: torch.Tensor | None  # int32 [T]
     num_slots: int
 
@@ -34,9 +35,13 @@ class VarlenCase:
     def seqs(self, device: torch.device | str = "cpu", uniform_len: int = 0) -> RecurrentBatch:
         """The batch as the ops take it (on ``device``); ``uniform_len`` as ``RecurrentBatch``'s."""
         dst = self.state_dst_slots
-        return RecurrentBatch(self.cu_seqlens.to(device), self.slot_ids.to(device),
-                              self.has_initial_state.to(device),
-                              None if dst is None else dst.to(device), uniform_len)
+        return RecurrentBatch(
+            self.cu_seqlens.to(device),
+            self.slot_ids.to(device),
+            self.has_initial_state.to(device),
+            None if dst is None else dst.to(device),
+            uniform_len,
+        )
 
     def bounds(self) -> list[tuple[int, int]]:
         """``(start, end)`` rows of every sequence."""
@@ -44,19 +49,18 @@ class VarlenCase:
         return list(zip(cu[:-1], cu[1:]))
 
 
-def make_varlen_case(lens: list[int], seed: int, snapshot_prob: float = 0.0,
-                     init_prob: float = 0.5) -> VarlenCase:
+def make_varlen_case(lens: list[int], seed: int, snapshot_prob: float = 0.0, init_prob: float = 0.5) -> VarlenCase:
     gen = torch.Generator().manual_seed(seed)
     num_tokens = sum(lens)
     snap = torch.rand(num_tokens, generator=gen) < snapshot_prob
     num_snaps = int(snap.sum())
-    num_slots = 2 + len(lens) + num_snaps          # dummy 0, a spare that must stay untouched
+    num_slots = 2 + len(lens) + num_snaps  # dummy 0, a spare that must stay untouched
     perm = (torch.randperm(num_slots - 1, generator=gen) + 1).to(torch.int32)
     slot_ids = perm[: len(lens)]
     dst = None
     if snapshot_prob > 0:
         dst = torch.zeros(num_tokens, dtype=torch.int32)
-        dst[snap] = perm[len(lens): len(lens) + num_snaps]
+        dst[snap] = perm[len(lens) : len(lens) + num_snaps]
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
     has_init = torch.rand(len(lens), generator=gen) < init_prob
@@ -74,6 +78,7 @@ def max_abs_diff() -> Callable[[torch.Tensor, torch.Tensor], float]:
     def diff(a: torch.Tensor, b: torch.Tensor) -> float:
         assert a.shape == b.shape, (a.shape, b.shape)
         return 0.0 if a.numel() == 0 else float((a.float() - b.float()).abs().max())
+
     return diff
 
 

@@ -1,6 +1,7 @@
 """MLA cases shared by the torch-path and Triton-path tests: a paged-attention case with one
 KV head whose rows are latents [c (R) | k_r (P)] (``attention_cases.build_case``), and the
 dense oracle whose keys are the whole rows and whose values are their first R channels."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -12,8 +13,9 @@ from tests.kernels.attention_cases import Case, build_case
 MIXED = [(0, 70), (5, 1), (12, 1), (9, 4), (3, 0), (0, 1), (80, 3), (40, 17)]
 
 
-def mla_case(seqs: list[tuple[int, int]], page_size: int, heads: int, latent_dim: int,
-             rope_dim: int, seed: int) -> Case:
+def mla_case(
+    seqs: list[tuple[int, int]], page_size: int, heads: int, latent_dim: int, rope_dim: int, seed: int
+) -> Case:
     case = build_case(seqs, page_size, heads, 1, seed, head_dim=latent_dim + rope_dim)
     case["latent"] = case["k"][:, 0]
     case["pool"] = case["k_pool"]
@@ -28,16 +30,17 @@ def dense_mla(case: Case, scale: float) -> torch.Tensor:
     out = torch.zeros(q.shape[0], q.shape[1], r)
     for b, (prefix, new) in enumerate(case["seqs"]):
         start = int(case["cu_seqlens"][b])
-        rows = case["k_full"][b][:, 0].float()                       # [ctx, R + P]
+        rows = case["k_full"][b][:, 0].float()  # [ctx, R + P]
         for i in range(new):
             keys = rows[: prefix + i + 1]
-            probs = torch.softmax(q[start + i] @ keys.T * scale, dim=-1)   # [H, L]
+            probs = torch.softmax(q[start + i] @ keys.T * scale, dim=-1)  # [H, L]
             out[start + i] = probs @ keys[:, :r]
     return out
 
 
-def run_mla(fn: Callable[..., torch.Tensor], case: Case, scale: float,
-            device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def run_mla(
+    fn: Callable[..., torch.Tensor], case: Case, scale: float, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``fn`` (an mla_attention implementation) on a copy of the pool -> (out, pool), on CPU."""
     dev = torch.device(device)
     names = ("q", "latent", "pool", "out_loc", "page_table", "cu_seqlens", "seq_lens")

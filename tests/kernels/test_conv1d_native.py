@@ -1,6 +1,7 @@
 """The CPU path of the causal conv1d (``kernels/conv1d/cpu.py``, the C++ pass of
 ``kernels/native_conv.cpp``): close to the torch reference, and the same bits for a token
 whichever call computes it -- decode, verify, prefill or mixed, on one thread or two."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,8 @@ def test_varlen_is_close_to_the_reference(dim, width, activation):
     with backend.use_backend("torch"):
         want = _varlen(x, weight, bias, ref, lens, slots, init, dst, activation)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(native, ref, rtol=0, atol=0)           # states are inputs: copied exactly
-    assert torch.equal(native[3], pool[3])                            # length 0: untouched
+    torch.testing.assert_close(native, ref, rtol=0, atol=0)  # states are inputs: copied exactly
+    assert torch.equal(native[3], pool[3])  # length 0: untouched
 
 
 def test_prefill_decode_and_verify_give_a_token_the_same_bits():
@@ -65,8 +66,7 @@ def test_prefill_decode_and_verify_give_a_token_the_same_bits():
     verified = pool.clone()
     for v in range(3):
         rows = slice(3 * v, 3 * v + 3)
-        seqs = RecurrentBatch(torch.tensor([0, 3], dtype=torch.int32), one, torch.tensor([True]), dst[rows],
-                              3)
+        seqs = RecurrentBatch(torch.tensor([0, 3], dtype=torch.int32), one, torch.tensor([True]), dst[rows], 3)
         o = causal_conv1d(x[rows], weight, bias, verified, seqs)
         assert torch.equal(o, out[rows])
     assert torch.equal(verified, prefill) and torch.equal(stepped[1], prefill[1])
@@ -91,10 +91,8 @@ def test_a_half_pool_reads_and_writes_its_dtype(dtype):
     x, weight, bias, pool = _case(6, 24, 4, 5, seed=3)
     half = pool.to(dtype)
     as_fp32 = half.float()
-    out_half = _varlen(x, weight, bias, half, [6], [1], [True],
-                       torch.tensor([0, 0, 3, 0, 0, 0], dtype=torch.int32))
-    out_fp32 = _varlen(x, weight, bias, as_fp32, [6], [1], [True],
-                       torch.tensor([0, 0, 3, 0, 0, 0], dtype=torch.int32))
+    out_half = _varlen(x, weight, bias, half, [6], [1], [True], torch.tensor([0, 0, 3, 0, 0, 0], dtype=torch.int32))
+    out_fp32 = _varlen(x, weight, bias, as_fp32, [6], [1], [True], torch.tensor([0, 0, 3, 0, 0, 0], dtype=torch.int32))
     assert torch.equal(out_half, out_fp32)
     assert torch.equal(half, as_fp32.to(dtype))
 

@@ -1,4 +1,5 @@
 """``kernels/cpu_linear.py``: oneDNN where the shape rule says so, ``F.linear`` elsewhere."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,19 @@ def _onednn(x, w, b=None):
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-@pytest.mark.parametrize("rows, k, m", [(1, 256, 768), (3, 2048, 4096), (8, 256, 512), (128, 256, 8),
-                                        (16, 256, 512), (4, 2048, 4096), (300, 256, 768), (1024, 256, 8)])
+@pytest.mark.parametrize(
+    "rows, k, m",
+    [
+        (1, 256, 768),
+        (3, 2048, 4096),
+        (8, 256, 512),
+        (128, 256, 8),
+        (16, 256, 512),
+        (4, 2048, 4096),
+        (300, 256, 768),
+        (1024, 256, 8),
+    ],
+)
 def test_the_rule_picks_the_kernel_and_both_agree_with_aten(rows, k, m):
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(m, k, generator=gen)
@@ -40,8 +52,7 @@ def test_a_row_does_not_depend_on_the_other_rows_of_its_call(k, m):
 
 
 def test_the_vendor_decides_the_library():
-    assert cpu_linear.prefers_onednn() is (cpu_linear.available()
-                                           and cpu_linear.cpu_vendor() != "GenuineIntel")
+    assert cpu_linear.prefers_onednn() is (cpu_linear.available() and cpu_linear.cpu_vendor() != "GenuineIntel")
 
 
 def test_autograd_other_dtypes_and_traced_steps_keep_f_linear():
@@ -88,8 +99,15 @@ def _probe(prelude: str = "") -> list[str]:
 
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in __import__("os").environ.items() if k not in cpu_linear.CACHE_VARS}
-    done = subprocess.run([sys.executable, "-c", _RSS_PROBE.format(prelude=prelude)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE.format(prelude=prelude)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return done.stdout.split()
 
 

@@ -1,6 +1,7 @@
 """``kernels.decay.decay_exp``: exp of the chunked scans' log-decays, 0 below ``MIN_LOG``,
 and the chunked forms with strong decays (most factors of a chunk out of fp32's range)
 still equal to their per-token recurrences."""
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,7 @@ def test_exp_above_the_floor_zero_below():
     assert torch.equal(y[:3], x[:3].exp())
     assert torch.equal(y[3:], torch.zeros(4))
     assert torch.isfinite(y).all() and not torch.isnan(y).any()
-    assert math.exp(MIN_LOG) > torch.finfo(torch.float32).tiny * 1e3     # normal: no denormal products
+    assert math.exp(MIN_LOG) > torch.finfo(torch.float32).tiny * 1e3  # normal: no denormal products
 
 
 def test_no_denormal_factors():
@@ -30,10 +31,10 @@ def test_no_denormal_factors():
 
 def _strong_gdn(num_tokens: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    q = gdn.l2norm(torch.randn(num_tokens, 2, 16, generator=gen)) * 16 ** -0.5
+    q = gdn.l2norm(torch.randn(num_tokens, 2, 16, generator=gen)) * 16**-0.5
     k = gdn.l2norm(torch.randn(num_tokens, 2, 16, generator=gen))
     v = torch.randn(num_tokens, 4, 8, generator=gen)
-    g = -torch.rand(num_tokens, 4, generator=gen) * 12.0        # up to -12 a token: -770 a chunk
+    g = -torch.rand(num_tokens, 4, generator=gen) * 12.0  # up to -12 a token: -770 a chunk
     beta = torch.rand(num_tokens, 4, generator=gen)
     return (q, k, v, g, beta), torch.randn(4, 16, 8, generator=gen)
 
@@ -53,7 +54,7 @@ def test_ssd_chunked_with_strong_decays_equals_recurrent(max_abs_diff):
     x = torch.randn(n, heads, p, generator=gen)
     step = torch.rand(n, heads, generator=gen) * 2.0
     b, c = torch.randn(n, groups, state, generator=gen), torch.randn(n, groups, state, generator=gen)
-    A = -torch.rand(heads, generator=gen) * 8.0 - 1.0                  # dt' A down to -18 a token
+    A = -torch.rand(heads, generator=gen) * 8.0 - 1.0  # dt' A down to -18 a token
     s0 = torch.randn(heads, p, state, generator=gen)
     y_c, s_c = ssd.ssd_chunked((x, step, b, c), s0.clone(), A=A, chunk_size=64)
     valid = torch.ones(1, n, dtype=torch.bool)

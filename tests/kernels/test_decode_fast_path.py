@@ -1,6 +1,7 @@
 """The decode fast path: each one-step update op equals its varlen op on a batch of length-1
 sequences that all have an initial state, outputs and whole pools (live slots, untouched
 slots, the dummy slot 0); and the varlen driver's unpadded path for equal-length sequences."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,7 @@ def strided(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ pass on CPU, the reference
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the C++ pass on CPU, the reference
 def test_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias, kernels):
     with backend.use_backend(kernels):
         _check_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias)
@@ -51,12 +52,12 @@ def _check_conv1d_update_equals_varlen(varlen_case, pool_dtype, use_bias):
     out = causal_conv1d(x, weight, bias, pool_fast, case.seqs(uniform_len=1))
     assert torch.equal(out, ref)
     assert torch.equal(pool_fast, ref_pool)
-    assert not torch.equal(pool_fast, pool)             # the live slots did move
+    assert not torch.equal(pool_fast, pool)  # the live slots did move
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k_heads", [2, 4])               # grouped and one key head per value head
-@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ loop on CPU, the reference
+@pytest.mark.parametrize("k_heads", [2, 4])  # grouped and one key head per value head
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the C++ loop on CPU, the reference
 def test_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads, kernels):
     with backend.use_backend(kernels):
         _check_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads)
@@ -82,7 +83,7 @@ def _check_gdn_update_equals_varlen(varlen_case, pool_dtype, k_heads):
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dt_limit", [(0.0, float("inf")), (0.01, 0.5)])
-@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ loop on CPU, the reference
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the C++ loop on CPU, the reference
 def test_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit, kernels):
     with backend.use_backend(kernels):
         _check_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit)
@@ -110,8 +111,15 @@ def _check_ssd_update_equals_varlen(varlen_case, pool_dtype, dt_limit):
 def test_update_of_no_sequences_is_a_no_op():
     pool = torch.randn(3, 2, 4, 4)
     empty = torch.zeros(0, dtype=torch.int32)
-    out = gated_delta_rule(torch.randn(0, 2, 4), torch.randn(0, 2, 4), torch.randn(0, 2, 4),
-                           torch.zeros(0, 2), torch.zeros(0, 2), pool.clone(), RecurrentBatch.decode(empty))
+    out = gated_delta_rule(
+        torch.randn(0, 2, 4),
+        torch.randn(0, 2, 4),
+        torch.randn(0, 2, 4),
+        torch.zeros(0, 2),
+        torch.zeros(0, 2),
+        pool.clone(),
+        RecurrentBatch.decode(empty),
+    )
     assert out.shape == (0, 2, 4)
 
 
@@ -123,11 +131,13 @@ def test_equal_length_rows_skip_padding_with_the_same_result(varlen_case, snapsh
     lens = [3, 3, 3, 1]
     case = varlen_case(lens, seed=4, snapshot_prob=snapshot_prob, init_prob=0.7)
     num_tokens, heads, dim = sum(lens), 2, 4
-    inputs = (torch.randn(num_tokens, heads, dim, generator=gen),                     # q
-              torch.nn.functional.normalize(torch.randn(num_tokens, heads, dim, generator=gen), dim=-1),
-              torch.randn(num_tokens, heads, dim, generator=gen),                     # v
-              -torch.rand(num_tokens, heads, generator=gen),                          # g
-              torch.rand(num_tokens, heads, generator=gen))                           # beta
+    inputs = (
+        torch.randn(num_tokens, heads, dim, generator=gen),  # q
+        torch.nn.functional.normalize(torch.randn(num_tokens, heads, dim, generator=gen), dim=-1),
+        torch.randn(num_tokens, heads, dim, generator=gen),  # v
+        -torch.rand(num_tokens, heads, generator=gen),  # g
+        torch.rand(num_tokens, heads, generator=gen),
+    )  # beta
     pool = torch.randn(case.num_slots, heads, dim, dim, generator=gen)
 
     def run(num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, set[str]]:
@@ -135,17 +145,25 @@ def test_equal_length_rows_skip_padding_with_the_same_result(varlen_case, snapsh
         dst = None if case.state_dst_slots is None else case.state_dst_slots[:rows]
         out, states = torch.zeros(rows, heads, dim), pool.clone()
         with OpNames() as ops:
-            scan_varlen(tuple(x[:rows] for x in inputs), out, states,
-                        case.cu_seqlens[: num_seqs + 1], case.slot_ids[:num_seqs],
-                        case.has_initial_state[:num_seqs], dst, gdn_recurrent, _no_chunks,
-                        recurrent_max_len=16)
+            scan_varlen(
+                tuple(x[:rows] for x in inputs),
+                out,
+                states,
+                case.cu_seqlens[: num_seqs + 1],
+                case.slot_ids[:num_seqs],
+                case.has_initial_state[:num_seqs],
+                dst,
+                gdn_recurrent,
+                _no_chunks,
+                recurrent_max_len=16,
+            )
         return out, states, ops.names
 
     uniform_out, uniform_pool, uniform_ops = run(3)
     padded_out, padded_pool, padded_ops = run(4)
     assert "aten.arange.default" in padded_ops and "aten.arange.default" not in uniform_ops
     torch.testing.assert_close(uniform_out, padded_out[:9], rtol=0, atol=1e-5)
-    own = [int(case.slot_ids[3])]                        # the 4th sequence's slots
+    own = [int(case.slot_ids[3])]  # the 4th sequence's slots
     if case.state_dst_slots is not None:
         own.append(int(case.state_dst_slots[9]))
     padded_pool[own] = pool[own]

@@ -1,5 +1,6 @@
 """``kernels/dense.py``: the few-rows kernel (``kernels/native_gemm.cpp``) for 1 to
 ``FEW_ROWS`` rows, eager and traced, each row's bits its own; ``cpu_linear`` elsewhere."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,7 @@ def test_a_row_gets_the_same_bits_at_every_row_count(k, n):
     """What makes a verify's row equal the decode step's for the same token: the row alone,
     with any other rows, at any position of the call."""
     x, w, b = rand(8, k, seed=4), rand(n, k, seed=5), rand(n, seed=6)
-    alone = [dense.linear(x[r:r + 1], w, b)[0] for r in range(8)]
+    alone = [dense.linear(x[r : r + 1], w, b)[0] for r in range(8)]
     for lo in range(8):
         for hi in range(lo + 1, 9):
             got = dense.linear(x[lo:hi], w, b)
@@ -57,7 +58,7 @@ def test_other_inputs_take_cpu_linear():
     x, w = rand(4, 64), rand(32, 64)
     assert not dense.few_rows(rand(dense.FEW_ROWS + 1, 64), w, None)
     assert not dense.few_rows(x.double(), w.double(), None)
-    assert not dense.few_rows(x, rand(64, 32).t(), None)                # rows not contiguous
+    assert not dense.few_rows(x, rand(64, 32).t(), None)  # rows not contiguous
     assert not dense.few_rows(x, w.requires_grad_(), None)
     assert not dense.few_rows(x[:0], w.detach(), None)
     with backend.use_backend("torch"):
@@ -83,6 +84,7 @@ def test_a_compiled_step_calls_the_kernel_and_gets_the_eager_bits():
     def backend_fn(gm, inputs):
         graphs.append(str(gm.graph))
         from torch._inductor.compile_fx import compile_fx
+
         return compile_fx(gm, inputs)
 
     x, w, b = rand(4, 256, seed=9), rand(512, 256, seed=10), rand(512, seed=11)
@@ -101,4 +103,4 @@ def test_bad_inputs_are_refused_with_the_shapes():
         op(rand(2, 16), rand(4, 8), None)
     with pytest.raises(RuntimeError, match="bias of 4 elements"):
         op(rand(2, 16), rand(4, 16), rand(3))
-    assert torch.equal(op(rand(3, 0), rand(4, 0), torch.ones(4)), torch.ones(3, 4))     # K = 0: the bias
+    assert torch.equal(op(rand(3, 0), rand(4, 0), torch.ones(4)), torch.ones(3, 4))  # K = 0: the bias

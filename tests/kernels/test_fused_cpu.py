@@ -1,6 +1,7 @@
 """The eager CPU forward's fused C++ ops (``kernels/fused_cpu.py``): close to the torch
 reference at every tail length and layout, and each row's bits its own (what keeps a
 token's result the same whether it is computed alone, in a batch, or after a cached prefix)."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,7 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
 def test_rms_norm_matches_the_reference(dim, zero_centered):
     x, w = rand(37, dim, seed=1), rand(dim, seed=2)
     assert fused_cpu.usable(x, w)
-    torch.testing.assert_close(fused_cpu.rms_norm(x, w, EPS, zero_centered),
-                               rms_norm_torch(x, w, EPS, zero_centered))
+    torch.testing.assert_close(fused_cpu.rms_norm(x, w, EPS, zero_centered), rms_norm_torch(x, w, EPS, zero_centered))
 
 
 def test_rms_norm_reads_a_column_slice_in_place_and_other_layouts_by_copy():
@@ -44,8 +44,10 @@ def test_rms_norm_reads_a_column_slice_in_place_and_other_layouts_by_copy():
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 def test_gated_rms_norm_matches_the_reference(dim, group, norm_before_gate):
     x, z, w = rand(41, dim, seed=5), rand(41, dim, seed=6), rand(dim, seed=7)
-    torch.testing.assert_close(fused_cpu.gated_rms_norm(x, z, w, EPS, group, norm_before_gate),
-                               gated_rms_norm_torch(x, z, w, EPS, group, norm_before_gate))
+    torch.testing.assert_close(
+        fused_cpu.gated_rms_norm(x, z, w, EPS, group, norm_before_gate),
+        gated_rms_norm_torch(x, z, w, EPS, group, norm_before_gate),
+    )
 
 
 def test_gated_rms_norm_refuses_a_group_that_does_not_divide():
@@ -66,7 +68,7 @@ def test_l2norm_scale_is_the_gdn_reference_normalisation(dim):
     qk = rand(19, 4, 2 * dim, seed=18)
     q, k = qk[..., :dim], qk[..., dim:]
     want_q, want_k = normalized_qk(q, k, None, True)
-    torch.testing.assert_close(fused_cpu.l2norm_scale(q, L2NORM_EPS, dim ** -0.5), want_q)
+    torch.testing.assert_close(fused_cpu.l2norm_scale(q, L2NORM_EPS, dim**-0.5), want_q)
     torch.testing.assert_close(fused_cpu.l2norm_scale(k, L2NORM_EPS, 1.0), want_k)
 
 
@@ -81,21 +83,23 @@ def test_rope_matches_apply_rotary(dim, rot):
     with backend.use_backend("torch"):
         want = apply_rotary(x, tables)
     torch.testing.assert_close(fused_cpu.rope(x, *tables), want)
-    assert torch.equal(apply_rotary(x, tables), fused_cpu.rope(x, *tables))      # the eager path
+    assert torch.equal(apply_rotary(x, tables), fused_cpu.rope(x, *tables))  # the eager path
 
 
 @pytest.mark.parametrize("dim", [24, 77, 256])
 def test_a_row_gets_the_same_bits_alone_or_in_a_batch(dim):
     x, z, w = rand(29, dim, seed=10), rand(29, dim, seed=11), rand(dim, seed=12)
-    ops = [lambda a, b: fused_cpu.rms_norm(a, w, EPS, True),
-           lambda a, b: fused_cpu.gated_rms_norm(a, b, w, EPS, None, True),
-           lambda a, b: fused_cpu.gated_rms_norm(a, b, w, EPS, None, False),
-           fused_cpu.silu_and_mul,
-           lambda a, b: fused_cpu.l2norm_scale(a, EPS, 0.5)]
+    ops = [
+        lambda a, b: fused_cpu.rms_norm(a, w, EPS, True),
+        lambda a, b: fused_cpu.gated_rms_norm(a, b, w, EPS, None, True),
+        lambda a, b: fused_cpu.gated_rms_norm(a, b, w, EPS, None, False),
+        fused_cpu.silu_and_mul,
+        lambda a, b: fused_cpu.l2norm_scale(a, EPS, 0.5),
+    ]
     for op in ops:
         batch = op(x, z)
         for r in (0, 13, 28):
-            assert torch.equal(op(x[r:r + 1], z[r:r + 1])[0], batch[r])
+            assert torch.equal(op(x[r : r + 1], z[r : r + 1])[0], batch[r])
             assert torch.equal(op(x[r:], z[r:])[0], batch[r])
 
 

@@ -1,4 +1,5 @@
 """Gated DeltaNet varlen op against a naive per-token loop, transformers, and itself."""
+
 from __future__ import annotations
 
 from unittest import mock
@@ -13,7 +14,7 @@ from kernels.gdn import reference as gdn
 from tests.kernels.delta_rule_cases import check_bf16_inputs_fp32_pool, check_matches_transformers
 from tests.kernels.varlen_cases import gdn_inputs, lens_strategy, naive_varlen, poison_no_init_slot
 
-H_K, H_V, K, V = 2, 4, 8, 6     # grouped value heads: each key head serves 2 value heads
+H_K, H_V, K, V = 2, 4, 8, 6  # grouped value heads: each key head serves 2 value heads
 TOL = 1e-4
 
 
@@ -24,7 +25,7 @@ def make_inputs(num_tokens: int, num_slots: int, seed: int) -> dict[str, torch.T
 def naive_gdn(inp: dict[str, torch.Tensor], case, scale: float | None = None):
     """Token by token, head by head; returns (o [T, H, V], final pool)."""
     out = torch.zeros(inp["v"].shape)
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
 
     def step(t: int, s: torch.Tensor) -> None:
         for h in range(H_V):
@@ -43,8 +44,9 @@ def naive_gdn(inp: dict[str, torch.Tensor], case, scale: float | None = None):
 
 def run_op(inp, case, chunk_size: int, **kw):
     states = inp["states"].clone()
-    o = gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, case.seqs(),
-                         chunk_size=chunk_size, **kw)
+    o = gated_delta_rule(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, case.seqs(), chunk_size=chunk_size, **kw
+    )
     return o, states
 
 
@@ -61,7 +63,7 @@ def test_matches_naive(recurrent_max_len, lens, seed, snap, varlen_case, max_abs
     with mock.patch.object(gdn, "RECURRENT_MAX_LEN", recurrent_max_len):
         o, pool = run_op(inp, case, chunk_size=8)
     assert max_abs_diff(o, ref_o) <= TOL
-    assert max_abs_diff(pool, ref_pool) <= TOL   # live, snapshot, dummy and spare slots
+    assert max_abs_diff(pool, ref_pool) <= TOL  # live, snapshot, dummy and spare slots
 
 
 def test_fixed_mixed_batch(varlen_case, max_abs_diff):
@@ -79,7 +81,7 @@ def test_fixed_mixed_batch(varlen_case, max_abs_diff):
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
 def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
     inp = make_inputs(50, 1, seed=7)
-    q, k = gdn.l2norm(inp["q"]) * K ** -0.5, gdn.l2norm(inp["k"])
+    q, k = gdn.l2norm(inp["q"]) * K**-0.5, gdn.l2norm(inp["k"])
     seq = (q, k, inp["v"], inp["g"], inp["beta"])
     s0 = inp["states"][0]
     o_c, s_c = gdn.gdn_chunked(seq, s0, chunk_size=chunk_size)
@@ -92,9 +94,13 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
 def test_matches_transformers(max_abs_diff):
     """Pins l2norm eps, default scale, GVA head mapping and the [H, K, V] layout to HF."""
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    check_matches_transformers(gated_delta_rule, (hf.torch_chunk_gated_delta_rule,
-                                                  hf.torch_recurrent_gated_delta_rule),
-                               make_inputs(45, 2, seed=11), TOL, max_abs_diff)
+    check_matches_transformers(
+        gated_delta_rule,
+        (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule),
+        make_inputs(45, 2, seed=11),
+        TOL,
+        max_abs_diff,
+    )
 
 
 def test_dtypes_bf16_inputs_fp32_pool(varlen_case):

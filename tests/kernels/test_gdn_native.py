@@ -2,6 +2,7 @@
 ``kernels/native_gdn.cpp``): close to the torch reference, and the same bits for a token
 whichever call computes it -- decode, verify, prefill or mixed, alone or batched, in one call
 or token by token, on one thread or two, eager or compiled."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,8 +55,8 @@ def test_update_and_verify_are_close_to_the_reference(dims):
         ref, _ = _verify(inputs, ref_pool, num_seqs, seq_len)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(native_pool, ref_pool, rtol=1e-5, atol=1e-5)
-    assert torch.equal(native_pool[-1], pool[-1])                 # a spare slot: untouched
-    one = tuple(x[::seq_len] for x in inputs)                     # the first token of each
+    assert torch.equal(native_pool[-1], pool[-1])  # a spare slot: untouched
+    one = tuple(x[::seq_len] for x in inputs)  # the first token of each
     slots = torch.arange(1, num_seqs + 1, dtype=torch.int32)
     native_pool, ref_pool = pool.clone(), pool.clone()
     out = gated_delta_rule(*one, native_pool, RecurrentBatch.decode(slots))
@@ -82,7 +83,7 @@ def test_a_verify_is_its_decode_steps_bit_for_bit(dims):
         rows = torch.arange(num_seqs) * seq_len + t
         o = gated_delta_rule(*(x[rows] for x in inputs), stepped, RecurrentBatch.decode(slots))
         assert torch.equal(o, out[rows])
-        assert torch.equal(verified[dst[:, t].long()], stepped[slots.long()])   # the snapshot after t
+        assert torch.equal(verified[dst[:, t].long()], stepped[slots.long()])  # the snapshot after t
     assert torch.equal(verified[slots.long()], stepped[slots.long()])
 
 
@@ -96,11 +97,11 @@ def test_a_varlen_batch_gets_the_same_bits_as_decode():
     cu = torch.tensor([0, 1, 4, 4, 44], dtype=torch.int32)
     slots = torch.tensor([1, 2, 6, 3], dtype=torch.int32)
     dst = torch.zeros(44, dtype=torch.int32)
-    dst[2], dst[20] = 5, 7                            # after row 2 (sequence 1), row 20 (sequence 3)
+    dst[2], dst[20] = 5, 7  # after row 2 (sequence 1), row 20 (sequence 3)
     varlen = pool.clone()
     out = gated_delta_rule(*inputs, varlen, RecurrentBatch(cu, slots, torch.tensor(init), dst))
     stepped = pool.clone()
-    stepped[3] = 0.0                                  # no initial state: from zeros
+    stepped[3] = 0.0  # no initial state: from zeros
     for first, n, slot in ((0, 1, 1), (1, 3, 2), (4, 40, 3)):
         for r in range(first, first + n):
             one_slot = RecurrentBatch.decode(torch.tensor([slot], dtype=torch.int32))
@@ -109,7 +110,7 @@ def test_a_varlen_batch_gets_the_same_bits_as_decode():
             if dst[r]:
                 assert torch.equal(varlen[dst[r]], stepped[slot])
         assert torch.equal(varlen[slot], stepped[slot])
-    assert torch.equal(varlen[6], pool[6]) and torch.equal(varlen[8], pool[8])     # length 0; a spare
+    assert torch.equal(varlen[6], pool[6]) and torch.equal(varlen[8], pool[8])  # length 0; a spare
     with backend.use_backend("torch"):
         ref_pool = pool.clone()
         ref = gated_delta_rule(*inputs, ref_pool, RecurrentBatch(cu, slots, torch.tensor(init), dst))
@@ -142,7 +143,7 @@ def test_a_half_pool_takes_the_same_loop_on_copies(dtype):
     want_pool = half.float()
     out_half, dst = _verify(inputs, half, 2, 3)
     out_fp32, _ = _verify(inputs, want_pool, 2, 3)
-    assert torch.equal(out_half, out_fp32)          # the states were read from the same values
+    assert torch.equal(out_half, out_fp32)  # the states were read from the same values
     touched = torch.cat([torch.tensor([1, 2]), dst.long()])
     assert torch.equal(half[touched], want_pool[touched].to(dtype))
 

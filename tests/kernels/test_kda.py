@@ -1,4 +1,5 @@
 """KDA varlen op against a naive per-token loop, transformers (Kimi-Linear), and itself."""
+
 from __future__ import annotations
 
 from unittest import mock
@@ -31,14 +32,14 @@ def make_inputs(num_tokens: int, num_slots: int, seed: int, g_min: float = -0.5)
 def naive_kda(inp: dict[str, torch.Tensor], case, scale: float | None = None):
     """Token by token, head by head; returns (o [T, H, V], final pool)."""
     out = torch.zeros(inp["v"].shape)
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
 
     def step(t: int, s: torch.Tensor) -> None:
         for h in range(H):
             q, k = inp["q"][t, h], inp["k"][t, h]
             q = q / torch.sqrt((q * q).sum() + 1e-6) * scale
             k = k / torch.sqrt((k * k).sum() + 1e-6)
-            s[h] = torch.exp(inp["g"][t, h])[:, None] * s[h]       # per key channel
+            s[h] = torch.exp(inp["g"][t, h])[:, None] * s[h]  # per key channel
             u = inp["beta"][t, h] * (inp["v"][t, h] - s[h].T @ k)
             s[h] = s[h] + torch.outer(k, u)
             out[t, h] = s[h].T @ q
@@ -49,8 +50,9 @@ def naive_kda(inp: dict[str, torch.Tensor], case, scale: float | None = None):
 
 def run_op(inp, case, chunk_size: int = 8, **kw):
     states = inp["states"].clone()
-    o = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, case.seqs(),
-                             chunk_size=chunk_size, **kw)
+    o = kimi_delta_attention(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], states, case.seqs(), chunk_size=chunk_size, **kw
+    )
     return o, states
 
 
@@ -67,7 +69,7 @@ def test_matches_naive(recurrent_max_len, lens, seed, snap, varlen_case, max_abs
     with mock.patch.object(kda_ref, "RECURRENT_MAX_LEN", recurrent_max_len):
         o, pool = run_op(inp, case)
     assert max_abs_diff(o, ref_o) <= TOL
-    assert max_abs_diff(pool, ref_pool) <= TOL   # live, snapshot, dummy and spare slots
+    assert max_abs_diff(pool, ref_pool) <= TOL  # live, snapshot, dummy and spare slots
 
 
 def test_fixed_mixed_batch(varlen_case, max_abs_diff):
@@ -101,9 +103,13 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
 def test_matches_transformers(max_abs_diff):
     """Pins l2norm eps, default scale, the per-channel decay and the [H, K, V] layout to HF."""
     hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-    check_matches_transformers(kimi_delta_attention, (hf.chunk_kimi_delta_attention,
-                                                      hf.recurrent_kimi_delta_attention),
-                               make_inputs(45, 2, seed=11), TOL, max_abs_diff)
+    check_matches_transformers(
+        kimi_delta_attention,
+        (hf.chunk_kimi_delta_attention, hf.recurrent_kimi_delta_attention),
+        make_inputs(45, 2, seed=11),
+        TOL,
+        max_abs_diff,
+    )
 
 
 def test_update_and_verify_fast_paths_equal_varlen(varlen_case):
@@ -112,15 +118,13 @@ def test_update_and_verify_fast_paths_equal_varlen(varlen_case):
     inp = make_inputs(3, decode.num_slots, seed=4)
     want, want_pool = run_op(inp, decode)
     pool = inp["states"].clone()
-    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool,
-                               decode.seqs(uniform_len=1))
+    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, decode.seqs(uniform_len=1))
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
     verify, dst = with_snapshot_every_token(varlen_case([4, 4], seed=6, init_prob=1.0))
     inp = make_inputs(8, verify.num_slots, seed=6)
     want, want_pool = run_op(inp, verify)
     pool = inp["states"].clone()
-    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool,
-                               verify.seqs(uniform_len=4))
+    got = kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, verify.seqs(uniform_len=4))
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
 
 
@@ -132,5 +136,12 @@ def test_shape_errors_name_the_shapes():
     inp = make_inputs(4, 2, seed=1)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"g \(4, 3\)"):
-        kimi_delta_attention(inp["q"], inp["k"], inp["v"], inp["g"][..., 0], inp["beta"], inp["states"],
-            RecurrentBatch(cu, torch.tensor([1], dtype=torch.int32), torch.tensor([False])))
+        kimi_delta_attention(
+            inp["q"],
+            inp["k"],
+            inp["v"],
+            inp["g"][..., 0],
+            inp["beta"],
+            inp["states"],
+            RecurrentBatch(cu, torch.tensor([1], dtype=torch.int32), torch.tensor([False])),
+        )

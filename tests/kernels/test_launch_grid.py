@@ -1,5 +1,6 @@
 """The launch grids of the Triton kernels (``kernels.launch_grid``), without a GPU: CUDA's
 axis limits, and the query-tile numbering the paged-attention kernel searches."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,14 +34,13 @@ def test_sequences_times_heads_on_axis_zero():
     for num_seqs in (512, 4096, 100_000):
         grid = seq_head_grid("ssd_recurrent", num_seqs, 128, 64, 32)
         assert grid == (num_seqs * 128, 2)
-        assert grid[0] > CUDA_MAX_GRID[1]       # the old layout (blocks, seqs x heads) fails
+        assert grid[0] > CUDA_MAX_GRID[1]  # the old layout (blocks, seqs x heads) fails
     assert chunk_head_grid("c", 10**6, 128) == (10**6, 128)
     assert chunk_head_grid("c", 10**6, 128, 128, 64) == (10**6, 128, 2)
     assert row_block_grid("r", 10**7, 16, 8192, 128) == (625_000, 64)
 
 
-@given(q_lens=st.lists(st.integers(0, 300), min_size=1, max_size=40),
-       block_q=st.sampled_from([1, 2, 4, 8, 16, 64]))
+@given(q_lens=st.lists(st.integers(0, 300), min_size=1, max_size=40), block_q=st.sampled_from([1, 2, 4, 8, 16, 64]))
 def test_attention_tiles_cover_every_query_once(q_lens, block_q):
     """Sequence b's tiles start at cu[b] // BQ + b; its ceil(q_len / BQ) tiles must not reach
     the next sequence's start nor the grid's end (what the kernel's binary search assumes)."""

@@ -1,4 +1,5 @@
 """Lightning attention (MiniMax) against a naive per-token loop in transformers' own layout."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,18 +17,20 @@ TOL = 1e-4
 
 def make_inputs(num_tokens: int, num_slots: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return dict(q=torch.randn(num_tokens, H, K, generator=gen),
-                k=torch.randn(num_tokens, H, K, generator=gen),
-                v=torch.randn(num_tokens, H, K, generator=gen),
-                slope=torch.rand(H, generator=gen) * 0.9 + 0.05,
-                states=torch.randn(num_slots, *state_shape(H, K), generator=gen))
+    return dict(
+        q=torch.randn(num_tokens, H, K, generator=gen),
+        k=torch.randn(num_tokens, H, K, generator=gen),
+        v=torch.randn(num_tokens, H, K, generator=gen),
+        slope=torch.rand(H, generator=gen) * 0.9 + 0.05,
+        states=torch.randn(num_slots, *state_shape(H, K), generator=gen),
+    )
 
 
 def naive_lightning(inp, case):
     """transformers' per-token rule on KV [K, V] (the pool holds KV^T): returns (o, pool)."""
     out = torch.zeros(inp["v"].shape)
 
-    def step(t: int, s: torch.Tensor) -> None:          # s [H, V, K] = KV^T per head
+    def step(t: int, s: torch.Tensor) -> None:  # s [H, V, K] = KV^T per head
         for h in range(H):
             kv = s[h].T * torch.exp(-inp["slope"][h]) + torch.outer(inp["k"][t, h], inp["v"][t, h])
             s[h] = kv.T
@@ -43,8 +46,7 @@ def run_op(inp, case):
 
 
 @settings(max_examples=15, deadline=None)
-@given(lens=lens_strategy(short_max=12, max_size=5), seed=st.integers(0, 2**16),
-       snap=st.sampled_from([0.0, 0.15, 0.4]))
+@given(lens=lens_strategy(short_max=12, max_size=5), seed=st.integers(0, 2**16), snap=st.sampled_from([0.0, 0.15, 0.4]))
 def test_matches_naive(lens, seed, snap, varlen_case, max_abs_diff):
     case = varlen_case(lens, seed, snapshot_prob=snap)
     inp = make_inputs(case.num_tokens, case.num_slots, seed)
@@ -78,5 +80,11 @@ def test_shape_errors():
     inp = make_inputs(3, 2, seed=1)
     cu = torch.tensor([0, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="expected states"):
-        lightning_attention(inp["q"], inp["k"], inp["v"], inp["slope"][:2], inp["states"],
-                            RecurrentBatch(cu, torch.tensor([1], dtype=torch.int32), torch.tensor([True])))
+        lightning_attention(
+            inp["q"],
+            inp["k"],
+            inp["v"],
+            inp["slope"][:2],
+            inp["states"],
+            RecurrentBatch(cu, torch.tensor([1], dtype=torch.int32), torch.tensor([True])),
+        )

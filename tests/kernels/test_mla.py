@@ -1,5 +1,6 @@
 """MLA over the paged latent pool (the torch path) against dense attention on the un-paged
 latents, and the absorbed form against transformers' decompressed keys and values."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ TOL = 1e-5
 def check(case, scale: float = 0.3) -> None:
     out, pool = run_mla(mla_attention, case, scale)
     torch.testing.assert_close(out, dense_mla(case, scale), atol=TOL, rtol=0)
-    assert torch.equal(pool, expected_pool(case))            # only the new tokens' rows written
+    assert torch.equal(pool, expected_pool(case))  # only the new tokens' rows written
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -26,9 +27,13 @@ def test_mixed_batch(page_size):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6)), min_size=1, max_size=5),
-       page_size=st.sampled_from([1, 4]), heads=st.sampled_from([1, 3, 4]),
-       dims=st.sampled_from([(8, 4), (12, 6), (16, 0)]), seed=st.integers(0, 2**16))
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6)), min_size=1, max_size=5),
+    page_size=st.sampled_from([1, 4]),
+    heads=st.sampled_from([1, 3, 4]),
+    dims=st.sampled_from([(8, 4), (12, 6), (16, 0)]),
+    seed=st.integers(0, 2**16),
+)
 def test_random_batches(seqs, page_size, heads, dims, seed):
     check(mla_case(seqs, page_size, heads, *dims, seed=seed))
 
@@ -44,10 +49,11 @@ def test_absorbed_equals_decompressed_attention():
     scale = (nope + p) ** -0.5
     keys = torch.cat([torch.einsum("hdr,tr->htd", w_uk, c), k_r[None].expand(heads, n, p)], -1)
     values = torch.einsum("hvr,tr->htv", w_uv, c)
-    queries = torch.cat([q_nope, q_r], -1).transpose(0, 1)                     # [H, n, D]
+    queries = torch.cat([q_nope, q_r], -1).transpose(0, 1)  # [H, n, D]
     mask = torch.ones(n, n, dtype=torch.bool).tril()
-    want = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
-                                                            scale=scale).transpose(0, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask, scale=scale
+    ).transpose(0, 1)
     case = mla_case([(0, n)], 4, heads, r, p, seed=1)
     case["q"] = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_r], -1)
     case["latent"] = torch.cat([c, k_r], -1)

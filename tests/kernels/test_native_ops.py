@@ -1,4 +1,5 @@
 """The C++ pool write (``kernels/native_ops.py``) against the Python op it stands in for."""
+
 from __future__ import annotations
 
 import pytest
@@ -66,7 +67,7 @@ def test_the_native_expert_loop_matches_the_python_loop_on_many_rows(act, gated)
     assert cpu_linear.use_onednn(600 * 2 // 6, 256, 320) is cpu_linear.prefers_onednn()
     want = reference_loop(*args, act)
     got = torch.ops.hybridserve_native.moe_experts(*args, act)
-    assert torch.equal(expert_loop(*args, act), got)           # the eager path is the native loop
+    assert torch.equal(expert_loop(*args, act), got)  # the eager path is the native loop
     if gated and act == "silu":
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     else:
@@ -94,11 +95,12 @@ def test_a_few_rows_token_gets_the_same_bits_alone_or_in_a_batch():
     row's dot products run in one order), so a token's output is its own."""
     assert native_ops.load(), native_ops.failure()
     x, weights, ids, w_gate, w_up, w_down = _experts(torch.Generator().manual_seed(3), 12, 40, 56, 6, 2, True)
-    assert int(torch.bincount(ids.flatten()).max()) <= 16       # every expert on the fused path
+    assert int(torch.bincount(ids.flatten()).max()) <= 16  # every expert on the fused path
     both = torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, "silu")
     for t in range(12):
-        alone = torch.ops.hybridserve_native.moe_experts(x[t:t + 1], weights[t:t + 1], ids[t:t + 1],
-                                                         w_gate, w_up, w_down, "silu")
+        alone = torch.ops.hybridserve_native.moe_experts(
+            x[t : t + 1], weights[t : t + 1], ids[t : t + 1], w_gate, w_up, w_down, "silu"
+        )
         assert torch.equal(alone[0], both[t])
 
 

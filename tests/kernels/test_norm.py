@@ -1,4 +1,5 @@
 """RMSNorm variants against the transformers classes whose conventions they must match."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,7 +51,7 @@ def test_gate_before_norm_matches_granite_gated(group_size):
 
 def test_groups_differ_from_whole_row():
     """The group rule is live: per-group rms is not the whole-row rms."""
-    x = rand(3, DIM, seed=11) * torch.linspace(0.1, 3, DIM)     # very uneven channel scales
+    x = rand(3, DIM, seed=11) * torch.linspace(0.1, 3, DIM)  # very uneven channel scales
     z, w = rand(3, DIM, seed=12), torch.ones(DIM)
     grouped = gated_rms_norm(x, z, w, EPS, group_size=DIM // 4, norm_before_gate=False)
     whole = gated_rms_norm(x, z, w, EPS, norm_before_gate=False)

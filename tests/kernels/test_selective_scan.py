@@ -1,4 +1,5 @@
 """Mamba1 selective scan varlen op against a naive per-token loop, transformers, and itself."""
+
 from __future__ import annotations
 
 from unittest import mock
@@ -57,7 +58,7 @@ def test_matches_naive(recurrent_max_len, lens, seed, snap, varlen_case, max_abs
     with mock.patch.object(scan, "RECURRENT_MAX_LEN", recurrent_max_len):
         y, pool = run_op(inp, case)
     assert max_abs_diff(y, ref_y) <= TOL
-    assert max_abs_diff(pool, ref_pool) <= TOL   # live, snapshot, dummy and spare slots
+    assert max_abs_diff(pool, ref_pool) <= TOL  # live, snapshot, dummy and spare slots
 
 
 def test_fixed_mixed_batch_without_softplus_or_skip(varlen_case, max_abs_diff):
@@ -82,8 +83,9 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
     seq = (inp["x"], step, inp["B"], inp["C"])
     s0 = inp["states"][0]
     y_c, s_c = scan.scan_chunked(seq, s0, A=inp["A"], chunk_size=chunk_size)
-    y_r, s_r = scan.scan_recurrent(tuple(t[None] for t in seq), torch.ones(1, 50, dtype=torch.bool),
-                                   s0[None].clone(), A=inp["A"])
+    y_r, s_r = scan.scan_recurrent(
+        tuple(t[None] for t in seq), torch.ones(1, 50, dtype=torch.bool), s0[None].clone(), A=inp["A"]
+    )
     assert max_abs_diff(y_c, y_r[0]) <= TOL
     assert max_abs_diff(s_c, s_r[0]) <= TOL
 
@@ -95,21 +97,41 @@ def test_matches_transformers_jamba(max_abs_diff):
     inp = make_inputs(41, 2, seed=12)
     states = inp["states"].clone()
     slot = torch.tensor([1], dtype=torch.int32)
-    y = mamba_selective_scan(*(inp[n][:40] if inp[n].shape[0] == 41 else inp[n] for n in NAMES),
-                             states, RecurrentBatch(torch.tensor([0, 40], dtype=torch.int32), slot,
-                                                    torch.tensor([False])), chunk_size=16)
-    seq = {n: inp[n][None, :40].transpose(1, 2) for n in ("x", "dt", "B", "C")}   # [1, *, L]
+    y = mamba_selective_scan(
+        *(inp[n][:40] if inp[n].shape[0] == 41 else inp[n] for n in NAMES),
+        states,
+        RecurrentBatch(torch.tensor([0, 40], dtype=torch.int32), slot, torch.tensor([False])),
+        chunk_size=16,
+    )
+    seq = {n: inp[n][None, :40].transpose(1, 2) for n in ("x", "dt", "B", "C")}  # [1, *, L]
     ref_y, ref_s = hf.mamba_selective_scan(
-        seq["x"], seq["dt"], inp["A"], seq["B"], seq["C"], D=inp["D"], delta_bias=inp["dt_bias"],
-        delta_softplus=True, return_last_state=True)
+        seq["x"],
+        seq["dt"],
+        inp["A"],
+        seq["B"],
+        seq["C"],
+        D=inp["D"],
+        delta_bias=inp["dt_bias"],
+        delta_softplus=True,
+        return_last_state=True,
+    )
     assert max_abs_diff(y, ref_y[0].T) <= TOL
     assert max_abs_diff(states[1], ref_s[0]) <= TOL
     hf_state = ref_s.clone()
     ref_dec = hf.mamba_selective_state_update(
-        hf_state, inp["x"][40:], inp["dt"][40:], inp["A"], inp["B"][40:], inp["C"][40:], inp["D"],
-        dt_bias=inp["dt_bias"], dt_softplus=True)
-    dec = mamba_selective_scan(*(inp[n][40:] if inp[n].shape[0] == 41 else inp[n] for n in NAMES),
-                               states, RecurrentBatch.decode(slot))
+        hf_state,
+        inp["x"][40:],
+        inp["dt"][40:],
+        inp["A"],
+        inp["B"][40:],
+        inp["C"][40:],
+        inp["D"],
+        dt_bias=inp["dt_bias"],
+        dt_softplus=True,
+    )
+    dec = mamba_selective_scan(
+        *(inp[n][40:] if inp[n].shape[0] == 41 else inp[n] for n in NAMES), states, RecurrentBatch.decode(slot)
+    )
     assert max_abs_diff(dec, ref_dec) <= TOL
     assert max_abs_diff(states[1], hf_state[0]) <= TOL
 
@@ -125,7 +147,7 @@ def test_update_equals_varlen(varlen_case, pool_dtype):
     out = mamba_selective_scan(*(inp[n] for n in NAMES), fast_pool, case.seqs(uniform_len=1))
     assert torch.equal(out, ref)
     assert torch.equal(fast_pool, ref_pool)
-    assert not torch.equal(fast_pool, pool)             # the live slots did move
+    assert not torch.equal(fast_pool, pool)  # the live slots did move
 
 
 def test_dtypes_bf16_inputs_fp32_pool(varlen_case):

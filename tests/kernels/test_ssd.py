@@ -1,4 +1,5 @@
 """Mamba2 SSD varlen op against a naive per-token loop, transformers, and itself."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ from kernels.ssd import reference as ssd_ref
 from kernels.ssd import ssd_scan
 from tests.kernels.varlen_cases import lens_strategy, naive_varlen, poison_no_init_slot, ssd_inputs
 
-H, P, G, N = 4, 3, 2, 5     # two heads per group
+H, P, G, N = 4, 3, 2, 5  # two heads per group
 TOL = 1e-4
 
 
@@ -41,8 +42,19 @@ def naive_ssd(inp: dict[str, torch.Tensor], case, dt_limit=(0.0, math.inf)):
 
 def run_op(inp, case, chunk_size: int, **kw):
     states = inp["states"].clone()
-    y = ssd_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["dt_bias"], states,
-                 case.seqs(), chunk_size=chunk_size, **kw)
+    y = ssd_scan(
+        inp["x"],
+        inp["dt"],
+        inp["A"],
+        inp["B"],
+        inp["C"],
+        inp["D"],
+        inp["dt_bias"],
+        states,
+        case.seqs(),
+        chunk_size=chunk_size,
+        **kw,
+    )
     return y, states
 
 
@@ -59,7 +71,7 @@ def test_matches_naive(recurrent_max_len, lens, seed, snap, varlen_case, max_abs
     with mock.patch.object(ssd_ref, "RECURRENT_MAX_LEN", recurrent_max_len):
         y, pool = run_op(inp, case, chunk_size=8)
     assert max_abs_diff(y, ref_y) <= TOL
-    assert max_abs_diff(pool, ref_pool) <= TOL   # live, snapshot, dummy and spare slots
+    assert max_abs_diff(pool, ref_pool) <= TOL  # live, snapshot, dummy and spare slots
 
 
 def test_fixed_mixed_batch_with_dt_limit(varlen_case, max_abs_diff):
@@ -70,7 +82,7 @@ def test_fixed_mixed_batch_with_dt_limit(varlen_case, max_abs_diff):
     limit = (0.2, 0.9)
     ref_y, ref_pool = naive_ssd(inp, case, dt_limit=limit)
     unclamped, _ = naive_ssd(inp, case)
-    assert max_abs_diff(unclamped, ref_y) > 1e-2          # the clamp matters in this case
+    assert max_abs_diff(unclamped, ref_y) > 1e-2  # the clamp matters in this case
     for recurrent_max_len in (0, 16, 10**6):
         with mock.patch.object(ssd_ref, "RECURRENT_MAX_LEN", recurrent_max_len):
             y, pool = run_op(inp, case, chunk_size=16, dt_limit=limit)
@@ -85,8 +97,9 @@ def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
     seq = (inp["x"], step, inp["B"], inp["C"])
     s0 = inp["states"][0]
     y_c, s_c = ssd_ref.ssd_chunked(seq, s0, A=inp["A"], chunk_size=chunk_size)
-    y_r, s_r = ssd_ref.ssd_recurrent(tuple(x[None] for x in seq), torch.ones(1, 50, dtype=torch.bool),
-                                 s0[None].clone(), A=inp["A"])
+    y_r, s_r = ssd_ref.ssd_recurrent(
+        tuple(x[None] for x in seq), torch.ones(1, 50, dtype=torch.bool), s0[None].clone(), A=inp["A"]
+    )
     assert max_abs_diff(y_c, y_r[0]) <= TOL
     assert max_abs_diff(s_c, s_r[0]) <= TOL
 
@@ -97,26 +110,58 @@ def test_matches_transformers(max_abs_diff):
     inp = make_inputs(41, 2, seed=12)
     states = inp["states"].clone()
     slot, has_init = torch.tensor([1], dtype=torch.int32), torch.tensor([True])
-    y = ssd_scan(inp["x"][:40], inp["dt"][:40], inp["A"], inp["B"][:40], inp["C"][:40], inp["D"],
-            inp["dt_bias"], states, RecurrentBatch(torch.tensor([0, 40], dtype=torch.int32), slot, has_init),
-            chunk_size=16)
+    y = ssd_scan(
+        inp["x"][:40],
+        inp["dt"][:40],
+        inp["A"],
+        inp["B"][:40],
+        inp["C"][:40],
+        inp["D"],
+        inp["dt_bias"],
+        states,
+        RecurrentBatch(torch.tensor([0, 40], dtype=torch.int32), slot, has_init),
+        chunk_size=16,
+    )
     pre = {n: inp[n][None, :40] for n in ("x", "dt", "B", "C")}
     ref_y, ref_s = hf.mamba2_chunk_scan(
-        pre["x"], pre["dt"], inp["A"], pre["B"], pre["C"], chunk_size=16, D=inp["D"],
-        dt_bias=inp["dt_bias"], initial_states=inp["states"][1:2].clone(), dt_softplus=True,
-        return_final_states=True)
+        pre["x"],
+        pre["dt"],
+        inp["A"],
+        pre["B"],
+        pre["C"],
+        chunk_size=16,
+        D=inp["D"],
+        dt_bias=inp["dt_bias"],
+        initial_states=inp["states"][1:2].clone(),
+        dt_softplus=True,
+        return_final_states=True,
+    )
     assert max_abs_diff(y, ref_y[0]) <= TOL
     assert max_abs_diff(states[1], ref_s[0]) <= TOL
     # one decode token from the state just written, against HF's selective_state_update
     hf_state = ref_s.clone()
     ref_dec = hf.mamba2_selective_state_update(
-        hf_state, inp["x"][40:41], inp["dt"][40:41, :, None].expand(1, H, P),
-        inp["A"][:, None, None].expand(H, P, N), inp["B"][40:41], inp["C"][40:41],
-        inp["D"][:, None].expand(H, P), dt_bias=inp["dt_bias"][:, None].expand(H, P),
-        dt_softplus=True)
-    dec = ssd_scan(inp["x"][40:], inp["dt"][40:], inp["A"], inp["B"][40:], inp["C"][40:],
-                   inp["D"], inp["dt_bias"], states,
-                   RecurrentBatch(torch.tensor([0, 1], dtype=torch.int32), slot, has_init))
+        hf_state,
+        inp["x"][40:41],
+        inp["dt"][40:41, :, None].expand(1, H, P),
+        inp["A"][:, None, None].expand(H, P, N),
+        inp["B"][40:41],
+        inp["C"][40:41],
+        inp["D"][:, None].expand(H, P),
+        dt_bias=inp["dt_bias"][:, None].expand(H, P),
+        dt_softplus=True,
+    )
+    dec = ssd_scan(
+        inp["x"][40:],
+        inp["dt"][40:],
+        inp["A"],
+        inp["B"][40:],
+        inp["C"][40:],
+        inp["D"],
+        inp["dt_bias"],
+        states,
+        RecurrentBatch(torch.tensor([0, 1], dtype=torch.int32), slot, has_init),
+    )
     assert max_abs_diff(dec, ref_dec) <= TOL
     assert max_abs_diff(states[1], hf_state[0]) <= TOL
 

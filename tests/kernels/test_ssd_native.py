@@ -1,6 +1,7 @@
 """The CPU path of Mamba2 SSD (``kernels/ssd/cpu.py``, the C++ loop of
 ``kernels/native_ssd.cpp``): close to the torch reference, and the same bits for a token
 whichever call computes it -- decode, verify, prefill or mixed, on one thread or two."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,7 +58,7 @@ def test_varlen_is_close_to_the_reference(dims, dt_limit):
         want = _varlen(inputs, ref, lens, slots, init, dst, dt_limit)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(native, ref, rtol=1e-4, atol=1e-4)
-    assert torch.equal(native[3], pool[3]) and torch.equal(native[5], pool[5])   # length 0; a spare
+    assert torch.equal(native[3], pool[3]) and torch.equal(native[5], pool[5])  # length 0; a spare
 
 
 @pytest.mark.parametrize("dims", DIMS)
@@ -77,8 +78,7 @@ def test_prefill_decode_and_verify_give_a_token_the_same_bits(dims):
     verified = pool.clone()
     for v in range(2):
         rows = slice(3 * v, 3 * v + 3)
-        seqs = RecurrentBatch(torch.tensor([0, 3], dtype=torch.int32), one, torch.tensor([True]), dst[rows],
-                              3)
+        seqs = RecurrentBatch(torch.tensor([0, 3], dtype=torch.int32), one, torch.tensor([True]), dst[rows], 3)
         y = ssd_scan(x[rows], dt[rows], a, b[rows], c[rows], d, dt_bias, verified, seqs)
         assert torch.equal(y, out[rows])
     assert torch.equal(verified, prefill) and torch.equal(stepped[1], prefill[1])
@@ -121,7 +121,21 @@ def test_bad_inputs_are_refused_with_the_sizes():
     with pytest.raises(RuntimeError, match="slot 5 of 4"):
         op(pool, cu, torch.tensor([5, 1]), None, None, x, dt, dt_bias, a, b, c, True, 0.0, 1e9)
     with pytest.raises(RuntimeError, match="do not fit H=4"):
-        op(pool, cu, slots, None, None, x, dt, dt_bias, a, b[:, :, :8].contiguous(), c[:, :, :8].contiguous(),
-           True, 0.0, 1e9)
+        op(
+            pool,
+            cu,
+            slots,
+            None,
+            None,
+            x,
+            dt,
+            dt_bias,
+            a,
+            b[:, :, :8].contiguous(),
+            c[:, :, :8].contiguous(),
+            True,
+            0.0,
+            1e9,
+        )
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         op(pool, cu, slots, None, None, x.double(), dt, dt_bias, a, b, c, True, 0.0, 1e9)

@@ -1,6 +1,7 @@
 """The traced formulation of paged attention (``attend_uniform``: what a compiled decode or
 verify step runs) against the dense oracle and the planned path, with extra empty page-table
 columns (a compiled step's table is padded) and padding sequences."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,11 +20,19 @@ SCALE = 0.4
 def test_uniform_equals_dense_and_planned(q_len, page_size, window):
     case = build_case([(5, q_len), (0, q_len), (13, q_len)], page_size, 4, 2, seed=q_len + page_size)
     write_kv(case["k"], case["v"], case["k_pool"], case["v_pool"], case["out_loc"])
-    table = F.pad(case["page_table"], (0, 3))               # unused columns: page 0, masked
-    out = attend_uniform(case["q"], case["k_pool"], case["v_pool"], table, case["seq_lens"],
-                         page_size, SCALE, window)
-    planned = attend_paged(case["q"], case["k_pool"], case["v_pool"], case["page_table"],
-                           case["cu_seqlens"], case["seq_lens"], page_size, SCALE, window)
+    table = F.pad(case["page_table"], (0, 3))  # unused columns: page 0, masked
+    out = attend_uniform(case["q"], case["k_pool"], case["v_pool"], table, case["seq_lens"], page_size, SCALE, window)
+    planned = attend_paged(
+        case["q"],
+        case["k_pool"],
+        case["v_pool"],
+        case["page_table"],
+        case["cu_seqlens"],
+        case["seq_lens"],
+        page_size,
+        SCALE,
+        window,
+    )
     torch.testing.assert_close(out, dense_reference(case, SCALE, window), atol=1e-5, rtol=0)
     torch.testing.assert_close(out, planned, atol=1e-6, rtol=0)
 

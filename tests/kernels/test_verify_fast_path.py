@@ -2,6 +2,7 @@
 an initial state and a snapshot slot at every token. Each verify op equals its varlen op on
 that batch, bitwise: outputs and whole pools (live slots, every snapshot slot, untouched
 slots)."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ def verify_case(varlen_case, seq_len: int, seed: int):
 
 @pytest.mark.parametrize("seq_len", [1, 2, 4])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ pass on CPU, the reference
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the C++ pass on CPU, the reference
 def test_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype, kernels):
     with backend.use_backend(kernels):
         _check_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype)
@@ -47,7 +48,7 @@ def _check_conv1d_verify_equals_varlen(varlen_case, seq_len, pool_dtype):
 
 @pytest.mark.parametrize("seq_len", [1, 3, 4])
 @pytest.mark.parametrize("k_heads", [2, 4])
-@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ loop on CPU, the reference
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the C++ loop on CPU, the reference
 def test_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads, kernels):
     with backend.use_backend(kernels):
         _check_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads)
@@ -69,7 +70,7 @@ def _check_gdn_verify_equals_varlen(varlen_case, seq_len, k_heads):
 
 @pytest.mark.parametrize("seq_len", [1, 2, 4])
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("kernels", ["auto", "torch"])    # the C++ loop on CPU, the reference
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the C++ loop on CPU, the reference
 def test_ssd_verify_equals_varlen(varlen_case, seq_len, groups, kernels):
     with backend.use_backend(kernels):
         _check_ssd_verify_equals_varlen(varlen_case, seq_len, groups)
@@ -77,8 +78,7 @@ def test_ssd_verify_equals_varlen(varlen_case, seq_len, groups, kernels):
 
 def _check_ssd_verify_equals_varlen(varlen_case, seq_len, groups):
     case = verify_case(varlen_case, seq_len, seed=20 + seq_len)
-    inp = ssd_inputs(case.num_tokens, case.num_slots, seed=seq_len, heads=4, groups=groups,
-                     p_dim=6, n_dim=8)
+    inp = ssd_inputs(case.num_tokens, case.num_slots, seed=seq_len, heads=4, groups=groups, p_dim=6, n_dim=8)
     args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")]
     ref_pool, fast_pool = inp["states"].clone(), inp["states"].clone()
     ref = ssd_scan(*args, ref_pool, case.seqs(), dt_limit=(0.0, 5.0))
@@ -89,8 +89,8 @@ def _check_ssd_verify_equals_varlen(varlen_case, seq_len, groups):
 
 def test_the_rule_needs_equal_lengths_states_and_every_snapshot():
     assert uniform_snapshot_len([3, 3], [True, True], [5, 6, 7, 8, 9, 10]) == 3
-    assert uniform_snapshot_len([3, 2], [True, True], [5] * 5) == 0          # lengths differ
-    assert uniform_snapshot_len([3, 3], [True, False], [5] * 6) == 0         # a prefill
-    assert uniform_snapshot_len([3, 3], [True, True], [5, 6, 0, 8, 9, 10]) == 0   # a token without
+    assert uniform_snapshot_len([3, 2], [True, True], [5] * 5) == 0  # lengths differ
+    assert uniform_snapshot_len([3, 3], [True, False], [5] * 6) == 0  # a prefill
+    assert uniform_snapshot_len([3, 3], [True, True], [5, 6, 0, 8, 9, 10]) == 0  # a token without
     assert uniform_snapshot_len([3, 3], [True, True], None) == 0
     assert uniform_snapshot_len([], [], []) == 0

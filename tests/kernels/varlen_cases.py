@@ -5,6 +5,7 @@ pool-and-output comparison.
 
 The batches themselves (``VarlenCase``) come from the ``varlen_case`` fixture in conftest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from tests.kernels.conftest import VarlenCase
 
 Inputs = dict[str, torch.Tensor]
-Result = tuple[torch.Tensor, torch.Tensor]     # (output [T, H, ...], final pool)
+Result = tuple[torch.Tensor, torch.Tensor]  # (output [T, H, ...], final pool)
 
 # Shrinking re-runs interpreted kernels for minutes; a failure's example is printed as is.
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
@@ -31,8 +32,9 @@ def lens_strategy(short_max: int, max_size: int) -> st.SearchStrategy[list[int]]
     return st.lists(length, min_size=1, max_size=max_size)
 
 
-def gdn_inputs(num_tokens: int, num_slots: int, seed: int, heads_k: int, heads_v: int,
-               k_dim: int, v_dim: int) -> Inputs:
+def gdn_inputs(
+    num_tokens: int, num_slots: int, seed: int, heads_k: int, heads_v: int, k_dim: int, v_dim: int
+) -> Inputs:
     """q, k [T, HK, K]; v [T, H, V]; g (log decay, <= 0), beta [T, H]; states [S, H, K, V]."""
     gen = torch.Generator().manual_seed(seed)
     return dict(
@@ -45,8 +47,9 @@ def gdn_inputs(num_tokens: int, num_slots: int, seed: int, heads_k: int, heads_v
     )
 
 
-def kda_inputs(num_tokens: int, num_slots: int, seed: int, heads: int, k_dim: int,
-               v_dim: int, g_min: float = -0.5) -> Inputs:
+def kda_inputs(
+    num_tokens: int, num_slots: int, seed: int, heads: int, k_dim: int, v_dim: int, g_min: float = -0.5
+) -> Inputs:
     """q, k, g (log decay per key channel, in [g_min, 0]) [T, H, K]; v [T, H, V]; beta [T, H];
     states [S, H, K, V]."""
     gen = torch.Generator().manual_seed(seed)
@@ -60,8 +63,7 @@ def kda_inputs(num_tokens: int, num_slots: int, seed: int, heads: int, k_dim: in
     )
 
 
-def ssd_inputs(num_tokens: int, num_slots: int, seed: int, heads: int, groups: int,
-               p_dim: int, n_dim: int) -> Inputs:
+def ssd_inputs(num_tokens: int, num_slots: int, seed: int, heads: int, groups: int, p_dim: int, n_dim: int) -> Inputs:
     """x [T, H, P]; dt [T, H]; A, D, dt_bias [H]; B, C [T, G, N]; states [S, H, P, N]."""
     gen = torch.Generator().manual_seed(seed)
     return dict(
@@ -76,8 +78,7 @@ def ssd_inputs(num_tokens: int, num_slots: int, seed: int, heads: int, groups: i
     )
 
 
-def selective_scan_inputs(num_tokens: int, num_slots: int, seed: int, channels: int,
-                          n_dim: int) -> Inputs:
+def selective_scan_inputs(num_tokens: int, num_slots: int, seed: int, channels: int, n_dim: int) -> Inputs:
     """x, dt [T, H]; A [H, N] (< 0, one rate per channel and state); B, C [T, N];
     D, dt_bias [H]; states [S, H, N] (Mamba1, ``kernels.selective_scan``)."""
     gen = torch.Generator().manual_seed(seed)
@@ -105,12 +106,10 @@ def with_snapshot_every_token(case: VarlenCase) -> tuple[VarlenCase, torch.Tenso
     ``num_slots ..`` appended to the pool). Returns (the case, its state_dst_slots [T])."""
     num_tokens = case.num_tokens
     dst = torch.arange(case.num_slots, case.num_slots + num_tokens, dtype=torch.int32)
-    return dataclasses.replace(case, state_dst_slots=dst,
-                               num_slots=case.num_slots + num_tokens), dst
+    return dataclasses.replace(case, state_dst_slots=dst, num_slots=case.num_slots + num_tokens), dst
 
 
-def naive_varlen(states: torch.Tensor, case: VarlenCase,
-                 step: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+def naive_varlen(states: torch.Tensor, case: VarlenCase, step: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
     """The slot-pool contract of the varlen ops, token by token; returns the final pool.
 
     For each sequence: start from its live slot if it has an initial state, else zeros
@@ -133,15 +132,15 @@ def naive_varlen(states: torch.Tensor, case: VarlenCase,
     return pool
 
 
-def assert_same_result(got: Result, want: Result, tol: float,
-                       max_abs_diff: Callable[[torch.Tensor, torch.Tensor], float]) -> None:
+def assert_same_result(
+    got: Result, want: Result, tol: float, max_abs_diff: Callable[[torch.Tensor, torch.Tensor], float]
+) -> None:
     """Output and whole pool (live, snapshot, dummy and spare slots) agree in dtype and to tol.
 
     The messages carry the numbers: pytest does not rewrite asserts outside test modules.
     """
     (out, pool), (ref, ref_pool) = got, want
-    assert out.dtype == ref.dtype and pool.dtype == ref_pool.dtype, (
-        out.dtype, ref.dtype, pool.dtype, ref_pool.dtype)
+    assert out.dtype == ref.dtype and pool.dtype == ref_pool.dtype, (out.dtype, ref.dtype, pool.dtype, ref_pool.dtype)
     out_diff = max_abs_diff(out, ref)
     assert out_diff <= tol, f"output: max abs diff {out_diff} > {tol}"
     pool_diff = max_abs_diff(pool, ref_pool)

@@ -11,6 +11,7 @@ rate = batch * (out_tokens - 1) / (time(out_tokens) - time(1)), so prefill cance
 keeps the best of each. One JSON line per family, with the load average before and after:
 the figures mean something only on an otherwise idle machine (DESIGN §7).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,34 +27,38 @@ from tests.lab.engine_overhead import engine_decode_rate, hf_decode_rate
 from workers.llm import LLM
 
 
-def measure_family(name: str, out_dir: Path, batch: int, prompt_len: int, out_tokens: int,
-                   repeats: int) -> dict[str, object]:
+def measure_family(
+    name: str, out_dir: Path, batch: int, prompt_len: int, out_tokens: int, repeats: int
+) -> dict[str, object]:
     import transformers
 
     from tools.tiny import make_tiny_checkpoint
 
     load_before = os.getloadavg()
     model_dir = make_tiny_checkpoint(name, out_dir / name, seed=0)
-    llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
-              cache={"page_size": 16, "max_kv_tokens": 65536})
+    llm = LLM(model=str(model_dir), device="cpu", dtype="float32", cache={"page_size": 16, "max_kv_tokens": 65536})
     # transformers' own class of the checkpoint (a VL one runs its full model on text)
     architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
     hf = getattr(transformers, architecture).from_pretrained(str(model_dir), dtype=torch.float32).eval()
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, llm.engine.vocab_size - 8) for _ in range(prompt_len)]
-               for _ in range(batch)]
-    engine_best = hf_best = float("-inf")      # a rate <= 0 means time(n) <= time(1): noise
-    for _ in range(repeats):                           # interleaved: both sides see the same load
+    prompts = [[rng.randrange(3, llm.engine.vocab_size - 8) for _ in range(prompt_len)] for _ in range(batch)]
+    engine_best = hf_best = float("-inf")  # a rate <= 0 means time(n) <= time(1): noise
+    for _ in range(repeats):  # interleaved: both sides see the same load
         engine_best = max(engine_best, engine_decode_rate(llm, prompts, out_tokens))
         hf_best = max(hf_best, hf_decode_rate(hf, prompts, out_tokens))
-    return {"family": name, "architecture": architecture,
-            "params": sum(p.numel() for p in llm.engine.model.parameters()), "batch": batch,
-            "engine_tok_s": round(engine_best, 1), "hf_generate_tok_s": round(hf_best, 1),
-            "engine_over_hf": round(engine_best / hf_best, 3) if min(engine_best, hf_best) > 0 else None,
-            "repeats": repeats,
-            "torch_threads": torch.get_num_threads(),
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "family": name,
+        "architecture": architecture,
+        "params": sum(p.numel() for p in llm.engine.model.parameters()),
+        "batch": batch,
+        "engine_tok_s": round(engine_best, 1),
+        "hf_generate_tok_s": round(hf_best, 1),
+        "engine_over_hf": round(engine_best / hf_best, 3) if min(engine_best, hf_best) > 0 else None,
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ A hop's cost is its layer's us per token minus the layer's below. On a shared 2-
 machine every figure is an indication: the load average is reported with them. Latency
 rather than cost per token (one request's TTFT, one stream's rate): ``http_latency``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,8 @@ from typing import Any
 from cluster.bench import inproc
 from cluster.bench.proc_cpu import cpu_delta, ms_per_unit_by_role, role, snapshot
 
-LAYERS = ("bare", "engine", "replica", "ingress")        # in process, each on the one before
-EXTRA = ("client_parse_us", "replica_gap_us", "ingress_gap_us")   # us per output token
+LAYERS = ("bare", "engine", "replica", "ingress")  # in process, each on the one before
+EXTRA = ("client_parse_us", "replica_gap_us", "ingress_gap_us")  # us per output token
 
 
 def pacing(args: argparse.Namespace) -> Any:
@@ -66,8 +67,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The engines' overrides: the suite's CPU settings and compile bucket, 16k KV tokens."""
     from cluster.bench.suite_config import CompileCfg
 
-    return {**inproc.engine_kwargs(CompileCfg(enabled=not args.eager), args.batch),
-            "cache": {"max_kv_tokens": 16384}}
+    return {**inproc.engine_kwargs(CompileCfg(enabled=not args.eager), args.batch), "cache": {"max_kv_tokens": 16384}}
 
 
 def _prompts(seed: int, batch: int, prompt_len: int) -> list[list[int]]:
@@ -103,9 +103,15 @@ async def ingress_rate(server: Any, prompts: list[list[int]], out_len: int) -> t
     events: list[str] = []
 
     async def one(prompt: list[int]) -> float:
-        body = {"model": server.settings.model_name, "prompt": prompt, "max_tokens": out_len,
-                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": server.settings.model_name,
+            "prompt": prompt,
+            "max_tokens": out_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         started = await server.start_completion(json.dumps(body).encode())
         first = 0.0
         async for event in server.events(started):
@@ -142,8 +148,9 @@ async def in_process(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     bare_llm, engine_llm = (LLM(model=str(model), **engine_cfg) for _ in range(2))
     config = load_config(overrides={**engine_cfg, "model": str(model)})
     core = await ReplicaCore.create(config, pacing(args))
-    server = OpenAIServer(LocalEngineClient(core, "hops"), core.loop.engine.tokenizer,
-                          ServerSettings.from_config(config, "hops"))
+    server = OpenAIServer(
+        LocalEngineClient(core, "hops"), core.loop.engine.tokenizer, ServerSettings.from_config(config, "hops")
+    )
     samples: dict[str, list[float]] = {name: [] for name in (*LAYERS, *EXTRA)}
     tokens = args.batch * args.output_len
     try:
@@ -156,8 +163,7 @@ async def in_process(model: Path, args: argparse.Namespace) -> dict[str, Any]:
             prompts = _prompts(1000 + r, args.batch, args.prompt_len)
             samples["replica"].append(await replica_rate(core, prompts, args.output_len))
             t1 = core.loop.times
-            rate, events = await ingress_rate(server, _prompts(2000 + r, args.batch, args.prompt_len),
-                                              args.output_len)
+            rate, events = await ingress_rate(server, _prompts(2000 + r, args.batch, args.prompt_len), args.output_len)
             samples["ingress"].append(rate)
             t2 = core.loop.times
             for name, a, b in (("replica_gap_us", t0, t1), ("ingress_gap_us", t1, t2)):
@@ -182,8 +188,11 @@ def _serve_run(app: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     from cluster.bench.suite_sections import _bench
     from cluster.bench.workloads import RandomSpec, build
 
-    w = build(RandomSpec(num_prompts=args.batch, input_len=args.prompt_len, output_len=args.output_len,
-                         range_ratio=0.0, seed=seed))
+    w = build(
+        RandomSpec(
+            num_prompts=args.batch, input_len=args.prompt_len, output_len=args.output_len, range_ratio=0.0, seed=seed
+        )
+    )
     rep0 = _replica_stats(app.base_url)
     before = snapshot()
     res = _bench(app, w, LoadSettings(max_concurrency=args.batch))
@@ -202,15 +211,19 @@ def _serve_run(app: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     loop = {k: rep1.get("loop", zero)[k] - rep0.get("loop", zero)[k] for k in zero}
     cpu_ms = ms_per_unit_by_role(delta, tokens, pids)
     paths = [rep.get("counters", {}).get("hybridserve_engine_steps_total", {}) for rep in (rep0, rep1)]
-    return {"steps_by_path": {p: paths[1].get(p, 0) - paths[0].get(p, 0) for p in ("compiled", "eager")},
-            "tok_s": args.batch / (res.metrics.tpot_ms.mean / 1000), "tokens": tokens,
-            "itl_ms_median": round(res.metrics.itl_ms.median, 1),
-            "items_per_request": round(sum(len(r.itl) + 1 for r in res.records) / len(res.records), 1),
-            "cpu_ms_per_token": cpu_ms, "top_threads_ms_per_token": threads,
-            "engine_step_wall_us_per_token": round(1e6 * loop["step_wall_s"] / tokens, 1),
-            "engine_step_cpu_us_per_token": round(1e6 * loop["step_cpu_s"] / tokens, 1),
-            "engine_gap_us_per_token": round(1e6 * loop["step_gap_s"] / tokens, 1),
-            "num_steps": loop["num_steps"]}
+    return {
+        "steps_by_path": {p: paths[1].get(p, 0) - paths[0].get(p, 0) for p in ("compiled", "eager")},
+        "tok_s": args.batch / (res.metrics.tpot_ms.mean / 1000),
+        "tokens": tokens,
+        "itl_ms_median": round(res.metrics.itl_ms.median, 1),
+        "items_per_request": round(sum(len(r.itl) + 1 for r in res.records) / len(res.records), 1),
+        "cpu_ms_per_token": cpu_ms,
+        "top_threads_ms_per_token": threads,
+        "engine_step_wall_us_per_token": round(1e6 * loop["step_wall_s"] / tokens, 1),
+        "engine_step_cpu_us_per_token": round(1e6 * loop["step_cpu_s"] / tokens, 1),
+        "engine_gap_us_per_token": round(1e6 * loop["step_gap_s"] / tokens, 1),
+        "num_steps": loop["num_steps"],
+    }
 
 
 def through_serve(model: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -220,8 +233,12 @@ def through_serve(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     engine = {**engine_settings(args), "model": str(model)}
     p = pacing(args)
     with LocalCluster() as cluster:
-        app = cluster.deploy("hops", engine, "hybrid_prefix", {**REPLICA, "stream_interval_s": p.interval_s,
-                                                                  "stream_items_per_s": p.items_per_s})
+        app = cluster.deploy(
+            "hops",
+            engine,
+            "hybrid_prefix",
+            {**REPLICA, "stream_interval_s": p.interval_s, "stream_items_per_s": p.items_per_s},
+        )
         try:
             _warm(app)
             runs = [_serve_run(app, args, 200 + r) for r in range(args.repeats)]
@@ -244,19 +261,26 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"{name:<18}{rate:>9.1f}{us:>10.0f}{'' if prev is None else f'{us - prev:+9.0f}'}")
         prev = us
     if best:
-        lines.append(f"client parse (CPU): {best['client_parse_us']:.1f} us/token; engine idle between steps "
-                     f"(in process): replica {best['replica_gap_us']:.1f}, "
-                     f"ingress {best['ingress_gap_us']:.1f} us/token")
+        lines.append(
+            f"client parse (CPU): {best['client_parse_us']:.1f} us/token; engine idle between steps "
+            f"(in process): replica {best['replica_gap_us']:.1f}, "
+            f"ingress {best['ingress_gap_us']:.1f} us/token"
+        )
     if "serve" in result:
         s = result["serve"]
-        lines.append(f"stream items per request {s['items_per_request']}, "
-                     f"ITL median {s['itl_ms_median']} ms; replica steps by path {s['steps_by_path']}")
-        lines.append(f"engine steps in the replica: {s['engine_step_wall_us_per_token']} us/token wall, "
-                     f"{s['engine_step_cpu_us_per_token']} us/token CPU of the stepping thread "
-                     f"(with overlap the forward runs on another), idle between steps "
-                     f"{s['engine_gap_us_per_token']} us/token ({s['num_steps']} steps)")
-        lines.append("CPU ms per output token by process: "
-                     + ", ".join(f"{k} {v}" for k, v in s["cpu_ms_per_token"].items()))
+        lines.append(
+            f"stream items per request {s['items_per_request']}, "
+            f"ITL median {s['itl_ms_median']} ms; replica steps by path {s['steps_by_path']}"
+        )
+        lines.append(
+            f"engine steps in the replica: {s['engine_step_wall_us_per_token']} us/token wall, "
+            f"{s['engine_step_cpu_us_per_token']} us/token CPU of the stepping thread "
+            f"(with overlap the forward runs on another), idle between steps "
+            f"{s['engine_gap_us_per_token']} us/token ({s['num_steps']} steps)"
+        )
+        lines.append(
+            "CPU ms per output token by process: " + ", ".join(f"{k} {v}" for k, v in s["cpu_ms_per_token"].items())
+        )
         for name, top in s["top_threads_ms_per_token"].items():
             lines.append(f"  {name} threads: " + ", ".join(f"{c} {v}" for c, v in top))
     lines.append(f"load average: start {result['loadavg_start']}, end {result['loadavg_end']}")
@@ -270,8 +294,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--stream-interval-s", type=float, default=0.05, help="the replicas' stream batching")
-    ap.add_argument("--stream-items-per-s", type=float, default=None,
-                    help="the replicas' item budget, all streams together (default: the config's; 0: none)")
+    ap.add_argument(
+        "--stream-items-per-s",
+        type=float,
+        default=None,
+        help="the replicas' item budget, all streams together (default: the config's; 0: none)",
+    )
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the suite's bench model)")
     ap.add_argument("--no-serve", action="store_true", help="only the in-process layers (no Ray)")
     ap.add_argument("--serve-only", action="store_true", help="only the Ray Serve path")
@@ -279,8 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.output_len < 3 or args.repeats < 1:
-        raise SystemExit(f"need batch >= 1, output-len >= 3, repeats >= 1; got {args.batch}, "
-                         f"{args.output_len}, {args.repeats}")
+        raise SystemExit(
+            f"need batch >= 1, output-len >= 3, repeats >= 1; got {args.batch}, {args.output_len}, {args.repeats}"
+        )
     import torch
 
     torch.set_num_threads(1)

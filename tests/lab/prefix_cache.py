@@ -7,6 +7,7 @@ Workload: ``systems`` random system prompts of ``system-len`` tokens, each follo
 client) in interleaved order. Reports the fraction of prompt tokens actually computed and
 mean time to first token (engine-measured, arrival to first token), for each setting.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,17 +24,22 @@ from workers.sampling.params import SamplingParams
 def workload(vocab: int, systems: int, questions: int, system_len: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     heads = [[rng.randrange(3, vocab - 8) for _ in range(system_len)] for _ in range(systems)]
-    prompts = [h + [rng.randrange(3, vocab - 8) for _ in range(rng.randrange(16, 49))]
-               for h in heads for _ in range(questions)]
-    order = [i * questions + j for j in range(questions) for i in range(systems)]   # interleave groups
+    prompts = [
+        h + [rng.randrange(3, vocab - 8) for _ in range(rng.randrange(16, 49))] for h in heads for _ in range(questions)
+    ]
+    order = [i * questions + j for j in range(questions) for i in range(systems)]  # interleave groups
     return [prompts[i] for i in order]
 
 
 def run(model_dir: Path, prompts: list[list[int]], cache_on: bool, page_size: int) -> dict[str, float]:
-    llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
-              cache={"enable_prefix_cache": cache_on, "page_size": page_size, "max_kv_tokens": 65536})
+    llm = LLM(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        cache={"enable_prefix_cache": cache_on, "page_size": page_size, "max_kv_tokens": 65536},
+    )
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate_ids(prompts[:1], [params])          # warm-up, then start clean
+    llm.generate_ids(prompts[:1], [params])  # warm-up, then start clean
     llm.flush_cache()
     before = llm.stats()
     start = time.perf_counter()
@@ -45,10 +51,14 @@ def run(model_dir: Path, prompts: list[list[int]], cache_on: bool, page_size: in
     stats = llm.stats()
     query = sum(map(len, prompts))
     hit = stats["hybridserve_prefix_hit_tokens_total"] - before["hybridserve_prefix_hit_tokens_total"]
-    return {"cache": cache_on, "prompt_tokens": query, "hit_tokens": hit,
-            "computed_fraction": round(1 - hit / query, 4),
-            "mean_ttft_ms": round(1000 * sum(ttfts) / len(ttfts), 2),
-            "wall_s": round(time.perf_counter() - start, 2)}
+    return {
+        "cache": cache_on,
+        "prompt_tokens": query,
+        "hit_tokens": hit,
+        "computed_fraction": round(1 - hit / query, 4),
+        "mean_ttft_ms": round(1000 * sum(ttfts) / len(ttfts), 2),
+        "wall_s": round(time.perf_counter() - start, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,8 +78,14 @@ def main(argv: list[str] | None = None) -> None:
         on = run(model_dir, prompts, True, args.page_size)
     print(json.dumps(off))
     print(json.dumps(on))
-    print(json.dumps({"computed_fraction_on": on["computed_fraction"],
-                      "ttft_ratio_on_over_off": round(on["mean_ttft_ms"] / off["mean_ttft_ms"], 3)}))
+    print(
+        json.dumps(
+            {
+                "computed_fraction_on": on["computed_fraction"],
+                "ttft_ratio_on_over_off": round(on["mean_ttft_ms"] / off["mean_ttft_ms"], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The per-family decode benchmark runs and reports both sides (figures are not checked:
 they mean something only on an idle machine)."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,7 @@ from tests.lab.families import main
 
 
 def test_families_bench_reports_one_line_per_family(capsys) -> None:
-    main(["--families", "mamba2", "--batch", "2", "--out-tokens", "4", "--prompt-len", "5",
-          "--repeats", "1"])
+    main(["--families", "mamba2", "--batch", "2", "--out-tokens", "4", "--prompt-len", "5", "--repeats", "1"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["family"] for r in rows] == ["mamba2"]
     row = rows[0]

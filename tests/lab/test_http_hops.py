@@ -1,5 +1,6 @@
 """The per-hop bench (``tests.lab.http_hops``) runs its in-process layers, and
 ``proc_cpu`` counts the CPU of the processes below this one (no timing asserted)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -10,15 +11,16 @@ import pytest
 from cluster.bench.proc_cpu import PROC, cpu_delta, role, snapshot
 from tests.lab.http_hops import EXTRA, LAYERS, main, report
 
-BUSY = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
-        "print('done', flush=True)\nsys.stdin.read()")
+BUSY = (
+    "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    "print('done', flush=True)\nsys.stdin.read()"
+)
 
 
 @pytest.mark.skipif(not PROC.is_dir(), reason="needs /proc")
 def test_cpu_delta_counts_a_busy_child_and_its_threads():
     before = snapshot()
-    child = subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    child = subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "done"
         after = snapshot()
@@ -34,9 +36,26 @@ def test_cpu_delta_counts_a_busy_child_and_its_threads():
 
 def test_in_process_layers_run_and_report(tiny_qwen_dir, tmp_path):
     out = tmp_path / "hops.json"
-    result = main(["--model", str(tiny_qwen_dir), "--no-serve", "--batch", "2", "--prompt-len", "8",
-                   "--output-len", "6", "--repeats", "1", "--stream-interval-s", "0", "--eager",
-                   "--out", str(out)])     # eager: the layers, not compilation (tests/workers/compiled)
+    result = main(
+        [
+            "--model",
+            str(tiny_qwen_dir),
+            "--no-serve",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "8",
+            "--output-len",
+            "6",
+            "--repeats",
+            "1",
+            "--stream-interval-s",
+            "0",
+            "--eager",
+            "--out",
+            str(out),
+        ]
+    )  # eager: the layers, not compilation (tests/workers/compiled)
     best = result["in_process"]["tok_s"]
     assert all(best[name] > 0 for name in LAYERS) and all(best[name] >= 0 for name in EXTRA)
     assert "ingress" in report(result) and out.is_file()

@@ -1,6 +1,7 @@
 """The dashboards as code: checked-in JSON is current, panels are well formed, every
 hybridserve_* name they read is one the metrics registry exports, and every expression
 is valid PromQL (promtool, when installed). The live check is test_live_prometheus.py."""
+
 from __future__ import annotations
 
 import json
@@ -21,22 +22,56 @@ from cluster.store.checkpoint_store import CheckpointStore
 from workers.stats import STORE_COUNTERS, STORE_GAUGES, EngineStats
 
 GRAFANA_BUILTINS = {"__rate_interval": "1m", "__range": "5m", "__interval": "15s"}
-HYBRIDSERVE_LABELS = {"model", "replica", "le", "phase", "path", "invariant", "finish_reason", "reason",
-                      "tier", "outcome", "direction"}
+HYBRIDSERVE_LABELS = {
+    "model",
+    "replica",
+    "le",
+    "phase",
+    "path",
+    "invariant",
+    "finish_reason",
+    "reason",
+    "tier",
+    "outcome",
+    "direction",
+}
 # What the issue asks each dashboard to show (a title may cover several items).
 REQUIRED_PANELS = {
-    ENGINE.uid: {"Time to first token", "Time per output token", "End-to-end request latency",
-                 "Request throughput", "Token throughput", "Running and waiting requests",
-                 "KV and Mamba pool usage", "Prefix cache hit ratio", "Checkpoints inserted and evicted",
-                 "Donations made and skipped", "Pending-slot allocation failures", "In-place track writes",
-                 "Invariant violations", "Speculative acceptance rate", "Preemptions",
-                 # the tiers: hits by tier, promotions, demotions, fetches, bytes moved, host KV
-                 # with no checkpoint under it
-                 "Cache hits by tier", "Promotions and demotions", "Bytes moved between tiers",
-                 "Store fetches and commits", "Host tier usage", "Host KV with no checkpoint under it"},
-    CLUSTER.uid: {"Load per replica", "Router decisions by reason", "Cache-hit share per replica",
-                  "Serve request rate", "Serve error rate", "Serve HTTP latency",
-                  "Store objects", "Store bytes"},
+    ENGINE.uid: {
+        "Time to first token",
+        "Time per output token",
+        "End-to-end request latency",
+        "Request throughput",
+        "Token throughput",
+        "Running and waiting requests",
+        "KV and Mamba pool usage",
+        "Prefix cache hit ratio",
+        "Checkpoints inserted and evicted",
+        "Donations made and skipped",
+        "Pending-slot allocation failures",
+        "In-place track writes",
+        "Invariant violations",
+        "Speculative acceptance rate",
+        "Preemptions",
+        # the tiers: hits by tier, promotions, demotions, fetches, bytes moved, host KV
+        # with no checkpoint under it
+        "Cache hits by tier",
+        "Promotions and demotions",
+        "Bytes moved between tiers",
+        "Store fetches and commits",
+        "Host tier usage",
+        "Host KV with no checkpoint under it",
+    },
+    CLUSTER.uid: {
+        "Load per replica",
+        "Router decisions by reason",
+        "Cache-hit share per replica",
+        "Serve request rate",
+        "Serve error rate",
+        "Serve HTTP latency",
+        "Store objects",
+        "Store bytes",
+    },
 }
 
 
@@ -48,13 +83,14 @@ def exported_names() -> set[str]:
         stats.observe(name, 0.01)
     reg.update_replica("m", "0", stats.snapshot(), stats.drain_observations())
     store = CheckpointStore(1).stats()
-    assert set(store) == set(STORE_GAUGES + STORE_COUNTERS)          # the store pushes workers/stats names
+    assert set(store) == set(STORE_GAUGES + STORE_COUNTERS)  # the store pushes workers/stats names
     reg.update_replica("m", "store", store, {})
     reg.add_router_decisions("m", {"prefix": 1})
 
     class Collector:
         def collect(self):
             return reg.collect()
+
     prom = CollectorRegistry(auto_describe=False)
     prom.register(Collector())
     text = generate_latest(prom).decode()
@@ -120,7 +156,7 @@ def test_hybridserve_names_are_exported_and_labels_are_bounded():
             ours = {n for n in names if n.startswith("hybridserve_")}
             assert ours <= exported, (panel.title, ours - exported)
             assert all(n.startswith("ray_serve_") for n in names - ours), (panel.title, names)
-            if ours == names:             # only our series: only our labels
+            if ours == names:  # only our series: only our labels
                 used = set(re.findall(r"(\w+)\s*=~?", target.expr))
                 for group in re.findall(r"by \(([^)]*)\)", target.expr):
                     used |= {x.strip() for x in group.split(",")}
@@ -135,13 +171,15 @@ def test_rate_ratios_not_gauges_for_prefix_hits():
                 assert "rate(hybridserve_prefix_hit_tokens_total" in target.expr
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool not installed (deploy/prometheus/install.sh)")
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (deploy/prometheus/install.sh)")
 def test_every_expression_is_valid_promql(tmp_path):
     """Each expression, variables substituted, as a recording rule that promtool parses."""
     values = all_values()
-    rules = [{"record": f"check:{d.uid.replace('-', '_')}:{i}", "expr": substitute(t.expr, values)}
-             for d in DASHBOARDS for i, (_, t) in enumerate(d.targets())]
+    rules = [
+        {"record": f"check:{d.uid.replace('-', '_')}:{i}", "expr": substitute(t.expr, values)}
+        for d in DASHBOARDS
+        for i, (_, t) in enumerate(d.targets())
+    ]
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
     out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)

@@ -10,6 +10,7 @@ panel has a finite value (or a deadline), mixing cache hits, streaming and a few
 (so Serve's error counter exists), with a marker in request ids and prompts that must
 never show up in a label.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,24 +41,57 @@ from tests.e2e.conftest import FAST_PUBLISH, SMALL_ENGINE, DeployedApp, deploy
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 APP = "obs"
-MARKER = "zqxobsmarker"                    # in request ids and prompt text; never in a label
-VALUES = {"model": APP, "application": APP, "replica": ".*", "__rate_interval": "1m",
-          "__range": "5m", "__interval": "15s"}
+MARKER = "zqxobsmarker"  # in request ids and prompt text; never in a label
+VALUES = {
+    "model": APP,
+    "application": APP,
+    "replica": ".*",
+    "__rate_interval": "1m",
+    "__range": "5m",
+    "__interval": "15s",
+}
 SATISFY_TIMEOUT_S = 120
 # Panels this load must move (every target above 0): the rest may legitimately read 0
 # (invariant violations, preemptions, gauges after the load stopped, random-model acceptance).
-MUST_MOVE = {"Time to first token", "Time per output token", "End-to-end request latency",
-             "Request throughput", "Token throughput", "KV and Mamba pool usage", "Prefix cache hit ratio",
-             "Prefix tokens looked up and hit", "Donations made and skipped", "Generated tokens per replica",
-             "Cache-hit share per replica", "Router decisions by reason", "Router decision share",
-             "Serve request rate", "Serve error rate", "Serve HTTP latency",
-             "Deployment request rate per replica", "Deployment processing latency"}
-MAY_STAY_ZERO = {
-    ("Donations made and skipped", "skipped {{path}}"),   # needs a pending writer at donation time
+MUST_MOVE = {
+    "Time to first token",
+    "Time per output token",
+    "End-to-end request latency",
+    "Request throughput",
+    "Token throughput",
+    "KV and Mamba pool usage",
+    "Prefix cache hit ratio",
+    "Prefix tokens looked up and hit",
+    "Donations made and skipped",
+    "Generated tokens per replica",
+    "Cache-hit share per replica",
+    "Router decisions by reason",
+    "Router decision share",
+    "Serve request rate",
+    "Serve error rate",
+    "Serve HTTP latency",
+    "Deployment request rate per replica",
+    "Deployment processing latency",
 }
-ENGINE_LABELS = {"__name__", "job", "instance", "model", "replica", "le", "phase", "path", "invariant",
-                 "tier", "outcome", "direction",
-                 "finish_reason", "reason"}
+MAY_STAY_ZERO = {
+    ("Donations made and skipped", "skipped {{path}}")  # needs a pending writer at donation time
+}
+ENGINE_LABELS = {
+    "__name__",
+    "job",
+    "instance",
+    "model",
+    "replica",
+    "le",
+    "phase",
+    "path",
+    "invariant",
+    "tier",
+    "outcome",
+    "direction",
+    "finish_reason",
+    "reason",
+}
 
 
 @dataclass
@@ -70,16 +104,21 @@ class Live:
 
 @dataclass(frozen=True)
 class Query:
-    name: str                             # dashboard / panel / legend
-    expr: str                             # variables substituted
-    must_move: bool                       # some value > 0, not only a finite one
+    name: str  # dashboard / panel / legend
+    expr: str  # variables substituted
+    must_move: bool  # some value > 0, not only a finite one
 
 
 def panel_queries() -> list[Query]:
-    return [Query(f"{d.uid} / {panel.title} / {target.legend or target.expr[:40]}",
-                  substitute(target.expr, VALUES),
-                  panel.title in MUST_MOVE and (panel.title, target.legend) not in MAY_STAY_ZERO)
-            for d in DASHBOARDS for panel, target in d.targets()]
+    return [
+        Query(
+            f"{d.uid} / {panel.title} / {target.legend or target.expr[:40]}",
+            substitute(target.expr, VALUES),
+            panel.title in MUST_MOVE and (panel.title, target.legend) not in MAY_STAY_ZERO,
+        )
+        for d in DASHBOARDS
+        for panel, target in d.targets()
+    ]
 
 
 def satisfied(prom: LocalPrometheus, q: Query) -> bool:
@@ -117,14 +156,15 @@ class Load:
                 body = {"model": APP, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
                 try:
                     if n % 7 == 0:
-                        r = http.post("/completions", json={**body, "model": "no-such-model", "prompt": "x"},
-                                      headers=headers)
+                        r = http.post(
+                            "/completions", json={**body, "model": "no-such-model", "prompt": "x"}, headers=headers
+                        )
                         assert r.status_code == 404, r.text
                     elif n % 3 == 0:
                         prompt = f"{MARKER} tell me about the number {rng.randrange(1000)}"
-                        with http.stream("POST", "/completions", json={**body, "prompt": prompt,
-                                                                       "stream": True},
-                                         headers=headers) as r:
+                        with http.stream(
+                            "POST", "/completions", json={**body, "prompt": prompt, "stream": True}, headers=headers
+                        ) as r:
                             assert r.status_code == 200
                             for _ in r.iter_lines():
                                 pass
@@ -144,17 +184,27 @@ def live(serve_session: ServeSession, tiny_qwen_dir) -> Iterator[Live]:
         pytest.skip("prometheus is not installed and could not be: run deploy/prometheus/install.sh as root")
     from ray import serve
 
-    tiers = {**SMALL_ENGINE["cache"], "host_mamba_slots": 16, "host_kv_tokens": 1024,
-             "cluster_store_bytes": 64 << 20}                  # the tier and store panels have series
-    app = deploy(serve_session, APP, str(tiny_qwen_dir),
-                 overrides={"parallel": {"num_replicas": 2}, "spec": {"method": "mtp", "num_draft_tokens": 2},
-                            "cache": tiers,
-                            "debug": {"check_invariants": True, "fail_pending_alloc_prob": 0.3}},
-                 args={"model_name": APP, "replica": {**FAST_PUBLISH, "stats_interval_s": 0.5}})
+    tiers = {
+        **SMALL_ENGINE["cache"],
+        "host_mamba_slots": 16,
+        "host_kv_tokens": 1024,
+        "cluster_store_bytes": 64 << 20,
+    }  # the tier and store panels have series
+    app = deploy(
+        serve_session,
+        APP,
+        str(tiny_qwen_dir),
+        overrides={
+            "parallel": {"num_replicas": 2},
+            "spec": {"method": "mtp", "num_draft_tokens": 2},
+            "cache": tiers,
+            "debug": {"check_invariants": True, "fail_pending_alloc_prob": 0.3},
+        },
+        args={"model_name": APP, "replica": {**FAST_PUBLISH, "stats_interval_s": 0.5}},
+    )
     try:
         metrics = urlparse(app.metrics_url)
-        jobs = [ScrapeJob("hybridserve", (f"127.0.0.1:{metrics.port}",)),
-                ScrapeJob("ray", local_ray_targets())]
+        jobs = [ScrapeJob("hybridserve", (f"127.0.0.1:{metrics.port}",)), ScrapeJob("ray", local_ray_targets())]
         with LocalPrometheus(jobs, scrape_interval_s=1.0, extra_config={"rule_files": [str(ALERTS)]}) as prom:
             start = time.monotonic()
             with Load(app) as load:
@@ -178,8 +228,7 @@ def query_eventually(prom: LocalPrometheus, expr: str, timeout_s: float = 30.0) 
 
 
 def test_every_panel_returns_data(live):
-    assert live.unsatisfied == [], (f"no (or no moving) data after {live.load_s:.0f}s of load: "
-                                    f"{live.unsatisfied}")
+    assert live.unsatisfied == [], f"no (or no moving) data after {live.load_s:.0f}s of load: {live.unsatisfied}"
     for q in panel_queries():
         assert query_eventually(live.prom, q.expr), q.name
 

@@ -1,4 +1,5 @@
 """MetricsRegistry: per-replica totals, bucketed observations, router deltas, exposition."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -52,14 +53,11 @@ def test_replica_totals_gauges_and_histograms_are_exported_per_replica():
     assert got[("hybridserve_generation_tokens_total", r0)] == 10
     assert got[("hybridserve_generation_tokens_total", r1)] == 4
     assert got[("hybridserve_requests_total", lbl(model="m", replica="0", finish_reason="length"))] == 2
-    assert got[("hybridserve_mamba_checkpoints_inserted_total", lbl(model="m", replica="0",
-                                                                    phase="prefill"))] == 1
+    assert got[("hybridserve_mamba_checkpoints_inserted_total", lbl(model="m", replica="0", phase="prefill"))] == 1
     assert got[("hybridserve_num_running_requests", r0)] == 3
     assert got[("hybridserve_time_to_first_token_seconds_count", r0)] == 2
-    assert got[("hybridserve_time_to_first_token_seconds_bucket", lbl(model="m", replica="0",
-                                                                      le="0.005"))] == 1
-    assert got[("hybridserve_time_to_first_token_seconds_bucket", lbl(model="m", replica="0",
-                                                                      le="+Inf"))] == 2
+    assert got[("hybridserve_time_to_first_token_seconds_bucket", lbl(model="m", replica="0", le="0.005"))] == 1
+    assert got[("hybridserve_time_to_first_token_seconds_bucket", lbl(model="m", replica="0", le="+Inf"))] == 2
     assert abs(got[("hybridserve_time_to_first_token_seconds_sum", r1)] - 9.0) < 1e-9
 
 
@@ -67,13 +65,13 @@ def test_counter_pushes_are_totals_and_observations_accumulate():
     reg = MetricsRegistry()
     st = engine_stats(5, [0.1])
     reg.update_replica("m", "0", st.snapshot(), st.drain_observations())
-    reg.update_replica("m", "0", st.snapshot(), st.drain_observations())   # same totals again
+    reg.update_replica("m", "0", st.snapshot(), st.drain_observations())  # same totals again
     st.inc("hybridserve_generation_tokens_total", 7)
     st.observe("hybridserve_time_to_first_token_seconds", 0.2)
     reg.update_replica("m", "0", st.snapshot(), st.drain_observations())
     got = scrape(reg)
     key = lbl(model="m", replica="0")
-    assert got[("hybridserve_generation_tokens_total", key)] == 12         # not 5 + 5 + 12
+    assert got[("hybridserve_generation_tokens_total", key)] == 12  # not 5 + 5 + 12
     assert got[("hybridserve_time_to_first_token_seconds_count", key)] == 2
 
 
@@ -87,8 +85,7 @@ def test_router_deltas_sum_and_silent_replicas_expire():
     got = scrape(reg)
     assert got[("hybridserve_router_decisions_total", lbl(model="m", reason="prefix"))] == 5
     assert got[("hybridserve_router_decisions_total", lbl(model="m", reason="cold"))] == 1
-    assert {k[1] for k in got
-            if k[0] == "hybridserve_generation_tokens_total"} == {lbl(model="m", replica="1")}
+    assert {k[1] for k in got if k[0] == "hybridserve_generation_tokens_total"} == {lbl(model="m", replica="1")}
 
 
 def test_no_unbounded_labels():
@@ -98,8 +95,19 @@ def test_no_unbounded_labels():
     reg.update_replica("m", "0", st.snapshot(), st.drain_observations())
     reg.add_router_decisions("m", {"prefix": 1})
     names = {name for key in scrape(reg) for name, _ in key[1]}
-    assert names <= {"model", "replica", "finish_reason", "phase", "path", "invariant", "le", "reason",
-                     "tier", "outcome", "direction"}
+    assert names <= {
+        "model",
+        "replica",
+        "finish_reason",
+        "phase",
+        "path",
+        "invariant",
+        "le",
+        "reason",
+        "tier",
+        "outcome",
+        "direction",
+    }
 
 
 def test_known_label_values_are_exported_at_zero():

@@ -1,5 +1,6 @@
 """``cluster.observability.prometheus_local`` without Ray: a real Prometheus scraping a real
 ``prometheus_client`` server on loopback; the shipped config and alert rules; the CLI flag."""
+
 from __future__ import annotations
 
 import shutil
@@ -21,16 +22,18 @@ from workers.stats import EngineStats
 ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"
 needs_prometheus = pytest.mark.skipif(
-    pl.find_prometheus() is None, reason=f"prometheus not installed; {pl.INSTALL_HINT}")
+    pl.find_prometheus() is None, reason=f"prometheus not installed; {pl.INSTALL_HINT}"
+)
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 
 
 def test_rendered_config_has_the_jobs_and_interval():
-    text = pl.render_config([pl.ScrapeJob("hybridserve", ("127.0.0.1:9464",)),
-                             pl.ScrapeJob("ray", ())], scrape_interval_s=1.0)
+    text = pl.render_config(
+        [pl.ScrapeJob("hybridserve", ("127.0.0.1:9464",)), pl.ScrapeJob("ray", ())], scrape_interval_s=1.0
+    )
     doc = yaml.safe_load(text)
     assert doc["global"]["scrape_interval"] == "1000ms"
-    assert [j["job_name"] for j in doc["scrape_configs"]] == ["hybridserve"]   # empty jobs dropped
+    assert [j["job_name"] for j in doc["scrape_configs"]] == ["hybridserve"]  # empty jobs dropped
     assert doc["scrape_configs"][0]["static_configs"] == [{"targets": ["127.0.0.1:9464"]}]
 
 
@@ -70,6 +73,7 @@ def test_local_prometheus_scrapes_on_loopback_and_cleans_up():
     class Collector:
         def collect(self):
             return reg.collect()
+
     prom_registry = CollectorRegistry(auto_describe=False)
     prom_registry.register(Collector())
     server, thread = start_http_server(0, addr="127.0.0.1", registry=prom_registry)
@@ -84,7 +88,7 @@ def test_local_prometheus_scrapes_on_loopback_and_cleans_up():
                 time.sleep(0.3)
             assert float(result[0]["value"][1]) == 7
             assert result[0]["metric"]["job"] == "hybridserve"
-            assert prom.query("hybridserve_invariant_violations_total") != []   # exported at 0
+            assert prom.query("hybridserve_invariant_violations_total") != []  # exported at 0
             if shutil.which("ss"):
                 addrs = _listening_addresses(pid)
                 assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs

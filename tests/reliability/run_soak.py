@@ -7,6 +7,7 @@ The load is ``soak``, the server-side checks ``soak_server`` (both beside this f
 ``--ray-app`` joins the Ray cluster to read the replicas' RSS; a cluster with Ray's token
 authentication also needs ``RAY_AUTH_MODE=token`` in this command's environment.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,7 @@ from tests.reliability.soak_server import replica_pids, run_checked
 
 def main(argv: list[str] | None = None) -> int:
     """Run a checked soak against a server; exit status 1 when any check fails."""
-    p = argparse.ArgumentParser(prog="python -m tests.reliability.run_soak",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tests.reliability.run_soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", required=True, help="the app's URL (above /v1, where /debug/replicas is)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--duration-s", type=float, default=600.0)
@@ -31,14 +31,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, help="tokenizer dir for text prompts (default: words)")
-    p.add_argument("--ray-app", default=None,
-                   help="Serve app name: join the local Ray cluster and check the replicas' RSS")
+    p.add_argument(
+        "--ray-app", default=None, help="Serve app name: join the local Ray cluster and check the replicas' RSS"
+    )
     p.add_argument("--ray-address", default="auto", help="with --ray-app: the cluster's GCS address")
     p.add_argument("--max-rss-growth", type=float, default=0.10)
     args = p.parse_args(argv)
-    settings = SoakSettings(args.duration_s, args.duration_s / 10 if args.warmup_s is None else args.warmup_s,
-                            args.concurrency, args.stream_frac, args.disconnect_frac, args.invalid_frac,
-                            args.request_timeout_s, args.seed)
+    settings = SoakSettings(
+        args.duration_s,
+        args.duration_s / 10 if args.warmup_s is None else args.warmup_s,
+        args.concurrency,
+        args.stream_frac,
+        args.disconnect_frac,
+        args.invalid_frac,
+        args.request_timeout_s,
+        args.seed,
+    )
     pids: list[int] = []
     if args.ray_app:
         import ray

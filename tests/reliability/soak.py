@@ -18,6 +18,7 @@ stream must end with ``[DONE]`` and no in-band error. Outcomes: ``ok``, ``discon
 ``rejected`` (an invalid request refused as expected) and the failures in ``FAILURES``.
 Server-side checks (violations, pools, RSS) are in ``tests.reliability.soak_server``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,17 +38,33 @@ from cluster.bench.workloads import Renderer, Session, Workload, load_workload
 WORKLOADS = ("random", "shared_prefix", "prefix_repetition", "cache_pressure", "multi_turn")
 # cache_pressure needs a tenant count (it is derived from the cluster's cache otherwise)
 DEFAULT_OVERRIDES: dict[str, dict[str, Any]] = {"cache_pressure": {"num_tenants": 8}}
-FAILURES = ("http_5xx", "http_4xx", "wrong_4xx", "bad_error_object", "invalid_accepted", "stream_error",
-            "truncated", "wrong_length", "transport", "timeout")
-INVALID_KINDS: dict[str, tuple[int, ...]] = {       # kind -> accepted statuses
-    "max_tokens_negative": (400,), "negative_temperature": (400,), "top_p_above_one": (400,),
-    "n_over_cap": (400,), "unknown_model": (404,), "prompt_too_long": (400,), "malformed_json": (400,)}
+FAILURES = (
+    "http_5xx",
+    "http_4xx",
+    "wrong_4xx",
+    "bad_error_object",
+    "invalid_accepted",
+    "stream_error",
+    "truncated",
+    "wrong_length",
+    "transport",
+    "timeout",
+)
+INVALID_KINDS: dict[str, tuple[int, ...]] = {  # kind -> accepted statuses
+    "max_tokens_negative": (400,),
+    "negative_temperature": (400,),
+    "top_p_above_one": (400,),
+    "n_over_cap": (400,),
+    "unknown_model": (404,),
+    "prompt_too_long": (400,),
+    "malformed_json": (400,),
+}
 
 
 @dataclass(frozen=True)
 class SoakSettings:
-    duration_s: float = 600.0             # load time in all, warm-up included
-    warmup_s: float = 60.0                # ``on_warm`` is called this long after the start
+    duration_s: float = 600.0  # load time in all, warm-up included
+    warmup_s: float = 60.0  # ``on_warm`` is called this long after the start
     concurrency: int = 8
     stream_frac: float = 0.5
     disconnect_frac: float = 0.05
@@ -58,15 +75,20 @@ class SoakSettings:
     overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(DEFAULT_OVERRIDES))
 
     def __post_init__(self) -> None:
-        fracs = {"stream_frac": self.stream_frac, "disconnect_frac": self.disconnect_frac,
-                 "invalid_frac": self.invalid_frac}
+        fracs = {
+            "stream_frac": self.stream_frac,
+            "disconnect_frac": self.disconnect_frac,
+            "invalid_frac": self.invalid_frac,
+        }
         if any(not 0.0 <= v <= 1.0 for v in fracs.values()) or self.disconnect_frac + self.invalid_frac > 1.0:
             raise ValueError(f"fractions must lie in [0, 1], disconnect + invalid <= 1; got {fracs}")
         if self.duration_s <= 0 or not 0 <= self.warmup_s < self.duration_s:
             raise ValueError(f"need 0 <= warmup_s < duration_s, got {self.warmup_s}, {self.duration_s}")
         if self.concurrency < 1 or self.request_timeout_s <= 0 or not self.workloads:
-            raise ValueError(f"concurrency ({self.concurrency}) >= 1, request_timeout_s "
-                             f"({self.request_timeout_s}) > 0 and a workload are needed")
+            raise ValueError(
+                f"concurrency ({self.concurrency}) >= 1, request_timeout_s "
+                f"({self.request_timeout_s}) > 0 and a workload are needed"
+            )
 
 
 @dataclass(frozen=True)
@@ -77,9 +99,9 @@ class SoakRecord:
     mode: str
     outcome: str
     status: int | None
-    start_s: float                        # since the soak's start
+    start_s: float  # since the soak's start
     latency_s: float
-    detail: str = ""                      # what went wrong, and the request, for a failure
+    detail: str = ""  # what went wrong, and the request, for a failure
 
 
 @dataclass
@@ -97,15 +119,18 @@ class SoakReport:
     def figures(self) -> dict[str, Any]:
         """Requests by workload and mode, statuses, outcomes, latency of the completed ones (s)."""
         done = sorted(r.latency_s for r in self.records if r.outcome == "ok")
-        return {"duration_s": round(self.duration_s, 1), "requests": len(self.records),
-                "by_workload": self.counts(lambda r: r.workload),
-                "by_mode": self.counts(lambda r: r.mode.split(":")[0]),
-                "by_workload_and_mode": self.counts(lambda r: f"{r.workload}/{r.mode.split(':')[0]}"),
-                "invalid_kinds": dict(Counter(r.mode[8:] for r in self.records
-                                              if r.mode.startswith("invalid:"))),
-                "statuses": self.counts(lambda r: r.status), "outcomes": self.counts(lambda r: r.outcome),
-                "e2e_p50_s": round(done[len(done) // 2], 3) if done else None,
-                "e2e_max_s": round(done[-1], 3) if done else None}
+        return {
+            "duration_s": round(self.duration_s, 1),
+            "requests": len(self.records),
+            "by_workload": self.counts(lambda r: r.workload),
+            "by_mode": self.counts(lambda r: r.mode.split(":")[0]),
+            "by_workload_and_mode": self.counts(lambda r: f"{r.workload}/{r.mode.split(':')[0]}"),
+            "invalid_kinds": dict(Counter(r.mode[8:] for r in self.records if r.mode.startswith("invalid:"))),
+            "statuses": self.counts(lambda r: r.status),
+            "outcomes": self.counts(lambda r: r.outcome),
+            "e2e_p50_s": round(done[len(done) // 2], 3) if done else None,
+            "e2e_max_s": round(done[-1], 3) if done else None,
+        }
 
 
 # -- the mix ----------------------------------------------------------------------------------
@@ -126,8 +151,7 @@ class WorkloadMix:
     def next(self) -> tuple[Workload, Session]:
         name = self._rng.choice(self._settings.workloads)
         if not self._queues[name]:
-            overrides = {**self._settings.overrides.get(name, {}),
-                         "seed": self._settings.seed + self._epochs[name]}
+            overrides = {**self._settings.overrides.get(name, {}), "seed": self._settings.seed + self._epochs[name]}
             self._epochs[name] += 1
             self._built[name] = load_workload(name, overrides)
             self._queues[name] = list(reversed(self._built[name].sessions))
@@ -144,7 +168,7 @@ class WorkloadMix:
             kind = self._kinds[self._num_invalid % len(self._kinds)]
             self._num_invalid += 1
             return f"invalid:{kind}"
-        n_valid = n - self._num_invalid          # disconnects are spread over the valid ones
+        n_valid = n - self._num_invalid  # disconnects are spread over the valid ones
         if _steps(s.disconnect_frac, n_valid, self._phases[1]):
             return "disconnect"
         return "stream" if self._rng.random() < s.stream_frac else "plain"
@@ -160,7 +184,7 @@ class _Server:
     target: Target
     model: str
     max_model_len: int
-    path_of: dict[str, str]               # workload api -> URL
+    path_of: dict[str, str]  # workload api -> URL
 
 
 class _Outcome(Exception):
@@ -173,7 +197,7 @@ class _Outcome(Exception):
 
 def invalid_body(kind: str, body: dict[str, Any], max_model_len: int) -> dict[str, Any] | bytes:
     """``body`` made invalid in the way ``kind`` names (bytes: not JSON at all)."""
-    if kind == "max_tokens_negative":      # (0 is valid for completions with echo)
+    if kind == "max_tokens_negative":  # (0 is valid for completions with echo)
         return {**body, "max_tokens": -1}
     if kind == "negative_temperature":
         return {**body, "temperature": -1.0}
@@ -220,8 +244,9 @@ def _check_status(status: int, text: str) -> None:
         raise _Outcome("http_4xx", status, text[:300])
 
 
-async def _plain(client: Any, url: str, server: _Server, workload: Workload,
-                 body: dict[str, Any]) -> tuple[str, list[int]]:
+async def _plain(
+    client: Any, url: str, server: _Server, workload: Workload, body: dict[str, Any]
+) -> tuple[str, list[int]]:
     body = {**body, "stream": False}
     body.pop("stream_options", None)
     r = await client.post(url, json=body, headers=server.target.headers())
@@ -235,8 +260,9 @@ async def _plain(client: Any, url: str, server: _Server, workload: Workload,
     return text or "", list(choice.get("token_ids") or [])
 
 
-async def _stream(client: Any, url: str, server: _Server, workload: Workload, body: dict[str, Any],
-                  cut_after: int | None) -> tuple[str, list[int]]:
+async def _stream(
+    client: Any, url: str, server: _Server, workload: Workload, body: dict[str, Any], cut_after: int | None
+) -> tuple[str, list[int]]:
     """Read the SSE stream; with ``cut_after``, close it after that many content chunks."""
     parts: list[str] = []
     ids: list[int] = []
@@ -248,7 +274,7 @@ async def _stream(client: Any, url: str, server: _Server, workload: Workload, bo
             obj = sse_payload(line)
             if obj is None:
                 continue
-            if not isinstance(obj, dict):     # [DONE]
+            if not isinstance(obj, dict):  # [DONE]
                 done = True
                 break
             if obj.get("error"):
@@ -261,22 +287,22 @@ async def _stream(client: Any, url: str, server: _Server, workload: Workload, bo
                     ids.extend(new_ids)
             usage = obj.get("usage") or usage
             if cut_after is not None and num_chunks >= cut_after:
-                raise _Outcome("disconnected", 200)        # leaving the block closes the stream
+                raise _Outcome("disconnected", 200)  # leaving the block closes the stream
     if not done or usage is None:
         raise _Outcome("truncated", 200, f"done={done}, usage={usage}, {num_chunks} chunks")
     if int(usage["completion_tokens"]) != body["max_tokens"]:
-        raise _Outcome("wrong_length", 200,
-                       f"{usage['completion_tokens']} tokens, asked {body['max_tokens']}")
+        raise _Outcome("wrong_length", 200, f"{usage['completion_tokens']} tokens, asked {body['max_tokens']}")
     return "".join(parts), ids
 
 
-async def _request(client: Any, server: _Server, workload: Workload, body: dict[str, Any], mode: str,
-                   rng: random.Random) -> tuple[str, int | None, str, tuple[str, list[int]] | None]:
+async def _request(
+    client: Any, server: _Server, workload: Workload, body: dict[str, Any], mode: str, rng: random.Random
+) -> tuple[str, int | None, str, tuple[str, list[int]] | None]:
     """(outcome, status, detail, answer): the answer only for a completed request."""
     url = server.path_of[workload.api]
     try:
         if mode.startswith("invalid:"):
-            body = {**body, "stream": rng.random() < 0.5}     # errors come before any stream
+            body = {**body, "stream": rng.random() < 0.5}  # errors come before any stream
             return "rejected", await _invalid(client, url, server, mode[8:], body), "", None
         if mode == "plain":
             return "ok", 200, "", await _plain(client, url, server, workload, body)
@@ -289,8 +315,16 @@ async def _request(client: Any, server: _Server, workload: Workload, body: dict[
 
 
 # -- the loop ---------------------------------------------------------------------------------
-async def _worker(client: Any, server: _Server, mix: WorkloadMix, renderers: dict[str, Renderer],
-                  settings: SoakSettings, t0: float, out: list[SoakRecord], worker_id: int) -> None:
+async def _worker(
+    client: Any,
+    server: _Server,
+    mix: WorkloadMix,
+    renderers: dict[str, Renderer],
+    settings: SoakSettings,
+    t0: float,
+    out: list[SoakRecord],
+    worker_id: int,
+) -> None:
     rng = random.Random(settings.seed * 1000 + worker_id)
     deadline = t0 + settings.duration_s
     while time.perf_counter() < deadline:
@@ -304,15 +338,17 @@ async def _worker(client: Any, server: _Server, mix: WorkloadMix, renderers: dic
             mode, start = mix.mode(), time.perf_counter()
             try:
                 outcome, status, detail, answer = await asyncio.wait_for(
-                    _request(client, server, workload, body, mode, rng), settings.request_timeout_s)
+                    _request(client, server, workload, body, mode, rng), settings.request_timeout_s
+                )
             except asyncio.TimeoutError:
                 outcome, status, detail, answer = "timeout", None, f"> {settings.request_timeout_s}s", None
             if outcome in FAILURES:
                 detail = f"{detail} | request: {json.dumps(body)[:400]}"
-            out.append(SoakRecord(workload.name, mode, outcome, status, start - t0,
-                                  time.perf_counter() - start, detail))
+            out.append(
+                SoakRecord(workload.name, mode, outcome, status, start - t0, time.perf_counter() - start, detail)
+            )
             if answer is None:
-                break                                  # later turns need this answer
+                break  # later turns need this answer
             conv.answer(_Reply(RequestRecord(True, start), answer[0], answer[1]))
 
 
@@ -324,8 +360,9 @@ async def _server_info(client: Any, target: Target) -> _Server:
     return _Server(target, target.model or entry["id"], int(entry.get("max_model_len") or 4096), paths)
 
 
-async def run_soak(target: Target, settings: SoakSettings, renderer: Renderer | None = None,
-                   on_warm: Callable[[], None] | None = None) -> SoakReport:
+async def run_soak(
+    target: Target, settings: SoakSettings, renderer: Renderer | None = None, on_warm: Callable[[], None] | None = None
+) -> SoakReport:
     """Run the mixed load; ``on_warm`` runs (in a thread) ``warmup_s`` after the start."""
     import httpx
 
@@ -337,8 +374,10 @@ async def run_soak(target: Target, settings: SoakSettings, renderer: Renderer | 
         renderers = {"ids": Renderer(), "text": renderer or Renderer()}
         mix = WorkloadMix(settings)
         t0 = time.perf_counter()
-        workers = [asyncio.create_task(_worker(client, server, mix, renderers, settings, t0, records, i))
-                   for i in range(settings.concurrency)]
+        workers = [
+            asyncio.create_task(_worker(client, server, mix, renderers, settings, t0, records, i))
+            for i in range(settings.concurrency)
+        ]
         try:
             if on_warm is not None:
                 await asyncio.sleep(settings.warmup_s)

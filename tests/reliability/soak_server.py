@@ -19,6 +19,7 @@
   caller is connected to the cluster) and their resident set from ``/proc/<pid>/status``
   (the processes must run on this machine).
 """
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,9 @@ def replica_stats(base_url: str, api_key: str | None = None, timeout_s: float = 
     """``/debug/replicas``' entries (``ReplicaStats`` as dicts); raises on a non-200."""
     import httpx
 
-    r = httpx.get(f"{base_url.rstrip('/')}/debug/replicas", headers=_headers(api_key), timeout=timeout_s,
-                  trust_env=False)
+    r = httpx.get(
+        f"{base_url.rstrip('/')}/debug/replicas", headers=_headers(api_key), timeout=timeout_s, trust_env=False
+    )
     r.raise_for_status()
     return list(r.json()["replicas"])
 
@@ -69,14 +71,12 @@ def wait_idle(base_url: str, api_key: str | None = None, timeout_s: float = 60.0
         time.sleep(0.1)
 
 
-def idle_pools(base_url: str, api_key: str | None = None,
-               timeout_s: float = 60.0) -> dict[str, dict[str, int]]:
+def idle_pools(base_url: str, api_key: str | None = None, timeout_s: float = 60.0) -> dict[str, dict[str, int]]:
     """Pool counts per replica id, read idle and right after a cache flush."""
     import httpx
 
     wait_idle(base_url, api_key, timeout_s)
-    r = httpx.post(f"{base_url.rstrip('/')}/flush_cache", headers=_headers(api_key), timeout=timeout_s,
-                   trust_env=False)
+    r = httpx.post(f"{base_url.rstrip('/')}/flush_cache", headers=_headers(api_key), timeout=timeout_s, trust_env=False)
     r.raise_for_status()
     return {s["replica_id"]: dict(s["pools"]) for s in replica_stats(base_url, api_key)}
 
@@ -115,8 +115,7 @@ def replica_pids(app_name: str, deployment: str = ENGINE_DEPLOYMENT) -> dict[str
 
     suffix = f":{app_name}:{deployment}"
     table = state.actors(actor_state_name="ALIVE")
-    pids = {aid: int(a["Pid"]) for aid, a in table.items()
-            if str(a["ActorClassName"]).endswith(suffix) and a["Pid"]}
+    pids = {aid: int(a["Pid"]) for aid, a in table.items() if str(a["ActorClassName"]).endswith(suffix) and a["Pid"]}
     if not pids:
         raise ValueError(f"no live actor of class *{suffix} (app {app_name!r}, deployment {deployment!r})")
     return pids
@@ -147,7 +146,7 @@ class SoakResult:
     pools_before: dict[str, dict[str, int]]
     pools_after: dict[str, dict[str, int]]
     violations: dict[str, dict[str, int]]
-    counters_delta: dict[str, int]        # engine counters' growth during the soak (non-zero ones)
+    counters_delta: dict[str, int]  # engine counters' growth during the soak (non-zero ones)
     rss_warm_kib: dict[int, int] = field(default_factory=dict)
     rss_end_kib: dict[int, int] = field(default_factory=dict)
 
@@ -155,33 +154,37 @@ class SoakResult:
     def finished_delta(self) -> dict[str, int]:
         """Engine requests finished during the soak, by finish reason."""
         prefix = f"{FINISHED}{{"
-        return {k[len(prefix):-1]: v for k, v in self.counters_delta.items() if k.startswith(prefix)}
+        return {k[len(prefix) : -1]: v for k, v in self.counters_delta.items() if k.startswith(prefix)}
 
     def problems(self, max_rss_growth: float = 0.10) -> list[str]:
         """Everything that breaks the soak's contract; empty when it held."""
-        out = [f"{n} x {outcome}, first: "
-               f"{next(r.detail for r in self.report.failures() if r.outcome == outcome)}"
-               for outcome, n in Counter(r.outcome for r in self.report.failures()).items()]
+        out = [
+            f"{n} x {outcome}, first: {next(r.detail for r in self.report.failures() if r.outcome == outcome)}"
+            for outcome, n in Counter(r.outcome for r in self.report.failures()).items()
+        ]
         if any(self.violations.values()):
             out.append(f"invariant violations: {self.violations}")
         if not self.counters_delta.get(CHECKS):
             out.append(f"no invariant checks ran ({CHECKS} did not grow): is debug.check_invariants on?")
         if self.counters_delta.get(ORACLE_MISMATCHES):
-            out.append(f"{self.counters_delta[ORACLE_MISMATCHES]} of "
-                       f"{self.counters_delta.get(ORACLE_CHECKS)} "
-                       "recomputed checkpoints did not hold their path's state")
+            out.append(
+                f"{self.counters_delta[ORACLE_MISMATCHES]} of "
+                f"{self.counters_delta.get(ORACLE_CHECKS)} "
+                "recomputed checkpoints did not hold their path's state"
+            )
         if self.pools_after != self.pools_before:
             out.append(f"pools not back at idle: before {self.pools_before}, after {self.pools_after}")
-        grown = {pid: g for pid, g in rss_growth(self.rss_warm_kib, self.rss_end_kib).items()
-                 if g >= max_rss_growth}
+        grown = {pid: g for pid, g in rss_growth(self.rss_warm_kib, self.rss_end_kib).items() if g >= max_rss_growth}
         if grown:
             out.append(f"RSS grew >= {max_rss_growth:.0%} after warm-up: {grown}")
         outcomes = self.report.counts(lambda r: r.outcome)
         served = outcomes.get("ok", 0) + outcomes.get("disconnected", 0)
         engine = sum(self.finished_delta.values())
         if not self.report.failures() and engine != served:
-            out.append(f"the engines finished {engine} requests {self.finished_delta}, the client "
-                       f"completed or dropped {served}")
+            out.append(
+                f"the engines finished {engine} requests {self.finished_delta}, the client "
+                f"completed or dropped {served}"
+            )
         return out
 
     def format(self) -> str:
@@ -193,16 +196,23 @@ class SoakResult:
         lines.append(f"  invariant violations: {self.violations}")
         for pid in sorted(self.rss_warm_kib):
             warm, end = self.rss_warm_kib[pid], self.rss_end_kib.get(pid, 0)
-            lines.append(f"  RSS pid {pid}: {warm / 1024:.1f} MiB after warm-up -> {end / 1024:.1f} MiB "
-                         f"at the end ({end / warm - 1:+.2%})")
+            lines.append(
+                f"  RSS pid {pid}: {warm / 1024:.1f} MiB after warm-up -> {end / 1024:.1f} MiB "
+                f"at the end ({end / warm - 1:+.2%})"
+            )
         for rid, pools in self.pools_before.items():
             lines.append(f"  pools {rid[-12:]}: idle {pools} -> end {self.pools_after.get(rid)}")
         return "\n".join(lines)
 
 
-def run_checked(base_url: str, settings: SoakSettings, api_key: str | None = None,
-                renderer: Renderer | None = None, pids: list[int] | None = None,
-                idle_timeout_s: float = 120.0) -> SoakResult:
+def run_checked(
+    base_url: str,
+    settings: SoakSettings,
+    api_key: str | None = None,
+    renderer: Renderer | None = None,
+    pids: list[int] | None = None,
+    idle_timeout_s: float = 120.0,
+) -> SoakResult:
     """Idle pools, the soak (RSS of ``pids`` sampled after warm-up), idle pools again."""
     import asyncio
 
@@ -218,6 +228,13 @@ def run_checked(base_url: str, settings: SoakSettings, api_key: str | None = Non
     report = asyncio.run(run_soak(Target(base_url, api_key=api_key), settings, renderer, on_warm))
     stats = wait_idle(base_url, api_key, idle_timeout_s)
     rss_end = {pid: rss_kib(pid) for pid in pids or []}
-    delta = engine_counters(stats) - counters_before     # Counter subtraction keeps the positive
-    return SoakResult(report, pools_before, idle_pools(base_url, api_key, idle_timeout_s), violations(stats),
-                      dict(sorted(delta.items())), rss_warm, rss_end)
+    delta = engine_counters(stats) - counters_before  # Counter subtraction keeps the positive
+    return SoakResult(
+        report,
+        pools_before,
+        idle_pools(base_url, api_key, idle_timeout_s),
+        violations(stats),
+        dict(sorted(delta.items())),
+        rss_warm,
+        rss_end,
+    )

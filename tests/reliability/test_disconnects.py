@@ -7,6 +7,7 @@ cache (nothing held by a request). The time to get there is printed and must be 
 Then, after ``/flush_cache``, the pools equal their idle counts exactly and the abort
 counter grew by 16.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,10 +28,15 @@ SETTLE_BOUND_S = 1.0
 
 @pytest.fixture(scope="module")
 def app(deployed, tiny_qwen_dir):
-    return deployed(MODEL, str(tiny_qwen_dir), args={"model_name": MODEL},
-                    overrides={"scheduler": {"max_running_requests": NUM_STREAMS, "max_batch_tokens": 512,
-                                             "chunked_prefill_size": 128},
-                               "cache": {"page_size": 4, "max_kv_tokens": 4096, "max_mamba_slots": 64}})
+    return deployed(
+        MODEL,
+        str(tiny_qwen_dir),
+        args={"model_name": MODEL},
+        overrides={
+            "scheduler": {"max_running_requests": NUM_STREAMS, "max_batch_tokens": 512, "chunked_prefill_size": 128},
+            "cache": {"page_size": 4, "max_kv_tokens": 4096, "max_mamba_slots": 64},
+        },
+    )
 
 
 def replica(http: httpx.Client) -> dict[str, Any]:
@@ -41,8 +47,10 @@ def replica(http: httpx.Client) -> dict[str, Any]:
 
 def nothing_held(pools: dict[str, int]) -> bool:
     """Every page and slot is free or cached (the prefix cache may keep what it inserted)."""
-    return (pools["kv_pages_free"] + pools["kv_pages_cached"] == pools["kv_pages_usable"]
-            and pools["mamba_slots_free"] + pools["mamba_slots_cached"] == pools["mamba_slots_usable"])
+    return (
+        pools["kv_pages_free"] + pools["kv_pages_cached"] == pools["kv_pages_usable"]
+        and pools["mamba_slots_free"] + pools["mamba_slots_cached"] == pools["mamba_slots_usable"]
+    )
 
 
 def settled(rep: dict[str, Any]) -> bool:
@@ -51,8 +59,7 @@ def settled(rep: dict[str, Any]) -> bool:
 
 async def stream_then_drop(client: httpx.AsyncClient, k: int) -> float:
     """Open one stream, read ``TOKENS_BEFORE_DROP`` token events, close it; the close time."""
-    body = {"model": MODEL, "prompt": f"story number {k} begins", "max_tokens": 512,
-            "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": f"story number {k} begins", "max_tokens": 512, "ignore_eos": True, "stream": True}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
         seen = 0
@@ -88,8 +95,10 @@ def test_dropped_streams_free_the_pools_within_a_second(app):
                 break
             assert time.monotonic() - last_drop < 30, f"not settled after 30 s: {rep}"
             time.sleep(0.01)
-        print(f"\n[disconnects] {NUM_STREAMS} streams dropped after {TOKENS_BEFORE_DROP} tokens: "
-              f"settled {settle_s * 1000:.0f} ms after the last drop ({polls} polls); pools {rep['pools']}")
+        print(
+            f"\n[disconnects] {NUM_STREAMS} streams dropped after {TOKENS_BEFORE_DROP} tokens: "
+            f"settled {settle_s * 1000:.0f} ms after the last drop ({polls} polls); pools {rep['pools']}"
+        )
         aborts = rep["counters"]["hybridserve_requests_total"].get("abort", 0) - aborts_before
         assert aborts == NUM_STREAMS, rep["counters"]["hybridserve_requests_total"]
         assert settle_s < SETTLE_BOUND_S, f"settled after {settle_s:.3f} s"

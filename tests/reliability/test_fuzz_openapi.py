@@ -8,6 +8,7 @@ The engine's context is 32 tokens (the checkpoint's ``max_position_embeddings``)
 ask for long generations and the run stays bounded. Operations without any input
 (``GET /v1/models`` ...) have a single distinct example; hypothesis stops there.
 """
+
 from __future__ import annotations
 
 import collections
@@ -29,21 +30,23 @@ def short_context_dir(tmp_path_factory):
     so ``n`` = 16 choices run side by side)."""
     from tools.tiny import make_tiny_checkpoint
 
-    return make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("fuzz_model"), seed=0,
-                                max_position_embeddings=MAX_MODEL_LEN)
+    return make_tiny_checkpoint(
+        "qwen3_next", tmp_path_factory.mktemp("fuzz_model"), seed=0, max_position_embeddings=MAX_MODEL_LEN
+    )
 
 
 @pytest.fixture(scope="module")
 def app(deployed, short_context_dir):
-    return deployed("fuzz", str(short_context_dir), args={"model_name": "tiny-fuzz"},
-                    overrides={"server": {"api_key": KEY}})
+    return deployed(
+        "fuzz", str(short_context_dir), args={"model_name": "tiny-fuzz"}, overrides={"server": {"api_key": KEY}}
+    )
 
 
 @pytest.fixture(scope="module")
 def schema(app) -> Any:
     import schemathesis
 
-    assert httpx.get(f"{app.base_url}/openapi.json").status_code == 401     # the key guards it
+    assert httpx.get(f"{app.base_url}/openapi.json").status_code == 401  # the key guards it
     r = httpx.get(f"{app.base_url}/openapi.json", headers=AUTH, timeout=60)
     r.raise_for_status()
     models = httpx.get(f"{app.openai_base}/models", headers=AUTH, timeout=60).json()
@@ -64,9 +67,14 @@ def fuzz_operation(app, operation: Any, mode: Any, max_examples: int) -> collect
     statuses: collections.Counter[str] = collections.Counter()
     wanted = [checks.not_a_server_error, checks.status_code_conformance, checks.response_schema_conformance]
 
-    @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(generation_mode=mode, headers=AUTH))
     def run(case: Any) -> None:
         response = case.call(base_url=app.base_url, headers=AUTH, timeout=120)
@@ -74,7 +82,7 @@ def fuzz_operation(app, operation: Any, mode: Any, max_examples: int) -> collect
         statuses[f"{response.status_code}{' sse' if sse else ''}"] += 1
         case.validate_response(response, checks=wanted, headers=AUTH)
 
-    if mode == GenerationMode.POSITIVE:        # the document's own examples run first
+    if mode == GenerationMode.POSITIVE:  # the document's own examples run first
         run = add_examples(run, operation, fill_missing=False)
     run()
     return statuses
@@ -98,13 +106,15 @@ def fuzz_all(app, schema: Any, max_examples: int) -> None:
         for mode in modes:
             start = time.monotonic()
             statuses = fuzz_operation(app, op, mode, max_examples)
-            report.append(f"{op.label} {mode.value}: {sum(statuses.values())} requests, "
-                          f"statuses {dict(sorted(statuses.items()))}, {time.monotonic() - start:.1f}s")
+            report.append(
+                f"{op.label} {mode.value}: {sum(statuses.values())} requests, "
+                f"statuses {dict(sorted(statuses.items()))}, {time.monotonic() - start:.1f}s"
+            )
             print(report[-1], flush=True)
             assert not any(s.startswith("5") for s in statuses), report[-1]
             if op.body and mode == GenerationMode.POSITIVE:
                 assert sum(statuses.values()) >= max_examples, report[-1]
-                assert statuses["200"] > 0, report[-1]                                # past validation
+                assert statuses["200"] > 0, report[-1]  # past validation
                 assert statuses["200 sse"] > 0 or not _streams(op), report[-1]
     print("\nfuzz:", *report, sep="\n  ")
     assert httpx.get(f"{app.base_url}/health", timeout=30).status_code == 200

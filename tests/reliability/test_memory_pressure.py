@@ -12,6 +12,7 @@ In process for both tiny families (driven step by step with a step cap, so a liv
 fails instead of hanging), and through Serve with 16 concurrent streams from the official
 ``openai`` client. Short shapes run by default; the ``slow`` variants are longer.
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,12 +57,17 @@ SHAPES = [pytest.param(SHORT, id="short"), pytest.param(LONG, id="long", marks=p
 
 def pressured(shape: Shape) -> dict[str, Any]:
     """Engine overrides: KV for two whole requests, Mamba slots for three, 16 may run."""
-    return {"cache": {"page_size": PAGE_SIZE, "max_kv_tokens": 2 * shape.request_len,
-                      "max_mamba_slots": 6, "enable_prefix_cache": True,
-                      "mamba_track_interval": 16},
-            "scheduler": {"max_running_requests": NUM_REQUESTS, "max_batch_tokens": 64,
-                          "chunked_prefill_size": 32},
-            "debug": {"check_invariants": True}}
+    return {
+        "cache": {
+            "page_size": PAGE_SIZE,
+            "max_kv_tokens": 2 * shape.request_len,
+            "max_mamba_slots": 6,
+            "enable_prefix_cache": True,
+            "mamba_track_interval": 16,
+        },
+        "scheduler": {"max_running_requests": NUM_REQUESTS, "max_batch_tokens": 64, "chunked_prefill_size": 32},
+        "debug": {"check_invariants": True},
+    }
 
 
 def pressure_prompts(vocab_size: int, shape: Shape) -> list[list[int]]:
@@ -134,22 +140,30 @@ def test_in_process_all_complete_by_recompute(tiny_model_dir, shape: Shape) -> N
     got = run_all(llm, prompts, shape.params, max_steps=50 * NUM_REQUESTS * shape.request_len)
     pools = assert_idle_after_flush(llm)
     stats = llm.stats()
-    print(f"\n[memory pressure, in process] {shape}: unconstrained {reference.num_steps} steps "
-          f"{reference.seconds:.1f}s; pressured {got.num_steps} steps {got.seconds:.1f}s, "
-          f"{got.num_preemptions} preemptions, prefix hit tokens "
-          f"{stats['hybridserve_prefix_hit_tokens_total']}, idle pools {pools}")
+    print(
+        f"\n[memory pressure, in process] {shape}: unconstrained {reference.num_steps} steps "
+        f"{reference.seconds:.1f}s; pressured {got.num_steps} steps {got.seconds:.1f}s, "
+        f"{got.num_preemptions} preemptions, prefix hit tokens "
+        f"{stats['hybridserve_prefix_hit_tokens_total']}, idle pools {pools}"
+    )
     assert got.tokens == reference.tokens
     assert all(len(t) == shape.max_tokens for t in got.tokens)
     assert got.num_preemptions > 0
     assert stats["hybridserve_invariant_violations_total"] == {}
 
 
-def stream_tokens(client: openai.OpenAI, model: str, prompt: list[int], shape: Shape,
-                  start: threading.Barrier) -> list[int]:
+def stream_tokens(
+    client: openai.OpenAI, model: str, prompt: list[int], shape: Shape, start: threading.Barrier
+) -> list[int]:
     start.wait()
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=shape.max_tokens,
-                                       temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=shape.max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     tokens: list[int] = []
     for chunk in stream:
         for choice in chunk.choices:
@@ -172,8 +186,9 @@ def settled(http: httpx.Client) -> dict[str, Any] | None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_served_streams_all_complete_by_recompute(deployed, tiny_qwen_dir, shape: Shape) -> None:
     prompts, reference = unconstrained(str(tiny_qwen_dir), shape)
-    app = deployed(f"pressure-{shape.prompt_len}", str(tiny_qwen_dir), overrides=pressured(shape),
-                   args={"model_name": "tiny"})
+    app = deployed(
+        f"pressure-{shape.prompt_len}", str(tiny_qwen_dir), overrides=pressured(shape), args={"model_name": "tiny"}
+    )
     client = openai.OpenAI(base_url=app.openai_base, api_key="none", max_retries=0, timeout=600)
     start = threading.Barrier(NUM_REQUESTS)
     began = time.monotonic()
@@ -186,9 +201,11 @@ def test_served_streams_all_complete_by_recompute(deployed, tiny_qwen_dir, shape
         http.post("/flush_cache").raise_for_status()
         pools = replica(http)["pools"]
     counters = rep["counters"]
-    print(f"\n[memory pressure, served] {shape}: {NUM_REQUESTS} streams in {seconds:.1f}s, "
-          f"{counters['hybridserve_preemptions_total']} preemptions, finish reasons "
-          f"{counters['hybridserve_requests_total']}, idle pools {pools}")
+    print(
+        f"\n[memory pressure, served] {shape}: {NUM_REQUESTS} streams in {seconds:.1f}s, "
+        f"{counters['hybridserve_preemptions_total']} preemptions, finish reasons "
+        f"{counters['hybridserve_requests_total']}, idle pools {pools}"
+    )
     assert got == reference.tokens
     assert counters["hybridserve_preemptions_total"] > 0
     assert counters["hybridserve_requests_total"] == {"length": NUM_REQUESTS}

@@ -11,6 +11,7 @@ and is never refused. A second burst meets an ingress whose slots are all held (
 bodies sent late) and must be refused whole. Rejection latencies are printed (the
 reference table's goal is p99 < 100 ms; the bounds allow a loaded two-core machine).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,27 +31,37 @@ ENGINE_ONGOING = 2
 ENGINE_QUEUED = 2
 BURST = 5 * (MAX_IN_FLIGHT + ENGINE_ONGOING + ENGINE_QUEUED)
 MAX_TOKENS = 32
-REJECT_P99_BOUND_S = 1.5                    # every slot held: the admission path alone, on 2 cores
-                                            # shared with the held requests' generation
-MIXED_P99_BOUND_S = 2.0                     # while admitted requests generate on the same 2 cores
+REJECT_P99_BOUND_S = 1.5  # every slot held: the admission path alone, on 2 cores
+# shared with the held requests' generation
+MIXED_P99_BOUND_S = 2.0  # while admitted requests generate on the same 2 cores
 
 
 @pytest.fixture(scope="module")
 def app(deployed, tiny_qwen_dir):
-    return deployed(MODEL, str(tiny_qwen_dir), args={
-        "model_name": MODEL,
-        "ingress": {"max_in_flight": MAX_IN_FLIGHT, "max_ongoing_requests": 4 * BURST, "retry_after_s": 2},
-        "replica": {"num_cpus": 1, "stats_interval_s": 0.2, "events_interval_s": 0.02,
-                    "max_ongoing_requests": ENGINE_ONGOING, "max_queued_requests": ENGINE_QUEUED}})
+    return deployed(
+        MODEL,
+        str(tiny_qwen_dir),
+        args={
+            "model_name": MODEL,
+            "ingress": {"max_in_flight": MAX_IN_FLIGHT, "max_ongoing_requests": 4 * BURST, "retry_after_s": 2},
+            "replica": {
+                "num_cpus": 1,
+                "stats_interval_s": 0.2,
+                "events_interval_s": 0.02,
+                "max_ongoing_requests": ENGINE_ONGOING,
+                "max_queued_requests": ENGINE_QUEUED,
+            },
+        },
+    )
 
 
 @dataclass(frozen=True)
 class Outcome:
     status: int
-    code: str | None                       # the error object's code; None for a 200
+    code: str | None  # the error object's code; None for a 200
     retry_after: str | None
     latency_s: float
-    num_tokens: int                        # completion tokens of a 200
+    num_tokens: int  # completion tokens of a 200
 
 
 def _error_code(body: bytes) -> str | None:
@@ -61,8 +72,14 @@ def _error_code(body: bytes) -> str | None:
 
 async def one(client: httpx.AsyncClient, k: int) -> Outcome:
     stream = k % 2 == 1
-    body = {"model": MODEL, "prompt": f"burst {k}", "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "temperature": 0, "stream": stream}
+    body = {
+        "model": MODEL,
+        "prompt": f"burst {k}",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     t0 = time.monotonic()
@@ -94,7 +111,7 @@ async def health_during(client: httpx.AsyncClient, stop: asyncio.Event) -> list[
 async def burst(base_url: str) -> tuple[list[Outcome], list[tuple[int, float]]]:
     limits = httpx.Limits(max_connections=BURST + 8, max_keepalive_connections=BURST + 8)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
-        await client.get("/v1/models")                     # warm the ingress and model info
+        await client.get("/v1/models")  # warm the ingress and model info
         stop = asyncio.Event()
         health = asyncio.ensure_future(health_during(client, stop))
         outcomes = await asyncio.gather(*(one(client, k) for k in range(BURST)))
@@ -112,11 +129,13 @@ def test_burst_beyond_the_limits_is_refused_with_retry_after(app):
     rejected = [o for o in outcomes if o.status != 200]
     admitted = [o for o in outcomes if o.status == 200]
     lat = [o.latency_s for o in rejected]
-    print(f"\n[overload] burst of {BURST}: outcomes {dict(by_kind)}; rejection latency "
-          f"p50 {p(lat, 50) * 1000:.0f} ms, p99 {p(lat, 99) * 1000:.0f} ms, max {max(lat) * 1000:.0f} ms; "
-          f"admitted {len(admitted)}, their latency max {max(o.latency_s for o in admitted):.2f} s; "
-          f"/health during the burst: {dict(Counter(s for s, _ in health))}, latency max "
-          f"{max(t for _, t in health) * 1000:.0f} ms")
+    print(
+        f"\n[overload] burst of {BURST}: outcomes {dict(by_kind)}; rejection latency "
+        f"p50 {p(lat, 50) * 1000:.0f} ms, p99 {p(lat, 99) * 1000:.0f} ms, max {max(lat) * 1000:.0f} ms; "
+        f"admitted {len(admitted)}, their latency max {max(o.latency_s for o in admitted):.2f} s; "
+        f"/health during the burst: {dict(Counter(s for s, _ in health))}, latency max "
+        f"{max(t for _, t in health) * 1000:.0f} ms"
+    )
     assert set(by_kind) <= {(200, None), (503, "server_overloaded"), (503, "engine_unavailable")}, by_kind
     # slots free up as admitted requests finish during the burst: most, not all, of the excess
     assert by_kind[(503, "server_overloaded")] >= BURST // 2
@@ -137,8 +156,8 @@ async def held_request(client: httpx.AsyncClient, release: asyncio.Event, k: int
         yield body[:5]
         await release.wait()
         yield body[5:]
-    r = await client.post("/v1/completions", content=slow_body(),
-                          headers={"content-type": "application/json"})
+
+    r = await client.post("/v1/completions", content=slow_body(), headers={"content-type": "application/json"})
     return r.status_code
 
 
@@ -147,7 +166,7 @@ async def saturated_burst(base_url: str) -> tuple[list[Outcome], list[int]]:
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
         release = asyncio.Event()
         held = [asyncio.ensure_future(held_request(client, release, k)) for k in range(MAX_IN_FLIGHT)]
-        await asyncio.sleep(1.0)                          # the held requests reach the ingress
+        await asyncio.sleep(1.0)  # the held requests reach the ingress
         outcomes = await asyncio.gather(*(one(client, k) for k in range(BURST)))
         release.set()
         return list(outcomes), list(await asyncio.gather(*held))
@@ -158,10 +177,12 @@ def test_saturated_ingress_refuses_a_whole_burst(app):
     of the admission path alone (plus the Serve proxy in front of it)."""
     outcomes, held = asyncio.run(saturated_burst(app.base_url))
     lat = [o.latency_s for o in outcomes]
-    print(f"\n[overload] saturated ingress, burst of {BURST}: "
-          f"{dict(Counter((o.status, o.code) for o in outcomes))}; "
-          f"latency p50 {p(lat, 50) * 1000:.0f} ms, p99 {p(lat, 99) * 1000:.0f} ms; "
-          f"held requests then: {held}")
+    print(
+        f"\n[overload] saturated ingress, burst of {BURST}: "
+        f"{dict(Counter((o.status, o.code) for o in outcomes))}; "
+        f"latency p50 {p(lat, 50) * 1000:.0f} ms, p99 {p(lat, 99) * 1000:.0f} ms; "
+        f"held requests then: {held}"
+    )
     assert all(o.status == 503 and o.code == "server_overloaded" and o.retry_after == "2" for o in outcomes)
     assert p(lat, 99) < REJECT_P99_BOUND_S
     assert set(held) <= {200, 503} and held.count(200) >= ENGINE_ONGOING
@@ -170,9 +191,11 @@ def test_saturated_ingress_refuses_a_whole_burst(app):
 def test_the_limit_frees_up_after_the_burst(app):
     """Every admitted slot was given back: MAX_IN_FLIGHT concurrent requests are all admitted
     (some may still meet the engine's queue bound, never the admission limit)."""
+
     async def again() -> list[Outcome]:
         async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
             return list(await asyncio.gather(*(one(client, k) for k in range(MAX_IN_FLIGHT))))
+
     outcomes = asyncio.run(again())
     assert not [o for o in outcomes if o.code == "server_overloaded"], outcomes
     assert sum(o.status == 200 for o in outcomes) >= ENGINE_ONGOING
@@ -194,6 +217,7 @@ def test_admission_limit_counts_streams_exempts_health_and_drains():
             yield b"first "
             await release.wait()
             yield b"last"
+
         return StreamingResponse(body())
 
     async def ok(_request) -> PlainTextResponse:

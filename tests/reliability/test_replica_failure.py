@@ -13,6 +13,7 @@ replica has streams open, it is killed (``ray.kill``, no restart). Then:
 
 Figures (requests sent, outcomes by kind, time to replacement) are printed.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,11 +37,22 @@ INFLIGHT_BOUND_S = 10.0
 
 @pytest.fixture(scope="module")
 def app(deployed, tiny_qwen_dir):
-    return deployed(MODEL, str(tiny_qwen_dir), overrides={"parallel": {"num_replicas": 2}},
-                    args={"model_name": MODEL,
-                          "replica": {"num_cpus": 1, "stats_interval_s": 0.2, "events_interval_s": 0.02,
-                                      "health_check_period_s": 2, "health_check_timeout_s": 2,
-                                      "forget_after_s": 60}})
+    return deployed(
+        MODEL,
+        str(tiny_qwen_dir),
+        overrides={"parallel": {"num_replicas": 2}},
+        args={
+            "model_name": MODEL,
+            "replica": {
+                "num_cpus": 1,
+                "stats_interval_s": 0.2,
+                "events_interval_s": 0.02,
+                "health_check_period_s": 2,
+                "health_check_timeout_s": 2,
+                "forget_after_s": 60,
+            },
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -60,8 +72,7 @@ def _error_code(raw: bytes) -> str:
 
 def request(http: httpx.Client, k: int) -> Result:
     stream = k % 2 == 0
-    body = {"model": MODEL, "prompt": f"load {k} " * 3, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": stream}
+    body = {"model": MODEL, "prompt": f"load {k} " * 3, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": stream}
     start = time.monotonic()
     try:
         with http.stream("POST", "/v1/completions", json=body) as r:
@@ -75,7 +86,7 @@ def request(http: httpx.Client, k: int) -> Result:
         ok = json.loads(raw)["usage"]["completion_tokens"] == MAX_TOKENS
         return Result(start, end, stream, "ok" if ok else "short")
     events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", events[-3:]          # an error or not, the stream ends
+    assert events and events[-1] == "[DONE]", events[-3:]  # an error or not, the stream ends
     errors = [json.loads(e)["error"] for e in events[:-1] if '"error"' in e]
     return Result(start, end, stream, f"sse_error:{errors[0]['code']}" if errors else "ok")
 
@@ -88,8 +99,7 @@ class Load:
         self.results: list[Result] = []
         self.stop = threading.Event()
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
-                         for i in range(NUM_THREADS)]
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(NUM_THREADS)]
 
     def _client(self, i: int) -> None:
         with httpx.Client(base_url=self.base_url, timeout=60) as http:
@@ -130,25 +140,32 @@ def streams_on(http: httpx.Client, replica_id: str) -> int:
 
 def kill_under_load(app, min_after: int, wait_replacement: bool) -> None:
     idx = index_actor(MODEL)
-    victim = wait_until(lambda: (ids := ray.get(idx.replicas.remote())) and len(ids) == 2 and ids[0],
-                        timeout_s=120)
+    victim = wait_until(lambda: (ids := ray.get(idx.replicas.remote())) and len(ids) == 2 and ids[0], timeout_s=120)
     with httpx.Client(base_url=app.base_url, timeout=60) as http, Load(app.base_url) as load:
         wait_until(lambda: streams_on(http, victim) > 0, timeout_s=60, interval_s=0.02)
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-        wait_until(lambda: len(load.started_after(killed_at)) >= min_after
-                   and (not wait_replacement or running_replicas(MODEL) == 2), timeout_s=180, interval_s=0.2)
+        wait_until(
+            lambda: (
+                len(load.started_after(killed_at)) >= min_after
+                and (not wait_replacement or running_replicas(MODEL) == 2)
+            ),
+            timeout_s=180,
+            interval_s=0.2,
+        )
         replaced_s = time.monotonic() - killed_at
     results = load.results
     inflight = [r for r in results if r.start < killed_at < r.end]
     after = [r for r in results if r.start > killed_at]
     ok_after = sum(r.outcome == "ok" for r in after)
     replaced = f"2 replicas running again {replaced_s:.1f} s after the kill" if wait_replacement else ""
-    print(f"\n[replica failure] {len(results)} requests sent ({NUM_THREADS} clients); in flight at the kill "
-          f"{len(inflight)}: {dict(Counter(r.outcome for r in inflight))}, the last ended "
-          f"{max(r.end for r in inflight) - killed_at:.2f} s after the kill; started after the kill "
-          f"{len(after)}: {dict(Counter(r.outcome for r in after))} ({100 * ok_after / len(after):.1f}% ok); "
-          f"{replaced}")
+    print(
+        f"\n[replica failure] {len(results)} requests sent ({NUM_THREADS} clients); in flight at the kill "
+        f"{len(inflight)}: {dict(Counter(r.outcome for r in inflight))}, the last ended "
+        f"{max(r.end for r in inflight) - killed_at:.2f} s after the kill; started after the kill "
+        f"{len(after)}: {dict(Counter(r.outcome for r in after))} ({100 * ok_after / len(after):.1f}% ok); "
+        f"{replaced}"
+    )
     assert inflight
     assert all(r.end - killed_at < INFLIGHT_BOUND_S for r in inflight)
     allowed = ("ok", "503:engine_unavailable", "sse_error:engine_unavailable")
@@ -158,10 +175,12 @@ def kill_under_load(app, min_after: int, wait_replacement: bool) -> None:
     def forgotten() -> bool:
         summary = ray.get(idx.summary.remote())
         return victim not in summary["checkpoints"] and victim not in summary["replicas"]
+
     wait_until(forgotten, timeout_s=30, interval_s=0.2)
     if wait_replacement:
-        replicas = wait_until(lambda: (ids := ray.get(idx.replicas.remote())) and len(ids) == 2 and ids,
-                              timeout_s=30, interval_s=0.2)
+        replicas = wait_until(
+            lambda: (ids := ray.get(idx.replicas.remote())) and len(ids) == 2 and ids, timeout_s=30, interval_s=0.2
+        )
         assert victim not in replicas
 
 

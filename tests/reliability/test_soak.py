@@ -12,6 +12,7 @@ The 30-second variant runs by default (~300 requests: every workload, 1 % invali
 its RSS is read after 20 s, since the first seconds of the mix raise each replica's heap to
 its working set; the 10-minute one is ``slow`` and reads it after 60 s.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,10 @@ from tests.reliability.soak import (
 from tests.reliability.soak_server import ORACLE_CHECKS, SoakResult, replica_pids, run_checked
 
 NUM_REPLICAS = 2
-SOAK_OVERRIDES = {"debug": {"check_invariants": True, "state_oracle_sample": 0.25},
-                  "parallel": {"num_replicas": NUM_REPLICAS}}
+SOAK_OVERRIDES = {
+    "debug": {"check_invariants": True, "state_oracle_sample": 0.25},
+    "parallel": {"num_replicas": NUM_REPLICAS},
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def _check(result: SoakResult, min_requests: int) -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(360)                  # deploy (up to ~100 s on a loaded machine) + 30 s
+@pytest.mark.timeout(360)  # deploy (up to ~100 s on a loaded machine) + 30 s
 def test_soak_half_a_minute(soak_app):
     _check(_soak(soak_app, duration_s=30.0, warmup_s=20.0), min_requests=100)
 
@@ -93,7 +96,7 @@ def test_mix_spreads_invalid_and_disconnected_requests_exactly():
     kinds = Counter(m.split(":")[0] for m in modes)
     assert kinds["invalid"] == 20 and abs(kinds["disconnect"] - 0.05 * 1980) <= 1
     is_invalid = [m.startswith("invalid:") for m in modes]
-    assert all(sum(is_invalid[i:i + 100]) == 1 for i in range(0, 2000, 100))     # one in each 100
+    assert all(sum(is_invalid[i : i + 100]) == 1 for i in range(0, 2000, 100))  # one in each 100
     assert {m[8:] for m in modes if m.startswith("invalid:")} == set(INVALID_KINDS)
     assert 0.4 < kinds["stream"] / (kinds["stream"] + kinds["plain"]) < 0.6
     assert {mix.next()[0].name for _ in range(200)} == set(WORKLOADS)
@@ -113,13 +116,23 @@ def test_invalid_bodies_break_the_request_schema():
 
 def _result(**changes) -> SoakResult:
     pools = {"r0": {"kv_pages_free": 8, "mamba_slots_free": 4}}
-    ok = [SoakRecord("random", "plain", "ok", 200, 0.0, 1.0), SoakRecord("random", "disconnect",
-                                                                          "disconnected", 200, 0.0, 0.1)]
-    fields = dict(report=SoakReport(ok, 1.0, "m"), pools_before=pools, pools_after=pools,
-                  violations={"0": {}}, counters_delta={"hybridserve_requests_total{length}": 1,
-                                                        "hybridserve_requests_total{abort}": 1,
-                                                        "hybridserve_invariant_checks_total": 5},
-                  rss_warm_kib={7: 1000}, rss_end_kib={7: 1050})
+    ok = [
+        SoakRecord("random", "plain", "ok", 200, 0.0, 1.0),
+        SoakRecord("random", "disconnect", "disconnected", 200, 0.0, 0.1),
+    ]
+    fields = dict(
+        report=SoakReport(ok, 1.0, "m"),
+        pools_before=pools,
+        pools_after=pools,
+        violations={"0": {}},
+        counters_delta={
+            "hybridserve_requests_total{length}": 1,
+            "hybridserve_requests_total{abort}": 1,
+            "hybridserve_invariant_checks_total": 5,
+        },
+        rss_warm_kib={7: 1000},
+        rss_end_kib={7: 1050},
+    )
     return SoakResult(**{**fields, **changes})
 
 

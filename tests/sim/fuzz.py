@@ -26,6 +26,7 @@ Oracles, per request and per step:
 ``python -m tests.sim.fuzz --toy 400 --real 40 [--guard-off] [--tiers]`` prints the counts;
 the test files run short versions (and the long ones under ``slow``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,30 +94,46 @@ def draw(seed: int, guard_off: bool = False, tiers: bool = False) -> Case:
     chunk = rng.choice([1, 3, 5, 8, 16, 64])
     max_running = rng.choice([1, 2, 3, 4, 6])
     per_request = {"no_buffer": 1, "extra_buffer": 3, "extra_buffer_lazy": 2}[strategy]
-    slots = rng.choice([1, max_running, max_running * per_request,
-                        max_running * per_request + rng.choice([1, 4, 12])])
+    slots = rng.choice([1, max_running, max_running * per_request, max_running * per_request + rng.choice([1, 4, 12])])
     max_tokens = rng.choice([1, 2, 5, 9, 17, 32])
     near = [grid - 1, grid, grid + 1, 2 * grid - 1, 2 * grid + 1, page + 1, max(1, page - 1)]
-    spread = rng.choice([40, 40, 80])              # 80: long prompts that crowd a tight pool
+    spread = rng.choice([40, 40, 80])  # 80: long prompts that crowd a tight pool
     bases = tuple(rng.choice(near) if rng.random() < 0.7 else rng.randrange(1, spread) for _ in range(4))
-    longest = max(bases) + 20 + max_tokens + k + 2             # prompt tail <= 19, follow-up + 1
-    tight = (-(-longest // page) + 1) * page                  # the longest request fits alone
+    longest = max(bases) + 20 + max_tokens + k + 2  # prompt tail <= 19, follow-up + 1
+    tight = (-(-longest // page) + 1) * page  # the longest request fits alone
     # Smaller pools cap the context (max_model_len) instead: every request still fits alone,
     # cut at the limit as its reference is, and several long ones crowd the pool.
     kv = max(rng.choice([tight // 3, tight // 2, tight, 2 * tight, 16384]), 3 * page + k + 2)
     overrides = {
-        "cache": {"enable_prefix_cache": rng.random() < 0.85, "mamba_strategy": strategy,
-                  "page_size": page, "mamba_track_interval": interval, "max_mamba_slots": slots,
-                  "max_kv_tokens": kv},
-        "scheduler": {"overlap": rng.random() < 0.8, "max_running_requests": max_running,
-                      "chunked_prefill_size": chunk,
-                      "max_batch_tokens": max(chunk, rng.choice([chunk, 32, 512]))},
+        "cache": {
+            "enable_prefix_cache": rng.random() < 0.85,
+            "mamba_strategy": strategy,
+            "page_size": page,
+            "mamba_track_interval": interval,
+            "max_mamba_slots": slots,
+            "max_kv_tokens": kv,
+        },
+        "scheduler": {
+            "overlap": rng.random() < 0.8,
+            "max_running_requests": max_running,
+            "chunked_prefill_size": chunk,
+            "max_batch_tokens": max(chunk, rng.choice([chunk, 32, 512])),
+        },
         "spec": {"method": "mtp" if k else "none", "num_draft_tokens": max(k, 1)},
-        "debug": {"fail_pending_alloc_prob": rng.choice([0.0, 0.0, 0.3, 1.0]),
-                  "disable_alias_guard": guard_off},
+        "debug": {"fail_pending_alloc_prob": rng.choice([0.0, 0.0, 0.3, 1.0]), "disable_alias_guard": guard_off},
     }
-    case = Case(seed, overrides, grid, page, k, max_tokens, rng.choice([0.0, 0.3]),
-                rng.choice([0.0, 0.0, 0.05]), rng.choice(["first_all", "salted", "none", "all"]), bases)
+    case = Case(
+        seed,
+        overrides,
+        grid,
+        page,
+        k,
+        max_tokens,
+        rng.choice([0.0, 0.3]),
+        rng.choice([0.0, 0.0, 0.05]),
+        rng.choice(["first_all", "salted", "none", "all"]),
+        bases,
+    )
     # Drawn last, so that every field above stays what it was for a seed (LIVELOCK_SEEDS).
     cache = overrides["cache"]
     host = rng.random() < 0.6
@@ -127,7 +144,7 @@ def draw(seed: int, guard_off: bool = False, tiers: bool = False) -> Case:
         cache["host_mamba_slots"] = rng.choice([1, 2, 4, 16, 64])
         cache["host_kv_tokens"] = max(page, rng.choice([tight // 2, tight, 4 * tight, 16384]))
         overrides["debug"]["fail_transfer_prob"] = rng.choice([0.0, 0.0, 0.2, 0.5, 1.0])
-    if rng.random() < 0.5:              # the waiting queue's order (drawn last, for the same reason)
+    if rng.random() < 0.5:  # the waiting queue's order (drawn last, for the same reason)
         overrides["scheduler"].update(policy="lpm", lpm_max_bypass=rng.choice([0, 1, 4, 8]))
     return case
 
@@ -147,24 +164,36 @@ class Tally:
     hits: int = 0
     preemptions: int = 0
     steps: int = 0
-    tiered: int = 0               # configurations with the host tier on
-    demotions: int = 0            # checkpoints copied device -> host
-    promotions: int = 0           # ... and host -> device
-    transfer_failures: int = 0    # forced copy failures (both directions)
+    tiered: int = 0  # configurations with the host tier on
+    demotions: int = 0  # checkpoints copied device -> host
+    promotions: int = 0  # ... and host -> device
+    transfer_failures: int = 0  # forced copy failures (both directions)
     examples: list[str] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
-        for name in ("configs", "requests", "divergences", "state_checks", "state_mismatches",
-                     "livelocks", "crashes", "hits", "preemptions", "steps", "tiered", "demotions",
-                     "promotions", "transfer_failures"):
+        for name in (
+            "configs",
+            "requests",
+            "divergences",
+            "state_checks",
+            "state_mismatches",
+            "livelocks",
+            "crashes",
+            "hits",
+            "preemptions",
+            "steps",
+            "tiered",
+            "demotions",
+            "promotions",
+            "transfer_failures",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.violations.update(other.violations)
         self.examples += other.examples[: max(0, 5 - len(self.examples))]
 
     @property
     def clean(self) -> bool:
-        return not (self.divergences or self.violations or self.state_mismatches or self.livelocks
-                    or self.crashes)
+        return not (self.divergences or self.violations or self.state_mismatches or self.livelocks or self.crashes)
 
 
 # -- targets ------------------------------------------------------------------------------------
@@ -200,8 +229,9 @@ class RealTarget:
 
     def __init__(self, model_dir, case: Case, control: Control) -> None:
         debug = {**case.overrides["debug"], "check_invariants": True, "state_oracle_sample": 1.0}
-        config = load_config(overrides={"model": str(model_dir), "device": "cpu", "dtype": "float32",
-                                        **case.overrides, "debug": debug})
+        config = load_config(
+            overrides={"model": str(model_dir), "device": "cpu", "dtype": "float32", **case.overrides, "debug": debug}
+        )
         self.engine = Engine(config)
         self.control = control
         self.low, self.high = 3, self.engine.vocab_size - 8
@@ -233,9 +263,13 @@ class Control:
     def __init__(self, model_dir) -> None:
         from workers.llm import LLM
 
-        self.llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
-                       cache={"enable_prefix_cache": False, "max_kv_tokens": 16384},
-                       scheduler={"overlap": False})
+        self.llm = LLM(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            cache={"enable_prefix_cache": False, "max_kv_tokens": 16384},
+            scheduler={"overlap": False},
+        )
         self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -270,8 +304,7 @@ def run_round(target, case: Case, rng: random.Random, prompts: list[list[int]], 
         if len(want) > 1 and rng.random() < case.stop_prob:
             stop = (want[rng.randrange(len(want))],)
             want = want[: want.index(stop[0]) + 1]
-        params.append(SamplingParams(max_tokens=case.max_tokens, temperature=0.0, ignore_eos=True,
-                                     stop_token_ids=stop))
+        params.append(SamplingParams(max_tokens=case.max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop))
         wants.append(want)
     ids = [f"fuzz-{t.requests + i}" for i in range(len(prompts))]
     for rid, p, sp in zip(ids, prompts, params):
@@ -289,7 +322,7 @@ def run_round(target, case: Case, rng: random.Random, prompts: list[list[int]], 
                 out = target.abort(rid)
                 if out is None:
                     continue
-                if rng.random() < 0.5:       # a client retry under the same id, at once
+                if rng.random() < 0.5:  # a client retry under the same id, at once
                     e.add_request(rid, prompts[i], params[i])
                     continue
                 outs[rid] = out
@@ -318,13 +351,14 @@ def run_case(target, case: Case) -> Tally:
         refs = target.reference(prompts, case.max_tokens)
         # A follow-up turn carries all of the previous output (as chat does) or a part of it.
         cuts = [len(r) if rng.random() < 0.5 else rng.randrange(0, len(r) + 1) for r in refs]
-        follow = [(p + r[:n] + [rng.randrange(target.low, target.high)])[: limit - 2]
-                  for p, r, n in zip(prompts, refs, cuts)]
+        follow = [
+            (p + r[:n] + [rng.randrange(target.low, target.high)])[: limit - 2] for p, r, n in zip(prompts, refs, cuts)
+        ]
         run_round(target, case, rng, follow, t)
     except Livelock as exc:
         t.livelocks += 1
         t.examples.append(str(exc))
-    except Exception as exc:                 # only tolerated (counted) with the guard off
+    except Exception as exc:  # only tolerated (counted) with the guard off
         if not case.overrides["debug"]["disable_alias_guard"]:
             raise
         t.crashes += 1
@@ -341,8 +375,9 @@ def run_case(target, case: Case) -> Tally:
     return t
 
 
-def fuzz(model_dir, seeds, real: bool = False, guard_off: bool = False, control: Control | None = None,
-         tiers: bool = False) -> Tally:
+def fuzz(
+    model_dir, seeds, real: bool = False, guard_off: bool = False, control: Control | None = None, tiers: bool = False
+) -> Tally:
     total = Tally()
     if real and control is None:
         control = Control(model_dir)
@@ -372,13 +407,20 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = make_tiny_checkpoint("qwen3_next", Path(tempfile.mkdtemp()), seed=0, mtp=True)
     for kind, n in (("toy", args.toy), ("real", args.real)):
         if n:
-            t = fuzz(model_dir, range(args.first_seed, args.first_seed + n), real=kind == "real",
-                     guard_off=args.guard_off, tiers=args.tiers)
-            print(f"{kind}: configs {t.configs} ({t.tiered} with the host tier), requests {t.requests}, "
-                  f"steps {t.steps}, divergences {t.divergences}, violations {dict(t.violations)}, state "
-                  f"checks {t.state_checks}, mismatches {t.state_mismatches}, livelocks {t.livelocks}, "
-                  f"crashes {t.crashes}, hit tokens {t.hits}, preemptions {t.preemptions}, demotions "
-                  f"{t.demotions}, promotions {t.promotions}, forced transfer failures {t.transfer_failures}")
+            t = fuzz(
+                model_dir,
+                range(args.first_seed, args.first_seed + n),
+                real=kind == "real",
+                guard_off=args.guard_off,
+                tiers=args.tiers,
+            )
+            print(
+                f"{kind}: configs {t.configs} ({t.tiered} with the host tier), requests {t.requests}, "
+                f"steps {t.steps}, divergences {t.divergences}, violations {dict(t.violations)}, state "
+                f"checks {t.state_checks}, mismatches {t.state_mismatches}, livelocks {t.livelocks}, "
+                f"crashes {t.crashes}, hit tokens {t.hits}, preemptions {t.preemptions}, demotions "
+                f"{t.demotions}, promotions {t.promotions}, forced transfer failures {t.transfer_failures}"
+            )
             for line in t.examples:
                 print("  ", line[:200])
 

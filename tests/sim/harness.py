@@ -18,6 +18,7 @@ but it makes every slot's content final, so the oracles read a deterministic sta
   computed tokens (checked when none of its batches is in flight).
 - corruptions: a step started from a live state that is not the request's true prefix.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -67,8 +68,9 @@ class TokenLog:
             ids = self._ids.setdefault(out.request_id, [])
             ids.extend(out.new_token_ids)
             if out.finished:
-                done.append(Finished(out.request_id, self._ids.pop(out.request_id), out.finish_reason,
-                                     out.cached_tokens))
+                done.append(
+                    Finished(out.request_id, self._ids.pop(out.request_id), out.finish_reason, out.cached_tokens)
+                )
         return done
 
 
@@ -78,20 +80,20 @@ class Alias:
     slot: int
     node_depth: int
     held_depth: int
-    batch_id: int          # the batch the checkpoint record says produced it
+    batch_id: int  # the batch the checkpoint record says produced it
 
 
 @dataclass
 class Oracles:
     aliased: dict[tuple[int, int, int], Alias] = field(default_factory=dict)
-    host_aliased: dict[tuple[int, int, int], Alias] = field(default_factory=dict)   # host tier nodes
-    violations: Counter = field(default_factory=Counter)     # invariant -> distinct messages
+    host_aliased: dict[tuple[int, int, int], Alias] = field(default_factory=dict)  # host tier nodes
+    violations: Counter = field(default_factory=Counter)  # invariant -> distinct messages
     violation_messages: set[tuple[str, str]] = field(default_factory=set)
     keep_label_mismatches: list[tuple[int, str, int, int]] = field(default_factory=list)
     live_mismatches: list[tuple[int, str, int, int]] = field(default_factory=list)
     inserted: list[CheckpointInserted] = field(default_factory=list)
     steps: int = 0
-    node_checks: int = 0         # checkpoint nodes whose slot content was compared (I1 oracle)
+    node_checks: int = 0  # checkpoint nodes whose slot content was compared (I1 oracle)
 
     @property
     def num_aliased(self) -> int:
@@ -101,12 +103,17 @@ class Oracles:
 class Sim:
     """One engine on the toy model. ``overrides`` are config fields (nested dicts)."""
 
-    def __init__(self, model_dir, overrides: dict[str, Any] | None = None,
-                 script: AcceptScript = default_script) -> None:
-        base = {"model": str(model_dir), "device": "cpu", "dtype": "float32",
-                "cache": {"max_kv_tokens": 16384},
-                "scheduler": {"overlap": True},
-                "debug": {"check_invariants": False}}   # the harness checks them itself
+    def __init__(
+        self, model_dir, overrides: dict[str, Any] | None = None, script: AcceptScript = default_script
+    ) -> None:
+        base = {
+            "model": str(model_dir),
+            "device": "cpu",
+            "dtype": "float32",
+            "cache": {"max_kv_tokens": 16384},
+            "scheduler": {"overlap": True},
+            "debug": {"check_invariants": False},
+        }  # the harness checks them itself
         self.config = load_config(overrides=_merge(base, overrides or {}))
         self.engine = Engine(self.config)
         self.engine.record_cache_events()
@@ -129,9 +136,12 @@ class Sim:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-            on_step: Callable[[Sim, list[str]], list[Finished] | None] | None = None,
-            ) -> list[Finished]:
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        on_step: Callable[[Sim, list[str]], list[Finished] | None] | None = None,
+    ) -> list[Finished]:
         """Submit every prompt at once and step to completion; outputs in prompt order.
 
         ``on_step(sim, request_ids)`` runs before every step and may abort requests
@@ -159,7 +169,7 @@ class Sim:
     def step(self) -> list[Finished]:
         outputs = self.engine.step()
         for launched in self.engine._launched:
-            launched.future.result()                 # every launched batch has executed
+            launched.future.result()  # every launched batch has executed
         self.check()
         return self.log.feed(outputs)
 
@@ -185,13 +195,18 @@ class Sim:
             c = req.cache
             if c.keep_depth is not None and c.keep_slot is not None and not ledger.has_writers(c.keep_slot):
                 if pool[c.keep_slot] != chain(req.token_slice(0, c.keep_depth)):
-                    o.keep_label_mismatches.append((o.steps, req.request_id, c.keep_depth,
-                                                    pool[c.keep_slot].depth))
-            if (req.inflight_batch is None and req.mamba_slot is not None and req.num_computed_tokens > 0
-                    and c.cow_src is None and c.promotion is None):   # else the live slot is not written yet
+                    o.keep_label_mismatches.append((o.steps, req.request_id, c.keep_depth, pool[c.keep_slot].depth))
+            if (
+                req.inflight_batch is None
+                and req.mamba_slot is not None
+                and req.num_computed_tokens > 0
+                and c.cow_src is None
+                and c.promotion is None
+            ):  # else the live slot is not written yet
                 if pool[req.mamba_slot] != chain(req.token_slice(0, req.num_computed_tokens)):
-                    o.live_mismatches.append((o.steps, req.request_id, req.num_computed_tokens,
-                                              pool[req.mamba_slot].depth))
+                    o.live_mismatches.append(
+                        (o.steps, req.request_id, req.num_computed_tokens, pool[req.mamba_slot].depth)
+                    )
 
     def _check_tree(self, tree, pool, known: dict[int, ToyState], aliased: dict) -> None:
         """I1 on data: every checkpoint node's slot holds exactly H(its path)."""
@@ -225,28 +240,31 @@ class Sim:
 
     def summary(self) -> dict[str, Any]:
         s = self.stats()
-        return {"steps": self.oracles.steps, "aliased": self.oracles.num_aliased,
-                "violations": dict(self.oracles.violations),
-                "corruptions": len(self.runner.corruptions),
-                "keep_label_mismatches": len(self.oracles.keep_label_mismatches),
-                "live_mismatches": len(self.oracles.live_mismatches),
-                "pending_alloc_failures": s["hybridserve_mamba_pending_alloc_failures_total"],
-                "donations_skipped": dict(s["hybridserve_mamba_donations_skipped_total"]),
-                "donations": s["hybridserve_mamba_donations_total"],
-                "inplace_writes": s["hybridserve_mamba_inplace_track_writes_total"],
-                "inserted": dict(s["hybridserve_mamba_checkpoints_inserted_total"]),
-                "evicted": s["hybridserve_mamba_checkpoints_evicted_total"],
-                "overlapped_launches": self.engine.num_overlapped_launches}
+        return {
+            "steps": self.oracles.steps,
+            "aliased": self.oracles.num_aliased,
+            "violations": dict(self.oracles.violations),
+            "corruptions": len(self.runner.corruptions),
+            "keep_label_mismatches": len(self.oracles.keep_label_mismatches),
+            "live_mismatches": len(self.oracles.live_mismatches),
+            "pending_alloc_failures": s["hybridserve_mamba_pending_alloc_failures_total"],
+            "donations_skipped": dict(s["hybridserve_mamba_donations_skipped_total"]),
+            "donations": s["hybridserve_mamba_donations_total"],
+            "inplace_writes": s["hybridserve_mamba_inplace_track_writes_total"],
+            "inserted": dict(s["hybridserve_mamba_checkpoints_inserted_total"]),
+            "evicted": s["hybridserve_mamba_checkpoints_evicted_total"],
+            "overlapped_launches": self.engine.num_overlapped_launches,
+        }
 
 
-def distinct_prompts(n: int, length: int, vocab: ToyVocab, seed: int,
-                     first_token_base: int = 0) -> list[list[int]]:
+def distinct_prompts(n: int, length: int, vocab: ToyVocab, seed: int, first_token_base: int = 0) -> list[list[int]]:
     """``n`` prompts whose first tokens all differ (no shared KV path, so no branch points)."""
     import random
 
     rng = random.Random(seed)
     span = vocab.high - vocab.low
     assert first_token_base + n <= span
-    return [[vocab.low + first_token_base + i] + [rng.randrange(vocab.low, vocab.high)
-                                                  for _ in range(length - 1)]
-            for i in range(n)]
+    return [
+        [vocab.low + first_token_base + i] + [rng.randrange(vocab.low, vocab.high) for _ in range(length - 1)]
+        for i in range(n)
+    ]

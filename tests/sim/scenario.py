@@ -20,6 +20,7 @@ produced) and the prompt itself again (which matches its prefill checkpoint, if 
 published). The control is a fresh engine with the prefix cache off, itself checked
 against the toy model's analytic greedy continuation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,13 +60,22 @@ class Scale:
         return (self.prompt_len // self.grid + 1) * self.grid
 
     def overrides(self, **extra: Any) -> dict[str, Any]:
-        cache = {"mamba_strategy": "extra_buffer_lazy", "page_size": self.page_size,
-                 "mamba_track_interval": self.interval, "max_mamba_slots": self.max_mamba_slots,
-                 **extra.pop("cache", {})}
-        out = {"cache": cache,
-               "scheduler": {"overlap": True, "max_running_requests": self.max_running_requests,
-                             "chunked_prefill_size": self.chunked_prefill_size},
-               "spec": {"method": "mtp", "num_draft_tokens": self.num_draft_tokens}}
+        cache = {
+            "mamba_strategy": "extra_buffer_lazy",
+            "page_size": self.page_size,
+            "mamba_track_interval": self.interval,
+            "max_mamba_slots": self.max_mamba_slots,
+            **extra.pop("cache", {}),
+        }
+        out = {
+            "cache": cache,
+            "scheduler": {
+                "overlap": True,
+                "max_running_requests": self.max_running_requests,
+                "chunked_prefill_size": self.chunked_prefill_size,
+            },
+            "spec": {"method": "mtp", "num_draft_tokens": self.num_draft_tokens},
+        }
         for key, value in extra.items():
             out[key] = {**out.get(key, {}), **value}
         return out
@@ -77,20 +87,22 @@ SGLANG = Scale("sglang", page_size=1, interval=8, num_draft_tokens=2, prompt_len
 # chunk, which puts the prefill checkpoint on a 64 grid (192); here that grid is the page.
 FULL_PAGE64 = Scale("full_page64", page_size=64, interval=256, num_draft_tokens=4, prompt_len=255)
 # Full scale with 64-token prefill chunks: the checkpoint (254) sits inside the final chunk.
-FULL_CHUNK64 = Scale("full_chunk64", page_size=1, interval=256, num_draft_tokens=4, prompt_len=255,
-                     chunked_prefill_size=64)
+FULL_CHUNK64 = Scale(
+    "full_chunk64", page_size=1, interval=256, num_draft_tokens=4, prompt_len=255, chunked_prefill_size=64
+)
 # Page 64 and 64-token chunks: the checkpoint (192) ends a non-final chunk and is donated one
 # step before the first verify is launched, so nothing can alias; a correctness variant.
-FULL_PAGE64_CHUNK64 = Scale("full_page64_chunk64", page_size=64, interval=256, num_draft_tokens=4,
-                            prompt_len=255, chunked_prefill_size=64)
+FULL_PAGE64_CHUNK64 = Scale(
+    "full_page64_chunk64", page_size=64, interval=256, num_draft_tokens=4, prompt_len=255, chunked_prefill_size=64
+)
 
 
 @dataclass
 class Passes:
     prompts: list[list[int]]
-    passes: dict[str, list[list[int]]] = field(default_factory=dict)      # name -> prompts
+    passes: dict[str, list[list[int]]] = field(default_factory=dict)  # name -> prompts
     outputs: dict[str, list[RequestOutput]] = field(default_factory=dict)
-    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)     # harness summary after each
+    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)  # harness summary after each
 
     def tokens(self, name: str) -> list[list[int]]:
         return [o.token_ids for o in self.outputs[name]]
@@ -104,8 +116,7 @@ def workload(scale: Scale, sim: Sim) -> tuple[list[list[int]], Passes]:
     """(warm-up prompts, the scenario's passes) for ``scale``."""
     v = sim.vocab
     warm = distinct_prompts(scale.num_warmup, scale.prompt_len, v, seed=1)
-    prompts = distinct_prompts(scale.num_prompts, scale.prompt_len, v, seed=2,
-                               first_token_base=scale.num_warmup)
+    prompts = distinct_prompts(scale.num_prompts, scale.prompt_len, v, seed=2, first_token_base=scale.num_warmup)
     expected = [v.greedy(p, 2) for p in prompts]
     follow = [p + e + [v.low + (i * 7) % (v.high - v.low)] for i, (p, e) in enumerate(zip(prompts, expected))]
     second = [q for f, p in zip(follow[::-1], prompts[::-1]) for q in (f, p)]

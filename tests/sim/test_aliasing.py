@@ -9,6 +9,7 @@ published, and every pass equals the cache-off control. Guard off
 (``debug.disable_alias_guard``): the harness finds nodes whose slot holds the state of
 another depth or prefix, and reusing them changes greedy outputs.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -78,7 +79,7 @@ def test_guard_off_shows_the_bug(tiny_qwen_dir, scale):
         # state the in-flight first verify wrote at the grid crossing (SGLang's signature).
         assert any(a.node_depth == scale.prefill_target and a.held_depth == scale.crossing for a in aliases)
         assert summary["aliased"] >= scale.num_prompts // 2, summary
-        assert summary["violations"].get("I3", 0) > 0            # the ledger saw holders change
+        assert summary["violations"].get("I3", 0) > 0  # the ledger saw holders change
         assert summary["donations_skipped"] == {}
         assert [o.token_ids for o in first] == [sim.vocab.greedy(p, scale.max_tokens) for p in passes.prompts]
         # Reusing those checkpoints (the prompts again, at once) breaks greedy outputs.
@@ -103,5 +104,5 @@ def test_extra_buffer_never_aliases(tiny_qwen_dir):
         assert_clean(sim)
         for name in passes.passes:
             assert passes.tokens(name) == expected.tokens(name), name
-        assert sim.summary()["evicted"] > 0                       # the pool was under pressure
+        assert sim.summary()["evicted"] > 0  # the pool was under pressure
         assert any(o.cached_tokens > 0 for o in passes.outputs["second"])

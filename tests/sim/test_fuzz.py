@@ -5,6 +5,7 @@ livelock. Guard off (``debug.disable_alias_guard``): the same fuzz must find the
 bug -- its own sensitivity check. The ``tiers`` batches draw every case with the host tier
 on: demotions, promotions and forced transfer failures must all have happened.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -27,6 +27,7 @@ Future[StepResult]``) and mirrors ``ModelRunner`` slot for slot:
 Only frozen inputs are read on the forward thread (the plan, the prepared tensors, request
 ids); request fields the scheduler thread mutates are never read there.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -115,18 +116,26 @@ class Corruption:
 
 class _SeqMeta(NamedTuple):
     request_id: str
-    expected: ToyState | None      # the true state at ``start`` when the step reads the slot
+    expected: ToyState | None  # the true state at ``start`` when the step reads the slot
 
 
 class ToyRunner:
-    def __init__(self, num_slots: int, page_size: int, scratch_base: int, num_draft_tokens: int,
-                 vocab: ToyVocab, overlap: bool, script: AcceptScript = default_script) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        page_size: int,
+        scratch_base: int,
+        num_draft_tokens: int,
+        vocab: ToyVocab,
+        overlap: bool,
+        script: AcceptScript = default_script,
+    ) -> None:
         self.page_size, self.scratch_base, self.k = page_size, scratch_base, num_draft_tokens
         self.vocab, self.script = vocab, script
         self.pool: list[ToyState] = [EMPTY] * num_slots
         self.last_token = [0] * num_slots
-        self.accepted = [0] * num_slots                   # as ModelRunner.accepted_host
-        self.committed: list[list[int]] = [[] for _ in range(num_slots)]   # a verify's tokens
+        self.accepted = [0] * num_slots  # as ModelRunner.accepted_host
+        self.committed: list[list[int]] = [[] for _ in range(num_slots)]  # a verify's tokens
         self.draft_tokens = [[0] * max(num_draft_tokens, 1) for _ in range(num_slots)]
         self.corruptions: list[Corruption] = []
         self.num_steps = 0
@@ -136,9 +145,15 @@ class ToyRunner:
     @classmethod
     def install(cls, engine, script: AcceptScript = default_script) -> ToyRunner:
         """Replace ``engine.runner`` with a toy runner shaped like the real one."""
-        runner = cls(engine.pools.mamba.num_slots, engine.config.cache.page_size,
-                     engine.slot_ledger.num_slots, engine.scheduler.num_draft_tokens,
-                     ToyVocab(engine.vocab_size), overlap=engine.lag > 0, script=script)
+        runner = cls(
+            engine.pools.mamba.num_slots,
+            engine.config.cache.page_size,
+            engine.slot_ledger.num_slots,
+            engine.scheduler.num_draft_tokens,
+            ToyVocab(engine.vocab_size),
+            overlap=engine.lag > 0,
+            script=script,
+        )
         engine.runner = runner
         return runner
 
@@ -186,13 +201,14 @@ class ToyRunner:
             for r, s in zip(prepared.future_rows.tolist(), prepared.future_slots.tolist()):
                 ids[r] = self.last_token[s]
         if prepared.draft_rows is not None:
-            for r, s, i in zip(prepared.draft_rows.tolist(), prepared.draft_slots.tolist(),
-                               prepared.draft_index.tolist()):
+            for r, s, i in zip(
+                prepared.draft_rows.tolist(), prepared.draft_slots.tolist(), prepared.draft_index.tolist()
+            ):
                 ids[r] = self.draft_tokens[s][i]
         meta = self._chained_meta(prepared, meta)
         prepared = resolve_chained(prepared, torch.tensor(self.accepted), self.accepted)
         fb = prepared.fb
-        if plan.cow:                                   # gather, then scatter (like copy_slot)
+        if plan.cow:  # gather, then scatter (like copy_slot)
             states = [pool[src] for src, _ in plan.cow]
             for (_, dst), state in zip(plan.cow, states):
                 pool[dst] = state
@@ -206,15 +222,16 @@ class ToyRunner:
             expected = meta[b].expected
             if init[b] and (state.depth != positions[cu[b]] or (expected is not None and state != expected)):
                 digest_ok = expected is not None and state.digest == expected.digest
-                self.corruptions.append(Corruption(plan.batch.batch_id, meta[b].request_id,
-                                                   prepared.starts[b], state.depth, digest_ok))
+                self.corruptions.append(
+                    Corruption(plan.batch.batch_id, meta[b].request_id, prepared.starts[b], state.depth, digest_ok)
+                )
             for t in range(cu[b], cu[b + 1]):
                 state = fold(state, ids[t])
                 out[t] = self.vocab.emit(state)
                 if dst is not None and dst[t]:
                     pool[dst[t]] = state
             pool[live[b]] = state
-        if prepared.copy_src is not None:          # a decode batch's snapshots, as ModelRunner
+        if prepared.copy_src is not None:  # a decode batch's snapshots, as ModelRunner
             for src, d in zip(prepared.copy_src.tolist(), prepared.copy_dst.tolist()):
                 pool[d] = pool[src]
         # Sampling (greedy) or verify + commit.
@@ -230,15 +247,15 @@ class ToyRunner:
                 tokens.append([out[cu[b + 1] - 1]])
                 accepted.append(None)
                 continue
-            best = out[v.first_row: v.first_row + v.num_drafts + 1]
-            drafts = ids[v.first_row + 1: v.first_row + 1 + v.num_drafts]
+            best = out[v.first_row : v.first_row + v.num_drafts + 1]
+            drafts = ids[v.first_row + 1 : v.first_row + 1 + v.num_drafts]
             n = 0
             while n < len(drafts) and drafts[n] == best[n]:
                 n += 1
             tokens.append(drafts[:n] + [best[n]])
             accepted.append(n)
             self.accepted[v.live_slot], self.committed[v.live_slot] = n, tokens[-1]
-            src, dsts, committed = v.commit(n, prepared.starts[b])   # as ModelRunner._verify
+            src, dsts, committed = v.commit(n, prepared.starts[b])  # as ModelRunner._verify
             writes.extend(committed)
             states = [pool[s] for s in src]
             for d, state in zip(dsts, states):

@@ -7,6 +7,7 @@ storage's ``submit``), at once without; copy-outs run on the calling thread. A f
 failure (``corrupt``) writes ``POISON`` -- a state no prefix has -- where the copy would
 have gone, so a path that used a failed copy anyway is caught as a corruption.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,13 +23,20 @@ class ToyTierStorage:
         self.runner = runner
         self.host_pool: list[ToyState] = [EMPTY] * num_host_slots
 
-    def copy_out(self, slot: int, pages: Sequence[int], host_slot: int, host_pages: Sequence[int],
-                 corrupt: bool = False) -> bool:
+    def copy_out(
+        self, slot: int, pages: Sequence[int], host_slot: int, host_pages: Sequence[int], corrupt: bool = False
+    ) -> bool:
         self.host_pool[host_slot] = POISON if corrupt else self.runner.pool[slot]
         return not corrupt
 
-    def copy_in(self, host_slot: int, host_pages: Sequence[int], slots: Sequence[int], pages: Sequence[int],
-                corrupt: bool = False) -> TransferJob:
+    def copy_in(
+        self,
+        host_slot: int,
+        host_pages: Sequence[int],
+        slots: Sequence[int],
+        pages: Sequence[int],
+        corrupt: bool = False,
+    ) -> TransferJob:
         pool, host = self.runner.pool, self.host_pool
         targets = list(slots)
 

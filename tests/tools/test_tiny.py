@@ -1,4 +1,5 @@
 """The tiny tokenizer / checkpoint factory and the shipped placeholder model."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,16 +18,16 @@ def test_tokenizer_is_deterministic_and_loads_offline(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     assert build_tiny_tokenizer(tmp_path / "a") == build_tiny_tokenizer(tmp_path / "b") == 512
-    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == \
-        (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
     assert len(tok) == 512
     assert tok.eos_token == tok.pad_token == "<|endoftext|>"
     assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
     text = "def hello(world):\n    return 42  # héllo ✓"
     assert tok.decode(tok(text)["input_ids"]) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "Hi there"}],
-                                   add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     ids = tok(chat)["input_ids"]
     assert ids[0] == 1 and ids.count(2) == 1
@@ -49,8 +50,7 @@ def test_unknown_arch_and_mtp_misuse_rejected(tmp_path: Path) -> None:
 
 def test_placeholder_model_is_shipped_small_and_loads() -> None:
     files = {p.name for p in PLACEHOLDER.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "README.md"} <= files
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= files
     assert sum(p.stat().st_size for p in PLACEHOLDER.iterdir()) < 2 * 1024 * 1024
     assert "placeholder" in (PLACEHOLDER / "README.md").read_text()
     model = load_model(PLACEHOLDER, torch.float32, "cpu").model

@@ -1,4 +1,5 @@
 """Speculative acceptance rules: greedy is exact; rejection sampling preserves the target."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,10 +34,12 @@ def _first_token_distribution(p: torch.Tensor, q: torch.Tensor, samples: int) ->
 def test_rejection_sampling_preserves_target(case):
     v = 6
     p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
-    q = {"equal": p.clone(),
-         "disjoint": torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.5]),
-         "one_hot": torch.nn.functional.one_hot(torch.tensor(3), v).float(),
-         "skewed": torch.tensor([0.02, 0.03, 0.05, 0.1, 0.3, 0.5])}[case]
+    q = {
+        "equal": p.clone(),
+        "disjoint": torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.5]),
+        "one_hot": torch.nn.functional.one_hot(torch.tensor(3), v).float(),
+        "skewed": torch.tensor([0.02, 0.03, 0.05, 0.1, 0.3, 0.5]),
+    }[case]
     got = _first_token_distribution(p, q, 100_000)
     tv = 0.5 * (got - p).abs().sum().item()
     assert tv <= 0.01, (case, tv, got)

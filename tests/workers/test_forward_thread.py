@@ -1,4 +1,5 @@
 """The forward thread's light futures and signals behave as the engine relies on."""
+
 from __future__ import annotations
 
 import threading
@@ -18,6 +19,7 @@ def test_calls_run_in_order_on_one_thread_and_results_come_back():
             time.sleep(0.001 * (3 - i % 3))
             seen.append((i, threading.current_thread().name))
             return i * i
+
         return run
 
     futures = [worker.submit(call(i)) for i in range(12)]
@@ -49,7 +51,7 @@ def test_a_signal_releases_every_waiter_and_may_be_set_twice():
     for w in waiters:
         w.join(5)
     assert woke == [1, 1, 1]
-    signal.wait()                       # set: returns at once
+    signal.wait()  # set: returns at once
 
 
 def test_a_future_is_done_only_once_set():

@@ -39,11 +39,10 @@ def test_seeded_rows_reproducible_and_batch_independent():
         toks = []
         for step in range(20):
             params = [seeded] + [SamplingParams(temperature=1.0)] * companions
-            toks.append(draw(lg[: 1 + companions], params, bank,
-                             ["s"] + [f"o{i}" for i in range(companions)])[0])
+            toks.append(draw(lg[: 1 + companions], params, bank, ["s"] + [f"o{i}" for i in range(companions)])[0])
         runs.append(toks)
     assert runs[0] == runs[1]
-    assert len(set(runs[0])) > 1          # actually sampling, not argmax
+    assert len(set(runs[0])) > 1  # actually sampling, not argmax
 
 
 def test_top_p_keeps_nucleus_only():
@@ -76,16 +75,28 @@ def test_logprobs_returned_for_asking_rows():
     assert out.top_ids.shape == (2, 3)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -5}, "top_k"),
-    ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"),
-    ({"seed": 2**64}, r"seed must be an integer in \[-9223372036854775808, 9223372036854775807\], got "
-                      r"18446744073709551616"),
-    ({"seed": -(2**63) - 1}, "seed"), ({"seed": True}, "seed"), ({"seed": 1.0}, "seed"),
-    ({"best_of": 10**6}, r"best_of must be an integer in \[1, 16\], got 1000000"),
-    ({"best_of": 0}, "best_of"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        (
+            {"seed": 2**64},
+            r"seed must be an integer in \[-9223372036854775808, 9223372036854775807\], got "
+            r"18446744073709551616",
+        ),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"seed": 1.0}, "seed"),
+        ({"best_of": 10**6}, r"best_of must be an integer in \[1, 16\], got 1000000"),
+        ({"best_of": 0}, "best_of"),
+    ],
+)
 def test_bad_params_raise_with_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -94,13 +105,15 @@ def test_bad_params_raise_with_value(kwargs, match):
 def test_extreme_but_valid_params_never_break_sampling():
     """Found by fuzzing the HTTP API: a subnormal temperature or top_p killed the engine loop."""
     lg = logits(n=3)
-    params = [SamplingParams(temperature=1.4e-45, seed=1),
-              SamplingParams(temperature=0.9, top_p=5e-324, seed=2),
-              SamplingParams(temperature=2.0, top_p=1e-30, top_k=3, seed=3)]
+    params = [
+        SamplingParams(temperature=1.4e-45, seed=1),
+        SamplingParams(temperature=0.9, top_p=5e-324, seed=2),
+        SamplingParams(temperature=2.0, top_p=1e-30, top_k=3, seed=3),
+    ]
     assert params[0].is_greedy and not params[1].is_greedy
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     out = sample(lg, params, gens)
-    assert out.token_ids.tolist() == lg.argmax(-1).tolist()     # each collapses to the top token
+    assert out.token_ids.tolist() == lg.argmax(-1).tolist()  # each collapses to the top token
 
 
 def test_nth_seed_stays_a_seed():
@@ -108,4 +121,4 @@ def test_nth_seed_stays_a_seed():
     assert nth_seed(None, 3) is None and nth_seed(5, 0) == 5 and nth_seed(5, 2) == 7
     assert nth_seed(high, 1) == low and nth_seed(high, 2) == low + 1
     for n in range(4):
-        SamplingParams(seed=nth_seed(high - 1, n))          # every successor is a valid seed
+        SamplingParams(seed=nth_seed(high - 1, n))  # every successor is a valid seed

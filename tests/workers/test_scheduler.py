@@ -1,4 +1,5 @@
 """The scheduler alone: budgets, chunking, admission and preemption, exact counts."""
+
 from __future__ import annotations
 
 from configs.schema import CacheConfig, DebugConfig, SchedulerConfig
@@ -11,8 +12,9 @@ from workers.stats import EngineStats
 
 def make(num_pages=64, num_slots=8, page_size=4, **cfg):
     config = SchedulerConfig(**{"max_batch_tokens": 64, "chunked_prefill_size": 16, **cfg})
-    cache = CacheManager(CacheConfig(page_size=page_size, enable_prefix_cache=False), DebugConfig(),
-                         num_pages, num_slots, EngineStats())
+    cache = CacheManager(
+        CacheConfig(page_size=page_size, enable_prefix_cache=False), DebugConfig(), num_pages, num_slots, EngineStats()
+    )
     return Scheduler(config, cache, max_model_len=1024), cache.pages, cache.ledger
 
 
@@ -51,7 +53,7 @@ def test_budget_mixes_prefill_and_decode():
     sched, _, _ = make(max_batch_tokens=20)
     a, b = req("a", 4), req("b", 30)
     sched.add(a)
-    apply(sched.schedule())           # a prefilled, a has 1 output
+    apply(sched.schedule())  # a prefilled, a has 1 output
     sched.add(b)
     batch = sched.schedule()
     assert [(s.request.request_id, s.num_new_tokens) for s in batch.seqs] == [("a", 1), ("b", 16)]
@@ -68,7 +70,7 @@ def test_admission_limited_by_slots_and_running_cap():
 
 
 def test_preemption_frees_and_requeues_youngest():
-    sched, pages, slots = make(num_pages=9, page_size=4)   # 8 usable pages = 32 tokens
+    sched, pages, slots = make(num_pages=9, page_size=4)  # 8 usable pages = 32 tokens
     a, b = req("a", 12, max_tokens=30), req("b", 12, max_tokens=30)
     sched.add(a)
     sched.add(b)
@@ -121,7 +123,7 @@ def test_lpm_admits_the_longest_cached_prefix_first():
     assert admission_order(fcfs, depths) == list("abcd")
     lpm, _, _ = make(max_running_requests=1, policy="lpm")
     queue(lpm, "abcd")
-    assert admission_order(lpm, depths) == list("cbda")      # ties in arrival order
+    assert admission_order(lpm, depths) == list("cbda")  # ties in arrival order
 
 
 def test_lpm_bypass_bound_prevents_starvation():

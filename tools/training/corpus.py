@@ -1,5 +1,6 @@
 """The default model's training data: the Python standard library's own source, split into
 train / held-out files by a hash of the path, and the byte-level BPE tokenizer trained on it."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,8 +12,7 @@ import torch
 from tools.tiny_text import EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer_config
 
 # Not training text: the docs-as-data module, codec tables, build-time config dumps.
-EXCLUDED_DIRS = ("site-packages", "dist-packages", "pydoc_data", "encodings", "__pycache__",
-                 "lib2to3/tests/data")
+EXCLUDED_DIRS = ("site-packages", "dist-packages", "pydoc_data", "encodings", "__pycache__", "lib2to3/tests/data")
 EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
 MAX_FILE_BYTES = 400_000
 # Pre-tokenizer split: a word or a punctuation run takes ONE trailing space ("def ", "= ",
@@ -71,13 +71,20 @@ def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int):
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  min_frequency=2, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     tok.save(str(out_dir / "tokenizer.json"))
     write_tokenizer_config(out_dir)

@@ -30,6 +30,7 @@ Evaluation (``chain_acceptance``): on fixed held-out prompts continued greedily,
 anchor from the prompt's last token on, whether drafts 1..j all equal the main model's
 greedy tokens; acceptance at position j = P(draft j right | drafts < j right).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,11 +55,11 @@ SUITE_WORKLOAD = Path(__file__).resolve().parents[2] / "configs" / "workloads" /
 @dataclass
 class DistillSettings:
     minutes: float = 20.0
-    steps: int | None = None            # None: as many as fit in minutes
-    k: int = 3                          # chain steps unrolled (the engine's num_draft_tokens)
+    steps: int | None = None  # None: as many as fit in minutes
+    k: int = 3  # chain steps unrolled (the engine's num_draft_tokens)
     step_weights: tuple[float, ...] = (1.0, 0.8, 0.64)
-    hard_weight: float = 0.5            # CE to the main model's argmax, beside the soft CE
-    text_weight: float = 0.2            # weight of anchors inside the prompt text
+    hard_weight: float = 0.5  # CE to the main model's argmax, beside the soft CE
+    text_weight: float = 0.2  # weight of anchors inside the prompt text
     seq_len: int = 192
     min_prompt: int = 8
     max_prompt: int = 128
@@ -68,21 +69,21 @@ class DistillSettings:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    amp: bool = True                    # bfloat16 autocast for the head (main model: float32)
+    amp: bool = True  # bfloat16 autocast for the head (main model: float32)
     seed: int = 0
     threads: int = 1
-    eval_prompts: tuple[int, ...] = (16, 48, 96)   # held-out prompt lengths, 16 prompts each
+    eval_prompts: tuple[int, ...] = (16, 48, 96)  # held-out prompt lengths, 16 prompts each
     eval_per_length: int = 16
-    text_eval_len: int = 256            # train_default's one-step metric: 64 windows of this
+    text_eval_len: int = 256  # train_default's one-step metric: 64 windows of this
     heldout_percent: int = 3
 
     def __post_init__(self) -> None:
         if self.k < 1 or len(self.step_weights) < self.k:
-            raise ValueError(f"k={self.k} needs >= 1 and {self.k} step_weights, "
-                             f"got {len(self.step_weights)}")
+            raise ValueError(f"k={self.k} needs >= 1 and {self.k} step_weights, got {len(self.step_weights)}")
         if not 1 <= self.min_prompt <= self.max_prompt <= self.seq_len - self.k - 2:
-            raise ValueError(f"prompt lengths {self.min_prompt}..{self.max_prompt} must fit "
-                             f"seq_len={self.seq_len} with k={self.k}")
+            raise ValueError(
+                f"prompt lengths {self.min_prompt}..{self.max_prompt} must fit seq_len={self.seq_len} with k={self.k}"
+            )
 
 
 # --- the chain as the engine runs it ----------------------------------------------------------
@@ -93,8 +94,9 @@ class KvRows:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
-               kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k is not None and self.v is not None:
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.k, self.v = k, v
@@ -111,8 +113,9 @@ def chain_mask(t: int, j: int, device: torch.device | None = None) -> torch.Tens
     return torch.cat([causal] + [own] * (j - 1), dim=1)
 
 
-def unroll_chain(model, mtp: TrainableMtpHead, hidden: torch.Tensor, tokens: torch.Tensor,
-                 k: int) -> list[torch.Tensor]:
+def unroll_chain(
+    model, mtp: TrainableMtpHead, hidden: torch.Tensor, tokens: torch.Tensor, k: int
+) -> list[torch.Tensor]:
     """hidden [B, T, H]: the main model's final-normed h_s; tokens [B, T + k]: x_s (token
     x_{s+j} feeds step j of anchor s). -> k outputs [B, T, H] (after ``mtp.norm``); lm_head
     of output j at anchor s drafts x_{s+j+1}. See the module docstring."""
@@ -122,7 +125,7 @@ def unroll_chain(model, mtp: TrainableMtpHead, hidden: torch.Tensor, tokens: tor
     cache, prev, outs = KvRows(), hidden, []
     base = torch.arange(t, device=hidden.device).unsqueeze(0).expand(b, -1)
     for j in range(1, k + 1):
-        emb = model.model.embed_tokens(tokens[:, j:j + t])
+        emb = model.model.embed_tokens(tokens[:, j : j + t])
         prev = mtp.rows(prev, emb, base + j, chain_mask(t, j, hidden.device), cache)
         outs.append(prev)
     return outs
@@ -152,7 +155,7 @@ def main_targets(model, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def anchor_weights(t: int, prompt_len: int, text_weight: float) -> torch.Tensor:
     """[T]: 1 from the prompt's last token on (the engine's anchors), else text_weight."""
     w = torch.full((t,), float(text_weight))
-    w[prompt_len - 1:] = 1.0
+    w[prompt_len - 1 :] = 1.0
     return w
 
 
@@ -161,11 +164,10 @@ def anchor_weights(t: int, prompt_len: int, text_weight: float) -> torch.Tensor:
 class DistillOut:
     loss: torch.Tensor
     step_loss: list[float]
-    step_accept: list[float]       # per step: argmax == main argmax, engine anchors only
+    step_accept: list[float]  # per step: argmax == main argmax, engine anchors only
 
 
-def distill_loss(model, mtp: TrainableMtpHead, seqs: torch.Tensor, prompt_len: int,
-                 s: DistillSettings) -> DistillOut:
+def distill_loss(model, mtp: TrainableMtpHead, seqs: torch.Tensor, prompt_len: int, s: DistillSettings) -> DistillOut:
     k, t = s.k, seqs.shape[1] - s.k
     hidden, logits = main_targets(model, seqs)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.amp):
@@ -174,32 +176,30 @@ def distill_loss(model, mtp: TrainableMtpHead, seqs: torch.Tensor, prompt_len: i
     loss = torch.zeros(())
     step_loss, step_accept = [], []
     for j, out in enumerate(outs, start=1):
-        target = logits[:, j:j + t]
+        target = logits[:, j : j + t]
         logp = F.log_softmax(model.lm_head(out.float()), dim=-1)
         best, target_logp = target.argmax(-1), F.log_softmax(target, dim=-1)
-        per = (target_logp.exp() * (target_logp - logp)).sum(-1)       # KL(main || draft)
+        per = (target_logp.exp() * (target_logp - logp)).sum(-1)  # KL(main || draft)
         per = per - s.hard_weight * logp.gather(-1, best.unsqueeze(-1)).squeeze(-1)
         lj = (per * w).sum() / w.sum()
         loss = loss + s.step_weights[j - 1] * lj
         step_loss.append(lj.item())
-        step_accept.append(float((logp.argmax(-1) == best)[:, prompt_len - 1:].float().mean()))
+        step_accept.append(float((logp.argmax(-1) == best)[:, prompt_len - 1 :].float().mean()))
     return DistillOut(loss, step_loss, step_accept)
 
 
-def sample_batch(model, stream: torch.Tensor, s: DistillSettings,
-                 gen: torch.Generator) -> tuple[torch.Tensor, int]:
+def sample_batch(model, stream: torch.Tensor, s: DistillSettings, gen: torch.Generator) -> tuple[torch.Tensor, int]:
     p = int(torch.randint(s.min_prompt, s.max_prompt + 1, (1,), generator=gen))
     prompts = td.sample_windows(stream, s.batch_size, p, gen)[:, :p]
     return greedy_continue(model, prompts, s.seq_len), p
 
 
-def train_head(model, mtp: TrainableMtpHead, stream: torch.Tensor, s: DistillSettings,
-               log=print) -> dict[str, Any]:
+def train_head(model, mtp: TrainableMtpHead, stream: torch.Tensor, s: DistillSettings, log=print) -> dict[str, Any]:
     model.eval()
     model.requires_grad_(False)
     mtp.train()
     gen = torch.Generator().manual_seed(s.seed + 3)
-    opt = td.make_optimizer(model, mtp, s)           # the main model's parameters are frozen
+    opt = td.make_optimizer(model, mtp, s)  # the main model's parameters are frozen
     params = [p for g in opt.param_groups for p in g["params"]]
     budget, t0, step, history = s.minutes * 60.0, time.monotonic(), 0, []
     while True:
@@ -218,10 +218,11 @@ def train_head(model, mtp: TrainableMtpHead, stream: torch.Tensor, s: DistillSet
         opt.step()
         step += 1
         if step % 25 == 0 or step == 1:
-            history.append((step, round(elapsed, 1), round(out.loss.item(), 4),
-                            [round(a, 3) for a in out.step_accept]))
-            log(f"step {step} {elapsed:6.0f}s lr {lr:.2e} loss {out.loss.item():.3f} "
-                f"steps {[round(x, 3) for x in out.step_loss]} acc {[round(a, 3) for a in out.step_accept]}")
+            history.append((step, round(elapsed, 1), round(out.loss.item(), 4), [round(a, 3) for a in out.step_accept]))
+            log(
+                f"step {step} {elapsed:6.0f}s lr {lr:.2e} loss {out.loss.item():.3f} "
+                f"steps {[round(x, 3) for x in out.step_loss]} acc {[round(a, 3) for a in out.step_accept]}"
+            )
     mtp.eval()
     return {"steps": step, "train_seconds": round(time.monotonic() - t0, 1), "history": history}
 
@@ -229,13 +230,14 @@ def train_head(model, mtp: TrainableMtpHead, stream: torch.Tensor, s: DistillSet
 # --- evaluation -------------------------------------------------------------------------------
 def eval_sequences(model, heldout: torch.Tensor, s: DistillSettings) -> list[tuple[torch.Tensor, int]]:
     """Fixed held-out prompts (``eval_prompts`` lengths) continued greedily to ``seq_len``."""
-    return [(greedy_continue(model, td.eval_windows(heldout, s.eval_per_length, p)[:, :p], s.seq_len), p)
-            for p in s.eval_prompts]
+    return [
+        (greedy_continue(model, td.eval_windows(heldout, s.eval_per_length, p)[:, :p], s.seq_len), p)
+        for p in s.eval_prompts
+    ]
 
 
 @torch.no_grad()
-def chain_acceptance(model, mtp: TrainableMtpHead, batches: list[tuple[torch.Tensor, int]],
-                     k: int) -> dict[str, Any]:
+def chain_acceptance(model, mtp: TrainableMtpHead, batches: list[tuple[torch.Tensor, int]], k: int) -> dict[str, Any]:
     """Per chain position j: P(draft j == main greedy | drafts < j accepted), over anchors
     from each prompt's last token on; ``mean_accepted`` = E[accepted drafts of a k-chain]."""
     mtp.eval()
@@ -248,11 +250,14 @@ def chain_acceptance(model, mtp: TrainableMtpHead, batches: list[tuple[torch.Ten
         anchors += ok.numel()
         for j, out in enumerate(outs, start=1):
             draft = model.lm_head(out).argmax(-1)
-            ok = ok & (draft == logits[:, j:j + t].argmax(-1))[:, p - 1:]
+            ok = ok & (draft == logits[:, j : j + t].argmax(-1))[:, p - 1 :]
             right[j - 1] += int(ok.sum())
     prev = [anchors] + right[:-1]
-    return {"anchors": anchors, "conditional": [r / max(q, 1) for r, q in zip(right, prev)],
-            "mean_accepted": sum(right) / anchors}
+    return {
+        "anchors": anchors,
+        "conditional": [r / max(q, 1) for r, q in zip(right, prev)],
+        "mean_accepted": sum(right) / anchors,
+    }
 
 
 # --- the model dir ----------------------------------------------------------------------------
@@ -279,7 +284,7 @@ def save_head(model_dir: Path, model, mtp: TrainableMtpHead, before: dict[str, t
     if set(new) != old_mtp:
         raise RuntimeError(f"MTP tensor names differ: {sorted(set(new) ^ old_mtp)[:4]}")
     tensors.update(new)
-    mode = path.stat().st_mode & 0o777              # save_file writes 0600: keep the file's mode
+    mode = path.stat().st_mode & 0o777  # save_file writes 0600: keep the file's mode
     save_file(dict(sorted(tensors.items())), str(path), metadata=metadata)
     path.chmod(mode)
 
@@ -296,8 +301,7 @@ def engine_acceptance(model_dir: Path, ks: list[int], output_len: int = 48) -> d
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     out = {}
     for k in ks:
-        llm = LLM(model=str(model_dir), device="cpu", dtype="float32",
-                  spec={"method": "mtp", "num_draft_tokens": k})
+        llm = LLM(model=str(model_dir), device="cpu", dtype="float32", spec={"method": "mtp", "num_draft_tokens": k})
         for p in prompts:
             llm.generate([p], params)
         st = llm.stats()
@@ -306,8 +310,14 @@ def engine_acceptance(model_dir: Path, ks: list[int], output_len: int = 48) -> d
     return out
 
 
-def run(model_dir: Path, s: DistillSettings, command: str, log=print, max_files: int | None = None,
-        engine_check: bool = True) -> dict[str, Any]:
+def run(
+    model_dir: Path,
+    s: DistillSettings,
+    command: str,
+    log=print,
+    max_files: int | None = None,
+    engine_check: bool = True,
+) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
     t_start = time.monotonic()
@@ -316,7 +326,7 @@ def run(model_dir: Path, s: DistillSettings, command: str, log=print, max_files:
     root = stdlib_root()
     files = stdlib_files(root)[:max_files]
     train_texts, heldout_texts = read_corpus(files, root, s.heldout_percent)
-    if not heldout_texts:                 # tiny test subsets: hold out the last file
+    if not heldout_texts:  # tiny test subsets: hold out the last file
         heldout_texts, train_texts = train_texts[-1:], train_texts[:-1]
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     train_stream, heldout = encode_stream(tok, train_texts), encode_stream(tok, heldout_texts)
@@ -324,24 +334,35 @@ def run(model_dir: Path, s: DistillSettings, command: str, log=print, max_files:
     before_state = main_state(model)
     batches = eval_sequences(model, heldout, s)
     windows = td.eval_windows(heldout, 64, s.text_eval_len)
-    ev_before = {"chain": chain_acceptance(model, mtp, batches, s.k),
-                 "one_step_text": td.evaluate(model, mtp, windows)["mtp_acceptance"]}
+    ev_before = {
+        "chain": chain_acceptance(model, mtp, batches, s.k),
+        "one_step_text": td.evaluate(model, mtp, windows)["mtp_acceptance"],
+    }
     eng_before = engine_acceptance(model_dir, list(range(1, s.k + 1))) if engine_check else None
     log(f"before: {json.dumps(ev_before)} engine {eng_before}")
     train_info = train_head(model, mtp, train_stream, s, log=log)
     save_head(model_dir, model, mtp, before_state)
-    model2, mtp2 = td.load_saved(model_dir)                  # numbers from the weights as saved
+    model2, mtp2 = td.load_saved(model_dir)  # numbers from the weights as saved
     probe = batches[0][0]
     with torch.no_grad():
         if not torch.equal(model2(input_ids=probe).logits, model(input_ids=probe).logits):
             raise RuntimeError("the main model's logits changed after the save")
-    ev_after = {"chain": chain_acceptance(model2, mtp2, batches, s.k),
-                "one_step_text": td.evaluate(model2, mtp2, windows)["mtp_acceptance"]}
+    ev_after = {
+        "chain": chain_acceptance(model2, mtp2, batches, s.k),
+        "one_step_text": td.evaluate(model2, mtp2, windows)["mtp_acceptance"],
+    }
     eng_after = engine_acceptance(model_dir, list(range(1, s.k + 1))) if engine_check else None
     log(f"after: {json.dumps(ev_after)} engine {eng_after}")
-    info = {"command": command, "settings": asdict(s), "train": train_info,
-            "before": ev_before, "after": ev_after, "engine_before": eng_before,
-            "engine_after": eng_after, "total_seconds": round(time.monotonic() - t_start, 1)}
+    info = {
+        "command": command,
+        "settings": asdict(s),
+        "train": train_info,
+        "before": ev_before,
+        "after": ev_after,
+        "engine_before": eng_before,
+        "engine_after": eng_after,
+        "total_seconds": round(time.monotonic() - t_start, 1),
+    }
     write_distill_section(model_dir, info)
     return info
 
@@ -355,11 +376,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=DistillSettings.lr)
     parser.add_argument("--seed", type=int, default=DistillSettings.seed)
     parser.add_argument("--threads", type=int, default=DistillSettings.threads)
-    parser.add_argument("--no-engine-check", action="store_true",
-                        help="skip the engine acceptance runs before and after")
+    parser.add_argument(
+        "--no-engine-check", action="store_true", help="skip the engine acceptance runs before and after"
+    )
     args = parser.parse_args(argv)
-    s = DistillSettings(minutes=args.minutes, steps=args.steps, k=args.k, lr=args.lr,
-                        seed=args.seed, threads=args.threads)
+    s = DistillSettings(
+        minutes=args.minutes, steps=args.steps, k=args.k, lr=args.lr, seed=args.seed, threads=args.threads
+    )
     command = "python -m tools.training.distill_mtp " + " ".join(sys.argv[1:] if argv is None else argv)
     run(Path(args.model), s, command, engine_check=not args.no_engine_check)
 

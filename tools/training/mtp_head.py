@@ -21,6 +21,7 @@ released checkpoints (read by vLLM's ``Qwen3NextMTP`` and by our loader's ``mtp_
 [H] and ``mtp.layers.0.*`` named like ``model.layers.N.*`` of a full-attention MoE layer (per
 expert ``experts.{e}.{gate,up,down}_proj.weight``, not transformers' fused in-memory layout).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,8 +33,12 @@ from torch import nn
 def mtp_layer_index(cfg: Any) -> int:
     """Index of a main-model full-attention MoE layer: the MTP layer takes its shape."""
     for i, kind in enumerate(cfg.layer_types):
-        if (kind == "full_attention" and i not in (cfg.mlp_only_layers or [])
-                and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0):
+        if (
+            kind == "full_attention"
+            and i not in (cfg.mlp_only_layers or [])
+            and cfg.num_experts > 0
+            and (i + 1) % cfg.decoder_sparse_step == 0
+        ):
             return i
     raise ValueError("the MTP head needs a full-attention MoE layer in the main model")
 
@@ -68,8 +73,7 @@ class TrainableMtpHead(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
 
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor,
-                position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """hidden, next_embeds [B, T, H] (h_t, e_{t+1}); position_ids [B, T] (= t + 1).
 
         Returns the ``mtp.norm`` output [B, T, H]; ``lm_head`` of it predicts token t + 2.
@@ -78,17 +82,27 @@ class TrainableMtpHead(nn.Module):
         mask = torch.full((t, t), float("-inf"), dtype=hidden.dtype, device=hidden.device).triu(1)
         return self.rows(hidden, next_embeds, position_ids, mask)
 
-    def rows(self, hidden: torch.Tensor, next_embeds: torch.Tensor, position_ids: torch.Tensor,
-             mask: torch.Tensor, cache: Any = None) -> torch.Tensor:
+    def rows(
+        self,
+        hidden: torch.Tensor,
+        next_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any = None,
+    ) -> torch.Tensor:
         """``forward`` with the attention mask [T, S] (additive) given, S = keys in ``cache``
         plus these T rows; ``cache`` (an object with transformers' ``Cache.update(k, v,
         layer_idx)``) holds the keys/values of earlier rows, as a chained draft step sees them."""
-        x = torch.cat([self.pre_fc_norm_embedding(next_embeds),
-                       self.pre_fc_norm_hidden(hidden)], dim=-1)
+        x = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.fc(x)
         pos = self.rotary_emb(x, position_ids)
-        x = self.layers[0](x, position_embeddings=pos, attention_mask=mask.to(x.dtype)[None, None],
-                           position_ids=position_ids, cache=cache)
+        x = self.layers[0](
+            x,
+            position_embeddings=pos,
+            attention_mask=mask.to(x.dtype)[None, None],
+            position_ids=position_ids,
+            cache=cache,
+        )
         return self.norm(x)
 
     def checkpoint_tensors(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -98,20 +112,19 @@ class TrainableMtpHead(nn.Module):
             if name.startswith("rotary_emb."):
                 continue
             t = t.detach()
-            if name.endswith("mlp.experts.gate_up_proj"):      # [E, 2I, H] = cat(gate, up)
+            if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H] = cat(gate, up)
                 base = name[: -len("gate_up_proj")]
                 inter = t.shape[1] // 2
                 for e in range(t.shape[0]):
                     out[f"{base}{e}.gate_proj.weight"] = t[e, :inter]
                     out[f"{base}{e}.up_proj.weight"] = t[e, inter:]
-            elif name.endswith("mlp.experts.down_proj"):       # [E, H, I]
+            elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
                 base = name[: -len("down_proj")]
                 for e in range(t.shape[0]):
                     out[f"{base}{e}.down_proj.weight"] = t[e]
             else:
                 out[name] = t
-        return {"mtp." + k: (v if dtype is None else v.to(dtype)).contiguous().clone()
-                for k, v in sorted(out.items())}
+        return {"mtp." + k: (v if dtype is None else v.to(dtype)).contiguous().clone() for k, v in sorted(out.items())}
 
 
 def param_count(module: nn.Module) -> int:

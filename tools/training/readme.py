@@ -1,5 +1,6 @@
 """The default model's README.md: how it was made and its held-out numbers, from the ``info``
 dict that ``train_default.run`` collects (settings, data sizes, eval results, samples)."""
+
 from __future__ import annotations
 
 import json
@@ -116,8 +117,7 @@ Training curve (training-batch losses):
 
 
 def _samples(info: dict[str, Any]) -> str:
-    samples = "\n\n".join(f"Prompt `{json.dumps(p)}`:\n\n```python\n{text}\n```"
-                          for p, text in info["samples"].items())
+    samples = "\n\n".join(f"Prompt `{json.dumps(p)}`:\n\n```python\n{text}\n```" for p, text in info["samples"].items())
     return f"""## Greedy samples
 
 Greedy (temperature 0) continuations, {info["sample_tokens"]} new tokens:
@@ -143,7 +143,7 @@ def put_section(path: Path, heading: str, section: str) -> None:
     text = path.read_text() if path.exists() else ""
     if heading in text:
         head, rest = text.split(heading, 1)
-        tail = rest[rest.index("\n## ") + 1:] if "\n## " in rest else ""
+        tail = rest[rest.index("\n## ") + 1 :] if "\n## " in rest else ""
         text = head + section + tail
     elif _SAMPLES_HEADING in text:
         head, tail = text.split(_SAMPLES_HEADING, 1)
@@ -157,21 +157,15 @@ def _given(j: int) -> str:
     return "" if j == 0 else " (given draft 1 accepted)" if j == 1 else f" (given drafts 1..{j} accepted)"
 
 
-def _distill(info: dict[str, Any]) -> str:
-    s, t = info["settings"], info["train"]
-    before, after = info["before"], info["after"]
-    rows = [f"| draft {j + 1}{_given(j)} | {b:.3f} | **{a:.3f}** |"
-            for j, (b, a) in enumerate(zip(before["chain"]["conditional"], after["chain"]["conditional"]))]
-    rows.append(f"| accepted drafts per {s['k']}-chain (mean) | {before['chain']['mean_accepted']:.3f} | "
-                f"**{after['chain']['mean_accepted']:.3f}** |")
-    rows.append(f"| one-step acceptance on held-out text (the table above's metric) | "
-                f"{before['one_step_text']:.3f} | {after['one_step_text']:.3f} |")
-    eng = ""
-    if info.get("engine_before") and info.get("engine_after"):
-        eng_rows = "\n".join(f"| k = {k} | {info['engine_before'][k]:.3f} | "
-                             f"**{info['engine_after'][k]:.3f}** |"
-                             for k in info["engine_before"])
-        eng = f"""
+def _engine_table(info: dict[str, Any]) -> str:
+    """The engine's acceptance before and after distillation, when measured."""
+    if not (info.get("engine_before") and info.get("engine_after")):
+        return ""
+    eng_rows = "\n".join(
+        f"| k = {k} | {info['engine_before'][k]:.3f} | **{info['engine_after'][k]:.3f}** |"
+        for k in info["engine_before"]
+    )
+    return f"""
 The engine's own acceptance (accepted ÷ drafted, `num_draft_tokens` = k, greedy, batch 1,
 the bench suite's three `spec` prompts × 48 tokens, float32):
 
@@ -179,6 +173,24 @@ the bench suite's three `spec` prompts × 48 tokens, float32):
 |---|---|---|
 {eng_rows}
 """
+
+
+def _distill(info: dict[str, Any]) -> str:
+    s, t = info["settings"], info["train"]
+    before, after = info["before"], info["after"]
+    rows = [
+        f"| draft {j + 1}{_given(j)} | {b:.3f} | **{a:.3f}** |"
+        for j, (b, a) in enumerate(zip(before["chain"]["conditional"], after["chain"]["conditional"]))
+    ]
+    rows.append(
+        f"| accepted drafts per {s['k']}-chain (mean) | {before['chain']['mean_accepted']:.3f} | "
+        f"**{after['chain']['mean_accepted']:.3f}** |"
+    )
+    rows.append(
+        f"| one-step acceptance on held-out text (the table above's metric) | "
+        f"{before['one_step_text']:.3f} | {after['one_step_text']:.3f} |"
+    )
+    eng = _engine_table(info)
     return f"""{DISTILL_HEADING}
 
 The shipped `mtp.*` tensors are the head above fine-tuned alone by self-distillation from
@@ -196,7 +208,7 @@ decoding to {s["seq_len"]} tokens (prompt anchors weighted {s["text_weight"]}).
 The {s["k"]}-step draft chain is
 unrolled as the engine runs it (step j feeds the head's own previous output and token
 x_{{s+j}}; its attention sees the catch-up rows ≤ s and its own chained rows), steps
-weighted {", ".join(str(w) for w in s["step_weights"][:s["k"]])}.
+weighted {", ".join(str(w) for w in s["step_weights"][: s["k"]])}.
 AdamW lr {s["lr"]} (cosine to {s["min_lr_ratio"]}×), batch {s["batch_size"]};
 {t["steps"]} steps, **{t["train_seconds"] / 60:.1f} min** of training, {s["threads"]} CPU thread
 ({info["total_seconds"] / 60:.1f} min for the whole script, evaluations included).

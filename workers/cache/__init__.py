@@ -4,6 +4,7 @@
 - ``RadixCache``: the hybrid radix tree of KV pages and Mamba checkpoints (``radix.py``).
 - ``prefix_hash``: the chained page hash that labels checkpoints (``prefix_hash.py``).
 """
+
 from __future__ import annotations
 
 from workers.cache.ledger import (
@@ -19,14 +20,7 @@ from workers.cache.ledger import (
 from workers.cache.node import TreeNode
 from workers.cache.prefix_hash import ROOT_PREFIX_HASH, extend_prefix_hash, prefix_hash
 from workers.cache.radix import RadixCache
-from workers.cache.records import (
-    CacheEvent,
-    Checkpoint,
-    CheckpointEvicted,
-    CheckpointInserted,
-    EvictResult,
-    Violation,
-)
+from workers.cache.records import CacheEvent, Checkpoint, CheckpointEvicted, CheckpointInserted, EvictResult, Violation
 from workers.cache.results import InsertResult, MatchResult
 
 __all__ = [

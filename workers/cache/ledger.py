@@ -27,6 +27,7 @@ keeps it (the state moves with the slot).
 can show the keep-slot aliasing bug coming back (``debug.disable_alias_guard``). Readers
 are always guarded.
 """
+
 from __future__ import annotations
 
 import enum
@@ -46,7 +47,7 @@ class SlotRole(enum.Enum):
 
 @dataclass(frozen=True)
 class RequestOwner:
-    handle: int            # the engine's handle of the request (never the caller's id)
+    handle: int  # the engine's handle of the request (never the caller's id)
     role: SlotRole
 
 
@@ -207,7 +208,8 @@ class SlotLedger:
         if not self.may_move(slot):
             raise OwnershipError(
                 f"free of slot {slot} ({owner}) with pending writer batches "
-                f"{sorted(self._writers.get(slot, ()))} / readers {sorted(self._readers.get(slot, ()))}")
+                f"{sorted(self._writers.get(slot, ()))} / readers {sorted(self._readers.get(slot, ()))}"
+            )
         self._clear_owner(slot)
         self._content.pop(slot, None)
         self._free.free([slot])
@@ -245,8 +247,9 @@ class SlotLedger:
         """Record that launched batch ``batch_id`` will write ``slot`` (request-owned only)."""
         owner = self._owned(slot, "add_writer")
         if isinstance(owner, TreeOwner) and self.guard_writers:
-            raise OwnershipError(f"batch {batch_id} may not write slot {slot}: it is tree node "
-                                 f"{owner.node_id}'s checkpoint")
+            raise OwnershipError(
+                f"batch {batch_id} may not write slot {slot}: it is tree node {owner.node_id}'s checkpoint"
+            )
         self._writers.setdefault(slot, {})[batch_id] = owner
         self._batch_slots.setdefault(batch_id, set()).add(slot)
 
@@ -256,7 +259,7 @@ class SlotLedger:
         for slot in slots:
             owner = self._owner.get(slot)
             if owner is None or (self.guard_writers and isinstance(owner, TreeOwner)):
-                self.add_writer(slot, batch_id)           # raises, naming the slot
+                self.add_writer(slot, batch_id)  # raises, naming the slot
             self._writers.setdefault(slot, {})[batch_id] = owner
             batch.add(slot)
 
@@ -297,8 +300,11 @@ class SlotLedger:
     def check(self) -> list[Violation]:
         """I2 (exclusive ownership, conservation) and I3 (no holder change under a writer
         or a reader)."""
-        return (_check_ownership(self) + _check_pending(self, self._writers, self._batch_slots, "batch")
-                + _check_pending(self, self._readers, self._read_slots, "reading transfer"))
+        return (
+            _check_ownership(self)
+            + _check_pending(self, self._writers, self._batch_slots, "batch")
+            + _check_pending(self, self._readers, self._read_slots, "reading transfer")
+        )
 
     # ---- internals ---------------------------------------------------------------------
     def _check_range(self, slot: int) -> None:
@@ -337,8 +343,13 @@ def _check_ownership(ledger: SlotLedger) -> list[Violation]:
             out.append(Violation("I2", f"slot {slot}: free list says free={is_free}, owner map says {owner}"))
     total = ledger.num_free + ledger.num_request_owned + ledger.num_tree_owned
     if total != ledger.num_usable:
-        out.append(Violation("I2", f"free {ledger.num_free} + request {ledger.num_request_owned} + tree "
-                                   f"{ledger.num_tree_owned} = {total} != {ledger.num_usable} usable slots"))
+        out.append(
+            Violation(
+                "I2",
+                f"free {ledger.num_free} + request {ledger.num_request_owned} + tree "
+                f"{ledger.num_tree_owned} = {total} != {ledger.num_usable} usable slots",
+            )
+        )
     kinds = {"live": 0, "keep": 0, "pending": 0, "tree": 0}
     for owner in ledger._owner.values():
         kinds[_kind(owner)] += 1
@@ -347,8 +358,7 @@ def _check_ownership(ledger: SlotLedger) -> list[Violation]:
     indexed = {(h, s, role) for h, slots in ledger._by_request.items() for s, role in slots.items()}
     actual = {(o.handle, s, o.role) for s, o in ledger._owner.items() if isinstance(o, RequestOwner)}
     if indexed != actual:
-        out.append(Violation("I2", "request index disagrees with owner map: "
-                                   f"{sorted(indexed ^ actual, key=str)}"))
+        out.append(Violation("I2", f"request index disagrees with owner map: {sorted(indexed ^ actual, key=str)}"))
     stray = sorted(s for s in ledger._content if s not in ledger._owner)
     if stray:
         out.append(Violation("I4", f"content recorded for free slots {stray}"))
@@ -366,8 +376,9 @@ def _drop_entry(by_slot: dict[int, dict[int, Owner]], by_id: dict[int, set[int]]
     return sorted(slots)
 
 
-def _check_pending(ledger: SlotLedger, by_slot: dict[int, dict[int, Owner]], by_id: dict[int, set[int]],
-                   what: str) -> list[Violation]:
+def _check_pending(
+    ledger: SlotLedger, by_slot: dict[int, dict[int, Owner]], by_id: dict[int, set[int]], what: str
+) -> list[Violation]:
     out: list[Violation] = []
     index: dict[int, set[int]] = {}
     for slot, entries in by_slot.items():
@@ -377,8 +388,12 @@ def _check_pending(ledger: SlotLedger, by_slot: dict[int, dict[int, Owner]], by_
         for entry_id, registered in entries.items():
             index.setdefault(entry_id, set()).add(slot)
             if owner is None or not same_holder(registered, owner):
-                out.append(Violation("I3", f"slot {slot} changed holder from {registered} to {owner} while "
-                                           f"{what} {entry_id} is pending"))
+                out.append(
+                    Violation(
+                        "I3",
+                        f"slot {slot} changed holder from {registered} to {owner} while {what} {entry_id} is pending",
+                    )
+                )
     if index != by_id:
         out.append(Violation("I3", f"{what} index {by_id} != slot map {index}"))
     return out

@@ -8,6 +8,7 @@
 - ``CheckpointLru`` (mamba LRU): exactly the non-root nodes holding a checkpoint, oldest
   first; checkpoint eviction takes the oldest with no lock on the node itself.
 """
+
 from __future__ import annotations
 
 import heapq

@@ -1,5 +1,6 @@
 """One node of the hybrid radix tree: an edge of whole token pages, its KV pages, and at
 most one Mamba checkpoint for the state after exactly the node's depth."""
+
 from __future__ import annotations
 
 from workers.cache.records import Checkpoint
@@ -22,11 +23,25 @@ class TreeNode:
       ``TreeOwner(node_id)`` in the ledger cannot name a different, later node.
     """
 
-    __slots__ = ("node_id", "parent", "key", "page_ids", "depth", "prefix_hash", "checkpoint",
-                 "children", "full_lock", "mamba_lock", "full_stamp", "mamba_stamp", "alive")
+    __slots__ = (
+        "node_id",
+        "parent",
+        "key",
+        "page_ids",
+        "depth",
+        "prefix_hash",
+        "checkpoint",
+        "children",
+        "full_lock",
+        "mamba_lock",
+        "full_stamp",
+        "mamba_stamp",
+        "alive",
+    )
 
-    def __init__(self, node_id: int, parent: TreeNode | None, key: tuple[int, ...],
-                 page_ids: list[int], prefix_hash: bytes) -> None:
+    def __init__(
+        self, node_id: int, parent: TreeNode | None, key: tuple[int, ...], page_ids: list[int], prefix_hash: bytes
+    ) -> None:
         self.node_id: int = node_id
         self.parent: TreeNode | None = parent
         self.key: tuple[int, ...] = key
@@ -56,5 +71,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         ckpt = "-" if self.checkpoint is None else f"slot {self.checkpoint.slot}"
-        return (f"TreeNode(id={self.node_id}, depth={self.depth}, pages={len(self.page_ids)}, "
-                f"ckpt={ckpt}, locks={self.full_lock}/{self.mamba_lock})")
+        return (
+            f"TreeNode(id={self.node_id}, depth={self.depth}, pages={len(self.page_ids)}, "
+            f"ckpt={ckpt}, locks={self.full_lock}/{self.mamba_lock})"
+        )

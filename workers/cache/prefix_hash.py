@@ -6,6 +6,7 @@ pages only, and a checkpoint carries H(depth) so that I1 (a node at depth d hold
 nothing) is checkable without trusting anyone's labels. The chain is defined per page,
 so hashes are only comparable between caches with the same page size.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,7 @@ def extend_prefix_hash(parent_hash: bytes, token_ids: Sequence[int], page_size: 
     digest = parent_hash
     for start in range(0, len(token_ids), page_size):
         link = hashlib.blake2b(digest, digest_size=DIGEST_SIZE)
-        link.update(array("q", token_ids[start:start + page_size]).tobytes())
+        link.update(array("q", token_ids[start : start + page_size]).tobytes())
         digest = link.digest()
     return digest
 
@@ -38,6 +39,6 @@ def prefix_hash_chain(token_ids: Sequence[int], page_size: int) -> list[bytes]:
     partial page is ignored): the keys a checkpoint store is looked up with."""
     chain, digest = [], ROOT_PREFIX_HASH
     for start in range(0, len(token_ids) - page_size + 1, page_size):
-        digest = extend_prefix_hash(digest, token_ids[start:start + page_size], page_size)
+        digest = extend_prefix_hash(digest, token_ids[start : start + page_size], page_size)
         chain.append(digest)
     return chain

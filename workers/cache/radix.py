@@ -1,4 +1,5 @@
 """The hybrid radix cache: KV pages per token page, Mamba checkpoints on some nodes."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
@@ -67,9 +68,15 @@ class RadixCache:
     ``ledger.free`` raises while a reader is registered); ``flush`` never calls it.
     """
 
-    def __init__(self, page_size: int, page_allocator: IdAllocator, ledger: SlotLedger,
-                 on_event: Callable[[CacheEvent], None] | None = None,
-                 on_drop: Callable[[TreeNode], None] | None = None, tier: str = "device") -> None:
+    def __init__(
+        self,
+        page_size: int,
+        page_allocator: IdAllocator,
+        ledger: SlotLedger,
+        on_event: Callable[[CacheEvent], None] | None = None,
+        on_drop: Callable[[TreeNode], None] | None = None,
+        tier: str = "device",
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
@@ -161,13 +168,14 @@ class RadixCache:
         for i, node in enumerate(walk.path):
             if node.checkpoint is not None:
                 best = i
-        page_ids = [p for node in walk.path[:best + 1] for p in node.page_ids]
+        page_ids = [p for node in walk.path[: best + 1] for p in node.page_ids]
         node = walk.path[best] if best >= 0 else self.root
         return MatchResult(node, node.depth, page_ids, node.checkpoint, walk.covered)
 
     # ---- insert ------------------------------------------------------------------------
-    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int],
-               checkpoint: Checkpoint | None = None) -> InsertResult:
+    def insert(
+        self, token_ids: Sequence[int], page_ids: Sequence[int], checkpoint: Checkpoint | None = None
+    ) -> InsertResult:
         """Cache ``page_ids`` (one per whole page of ``token_ids``) and, optionally, the
         checkpoint for the state after all of ``token_ids`` (``checkpoint.depth ==
         len(token_ids)``). See the class docstring for what it raises; ``InsertResult``
@@ -294,18 +302,17 @@ class RadixCache:
 
     # ---- internals ---------------------------------------------------------------------
     def _aligned(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        return tuple(token_ids[:len(token_ids) - len(token_ids) % self.page_size])
+        return tuple(token_ids[: len(token_ids) - len(token_ids) % self.page_size])
 
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
 
-    def _new_node(self, parent: TreeNode, key: tuple[int, ...], page_ids: list[int],
-                  digest: bytes) -> TreeNode:
+    def _new_node(self, parent: TreeNode, key: tuple[int, ...], page_ids: list[int], digest: bytes) -> TreeNode:
         node = TreeNode(self._next_node_id, parent, key, page_ids, digest)
         self._next_node_id += 1
         self._nodes[node.node_id] = node
-        parent.children[key[:self.page_size]] = node
+        parent.children[key[: self.page_size]] = node
         return node
 
     def _split(self, child: TreeNode, num_tokens: int, digest: bytes) -> TreeNode:
@@ -316,11 +323,10 @@ class RadixCache:
         mid = self._new_node(parent, child.key[:num_tokens], child.page_ids[:num_pages], digest)
         mid.full_lock, mid.full_stamp = child.full_lock, child.full_stamp
         child.key, child.page_ids, child.parent = child.key[num_tokens:], child.page_ids[num_pages:], mid
-        mid.children[child.key[:self.page_size]] = child
+        mid.children[child.key[: self.page_size]] = child
         return mid  # same pages under the same lock state: sizes unchanged
 
-    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], page_ids: list[int],
-                  digest: bytes) -> TreeNode:
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], page_ids: list[int], digest: bytes) -> TreeNode:
         leaf = self._new_node(parent, key, page_ids, digest)
         self._tree_pages.update(page_ids)
         self._evictable_pages += len(page_ids)
@@ -334,7 +340,7 @@ class RadixCache:
         self._checkpoints.add(node)
         self._evictable_checkpoints += 1
         if self._on_event is not None:
-            self._on_event(CheckpointInserted(node.depth, node.prefix_hash, toks[:node.depth], self.tier))
+            self._on_event(CheckpointInserted(node.depth, node.prefix_hash, toks[: node.depth], self.tier))
 
     def _touch(self, node: TreeNode, mamba: bool) -> None:
         """Stamp root..node as just used in the full LRU (and the node in the mamba LRU)."""
@@ -394,7 +400,7 @@ class RadixCache:
         self.page_allocator.free(node.page_ids)
         self._tree_pages.difference_update(node.page_ids)
         self._evictable_pages -= len(node.page_ids)
-        del parent.children[node.key[:self.page_size]]
+        del parent.children[node.key[: self.page_size]]
         del self._nodes[node.node_id]
         node.alive = False
         return parent

@@ -1,6 +1,7 @@
 """Small immutable records the cache hands out: checkpoints, evictions, events, violations.
 
 Nothing here refers to tree nodes (results that do live in ``results.py``)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ class EvictResult(NamedTuple):
 NOTHING_EVICTED = EvictResult(0, 0)
 
 
-TIERS = ("device", "host", "store")     # where a checkpoint lives (events and metrics say which)
+TIERS = ("device", "host", "store")  # where a checkpoint lives (events and metrics say which)
 
 
 @dataclass(frozen=True)

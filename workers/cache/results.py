@@ -1,4 +1,5 @@
 """What lookups and inserts return: records that name tree nodes."""
+
 from __future__ import annotations
 
 from typing import NamedTuple

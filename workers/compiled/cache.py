@@ -18,6 +18,7 @@ environment variable inductor reads at each lookup) and turns both caches on.
 ``cache_counters()`` reads inductor's hit / miss / bypass counters, the evidence that a
 warm restart did not recompile (or why it did).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,7 @@ from kernels import native_ops
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # Graphs of one code object: one owner's buckets (compile_for_owner), with room to spare.
 RECOMPILE_LIMIT = 256
-SKIP_REFUSED = "skip_guard_eval_unsafe"     # in dynamo's error for a recompile under the skip
+SKIP_REFUSED = "skip_guard_eval_unsafe"  # in dynamo's error for a recompile under the skip
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
 _owners = itertools.count(1)
@@ -73,6 +74,7 @@ def configure_cache(cache_dir: str | None) -> str:
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
     from torch._inductor.runtime.cache_dir_utils import cache_dir as current
+
     return current()
 
 
@@ -91,11 +93,14 @@ def compile_kwargs(on_gpu: bool, pack_weights: bool = False, gemm_templates: boo
     neither templates nor ATen's GEMM), so this choice concerns larger batches only."""
     options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if on_gpu:
-        options["triton.cudagraphs"] = True        # what mode="reduce-overhead" sets
+        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
     elif pack_weights and gemm_templates:
-        options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
-                       autotune_num_choices_displayed=0,      # no per-GEMM tables on stderr
-                       max_autotune_report_choices_stats=False)
+        options.update(
+            max_autotune=True,
+            max_autotune_gemm_backends="CPP,ATEN",
+            autotune_num_choices_displayed=0,  # no per-GEMM tables on stderr
+            max_autotune_report_choices_stats=False,
+        )
     return {"options": options}
 
 
@@ -104,11 +109,10 @@ def compile_for_owner(method: Callable[..., Any], owner: int, **kwargs: Any) -> 
     keeps its graphs per code object, so one engine's graphs are never candidates for another
     engine's calls (``CallOptions``' guard skip relies on it), each engine's graphs count
     against their own recompile limit, and they are freed with the engine."""
-    func = method.__func__                 # type: ignore[attr-defined]
-    code = func.__code__.replace(co_name=f"{func.__name__}_{owner}",
-                                 co_qualname=f"{func.__qualname__}_{owner}")
+    func = method.__func__  # type: ignore[attr-defined]
+    code = func.__code__.replace(co_name=f"{func.__name__}_{owner}", co_qualname=f"{func.__qualname__}_{owner}")
     fresh = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
-    return torch.compile(types.MethodType(fresh, method.__self__), **kwargs)   # type: ignore[attr-defined]
+    return torch.compile(types.MethodType(fresh, method.__self__), **kwargs)  # type: ignore[attr-defined]
 
 
 class CallOptions:
@@ -139,16 +143,15 @@ class CallOptions:
     def __init__(self, freeze: bool = False, cpp_wrapper: bool = False) -> None:
         import torch._inductor.config as inductor_config
 
-        patches = [torch._dynamo.config.patch(automatic_dynamic_shapes=False,
-                                              recompile_limit=RECOMPILE_LIMIT)]
+        patches = [torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=RECOMPILE_LIMIT)]
         if freeze:
             patches.append(inductor_config.patch(freezing=True))
         if cpp_wrapper:
             patches.append(inductor_config.patch(cpp_wrapper=True))
         self._patches = tuple(patches)
-        self.hold_inputs = cpp_wrapper         # see the class docstring
-        self.warm = False             # set by the owner's warm_up once every bucket is compiled
-        self.num_recompiles = 0       # calls that needed a graph the warm-up did not compile
+        self.hold_inputs = cpp_wrapper  # see the class docstring
+        self.warm = False  # set by the owner's warm_up once every bucket is compiled
+        self.num_recompiles = 0  # calls that needed a graph the warm-up did not compile
 
     @contextmanager
     def _options(self) -> Iterator[None]:
@@ -161,7 +164,7 @@ class CallOptions:
         """``fn(*args)``, skipping guards once ``warm``. A call that needs a new graph all the
         same (dynamo refuses to compile under the skip, before running anything) is logged
         and runs again with every guard, compiling it."""
-        held = native_ops.hold_refs(graph_inputs(args)) if self.hold_inputs else None   # noqa: F841 (alive for the call)
+        held = native_ops.hold_refs(graph_inputs(args)) if self.hold_inputs else None  # noqa: F841 (alive for the call)
         if not self.warm:
             with self._options():
                 return fn(*args)
@@ -196,8 +199,7 @@ _FIELDS: dict[type, tuple[str, ...] | None] = {}
 def _field_names(cls: type) -> tuple[str, ...] | None:
     """A dataclass's field names (None: not a dataclass), looked up once per class."""
     if cls not in _FIELDS:
-        _FIELDS[cls] = (tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls)
-                        else None)
+        _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
     return _FIELDS[cls]
 
 
@@ -208,9 +210,11 @@ def cache_counters() -> dict[str, int]:
 
     inductor = counters["inductor"]
     aot = counters["aot_autograd"]
-    return {"fxgraph_cache_hit": int(inductor["fxgraph_cache_hit"]),
-            "fxgraph_cache_miss": int(inductor["fxgraph_cache_miss"]),
-            "fxgraph_cache_bypass": int(inductor["fxgraph_cache_bypass"]),
-            "autograd_cache_hit": int(aot["autograd_cache_hit"]),
-            "autograd_cache_miss": int(aot["autograd_cache_miss"]),
-            "autograd_cache_bypass": int(aot["autograd_cache_bypass"])}
+    return {
+        "fxgraph_cache_hit": int(inductor["fxgraph_cache_hit"]),
+        "fxgraph_cache_miss": int(inductor["fxgraph_cache_miss"]),
+        "fxgraph_cache_bypass": int(inductor["fxgraph_cache_bypass"]),
+        "autograd_cache_hit": int(aot["autograd_cache_hit"]),
+        "autograd_cache_miss": int(aot["autograd_cache_miss"]),
+        "autograd_cache_bypass": int(aot["autograd_cache_bypass"]),
+    }

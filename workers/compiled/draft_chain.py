@@ -14,6 +14,7 @@ eager chain drops) are clamped to the last position and write KV location 0: the
 are never verified (the scheduler caps a verify's drafts at the model length). Padding
 sequences: hidden zeros, position p = 0, page-table row of page 0; their drafts are dropped.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,9 +49,19 @@ class CompiledChain:
     head's output at each sequence's last row, ``run_verified`` from a verify's rows (the
     head's catch-up included). ``num_calls[size]`` / ``num_verify_calls[size]`` count them."""
 
-    def __init__(self, mtp: torch.nn.Module, target: torch.nn.Module, pools: DevicePools,
-                 config: CompileConfig, device: torch.device, num_drafts: int, page_size: int,
-                 max_model_len: int, max_pages: int, vocab: DraftVocab | None = None) -> None:
+    def __init__(
+        self,
+        mtp: torch.nn.Module,
+        target: torch.nn.Module,
+        pools: DevicePools,
+        config: CompileConfig,
+        device: torch.device,
+        num_drafts: int,
+        page_size: int,
+        max_model_len: int,
+        max_pages: int,
+        vocab: DraftVocab | None = None,
+    ) -> None:
         self.mtp, self.target, self.pools, self.device = mtp, target, pools, device
         self.vocab = vocab or DraftVocab()
         self.sizes = tuple(config.batch_sizes)
@@ -61,21 +72,24 @@ class CompiledChain:
         self.freeze = config.pack_weights and not self.on_gpu
         configure_cache(config.cache_dir)
         if not self.on_gpu:
-            native_ops.load()             # the pool writes in C++ (kernels/native_ops.py)
+            native_ops.load()  # the pool writes in C++ (kernels/native_ops.py)
         self.owner = new_owner()
-        kwargs = compile_kwargs(self.on_gpu, self.freeze, gemm_templates=False)   # ATen GEMMs (see there)
+        kwargs = compile_kwargs(self.on_gpu, self.freeze, gemm_templates=False)  # ATen GEMMs (see there)
         self._compiled: Callable[[Tensor, Tensor, Tensor, int], Tensor] = compile_for_owner(
-            self._chain_from, self.owner, dynamic=None, fullgraph=True, **kwargs)
-        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor] = (
-            compile_for_owner(self._verify_chain, self.owner, dynamic=None, fullgraph=True, **kwargs))
+            self._chain_from, self.owner, dynamic=None, fullgraph=True, **kwargs
+        )
+        self._compiled_verify: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor] = compile_for_owner(
+            self._verify_chain, self.owner, dynamic=None, fullgraph=True, **kwargs
+        )
         self._call = CallOptions(freeze=self.freeze, cpp_wrapper=not self.on_gpu)
         self.num_calls = {size: 0 for size in self.sizes}
         self.num_verify_calls = {size: 0 for size in self.sizes}
 
     # -- traced: every batch is built from a few tensors inside the graph (few inputs to
     # -- guard, no host work per step) ---------------------------------------------------------
-    def _verify_chain(self, hidden_rows: Tensor, ids: Tensor, starts: Tensor, widths: Tensor,
-                      table: Tensor, owner: int) -> Tensor:
+    def _verify_chain(
+        self, hidden_rows: Tensor, ids: Tensor, starts: Tensor, widths: Tensor, table: Tensor, owner: int
+    ) -> Tensor:
         """The drafter's whole work after a verify of R rows per sequence: the head's catch-up
         on every row (x_{s+1} = ``ids`` [B, R], the target's hidden ``hidden_rows`` [B*R, H],
         rows from position ``starts`` [B], the first ``widths`` [B] of them accepted + 1), then
@@ -84,16 +98,24 @@ class CompiledChain:
         check_owner(owner)
         size, rows = ids.shape
         ps, dev = self.page_size, self.device
-        pos = starts[:, None] + torch.arange(rows, device=dev)                   # [B, R]
+        pos = starts[:, None] + torch.arange(rows, device=dev)  # [B, R]
         index = (pos // ps).clamp(max=table.shape[1] - 1)
         page = table.long().gather(1, index)
         out_loc = torch.where(torch.arange(rows, device=dev) < widths[:, None], page * ps + pos % ps, 0)
         cu = torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=dev)
         flat_ids = ids.reshape(-1)
         catch_up = ForwardBatch(
-            input_ids=flat_ids, positions=pos.reshape(-1), cu_seqlens=cu,
-            seq_lens=(starts + rows).to(torch.int32), out_loc=out_loc.reshape(-1), page_table=table,
-            mamba_slot_ids=cu[:-1] * 0, has_initial_state=cu[:-1] < 0, logits_indices=flat_ids, page_size=ps)
+            input_ids=flat_ids,
+            positions=pos.reshape(-1),
+            cu_seqlens=cu,
+            seq_lens=(starts + rows).to(torch.int32),
+            out_loc=out_loc.reshape(-1),
+            page_table=table,
+            mamba_slot_ids=cu[:-1] * 0,
+            has_initial_state=cu[:-1] < 0,
+            logits_indices=flat_ids,
+            page_size=ps,
+        )
         out = self.mtp.forward_tokens(flat_ids, catch_up, hidden_rows, self.pools, layer=0)
         last = torch.arange(size, device=dev) * rows + widths - 1
         return self._chain(out[last], self._batches(starts + widths - 1, table))
@@ -121,18 +143,28 @@ class CompiledChain:
         """The k - 1 chained steps' batches: step j's row of sequence b sits at last_pos + j."""
         size, ps, dev = last_pos.shape[0], self.page_size, self.device
         cu = torch.arange(size + 1, dtype=torch.int32, device=dev)
-        unused = torch.zeros(size, dtype=torch.int64, device=dev)        # input_ids: fed apart
+        unused = torch.zeros(size, dtype=torch.int64, device=dev)  # input_ids: fed apart
         batches = []
         for j in range(1, self.k):
             ahead = last_pos + j
             pos = ahead.clamp(max=self.max_model_len - 1)
-            index = (pos // ps).clamp(max=table.shape[1] - 1)               # padding rows' page 0
+            index = (pos // ps).clamp(max=table.shape[1] - 1)  # padding rows' page 0
             page = table.long().gather(1, index[:, None])[:, 0]
             loc = torch.where(ahead < self.max_model_len, page * ps + pos % ps, 0)
-            batches.append(ForwardBatch(
-                input_ids=unused, positions=pos, cu_seqlens=cu, seq_lens=(pos + 1).to(torch.int32),
-                out_loc=loc, page_table=table, mamba_slot_ids=cu[:-1] * 0,
-                has_initial_state=cu[:-1] < 0, logits_indices=unused, page_size=ps))
+            batches.append(
+                ForwardBatch(
+                    input_ids=unused,
+                    positions=pos,
+                    cu_seqlens=cu,
+                    seq_lens=(pos + 1).to(torch.int32),
+                    out_loc=loc,
+                    page_table=table,
+                    mamba_slot_ids=cu[:-1] * 0,
+                    has_initial_state=cu[:-1] < 0,
+                    logits_indices=unused,
+                    page_size=ps,
+                )
+            )
         return tuple(batches)
 
     # -- host side ---------------------------------------------------------------------------
@@ -156,9 +188,11 @@ class CompiledChain:
         else:
             width = max(max((len(p) for p in page_ids), default=0), MIN_PAGES)
             pages = self.max_pages if self.on_gpu else width
-            table = torch.tensor([p + [0] * (pages - len(p)) for p in page_ids] +
-                                 [[0] * pages] * (size - len(page_ids)), dtype=torch.int32,
-                                 device=self.device)
+            table = torch.tensor(
+                [p + [0] * (pages - len(p)) for p in page_ids] + [[0] * pages] * (size - len(page_ids)),
+                dtype=torch.int32,
+                device=self.device,
+            )
         if not self.on_gpu:
             torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
         return table
@@ -173,21 +207,34 @@ class CompiledChain:
         self.num_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
-    def run_verified(self, hidden_rows: Tensor, next_ids: list[list[int]], starts: list[int],
-                     page_ids: list[list[int]] | Tensor, size: int) -> Tensor:
+    def run_verified(
+        self,
+        hidden_rows: Tensor,
+        next_ids: list[list[int]],
+        starts: list[int],
+        page_ids: list[list[int]] | Tensor,
+        size: int,
+    ) -> Tensor:
         """Drafts [n, k] after a verify of R = k + 1 rows per sequence (``hidden_rows`` [n*R, H]):
         sequence b accepted ``len(next_ids[b]) - 1`` drafts, its rows from position
         ``starts[b]`` continue with ``next_ids[b]``. Padding sequences: one row at position 0
         of page 0 (KV location 0); their drafts are dropped."""
         n, rows = len(starts), self.k + 1
-        ids = torch.tensor([x + [0] * (rows - len(x)) for x in next_ids] + [[0] * rows] * (size - n),
-                           dtype=torch.int64, device=self.device)
+        ids = torch.tensor(
+            [x + [0] * (rows - len(x)) for x in next_ids] + [[0] * rows] * (size - n),
+            dtype=torch.int64,
+            device=self.device,
+        )
         # one host->device copy for both: starts and widths (padding: 0 and 1)
-        meta = torch.tensor([starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
-                            dtype=torch.int64, device=self.device)
+        meta = torch.tensor(
+            [starts + [0] * (size - n), [len(x) for x in next_ids] + [1] * (size - n)],
+            dtype=torch.int64,
+            device=self.device,
+        )
         hidden = pad_if_needed(hidden_rows, (0, 0, 0, (size - n) * rows))
-        drafts = self._call.call(self._compiled_verify, hidden, ids, meta[0], meta[1],
-                                 self._table(page_ids, size), self.owner)
+        drafts = self._call.call(
+            self._compiled_verify, hidden, ids, meta[0], meta[1], self._table(page_ids, size), self.owner
+        )
         self.num_verify_calls[size] += 1
         return drafts[:n].clone() if self.on_gpu else drafts[:n]
 
@@ -204,7 +251,7 @@ class CompiledChain:
                 self.run_verified(empty, [], [], [], size)
             self.num_calls[size] -= 1
             self.num_verify_calls[size] -= 1
-        self._call.warm = True           # guards are skipped from now on (CallOptions)
+        self._call.warm = True  # guards are skipped from now on (CallOptions)
         seconds = time.monotonic() - start
         logger.info("compiled %d draft chains in %.1f s", len(self.sizes), seconds)
         return seconds

@@ -7,6 +7,7 @@ its graph was compiled, loaded from the persistent cache or shared with an earli
 Plain lines rather than a redrawn bar: a replica's stderr is a pipe, where a carriage
 return would only pile up.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,7 +24,7 @@ PREFIX = "[hybridserve compile]"
 
 class CompileTimes(NamedTuple):
     wall_s: float
-    cpu_s: float    # this process's CPU time, not its compilers': a warm start's wall time on a free core
+    cpu_s: float  # this process's CPU time, not its compilers': a warm start's wall time on a free core
 
 
 class CompileProgress:
@@ -36,9 +37,11 @@ class CompileProgress:
             raise ValueError(f"a compile progress needs at least one warm-up call, got total={total}")
         self.total, self.done = total, 0
         self._start, self._start_cpu = time.monotonic(), time.process_time()
-        self._sources: Counter[str] = Counter()     # where each graph came from (``_source``)
-        _write(f"{what}: {total} to warm up, cache {cache_dir} (a cold cache takes minutes on a CPU, a "
-               "warm one seconds; compile.enabled: false starts eager)")
+        self._sources: Counter[str] = Counter()  # where each graph came from (``_source``)
+        _write(
+            f"{what}: {total} to warm up, cache {cache_dir} (a cold cache takes minutes on a CPU, a "
+            "warm one seconds; compile.enabled: false starts eager)"
+        )
 
     @contextmanager
     def graph(self, label: str) -> Iterator[None]:
@@ -57,8 +60,7 @@ class CompileProgress:
         """Writes the total line; returns the seconds since the header."""
         took = CompileTimes(time.monotonic() - self._start, time.process_time() - self._start_cpu)
         sources = "; ".join(f"{n} {source}" for source, n in self._sources.most_common())
-        _write(f"ready in {took.wall_s:.1f} s, {took.cpu_s:.1f} s of CPU ({self.done} of {self.total}: "
-               f"{sources})")
+        _write(f"ready in {took.wall_s:.1f} s, {took.cpu_s:.1f} s of CPU ({self.done} of {self.total}: {sources})")
         return took
 
 

@@ -22,6 +22,7 @@ symbolic until the model's code branches on them (the few-rows kernel's row limi
 buckets share a graph per range of sizes -- fewer graphs to trace at every start and to
 compile at a cold one, for the same step time (BENCHMARKS.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,12 +51,12 @@ from workers.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-MIN_PAGES = 2       # dynamo specialises sizes 0 and 1: a symbolic width starts at 2
+MIN_PAGES = 2  # dynamo specialises sizes 0 and 1: a symbolic width starts at 2
 
 
 class Bucket(NamedTuple):
-    size: int           # sequences, padded
-    rows: int           # rows per sequence: 1 (decode) or T (verify)
+    size: int  # sequences, padded
+    rows: int  # rows per sequence: 1 (decode) or T (verify)
 
 
 class CompiledSteps:
@@ -65,9 +66,16 @@ class CompiledSteps:
     path ran); ``pick(fb)`` says whether a batch takes a compiled step, ``run`` runs it.
     """
 
-    def __init__(self, model: torch.nn.Module, pools: DevicePools, config: CompileConfig,
-                 device: torch.device, max_pages: int, page_size: int,
-                 verify_lens: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pools: DevicePools,
+        config: CompileConfig,
+        device: torch.device,
+        max_pages: int,
+        page_size: int,
+        verify_lens: tuple[int, ...] = (),
+    ) -> None:
         self.model, self.pools, self.device = model, pools, device
         self.sizes = tuple(config.batch_sizes)
         self.verify_lens = verify_lens
@@ -76,20 +84,24 @@ class CompiledSteps:
         self.freeze = config.pack_weights and not self.on_gpu
         configure_cache(config.cache_dir)
         if not self.on_gpu:
-            native_ops.load()             # the pool writes in C++ (kernels/native_ops.py)
-        if self.on_gpu:                   # captured graphs may write the pools in place
+            native_ops.load()  # the pool writes in C++ (kernels/native_ops.py)
+        if self.on_gpu:  # captured graphs may write the pools in place
             for t in [*pools.kv.tensors(), *pools.mamba.tensors()]:
                 torch._dynamo.mark_static_address(t)
         self.owner = new_owner()
         self._compiled: Callable[[ForwardBatch, int], tuple[Tensor, Tensor]] = compile_for_owner(
-            self._step, self.owner, dynamic=None, fullgraph=True,    # static but the marked page dim
-            **compile_kwargs(self.on_gpu, self.freeze, gemm_templates=not verify_lens))
+            self._step,
+            self.owner,
+            dynamic=None,
+            fullgraph=True,  # static but the marked page dim
+            **compile_kwargs(self.on_gpu, self.freeze, gemm_templates=not verify_lens),
+        )
         self._call = CallOptions(freeze=self.freeze, cpp_wrapper=not self.on_gpu)
         # Under speculation every decode is a verify (a plain decode step is rare: a request
         # that has not drafted yet), so only the verify steps are compiled then.
         self.buckets = tuple(Bucket(size, rows) for rows in (verify_lens or (1,)) for size in self.sizes)
         self.num_calls = {bucket: 0 for bucket in self.buckets}
-        self.compile_times = CompileTimes(0.0, 0.0)     # the start-up's, set by build_compiled
+        self.compile_times = CompileTimes(0.0, 0.0)  # the start-up's, set by build_compiled
         self._bucket_constants: dict[Bucket, tuple[Tensor, Tensor, Tensor]] = {}
 
     def _step(self, fb: ForwardBatch, owner: int) -> tuple[Tensor, Tensor]:
@@ -108,8 +120,9 @@ class CompiledSteps:
         rows = 1 if fb.decode_only else (fb.verify_len if fb.verify_len > 1 else 0)
         return next((b for b in self.buckets if b.rows == rows and b.size >= fb.num_seqs), None)
 
-    def run(self, fb: ForwardBatch, bucket: Bucket,
-            on_enter: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
+    def run(
+        self, fb: ForwardBatch, bucket: Bucket, on_enter: Callable[[], None] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(hidden [T, H], logits [T, V] float32) of the T real rows, through ``bucket``;
         ``on_enter`` is called once the inputs are padded, just before the compiled call."""
         num_tokens = fb.num_tokens
@@ -118,7 +131,7 @@ class CompiledSteps:
             on_enter()
         hidden, logits = self._call.call(self._compiled, padded, self.owner)
         self.num_calls[bucket] += 1
-        if self.on_gpu:          # a graph's outputs are rewritten by its next replay
+        if self.on_gpu:  # a graph's outputs are rewritten by its next replay
             hidden, logits = hidden.clone(), logits.clone()
         return hidden[:num_tokens], logits[:num_tokens]
 
@@ -130,7 +143,7 @@ class CompiledSteps:
             kind = "decode" if bucket.rows == 1 else f"verify ({bucket.rows} rows)"
             with timed(progress, f"{kind} step, batch {bucket.size}"), torch.inference_mode():
                 self._call.call(self._compiled, self._pad(self._empty(bucket.rows), bucket), self.owner)
-        self._call.warm = True           # guards are skipped from now on (CallOptions)
+        self._call.warm = True  # guards are skipped from now on (CallOptions)
         seconds = time.monotonic() - start
         logger.info("compiled %d steps in %.1f s (cache %s)", len(self.buckets), seconds, cache_counters())
         return seconds
@@ -138,14 +151,26 @@ class CompiledSteps:
     # -- padding ---------------------------------------------------------------------------
     def _empty(self, rows: int) -> ForwardBatch:
         """A batch of no sequences of the kind ``rows`` names (``_pad`` fills it)."""
+
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
+
         i32 = torch.int32
-        return ForwardBatch(zeros(0), zeros(0), zeros(1, dtype=i32), zeros(0, dtype=i32), zeros(0),
-                            zeros(0, 1, dtype=i32), zeros(0, dtype=i32), zeros(0, dtype=torch.bool),
-                            zeros(0), self.page_size,
-                            state_dst_slots=None if rows == 1 else zeros(0, dtype=i32),
-                            decode_only=rows == 1, verify_len=0 if rows == 1 else rows)
+        return ForwardBatch(
+            zeros(0),
+            zeros(0),
+            zeros(1, dtype=i32),
+            zeros(0, dtype=i32),
+            zeros(0),
+            zeros(0, 1, dtype=i32),
+            zeros(0, dtype=i32),
+            zeros(0, dtype=torch.bool),
+            zeros(0),
+            self.page_size,
+            state_dst_slots=None if rows == 1 else zeros(0, dtype=i32),
+            decode_only=rows == 1,
+            verify_len=0 if rows == 1 else rows,
+        )
 
     def _pad(self, fb: ForwardBatch, bucket: Bucket) -> ForwardBatch:
         size, rows = bucket
@@ -159,12 +184,20 @@ class CompiledSteps:
         by_row, by_seq = (0, extra * rows), (0, extra)
         dst = None if fb.state_dst_slots is None or rows == 1 else pad_if_needed(fb.state_dst_slots, by_row)
         padded = ForwardBatch(
-            input_ids=pad_if_needed(fb.input_ids, by_row), positions=pad_if_needed(fb.positions, by_row),
-            cu_seqlens=cu, seq_lens=pad_if_needed(fb.seq_lens, by_seq, value=rows),
-            out_loc=pad_if_needed(fb.out_loc, by_row), page_table=table,
+            input_ids=pad_if_needed(fb.input_ids, by_row),
+            positions=pad_if_needed(fb.positions, by_row),
+            cu_seqlens=cu,
+            seq_lens=pad_if_needed(fb.seq_lens, by_seq, value=rows),
+            out_loc=pad_if_needed(fb.out_loc, by_row),
+            page_table=table,
             mamba_slot_ids=pad_if_needed(fb.mamba_slot_ids, by_seq),
-            has_initial_state=has_initial, logits_indices=logits_indices, page_size=fb.page_size,
-            state_dst_slots=dst, decode_only=rows == 1, verify_len=0 if rows == 1 else rows)
+            has_initial_state=has_initial,
+            logits_indices=logits_indices,
+            page_size=fb.page_size,
+            state_dst_slots=dst,
+            decode_only=rows == 1,
+            verify_len=0 if rows == 1 else rows,
+        )
         # warm-up batches only (fresh tensors): a compiled graph accepts unmarked inputs, and
         # marking a caller's tensor could send it to a recompile of a static graph
         if not self.on_gpu and size > 1 and not self._call.warm:
@@ -179,13 +212,24 @@ class CompiledSteps:
             self._bucket_constants[bucket] = (
                 torch.arange(0, size * rows + 1, rows, dtype=torch.int32, device=self.device),
                 torch.ones(size, dtype=torch.bool, device=self.device),
-                torch.arange(size * rows, device=self.device))
+                torch.arange(size * rows, device=self.device),
+            )
         return self._bucket_constants[bucket]
 
 
 # ForwardBatch's tensors whose dim 0 counts sequences or rows (cu_seqlens: one more)
-BATCH_FIELDS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "out_loc", "page_table", "mamba_slot_ids",
-                "has_initial_state", "logits_indices", "state_dst_slots")
+BATCH_FIELDS = (
+    "input_ids",
+    "positions",
+    "cu_seqlens",
+    "seq_lens",
+    "out_loc",
+    "page_table",
+    "mamba_slot_ids",
+    "has_initial_state",
+    "logits_indices",
+    "state_dst_slots",
+)
 
 
 def mark_batch_dynamic(fb: ForwardBatch) -> None:

@@ -4,6 +4,7 @@ Every class implements the interface described in ``workers/models/base.py``:
 ``cls(hf_config, dtype, device)``, ``cache_spec()``, ``forward(batch, pools)``,
 ``compute_logits(hidden)``, ``load_weights(weights)`` and ``mtp_weights``.
 """
+
 from __future__ import annotations
 
 from workers.models.bailing_hybrid import BailingHybridForCausalLM
@@ -55,12 +56,18 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
 def get_model_class(name: str) -> type[HybridForCausalLM]:
     cls = SUPPORTED_ARCHITECTURES.get(name)
     if cls is None:
-        raise ValueError(f"unsupported architecture {name!r}; supported: "
-                         f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"unsupported architecture {name!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     return cls
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "HybridForCausalLM", "get_model_class",
-           "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3_5ForCausalLM",
-           "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-           "Qwen3_5MoeForConditionalGeneration"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "HybridForCausalLM",
+    "get_model_class",
+    "Qwen3NextForCausalLM",
+    "GraniteMoeHybridForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+]

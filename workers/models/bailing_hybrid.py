@@ -23,6 +23,7 @@ shared experts clip their SwiGLU at the limit, 0 = off, as transformers 5.25 doe
 them); ``layer_group_size`` and ``first_k_dense_replace`` arrive as ``layer_types`` /
 ``mlp_layer_types``. Not math: ``mtp_loss_scaling_factor``, dropout, init, router loss.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,22 +35,19 @@ from torch import nn
 
 from workers.models.base import HybridDecoderLayer, HybridForCausalLM, check_hybrid_layer_types, default_rope
 from workers.models.deepseek_moe import SwigluLimits, check_mlp_layer_types, with_swiglu_limits
-from workers.models.kimi_linear import (
-    build_kda_mla_layers,
-    check_mla_heads,
-    kda_dims,
-    mla_dims,
-    rename_experts,
-)
+from workers.models.kimi_linear import build_kda_mla_layers, check_mla_heads, kda_dims, mla_dims, rename_experts
 from workers.models.layers import RMSNorm, RotaryEmbedding
 from workers.models.weights import merge_split_tensors
 from workers.state_spec import StateSites
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_RENAMES = ((".attention.", ".self_attn."), (".self_attn.dense.", ".self_attn.o_proj."),
-            (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"),
-            (".forget_gate.", "."))
-LIMIT_FIELDS = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")   # routed, shared
+_RENAMES = (
+    (".attention.", ".self_attn."),
+    (".self_attn.dense.", ".self_attn.o_proj."),
+    (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"),
+    (".forget_gate.", "."),
+)
+LIMIT_FIELDS = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")  # routed, shared
 
 
 def limit_list(cfg: Any, field: str) -> list[float]:
@@ -58,8 +56,7 @@ def limit_list(cfg: Any, field: str) -> list[float]:
     if raw is None:
         return [0.0] * cfg.num_hidden_layers
     if not isinstance(raw, (list, tuple)) or len(raw) != cfg.num_hidden_layers:
-        raise ValueError(f"{field}={raw!r} must list one limit per layer "
-                         f"(num_hidden_layers={cfg.num_hidden_layers})")
+        raise ValueError(f"{field}={raw!r} must list one limit per layer (num_hidden_layers={cfg.num_hidden_layers})")
     bad = [v for v in raw if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0]
     if bad:
         raise ValueError(f"{field} has entries {bad}: each limit must be a number >= 0 (0 = off)")
@@ -83,12 +80,12 @@ class BailingHybridForCausalLM(HybridForCausalLM):
         default_rope(cfg, cfg.qk_rope_head_dim, partial_factor=1.0)
         swiglu_limits(cfg)
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[HybridDecoderLayer], RMSNorm]:
+    def _build_layers(
+        self, cfg: Any, dtype: torch.dtype, sites: StateSites
+    ) -> tuple[list[HybridDecoderLayer], RMSNorm]:
         gate = "bailing" if cfg.kda_safe_gate else "bailing_softplus"
         kda = kda_dims(cfg, gate, float(cfg.kda_lower_bound))
-        layers, norm = build_kda_mla_layers(cfg, dtype, sites, kda,
-                                            mla_dims(cfg, "interleaved", head_gate=True))
+        layers, norm = build_kda_mla_layers(cfg, dtype, sites, kda, mla_dims(cfg, "interleaved", head_gate=True))
         for layer, limits in zip(layers, swiglu_limits(cfg)):
             layer.mlp = with_swiglu_limits(layer.mlp, limits)
         return layers, norm
@@ -100,20 +97,21 @@ class BailingHybridForCausalLM(HybridForCausalLM):
         layer = _LAYER.match(name)
         if layer is not None and int(layer.group(1)) >= self.config.num_hidden_layers:
             mtp = int(layer.group(1)) - self.config.num_hidden_layers
-            return f"mtp.layers.{mtp}.{name[layer.end():]}"          # kept aside (mtp_weights)
+            return f"mtp.layers.{mtp}.{name[layer.end() :]}"  # kept aside (mtp_weights)
         for old, new in _RENAMES:
             name = name.replace(old, new)
         return rename_experts(name)
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
-        return super().checkpoint_tensors(merge_split_tensors(weights))     # q, k, v convs
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        return super().checkpoint_tensors(merge_split_tensors(weights))  # q, k, v convs
 
     def build_mtp_head(self, kv_index: int) -> nn.Module:
         """Refused: with MTP layers in the checkpoint, saying why (see the module docstring)."""
         if not self.mtp_weights:
             return super().build_mtp_head(kv_index)
-        raise ValueError(f"spec.method 'mtp' is not supported for BailingHybrid (num_mtp_layers="
-                         f"{getattr(self.config, 'num_mtp_layers', 0)}, {len(self.mtp_weights)} tensors "
-                         "after the decoder layers): transformers 5.24 ignores them and defines no "
-                         "layout to check them against")
+        raise ValueError(
+            f"spec.method 'mtp' is not supported for BailingHybrid (num_mtp_layers="
+            f"{getattr(self.config, 'num_mtp_layers', 0)}, {len(self.mtp_weights)} tensors "
+            "after the decoder layers): transformers 5.24 ignores them and defines no "
+            "layout to check them against"
+        )

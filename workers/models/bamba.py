@@ -12,6 +12,7 @@ activation: only silu), ``attention_bias``, ``mlp_bias``, ``rope_parameters`` (d
 only), ``rms_norm_eps``, ``tie_word_embeddings``. Not math: ``z_loss_coefficient`` (training),
 dropout, init fields.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,13 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models.base import (
-    FULL_ATTENTION,
-    LINEAR_ATTENTION,
-    HybridDecoderLayer,
-    HybridForCausalLM,
-    default_rope,
-)
+from workers.models.base import FULL_ATTENTION, LINEAR_ATTENTION, HybridDecoderLayer, HybridForCausalLM, default_rope
 from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding
 from workers.models.mamba2 import Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims, head_dim, mamba_prefixed_dims
@@ -34,9 +29,14 @@ from workers.state_spec import StateSites
 
 def attention_dims(cfg: Any) -> AttentionDims:
     hd = head_dim(cfg)
-    return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
-                         bias=bool(cfg.attention_bias), scale=hd ** -0.5)
+    return AttentionDims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=hd,
+        bias=bool(cfg.attention_bias),
+        scale=hd**-0.5,
+    )
 
 
 class BambaForCausalLM(HybridForCausalLM):
@@ -44,16 +44,18 @@ class BambaForCausalLM(HybridForCausalLM):
 
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
-        check_mamba_dims(cfg, mamba_prefixed_dims(cfg), cfg.mamba_expand * cfg.hidden_size,
-                         "mamba_expand * hidden_size")
+        check_mamba_dims(
+            cfg, mamba_prefixed_dims(cfg), cfg.mamba_expand * cfg.hidden_size, "mamba_expand * hidden_size"
+        )
         bad = [i for i in (cfg.attn_layer_indices or []) if not 0 <= i < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"attn_layer_indices {bad} are outside 0..{cfg.num_hidden_layers - 1}")
         if FULL_ATTENTION in cfg.layers_block_type:
             default_rope(cfg, head_dim(cfg))
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[HybridDecoderLayer], RMSNorm]:
+    def _build_layers(
+        self, cfg: Any, dtype: torch.dtype, sites: StateSites
+    ) -> tuple[list[HybridDecoderLayer], RMSNorm]:
         layers = []
         for kind in cfg.layers_block_type:
             assert kind in (FULL_ATTENTION, LINEAR_ATTENTION), kind
@@ -62,15 +64,21 @@ class BambaForCausalLM(HybridForCausalLM):
                 name, mixer = "self_attn", Attention(attention_dims(cfg), dtype)
             else:
                 name, mixer = "mamba", Mamba2Mixer(mamba_prefixed_dims(cfg), dtype)
-            ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=cfg.hidden_act,
-                           bias=bool(cfg.mlp_bias))
-            layers.append(HybridDecoderLayer(
-                name, mixer, sites.add(mixer), {"feed_forward": ffn},
-                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
-                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype), post_norm_name="pre_ff_layernorm"))
+            ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=cfg.hidden_act, bias=bool(cfg.mlp_bias))
+            layers.append(
+                HybridDecoderLayer(
+                    name,
+                    mixer,
+                    sites.add(mixer),
+                    {"feed_forward": ffn},
+                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                    post_norm_name="pre_ff_layernorm",
+                )
+            )
         return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
         if FULL_ATTENTION not in cfg.layers_block_type:
             return None
-        return default_rope(cfg, head_dim(cfg))     # partial_rotary_factor from rope_parameters
+        return default_rope(cfg, head_dim(cfg))  # partial_rotary_factor from rope_parameters

@@ -23,6 +23,7 @@ The class attributes name the checkpoint's namespace (``checkpoint_prefix``, the
 and final norm) and its scalar multipliers. Every layer is called as ``layer(hidden, ctx)``
 with the step's ``LayerContext``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -51,10 +52,17 @@ class HybridDecoderLayer(nn.Module):
     mixer's state in the pools.
     """
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, ref: StateRef,
-                 ffns: dict[str, nn.Module], input_layernorm: RMSNorm,
-                 post_attention_layernorm: RMSNorm, residual_multiplier: float = 1.0,
-                 post_norm_name: str = "post_attention_layernorm") -> None:
+    def __init__(
+        self,
+        mixer_name: str,
+        mixer: nn.Module,
+        ref: StateRef,
+        ffns: dict[str, nn.Module],
+        input_layernorm: RMSNorm,
+        post_attention_layernorm: RMSNorm,
+        residual_multiplier: float = 1.0,
+        post_norm_name: str = "post_attention_layernorm",
+    ) -> None:
         super().__init__()
         self.input_layernorm = input_layernorm
         self.add_module(post_norm_name, post_attention_layernorm)
@@ -88,8 +96,7 @@ class MixerBlock(nn.Module):
     as ``mixer(x)``. ``residual_in_fp32`` keeps the residual stream in fp32 (the norm reads
     it cast to its own dtype), as Mamba2's ``residual_in_fp32``."""
 
-    def __init__(self, mixer: nn.Module, ref: StateRef | None, norm: RMSNorm,
-                 residual_in_fp32: bool = False) -> None:
+    def __init__(self, mixer: nn.Module, ref: StateRef | None, norm: RMSNorm, residual_in_fp32: bool = False) -> None:
         super().__init__()
         self.norm = norm
         self.mixer = mixer
@@ -108,9 +115,16 @@ class Backbone(nn.Module):
     each under the checkpoint's own name (``embed_tokens`` / ``embeddings``, ``norm`` /
     ``norm_f`` / ``final_layernorm``)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module],
-                 norm: RMSNorm, dtype: torch.dtype, embed_name: str = "embed_tokens",
-                 norm_name: str = "norm") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        layers: list[nn.Module],
+        norm: RMSNorm,
+        dtype: torch.dtype,
+        embed_name: str = "embed_tokens",
+        norm_name: str = "norm",
+    ) -> None:
         super().__init__()
         self.add_module(embed_name, nn.Embedding(vocab_size, hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(layers)
@@ -129,32 +143,35 @@ class Backbone(nn.Module):
 class HybridForCausalLM(nn.Module):
     """Base of the model families; see the module docstring for the interface."""
 
-    checkpoint_prefix: str = "model."     # the backbone's namespace in the checkpoint
+    checkpoint_prefix: str = "model."  # the backbone's namespace in the checkpoint
     embed_name: str = "embed_tokens"
     final_norm_name: str = "norm"
     embedding_multiplier: float = 1.0
-    logits_scaling: float = 1.0           # logits / logits_scaling (Granite)
-    logits_multiplier: float = 1.0        # logits * logits_multiplier (Falcon-H1)
-    is_vl_checkpoint: bool = False        # a vision tower sits beside the language model
-    serves_images: bool = False           # no family serves image inputs yet
-    ties_embeddings: bool = True          # False: lm_head is its own weight whatever the config says
+    logits_scaling: float = 1.0  # logits / logits_scaling (Granite)
+    logits_multiplier: float = 1.0  # logits * logits_multiplier (Falcon-H1)
+    is_vl_checkpoint: bool = False  # a vision tower sits beside the language model
+    serves_images: bool = False  # no family serves image inputs yet
+    ties_embeddings: bool = True  # False: lm_head is its own weight whatever the config says
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         cfg = self.language_config(hf_config)
         self.validate_config(cfg)
-        self.config = cfg                 # the language model's (a VL checkpoint's text_config)
+        self.config = cfg  # the language model's (a VL checkpoint's text_config)
         self.dtype = dtype
         # a VL checkpoint ties (or not) at its top level, as transformers reads it
-        self.tie_word_embeddings = (self.ties_embeddings
-                                    and bool(getattr(hf_config, "tie_word_embeddings", False)))
+        self.tie_word_embeddings = self.ties_embeddings and bool(getattr(hf_config, "tie_word_embeddings", False))
         self._state_sites = StateSites()
         with torch.device("meta"):
             layers, norm = self._build_layers(cfg, dtype, self._state_sites)
-            self.model = Backbone(cfg.vocab_size, cfg.hidden_size, layers, norm, dtype,
-                                  self.embed_name, self.final_norm_name)
-            self.lm_head = (None if self.tie_word_embeddings else
-                            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+            self.model = Backbone(
+                cfg.vocab_size, cfg.hidden_size, layers, norm, dtype, self.embed_name, self.final_norm_name
+            )
+            self.lm_head = (
+                None
+                if self.tie_word_embeddings
+                else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            )
         self.to_empty(device=torch.device(device))
         self.requires_grad_(False)
         self.rotary: RotaryEmbedding | None = self._build_rotary(cfg)
@@ -178,15 +195,13 @@ class HybridForCausalLM(nn.Module):
 
     def build_mtp_head(self, kv_index: int) -> nn.Module:
         """The MTP drafter over this (loaded) model (``workers/models/mtp.py``)."""
-        raise ValueError(f"spec.method 'mtp' needs a checkpoint with an MTP head; "
-                         f"{type(self).__name__} has none")
+        raise ValueError(f"spec.method 'mtp' needs a checkpoint with an MTP head; {type(self).__name__} has none")
 
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
         """Raise ValueError (naming the field) for config values this implementation cannot serve."""
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
+    def _build_layers(self, cfg: Any, dtype: torch.dtype, sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
         raise NotImplementedError
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
@@ -207,7 +222,7 @@ class HybridForCausalLM(nn.Module):
         for layer in self.model.layers:
             hidden = layer(hidden, ctx)
         out = self.model.final_norm(hidden)
-        return out if out.dtype == self.dtype else out.to(self.dtype)   # fp32 residual streams
+        return out if out.dtype == self.dtype else out.to(self.dtype)  # fp32 residual streams
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_from(hidden, self.lm_head_weight())
@@ -238,8 +253,7 @@ class HybridForCausalLM(nn.Module):
         """Hook: a tensor's name in this model's layout (older checkpoints renamed some)."""
         return name
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Hook: checkpoint ``(name, tensor)`` -> those ``weight_targets`` names (renamed by
         ``checkpoint_name``; a family may also skip or split tensors here)."""
         return ((self.checkpoint_name(name), t) for name, t in weights)
@@ -254,12 +268,10 @@ def check_hybrid_layer_types(cfg: Any) -> list[str]:
         raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
     layer_types = list(cfg.layer_types)
     if len(layer_types) != cfg.num_hidden_layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries, "
-                         f"num_hidden_layers={cfg.num_hidden_layers}")
+        raise ValueError(f"layer_types has {len(layer_types)} entries, num_hidden_layers={cfg.num_hidden_layers}")
     unknown = sorted(set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
     if unknown:
-        raise ValueError(f"unsupported layer types {unknown}; expected "
-                         f"{LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
+        raise ValueError(f"unsupported layer types {unknown}; expected {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
     return layer_types
 
 

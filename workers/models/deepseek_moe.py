@@ -13,6 +13,7 @@ layouts onto these in ``checkpoint_name``).
 own limit (``moe_experts.swiglu``; BailingHybrid's per-layer lists); a dense layer's MLP is
 never clipped, as in transformers.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -39,8 +40,7 @@ class SwigluLimits(NamedTuple):
 class ClippedMLP(DenseMLP):
     """A SwiGLU MLP whose inner activation is clipped at ``limit`` (``moe_experts.swiglu``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *, act: str,
-                 limit: float) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *, act: str, limit: float) -> None:
         super().__init__(hidden_size, intermediate_size, dtype, act=act)
         self.limit = limit
 
@@ -51,14 +51,16 @@ class ClippedMLP(DenseMLP):
 class RoutedSharedMoE(nn.Module):
     """``routed(x) + shared_experts(x)``; under TP both shard by their intermediate dims."""
 
-    def __init__(self, dims: MoeDims, shared_intermediate_size: int, dtype: torch.dtype,
-                 shared_limit: float = 0.0) -> None:
+    def __init__(
+        self, dims: MoeDims, shared_intermediate_size: int, dtype: torch.dtype, shared_limit: float = 0.0
+    ) -> None:
         super().__init__()
         self.routed = SparseMoE(dims, dtype)
         self.shared_experts = (
             ClippedMLP(dims.hidden_size, shared_intermediate_size, dtype, act=dims.act, limit=shared_limit)
-            if shared_limit > 0 else
-            DenseMLP(dims.hidden_size, shared_intermediate_size, dtype, act=dims.act))
+            if shared_limit > 0
+            else DenseMLP(dims.hidden_size, shared_intermediate_size, dtype, act=dims.act)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x) + self.shared_experts(x)
@@ -72,29 +74,36 @@ class RoutedSharedMoE(nn.Module):
 def check_mlp_layer_types(cfg: Any) -> list[str]:
     kinds = list(cfg.mlp_layer_types)
     if len(kinds) != cfg.num_hidden_layers:
-        raise ValueError(f"mlp_layer_types has {len(kinds)} entries, "
-                         f"num_hidden_layers={cfg.num_hidden_layers}")
+        raise ValueError(f"mlp_layer_types has {len(kinds)} entries, num_hidden_layers={cfg.num_hidden_layers}")
     unknown = sorted(set(kinds) - {DENSE, SPARSE})
     if unknown:
-        raise ValueError(f"mlp_layer_types has unsupported entries {unknown}; expected "
-                         f"{DENSE!r} or {SPARSE!r}")
+        raise ValueError(f"mlp_layer_types has unsupported entries {unknown}; expected {DENSE!r} or {SPARSE!r}")
     return kinds
 
 
 def moe_dims(cfg: Any) -> MoeDims:
-    return MoeDims(hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-                   num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
-                   style="sigmoid_grouped", norm_topk_prob=bool(cfg.norm_topk_prob),
-                   act=cfg.hidden_act, num_groups=cfg.n_group, topk_groups=cfg.topk_group,
-                   routed_scaling_factor=float(cfg.routed_scaling_factor))
+    return MoeDims(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.moe_intermediate_size,
+        num_experts=cfg.num_local_experts,
+        top_k=cfg.num_experts_per_tok,
+        style="sigmoid_grouped",
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+        act=cfg.hidden_act,
+        num_groups=cfg.n_group,
+        topk_groups=cfg.topk_group,
+        routed_scaling_factor=float(cfg.routed_scaling_factor),
+    )
 
 
 def build_ffn(cfg: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
     if cfg.mlp_layer_types[layer_idx] == DENSE:
         return DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=cfg.hidden_act)
     if cfg.n_shared_experts < 1:
-        raise ValueError(f"n_shared_experts={cfg.n_shared_experts}: transformers always builds "
-                         "the shared experts (moe_intermediate_size * n_shared_experts)")
+        raise ValueError(
+            f"n_shared_experts={cfg.n_shared_experts}: transformers always builds "
+            "the shared experts (moe_intermediate_size * n_shared_experts)"
+        )
     return RoutedSharedMoE(moe_dims(cfg), cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
 
 
@@ -104,5 +113,6 @@ def with_swiglu_limits(ffn: nn.Module, limits: SwigluLimits) -> nn.Module:
     if not isinstance(ffn, RoutedSharedMoE) or limits == SwigluLimits():
         return ffn
     dims = replace(ffn.routed.dims, swiglu_limit=limits.routed)
-    return RoutedSharedMoE(dims, ffn.shared_experts.intermediate_size, ffn.routed.w_up.dtype,
-                           shared_limit=limits.shared)
+    return RoutedSharedMoE(
+        dims, ffn.shared_experts.intermediate_size, ffn.routed.w_up.dtype, shared_limit=limits.shared
+    )

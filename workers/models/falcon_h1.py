@@ -11,6 +11,7 @@ norm is optional (``mamba_rms_norm``; without it ``y * silu(z)``) and gates befo
 ``key_multiplier``, embeddings by ``embedding_multiplier``, logits by ``lm_head_multiplier``.
 RoPE covers the whole head (transformers' Falcon-H1 ignores ``partial_rotary_factor``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,18 +31,27 @@ def d_ssm(cfg: Any) -> int:
 
 
 def mamba_dims(cfg: Any) -> Mamba2Dims:
-    return mamba_prefixed_dims(cfg, norm_before_gate=bool(cfg.mamba_norm_before_gate),
-                               rms_norm=bool(cfg.mamba_rms_norm), out_proj_bias=bool(cfg.projectors_bias),
-                               input_multiplier=float(cfg.ssm_in_multiplier),
-                               proj_multipliers=tuple(float(m) for m in cfg.ssm_multipliers))
+    return mamba_prefixed_dims(
+        cfg,
+        norm_before_gate=bool(cfg.mamba_norm_before_gate),
+        rms_norm=bool(cfg.mamba_rms_norm),
+        out_proj_bias=bool(cfg.projectors_bias),
+        input_multiplier=float(cfg.ssm_in_multiplier),
+        proj_multipliers=tuple(float(m) for m in cfg.ssm_multipliers),
+    )
 
 
 def attention_dims(cfg: Any) -> AttentionDims:
     hd = head_dim(cfg)
-    return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
-                         bias=bool(cfg.attention_bias), scale=hd ** -0.5,
-                         key_multiplier=float(cfg.key_multiplier))
+    return AttentionDims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=hd,
+        bias=bool(cfg.attention_bias),
+        scale=hd**-0.5,
+        key_multiplier=float(cfg.key_multiplier),
+    )
 
 
 class FalconH1DecoderLayer(nn.Module):
@@ -56,9 +66,15 @@ class FalconH1DecoderLayer(nn.Module):
         self.attn_ref: StateRef = sites.add(self.self_attn)
         gate_mult, down_mult = (float(m) for m in cfg.mlp_multipliers)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.feed_forward = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=cfg.hidden_act,
-                                     bias=bool(cfg.mlp_bias), gate_multiplier=gate_mult,
-                                     down_multiplier=down_mult)
+        self.feed_forward = DenseMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            dtype,
+            act=cfg.hidden_act,
+            bias=bool(cfg.mlp_bias),
+            gate_multiplier=gate_mult,
+            down_multiplier=down_mult,
+        )
         self.ssm_out_multiplier = float(cfg.ssm_out_multiplier)
         self.attention_in_multiplier = float(cfg.attention_in_multiplier)
         self.attention_out_multiplier = float(cfg.attention_out_multiplier)
@@ -86,8 +102,9 @@ class FalconH1ForCausalLM(HybridForCausalLM):
             raise ValueError(f"mlp_multipliers must have 2 entries (gate, down), got {cfg.mlp_multipliers}")
         default_rope(cfg, head_dim(cfg), partial_factor=1.0)
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[FalconH1DecoderLayer], RMSNorm]:
+    def _build_layers(
+        self, cfg: Any, dtype: torch.dtype, sites: StateSites
+    ) -> tuple[list[FalconH1DecoderLayer], RMSNorm]:
         layers = [FalconH1DecoderLayer(cfg, dtype, sites) for _ in range(cfg.num_hidden_layers)]
         return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

@@ -18,6 +18,7 @@ projections with flat head order: ``in_proj_qkv`` = ``[q (Hk*Dk) | k (Hk*Dk) | v
 (the conv's channel order as is), ``in_proj_z`` [Hv*Dv], ``in_proj_b`` / ``in_proj_a`` [Hv];
 value head ``g*r + j`` still belongs to key head g.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,13 +37,13 @@ GDN = "gdn"
 @dataclass(frozen=True)
 class GdnDims:
     hidden_size: int
-    num_k_heads: int        # Hk
-    num_v_heads: int        # Hv
-    k_head_dim: int         # Dk
-    v_head_dim: int         # Dv
-    conv_kernel: int        # W
+    num_k_heads: int  # Hk
+    num_v_heads: int  # Hv
+    k_head_dim: int  # Dk
+    v_head_dim: int  # Dv
+    conv_kernel: int  # W
     eps: float
-    beta_scale: float = 1.0     # beta = beta_scale * sigmoid(b) (OlmoHybrid's allow_neg_eigval: 2)
+    beta_scale: float = 1.0  # beta = beta_scale * sigmoid(b) (OlmoHybrid's allow_neg_eigval: 2)
 
     @property
     def heads_per_group(self) -> int:
@@ -58,8 +59,10 @@ class GdnDims:
 
     def validate(self) -> None:
         if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
-                             f"linear_num_key_heads={self.num_k_heads}")
+            raise ValueError(
+                f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                f"linear_num_key_heads={self.num_k_heads}"
+            )
 
 
 class GatedDeltaNet(nn.Module):
@@ -72,8 +75,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = CausalConv1d(dims.conv_dim, dims.conv_kernel, False, dtype)
         self.dt_bias = param(dims.num_v_heads, dtype=dtype)
         self.A_log = param(dims.num_v_heads, dtype=dtype)
-        self.norm = GatedRMSNorm(dims.v_head_dim, dims.eps, dtype, group_size=None,
-                                 norm_before_gate=True)
+        self.norm = GatedRMSNorm(dims.v_head_dim, dims.eps, dtype, group_size=None, norm_before_gate=True)
         self.out_proj = linear(value_dim, dims.hidden_size, False, dtype)
 
     def _build_projections(self, dims: GdnDims, dtype: torch.dtype) -> None:
@@ -90,14 +92,16 @@ class GatedDeltaNet(nn.Module):
         d = self.dims
         num_tokens, r = hidden.shape[0], d.heads_per_group
         qkvz = self.in_proj_qkvz(hidden).view(num_tokens, d.num_k_heads, -1)
-        q, k, v, z = qkvz.split([d.k_head_dim, d.k_head_dim, r * d.v_head_dim,
-                                 r * d.v_head_dim], dim=-1)
+        q, k, v, z = qkvz.split([d.k_head_dim, d.k_head_dim, r * d.v_head_dim, r * d.v_head_dim], dim=-1)
         ba = self.in_proj_ba(hidden).view(num_tokens, d.num_k_heads, 2 * r)
         b, a = ba.split([r, r], dim=-1)
-        mixed_qkv = torch.cat([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
-                               v.reshape(num_tokens, -1)], dim=-1)
-        return (mixed_qkv, z.reshape(num_tokens, d.num_v_heads, d.v_head_dim),
-                b.reshape(num_tokens, d.num_v_heads), a.reshape(num_tokens, d.num_v_heads))
+        mixed_qkv = torch.cat([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)], dim=-1)
+        return (
+            mixed_qkv,
+            z.reshape(num_tokens, d.num_v_heads, d.v_head_dim),
+            b.reshape(num_tokens, d.num_v_heads),
+            a.reshape(num_tokens, d.num_v_heads),
+        )
 
     def forward(self, hidden: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
         d = self.dims

@@ -18,6 +18,7 @@ silu), ``rms_norm_eps`` (every norm, the mixer's three included), ``head_dim`` w
 transformers 5.24 ignores it, so only None is served). Not math: ``use_mamba_kernels``,
 ``use_mambapy``, ``use_associative_scan`` (kernel choices), router loss and dropout fields.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -37,25 +38,44 @@ ATTENTION_KIND, MAMBA_KIND = "attention", "mamba"
 
 
 def mamba_dims(cfg: Any) -> Mamba1Dims:
-    return Mamba1Dims(hidden_size=cfg.hidden_size, d_inner=cfg.mamba_expand * cfg.hidden_size,
-                      state_size=cfg.mamba_d_state, dt_rank=int(cfg.mamba_dt_rank),
-                      conv_kernel=cfg.mamba_d_conv, conv_bias=bool(cfg.mamba_conv_bias),
-                      proj_bias=bool(cfg.mamba_proj_bias), inner_norm_eps=cfg.rms_norm_eps)
+    return Mamba1Dims(
+        hidden_size=cfg.hidden_size,
+        d_inner=cfg.mamba_expand * cfg.hidden_size,
+        state_size=cfg.mamba_d_state,
+        dt_rank=int(cfg.mamba_dt_rank),
+        conv_kernel=cfg.mamba_d_conv,
+        conv_bias=bool(cfg.mamba_conv_bias),
+        proj_bias=bool(cfg.mamba_proj_bias),
+        inner_norm_eps=cfg.rms_norm_eps,
+    )
 
 
 def attention_dims(cfg: Any) -> AttentionDims:
     hd = head_dim(cfg)
-    return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads, head_dim=hd, bias=False,
-                         scale=hd ** -0.5)
+    return AttentionDims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=hd,
+        bias=False,
+        scale=hd**-0.5,
+    )
 
 
 def build_ffn(cfg: Any, num_experts: int, dtype: torch.dtype) -> nn.Module:
     if num_experts <= 1:
         return DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
-    return SparseMoE(MoeDims(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                             num_experts=num_experts, top_k=cfg.num_experts_per_tok, style="qwen",
-                             norm_topk_prob=False), dtype)
+    return SparseMoE(
+        MoeDims(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_experts=num_experts,
+            top_k=cfg.num_experts_per_tok,
+            style="qwen",
+            norm_topk_prob=False,
+        ),
+        dtype,
+    )
 
 
 class JambaForCausalLM(HybridForCausalLM):
@@ -64,22 +84,28 @@ class JambaForCausalLM(HybridForCausalLM):
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
         if cfg.hidden_act != "silu":
-            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (it is also the "
-                             "Mamba conv activation; only 'silu')")
+            raise ValueError(
+                f"hidden_act={cfg.hidden_act!r} is not supported (it is also the Mamba conv activation; only 'silu')"
+            )
         if getattr(cfg, "sliding_window", None) is not None:
-            raise ValueError(f"sliding_window={cfg.sliding_window!r} is not supported "
-                             "(transformers' Jamba ignores it; only None is served)")
+            raise ValueError(
+                f"sliding_window={cfg.sliding_window!r} is not supported "
+                "(transformers' Jamba ignores it; only None is served)"
+            )
         kinds = list(cfg.layers_block_type)
         unknown = sorted(set(kinds) - {ATTENTION_KIND, MAMBA_KIND})
         if unknown:
             raise ValueError(f"layers_block_type has unsupported entries {unknown}")
         mamba_dims(cfg).validate()
         if ATTENTION_KIND in kinds and cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple "
-                             f"of num_key_value_heads={cfg.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={cfg.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads={cfg.num_key_value_heads}"
+            )
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[HybridDecoderLayer], RMSNorm]:
+    def _build_layers(
+        self, cfg: Any, dtype: torch.dtype, sites: StateSites
+    ) -> tuple[list[HybridDecoderLayer], RMSNorm]:
         layers = []
         for kind, num_experts in zip(cfg.layers_block_type, cfg.layers_num_experts):
             mixer: nn.Module
@@ -87,22 +113,27 @@ class JambaForCausalLM(HybridForCausalLM):
                 name, mixer = "self_attn", Attention(attention_dims(cfg), dtype)
             else:
                 name, mixer = "mamba", Mamba1Mixer(mamba_dims(cfg), dtype)
-            layers.append(HybridDecoderLayer(
-                name, mixer, sites.add(mixer), {"feed_forward": build_ffn(cfg, num_experts, dtype)},
-                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
-                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
-                post_norm_name="pre_ff_layernorm"))
+            layers.append(
+                HybridDecoderLayer(
+                    name,
+                    mixer,
+                    sites.add(mixer),
+                    {"feed_forward": build_ffn(cfg, num_experts, dtype)},
+                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                    post_norm_name="pre_ff_layernorm",
+                )
+            )
         return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
-        return None                                  # attention without positional encoding
+        return None  # attention without positional encoding
 
     def checkpoint_name(self, name: str) -> str:
         """The MoE router is ``feed_forward.router`` in Jamba, ``gate`` in our SparseMoE."""
         return name.replace(".feed_forward.router.", ".feed_forward.gate.")
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Experts fused as transformers holds them (``experts.gate_up_proj`` / ``down_proj``)
         load too: split into the per-expert layout, then renamed."""
         return super().checkpoint_tensors(unfuse_expert_tensors(weights))

@@ -19,6 +19,7 @@ The two families differ only in the gates (``KdaDims.gate``):
 
 ``dt_bias`` [H D] and ``A_log`` are kept in fp32 (as transformers keeps them).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,12 +39,12 @@ GATES = ("kimi", "bailing", "bailing_softplus")
 @dataclass(frozen=True)
 class KdaDims:
     hidden_size: int
-    num_heads: int          # H (linear_num_heads)
-    head_dim: int           # D (linear_head_dim): keys and values alike
-    conv_kernel: int        # W
-    eps: float              # the output norm's
-    gate: str               # one of GATES
-    gate_lower_bound: float = -5.0      # bailing: kda_lower_bound
+    num_heads: int  # H (linear_num_heads)
+    head_dim: int  # D (linear_head_dim): keys and values alike
+    conv_kernel: int  # W
+    eps: float  # the output norm's
+    gate: str  # one of GATES
+    gate_lower_bound: float = -5.0  # bailing: kda_lower_bound
 
     @property
     def qkv_dim(self) -> int:
@@ -85,7 +86,7 @@ class KimiDeltaAttention(nn.Module):
         d = self.dims
         raw = self.f_b_proj(self.f_a_proj(x)) if d.gate == "kimi" else self.f_proj(x)
         raw = (raw.float() + self.dt_bias.float()).view(x.shape[0], d.num_heads, d.head_dim)
-        rate = self.A_log.float().exp()[:, None]                        # [H, 1]
+        rate = self.A_log.float().exp()[:, None]  # [H, 1]
         if d.gate == "bailing":
             return d.gate_lower_bound * torch.sigmoid(rate * raw)
         return -rate * F.softplus(raw)
@@ -110,8 +111,7 @@ class KimiDeltaAttention(nn.Module):
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """The checkpoint's names (``conv1d.weight`` = q, k, v convs merged by the model's
         loader: ``weights.merge_split_tensors``), ``o_norm.weight``, A_log [1, 1, H, 1] for Kimi."""
-        targets = {prefix + n: whole(p) for n, p in self.named_parameters()
-                   if n not in ("o_norm_weight", "A_log")}
+        targets = {prefix + n: whole(p) for n, p in self.named_parameters() if n not in ("o_norm_weight", "A_log")}
         targets[f"{prefix}o_norm.weight"] = whole(self.o_norm_weight)
         a_log = self.A_log.view(1, 1, -1, 1) if self.dims.gate == "kimi" else self.A_log
         targets[f"{prefix}A_log"] = whole(a_log)

@@ -5,6 +5,7 @@ and per-head tensors ``[T, H, D]``. Parameters keep the names and layouts of the
 checkpoints (one ``nn.Linear`` per projection), so a later tensor-parallel pass can shard them
 by heads / rows without undoing any fusing.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from workers.models.lora import LoraAdapters
 from workers.models.weights import WeightTarget, split, whole
 from workers.state_spec import StateKind, StateRef, attention_kind
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]   # cos, sin: [T, rotary_dim] each
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, rotary_dim] each
 
 
 class LayerContext(NamedTuple):
@@ -34,7 +35,7 @@ class LayerContext(NamedTuple):
     batch: ForwardBatch
     pools: DevicePools
     rope: RopeTables | None = None
-    embeddings: torch.Tensor | None = None   # the scaled input embeddings [T, hidden] (Zamba2)
+    embeddings: torch.Tensor | None = None  # the scaled input embeddings [T, hidden] (Zamba2)
 
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,11 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
 
 # HF ``hidden_act`` names -> the function transformers' ACT2FN computes for them.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "relu2": _relu2,
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "relu2": _relu2,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
@@ -81,8 +86,9 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(nn.Module):
     """``norm(x) * silu(z)`` (norm_before_gate) or ``norm(x * silu(z))``, over groups of the last dim."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, group_size: int | None,
-                 norm_before_gate: bool) -> None:
+    def __init__(
+        self, dim: int, eps: float, dtype: torch.dtype, group_size: int | None, norm_before_gate: bool
+    ) -> None:
         super().__init__()
         self.weight = param(dim, dtype=dtype)
         self.eps = eps
@@ -90,8 +96,9 @@ class GatedRMSNorm(nn.Module):
         self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, z, self.weight, self.eps, group_size=self.group_size,
-                              norm_before_gate=self.norm_before_gate)
+        return gated_rms_norm(
+            x, z, self.weight, self.eps, group_size=self.group_size, norm_before_gate=self.norm_before_gate
+        )
 
 
 class RotaryEmbedding:
@@ -117,7 +124,7 @@ class RotaryEmbedding:
 
 def apply_rotary(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     """x [T, H, D]: rotate dims ``0:rotary_dim`` by the per-token angles; the rest pass through."""
-    if x.dim() == 3 and fused_cpu.usable(x, *rope):     # eager CPU fp32: one pass (kernels.fused_cpu)
+    if x.dim() == 3 and fused_cpu.usable(x, *rope):  # eager CPU fp32: one pass (kernels.fused_cpu)
         return fused_cpu.rope(x, *rope)
     cos, sin = rope[0][:, None, :], rope[1][:, None, :]
     rot_dim = cos.shape[-1]
@@ -135,14 +142,14 @@ class AttentionDims:
     head_dim: int
     bias: bool
     scale: float
-    output_gate: bool = False            # q_proj also emits a per-head sigmoid gate (Qwen3-Next)
-    qk_norm_eps: float | None = None     # per-head RMSNorm on q and k (Qwen3-Next, LFM2, Lfm3)
-    qk_norm_zero_centered: bool = True   # ... as ``1 + w`` (Qwen3-Next) or plain ``w`` (LFM)
-    head_gate: bool = False              # g_proj: one sigmoid gate per head from the input (Lfm3)
-    sliding_window: int | None = None    # attend to the last W positions only (Lfm3 sliding layers)
-    output_size: int | None = None       # o_proj's output width (default hidden_size; Zamba2: less)
-    key_multiplier: float = 1.0          # k_proj's output scaled before RoPE (Falcon-H1)
-    adapter_rank: int = 0                # > 0: q/k/v LoRA adapters for these invocations (Zamba2)
+    output_gate: bool = False  # q_proj also emits a per-head sigmoid gate (Qwen3-Next)
+    qk_norm_eps: float | None = None  # per-head RMSNorm on q and k (Qwen3-Next, LFM2, Lfm3)
+    qk_norm_zero_centered: bool = True  # ... as ``1 + w`` (Qwen3-Next) or plain ``w`` (LFM)
+    head_gate: bool = False  # g_proj: one sigmoid gate per head from the input (Lfm3)
+    sliding_window: int | None = None  # attend to the last W positions only (Lfm3 sliding layers)
+    output_size: int | None = None  # o_proj's output width (default hidden_size; Zamba2: less)
+    key_multiplier: float = 1.0  # k_proj's output scaled before RoPE (Falcon-H1)
+    adapter_rank: int = 0  # > 0: q/k/v LoRA adapters for these invocations (Zamba2)
     adapter_invocations: tuple[int, ...] = ()
 
 
@@ -158,8 +165,9 @@ class Attention(nn.Module):
     def __init__(self, dims: AttentionDims, dtype: torch.dtype) -> None:
         super().__init__()
         if dims.num_heads % dims.num_kv_heads:
-            raise ValueError(f"num_attention_heads={dims.num_heads} is not a multiple of "
-                             f"num_key_value_heads={dims.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={dims.num_heads} is not a multiple of num_key_value_heads={dims.num_kv_heads}"
+            )
         assert not (dims.output_gate and dims.head_gate), "one output gate per attention"
         self.dims = dims
         q_width = dims.num_heads * dims.head_dim * (2 if dims.output_gate else 1)
@@ -167,8 +175,7 @@ class Attention(nn.Module):
         self.q_proj = linear(dims.hidden_size, q_width, dims.bias, dtype)
         self.k_proj = linear(dims.hidden_size, kv_width, dims.bias, dtype)
         self.v_proj = linear(dims.hidden_size, kv_width, dims.bias, dtype)
-        self.o_proj = linear(dims.num_heads * dims.head_dim, dims.output_size or dims.hidden_size,
-                             dims.bias, dtype)
+        self.o_proj = linear(dims.num_heads * dims.head_dim, dims.output_size or dims.hidden_size, dims.bias, dtype)
         if dims.qk_norm_eps is not None:
             centred = dims.qk_norm_zero_centered
             self.q_norm = RMSNorm(dims.head_dim, dims.qk_norm_eps, dtype, zero_centered=centred)
@@ -177,26 +184,33 @@ class Attention(nn.Module):
         self.adapters: tuple[LoraAdapters, ...] = ()
         if dims.adapter_rank:
             for name, width in (("q", q_width), ("k", kv_width), ("v", kv_width)):
-                self.add_module(f"linear_{name}_adapter_list", LoraAdapters(
-                    dims.hidden_size, dims.adapter_rank, (width,), dims.adapter_invocations, dtype))
-            self.adapters = (self.linear_q_adapter_list, self.linear_k_adapter_list,
-                             self.linear_v_adapter_list)
+                self.add_module(
+                    f"linear_{name}_adapter_list",
+                    LoraAdapters(dims.hidden_size, dims.adapter_rank, (width,), dims.adapter_invocations, dtype),
+                )
+            self.adapters = (self.linear_q_adapter_list, self.linear_k_adapter_list, self.linear_v_adapter_list)
 
     def state_kind(self) -> StateKind:
         return attention_kind(self.dims.num_kv_heads, self.dims.head_dim)
 
-    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef,
-                adapter: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef, adapter: int | None = None) -> torch.Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if adapter is not None and self.adapters:
             q, k, v = (p + a(x, adapter)[0] for p, a in zip((q, k, v), self.adapters))
         gate = None
-        if self.g_proj is not None:          # [T, H] -> one gate logit per output channel
+        if self.g_proj is not None:  # [T, H] -> one gate logit per output channel
             gate = self.g_proj(x).repeat_interleave(self.dims.head_dim, dim=-1)
         return self.attend(q, k, v, ctx, ref, gate)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext,
-               ref: StateRef, gate: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: LayerContext,
+        ref: StateRef,
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """From the flat projections q [T, q_width], k, v [T, H_kv * D] to ``o_proj``'s output;
         ``gate`` [T, H * D]: sigmoid gate logits on the attention output (Lfm3's g_proj)."""
         d = self.dims
@@ -216,9 +230,20 @@ class Attention(nn.Module):
         if ctx.rope is not None:
             q, k = apply_rotary(q, ctx.rope).to(q.dtype), apply_rotary(k, ctx.rope).to(k.dtype)
         kv = ctx.pools.kv.layer(ref)
-        o = paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), kv["k"], kv["v"],
-                            batch.out_loc, batch.page_table, batch.cu_seqlens, batch.seq_lens,
-                            batch.page_size, d.scale, d.sliding_window)
+        o = paged_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            kv["k"],
+            kv["v"],
+            batch.out_loc,
+            batch.page_table,
+            batch.cu_seqlens,
+            batch.seq_lens,
+            batch.page_size,
+            d.scale,
+            d.sliding_window,
+        )
         o = o.reshape(num_tokens, d.num_heads * d.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -236,11 +261,21 @@ class DenseMLP(nn.Module):
     ``[gate | up]`` (``gate_up_proj_adapter_list``), applied by ``forward(x, adapter=i)``.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 fused_names: tuple[str, str] | None = None, *, act: str = "silu",
-                 gated: bool = True, bias: bool = False, gate_multiplier: float = 1.0,
-                 down_multiplier: float = 1.0, adapter_rank: int = 0,
-                 adapter_invocations: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        fused_names: tuple[str, str] | None = None,
+        *,
+        act: str = "silu",
+        gated: bool = True,
+        bias: bool = False,
+        gate_multiplier: float = 1.0,
+        down_multiplier: float = 1.0,
+        adapter_rank: int = 0,
+        adapter_invocations: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         self.gate_proj = linear(hidden_size, intermediate_size, bias, dtype) if gated else None
         self.up_proj = linear(hidden_size, intermediate_size, bias, dtype)
@@ -254,8 +289,8 @@ class DenseMLP(nn.Module):
         if adapter_rank:
             assert gated, "the adapters feed [gate | up]"
             self.gate_up_proj_adapter_list = LoraAdapters(
-                hidden_size, adapter_rank, (intermediate_size, intermediate_size),
-                adapter_invocations, dtype)
+                hidden_size, adapter_rank, (intermediate_size, intermediate_size), adapter_invocations, dtype
+            )
 
     @property
     def intermediate_size(self) -> int:
@@ -298,8 +333,7 @@ class DenseMLP(nn.Module):
                 targets[f"{prefix}{in_name}.bias"] = split(0, self.gate_proj.bias, self.up_proj.bias)
                 targets[f"{prefix}{out_name}.bias"] = whole(self.down_proj.bias)
         if self.gate_up_proj_adapter_list is not None:
-            targets.update(self.gate_up_proj_adapter_list.weight_targets(
-                f"{prefix}gate_up_proj_adapter_list."))
+            targets.update(self.gate_up_proj_adapter_list.weight_targets(f"{prefix}gate_up_proj_adapter_list."))
         return targets
 
 
@@ -311,13 +345,13 @@ class CausalConv1d(nn.Module):
     layer is ``[S, D, W-1]`` (the last W-1 inputs, oldest first).
     """
 
-    def __init__(self, dim: int, width: int, bias: bool, dtype: torch.dtype,
-                 activation: str | None = "silu") -> None:
+    def __init__(self, dim: int, width: int, bias: bool, dtype: torch.dtype, activation: str | None = "silu") -> None:
         super().__init__()
         self.weight = param(dim, 1, width, dtype=dtype)
         self.bias = param(dim, dtype=dtype) if bias else None
         self.activation = activation
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return causal_conv1d(x, self.weight[:, 0, :], self.bias, conv_state, batch.recurrent,
-                             activation=self.activation)
+        return causal_conv1d(
+            x, self.weight[:, 0, :], self.bias, conv_state, batch.recurrent, activation=self.activation
+        )

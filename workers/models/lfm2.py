@@ -23,6 +23,7 @@ Checkpoint names kept by renaming on load (``checkpoint_name``): ``q_layernorm``
 the block's ``expert_bias``. LFM2-MoE experts also load fused (``experts.gate_up_proj`` /
 ``experts.down_proj``, transformers' in-memory layout).
 """
+
 from __future__ import annotations
 
 import re
@@ -41,14 +42,17 @@ from workers.state_spec import StateRef, StateSites
 
 CONV = "conv"
 # checkpoint name -> our module's name (the SwiGLU's w1/w3/w2, LFM2's attention names)
-MLP_RENAMES = ((re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w1\."), r"\1gate_proj."),
-               (re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w3\."), r"\1up_proj."),
-               (re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w2\."), r"\1down_proj."),
-               (re.compile(r"\.feed_forward\.expert_bias$"),
-                ".feed_forward.gate.e_score_correction_bias"))
-ATTENTION_RENAMES = ((re.compile(r"\.self_attn\.q_layernorm\."), ".self_attn.q_norm."),
-                     (re.compile(r"\.self_attn\.k_layernorm\."), ".self_attn.k_norm."),
-                     (re.compile(r"\.self_attn\.out_proj\."), ".self_attn.o_proj."))
+MLP_RENAMES = (
+    (re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w1\."), r"\1gate_proj."),
+    (re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w3\."), r"\1up_proj."),
+    (re.compile(r"(\.feed_forward\.(?:experts\.\d+\.)?)w2\."), r"\1down_proj."),
+    (re.compile(r"\.feed_forward\.expert_bias$"), ".feed_forward.gate.e_score_correction_bias"),
+)
+ATTENTION_RENAMES = (
+    (re.compile(r"\.self_attn\.q_layernorm\."), ".self_attn.q_norm."),
+    (re.compile(r"\.self_attn\.k_layernorm\."), ".self_attn.k_norm."),
+    (re.compile(r"\.self_attn\.out_proj\."), ".self_attn.o_proj."),
+)
 
 
 class LfmDecoderLayer(nn.Module):
@@ -57,9 +61,18 @@ class LfmDecoderLayer(nn.Module):
     norms are Lfm3's sandwich norms). ``rotary``: the layer's own RoPE, computed in fp32 for
     it (Lfm3 has one per attention layer type); None: the model's tables in ``ctx``."""
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, ref: StateRef, feed_forward: nn.Module,
-                 hidden_size: int, eps: float, dtype: torch.dtype, sandwich: bool = False,
-                 rotary: RotaryEmbedding | None = None) -> None:
+    def __init__(
+        self,
+        mixer_name: str,
+        mixer: nn.Module,
+        ref: StateRef,
+        feed_forward: nn.Module,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        sandwich: bool = False,
+        rotary: RotaryEmbedding | None = None,
+    ) -> None:
         super().__init__()
         self.add_module(mixer_name, mixer)
         self.feed_forward = feed_forward
@@ -85,32 +98,47 @@ class LfmDecoderLayer(nn.Module):
 def check_layer_types(cfg: Any, allowed: tuple[str, ...]) -> list[str]:
     kinds = list(cfg.layer_types or [])
     if len(kinds) != cfg.num_hidden_layers:
-        raise ValueError(f"layer_types has {len(kinds)} entries, num_hidden_layers="
-                         f"{cfg.num_hidden_layers}")
+        raise ValueError(f"layer_types has {len(kinds)} entries, num_hidden_layers={cfg.num_hidden_layers}")
     unknown = sorted(set(kinds) - set(allowed))
     if unknown:
         raise ValueError(f"layer_types has unsupported entries {unknown}; expected {allowed}")
     if CONV in kinds and cfg.conv_L_cache < 2:
         raise ValueError(f"conv_L_cache={cfg.conv_L_cache} must be at least 2")
     if any(k != CONV for k in kinds) and cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple "
-                         f"of num_key_value_heads={cfg.num_key_value_heads}")
+        raise ValueError(
+            f"num_attention_heads={cfg.num_attention_heads} is not a multiple "
+            f"of num_key_value_heads={cfg.num_key_value_heads}"
+        )
     return kinds
 
 
 def short_conv(cfg: Any, dtype: torch.dtype) -> ShortConv:
-    return ShortConv(ShortConvDims(hidden_size=cfg.hidden_size, channels=cfg.hidden_size,
-                                   conv_kernel=cfg.conv_L_cache, bias=bool(cfg.conv_bias)), dtype)
+    return ShortConv(
+        ShortConvDims(
+            hidden_size=cfg.hidden_size,
+            channels=cfg.hidden_size,
+            conv_kernel=cfg.conv_L_cache,
+            bias=bool(cfg.conv_bias),
+        ),
+        dtype,
+    )
 
 
 def lfm2_attention_dims(cfg: Any, bias: bool = False, **extra: Any) -> AttentionDims:
     """LFM attention: plain per-head q/k RMSNorms at ``norm_eps``; no bias in LFM2 (its
     attention has none whatever the config says), Lfm3 passes ``attention_bias``."""
     hd = head_dim(cfg)
-    return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads, head_dim=hd, bias=bias,
-                         scale=hd ** -0.5, qk_norm_eps=cfg.norm_eps, qk_norm_zero_centered=False,
-                         **extra)
+    return AttentionDims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=hd,
+        bias=bias,
+        scale=hd**-0.5,
+        qk_norm_eps=cfg.norm_eps,
+        qk_norm_zero_centered=False,
+        **extra,
+    )
 
 
 def lfm2_intermediate_size(cfg: Any) -> int:
@@ -142,15 +170,16 @@ class Lfm2ForCausalLM(HybridForCausalLM):
             default_rope(cfg, head_dim(cfg), partial_factor=1.0)
             partial = (cfg.rope_parameters or {}).get("partial_rotary_factor")
             if partial is not None and float(partial) != 1.0:
-                raise ValueError(f"rope_parameters.partial_rotary_factor={partial} is not "
-                                 "supported (transformers' LFM2 rotates the whole head and "
-                                 "ignores it; only 1.0 is served)")
+                raise ValueError(
+                    f"rope_parameters.partial_rotary_factor={partial} is not "
+                    "supported (transformers' LFM2 rotates the whole head and "
+                    "ignores it; only 1.0 is served)"
+                )
 
     def _build_ffn(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         return DenseMLP(cfg.hidden_size, lfm2_intermediate_size(cfg), dtype)
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[LfmDecoderLayer], RMSNorm]:
+    def _build_layers(self, cfg: Any, dtype: torch.dtype, sites: StateSites) -> tuple[list[LfmDecoderLayer], RMSNorm]:
         layers = []
         for i, kind in enumerate(cfg.layer_types):
             mixer: nn.Module
@@ -158,9 +187,11 @@ class Lfm2ForCausalLM(HybridForCausalLM):
                 name, mixer = CONV, short_conv(cfg, dtype)
             else:
                 name, mixer = "self_attn", Attention(lfm2_attention_dims(cfg), dtype)
-            layers.append(LfmDecoderLayer(name, mixer, sites.add(mixer),
-                                          self._build_ffn(cfg, i, dtype), cfg.hidden_size,
-                                          cfg.norm_eps, dtype))
+            layers.append(
+                LfmDecoderLayer(
+                    name, mixer, sites.add(mixer), self._build_ffn(cfg, i, dtype), cfg.hidden_size, cfg.norm_eps, dtype
+                )
+            )
         return layers, RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
@@ -177,8 +208,9 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     def validate_config(cls, cfg: Any) -> None:
         super().validate_config(cfg)
         if not 0 <= cfg.num_dense_layers <= cfg.num_hidden_layers:
-            raise ValueError(f"num_dense_layers={cfg.num_dense_layers} is outside "
-                             f"0..num_hidden_layers={cfg.num_hidden_layers}")
+            raise ValueError(
+                f"num_dense_layers={cfg.num_dense_layers} is outside 0..num_hidden_layers={cfg.num_hidden_layers}"
+            )
         if cfg.num_dense_layers < cfg.num_hidden_layers:
             moe_dims(cfg).validate()
 
@@ -187,15 +219,20 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
             return DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
         return SparseMoE(moe_dims(cfg), dtype)
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Experts fused as transformers holds them load too (split per expert first)."""
         return super().checkpoint_tensors(unfuse_expert_tensors(weights))
 
 
 def moe_dims(cfg: Any) -> MoeDims:
-    return MoeDims(hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-                   num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-                   style="sigmoid_grouped", norm_topk_prob=bool(cfg.norm_topk_prob),
-                   routed_scaling_factor=float(cfg.routed_scaling_factor),
-                   score_bias=bool(cfg.use_expert_bias), norm_eps=1e-6)
+    return MoeDims(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.moe_intermediate_size,
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        style="sigmoid_grouped",
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+        routed_scaling_factor=float(cfg.routed_scaling_factor),
+        score_bias=bool(cfg.use_expert_bias),
+        norm_eps=1e-6,
+    )

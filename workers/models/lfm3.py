@@ -22,6 +22,7 @@ Refused: other rope types, and ``partial_rotary_factor`` / ``factor`` on a ``def
 ``max_position_embeddings``, init fields. The vision-language ``Lfm3VlForConditionalGeneration``
 is not served.
 """
+
 from __future__ import annotations
 
 import re
@@ -61,7 +62,7 @@ class ProportionalRotary(RotaryEmbedding):
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         freqs = super().inv_freq(device)
-        freqs[self.num_rotated:] = 0.0
+        freqs[self.num_rotated :] = 0.0
         return freqs / self.factor
 
 
@@ -70,8 +71,9 @@ def layer_rotary(cfg: Any, layer_type: str) -> RotaryEmbedding:
     params = dict((cfg.rope_parameters or {}).get(layer_type) or {})
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_parameters[{layer_type!r}].rope_type={rope_type!r} is not "
-                         f"supported; expected one of {ROPE_TYPES}")
+        raise ValueError(
+            f"rope_parameters[{layer_type!r}].rope_type={rope_type!r} is not supported; expected one of {ROPE_TYPES}"
+        )
     if "rope_theta" not in params:
         raise ValueError(f"rope_parameters[{layer_type!r}] has no rope_theta")
     hd, theta = head_dim(cfg), float(params["rope_theta"])
@@ -79,9 +81,11 @@ def layer_rotary(cfg: Any, layer_type: str) -> RotaryEmbedding:
     if rope_type == "default":
         for name, value in (("partial_rotary_factor", partial), ("factor", factor)):
             if value is not None and float(value) != 1.0:
-                raise ValueError(f"rope_parameters[{layer_type!r}].{name}={value} is not "
-                                 "supported with rope_type 'default' (transformers' Lfm3 "
-                                 "ignores it; only 1.0 is served)")
+                raise ValueError(
+                    f"rope_parameters[{layer_type!r}].{name}={value} is not "
+                    "supported with rope_type 'default' (transformers' Lfm3 "
+                    "ignores it; only 1.0 is served)"
+                )
         return RotaryEmbedding(hd, theta)
     num_rotated = int(float(1.0 if partial is None else partial) * hd // 2)
     return ProportionalRotary(hd, theta, num_rotated, float(1.0 if factor is None else factor))
@@ -94,13 +98,11 @@ class Lfm3ForCausalLM(HybridForCausalLM):
     def validate_config(cls, cfg: Any) -> None:
         kinds = check_layer_types(cfg, (CONV, FULL_ATTENTION, SLIDING_ATTENTION))
         if SLIDING_ATTENTION in kinds and (cfg.sliding_window is None or cfg.sliding_window < 1):
-            raise ValueError(f"sliding_window={cfg.sliding_window!r}: sliding_attention layers "
-                             "need a positive window")
+            raise ValueError(f"sliding_window={cfg.sliding_window!r}: sliding_attention layers need a positive window")
         for layer_type in sorted(set(kinds) - {CONV}):
             layer_rotary(cfg, layer_type)
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[LfmDecoderLayer], RMSNorm]:
+    def _build_layers(self, cfg: Any, dtype: torch.dtype, sites: StateSites) -> tuple[list[LfmDecoderLayer], RMSNorm]:
         layers = []
         for kind in cfg.layer_types:
             mixer: nn.Module
@@ -109,18 +111,28 @@ class Lfm3ForCausalLM(HybridForCausalLM):
                 name, mixer = CONV, short_conv(cfg, dtype)
             else:
                 window = cfg.sliding_window if kind == SLIDING_ATTENTION else None
-                dims = lfm2_attention_dims(cfg, bool(cfg.attention_bias),
-                                           head_gate=bool(cfg.use_attention_gate),
-                                           sliding_window=window)
+                dims = lfm2_attention_dims(
+                    cfg, bool(cfg.attention_bias), head_gate=bool(cfg.use_attention_gate), sliding_window=window
+                )
                 name, mixer, rotary = "self_attn", Attention(dims, dtype), layer_rotary(cfg, kind)
             ffn = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
-            layers.append(LfmDecoderLayer(name, mixer, sites.add(mixer), ffn, cfg.hidden_size,
-                                          cfg.norm_eps, dtype, sandwich=bool(cfg.use_sandwich_norm),
-                                          rotary=rotary))
+            layers.append(
+                LfmDecoderLayer(
+                    name,
+                    mixer,
+                    sites.add(mixer),
+                    ffn,
+                    cfg.hidden_size,
+                    cfg.norm_eps,
+                    dtype,
+                    sandwich=bool(cfg.use_sandwich_norm),
+                    rotary=rotary,
+                )
+            )
         return layers, RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
-        return None                     # each attention layer holds the RoPE of its type
+        return None  # each attention layer holds the RoPE of its type
 
     def checkpoint_name(self, name: str) -> str:
         return rename(name, RENAMES)

@@ -15,6 +15,7 @@ disagree would make the checkpoint's own math inconsistent, and are refused, nam
 
 Under TP the heads shard; the norm over all heads then sums its squares over the ranks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ class LightningDims:
     head_dim: int
     layer_idx: int
     num_layers: int
-    block_size: int             # only to check the saved tables; not math
+    block_size: int  # only to check the saved tables; not math
     act: str = "silu"
 
 
@@ -47,16 +48,18 @@ def slope_rates(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor
     base = 1 / (2 ** (8 / num_heads))
     exponent = torch.arange(num_heads) + 1
     factor = 1 - layer_idx / (num_layers - 1 + 1e-5) + 1e-5
-    return (base ** exponent) * factor
+    return (base**exponent) * factor
 
 
 def decay_tables(slope: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
     """transformers' ``decay_factors`` of slope [H, 1, 1]: the blocked prefill's tables."""
     pos = torch.arange(block_size, device=slope.device) + 1
     diagonal = slope * (pos[:, None] - pos[None, :])[None, None]
-    return {"query_decay": torch.exp(-slope * pos[:, None]),
-            "key_decay": torch.exp(-slope * (block_size - pos[:, None])),
-            "diagonal_decay": torch.exp(torch.where(diagonal >= 0, -diagonal, float("-inf")))}
+    return {
+        "query_decay": torch.exp(-slope * pos[:, None]),
+        "key_decay": torch.exp(-slope * (block_size - pos[:, None])),
+        "diagonal_decay": torch.exp(torch.where(diagonal >= 0, -diagonal, float("-inf"))),
+    }
 
 
 class LightningAttention(nn.Module):
@@ -104,14 +107,16 @@ class LightningAttention(nn.Module):
     def check_loaded_tables(self, where: str) -> None:
         """Refuse saved decay tables that disagree with the slope; then drop them."""
         loaded, self._loaded = self._loaded, {}
-        if self.slope.is_meta:                              # a model built for its shapes only
+        if self.slope.is_meta:  # a model built for its shapes only
             return
         want = decay_tables(self.slope.float().view(-1, 1, 1), self.dims.block_size)
         for name, table in loaded.items():
             if bool(torch.isnan(table).all()):
-                continue                                    # not in the checkpoint
+                continue  # not in the checkpoint
             if not torch.allclose(table.float(), want[name], rtol=1e-5, atol=1e-6):
                 diff = float((table.float() - want[name]).abs().max())
-                raise ValueError(f"{where}{name} disagrees with {where}slope_rate and block_size="
-                                 f"{self.dims.block_size} (max abs diff {diff:.3g}): transformers' "
-                                 "prefill and decode would compute different attention")
+                raise ValueError(
+                    f"{where}{name} disagrees with {where}slope_rate and block_size="
+                    f"{self.dims.block_size} (max abs diff {diff:.3g}): transformers' "
+                    "prefill and decode would compute different attention"
+                )

@@ -9,6 +9,7 @@ Checkpoint layout (Zamba2's ``*_adapter_list``): ``{i}.0.weight`` [rank, in] is 
 ``{i}.1.weight`` [sum(out_sizes), rank] is ``cat(up parts)``; invocations a block does not
 own have no tensors (transformers keeps an Identity there that is never called).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,14 +21,14 @@ from workers.models.weights import WeightTarget, split, whole
 
 
 class LoraAdapters(nn.Module):
-    def __init__(self, in_size: int, rank: int, out_sizes: Sequence[int], invocations: Sequence[int],
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, in_size: int, rank: int, out_sizes: Sequence[int], invocations: Sequence[int], dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.down = nn.ModuleDict({str(i): nn.Linear(in_size, rank, bias=False, dtype=dtype)
-                                   for i in invocations})
-        self.up = nn.ModuleDict({str(i): nn.ModuleList(nn.Linear(rank, n, bias=False, dtype=dtype)
-                                                       for n in out_sizes)
-                                 for i in invocations})
+        self.down = nn.ModuleDict({str(i): nn.Linear(in_size, rank, bias=False, dtype=dtype) for i in invocations})
+        self.up = nn.ModuleDict(
+            {str(i): nn.ModuleList(nn.Linear(rank, n, bias=False, dtype=dtype) for n in out_sizes) for i in invocations}
+        )
 
     def forward(self, x: torch.Tensor, invocation: int) -> list[torch.Tensor]:
         """One addend per output part; KeyError for an invocation this block does not own."""

@@ -13,6 +13,7 @@ The mixer holds the HF parameter names: ``in_proj``, ``conv1d``, ``x_proj``, ``d
 the d_inner channels are split; ``x_proj`` then reads only this rank's channels, so its
 output is summed over ranks (an all-reduce hook on ``x_proj``) before dt, B and C are used.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,19 +30,23 @@ from workers.state_spec import StateKind, StateRef, mamba1_kind
 @dataclass(frozen=True)
 class Mamba1Dims:
     hidden_size: int
-    d_inner: int                    # H channels of the scan
-    state_size: int                 # N
-    dt_rank: int                    # R
-    conv_kernel: int                # W
+    d_inner: int  # H channels of the scan
+    state_size: int  # N
+    dt_rank: int  # R
+    conv_kernel: int  # W
     conv_bias: bool
-    proj_bias: bool                 # in_proj / out_proj (x_proj has none, dt_proj always one)
-    inner_norm_eps: float | None    # RMSNorms on dt, B, C (Jamba); None: no norms
-    chunk_size: int = 64            # the torch path's chunk (results do not depend on it)
-    ssm_dtype: str = "float32"      # the scan state's dtype in the pool
+    proj_bias: bool  # in_proj / out_proj (x_proj has none, dt_proj always one)
+    inner_norm_eps: float | None  # RMSNorms on dt, B, C (Jamba); None: no norms
+    chunk_size: int = 64  # the torch path's chunk (results do not depend on it)
+    ssm_dtype: str = "float32"  # the scan state's dtype in the pool
 
     def validate(self) -> None:
-        for name, value in (("mamba_d_state", self.state_size), ("mamba_dt_rank", self.dt_rank),
-                            ("mamba_d_conv", self.conv_kernel), ("d_inner", self.d_inner)):
+        for name, value in (
+            ("mamba_d_state", self.state_size),
+            ("mamba_dt_rank", self.dt_rank),
+            ("mamba_d_conv", self.conv_kernel),
+            ("d_inner", self.d_inner),
+        ):
             if value < 1:
                 raise ValueError(f"{name}={value} must be positive")
 
@@ -79,8 +84,9 @@ class Mamba1Mixer(nn.Module):
         if self.dt_layernorm is not None:
             assert self.b_layernorm is not None and self.c_layernorm is not None
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
-        dt = F.linear(dt, self.dt_proj.weight)          # dt_proj.bias is the scan's dt_bias
+        dt = F.linear(dt, self.dt_proj.weight)  # dt_proj.bias is the scan's dt_bias
         a = -torch.exp(self.A_log.float())
-        y = mamba_selective_scan(x, dt, a, b, c, self.D, self.dt_proj.bias, state["ssm"], batch.recurrent,
-                                 chunk_size=d.chunk_size)
+        y = mamba_selective_scan(
+            x, dt, a, b, c, self.D, self.dt_proj.bias, state["ssm"], batch.recurrent, chunk_size=d.chunk_size
+        )
         return self.out_proj((y * F.silu(z)).to(hidden.dtype))

@@ -14,6 +14,7 @@ segment z, x, B, C, dt; the scale vector is rebuilt from the dims, so it follows
 shard). The mixer holds the HF parameter names: ``in_proj``, ``conv1d``, ``dt_bias``,
 ``A_log``, ``D``, ``norm``, ``out_proj``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,22 +33,22 @@ MAMBA2 = "mamba2"
 @dataclass(frozen=True)
 class Mamba2Dims:
     hidden_size: int
-    num_heads: int                  # H
-    head_dim: int                   # P
-    state_size: int                 # N
-    num_groups: int                 # G
-    conv_kernel: int                # W
+    num_heads: int  # H
+    head_dim: int  # P
+    state_size: int  # N
+    num_groups: int  # G
+    conv_kernel: int  # W
     conv_bias: bool
     proj_bias: bool
     chunk_size: int
-    dt_limit: tuple[float, float]   # clamp of softplus(dt + dt_bias), same in prefill and decode
+    dt_limit: tuple[float, float]  # clamp of softplus(dt + dt_bias), same in prefill and decode
     eps: float
     norm_before_gate: bool = False
-    rms_norm: bool = True                   # False: y * silu(z), no norm (Falcon-H1 option)
-    out_proj_bias: bool | None = None       # None: as proj_bias (Falcon-H1: projectors_bias)
-    input_multiplier: float = 1.0           # Falcon-H1 ssm_in_multiplier
-    proj_multipliers: tuple[float, ...] | None = None   # Falcon-H1 ssm_multipliers (z, x, B, C, dt)
-    ssm_dtype: str = "float32"              # the scan state's dtype in the pool
+    rms_norm: bool = True  # False: y * silu(z), no norm (Falcon-H1 option)
+    out_proj_bias: bool | None = None  # None: as proj_bias (Falcon-H1: projectors_bias)
+    input_multiplier: float = 1.0  # Falcon-H1 ssm_in_multiplier
+    proj_multipliers: tuple[float, ...] | None = None  # Falcon-H1 ssm_multipliers (z, x, B, C, dt)
+    ssm_dtype: str = "float32"  # the scan state's dtype in the pool
 
     @property
     def d_inner(self) -> int:
@@ -69,14 +70,12 @@ class Mamba2Dims:
 
     def validate(self) -> None:
         if self.num_heads % self.num_groups:
-            raise ValueError(f"mamba num_heads={self.num_heads} is not a multiple of "
-                             f"n_groups={self.num_groups}")
+            raise ValueError(f"mamba num_heads={self.num_heads} is not a multiple of n_groups={self.num_groups}")
         lo, hi = self.dt_limit
         if not 0.0 <= lo < hi:
             raise ValueError(f"time_step_limit must satisfy 0 <= min < max, got {self.dt_limit}")
         if self.proj_multipliers is not None and len(self.proj_multipliers) != 5:
-            raise ValueError(f"ssm_multipliers must have 5 entries (z, x, B, C, dt), got "
-                             f"{list(self.proj_multipliers)}")
+            raise ValueError(f"ssm_multipliers must have 5 entries (z, x, B, C, dt), got {list(self.proj_multipliers)}")
 
 
 class Mamba2Mixer(nn.Module):
@@ -92,9 +91,13 @@ class Mamba2Mixer(nn.Module):
         self.D = param(dims.num_heads, dtype=dtype)
         self.norm: nn.Module | None = None
         if dims.rms_norm:
-            self.norm = GatedRMSNorm(dims.d_inner, dims.eps, dtype,
-                                     group_size=dims.d_inner // dims.num_groups,
-                                     norm_before_gate=dims.norm_before_gate)
+            self.norm = GatedRMSNorm(
+                dims.d_inner,
+                dims.eps,
+                dtype,
+                group_size=dims.d_inner // dims.num_groups,
+                norm_before_gate=dims.norm_before_gate,
+            )
         out_bias = dims.proj_bias if dims.out_proj_bias is None else dims.out_proj_bias
         self.out_proj = linear(dims.d_inner, dims.hidden_size, out_bias, dtype)
         self._scale: tuple[object, torch.Tensor] | None = None
@@ -109,8 +112,7 @@ class Mamba2Mixer(nn.Module):
         if self._scale is None or self._scale[0] != key:
             assert self.dims.proj_multipliers is not None
             # built from host lists (no tensor-valued repeats): a compiled step may build it
-            per_channel = [m for m, n in zip(self.dims.proj_multipliers, self.dims.proj_segments)
-                           for _ in range(n)]
+            per_channel = [m for m, n in zip(self.dims.proj_multipliers, self.dims.proj_segments) for _ in range(n)]
             scale = torch.tensor(per_channel, dtype=torch.float32)
             self._scale = (key, scale.to(device=like.device, dtype=like.dtype))
         return self._scale[1]
@@ -125,14 +127,25 @@ class Mamba2Mixer(nn.Module):
             proj = proj * self._proj_scale(proj)
         z, xbc, dt = proj.split([d.d_inner, d.conv_dim, d.num_heads], dim=-1)
         xbc = self.conv1d(xbc, state["conv"], batch)
-        x, b, c = xbc.split([d.d_inner, d.num_groups * d.state_size,
-                             d.num_groups * d.state_size], dim=-1)
+        x, b, c = xbc.split([d.d_inner, d.num_groups * d.state_size, d.num_groups * d.state_size], dim=-1)
         x = x.reshape(num_tokens, d.num_heads, d.head_dim)
         b = b.reshape(num_tokens, d.num_groups, d.state_size)
         c = c.reshape(num_tokens, d.num_groups, d.state_size)
         a = -torch.exp(self.A_log.float())
-        y = ssd_scan(x, dt, a, b, c, self.D, self.dt_bias, state["ssm"], batch.recurrent, dt_softplus=True,
-                dt_limit=d.dt_limit, chunk_size=d.chunk_size)
+        y = ssd_scan(
+            x,
+            dt,
+            a,
+            b,
+            c,
+            self.D,
+            self.dt_bias,
+            state["ssm"],
+            batch.recurrent,
+            dt_softplus=True,
+            dt_limit=d.dt_limit,
+            chunk_size=d.chunk_size,
+        )
         y = y.reshape(num_tokens, d.d_inner)
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(y.to(hidden.dtype))

@@ -13,6 +13,7 @@ Config fields read: ``num_heads``, ``head_dim``, ``state_size``, ``n_groups``, `
 ``tie_word_embeddings``. Not math: ``time_step_rank`` (unused by the mixer), ``time_step_min``
 / ``max`` / ``floor``, ``initializer_range``, ``rescale_prenorm_residual`` (init only).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,11 +28,19 @@ from workers.state_spec import StateSites
 
 
 def mamba_dims(cfg: Any) -> Mamba2Dims:
-    return Mamba2Dims(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                      state_size=cfg.state_size, num_groups=cfg.n_groups,
-                      conv_kernel=cfg.conv_kernel, conv_bias=bool(cfg.use_conv_bias),
-                      proj_bias=bool(cfg.use_bias), chunk_size=cfg.chunk_size,
-                      dt_limit=time_step_limit(cfg), eps=cfg.layer_norm_epsilon)
+    return Mamba2Dims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        state_size=cfg.state_size,
+        num_groups=cfg.n_groups,
+        conv_kernel=cfg.conv_kernel,
+        conv_bias=bool(cfg.use_conv_bias),
+        proj_bias=bool(cfg.use_bias),
+        chunk_size=cfg.chunk_size,
+        dt_limit=time_step_limit(cfg),
+        eps=cfg.layer_norm_epsilon,
+    )
 
 
 class Mamba2ForCausalLM(HybridForCausalLM):
@@ -43,14 +52,18 @@ class Mamba2ForCausalLM(HybridForCausalLM):
     def validate_config(cls, cfg: Any) -> None:
         check_mamba_dims(cfg, mamba_dims(cfg), int(cfg.expand * cfg.hidden_size), "expand * hidden_size")
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[MixerBlock], RMSNorm]:
+    def _build_layers(self, cfg: Any, dtype: torch.dtype, sites: StateSites) -> tuple[list[MixerBlock], RMSNorm]:
         layers = []
         for _ in range(cfg.num_hidden_layers):
             mixer = Mamba2Mixer(mamba_dims(cfg), dtype)
-            layers.append(MixerBlock(mixer, sites.add(mixer),
-                                     RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype),
-                                     residual_in_fp32=bool(cfg.residual_in_fp32)))
+            layers.append(
+                MixerBlock(
+                    mixer,
+                    sites.add(mixer),
+                    RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype),
+                    residual_in_fp32=bool(cfg.residual_in_fp32),
+                )
+            )
         return layers, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:

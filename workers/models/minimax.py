@@ -24,6 +24,7 @@ whole head whatever ``partial_rotary_factor`` says), the six alpha/beta factors,
 check the saved tables), ``tie_word_embeddings``. Refused: ``sliding_window`` (not served).
 Not math: ``router_jitter_noise`` (training only), router-loss, dropout, init fields.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,8 +47,15 @@ def head_dim(cfg: Any) -> int:
 class MiniMaxDecoderLayer(nn.Module):
     """See the module docstring; ``factors`` = (attn alpha, attn beta, mlp alpha, mlp beta)."""
 
-    def __init__(self, mixer: nn.Module, ref: StateRef, mlp: nn.Module, input_layernorm: RMSNorm,
-                 post_attention_layernorm: RMSNorm, factors: tuple[float, float, float, float]) -> None:
+    def __init__(
+        self,
+        mixer: nn.Module,
+        ref: StateRef,
+        mlp: nn.Module,
+        input_layernorm: RMSNorm,
+        post_attention_layernorm: RMSNorm,
+        factors: tuple[float, float, float, float],
+    ) -> None:
         super().__init__()
         self.input_layernorm = input_layernorm
         self.self_attn = mixer
@@ -66,8 +74,12 @@ class MiniMaxDecoderLayer(nn.Module):
 
 def _factors(cfg: Any, kind: str) -> tuple[float, float, float, float]:
     attn = "full_attn" if kind == FULL_ATTENTION else "linear_attn"
-    return (float(getattr(cfg, f"{attn}_alpha_factor")), float(getattr(cfg, f"{attn}_beta_factor")),
-            float(cfg.mlp_alpha_factor), float(cfg.mlp_beta_factor))
+    return (
+        float(getattr(cfg, f"{attn}_alpha_factor")),
+        float(getattr(cfg, f"{attn}_beta_factor")),
+        float(cfg.mlp_alpha_factor),
+        float(cfg.mlp_beta_factor),
+    )
 
 
 class MiniMaxForCausalLM(HybridForCausalLM):
@@ -82,33 +94,60 @@ class MiniMaxForCausalLM(HybridForCausalLM):
         check_hybrid_layer_types(cfg)
         activation(cfg.hidden_act)
         if getattr(cfg, "sliding_window", None) is not None:
-            raise ValueError(f"sliding_window={cfg.sliding_window} is not supported (full "
-                             "causal attention only)")
+            raise ValueError(f"sliding_window={cfg.sliding_window} is not supported (full causal attention only)")
         default_rope(cfg, head_dim(cfg), partial_factor=1.0)
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[MiniMaxDecoderLayer], RMSNorm]:
+    def _build_layers(
+        self, cfg: Any, dtype: torch.dtype, sites: StateSites
+    ) -> tuple[list[MiniMaxDecoderLayer], RMSNorm]:
         hd = head_dim(cfg)
-        moe = MoeDims(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                      num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
-                      style="qwen", norm_topk_prob=True, act=cfg.hidden_act)
+        moe = MoeDims(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_experts=cfg.num_local_experts,
+            top_k=cfg.num_experts_per_tok,
+            style="qwen",
+            norm_topk_prob=True,
+            act=cfg.hidden_act,
+        )
         layers = []
         for i, kind in enumerate(cfg.layer_types):
             mixer: nn.Module
             if kind == FULL_ATTENTION:
-                mixer = Attention(AttentionDims(
-                    hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                    num_kv_heads=cfg.num_key_value_heads, head_dim=hd, bias=False,
-                    scale=hd ** -0.5), dtype)
+                mixer = Attention(
+                    AttentionDims(
+                        hidden_size=cfg.hidden_size,
+                        num_heads=cfg.num_attention_heads,
+                        num_kv_heads=cfg.num_key_value_heads,
+                        head_dim=hd,
+                        bias=False,
+                        scale=hd**-0.5,
+                    ),
+                    dtype,
+                )
             else:
-                mixer = LightningAttention(LightningDims(
-                    hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, head_dim=hd,
-                    layer_idx=i, num_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
-                    act=cfg.hidden_act), dtype)
-            layers.append(MiniMaxDecoderLayer(
-                mixer, sites.add(mixer), SparseMoE(moe, dtype),
-                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
-                RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype), _factors(cfg, kind)))
+                mixer = LightningAttention(
+                    LightningDims(
+                        hidden_size=cfg.hidden_size,
+                        num_heads=cfg.num_attention_heads,
+                        head_dim=hd,
+                        layer_idx=i,
+                        num_layers=cfg.num_hidden_layers,
+                        block_size=cfg.block_size,
+                        act=cfg.hidden_act,
+                    ),
+                    dtype,
+                )
+            layers.append(
+                MiniMaxDecoderLayer(
+                    mixer,
+                    sites.add(mixer),
+                    SparseMoE(moe, dtype),
+                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                    RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype),
+                    _factors(cfg, kind),
+                )
+            )
         return layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:

@@ -19,6 +19,7 @@ q and k get the same permutation, so the scores are the interleaved rotation's).
 also gates each head's output by ``sigmoid(g_proj(x))``. The q_a / kv_a norms use eps 1e-6
 (transformers builds them without the config's eps).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,14 +39,14 @@ ROPE_MODES = ("none", "interleaved")
 class MlaDims:
     hidden_size: int
     num_heads: int
-    kv_lora_rank: int           # R
+    kv_lora_rank: int  # R
     qk_nope_head_dim: int
-    qk_rope_head_dim: int       # P
+    qk_rope_head_dim: int  # P
     v_head_dim: int
     q_lora_rank: int | None
-    bias: bool                  # attention_bias: q_a_proj, kv_a_proj_with_mqa, o_proj
-    rope: str                   # one of ROPE_MODES
-    head_gate: bool = False     # BailingHybrid's g_proj
+    bias: bool  # attention_bias: q_a_proj, kv_a_proj_with_mqa, o_proj
+    rope: str  # one of ROPE_MODES
+    head_gate: bool = False  # BailingHybrid's g_proj
 
     @property
     def qk_head_dim(self) -> int:
@@ -53,7 +54,7 @@ class MlaDims:
 
     @property
     def scale(self) -> float:
-        return self.qk_head_dim ** -0.5
+        return self.qk_head_dim**-0.5
 
     def validate(self) -> None:
         if self.rope not in ROPE_MODES:
@@ -97,8 +98,7 @@ class LatentAttention(nn.Module):
         return mla_kind(self.dims.kv_lora_rank, self.dims.qk_rope_head_dim)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = (self.q_proj(x) if self.dims.q_lora_rank is None
-             else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))))
+        q = self.q_proj(x) if self.dims.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(x.shape[0], self.dims.num_heads, self.dims.qk_head_dim)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
@@ -111,13 +111,23 @@ class LatentAttention(nn.Module):
             assert ctx.rope is not None, "interleaved RoPE needs the model's rotary tables"
             q_rope, k_rope = rotate_interleaved(q_rope, ctx.rope), rotate_interleaved(k_rope, ctx.rope)
         w = self.kv_b_proj.weight.view(d.num_heads, nope + d.v_head_dim, r)
-        w_uk, w_uv = w[:, :nope], w[:, nope:]                          # [H, nope, R], [H, V, R]
+        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, R], [H, V, R]
         query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope], dim=-1)
         latent = torch.cat([c, k_rope[:, 0]], dim=-1)
         pool = ctx.pools.kv.layer(ref)["latent"]
-        o = mla_attention(query.contiguous(), latent, pool, batch.out_loc, batch.page_table,
-                          batch.cu_seqlens, batch.seq_lens, batch.page_size, d.scale, r)
-        o = torch.einsum("thr,hvr->thv", o, w_uv)                        # [T, H, V]
+        o = mla_attention(
+            query.contiguous(),
+            latent,
+            pool,
+            batch.out_loc,
+            batch.page_table,
+            batch.cu_seqlens,
+            batch.seq_lens,
+            batch.page_size,
+            d.scale,
+            r,
+        )
+        o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, V]
         if d.head_gate:
             o = o * torch.sigmoid(self.g_proj(x).float()).to(o.dtype)[..., None]
         return self.o_proj(o.reshape(num_tokens, d.num_heads * d.v_head_dim))

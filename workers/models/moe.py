@@ -34,6 +34,7 @@ each (token, choice) row through its expert's gathered weights when there are fe
 than experts, else every expert on every token weighted by a dense ``[T, E]`` combine
 matrix (zeros where not chosen).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -54,41 +55,42 @@ STYLES = ("qwen", "granite", "sigmoid_grouped")
 
 @dataclass(frozen=True)
 class MoeDims:
-    hidden_size: int                # the experts' input width (Nemotron-H: moe_latent_size)
-    intermediate_size: int          # per expert
+    hidden_size: int  # the experts' input width (Nemotron-H: moe_latent_size)
+    intermediate_size: int  # per expert
     num_experts: int
     top_k: int
-    style: str                      # one of STYLES
-    norm_topk_prob: bool = True     # qwen, sigmoid_grouped
-    shared_intermediate_size: int = 0   # 0 = no shared expert (qwen style only)
+    style: str  # one of STYLES
+    norm_topk_prob: bool = True  # qwen, sigmoid_grouped
+    shared_intermediate_size: int = 0  # 0 = no shared expert (qwen style only)
     gated: bool = True
     act: str = "silu"
     router_size: int | None = None  # the router's input width (default hidden_size)
-    num_groups: int = 1             # sigmoid_grouped: expert groups (n_group) ...
-    topk_groups: int = 1            # ... of which each token keeps this many (topk_group)
+    num_groups: int = 1  # sigmoid_grouped: expert groups (n_group) ...
+    topk_groups: int = 1  # ... of which each token keeps this many (topk_group)
     routed_scaling_factor: float = 1.0
-    score_bias: bool = True         # sigmoid_grouped: the choice adds a correction bias
-    norm_eps: float = 1e-20         # sigmoid_grouped: renormalisation sum + eps (LFM2-MoE 1e-6)
-    swiglu_limit: float = 0.0       # > 0: Ling's clipped SwiGLU (``moe_experts.swiglu``)
+    score_bias: bool = True  # sigmoid_grouped: the choice adds a correction bias
+    norm_eps: float = 1e-20  # sigmoid_grouped: renormalisation sum + eps (LFM2-MoE 1e-6)
+    swiglu_limit: float = 0.0  # > 0: Ling's clipped SwiGLU (``moe_experts.swiglu``)
 
     def validate(self) -> None:
         if self.style not in STYLES:
             raise ValueError(f"unknown MoE style {self.style!r}")
         if self.swiglu_limit < 0 or (self.swiglu_limit > 0 and not self.gated):
-            raise ValueError(f"swiglu_limit={self.swiglu_limit} needs gated experts and a limit "
-                             ">= 0 (0 = off)")
+            raise ValueError(f"swiglu_limit={self.swiglu_limit} needs gated experts and a limit >= 0 (0 = off)")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in 1..{self.num_experts}")
         if self.style == "sigmoid_grouped":
             g = self.num_groups
             if g < 1 or self.num_experts % g or self.num_experts // g < 2:
-                raise ValueError(f"n_group={g} must divide n_routed_experts={self.num_experts} "
-                                 "into groups of at least 2 experts")
+                raise ValueError(
+                    f"n_group={g} must divide n_routed_experts={self.num_experts} into groups of at least 2 experts"
+                )
             if not 0 < self.topk_groups <= g:
                 raise ValueError(f"topk_group={self.topk_groups} must be in 1..n_group={g}")
             if self.top_k > self.topk_groups * (self.num_experts // g):
-                raise ValueError(f"num_experts_per_tok={self.top_k} exceeds the experts of "
-                                 f"topk_group={self.topk_groups} groups")
+                raise ValueError(
+                    f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group={self.topk_groups} groups"
+                )
 
 
 # A compiled CPU step's choice between the static formulation and the expert loop op. The
@@ -157,11 +159,11 @@ class SparseMoE(nn.Module):
 
     def _route_sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
-        scores = F.linear(x.float(), self.router_weight.float()).sigmoid()       # [T, E]
+        scores = F.linear(x.float(), self.router_weight.float()).sigmoid()  # [T, E]
         choice = scores if self.score_bias is None else scores + self.score_bias
         per_group = d.num_experts // d.num_groups
         grouped = choice.view(-1, d.num_groups, per_group)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)                    # [T, G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(d.topk_groups, dim=-1, sorted=False)[1], True)
         choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
@@ -174,15 +176,20 @@ class SparseMoE(nn.Module):
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         d = self.dims
         if not tracing():
-            return expert_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act,
-                               d.swiglu_limit)
+            return expert_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act, d.swiglu_limit)
         if x.device.type == "cpu" and torch.compiler.is_compiling() and loop_op_is_cheaper(x, d):
-            return expert_loop_op()(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act,
-                                    d.swiglu_limit)
+            return expert_loop_op()(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act, d.swiglu_limit)
         return self._routed_static(x, weights, ids)
 
-    def _expert(self, h: torch.Tensor, up_w: torch.Tensor, gate_w: torch.Tensor | None,
-                down_w: torch.Tensor, spec_in: str, spec_out: str) -> torch.Tensor:
+    def _expert(
+        self,
+        h: torch.Tensor,
+        up_w: torch.Tensor,
+        gate_w: torch.Tensor | None,
+        down_w: torch.Tensor,
+        spec_in: str,
+        spec_out: str,
+    ) -> torch.Tensor:
         """Expert MLPs batched by einsum: ``spec_in`` for gate / up, ``spec_out`` for down."""
         up = torch.einsum(spec_in, h, up_w)
         if gate_w is None:
@@ -194,33 +201,33 @@ class SparseMoE(nn.Module):
     def _routed_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``_routed`` without a host read (see the module docstring); shapes decide the form."""
         num_tokens, k = ids.shape
-        ids, order = ids.sort(dim=-1)                  # the loop's order: experts ascending
+        ids, order = ids.sort(dim=-1)  # the loop's order: experts ascending
         weights = weights.gather(1, order)
-        if num_tokens * k < self.dims.num_experts:     # gathered: read T*k experts
+        if num_tokens * k < self.dims.num_experts:  # gathered: read T*k experts
             flat = ids.reshape(-1)
-            h = x.repeat_interleave(k, dim=0)          # [T*k, H], row r = token r // k
+            h = x.repeat_interleave(k, dim=0)  # [T*k, H], row r = token r // k
             gate = None if self.w_gate is None else self.w_gate[flat]
-            y = self._expert(h, self.w_up[flat], gate, self.w_down[flat],
-                             "rh,rih->ri", "ri,rhi->rh")                          # [T*k, H]
+            y = self._expert(h, self.w_up[flat], gate, self.w_down[flat], "rh,rih->ri", "ri,rhi->rh")  # [T*k, H]
             return (y * weights.reshape(-1, 1)).view(num_tokens, k, -1).sum(dim=1)
-        combine = torch.zeros(num_tokens, self.dims.num_experts, dtype=weights.dtype,
-                              device=x.device).scatter(1, ids, weights)          # [T, E]
-        y = self._expert(x, self.w_up, self.w_gate, self.w_down,
-                         "th,eih->eti", "eti,ehi->eth")                           # [E, T, H]
+        combine = torch.zeros(num_tokens, self.dims.num_experts, dtype=weights.dtype, device=x.device).scatter(
+            1, ids, weights
+        )  # [T, E]
+        y = self._expert(x, self.w_up, self.w_gate, self.w_down, "th,eih->eti", "eti,ehi->eth")  # [E, T, H]
         return (y * combine.t()[:, :, None]).sum(dim=0)
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         if self.dims.style == "granite":
             assert self.w_gate is not None
-            return {f"{prefix}router.layer.weight": whole(self.router_weight),
-                    f"{prefix}input_linear.weight": split(1, self.w_gate, self.w_up),
-                    f"{prefix}output_linear.weight": whole(self.w_down)}
+            return {
+                f"{prefix}router.layer.weight": whole(self.router_weight),
+                f"{prefix}input_linear.weight": split(1, self.w_gate, self.w_up),
+                f"{prefix}output_linear.weight": whole(self.w_down),
+            }
         targets = {f"{prefix}gate.weight": whole(self.router_weight)}
         if self.score_bias is not None:
             targets[f"{prefix}gate.e_score_correction_bias"] = whole(self.score_bias)
         for e in range(self.dims.num_experts):
-            for name, stacked in (("gate_proj", self.w_gate), ("up_proj", self.w_up),
-                                  ("down_proj", self.w_down)):
+            for name, stacked in (("gate_proj", self.w_gate), ("up_proj", self.w_up), ("down_proj", self.w_down)):
                 if stacked is not None:
                     targets[f"{prefix}experts.{e}.{name}.weight"] = whole(stacked[e])
         if self.shared_expert is not None:
@@ -233,14 +240,15 @@ _FUSED_GATE_UP = ".experts.gate_up_proj"
 _FUSED_DOWN = ".experts.down_proj"
 
 
-def unfuse_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
+def unfuse_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Fused expert tensors -> ``experts.{e}.{gate,up,down}_proj.weight`` views; others as is."""
     for name, tensor in weights:
         if name.endswith(_FUSED_GATE_UP):
             if tensor.dim() != 3 or tensor.shape[1] % 2:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected "
-                                 "[num_experts, 2 * moe_intermediate_size, hidden_size]")
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}; expected "
+                    "[num_experts, 2 * moe_intermediate_size, hidden_size]"
+                )
             prefix = name[: -len("gate_up_proj")]
             gate, up = tensor.chunk(2, dim=1)
             for e in range(tensor.shape[0]):
@@ -248,8 +256,10 @@ def unfuse_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]
                 yield f"{prefix}{e}.up_proj.weight", up[e]
         elif name.endswith(_FUSED_DOWN):
             if tensor.dim() != 3:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}; expected "
-                                 "[num_experts, hidden_size, moe_intermediate_size]")
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}; expected "
+                    "[num_experts, hidden_size, moe_intermediate_size]"
+                )
             prefix = name[: -len("down_proj")]
             for e in range(tensor.shape[0]):
                 yield f"{prefix}{e}.down_proj.weight", tensor[e]

@@ -19,6 +19,7 @@ memory (no device sync), so the op keeps the loop's arithmetic -- and its numeri
 the eager path's -- inside a compiled graph. A CUDA graph cannot hold it: GPU steps keep the
 static formulation (``SparseMoE._routed_static``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -37,21 +38,37 @@ def swiglu(fn: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor, limit: floa
     return fn(gate).clamp(max=limit) * up.clamp(-limit, limit)
 
 
-def expert_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
-                w_down: Tensor, act: str, limit: float = 0.0) -> Tensor:
+def expert_loop(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w_gate: Tensor | None,
+    w_up: Tensor,
+    w_down: Tensor,
+    act: str,
+    limit: float = 0.0,
+) -> Tensor:
     """The eager routed experts: the native loop on CPU where it builds, else ``reference_loop``."""
-    if x.device.type == "cpu" and (native_ops.loaded() or native_ops.load()):   # no lock once loaded
+    if x.device.type == "cpu" and (native_ops.loaded() or native_ops.load()):  # no lock once loaded
         return torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, act, limit)
     return reference_loop(x, weights, ids, w_gate, w_up, w_down, act, limit)
 
 
-def reference_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
-                   w_down: Tensor, act: str, limit: float = 0.0) -> Tensor:
+def reference_loop(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w_gate: Tensor | None,
+    w_up: Tensor,
+    w_down: Tensor,
+    act: str,
+    limit: float = 0.0,
+) -> Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H]; experts are
     ``down(swiglu(act, gate(x), up(x), limit))``, or ``down(act(up(x)))`` without a gate."""
     fn = activation(act)
     k = ids.shape[1]
-    flat_ids = ids.reshape(-1)                               # [T*k], row r = token r // k
+    flat_ids = ids.reshape(-1)  # [T*k], row r = token r // k
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w_up.shape[0]).tolist()
     flat_weights = weights.reshape(-1)
@@ -60,7 +77,7 @@ def reference_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | Non
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        rows = order[start:start + n]
+        rows = order[start : start + n]
         start += n
         tokens = rows // k
         h = x[tokens]
@@ -74,14 +91,30 @@ def reference_loop(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | Non
 
 
 @torch.library.custom_op("hybridserve::moe_experts", mutates_args=(), device_types="cpu")
-def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
-                w_down: Tensor, act: str, limit: float = 0.0) -> Tensor:
+def moe_experts(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w_gate: Tensor | None,
+    w_up: Tensor,
+    w_down: Tensor,
+    act: str,
+    limit: float = 0.0,
+) -> Tensor:
     return reference_loop(x, weights, ids, w_gate, w_up, w_down, act, limit)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x: Tensor, weights: Tensor, ids: Tensor, w_gate: Tensor | None, w_up: Tensor,
-                      w_down: Tensor, act: str, limit: float = 0.0) -> Tensor:
+def _moe_experts_fake(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w_gate: Tensor | None,
+    w_up: Tensor,
+    w_down: Tensor,
+    act: str,
+    limit: float = 0.0,
+) -> Tensor:
     return x.new_empty(x.shape[0], w_down.shape[1])
 
 

@@ -25,6 +25,7 @@ KV in pool layer ``kv_index + j`` at the same page locations as the target's tok
 row s is stored at position s. Drafting step i runs layer ``i % num_layers`` on the
 previous step's output and draft (vLLM's rule for heads of several layers).
 """
+
 from __future__ import annotations
 
 import re
@@ -76,9 +77,10 @@ class MtpHeadBase(nn.Module):
         if not target.mtp_weights:
             raise ValueError("spec.method 'mtp' needs a checkpoint with mtp.* tensors; this one has none")
         if getattr(target.config, "mtp_use_dedicated_embeddings", False):
-            raise ValueError("mtp_use_dedicated_embeddings=True (an MTP head with its own "
-                             "embedding table) is not supported")
-        self._target = [target]          # not a submodule: its weights are shared, not owned
+            raise ValueError(
+                "mtp_use_dedicated_embeddings=True (an MTP head with its own embedding table) is not supported"
+            )
+        self._target = [target]  # not a submodule: its weights are shared, not owned
         self._kv_index = kv_index
         self._num_layers = num_layers
 
@@ -104,13 +106,15 @@ class MtpHeadBase(nn.Module):
         """The pool KV layer of the first attention block (the others follow it)."""
         return self._kv_index
 
-    def forward(self, batch: ForwardBatch, hidden_prev: torch.Tensor, pools: DevicePools,
-                layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, hidden_prev: torch.Tensor, pools: DevicePools, layer: int = 0
+    ) -> torch.Tensor:
         """batch.input_ids = x_{s+1}; batch.positions = s; hidden_prev [T, H]. -> h' [T, H]."""
         return self.forward_tokens(batch.input_ids, batch, hidden_prev, pools, layer)
 
-    def forward_tokens(self, tokens: torch.Tensor, batch: ForwardBatch, hidden_prev: torch.Tensor,
-                       pools: DevicePools, layer: int = 0) -> torch.Tensor:
+    def forward_tokens(
+        self, tokens: torch.Tensor, batch: ForwardBatch, hidden_prev: torch.Tensor, pools: DevicePools, layer: int = 0
+    ) -> torch.Tensor:
         """``forward`` with x_{s+1} given apart (``batch.input_ids`` unread): a compiled draft
         chain feeds each step the drafts of the step before."""
         target = self.target
@@ -118,8 +122,7 @@ class MtpHeadBase(nn.Module):
         rope = target.rotary.tables(batch.positions, emb.dtype) if target.rotary is not None else None
         return self.predict(layer, emb, hidden_prev.to(emb.dtype), LayerContext(batch, pools, rope))
 
-    def predict(self, layer: int, emb: torch.Tensor, hidden: torch.Tensor,
-                ctx: LayerContext) -> torch.Tensor:
+    def predict(self, layer: int, emb: torch.Tensor, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """MTP layer ``layer`` on the embeddings of x_{s+1} [T, H] and hidden [T, H]."""
         raise NotImplementedError
 
@@ -127,17 +130,18 @@ class MtpHeadBase(nn.Module):
 class MtpHead(MtpHeadBase):
     """The Qwen hybrids' head (see the module docstring)."""
 
-    def __init__(self, target: nn.Module, kv_index: int, num_layers: int,
-                 build_layer: LayerFactory) -> None:
+    def __init__(self, target: nn.Module, kv_index: int, num_layers: int, build_layer: LayerFactory) -> None:
         super().__init__(target, kv_index, num_layers)
         weights, cfg, dtype = target.mtp_weights, target.config, target.dtype
         if num_layers < 1:
-            raise ValueError(f"mtp_num_hidden_layers={num_layers}: spec.method 'mtp' needs an MTP "
-                             "head of at least one layer")
+            raise ValueError(
+                f"mtp_num_hidden_layers={num_layers}: spec.method 'mtp' needs an MTP head of at least one layer"
+            )
         found = mtp_layer_ids(weights)
         if found != list(range(num_layers)):
-            raise ValueError(f"mtp_num_hidden_layers={num_layers}, but the checkpoint's mtp.* "
-                             f"tensors hold layers {found}")
+            raise ValueError(
+                f"mtp_num_hidden_layers={num_layers}, but the checkpoint's mtp.* tensors hold layers {found}"
+            )
         h = cfg.hidden_size
 
         def norm() -> RMSNorm:
@@ -146,13 +150,17 @@ class MtpHead(MtpHeadBase):
         with torch.device("meta"):
             self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = norm(), norm(), norm()
             self.fc = linear(2 * h, h, False, dtype)
-            self.layers = nn.ModuleList([
-                build_layer(StateRef(ATTENTION, kv_index + j),
-                            any(n.startswith(f"mtp.layers.{j}.mlp.experts.") for n in weights))
-                for j in range(num_layers)])
+            self.layers = nn.ModuleList(
+                [
+                    build_layer(
+                        StateRef(ATTENTION, kv_index + j),
+                        any(n.startswith(f"mtp.layers.{j}.mlp.experts.") for n in weights),
+                    )
+                    for j in range(num_layers)
+                ]
+            )
         self._materialize()
 
-    def predict(self, layer: int, emb: torch.Tensor, hidden: torch.Tensor,
-                ctx: LayerContext) -> torch.Tensor:
+    def predict(self, layer: int, emb: torch.Tensor, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
         return self.norm(self.layers[layer](x, ctx))

@@ -21,6 +21,7 @@ Not math: ``expand`` (d_inner is heads x head_dim), ``time_step_min`` / ``time_s
 fields. ``tie_word_embeddings``: transformers' Nemotron-H never ties, so ``lm_head.weight`` is
 always its own tensor here too.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,15 +30,7 @@ import torch
 from torch import nn
 
 from workers.models.base import FULL_ATTENTION, LINEAR_ATTENTION, HybridForCausalLM, MixerBlock
-from workers.models.layers import (
-    Attention,
-    AttentionDims,
-    DenseMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    activation,
-    linear,
-)
+from workers.models.layers import Attention, AttentionDims, DenseMLP, RMSNorm, RotaryEmbedding, activation, linear
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims, time_step_limit
 from workers.models.moe import MoeDims, SparseMoE
@@ -47,28 +40,41 @@ from workers.state_spec import StateSites
 
 MLP, MOE = "mlp", "moe"
 # field -> the value transformers' math amounts to (it does not read the field)
-_INERT = {"attention_bias": False, "sliding_window": None, "residual_in_fp32": False,
-          "n_shared_experts": 1}
+_INERT = {"attention_bias": False, "sliding_window": None, "residual_in_fp32": False, "n_shared_experts": 1}
 
 
 def mamba_dims(cfg: Any) -> Mamba2Dims:
-    return Mamba2Dims(hidden_size=cfg.hidden_size, num_heads=cfg.mamba_num_heads,
-                      head_dim=cfg.mamba_head_dim, state_size=cfg.ssm_state_size,
-                      num_groups=cfg.n_groups, conv_kernel=cfg.conv_kernel,
-                      conv_bias=bool(cfg.use_conv_bias), proj_bias=bool(cfg.use_bias),
-                      chunk_size=cfg.chunk_size, dt_limit=time_step_limit(cfg),
-                      eps=cfg.layer_norm_epsilon, ssm_dtype=str(cfg.mamba_ssm_cache_dtype))
+    return Mamba2Dims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.mamba_num_heads,
+        head_dim=cfg.mamba_head_dim,
+        state_size=cfg.ssm_state_size,
+        num_groups=cfg.n_groups,
+        conv_kernel=cfg.conv_kernel,
+        conv_bias=bool(cfg.use_conv_bias),
+        proj_bias=bool(cfg.use_bias),
+        chunk_size=cfg.chunk_size,
+        dt_limit=time_step_limit(cfg),
+        eps=cfg.layer_norm_epsilon,
+        ssm_dtype=str(cfg.mamba_ssm_cache_dtype),
+    )
 
 
 def attention_dims(cfg: Any) -> AttentionDims:
-    return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, bias=False,
-                         scale=cfg.head_dim ** -0.5)
+    return AttentionDims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        bias=False,
+        scale=cfg.head_dim**-0.5,
+    )
 
 
 def mlp(cfg: Any, intermediate_size: int, dtype: torch.dtype) -> DenseMLP:
-    return DenseMLP(cfg.hidden_size, intermediate_size, dtype, act=cfg.mlp_hidden_act, gated=False,
-                    bias=bool(cfg.mlp_bias))
+    return DenseMLP(
+        cfg.hidden_size, intermediate_size, dtype, act=cfg.mlp_hidden_act, gated=False, bias=bool(cfg.mlp_bias)
+    )
 
 
 def block_mixer(cfg: Any, kind: str, dtype: torch.dtype) -> nn.Module:
@@ -81,8 +87,7 @@ def block_mixer(cfg: Any, kind: str, dtype: torch.dtype) -> nn.Module:
         return mlp(cfg, cfg.intermediate_size, dtype)
     if kind == MOE:
         return NemotronHMoE(cfg, dtype)
-    raise ValueError(f"unsupported block type {kind!r}; expected one of "
-                     f"{[LINEAR_ATTENTION, FULL_ATTENTION, MLP, MOE]}")
+    raise ValueError(f"unsupported block type {kind!r}; expected one of {[LINEAR_ATTENTION, FULL_ATTENTION, MLP, MOE]}")
 
 
 class NemotronHMoE(nn.Module):
@@ -98,12 +103,23 @@ class NemotronHMoE(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         latent = cfg.moe_latent_size
-        self.routed = SparseMoE(MoeDims(
-            hidden_size=latent or cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-            num_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, style="sigmoid_grouped",
-            norm_topk_prob=bool(cfg.norm_topk_prob), gated=False, act=cfg.mlp_hidden_act,
-            router_size=cfg.hidden_size, num_groups=cfg.n_group, topk_groups=cfg.topk_group,
-            routed_scaling_factor=float(cfg.routed_scaling_factor)), dtype)
+        self.routed = SparseMoE(
+            MoeDims(
+                hidden_size=latent or cfg.hidden_size,
+                intermediate_size=cfg.moe_intermediate_size,
+                num_experts=cfg.n_routed_experts,
+                top_k=cfg.num_experts_per_tok,
+                style="sigmoid_grouped",
+                norm_topk_prob=bool(cfg.norm_topk_prob),
+                gated=False,
+                act=cfg.mlp_hidden_act,
+                router_size=cfg.hidden_size,
+                num_groups=cfg.n_group,
+                topk_groups=cfg.topk_group,
+                routed_scaling_factor=float(cfg.routed_scaling_factor),
+            ),
+            dtype,
+        )
         self.shared_experts = mlp(cfg, cfg.moe_shared_expert_intermediate_size, dtype)
         self.fc1_latent_proj = self.fc2_latent_proj = None
         if latent is not None:
@@ -142,22 +158,25 @@ class NemotronHForCausalLM(HybridForCausalLM):
             raise ValueError(f"layers_block_type has unsupported entries {unknown}")
         for field, inert in _INERT.items():
             if getattr(cfg, field, inert) != inert:
-                raise ValueError(f"{field}={getattr(cfg, field)!r} is not supported (transformers "
-                                 f"ignores it; only {inert!r} is served)")
+                raise ValueError(
+                    f"{field}={getattr(cfg, field)!r} is not supported (transformers "
+                    f"ignores it; only {inert!r} is served)"
+                )
         if bool(getattr(cfg, "mamba_proj_bias", False)) != bool(cfg.use_bias):
-            raise ValueError(f"mamba_proj_bias={cfg.mamba_proj_bias!r} differs from use_bias="
-                             f"{cfg.use_bias!r}, which transformers uses for the Mamba projections")
+            raise ValueError(
+                f"mamba_proj_bias={cfg.mamba_proj_bias!r} differs from use_bias="
+                f"{cfg.use_bias!r}, which transformers uses for the Mamba projections"
+            )
         activation(cfg.mlp_hidden_act, "mlp_hidden_act")
         dims = mamba_dims(cfg)
         check_mamba_dims(cfg, dims, dims.d_inner, "mamba_num_heads * mamba_head_dim", "mamba_hidden_act")
         if FULL_ATTENTION in kinds:
-            attention_dims(cfg)      # GQA divisibility is checked by the layer
+            attention_dims(cfg)  # GQA divisibility is checked by the layer
         if MOE in kinds and cfg.moe_latent_size is not None and cfg.moe_latent_size <= 0:
             raise ValueError(f"moe_latent_size={cfg.moe_latent_size} must be positive")
-        mtp_layout(cfg, {})          # a malformed num_nextn_predict_layers fails at load
+        mtp_layout(cfg, {})  # a malformed num_nextn_predict_layers fails at load
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[MixerBlock], RMSNorm]:
+    def _build_layers(self, cfg: Any, dtype: torch.dtype, sites: StateSites) -> tuple[list[MixerBlock], RMSNorm]:
         layers = []
         for kind in cfg.layers_block_type:
             mixer = block_mixer(cfg, kind, dtype)
@@ -166,7 +185,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
         return layers, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
-        return None                                  # attention without positional encoding
+        return None  # attention without positional encoding
 
     @property
     def num_mtp_layers(self) -> int:
@@ -178,5 +197,6 @@ class NemotronHForCausalLM(HybridForCausalLM):
 
     def build_mtp_head(self, kv_index: int) -> NemotronHMtpHead:
         cfg, dtype = self.config, self.dtype
-        return NemotronHMtpHead(self, kv_index, mtp_layout(cfg, self.mtp_weights),
-                                lambda kind: block_mixer(cfg, kind, dtype))
+        return NemotronHMtpHead(
+            self, kv_index, mtp_layout(cfg, self.mtp_weights), lambda kind: block_mixer(cfg, kind, dtype)
+        )

@@ -32,6 +32,7 @@ a repeated-layer export holding one MTP layer for several is not guessed at) and
 ``mtp_block_configs`` (per-block MoE sizes of the puzzle variant). ``keep_mtp_spec_in_bf16``
 is a precision choice of quantized exports, not math.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -46,7 +47,7 @@ from workers.models.layers import LayerContext, RMSNorm, linear
 from workers.models.mtp import MtpHeadBase, mtp_layer_ids
 from workers.state_spec import ATTENTION, StateRef
 
-MixerFactory = Callable[[str], nn.Module]       # block kind -> the backbone's mixer of that kind
+MixerFactory = Callable[[str], nn.Module]  # block kind -> the backbone's mixer of that kind
 
 
 @dataclass(frozen=True)
@@ -74,36 +75,48 @@ def mtp_layout(cfg: Any, weights: Mapping[str, torch.Tensor]) -> MtpLayout:
     return MtpLayout(n if weights else 0, kinds)
 
 
-def check_layout(layout: MtpLayout, weights: Mapping[str, torch.Tensor], cfg: Any,
-                 target_kv_layers: int) -> None:
+def check_layout(layout: MtpLayout, weights: Mapping[str, torch.Tensor], cfg: Any, target_kv_layers: int) -> None:
     """Raise ValueError (naming the field and values) for a head this module cannot build."""
     n, kinds = layout.num_layers, list(layout.block_types)
     if n < 1:
-        raise ValueError(f"num_nextn_predict_layers={n}: spec.method 'mtp' needs at least one "
-                         "MTP layer")
+        raise ValueError(f"num_nextn_predict_layers={n}: spec.method 'mtp' needs at least one MTP layer")
     if not kinds:
         raise ValueError("mtp_layers_block_type is empty: an MTP layer needs at least one block")
     if LINEAR_ATTENTION in kinds:
-        raise ValueError(f"mtp_layers_block_type={kinds} has a Mamba2 block ('linear_attention'): "
-                         "its recurrent state per draft is not served")
+        raise ValueError(
+            f"mtp_layers_block_type={kinds} has a Mamba2 block ('linear_attention'): "
+            "its recurrent state per draft is not served"
+        )
     if getattr(cfg, "mtp_block_configs", None):
         raise ValueError("mtp_block_configs (per-block MoE sizes of the MTP layers) is not supported")
     found = mtp_layer_ids(weights)
     if found != list(range(layout.num_blocks)):
-        raise ValueError(f"num_nextn_predict_layers={n} with mtp_layers_block_type={kinds} means "
-                         f"blocks mtp.layers.0..{layout.num_blocks - 1}, but the checkpoint's mtp.* "
-                         f"tensors hold blocks {found}")
+        raise ValueError(
+            f"num_nextn_predict_layers={n} with mtp_layers_block_type={kinds} means "
+            f"blocks mtp.layers.0..{layout.num_blocks - 1}, but the checkpoint's mtp.* "
+            f"tensors hold blocks {found}"
+        )
     if layout.num_kv_layers and not target_kv_layers:
-        raise ValueError(f"mtp_layers_block_type={kinds} has attention blocks, but the model has "
-                         "no attention layer, so there is no KV pool for them")
+        raise ValueError(
+            f"mtp_layers_block_type={kinds} has attention blocks, but the model has "
+            "no attention layer, so there is no KV pool for them"
+        )
 
 
 class MtpBlock(MixerBlock):
     """``mtp.layers.{i}``: a backbone block (``norm``, ``mixer``), plus the MTP layer's fusion
     (``enorm``, ``hnorm``, ``eh_proj``) on its first block and ``final_layernorm`` on its last."""
 
-    def __init__(self, mixer: nn.Module, ref: StateRef | None, hidden_size: int, eps: float,
-                 dtype: torch.dtype, first: bool, last: bool) -> None:
+    def __init__(
+        self,
+        mixer: nn.Module,
+        ref: StateRef | None,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        first: bool,
+        last: bool,
+    ) -> None:
         super().__init__(mixer, ref, RMSNorm(hidden_size, eps, dtype))
         if first:
             self.enorm = RMSNorm(hidden_size, eps, dtype)
@@ -116,8 +129,7 @@ class MtpBlock(MixerBlock):
 class NemotronHMtpHead(MtpHeadBase):
     """See the module docstring; ``build_mixer(kind)`` makes the backbone's mixer of a kind."""
 
-    def __init__(self, target: nn.Module, kv_index: int, layout: MtpLayout,
-                 build_mixer: MixerFactory) -> None:
+    def __init__(self, target: nn.Module, kv_index: int, layout: MtpLayout, build_mixer: MixerFactory) -> None:
         super().__init__(target, kv_index, layout.num_layers)
         cfg, dtype = target.config, target.dtype
         check_layout(layout, target.mtp_weights, cfg, target.cache_spec().num_layers(ATTENTION))
@@ -131,14 +143,22 @@ class NemotronHMtpHead(MtpHeadBase):
                 ref = None
                 if kind == FULL_ATTENTION:
                     ref, next_kv = StateRef(ATTENTION, next_kv), next_kv + 1
-                blocks.append(MtpBlock(build_mixer(kind), ref, cfg.hidden_size, cfg.layer_norm_epsilon,
-                                       dtype, first=b == 0, last=b == per_layer - 1))
+                blocks.append(
+                    MtpBlock(
+                        build_mixer(kind),
+                        ref,
+                        cfg.hidden_size,
+                        cfg.layer_norm_epsilon,
+                        dtype,
+                        first=b == 0,
+                        last=b == per_layer - 1,
+                    )
+                )
             self.layers = nn.ModuleList(blocks)
         self.blocks_per_layer = per_layer
         self._materialize()
 
-    def predict(self, layer: int, emb: torch.Tensor, hidden: torch.Tensor,
-                ctx: LayerContext) -> torch.Tensor:
+    def predict(self, layer: int, emb: torch.Tensor, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         start = layer * self.blocks_per_layer
         blocks = [self.layers[i] for i in range(start, start + self.blocks_per_layer)]
         first, last = blocks[0], blocks[-1]

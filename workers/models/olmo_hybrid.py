@@ -28,6 +28,7 @@ call does not repeat key heads), ``linear_key_head_dim``, ``linear_value_head_di
 ``linear_conv_kernel_dim``, ``linear_allow_neg_eigval``, ``tie_word_embeddings``. Not math:
 the ``linear_a_log_*`` / ``linear_dt_*`` init ranges, dropout, init.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -61,11 +62,17 @@ class OlmoGatedDeltaNet(SplitGatedDeltaNet):
         d = self.dims
         key_dim = d.num_k_heads * d.k_head_dim
         qkv = self.in_proj_qkv.weight
-        parts = {"q_proj": qkv[:key_dim], "k_proj": qkv[key_dim:2 * key_dim],
-                 "v_proj": qkv[2 * key_dim:], "g_proj": self.in_proj_z.weight,
-                 "b_proj": self.in_proj_b.weight, "a_proj": self.in_proj_a.weight,
-                 "conv1d": self.conv1d.weight, "o_norm": self.norm.weight,
-                 "o_proj": self.out_proj.weight}
+        parts = {
+            "q_proj": qkv[:key_dim],
+            "k_proj": qkv[key_dim : 2 * key_dim],
+            "v_proj": qkv[2 * key_dim :],
+            "g_proj": self.in_proj_z.weight,
+            "b_proj": self.in_proj_b.weight,
+            "a_proj": self.in_proj_a.weight,
+            "conv1d": self.conv1d.weight,
+            "o_norm": self.norm.weight,
+            "o_proj": self.out_proj.weight,
+        }
         targets = {f"{prefix}{name}.weight": whole(t) for name, t in parts.items()}
         targets.update({f"{prefix}A_log": whole(self.A_log), f"{prefix}dt_bias": whole(self.dt_bias)})
         return targets
@@ -79,17 +86,14 @@ class OlmoAttention(Attention):
         self.q_norm: nn.Module = RMSNorm(dims.num_heads * dims.head_dim, eps, dtype)
         self.k_norm: nn.Module = RMSNorm(dims.num_kv_heads * dims.head_dim, eps, dtype)
 
-    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef,
-                adapter: int | None = None) -> torch.Tensor:
-        return self.attend(self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x)),
-                           self.v_proj(x), ctx, ref)
+    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef, adapter: int | None = None) -> torch.Tensor:
+        return self.attend(self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x)), self.v_proj(x), ctx, ref)
 
 
 class PostNormDecoderLayer(nn.Module):
     """OLMo's attention layer: norms after the attention and after the MLP, on the branch."""
 
-    def __init__(self, attn: OlmoAttention, ref: StateRef, mlp: DenseMLP, eps: float,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, attn: OlmoAttention, ref: StateRef, mlp: DenseMLP, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
@@ -103,17 +107,28 @@ class PostNormDecoderLayer(nn.Module):
 
 
 def gdn_dims(cfg: Any) -> GdnDims:
-    return GdnDims(hidden_size=cfg.hidden_size, num_k_heads=cfg.linear_num_key_heads,
-                   num_v_heads=cfg.linear_num_value_heads, k_head_dim=cfg.linear_key_head_dim,
-                   v_head_dim=cfg.linear_value_head_dim, conv_kernel=cfg.linear_conv_kernel_dim,
-                   eps=GDN_NORM_EPS, beta_scale=2.0 if cfg.linear_allow_neg_eigval else 1.0)
+    return GdnDims(
+        hidden_size=cfg.hidden_size,
+        num_k_heads=cfg.linear_num_key_heads,
+        num_v_heads=cfg.linear_num_value_heads,
+        k_head_dim=cfg.linear_key_head_dim,
+        v_head_dim=cfg.linear_value_head_dim,
+        conv_kernel=cfg.linear_conv_kernel_dim,
+        eps=GDN_NORM_EPS,
+        beta_scale=2.0 if cfg.linear_allow_neg_eigval else 1.0,
+    )
 
 
 def attention_dims(cfg: Any) -> AttentionDims:
     hd = cfg.hidden_size // cfg.num_attention_heads
-    return AttentionDims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-                         num_kv_heads=cfg.num_key_value_heads, head_dim=hd,
-                         bias=bool(cfg.attention_bias), scale=hd ** -0.5)
+    return AttentionDims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=hd,
+        bias=bool(cfg.attention_bias),
+        scale=hd**-0.5,
+    )
 
 
 def uses_rope(cfg: Any) -> bool:
@@ -126,14 +141,15 @@ class OlmoHybridForCausalLM(HybridForCausalLM):
     def validate_config(cls, cfg: Any) -> None:
         check_hybrid_layer_types(cfg)
         if cfg.linear_num_key_heads != cfg.linear_num_value_heads:
-            raise ValueError(f"linear_num_key_heads={cfg.linear_num_key_heads} differs from "
-                             f"linear_num_value_heads={cfg.linear_num_value_heads}: transformers' "
-                             "OLMo Hybrid passes the heads to its kernel without repeating them")
+            raise ValueError(
+                f"linear_num_key_heads={cfg.linear_num_key_heads} differs from "
+                f"linear_num_value_heads={cfg.linear_num_value_heads}: transformers' "
+                "OLMo Hybrid passes the heads to its kernel without repeating them"
+            )
         if uses_rope(cfg):
             default_rope(cfg, attention_dims(cfg).head_dim, partial_factor=1.0)
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
+    def _build_layers(self, cfg: Any, dtype: torch.dtype, sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
         eps, layers = cfg.rms_norm_eps, []
         for kind in cfg.layer_types:
             mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=cfg.hidden_act)
@@ -142,18 +158,25 @@ class OlmoHybridForCausalLM(HybridForCausalLM):
                 layers.append(PostNormDecoderLayer(attn, sites.add(attn), mlp, eps, dtype))
             else:
                 gdn = OlmoGatedDeltaNet(gdn_dims(cfg), dtype)
-                layers.append(HybridDecoderLayer("linear_attn", gdn, sites.add(gdn), {"mlp": mlp},
-                                                 RMSNorm(cfg.hidden_size, eps, dtype),
-                                                 RMSNorm(cfg.hidden_size, eps, dtype)))
+                layers.append(
+                    HybridDecoderLayer(
+                        "linear_attn",
+                        gdn,
+                        sites.add(gdn),
+                        {"mlp": mlp},
+                        RMSNorm(cfg.hidden_size, eps, dtype),
+                        RMSNorm(cfg.hidden_size, eps, dtype),
+                    )
+                )
         return layers, RMSNorm(cfg.hidden_size, eps, dtype)
 
     def _build_rotary(self, cfg: Any) -> RotaryEmbedding | None:
         return default_rope(cfg, attention_dims(cfg).head_dim, partial_factor=1.0) if uses_rope(cfg) else None
 
     def checkpoint_name(self, name: str) -> str:
-        return (name.replace(".attention_layer_norm.", ".input_layernorm.")
-                .replace(".feedforward_layer_norm.", ".post_attention_layernorm."))
+        return name.replace(".attention_layer_norm.", ".input_layernorm.").replace(
+            ".feedforward_layer_norm.", ".post_attention_layernorm."
+        )
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
-        return super().checkpoint_tensors(merge_split_tensors(weights))     # q, k, v convs
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        return super().checkpoint_tensors(merge_split_tensors(weights))  # q, k, v convs

@@ -24,6 +24,7 @@ Config fields that would change the math and are not implemented are refused, na
 ``attn_output_gate=False``, ``layer_scale``, a ``mamba_ssm_dtype`` other than float32 (the
 recurrent state is kept in float32), and, when speculating, ``mtp_use_dedicated_embeddings``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -51,25 +52,26 @@ def _field(cfg: Any, name: str) -> Any:
 def refuse_unimplemented(cfg: Any, moe: bool) -> None:
     """ValueError naming the first config field whose value asks for math not implemented here."""
     if _field(cfg, "attn_output_gate") is False:
-        raise ValueError("attn_output_gate=False is not supported (Qwen3.5 attention always "
-                         "applies its sigmoid output gate)")
+        raise ValueError(
+            "attn_output_gate=False is not supported (Qwen3.5 attention always applies its sigmoid output gate)"
+        )
     if _field(cfg, "layer_scale"):
-        raise ValueError(f"layer_scale={_field(cfg, 'layer_scale')!r} (per-layer residual scales) "
-                         "is not supported")
+        raise ValueError(f"layer_scale={_field(cfg, 'layer_scale')!r} (per-layer residual scales) is not supported")
     if _field(cfg, "mamba_ssm_dtype") not in _SSM_DTYPES:
-        raise ValueError(f"mamba_ssm_dtype={_field(cfg, 'mamba_ssm_dtype')!r} is not supported; the "
-                         "recurrent state is kept in float32")
+        raise ValueError(
+            f"mamba_ssm_dtype={_field(cfg, 'mamba_ssm_dtype')!r} is not supported; the "
+            "recurrent state is kept in float32"
+        )
     if not moe:
         return
     if _field(cfg, "decoder_sparse_step") not in (None, 1):
-        raise ValueError(f"decoder_sparse_step={cfg.decoder_sparse_step} is not supported "
-                         "(every Qwen3.5-MoE layer is sparse)")
+        raise ValueError(
+            f"decoder_sparse_step={cfg.decoder_sparse_step} is not supported (every Qwen3.5-MoE layer is sparse)"
+        )
     if _field(cfg, "mlp_only_layers"):
-        raise ValueError(f"mlp_only_layers={cfg.mlp_only_layers} is not supported "
-                         "(every Qwen3.5-MoE layer is sparse)")
+        raise ValueError(f"mlp_only_layers={cfg.mlp_only_layers} is not supported (every Qwen3.5-MoE layer is sparse)")
     if _field(cfg, "norm_topk_prob") is False:
-        raise ValueError("norm_topk_prob=False is not supported (Qwen3.5-MoE renormalises "
-                         "the top-k routing weights)")
+        raise ValueError("norm_topk_prob=False is not supported (Qwen3.5-MoE renormalises the top-k routing weights)")
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
@@ -89,13 +91,14 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     @classmethod
     def build_mtp_ffn(cls, cfg: Any, moe: bool, dtype: torch.dtype) -> nn.Module:
-        return cls.build_ffn(cfg, 0, dtype)      # the family's own (vLLM / SGLang read it so)
+        return cls.build_ffn(cfg, 0, dtype)  # the family's own (vLLM / SGLang read it so)
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``model.language_model.*`` -> ``model.*`` (as transformers maps it); fused experts split."""
-        renamed = ((("model." + n[len(LANGUAGE_MODEL_PREFIX):]) if n.startswith(LANGUAGE_MODEL_PREFIX)
-                    else n, t) for n, t in weights)
+        renamed = (
+            (("model." + n[len(LANGUAGE_MODEL_PREFIX) :]) if n.startswith(LANGUAGE_MODEL_PREFIX) else n, t)
+            for n, t in weights
+        )
         return unfuse_expert_tensors(renamed)
 
 
@@ -107,7 +110,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The text part of a Qwen3.5 vision-language checkpoint (see the module docstring)."""
 
     is_vl_checkpoint = True
-    num_vision_tensors_skipped = 0          # set by the last load
+    num_vision_tensors_skipped = 0  # set by the last load
 
     @classmethod
     def language_config(cls, hf_config: Any) -> Any:
@@ -116,8 +119,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
             raise ValueError(f"{cls.__name__} config has no text_config")
         return text
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         self.num_vision_tensors_skipped = 0
 
         def text_only() -> Iterator[tuple[str, torch.Tensor]]:

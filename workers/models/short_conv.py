@@ -10,6 +10,7 @@ gated again by ``C`` and goes through ``out_proj``. The one state is that conv w
 Under TP (``workers/tp/shard_layers.py``) the hidden channels split: every op is per channel
 between ``in_proj`` (column) and ``out_proj`` (row).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,9 +25,9 @@ from workers.state_spec import StateKind, StateRef, short_conv_kind
 @dataclass(frozen=True)
 class ShortConvDims:
     hidden_size: int
-    channels: int           # conv channels (= hidden_size; a TP rank's share after sharding)
-    conv_kernel: int        # W (conv_L_cache)
-    bias: bool              # conv_bias
+    channels: int  # conv channels (= hidden_size; a TP rank's share after sharding)
+    conv_kernel: int  # W (conv_L_cache)
+    bias: bool  # conv_bias
 
     def validate(self) -> None:
         if self.conv_kernel < 2:

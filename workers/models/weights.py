@@ -16,6 +16,7 @@ checkpoint may not honour: the alias alone fills the parameters (and counts for 
 both present and equal are one tensor; both present and different are refused with a
 ValueError naming both (transformers unties them, which a tied model here cannot).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
@@ -68,8 +69,7 @@ def module_targets(module: nn.Module, prefix: str = "") -> dict[str, WeightTarge
 
 def _copy_into(name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
     if tuple(tensor.shape) != target.shape:
-        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                         f"the model expects {target.shape}")
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {target.shape}")
     offsets = [0] * len(target.shape)
     for dst, dim in target.parts:
         if len(target.parts) == 1:
@@ -86,8 +86,9 @@ Key = tuple[object, ...]
 
 def _dst_key(target: WeightTarget) -> Key:
     """What ``target`` writes: its parts' tensors (by memory; by object on the meta device)."""
-    return tuple((id(d) if d.is_meta else (d.device, d.data_ptr(), tuple(d.shape), d.stride()), dim)
-                 for d, dim in target.parts)
+    return tuple(
+        (id(d) if d.is_meta else (d.device, d.data_ptr(), tuple(d.shape), d.stride()), dim) for d, dim in target.parts
+    )
 
 
 class _Aliases:
@@ -138,13 +139,16 @@ class _Aliases:
         parts = [d for d, _ in self.targets[name].parts]
         current = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.targets[name].parts[0][1])
         if not torch.equal(current, tensor.to(current)):
-            raise ValueError(f"the checkpoint has {owner!r} and {name!r}, which the config ties "
-                             "(tie_word_embeddings), with different values: transformers serves them "
-                             "untied; set tie_word_embeddings to false to serve this checkpoint")
+            raise ValueError(
+                f"the checkpoint has {owner!r} and {name!r}, which the config ties "
+                "(tie_word_embeddings), with different values: transformers serves them "
+                "untied; set tie_word_embeddings to false to serve this checkpoint"
+            )
 
 
-def load_named_weights(targets: Mapping[str, WeightTarget],
-                       weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def load_named_weights(
+    targets: Mapping[str, WeightTarget], weights: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
     """Copy ``weights`` into ``targets``; returns the ``mtp.*`` tensors kept aside."""
     loaded: set[str] = set()
     mtp: dict[str, torch.Tensor] = {}
@@ -155,11 +159,13 @@ def load_named_weights(targets: Mapping[str, WeightTarget],
             continue
         target = targets.get(name)
         if target is None:
-            raise ValueError(f"unexpected tensor {name!r} in the checkpoint "
-                             f"(shape {tuple(tensor.shape)}); the model has no such weight")
+            raise ValueError(
+                f"unexpected tensor {name!r} in the checkpoint "
+                f"(shape {tuple(tensor.shape)}); the model has no such weight"
+            )
         shape_ok = tuple(tensor.shape) == target.shape
         if target.required or not shape_ok or not aliases.take(name, tensor):
-            _copy_into(name, target, tensor)            # a wrong shape raises, naming both
+            _copy_into(name, target, tensor)  # a wrong shape raises, naming both
             if target.required:
                 aliases.owner_loaded(name)
         loaded.add(name)
@@ -175,8 +181,9 @@ def load_named_weights(targets: Mapping[str, WeightTarget],
 QKV_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
 
 
-def merge_split_tensors(weights: Iterable[tuple[str, torch.Tensor]], parts: tuple[str, ...] = QKV_CONVS,
-                        merged: str = "conv1d.weight") -> Iterator[tuple[str, torch.Tensor]]:
+def merge_split_tensors(
+    weights: Iterable[tuple[str, torch.Tensor]], parts: tuple[str, ...] = QKV_CONVS, merged: str = "conv1d.weight"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with, per module, the tensors ``<module>.<part>`` replaced by one
     ``<module>.<merged>`` = cat(parts in order, dim 0), as transformers' loader concatenates
     them. The parts' lengths are not checked, only their sum (by the merged target): the
@@ -196,5 +203,7 @@ def merge_split_tensors(weights: Iterable[tuple[str, torch.Tensor]], parts: tupl
             del pending[module]
     if pending:
         missing = sorted(m + p for m, g in pending.items() for p in parts if p not in g)
-        raise ValueError(f"checkpoint is missing {missing[:8]}: the other parts of "
-                         f"{sorted(m + merged for m in pending)[:4]} are there")
+        raise ValueError(
+            f"checkpoint is missing {missing[:8]}: the other parts of "
+            f"{sorted(m + merged for m in pending)[:4]} are there"
+        )

@@ -21,6 +21,7 @@ norm eps 1e-5, dt clamped below at ``time_step_min`` (transformers 5.24 and 5.25
 reads no ``time_step_limit`` for Zamba2). Not math: ``use_mem_eff_path``,
 ``use_mamba_kernels``, init fields; ``use_long_context`` only sets ``max_position_embeddings``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,15 +30,7 @@ import torch
 from torch import nn
 
 from workers.models.base import LINEAR_ATTENTION, HybridForCausalLM, default_rope
-from workers.models.layers import (
-    Attention,
-    AttentionDims,
-    DenseMLP,
-    LayerContext,
-    RMSNorm,
-    RotaryEmbedding,
-    linear,
-)
+from workers.models.layers import Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm, RotaryEmbedding, linear
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims
 from workers.models.weights import WeightTarget, module_targets
@@ -47,11 +40,19 @@ HYBRID = "hybrid"
 
 
 def mamba_dims(cfg: Any) -> Mamba2Dims:
-    return Mamba2Dims(hidden_size=cfg.hidden_size, num_heads=cfg.n_mamba_heads,
-                      head_dim=cfg.mamba_headdim, state_size=cfg.mamba_d_state,
-                      num_groups=cfg.mamba_ngroups, conv_kernel=cfg.mamba_d_conv, conv_bias=True,
-                      proj_bias=bool(cfg.add_bias_linear), chunk_size=cfg.chunk_size,
-                      dt_limit=(float(cfg.time_step_min), float("inf")), eps=1e-5)
+    return Mamba2Dims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.n_mamba_heads,
+        head_dim=cfg.mamba_headdim,
+        state_size=cfg.mamba_d_state,
+        num_groups=cfg.mamba_ngroups,
+        conv_kernel=cfg.mamba_d_conv,
+        conv_bias=True,
+        proj_bias=bool(cfg.add_bias_linear),
+        chunk_size=cfg.chunk_size,
+        dt_limit=(float(cfg.time_step_min), float("inf")),
+        eps=1e-5,
+    )
 
 
 class Zamba2MambaLayer(nn.Module):
@@ -63,8 +64,7 @@ class Zamba2MambaLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.ref: StateRef = sites.add(self.mamba)
 
-    def forward(self, hidden: torch.Tensor, ctx: LayerContext,
-                extra: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, ctx: LayerContext, extra: torch.Tensor | None = None) -> torch.Tensor:
         x = hidden if extra is None else hidden + extra
         return hidden + self.mamba(self.input_layernorm(x), ctx, self.ref)
 
@@ -77,18 +77,33 @@ class Zamba2SharedBlock(nn.Module):
         width, hd = cfg.attention_hidden_size, cfg.attention_head_dim
         self.input_layernorm = RMSNorm(width, cfg.rms_norm_eps, dtype)
         rank = cfg.adapter_rank if cfg.use_shared_attention_adapter else 0
-        self.self_attn = Attention(AttentionDims(
-            hidden_size=width, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=hd, bias=False, scale=(hd / 2) ** -0.5, output_size=cfg.hidden_size,
-            adapter_rank=rank, adapter_invocations=invocations), dtype)
+        self.self_attn = Attention(
+            AttentionDims(
+                hidden_size=width,
+                num_heads=cfg.num_attention_heads,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=hd,
+                bias=False,
+                scale=(hd / 2) ** -0.5,
+                output_size=cfg.hidden_size,
+                adapter_rank=rank,
+                adapter_invocations=invocations,
+            ),
+            dtype,
+        )
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.feed_forward = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype,
-                                     fused_names=("gate_up_proj", "down_proj"), act=cfg.hidden_act,
-                                     bias=bool(cfg.add_bias_linear), adapter_rank=cfg.adapter_rank,
-                                     adapter_invocations=invocations)
+        self.feed_forward = DenseMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            dtype,
+            fused_names=("gate_up_proj", "down_proj"),
+            act=cfg.hidden_act,
+            bias=bool(cfg.add_bias_linear),
+            adapter_rank=cfg.adapter_rank,
+            adapter_invocations=invocations,
+        )
 
-    def forward(self, hidden: torch.Tensor, ctx: LayerContext, ref: StateRef,
-                invocation: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, ctx: LayerContext, ref: StateRef, invocation: int) -> torch.Tensor:
         assert ctx.embeddings is not None
         x = self.input_layernorm(torch.cat([hidden, ctx.embeddings], dim=-1))
         x = self.self_attn(x, ctx, ref, adapter=invocation)
@@ -102,11 +117,18 @@ class Zamba2HybridLayer(nn.Module):
     only its first user's checkpoint names are required.
     """
 
-    def __init__(self, block: Zamba2SharedBlock, first_use: bool, invocation: int, cfg: Any,
-                 dtype: torch.dtype, sites: StateSites) -> None:
+    def __init__(
+        self,
+        block: Zamba2SharedBlock,
+        first_use: bool,
+        invocation: int,
+        cfg: Any,
+        dtype: torch.dtype,
+        sites: StateSites,
+    ) -> None:
         super().__init__()
         self.shared_transformer = block
-        self.attn_ref: StateRef = sites.add(block.self_attn)       # this invocation's own KV
+        self.attn_ref: StateRef = sites.add(block.self_attn)  # this invocation's own KV
         self.linear = linear(cfg.hidden_size, cfg.hidden_size, False, dtype)
         self.mamba_decoder = Zamba2MambaLayer(cfg, dtype, sites)
         self.first_use, self.invocation = first_use, invocation
@@ -119,7 +141,7 @@ class Zamba2HybridLayer(nn.Module):
         targets = module_targets(self.linear, f"{prefix}linear.")
         targets.update(module_targets(self.mamba_decoder, f"{prefix}mamba_decoder."))
         shared = module_targets(self.shared_transformer, f"{prefix}shared_transformer.")
-        if not self.first_use:                 # a tied copy: accepted when present, not needed
+        if not self.first_use:  # a tied copy: accepted when present, not needed
             shared = {name: t._replace(required=False) for name, t in shared.items()}
         targets.update(shared)
         return targets
@@ -134,28 +156,31 @@ class Zamba2ForCausalLM(HybridForCausalLM):
         if unknown:
             raise ValueError(f"layers_block_type has unsupported entries {unknown}")
         if len(cfg.layers_block_type) != cfg.num_hidden_layers:
-            raise ValueError(f"layers_block_type has {len(cfg.layers_block_type)} entries, "
-                             f"num_hidden_layers={cfg.num_hidden_layers}")
-        check_mamba_dims(cfg, mamba_dims(cfg), int(cfg.mamba_expand * cfg.hidden_size),
-                         "mamba_expand * hidden_size", act_field=None)
+            raise ValueError(
+                f"layers_block_type has {len(cfg.layers_block_type)} entries, num_hidden_layers={cfg.num_hidden_layers}"
+            )
+        check_mamba_dims(
+            cfg, mamba_dims(cfg), int(cfg.mamba_expand * cfg.hidden_size), "mamba_expand * hidden_size", act_field=None
+        )
         if cfg.use_shared_attention_adapter and cfg.num_key_value_heads != cfg.num_attention_heads:
-            raise ValueError(f"use_shared_attention_adapter with num_key_value_heads="
-                             f"{cfg.num_key_value_heads} != num_attention_heads="
-                             f"{cfg.num_attention_heads}: the k/v adapters are attention_hidden_size "
-                             "wide, so transformers cannot run it either")
+            raise ValueError(
+                f"use_shared_attention_adapter with num_key_value_heads="
+                f"{cfg.num_key_value_heads} != num_attention_heads="
+                f"{cfg.num_attention_heads}: the k/v adapters are attention_hidden_size "
+                "wide, so transformers cannot run it either"
+            )
         if cfg.num_mem_blocks < 1:
             raise ValueError(f"num_mem_blocks={cfg.num_mem_blocks} must be at least 1")
         if cfg.use_mem_rope:
             default_rope(cfg, cfg.attention_head_dim, partial_factor=1.0)
 
-    def _build_layers(self, cfg: Any, dtype: torch.dtype,
-                      sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
+    def _build_layers(self, cfg: Any, dtype: torch.dtype, sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
         num_hybrid, num_blocks = cfg.layers_block_type.count(HYBRID), cfg.num_mem_blocks
 
         def new_block(b: int) -> Zamba2SharedBlock:
             return Zamba2SharedBlock(cfg, dtype, tuple(range(b, num_hybrid, num_blocks)))
 
-        shared = bool(getattr(cfg, "tie_word_embeddings", False))   # see the module docstring
+        shared = bool(getattr(cfg, "tie_word_embeddings", False))  # see the module docstring
         blocks = [new_block(b) for b in range(min(num_blocks, num_hybrid))] if shared else []
         layers: list[nn.Module] = []
         invocation = 0

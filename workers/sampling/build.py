@@ -7,6 +7,7 @@ launch every token before a sequence's first input row is known on the host (the
 overlap lag is one sampling step and a verify's request is not scheduled again until
 its acceptance is processed), so only the step's own input rows can be placeholders.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -119,23 +120,33 @@ class SamplingPlanner:
             first_input += seq.num_new_tokens
         drops, self._grammar_drops = tuple(self._grammar_drops), []
         return SamplingInputs(
-            widths=tuple(rows.widths), filters=None if all(rows.greedy) else _filters(rows),
+            widths=tuple(rows.widths),
+            filters=None if all(rows.greedy) else _filters(rows),
             logprob_seqs=tuple(rows.logprob_seqs),
             max_top_logprobs=rows.max_top,
-            bias=RowTokens(_t([r for r, _, _ in rows.bias]), _t([t for _, t, _ in rows.bias]),
-                           _t([v for _, _, v in rows.bias], torch.float32)) if rows.bias else None,
+            bias=RowTokens(
+                _t([r for r, _, _ in rows.bias]),
+                _t([t for _, t, _ in rows.bias]),
+                _t([v for _, _, v in rows.bias], torch.float32),
+            )
+            if rows.bias
+            else None,
             blocked=RowTokens(_t([r for r, _ in rows.blocked]), _t([t for _, t in rows.blocked]))
-            if rows.blocked else None,
-            penalties=self._penalties(rows), bad_words=_bad_words(rows, seqs, first_inputs, first_input),
-            grammar=tuple(rows.grammar), grammar_drops=drops,
-            prompt=_prompt_inputs(seqs, first_inputs))
+            if rows.blocked
+            else None,
+            penalties=self._penalties(rows),
+            bad_words=_bad_words(rows, seqs, first_inputs, first_input),
+            grammar=tuple(rows.grammar),
+            grammar_drops=drops,
+            prompt=_prompt_inputs(seqs, first_inputs),
+        )
 
     def _plain(self, seqs: tuple[ScheduledSeq, ...]) -> SamplingInputs | None:
         """The inputs of a step whose every sampling request is plain (``RequestSampling``):
         per row only its filters, none at all when every one is greedy; None otherwise."""
         widths, params = [], []
         for seq in seqs:
-            if not sampling_of(seq.request).plain:     # a chunk may owe prompt logprobs too
+            if not sampling_of(seq.request).plain:  # a chunk may owe prompt logprobs too
                 return None
             if seq.samples:
                 widths.append(seq.num_new_tokens if seq.is_verify else 1)
@@ -151,8 +162,9 @@ class SamplingPlanner:
                 rows.top_p += [p.top_p] * width
                 rows.min_p += [p.min_p] * width
             filters = _filters(rows)
-        return SamplingInputs(widths=tuple(widths), filters=filters, logprob_seqs=(), max_top_logprobs=0,
-                              grammar_drops=drops)
+        return SamplingInputs(
+            widths=tuple(widths), filters=filters, logprob_seqs=(), max_top_logprobs=0, grammar_drops=drops
+        )
 
     def _add_sampling_seq(self, rows: _Rows, seq: ScheduledSeq, first_input: int) -> None:
         req, p = seq.request, seq.request.params
@@ -169,12 +181,11 @@ class SamplingPlanner:
             rows.top_k.append(p.effective_top_k)
             rows.top_p.append(p.top_p)
             rows.min_p.append(p.min_p)
-            num_out = pos + 1 - req.num_prompt_tokens          # outputs before the token this row samples
+            num_out = pos + 1 - req.num_prompt_tokens  # outputs before the token this row samples
             rows.bias.extend((r, t, v) for t, v in p.logit_bias)
             if num_out < p.min_tokens:
                 rows.blocked.extend((r, t) for t in info.blocked_ids)
-            rows.words.extend((r, pos, w, len(rows.widths) - 1) for w in info.bad_words_ids
-                              if num_out >= len(w) - 1)
+            rows.words.extend((r, pos, w, len(rows.widths) - 1) for w in info.bad_words_ids if num_out >= len(w) - 1)
             if register >= 0:
                 k = len(rows.pen)
                 rows.pen.append((r, register, p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
@@ -188,9 +199,10 @@ class SamplingPlanner:
 
     def _register(self, rows: _Rows, req: Request) -> int:
         register, fresh = self.registers.assign(req.handle, req.num_preemptions)
-        if fresh:      # only this step's own token may be in flight (on_launch counted it)
-            assert req.num_pending_tokens <= 1, \
+        if fresh:  # only this step's own token may be in flight (on_launch counted it)
+            assert req.num_pending_tokens <= 1, (
                 f"request {req.request_id}: registers built with {req.num_pending_tokens} tokens in flight"
+            )
             rows.init.append((register, req.prompt_token_ids, list(req.output_token_ids)))
         return register
 
@@ -200,29 +212,39 @@ class SamplingPlanner:
         prompt = [(reg, t) for reg, ids, _ in rows.init for t in ids]
         output = [(reg, t) for reg, _, ids in rows.init for t in ids]
         return PenaltyInputs(
-            rows=_t([x[0] for x in rows.pen]), registers=_t([x[1] for x in rows.pen]),
+            rows=_t([x[0] for x in rows.pen]),
+            registers=_t([x[1] for x in rows.pen]),
             repetition=_t([x[2] for x in rows.pen], torch.float32),
             frequency=_t([x[3] for x in rows.pen], torch.float32),
             presence=_t([x[4] for x in rows.pen], torch.float32),
             draft_rows=_opt([k for k, _ in rows.pen_drafts]),
             draft_inputs=_opt([i for _, i in rows.pen_drafts]),
-            init_registers=tuple(reg for reg, _, _ in rows.init), init_prompt=_opt([t for _, t in prompt]),
-            init_prompt_reg=_opt([r for r, _ in prompt]), init_output=_opt([t for _, t in output]),
-            init_output_reg=_opt([r for r, _ in output]), seq_registers=tuple(rows.seq_registers),
-            capacity=self.registers.capacity)
+            init_registers=tuple(reg for reg, _, _ in rows.init),
+            init_prompt=_opt([t for _, t in prompt]),
+            init_prompt_reg=_opt([r for r, _ in prompt]),
+            init_output=_opt([t for _, t in output]),
+            init_output_reg=_opt([r for r, _ in output]),
+            seq_registers=tuple(rows.seq_registers),
+            capacity=self.registers.capacity,
+        )
 
 
 def _filters(rows: _Rows) -> RowFilters:
     def used(values: list, off: object, dtype: torch.dtype) -> torch.Tensor | None:
         return _t(values, dtype) if any(v != off for v, g in zip(values, rows.greedy) if not g) else None
 
-    return RowFilters(greedy=_t(rows.greedy, torch.bool), temperature=_t(rows.temperature, torch.float32),
-                      top_k=used(rows.top_k, 0, torch.int64), top_p=used(rows.top_p, 1.0, torch.float32),
-                      min_p=used(rows.min_p, 0.0, torch.float32))
+    return RowFilters(
+        greedy=_t(rows.greedy, torch.bool),
+        temperature=_t(rows.temperature, torch.float32),
+        top_k=used(rows.top_k, 0, torch.int64),
+        top_p=used(rows.top_p, 1.0, torch.float32),
+        min_p=used(rows.min_p, 0.0, torch.float32),
+    )
 
 
-def _bad_words(rows: _Rows, seqs: tuple[ScheduledSeq, ...], first_inputs: list[int],
-               num_inputs: int) -> BadWordInputs | None:
+def _bad_words(
+    rows: _Rows, seqs: tuple[ScheduledSeq, ...], first_inputs: list[int], num_inputs: int
+) -> BadWordInputs | None:
     """Right-aligned prefix windows of width W; tokens before a sequence's first input
     row come from the host (``history``), the rest from the step's input rows."""
     if not rows.words:
@@ -230,7 +252,7 @@ def _bad_words(rows: _Rows, seqs: tuple[ScheduledSeq, ...], first_inputs: list[i
     width = max(1, max(len(w) - 1 for _, _, w, _ in rows.words))
     sampling = [b for b, s in enumerate(seqs) if s.samples]
     history: list[int] = []
-    base: dict[int, tuple[int, int]] = {}         # sampling seq -> (offset in history, first position)
+    base: dict[int, tuple[int, int]] = {}  # sampling seq -> (offset in history, first position)
     prefix, gather = [], []
     for _, pos, word, n in rows.words:
         b = sampling[n]
@@ -251,9 +273,13 @@ def _bad_words(rows: _Rows, seqs: tuple[ScheduledSeq, ...], first_inputs: list[i
             else:
                 cols.append(num_inputs + off + (p - lo) if p >= lo else 0)
         gather.append(cols)
-    return BadWordInputs(rows=_t([r for r, _, _, _ in rows.words]),
-                         banned=_t([w[-1] for _, _, w, _ in rows.words]), prefix=_t(prefix),
-                         gather=_t(gather), history=_t(history or [0]))
+    return BadWordInputs(
+        rows=_t([r for r, _, _, _ in rows.words]),
+        banned=_t([w[-1] for _, _, w, _ in rows.words]),
+        prefix=_t(prefix),
+        gather=_t(gather),
+        history=_t(history or [0]),
+    )
 
 
 def _prompt_inputs(seqs: tuple[ScheduledSeq, ...], first_inputs: list[int]) -> PromptInputs | None:
@@ -270,7 +296,7 @@ def _prompt_inputs(seqs: tuple[ScheduledSeq, ...], first_inputs: list[int]) -> P
         if hi <= lo:
             continue
         hidden.extend(first_inputs[b] + p - seq.start for p in range(lo, hi))
-        targets.extend(req.prompt_token_ids[lo + 1: hi + 1])
+        targets.extend(req.prompt_token_ids[lo + 1 : hi + 1])
         out.append((b, lo + 1, hi - lo, k))
     if not out:
         return None

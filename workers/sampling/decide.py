@@ -11,6 +11,7 @@ distributions). Then the penalty registers and grammar matchers take the tokens.
 A row every processor masked (min_tokens or a bad word against a grammar that allows
 only those tokens) falls back to the grammar-masked raw logits: the grammar wins.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,14 +26,7 @@ from workers.sampling.inputs import SamplingInputs
 from workers.sampling.logprobs import token_logprobs
 from workers.sampling.params import SamplingParams
 from workers.sampling.penalties import PenaltyState
-from workers.sampling.processors import (
-    add_bias,
-    apply_penalties,
-    ban_bad_words,
-    block_tokens,
-    draw,
-    filter_rows,
-)
+from workers.sampling.processors import add_bias, apply_penalties, ban_bad_words, block_tokens, draw, filter_rows
 from workers.sampling.sampler import GeneratorBank
 from workers.spec.acceptance import Accepted, accept_greedy_ids, accept_rejection
 from workers.step_inputs import VerifyRows
@@ -41,14 +35,15 @@ from workers.step_inputs import VerifyRows
 @dataclass(frozen=True)
 class Decision:
     token_ids: list[list[int]]
-    logprobs: list[list[TokenLogprob | None] | None]   # None: the sequence asked for none
+    logprobs: list[list[TokenLogprob | None] | None]  # None: the sequence asked for none
     num_accepted: list[int | None]
-    last_ids: torch.Tensor | None = None      # a sampling step's tokens, still on the device
+    last_ids: torch.Tensor | None = None  # a sampling step's tokens, still on the device
 
 
 class BatchSampler:
-    def __init__(self, device: torch.device, generators: GeneratorBank,
-                 grammar_compiler: GrammarCompiler | None = None) -> None:
+    def __init__(
+        self, device: torch.device, generators: GeneratorBank, grammar_compiler: GrammarCompiler | None = None
+    ) -> None:
         self.device = device
         self.generators = generators
         self.penalties = PenaltyState(device)
@@ -59,10 +54,16 @@ class BatchSampler:
         if si.grammar_drops and self.grammars is not None:
             self.grammars.drop(si.grammar_drops)
 
-    def decide(self, si: SamplingInputs, input_ids: torch.Tensor, logits: torch.Tensor,
-               params: list[SamplingParams], gens: list[torch.Generator],
-               verify: list[VerifyRows | None],
-               draft_q: Callable[[VerifyRows], torch.Tensor]) -> Decision:
+    def decide(
+        self,
+        si: SamplingInputs,
+        input_ids: torch.Tensor,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        gens: list[torch.Generator],
+        verify: list[VerifyRows | None],
+        draft_q: Callable[[VerifyRows], torch.Tensor],
+    ) -> Decision:
         raw = logits.float()
         # The drafts are read with the picked tokens (one read), unless the grammar masks
         # need them before the logits are processed.
@@ -78,8 +79,9 @@ class BatchSampler:
         self._advance(si, tokens)
         return Decision(tokens, self._logprobs(si, raw, tokens, params), accepted, last)
 
-    def process(self, si: SamplingInputs, raw: torch.Tensor, input_ids: torch.Tensor,
-                drafts: list[list[int]] | None) -> torch.Tensor:
+    def process(
+        self, si: SamplingInputs, raw: torch.Tensor, input_ids: torch.Tensor, drafts: list[list[int]] | None
+    ) -> torch.Tensor:
         """The processed logits of every row (``raw`` itself when nothing applies); ``drafts``
         (host lists per sequence) are read only by the grammar masks."""
         if not (si.bias or si.blocked or si.penalties or si.bad_words or si.grammar):
@@ -107,12 +109,14 @@ class BatchSampler:
                 x = torch.where(torch.isfinite(x).any(dim=-1, keepdim=True), x, fallback)
         return x
 
-    def _seeded(self, rows: list[int], params: list[SamplingParams], gens: list[torch.Generator],
-                only: list[int]) -> list[tuple[int, torch.Generator]]:
+    def _seeded(
+        self, rows: list[int], params: list[SamplingParams], gens: list[torch.Generator], only: list[int]
+    ) -> list[tuple[int, torch.Generator]]:
         return [(rows[n], gens[n]) for n in only if params[n].seed is not None and not params[n].is_greedy]
 
-    def _sample(self, si: SamplingInputs, x: torch.Tensor, params: list[SamplingParams],
-                gens: list[torch.Generator]) -> torch.Tensor:
+    def _sample(
+        self, si: SamplingInputs, x: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]
+    ) -> torch.Tensor:
         best = x.argmax(dim=-1)
         if si.filters is None:
             return best
@@ -121,10 +125,17 @@ class BatchSampler:
         drawn = draw(probs, self.generators.shared, self._seeded(rows, params, gens, rows))
         return torch.where(si.filters.greedy, best, drawn)
 
-    def _verify(self, si: SamplingInputs, x: torch.Tensor, input_ids: torch.Tensor,
-                params: list[SamplingParams], gens: list[torch.Generator], verify: list[VerifyRows | None],
-                drafts: list[list[int]] | None, draft_q: Callable[[VerifyRows], torch.Tensor]
-                ) -> tuple[list[list[int]], list[int | None]]:
+    def _verify(
+        self,
+        si: SamplingInputs,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        params: list[SamplingParams],
+        gens: list[torch.Generator],
+        verify: list[VerifyRows | None],
+        drafts: list[list[int]] | None,
+        draft_q: Callable[[VerifyRows], torch.Tensor],
+    ) -> tuple[list[list[int]], list[int | None]]:
         firsts = [0, *accumulate(si.widths)]
         best = x.argmax(dim=-1)
         probs = None if si.filters is None else torch.softmax(filter_rows(x, si.filters), dim=-1)
@@ -133,11 +144,11 @@ class BatchSampler:
             plain = [n for n, v in enumerate(verify) if v is None]
             drawn = draw(probs, self.generators.shared, self._seeded(firsts, params, gens, plain))
             picked = torch.where(si.filters.greedy, best, drawn)
-        if drafts is None:                   # one read for the picked tokens and the drafts
+        if drafts is None:  # one read for the picked tokens and the drafts
             rows = _draft_rows(verify)
             rows_t = torch.tensor(rows, dtype=torch.int64, device=x.device)
             both = torch.cat([picked, input_ids[rows_t]]).tolist()
-            host, drafts = both[:picked.shape[0]], _split_drafts(both[picked.shape[0]:], verify)
+            host, drafts = both[: picked.shape[0]], _split_drafts(both[picked.shape[0] :], verify)
         else:
             host = picked.tolist()
         tokens: list[list[int]] = []
@@ -168,8 +179,9 @@ class BatchSampler:
         if si.grammar and self.grammars is not None:
             self.grammars.accept(si.grammar, tokens)
 
-    def _logprobs(self, si: SamplingInputs, raw: torch.Tensor, tokens: list[list[int]],
-                  params: list[SamplingParams]) -> list[list[TokenLogprob | None] | None]:
+    def _logprobs(
+        self, si: SamplingInputs, raw: torch.Tensor, tokens: list[list[int]], params: list[SamplingParams]
+    ) -> list[list[TokenLogprob | None] | None]:
         if not si.logprob_seqs:
             return [None] * len(tokens)
         out: list[list[TokenLogprob | None] | None] = [[None] * len(t) for t in tokens]
@@ -183,8 +195,7 @@ class BatchSampler:
 
 
 def _draft_rows(verify: list[VerifyRows | None]) -> list[int]:
-    return [r for v in verify if v is not None
-            for r in range(v.first_row + 1, v.first_row + 1 + v.num_drafts)]
+    return [r for v in verify if v is not None for r in range(v.first_row + 1, v.first_row + 1 + v.num_drafts)]
 
 
 def _split_drafts(flat: list[int], verify: list[VerifyRows | None]) -> list[list[int]]:
@@ -192,7 +203,7 @@ def _split_drafts(flat: list[int], verify: list[VerifyRows | None]) -> list[list
     out, at = [], 0
     for v in verify:
         k = 0 if v is None else v.num_drafts
-        out.append(flat[at: at + k])
+        out.append(flat[at : at + k])
         at += k
     return out
 
@@ -202,5 +213,4 @@ def _drafts(input_ids: torch.Tensor, verify: list[VerifyRows | None]) -> list[li
     rows = _draft_rows(verify)
     if not rows:
         return [[] for _ in verify]
-    return _split_drafts(input_ids[torch.tensor(rows, dtype=torch.int64, device=input_ids.device)].tolist(),
-                         verify)
+    return _split_drafts(input_ids[torch.tensor(rows, dtype=torch.int64, device=input_ids.device)].tolist(), verify)

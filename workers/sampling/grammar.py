@@ -13,6 +13,7 @@
   back; the accepted tokens are then accepted for real. Drops arrive with a launched
   step (``SamplingInputs.grammar_drops``), after every step that could still use them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ from workers.sampling.inputs import GrammarRows
 from workers.sampling.structured import StructuredOutput, build_grammar
 
 logger = logging.getLogger(__name__)
-FULL = -1          # int32 with every bit set: every token allowed
+FULL = -1  # int32 with every bit set: every token allowed
 
 
 class GrammarCompiler:
@@ -36,8 +37,8 @@ class GrammarCompiler:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.max_cached = max_cached
-        self._lock = threading.Lock()          # the cache (the engine thread takes it: short)
-        self._init_lock = threading.Lock()     # building xgrammar's compiler (compile thread)
+        self._lock = threading.Lock()  # the cache (the engine thread takes it: short)
+        self._init_lock = threading.Lock()  # building xgrammar's compiler (compile thread)
         self._cache: OrderedDict[StructuredOutput, Future] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._xgr_compiler: Any = None
@@ -100,8 +101,9 @@ class GrammarBank:
             self._matchers[handle] = m
         return m
 
-    def bitmask(self, groups: tuple[GrammarRows, ...], widths: tuple[int, ...],
-                drafts: list[list[int]]) -> torch.Tensor:
+    def bitmask(
+        self, groups: tuple[GrammarRows, ...], widths: tuple[int, ...], drafts: list[list[int]]
+    ) -> torch.Tensor:
         """int32 [R, ceil(V / 32)] (CPU): each grammar row's allowed tokens, all bits
         elsewhere. ``drafts[g]``: the draft tokens of group g (empty unless a verify)."""
         import xgrammar as xgr
@@ -109,13 +111,13 @@ class GrammarBank:
         mask = xgr.allocate_token_bitmask(sum(widths), self.compiler.vocab_size)
         for g, ds in zip(groups, drafts):
             m = self.matcher(g.handle, g.constraint)
-            if m.is_terminated():            # only after an ignored EOS: unconstrained
+            if m.is_terminated():  # only after an ignored EOS: unconstrained
                 continue
             m.fill_next_token_bitmask(mask, g.first_row)
             advanced = 0
             for i, d in enumerate(ds):
                 if not m.accept_token(d):
-                    break                    # row i bans d: rows after it are never used
+                    break  # row i bans d: rows after it are never used
                 advanced += 1
                 if m.is_terminated():
                     break
@@ -137,7 +139,7 @@ def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
     """logits[r, v] = -inf where bit v of row r is 0 (rows with a full mask unchanged)."""
     vocab = logits.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (mask.to(logits.device)[:, :, None] >> shifts) & 1             # [R, W, 32]
+    bits = (mask.to(logits.device)[:, :, None] >> shifts) & 1  # [R, W, 32]
     allowed = bits.reshape(mask.shape[0], -1)[:, :vocab].bool()
     logits.masked_fill_(~allowed, float("-inf"))
 
@@ -169,7 +171,7 @@ class GrammarWaitlist:
         ready, failed, keep = [], [], []
         for req, fut in self._waiting:
             if getattr(req, "is_finished", False):
-                continue                           # aborted while waiting
+                continue  # aborted while waiting
             if not fut.done():
                 keep.append((req, fut))
             elif fut.exception() is not None:

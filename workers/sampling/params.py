@@ -1,4 +1,5 @@
 """Per-request sampling settings, validated at the Python boundary."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,8 @@ from workers.sampling.structured import StructuredOutput
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
-MAX_BEST_OF = 16                         # sequences per prompt (OpenAI's and HTTP's n cap)
-SEED_RANGE = (-(2**63), 2**63 - 1)       # int64: what torch generators and HTTP take
+MAX_BEST_OF = 16  # sequences per prompt (OpenAI's and HTTP's n cap)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64: what torch generators and HTTP take
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,7 @@ class SamplingParams:
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if any(not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty, got {list(self.stop)!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -104,11 +104,11 @@ class SamplingParams:
         if self.best_of is not None and not (_is_int(self.best_of) and 1 <= self.best_of <= MAX_BEST_OF):
             raise ValueError(f"best_of must be an integer in [1, {MAX_BEST_OF}], got {self.best_of!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got "
-                             f"{self.seed!r}")
+            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
-            raise ValueError("structured_output must be a StructuredOutput, got "
-                             f"{type(self.structured_output).__name__}")
+            raise ValueError(
+                f"structured_output must be a StructuredOutput, got {type(self.structured_output).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -122,8 +122,7 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         """Needs the per-request token-count registers (prompt presence, output counts)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def needs_logprobs(self) -> bool:
@@ -158,7 +157,7 @@ def _bias_pairs(bias: Mapping[int, float] | tuple | None) -> tuple[tuple[int, fl
             raise ValueError(f"logit_bias must map token ids to numbers, got {item!r}")
         token, value = item
         if isinstance(token, str) and token.strip().lstrip("-").isdigit():
-            token = int(token)                  # JSON object keys arrive as strings
+            token = int(token)  # JSON object keys arrive as strings
         if not _is_int(token) or token < 0:
             raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
         _check_range(f"logit_bias[{token}]", value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)

@@ -8,6 +8,7 @@ next batch, launched before this one's result was processed, still reads counts 
 include the token this one sampled (the overlap lag), exactly as with no lag. A verify
 row i adds the drafts d_1..d_i on top (``PenaltyInputs.draft_*``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,8 @@ from workers.sampling.inputs import PenaltyInputs
 class PenaltyState:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.seen: torch.Tensor | None = None      # bool [C, V]
-        self.counts: torch.Tensor | None = None    # int32 [C, V]
+        self.seen: torch.Tensor | None = None  # bool [C, V]
+        self.counts: torch.Tensor | None = None  # int32 [C, V]
 
     def ensure(self, capacity: int, vocab: int) -> None:
         """Grow to ``capacity`` rows (keeping what is there); rows are lazily allocated."""
@@ -57,12 +58,10 @@ class PenaltyState:
         counts = self.counts[p.registers].to(torch.float32)
         if p.draft_rows is not None:
             drafts = input_ids[p.draft_inputs]
-            counts.index_put_((p.draft_rows, drafts), torch.ones_like(drafts, dtype=torch.float32),
-                              accumulate=True)
+            counts.index_put_((p.draft_rows, drafts), torch.ones_like(drafts, dtype=torch.float32), accumulate=True)
         return seen, counts
 
     def add(self, registers: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count generated tokens: ``tokens[i]`` for register row ``registers[i]``."""
         assert self.counts is not None
-        self.counts.index_put_((registers, tokens), torch.ones_like(tokens, dtype=torch.int32),
-                               accumulate=True)
+        self.counts.index_put_((registers, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)

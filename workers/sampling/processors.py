@@ -9,6 +9,7 @@ with them on the same logits): ``SequenceBiasLogitsProcessor`` (logit_bias),
 ``TopPLogitsWarper``, ``MinPLogitsWarper``; frequency and presence penalties follow
 OpenAI's definition (transformers has none).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,15 +32,22 @@ def block_tokens(logits: torch.Tensor, blocked: RowTokens) -> None:
 
 def ban_bad_words(logits: torch.Tensor, words: BadWordInputs, input_ids: torch.Tensor) -> None:
     """Ban a word's last token where the tokens before the row end with the rest of it."""
-    tokens = torch.cat([input_ids, words.history.to(input_ids.dtype)])[words.gather]     # [P, W]
+    tokens = torch.cat([input_ids, words.history.to(input_ids.dtype)])[words.gather]  # [P, W]
     match = ((tokens == words.prefix) | (words.prefix < 0)).all(dim=-1)
     # -inf added where a pair matches, 0 where not: no host-side filtering, no sync.
     ban = torch.zeros(match.shape, dtype=logits.dtype, device=logits.device).masked_fill(match, NEG_INF)
     logits.index_put_((words.rows, words.banned), ban, accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> None:
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> None:
     """Rows ``rows`` of logits; ``seen`` (bool [P, V]: in the prompt or output) and
     ``counts`` (int [P, V]: output occurrences) as of each row."""
     x = logits[rows]
@@ -61,13 +69,14 @@ def filter_rows(logits: torch.Tensor, f: RowFilters) -> torch.Tensor:
         x = _top_k_top_p(x, f.top_k, f.top_p, sampled)
     if f.min_p is not None:
         probs = torch.softmax(x, dim=-1)
-        floor = (f.min_p[:, None] * probs.amax(dim=-1, keepdim=True))
+        floor = f.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         x = x.masked_fill((probs < floor) & sampled, NEG_INF)
     return x
 
 
-def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                 sampled: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p(
+    x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, sampled: torch.Tensor
+) -> torch.Tensor:
     vocab = x.shape[-1]
     ordered, order = torch.sort(x, dim=-1, descending=True)
     if top_k is not None:
@@ -86,8 +95,9 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
     return x
 
 
-def draw(probs: torch.Tensor, shared: torch.Generator | None,
-         seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+def draw(
+    probs: torch.Tensor, shared: torch.Generator | None, seeded: list[tuple[int, torch.Generator]]
+) -> torch.Tensor:
     """One token per row from ``probs`` (exponential race: argmax p / E, E ~ Exp(1)).
 
     Unseeded rows draw their noise from ``shared`` in one call; a seeded row refills its

@@ -1,4 +1,5 @@
 """What a request's sampling needs beyond its params, resolved once when it is added."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +10,8 @@ from workers.sampling.params import SamplingParams
 
 @dataclass(frozen=True)
 class RequestSampling:
-    blocked_ids: tuple[int, ...]                 # blocked while fewer than min_tokens outputs
-    bad_words_ids: tuple[tuple[int, ...], ...]   # token sequences never to complete
+    blocked_ids: tuple[int, ...]  # blocked while fewer than min_tokens outputs
+    bad_words_ids: tuple[tuple[int, ...], ...]  # token sequences never to complete
     # No processor, no logprobs of any kind: its rows are temperature / top-k / top-p /
     # min-p alone (``SamplingPlanner``'s fast path).
     plain: bool = False
@@ -24,9 +25,15 @@ def request_sampling(params: SamplingParams, eos_token_id: int | None, tokenizer
             stops.append(eos_token_id)
         blocked = tuple(dict.fromkeys(stops))
     words = bad_words_token_ids(params.bad_words, tokenizer) if params.bad_words else ()
-    plain = not (params.logit_bias or params.uses_penalties or params.bad_words or params.min_tokens
-                 or params.structured_output is not None or params.needs_logprobs
-                 or params.prompt_logprobs is not None)
+    plain = not (
+        params.logit_bias
+        or params.uses_penalties
+        or params.bad_words
+        or params.min_tokens
+        or params.structured_output is not None
+        or params.needs_logprobs
+        or params.prompt_logprobs is not None
+    )
     return RequestSampling(blocked, words, plain)
 
 

@@ -4,6 +4,7 @@ Rows with a seed draw from their own ``torch.Generator`` so a seeded request's t
 not depend on what else is in the batch. No device sync happens here: results stay
 tensors until the engine's one read per step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,10 +18,10 @@ from workers.sampling.processors import draw, filter_rows
 
 @dataclass(frozen=True)
 class SampleResult:
-    token_ids: torch.Tensor                 # int64 [N]
-    logprobs: torch.Tensor | None           # float32 [N] chosen-token logprob (if any row asked)
-    top_ids: torch.Tensor | None            # int64 [N, max_k]
-    top_logprobs: torch.Tensor | None       # float32 [N, max_k]
+    token_ids: torch.Tensor  # int64 [N]
+    logprobs: torch.Tensor | None  # float32 [N] chosen-token logprob (if any row asked)
+    top_ids: torch.Tensor | None  # int64 [N, max_k]
+    top_logprobs: torch.Tensor | None  # float32 [N, max_k]
 
 
 class GeneratorBank:
@@ -64,8 +65,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> SampleResult:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> SampleResult:
     """logits: float32 [N, V], one row per request; one params / generator per row.
 
     The plain sampler (temperature, top-k, top-p, min-p) batched over rows, with the
@@ -79,11 +79,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     else:
         filters = RowFilters(
             greedy=greedy,
-            temperature=torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
-                                     device=logits.device),
+            temperature=torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device),
             top_k=torch.tensor([p.effective_top_k for p in params], device=logits.device),
             top_p=torch.tensor([p.top_p for p in params], device=logits.device),
-            min_p=torch.tensor([p.min_p for p in params], device=logits.device))
+            min_p=torch.tensor([p.min_p for p in params], device=logits.device),
+        )
         probs = torch.softmax(filter_rows(logits.float(), filters), dim=-1)
         shared = next((g for g, p in zip(generators, params) if p.seed is None), None)
         seeded = [(i, g) for i, (g, p) in enumerate(zip(generators, params)) if p.seed is not None]

@@ -16,6 +16,7 @@ Kinds (vLLM's ``structured_outputs`` names, OpenAI's ``response_format`` maps on
 - ``grammar``: ``spec`` is an EBNF grammar (xgrammar's GBNF dialect, rule ``root``).
 - ``structural_tag``: ``spec`` is xgrammar's structural-tag JSON (tool-call formats).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,8 @@ class StructuredOutput:
     kind: StructuredKind
     spec: str = ""
     choices: tuple[str, ...] = ()
-    strict: bool = True               # json_schema only
-    any_whitespace: bool = True       # json kinds: any JSON whitespace between tokens
+    strict: bool = True  # json_schema only
+    any_whitespace: bool = True  # json kinds: any JSON whitespace between tokens
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -41,8 +42,7 @@ class StructuredOutput:
         object.__setattr__(self, "choices", tuple(self.choices))
         if self.kind == "choice":
             if not self.choices or not all(isinstance(c, str) for c in self.choices):
-                raise ValueError("a choice constraint needs a non-empty list of strings, got "
-                                 f"{list(self.choices)!r}")
+                raise ValueError(f"a choice constraint needs a non-empty list of strings, got {list(self.choices)!r}")
         elif self.kind != "json_object" and not (isinstance(self.spec, str) and self.spec):
             raise ValueError(f"a {self.kind} constraint needs a non-empty spec string")
         try:
@@ -52,8 +52,9 @@ class StructuredOutput:
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
-    def json_schema(cls, schema: Mapping[str, Any] | str, strict: bool = True,
-                    any_whitespace: bool = True) -> StructuredOutput:
+    def json_schema(
+        cls, schema: Mapping[str, Any] | str, strict: bool = True, any_whitespace: bool = True
+    ) -> StructuredOutput:
         return cls("json_schema", canonical_json(schema), strict=strict, any_whitespace=any_whitespace)
 
     @classmethod
@@ -103,8 +104,7 @@ def _from_legacy_tag(tag: dict[str, Any]) -> dict[str, Any]:
     import xgrammar as xgr
 
     try:
-        items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"])
-                 for s in tag["structures"]]
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]) for s in tag["structures"]]
         new = xgr.StructuralTag.from_legacy_structural_tag(items, list(tag.get("triggers", [])))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"invalid structural_tag constraint: {exc}") from None
@@ -123,8 +123,7 @@ def build_grammar(so: StructuredOutput) -> Any:
     if so.kind == "json_schema":
         return xgr.Grammar.from_json_schema(so.spec, strict_mode=so.strict, any_whitespace=so.any_whitespace)
     if so.kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
-                                            any_whitespace=so.any_whitespace)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=so.any_whitespace)
     if so.kind == "regex":
         return xgr.Grammar.from_regex(so.spec)
     if so.kind == "choice":

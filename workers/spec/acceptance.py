@@ -9,6 +9,7 @@ with probability min(1, p_i(d) / q_i(d)); at the first rejection the token is dr
 norm(max(0, p_i - q_i)); if every draft is accepted the bonus is drawn from p_k. The
 output tokens are then distributed exactly as sampling from p alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,8 @@ import torch
 
 @dataclass(frozen=True)
 class Accepted:
-    num_accepted: int          # drafts accepted (0 .. k)
-    token_ids: list[int]       # accepted drafts + one token from the target (num_accepted + 1)
+    num_accepted: int  # drafts accepted (0 .. k)
+    token_ids: list[int]  # accepted drafts + one token from the target (num_accepted + 1)
 
 
 def accept_greedy(target_logits: torch.Tensor, draft_ids: list[int]) -> Accepted:
@@ -35,14 +36,15 @@ def accept_greedy_ids(best: list[int], draft_ids: list[int]) -> Accepted:
     return Accepted(n, draft_ids[:n] + [best[n]])
 
 
-def accept_rejection(target_probs: torch.Tensor, draft_ids: list[int], draft_probs: torch.Tensor,
-                     generator: torch.Generator | None) -> Accepted:
+def accept_rejection(
+    target_probs: torch.Tensor, draft_ids: list[int], draft_probs: torch.Tensor, generator: torch.Generator | None
+) -> Accepted:
     """target_probs: [k + 1, V]; draft_probs: [k, V] (the q each draft was drawn from)."""
     k = len(draft_ids)
     uniforms = torch.rand(k, generator=generator, device=target_probs.device).tolist() if k else []
     for i, d in enumerate(draft_ids):
         p, q = float(target_probs[i, d]), float(draft_probs[i, d])
-        if p > 0 and q > 0 and uniforms[i] * q <= p:     # p = 0: a token the processors banned
+        if p > 0 and q > 0 and uniforms[i] * q <= p:  # p = 0: a token the processors banned
             continue
         residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
         if float(residual.sum()) <= 0:

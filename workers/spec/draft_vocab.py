@@ -12,6 +12,7 @@ The subset lives beside the model, ``draft_vocab.json`` (``{"token_ids": [...]}`
 frequent first, plus how it was made), and ``spec.draft_vocab`` picks it (configs/schema.py);
 ``python -m tools.training.make_draft_vocab`` writes one from a model's training text.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,15 +74,12 @@ def read_token_ids(path: Path, vocab_size: int) -> list[int]:
     try:
         ids = json.loads(path.read_text())["token_ids"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"spec.draft_vocab: {path} is not a JSON object with a token_ids list: "
-                         f"{exc}") from None
-    if (not isinstance(ids, list) or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ValueError(f"spec.draft_vocab: {path} is not a JSON object with a token_ids list: {exc}") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ValueError(f"spec.draft_vocab: {path}: token_ids must be a non-empty list of integers")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"spec.draft_vocab: {path}: token ids {bad[:5]} outside the vocabulary [0, "
-                         f"{vocab_size})")
+        raise ValueError(f"spec.draft_vocab: {path}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if len(set(ids)) != len(ids):
         raise ValueError(f"spec.draft_vocab: {path}: {len(ids) - len(set(ids))} repeated token ids")
     return ids

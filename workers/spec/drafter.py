@@ -15,6 +15,7 @@ so the next catch-up of the same request starts from it; without one (the first 
 request, a prefix-cache hit, a preemption) that input is zeros, which changes drafts only.
 Chained step i runs layer ``i % N``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,9 +32,9 @@ from workers.spec.draft_vocab import DraftVocab
 
 @dataclass(frozen=True)
 class MtpSpan:
-    start: int                    # position t0 of the first row
-    hidden: torch.Tensor          # [n, H] target hidden h_t0 .. h_t0+n-1
-    next_ids: torch.Tensor        # [n] x_{t+1} for each row
+    start: int  # position t0 of the first row
+    hidden: torch.Tensor  # [n, H] target hidden h_t0 .. h_t0+n-1
+    next_ids: torch.Tensor  # [n] x_{t+1} for each row
     page_ids: list[int]
     live_slot: int
     request_id: str
@@ -42,25 +43,34 @@ class MtpSpan:
 
 
 class MtpDrafter:
-    def __init__(self, mtp: torch.nn.Module, target: torch.nn.Module, pools: DevicePools,
-                 num_drafts: int, page_size: int, max_model_len: int, num_slots: int,
-                 device: torch.device, vocab: DraftVocab | None = None) -> None:
+    def __init__(
+        self,
+        mtp: torch.nn.Module,
+        target: torch.nn.Module,
+        pools: DevicePools,
+        num_drafts: int,
+        page_size: int,
+        max_model_len: int,
+        num_slots: int,
+        device: torch.device,
+        vocab: DraftVocab | None = None,
+    ) -> None:
         self.mtp, self.target, self.pools = mtp, target, pools
         self.vocab = vocab or DraftVocab()
         self.k, self.page_size, self.max_model_len = num_drafts, page_size, max_model_len
         self.device = device
         self.draft_tokens = torch.zeros(num_slots, num_drafts, dtype=torch.int64, device=device)
-        self.draft_probs: torch.Tensor | None = None      # [slots, k, V] once sampling is used
+        self.draft_probs: torch.Tensor | None = None  # [slots, k, V] once sampling is used
         self.num_layers = int(getattr(mtp, "num_layers", 1))
         hidden_size = target.model.embedding.weight.shape[1]
         # layers 0..N-2: output at the last caught-up row, and (request id, position) of it
-        self.layer_out = torch.zeros(num_slots, max(self.num_layers - 1, 0), hidden_size,
-                                     dtype=target.dtype, device=device)
+        self.layer_out = torch.zeros(
+            num_slots, max(self.num_layers - 1, 0), hidden_size, dtype=target.dtype, device=device
+        )
         self.layer_out_key: list[tuple[str, int] | None] = [None] * num_slots
-        self.compiled_chain: CompiledChain | None = None    # set by workers.compiled.build_compiled
+        self.compiled_chain: CompiledChain | None = None  # set by workers.compiled.build_compiled
 
-    def _batch(self, spans: list[MtpSpan], starts: list[int], lengths: list[int],
-               ids: torch.Tensor) -> ForwardBatch:
+    def _batch(self, spans: list[MtpSpan], starts: list[int], lengths: list[int], ids: torch.Tensor) -> ForwardBatch:
         ps = self.page_size
         positions, out_loc, cu = [], [], [0]
         for span, t0, n in zip(spans, starts, lengths):
@@ -74,14 +84,17 @@ class MtpDrafter:
         # MTP heads keep no recurrent state (attention KV at most): the Mamba fields are
         # never read (zeros, and decode_only stays False).
         return ForwardBatch(
-            input_ids=ids, positions=torch.tensor(positions, device=dev),
+            input_ids=ids,
+            positions=torch.tensor(positions, device=dev),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([t0 + n for t0, n in zip(starts, lengths)], dtype=torch.int32, device=dev),
             out_loc=torch.tensor(out_loc, device=dev),
             page_table=torch.tensor(table, dtype=torch.int32, device=dev),
             mamba_slot_ids=torch.zeros(b, dtype=torch.int32, device=dev),
             has_initial_state=torch.zeros(b, dtype=torch.bool, device=dev),
-            logits_indices=torch.tensor(cu[1:], device=dev) - 1, page_size=ps)
+            logits_indices=torch.tensor(cu[1:], device=dev) - 1,
+            page_size=ps,
+        )
 
     def run(self, spans: list[MtpSpan]) -> None:
         if not spans:
@@ -93,20 +106,22 @@ class MtpDrafter:
             self._catch_up_layers(spans, lengths, fb, out)
         drafting = [i for i, s in enumerate(spans) if s.params is not None]
         if drafting:
-            self._chain([spans[i] for i in drafting], first[fb.logits_indices[drafting]],
-                        [spans[i].start + lengths[i] - 1 for i in drafting])
+            self._chain(
+                [spans[i] for i in drafting],
+                first[fb.logits_indices[drafting]],
+                [spans[i].start + lengths[i] - 1 for i in drafting],
+            )
 
-    def _catch_up_layers(self, spans: list[MtpSpan], lengths: list[int], fb: ForwardBatch,
-                         out: torch.Tensor) -> None:
+    def _catch_up_layers(self, spans: list[MtpSpan], lengths: list[int], fb: ForwardBatch, out: torch.Tensor) -> None:
         """Layers 1..N-1 over the rows of layer 0 (see the module docstring); host lists only."""
         slots = [s.live_slot for s in spans]
         slot_ids = torch.tensor(slots, device=self.device)
         usable = [self.layer_out_key[slot] == (s.request_id, s.start - 1) for slot, s in zip(slots, spans)]
         firsts = [sum(lengths[:b]) for b in range(len(spans))]
         for j in range(1, self.num_layers):
-            prev = torch.zeros_like(out)           # row t of layer j takes layer j-1's row t - 1
+            prev = torch.zeros_like(out)  # row t of layer j takes layer j-1's row t - 1
             for a, n, slot, ok in zip(firsts, lengths, slots, usable):
-                prev[a + 1:a + n] = out[a:a + n - 1]
+                prev[a + 1 : a + n] = out[a : a + n - 1]
                 if ok:
                     prev[a] = self.layer_out[slot, j - 1]
             self.layer_out[slot_ids, j - 1] = out[fb.logits_indices]
@@ -119,7 +134,7 @@ class MtpDrafter:
         chain = self.compiled_chain
         greedy = all(s.params is None or s.params.is_greedy for s in spans)
         size = chain.pick(len(spans), greedy) if chain is not None else None
-        if size is not None:                  # the whole chain in one compiled call
+        if size is not None:  # the whole chain in one compiled call
             assert chain is not None
             self.draft_tokens[slots] = chain.run(hidden, last_pos, [s.page_ids for s in spans], size)
             return
@@ -143,8 +158,7 @@ class MtpDrafter:
             p = span.params
             if p is None or p.is_greedy:
                 continue
-            probs = torch.softmax(_filter_top_k_top_p(logits[i] / p.temperature, p.effective_top_k, p.top_p),
-                                  -1)
+            probs = torch.softmax(_filter_top_k_top_p(logits[i] / p.temperature, p.effective_top_k, p.top_p), -1)
             index[i] = torch.multinomial(probs, 1, generator=span.generator)[0]
             vocab_size = int(self.target.lm_head_weight().shape[0])
             if self.draft_probs is None:

@@ -12,6 +12,7 @@ recompute time: estimates are noisy, and a fetch that only ties is pure risk).
 Throughputs come measured (``Throughput``: an exponential average of observations,
 starting from a configured prior) or configured.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,11 +29,15 @@ class FetchCost:
 
     def __post_init__(self) -> None:
         if self.bandwidth_bytes_per_s <= 0 or self.prefill_tokens_per_s <= 0:
-            raise ValueError(f"throughputs must be > 0: bandwidth {self.bandwidth_bytes_per_s} B/s, "
-                             f"prefill {self.prefill_tokens_per_s} tokens/s")
+            raise ValueError(
+                f"throughputs must be > 0: bandwidth {self.bandwidth_bytes_per_s} B/s, "
+                f"prefill {self.prefill_tokens_per_s} tokens/s"
+            )
         if self.bytes_to_move < 0 or self.latency_s < 0 or not 0 <= self.margin < 1:
-            raise ValueError(f"bytes {self.bytes_to_move}, latency {self.latency_s} s, margin {self.margin} "
-                             "out of range (>= 0, >= 0, [0, 1))")
+            raise ValueError(
+                f"bytes {self.bytes_to_move}, latency {self.latency_s} s, margin {self.margin} "
+                "out of range (>= 0, >= 0, [0, 1))"
+            )
 
     @property
     def fetch_s(self) -> float:

@@ -12,6 +12,7 @@ The copy functions move whole entries (a slot, or a page's ``page_size`` rows) o
 tensor of every kind; ``read_entries`` / ``write_entries`` turn entries into plain CPU
 tensors and back (the cluster store's payload).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,22 +22,25 @@ import torch
 
 from workers.device_pools import DevicePools
 
-Groups = dict[str, dict[str, torch.Tensor]]          # kind -> tensor name -> [layers, entries, ...]
+Groups = dict[str, dict[str, torch.Tensor]]  # kind -> tensor name -> [layers, entries, ...]
 
 
 def _mirror(groups: Mapping[str, Mapping[str, torch.Tensor]], num_entries: int, pin: bool) -> Groups:
-    return {kind: {name: torch.zeros((t.shape[0], num_entries, *t.shape[2:]), dtype=t.dtype,
-                                     pin_memory=pin)
-                   for name, t in tensors.items()}
-            for kind, tensors in groups.items()}
+    return {
+        kind: {
+            name: torch.zeros((t.shape[0], num_entries, *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+            for name, t in tensors.items()
+        }
+        for kind, tensors in groups.items()
+    }
 
 
 @dataclass
 class HostPools:
-    kv: Groups                 # paged kinds; entries are flat locations page * page_size + offset
-    slots: Groups              # slot kinds; entries are host slots
-    num_pages: int             # including the dummy page 0
-    num_slots: int             # including the dummy slot 0
+    kv: Groups  # paged kinds; entries are flat locations page * page_size + offset
+    slots: Groups  # slot kinds; entries are host slots
+    num_pages: int  # including the dummy page 0
+    num_slots: int  # including the dummy slot 0
     page_size: int
 
     @classmethod
@@ -44,8 +48,13 @@ class HostPools:
         """Host pools shaped like ``device`` with ``num_pages`` pages and ``num_slots`` slots."""
         pin = any(t.is_cuda for t in device.mamba.tensors()) or any(t.is_cuda for t in device.kv.tensors())
         page_size = device.kv.page_size
-        return cls(_mirror(device.kv.groups, num_pages * page_size, pin),
-                   _mirror(device.mamba.groups, num_slots, pin), num_pages, num_slots, page_size)
+        return cls(
+            _mirror(device.kv.groups, num_pages * page_size, pin),
+            _mirror(device.mamba.groups, num_slots, pin),
+            num_pages,
+            num_slots,
+            page_size,
+        )
 
     def nbytes(self, num_slots: int, num_pages: int) -> int:
         """Bytes of ``num_slots`` slots and ``num_pages`` pages."""
@@ -64,8 +73,9 @@ def page_rows(page_ids: Sequence[int], page_size: int) -> list[int]:
     return [p * page_size + i for p in page_ids for i in range(page_size)]
 
 
-def copy_entries(src: Groups, dst: Groups, src_idx: Sequence[int], dst_idx: Sequence[int],
-                 non_blocking: bool = False) -> None:
+def copy_entries(
+    src: Groups, dst: Groups, src_idx: Sequence[int], dst_idx: Sequence[int], non_blocking: bool = False
+) -> None:
     """``dst[kind][name][:, dst_idx[i]] = src[kind][name][:, src_idx[i]]`` for every tensor.
 
     The two sides may live on different devices (host <-> GPU): the gather runs where the
@@ -99,8 +109,7 @@ def read_entries(groups: Groups, idx: Sequence[int]) -> dict[str, dict[str, torc
     return out
 
 
-def write_entries(groups: Groups, idx: Sequence[int],
-                  values: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+def write_entries(groups: Groups, idx: Sequence[int], values: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
     """The inverse of ``read_entries`` (``values`` as it returns them)."""
     for kind, tensors in groups.items():
         ii = torch.tensor(list(idx), dtype=torch.int64)
@@ -110,6 +119,7 @@ def write_entries(groups: Groups, idx: Sequence[int],
 
 def entry_shapes(groups: Groups) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
     """kind -> tensor -> (shape of one entry with its layers ``[layers, *shape]``, dtype name)."""
-    return {kind: {name: ((t.shape[0], *t.shape[2:]), str(t.dtype).removeprefix("torch."))
-                   for name, t in tensors.items()}
-            for kind, tensors in groups.items()}
+    return {
+        kind: {name: ((t.shape[0], *t.shape[2:]), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
+        for kind, tensors in groups.items()
+    }

@@ -19,6 +19,7 @@ write them, record the content, insert):
 - ``import_payload``: a checkpoint fetched from the cluster store, validated first.
 Promotions (host -> device) read entries under a host-tree lock (``promotion.py``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,25 +43,33 @@ from workers.stats import EngineStats
 from workers.tiers.payload import CheckpointPayload, payload_problem
 from workers.tiers.storage import TierStorage
 
-TRANSFER_ID_BASE = 1 << 40        # transfer ids share the ledgers' writer/reader maps with batch ids
-WriteFn = Callable[[int, list[int], int], bool]   # (host slot, host pages, first page index) -> ok
+TRANSFER_ID_BASE = 1 << 40  # transfer ids share the ledgers' writer/reader maps with batch ids
+WriteFn = Callable[[int, list[int], int], bool]  # (host slot, host pages, first page index) -> ok
 
 
 class HostTier:
-    def __init__(self, page_size: int, num_pages: int, num_slots: int, stats: EngineStats,
-                 on_event: Callable[[CacheEvent], None] | None = None, fail_prob: float = 0.0,
-                 seed: int = 0, keep_commits: bool = False) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        num_pages: int,
+        num_slots: int,
+        stats: EngineStats,
+        on_event: Callable[[CacheEvent], None] | None = None,
+        fail_prob: float = 0.0,
+        seed: int = 0,
+        keep_commits: bool = False,
+    ) -> None:
         self.page_size = page_size
         self.stats = stats
         self.pages = IdAllocator(num_pages, "host KV page")
         self.ledger = SlotLedger(num_slots)
         self.tree = RadixCache(page_size, self.pages, self.ledger, on_event=on_event, tier="host")
-        self.storage: TierStorage | None = None          # attached by the engine once pools exist
+        self.storage: TierStorage | None = None  # attached by the engine once pools exist
         self.fail_prob = fail_prob
         self.rng = random.Random(seed ^ 0x7135)
         self._ids = itertools.count(TRANSFER_ID_BASE)
         self._handles = itertools.count(1)
-        self.from_store: set[int] = set()                 # host node ids imported from the store
+        self.from_store: set[int] = set()  # host node ids imported from the store
         # Paths demoted since the last ``take_commits`` (for the cluster store), newest last.
         self.commits: deque[tuple[int, ...]] | None = deque(maxlen=256) if keep_commits else None
 
@@ -103,8 +112,9 @@ class HostTier:
             finally:
                 device_ledger.complete_reader(transfer)
             if ok:
-                self.stats.inc("hybridserve_tier_bytes_total", storage.nbytes(1, len(host_pages)),
-                               label="device_to_host")
+                self.stats.inc(
+                    "hybridserve_tier_bytes_total", storage.nbytes(1, len(host_pages)), label="device_to_host"
+                )
             return ok
 
         outcome = self._place(tokens, write)
@@ -136,10 +146,10 @@ class HostTier:
         return outcome
 
     def _place(self, tokens: tuple[int, ...], write: WriteFn) -> str:
-        have = self.tree.match(tokens)                   # refreshes what is already there
+        have = self.tree.match(tokens)  # refreshes what is already there
         if have.depth == len(tokens):
             return "present"
-        self.tree.lock(have.node)                        # host eviction below must spare it
+        self.tree.lock(have.node)  # host eviction below must spare it
         try:
             handle = next(self._handles)
             host_slot = self.tree.alloc_slot_evicting(RequestOwner(handle, SlotRole.PENDING))
@@ -156,8 +166,9 @@ class HostTier:
                 self.pages.free(host_pages)
                 return "failed"
             self.ledger.record_write(host_slot, len(tokens), batch)
-            result = self.tree.insert(tokens, have.page_ids + host_pages,
-                                      Checkpoint.for_tokens(host_slot, tokens, self.page_size, batch))
+            result = self.tree.insert(
+                tokens, have.page_ids + host_pages, Checkpoint.for_tokens(host_slot, tokens, self.page_size, batch)
+            )
             self.pages.free(result.duplicate_page_ids)
             assert result.checkpoint_inserted, result
             return "demoted"
@@ -180,8 +191,7 @@ class HostTier:
         if hit.checkpoint is None or hit.depth != len(token_ids):
             return None
         entry = storage.read_host(hit.checkpoint.slot, hit.page_ids)
-        return CheckpointPayload.build(tuple(token_ids), self.page_size, hit.checkpoint.prefix_hash,
-                                       fingerprint, entry)
+        return CheckpointPayload.build(tuple(token_ids), self.page_size, hit.checkpoint.prefix_hash, fingerprint, entry)
 
     # -- housekeeping ------------------------------------------------------------------------
     def flush(self) -> int:
@@ -192,7 +202,7 @@ class HostTier:
         """Host KV tokens with no host checkpoint at or below them (0 by I6; recounted)."""
         dead = 0
         alive: dict[int, bool] = {}
-        for node in reversed(list(self.tree.iter_nodes())):          # children before parents
+        for node in reversed(list(self.tree.iter_nodes())):  # children before parents
             has = node.checkpoint is not None or any(alive[c.node_id] for c in node.children.values())
             alive[node.node_id] = has
             dead += 0 if has else len(node.key)
@@ -207,12 +217,15 @@ class HostTier:
                 continue
             content = self.ledger.content_of(ckpt.slot)
             if content is None or content.depth != ckpt.depth:
-                out.append(Violation("I4", f"host tier: node at depth {node.depth}: "
-                                           f"slot {ckpt.slot} holds {content}"))
+                out.append(Violation("I4", f"host tier: node at depth {node.depth}: slot {ckpt.slot} holds {content}"))
         if self.pages.num_free + self.tree.num_cached_pages != self.pages.num_usable:
-            out.append(Violation("I2", f"host tier: pages free {self.pages.num_free} + tree "
-                                       f"{self.tree.num_cached_pages} != {self.pages.num_usable}"))
+            out.append(
+                Violation(
+                    "I2",
+                    f"host tier: pages free {self.pages.num_free} + tree "
+                    f"{self.tree.num_cached_pages} != {self.pages.num_usable}",
+                )
+            )
         if self.ledger.num_request_owned:
-            out.append(Violation("I2", f"host tier: {self.ledger.num_request_owned} slots held between "
-                                       f"transfers"))
+            out.append(Violation("I2", f"host tier: {self.ledger.num_request_owned} slots held between transfers"))
         return out

@@ -7,6 +7,7 @@ and page size, the token path and its prefix hash (recomputed, so the key, the h
 the tokens must agree), the model fingerprint (same weights and dtype), and per tensor the
 ``[layers, *shape]`` and dtype of the fetching replica's own pools.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,21 +40,29 @@ class CheckpointPayload:
 
     @property
     def nbytes(self) -> int:
-        return sum(raw.nbytes for side in self.data.values() for kind in side.values()
-                   for _, _, raw in kind.values())
+        return sum(raw.nbytes for side in self.data.values() for kind in side.values() for _, _, raw in kind.values())
 
     @classmethod
-    def build(cls, token_ids: tuple[int, ...], page_size: int, digest: bytes, fingerprint: str,
-              entry: dict[str, dict[str, dict[str, torch.Tensor]]]) -> CheckpointPayload:
+    def build(
+        cls,
+        token_ids: tuple[int, ...],
+        page_size: int,
+        digest: bytes,
+        fingerprint: str,
+        entry: dict[str, dict[str, dict[str, torch.Tensor]]],
+    ) -> CheckpointPayload:
         """From ``TierStorage.read_host`` tensors ``[layers, entries, *shape]``."""
-        data = {side: {kind: {name: _encode(t) for name, t in named.items()} for kind, named in kinds.items()}
-                for side, kinds in entry.items()}
+        data = {
+            side: {kind: {name: _encode(t) for name, t in named.items()} for kind, named in kinds.items()}
+            for side, kinds in entry.items()
+        }
         return cls(token_ids, page_size, digest, fingerprint, data)
 
     def tensors(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
-        return {side: {kind: {name: _decode(*v) for name, v in named.items()}
-                       for kind, named in kinds.items()}
-                for side, kinds in self.data.items()}
+        return {
+            side: {kind: {name: _decode(*v) for name, v in named.items()} for kind, named in kinds.items()}
+            for side, kinds in self.data.items()
+        }
 
 
 def _encode(t: torch.Tensor) -> tuple[tuple[int, ...], str, np.ndarray]:
@@ -70,8 +79,9 @@ def _decode(entry: tuple[int, ...], dtype: str, raw: np.ndarray) -> torch.Tensor
     return flat.reshape(entry[0], n, *entry[1:])
 
 
-def payload_problem(payload: Any, page_size: int, fingerprint: str, layout: Layout,
-                    expected_hash: bytes | None = None) -> str | None:
+def payload_problem(
+    payload: Any, page_size: int, fingerprint: str, layout: Layout, expected_hash: bytes | None = None
+) -> str | None:
     """Why ``payload`` may not be promoted on this replica, or None when it may."""
     if not isinstance(payload, CheckpointPayload):
         return f"not a checkpoint payload: {type(payload).__name__}"

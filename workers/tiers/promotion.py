@@ -19,6 +19,7 @@ A failed copy (``debug.fail_transfer_prob``, or a storage error) leaves the requ
 device hit m (the checkpoint copied into its live slot at its first step, as for any hit):
 the node stays absent from the device. Nothing waits on anything the request holds.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -33,22 +34,22 @@ from workers.tiers.storage import TransferJob
 
 class PromotionPlan(NamedTuple):
     host_node: TreeNode
-    depth: int                   # d: the host checkpoint's depth
-    from_depth: int              # m: the device hit the request keeps if the copy fails
+    depth: int  # d: the host checkpoint's depth
+    from_depth: int  # m: the device hit the request keeps if the copy fails
     host_slot: int
-    host_page_ids: list[int]     # host pages of [m, d)
-    page_ids: list[int]          # fresh device pages of [m, d), the request's own
+    host_page_ids: list[int]  # host pages of [m, d)
+    page_ids: list[int]  # fresh device pages of [m, d), the request's own
     transfer_id: int
-    origin: str                  # "host", or "store" for a checkpoint imported from the store
+    origin: str  # "host", or "store" for a checkpoint imported from the store
 
 
 @dataclass
 class PendingPromotion:
     plan: PromotionPlan
     request: Request
-    slots: tuple[int, ...]       # device destinations of the state (live, keep)
+    slots: tuple[int, ...]  # device destinations of the state (live, keep)
     job: TransferJob
-    first_lookup: bool           # the request's first lookup: its hit is counted at completion
+    first_lookup: bool  # the request's first lookup: its hit is counted at completion
 
 
 class Promotions:
@@ -59,17 +60,18 @@ class Promotions:
         self.ledger = ledger
         self.pending: list[PendingPromotion] = []
 
-    def plan(self, tokens: list[int], device: MatchResult,
-             alloc_pages: Callable[[int], list[int] | None]) -> PromotionPlan | None:
+    def plan(
+        self, tokens: list[int], device: MatchResult, alloc_pages: Callable[[int], list[int] | None]
+    ) -> PromotionPlan | None:
         """Lock the deepest host checkpoint on ``tokens`` and give the request device pages
         for what it adds over the device hit; None when it adds nothing or pages are short."""
         hit = self.host.peek(tokens)
         ps = self.host.page_size
         if hit.checkpoint is None or hit.depth < device.depth + ps:
             return None
-        hit = self.host.tree.match(tokens)              # now touch its LRU stamps
+        hit = self.host.tree.match(tokens)  # now touch its LRU stamps
         assert hit.checkpoint is not None
-        self.host.tree.lock(hit.node)                   # before alloc_pages: a demotion may evict
+        self.host.tree.lock(hit.node)  # before alloc_pages: a demotion may evict
         transfer = self.host.next_transfer_id()
         self.host.ledger.add_reader(hit.checkpoint.slot, transfer)
         pages = alloc_pages((hit.depth - device.depth) // ps)
@@ -77,8 +79,16 @@ class Promotions:
             self._release_source(hit.node, transfer)
             return None
         origin = "store" if hit.node.node_id in self.host.from_store else "host"
-        return PromotionPlan(hit.node, hit.depth, device.depth, hit.checkpoint.slot,
-                             hit.page_ids[device.depth // ps:], pages, transfer, origin)
+        return PromotionPlan(
+            hit.node,
+            hit.depth,
+            device.depth,
+            hit.checkpoint.slot,
+            hit.page_ids[device.depth // ps :],
+            pages,
+            transfer,
+            origin,
+        )
 
     def start(self, req: Request, plan: PromotionPlan, first_lookup: bool) -> PendingPromotion:
         storage = self.host.storage
@@ -86,8 +96,7 @@ class Promotions:
         slots = (req.mamba_slot,) + ((req.cache.keep_slot,) if req.cache.keep_slot is not None else ())
         for slot in slots:
             self.ledger.add_writer(slot, plan.transfer_id)
-        job = storage.copy_in(plan.host_slot, plan.host_page_ids, slots, plan.page_ids,
-                              corrupt=self.host.fails())
+        job = storage.copy_in(plan.host_slot, plan.host_page_ids, slots, plan.page_ids, corrupt=self.host.fails())
         pending = PendingPromotion(plan, req, slots, job, first_lookup)
         req.cache.promotion = pending
         self.pending.append(pending)
@@ -131,6 +140,10 @@ class Promotions:
                 out.append(Violation("I3", f"promotion {tid}: not a reader of host slot {p.plan.host_slot}"))
             missing = [s for s in p.slots if tid not in self.ledger.writers_of(s)]
             if missing or p.request.cache.promotion is not p:
-                out.append(Violation("I3", f"promotion {tid}: not the pending writer of slots {missing} "
-                                           f"or not its request's promotion"))
+                out.append(
+                    Violation(
+                        "I3",
+                        f"promotion {tid}: not the pending writer of slots {missing} or not its request's promotion",
+                    )
+                )
         return out

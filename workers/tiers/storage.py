@@ -19,6 +19,7 @@ ledger rules; a storage only copies. Two directions, two timing contracts:
 dummy entries instead -- garbage lands in the destinations -- and reports failure, as a
 copy that broke half way would.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from workers.tiers.host_pools import (
     write_entries,
 )
 
-EntryTensors = dict[str, dict[str, dict[str, torch.Tensor]]]   # "slots"/"kv" -> kind -> name -> tensor
+EntryTensors = dict[str, dict[str, dict[str, torch.Tensor]]]  # "slots"/"kv" -> kind -> name -> tensor
 
 
 class TransferJob(Protocol):
@@ -50,16 +51,22 @@ class TransferJob(Protocol):
 
 
 class TierStorage(Protocol):
-    def copy_out(self, slot: int, pages: Sequence[int], host_slot: int, host_pages: Sequence[int],
-                 corrupt: bool = False) -> bool: ...
+    def copy_out(
+        self, slot: int, pages: Sequence[int], host_slot: int, host_pages: Sequence[int], corrupt: bool = False
+    ) -> bool: ...
 
-    def copy_in(self, host_slot: int, host_pages: Sequence[int], slots: Sequence[int], pages: Sequence[int],
-                corrupt: bool = False) -> TransferJob: ...
+    def copy_in(
+        self,
+        host_slot: int,
+        host_pages: Sequence[int],
+        slots: Sequence[int],
+        pages: Sequence[int],
+        corrupt: bool = False,
+    ) -> TransferJob: ...
 
     def read_host(self, host_slot: int, host_pages: Sequence[int]) -> EntryTensors: ...
 
-    def write_host(self, host_slot: int, host_pages: Sequence[int], tensors: EntryTensors,
-                   first_page: int) -> None: ...
+    def write_host(self, host_slot: int, host_pages: Sequence[int], tensors: EntryTensors, first_page: int) -> None: ...
 
     def layout(self) -> dict[str, dict[str, dict[str, tuple[tuple[int, ...], str]]]]: ...
 
@@ -105,27 +112,46 @@ class EventJob:
 class TensorTierStorage:
     """``TierStorage`` over the engine's ``DevicePools`` and a ``HostPools`` mirror."""
 
-    def __init__(self, device: DevicePools, host: HostPools,
-                 submit: Callable[[Callable[[], bool]], StepFuture[bool]] | None = None) -> None:
+    def __init__(
+        self,
+        device: DevicePools,
+        host: HostPools,
+        submit: Callable[[Callable[[], bool]], StepFuture[bool]] | None = None,
+    ) -> None:
         self.device, self.host = device, host
         self.submit = submit
         self.page_size = host.page_size
         cuda = any(t.is_cuda for t in device.mamba.tensors()) or any(t.is_cuda for t in device.kv.tensors())
         self.stream = torch.cuda.Stream() if cuda else None
 
-    def _copy(self, src_slots: Groups, dst_slots: Groups, src_kv: Groups, dst_kv: Groups,
-              slot_idx: tuple[list[int], list[int]], page_idx: tuple[list[int], list[int]]) -> None:
+    def _copy(
+        self,
+        src_slots: Groups,
+        dst_slots: Groups,
+        src_kv: Groups,
+        dst_kv: Groups,
+        slot_idx: tuple[list[int], list[int]],
+        page_idx: tuple[list[int], list[int]],
+    ) -> None:
         ps = self.page_size
         copy_entries(src_slots, dst_slots, *slot_idx, non_blocking=self.stream is not None)
-        copy_entries(src_kv, dst_kv, page_rows(page_idx[0], ps), page_rows(page_idx[1], ps),
-                     non_blocking=self.stream is not None)
+        copy_entries(
+            src_kv, dst_kv, page_rows(page_idx[0], ps), page_rows(page_idx[1], ps), non_blocking=self.stream is not None
+        )
 
     @torch.inference_mode()
-    def copy_out(self, slot: int, pages: Sequence[int], host_slot: int, host_pages: Sequence[int],
-                 corrupt: bool = False) -> bool:
+    def copy_out(
+        self, slot: int, pages: Sequence[int], host_slot: int, host_pages: Sequence[int], corrupt: bool = False
+    ) -> bool:
         src_slot, src_pages = (0, [0] * len(pages)) if corrupt else (slot, list(pages))
-        args = (self.device.mamba.groups, self.host.slots, self.device.kv.groups, self.host.kv,
-                ([src_slot], [host_slot]), (src_pages, list(host_pages)))
+        args = (
+            self.device.mamba.groups,
+            self.host.slots,
+            self.device.kv.groups,
+            self.host.kv,
+            ([src_slot], [host_slot]),
+            (src_pages, list(host_pages)),
+        )
         if self.stream is None:
             self._copy(*args)
         else:
@@ -134,11 +160,23 @@ class TensorTierStorage:
             self.stream.synchronize()
         return not corrupt
 
-    def copy_in(self, host_slot: int, host_pages: Sequence[int], slots: Sequence[int], pages: Sequence[int],
-                corrupt: bool = False) -> TransferJob:
+    def copy_in(
+        self,
+        host_slot: int,
+        host_pages: Sequence[int],
+        slots: Sequence[int],
+        pages: Sequence[int],
+        corrupt: bool = False,
+    ) -> TransferJob:
         src_slot, src_pages = (0, [0] * len(host_pages)) if corrupt else (host_slot, list(host_pages))
-        args = (self.host.slots, self.device.mamba.groups, self.host.kv, self.device.kv.groups,
-                ([src_slot] * len(slots), list(slots)), (src_pages, list(pages)))
+        args = (
+            self.host.slots,
+            self.device.mamba.groups,
+            self.host.kv,
+            self.device.kv.groups,
+            ([src_slot] * len(slots), list(slots)),
+            (src_pages, list(pages)),
+        )
 
         @torch.inference_mode()
         def run() -> bool:
@@ -156,11 +194,12 @@ class TensorTierStorage:
         return DoneJob(run())
 
     def read_host(self, host_slot: int, host_pages: Sequence[int]) -> EntryTensors:
-        return {"slots": read_entries(self.host.slots, [host_slot]),
-                "kv": read_entries(self.host.kv, page_rows(host_pages, self.page_size))}
+        return {
+            "slots": read_entries(self.host.slots, [host_slot]),
+            "kv": read_entries(self.host.kv, page_rows(host_pages, self.page_size)),
+        }
 
-    def write_host(self, host_slot: int, host_pages: Sequence[int], tensors: EntryTensors,
-                   first_page: int) -> None:
+    def write_host(self, host_slot: int, host_pages: Sequence[int], tensors: EntryTensors, first_page: int) -> None:
         """Write a payload's state into ``host_slot`` and its pages ``first_page ..`` into
         ``host_pages`` (``tensors`` as ``read_host`` returns them, for the whole path)."""
         write_entries(self.host.slots, [host_slot], tensors["slots"])
@@ -175,4 +214,3 @@ class TensorTierStorage:
 
     def nbytes(self, num_slots: int, num_pages: int) -> int:
         return self.host.nbytes(num_slots, num_pages)
-

@@ -6,8 +6,18 @@ ranks. ``shard`` transforms a loaded model; ``comm`` is the process group; ``eng
 rank 0 (the engine) and ``worker`` the other ranks; ``local`` launches them as processes.
 No Ray here: ``cluster/serving/tp.py`` starts the workers as actors.
 """
+
 from workers.tp.comm import Comm, Rendezvous, TPGroup, open_rendezvous, wait_joined
 from workers.tp.shard import shard_model, shard_module, tp_errors, validate_tp
 
-__all__ = ["Comm", "Rendezvous", "TPGroup", "open_rendezvous", "wait_joined", "shard_model",
-           "shard_module", "tp_errors", "validate_tp"]
+__all__ = [
+    "Comm",
+    "Rendezvous",
+    "TPGroup",
+    "open_rendezvous",
+    "wait_joined",
+    "shard_model",
+    "shard_module",
+    "tp_errors",
+    "validate_tp",
+]

@@ -22,6 +22,7 @@ which op comes next.
 No ``init_process_group``: the groups are plain objects, so a process may hold several
 (tests run ranks as threads or processes side by side) and nothing global is touched.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -33,8 +34,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-PEER_TIMEOUT_S = 300.0                  # the default bound on every wait for a peer
-IDLE_TIMEOUT = timedelta(days=30)       # ranks 1..N-1 waiting for rank 0's next message
+PEER_TIMEOUT_S = 300.0  # the default bound on every wait for a peer
+IDLE_TIMEOUT = timedelta(days=30)  # ranks 1..N-1 waiting for rank 0's next message
 
 
 class Comm(Protocol):
@@ -57,15 +58,15 @@ class Rendezvous:
     timeout_s: float = PEER_TIMEOUT_S
 
 
-def open_rendezvous(host: str, world_size: int,
-                    timeout_s: float | None = None) -> tuple[dist.TCPStore, Rendezvous]:
+def open_rendezvous(host: str, world_size: int, timeout_s: float | None = None) -> tuple[dist.TCPStore, Rendezvous]:
     """Rank 0: host the store on a free port of ``host``; hand the Rendezvous to the others.
     ``timeout_s`` (default ``PEER_TIMEOUT_S``) bounds every wait on a peer, see the module."""
     timeout_s = PEER_TIMEOUT_S if timeout_s is None else timeout_s
     if timeout_s <= 0:
         raise ValueError(f"tensor-parallel peer timeout must be positive, got {timeout_s}")
-    store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
     return store, Rendezvous(host, store.port, world_size, timeout_s)
 
 
@@ -87,8 +88,7 @@ def wait_joined(store: dist.TCPStore, rendezvous: Rendezvous, alive: Any = None)
             alive()
         if time.monotonic() > deadline:
             missing = [r for r in range(1, rendezvous.world_size) if not store.check([joined_key(r)])]
-            raise TimeoutError(f"tensor-parallel ranks {missing} did not join within "
-                               f"{rendezvous.timeout_s:g}s")
+            raise TimeoutError(f"tensor-parallel ranks {missing} did not join within {rendezvous.timeout_s:g}s")
         time.sleep(0.05)
 
 
@@ -118,8 +118,9 @@ class TPGroup:
     op's traceback would keep it, and its sockets, alive past ``abort()``.
     """
 
-    def __init__(self, rendezvous: Rendezvous, rank: int, device: torch.device,
-                 store: dist.TCPStore | None = None) -> None:
+    def __init__(
+        self, rendezvous: Rendezvous, rank: int, device: torch.device, store: dist.TCPStore | None = None
+    ) -> None:
         if not 0 <= rank < rendezvous.world_size:
             raise ValueError(f"rank {rank} is outside world size {rendezvous.world_size}")
         self.rank, self.world_size, self.device = rank, rendezvous.world_size, device
@@ -128,8 +129,9 @@ class TPGroup:
         self._model: Any = None
         self._control: Any = None
         if store is None:
-            store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size,
-                                  is_master=False, timeout=self.timeout)
+            store = dist.TCPStore(
+                rendezvous.host, rendezvous.port, rendezvous.world_size, is_master=False, timeout=self.timeout
+            )
         if rank:
             store.set(joined_key(rank), "1")
         self._store: dist.TCPStore | None = store
@@ -137,10 +139,12 @@ class TPGroup:
             self._connect(rendezvous.host)
         except RuntimeError as exc:
             self.abort(f"its connect failed: {exc}")
-            raise RuntimeError(f"tensor-parallel rank {rank} of {self.world_size} could not connect to its "
-                               f"peers at {rendezvous.host}:{rendezvous.port} within "
-                               f"{rendezvous.timeout_s:g}s (a rank died or stalled while starting): "
-                               f"{exc}") from exc
+            raise RuntimeError(
+                f"tensor-parallel rank {rank} of {self.world_size} could not connect to its "
+                f"peers at {rendezvous.host}:{rendezvous.port} within "
+                f"{rendezvous.timeout_s:g}s (a rank died or stalled while starting): "
+                f"{exc}"
+            ) from exc
 
     def _connect(self, host: str) -> None:
         assert self._store is not None
@@ -175,8 +179,9 @@ class TPGroup:
         opts.timeout = self.timeout
         self._groups()[1].allreduce([t], opts).wait()
         if int(t[0]) != value or int(t[1]) != -value:
-            raise RuntimeError(f"tensor-parallel ranks diverged: {what} differs between ranks "
-                               f"(rank {self.rank} has {value:#x})")
+            raise RuntimeError(
+                f"tensor-parallel ranks diverged: {what} differs between ranks (rank {self.rank} has {value:#x})"
+            )
 
     def broadcast_bytes(self, payload: bytes | None, idle: bool = False) -> bytes:
         """Rank 0 sends ``payload``; every rank returns it (two gloo broadcasts).
@@ -186,8 +191,7 @@ class TPGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = IDLE_TIMEOUT if idle and self.rank else self.timeout
-        size = torch.tensor([len(payload) if self.rank == 0 and payload is not None else 0],
-                            dtype=torch.int64)
+        size = torch.tensor([len(payload) if self.rank == 0 and payload is not None else 0], dtype=torch.int64)
         self._groups()[1].broadcast([size], opts).wait()
         opts.timeout = self.timeout
         if self.rank == 0:
@@ -216,6 +220,6 @@ class TPGroup:
         model, self._model, self._control, self._store = self._model, None, None, None
         if model is not None and self.device.type == "cuda":
             try:
-                model.abort()            # NCCL: ends kernels still waiting on a dead peer
+                model.abort()  # NCCL: ends kernels still waiting on a dead peer
             except Exception:  # noqa: BLE001 - best effort while failing
                 pass

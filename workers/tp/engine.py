@@ -8,6 +8,7 @@ so the other ranks build pools of the same sizes. A launcher (Ray actors in
 ``cluster/``, spawned processes in ``workers.tp.local``) starts ranks 1..N-1 and passes
 a handle with ``check_health()`` and ``shutdown()`` as ``workers``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,11 +24,11 @@ from workers.tp.messages import PoolLayout
 from workers.tp.runner import DropRecordingBank, TPModelRunner
 from workers.tp.shard import shard_model, shard_module
 
-STOP_GRACE_S = 10.0           # how long ranks 1..N-1 may take to exit after Stop
+STOP_GRACE_S = 10.0  # how long ranks 1..N-1 may take to exit after Stop
 
 
 class WorkerHandles(Protocol):
-    def check_health(self) -> None: ...      # raise when a rank has died
+    def check_health(self) -> None: ...  # raise when a rank has died
 
     # End the ranks: wait up to ``timeout_s`` for them to exit after ``Stop``, then force.
     def shutdown(self, timeout_s: float = ...) -> None: ...
@@ -36,17 +37,20 @@ class WorkerHandles(Protocol):
 class TPEngine(Engine):
     supports_tensor_parallel = True
 
-    def __init__(self, config: HybridServeConfig, group: TPGroup,
-                 workers: WorkerHandles | None = None, tokenizer=None) -> None:
+    def __init__(
+        self, config: HybridServeConfig, group: TPGroup, workers: WorkerHandles | None = None, tokenizer=None
+    ) -> None:
         tp = config.parallel.tensor_parallel_size
         if group.rank != 0 or group.world_size != tp:
-            raise ValueError(f"TPEngine is rank 0 of tensor_parallel_size={tp}; got rank "
-                             f"{group.rank} of a group of {group.world_size}")
+            raise ValueError(
+                f"TPEngine is rank 0 of tensor_parallel_size={tp}; got rank "
+                f"{group.rank} of a group of {group.world_size}"
+            )
         self.tp, self.workers = group, workers
         try:
             super().__init__(config, tokenizer)
         except BaseException as exc:
-            group.abort(f"rank 0 failed while starting: {exc!r}")   # ranks waiting for the layout fail now
+            group.abort(f"rank 0 failed while starting: {exc!r}")  # ranks waiting for the layout fail now
             raise
 
     def _load_model(self, model_dir: Path) -> LoadedModel:
@@ -62,17 +66,34 @@ class TPEngine(Engine):
     def _build_runner(self) -> ModelRunner:
         self.tp.broadcast_object(self.pool_layout())
         self.generators = DropRecordingBank(self.config.seed, self.device)
-        return TPModelRunner(self.model, self.pools, self.config.cache.page_size, self.device,
-                             self.generators, overlap=self.lag > 0,
-                             scratch_base=self.slot_ledger.num_slots, drafter=self.drafter,
-                             grammar_compiler=self.grammar_compiler, max_pages=self.max_pages_per_request(),
-                             group=self.tp, check_consistency=self.config.debug.check_invariants)
+        return TPModelRunner(
+            self.model,
+            self.pools,
+            self.config.cache.page_size,
+            self.device,
+            self.generators,
+            overlap=self.lag > 0,
+            scratch_base=self.slot_ledger.num_slots,
+            drafter=self.drafter,
+            grammar_compiler=self.grammar_compiler,
+            max_pages=self.max_pages_per_request(),
+            group=self.tp,
+            check_consistency=self.config.debug.check_invariants,
+        )
 
     def pool_layout(self) -> PoolLayout:
         kv, mamba = self.pools.kv, self.pools.mamba
         mtp_kv = self.drafter.mtp.kv_index if self.drafter is not None else None
-        return PoolLayout(kv.num_pages, kv.page_size, kv.num_layers(ATTENTION), mamba.num_slots,
-                          self.slot_ledger.num_slots, self.max_model_len, mtp_kv, _name(kv.dtype))
+        return PoolLayout(
+            kv.num_pages,
+            kv.page_size,
+            kv.num_layers(ATTENTION),
+            mamba.num_slots,
+            self.slot_ledger.num_slots,
+            self.max_model_len,
+            mtp_kv,
+            _name(kv.dtype),
+        )
 
     def check_workers(self) -> None:
         """Raise when another rank of the group has died, or the group has failed (it

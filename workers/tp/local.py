@@ -5,6 +5,7 @@
 ranks are daemon processes running ``TPWorker``. The serving path starts them as Ray
 actors in the replica's placement group instead (``cluster/serving/tp.py``).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -19,7 +20,7 @@ from workers.tp.comm import Rendezvous, TPGroup, open_rendezvous, wait_joined
 from workers.tp.engine import TPEngine
 from workers.tp.shard import validate_tp
 
-KILL_WAIT_S = 2.0             # how long a signalled rank may take to exit
+KILL_WAIT_S = 2.0  # how long a signalled rank may take to exit
 
 
 def _worker_main(config: dict[str, Any], rank: int, rendezvous: Rendezvous, num_threads: int) -> None:
@@ -53,12 +54,18 @@ def build_local_engine(config: HybridServeConfig) -> Engine:
     world = config.parallel.tensor_parallel_size
     if world == 1:
         return Engine(config)
-    validate_tp(load_config(config.model_dir()), world)     # before any process starts
+    validate_tp(load_config(config.model_dir()), world)  # before any process starts
     store, rendezvous = open_rendezvous("127.0.0.1", world)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker_main, name=f"hybridserve-tp{rank}", daemon=True,
-                         args=(config.model_dump(mode="json"), rank, rendezvous, torch.get_num_threads()))
-             for rank in range(1, world)]
+    procs = [
+        ctx.Process(
+            target=_worker_main,
+            name=f"hybridserve-tp{rank}",
+            daemon=True,
+            args=(config.model_dump(mode="json"), rank, rendezvous, torch.get_num_threads()),
+        )
+        for rank in range(1, world)
+    ]
     for p in procs:
         p.start()
     workers = LocalWorkers(procs)

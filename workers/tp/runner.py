@@ -8,6 +8,7 @@ every rank writes the same slot ids of its shard. The message is built on the sc
 thread at launch (the plan's frozen view) and broadcast from the forward thread just
 before the local forward, so the ranks see steps in launch order.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -80,9 +81,15 @@ class TPModelRunner(ModelRunner):
         view = replace(prepared, plan=plan)
         # The message needs host tensors: on a GPU, build them again from the same plan
         # (host work) rather than copy back (a sync with the forward still running).
-        host = (view if prepared.fb.input_ids.device.type == "cpu" else
-                replace(prepare_step(prepared.plan, self.page_size, _CPU, self.scratch_base), plan=plan,
-                        sampling=prepared.sampling))      # host tensors already
+        host = (
+            view
+            if prepared.fb.input_ids.device.type == "cpu"
+            else replace(
+                prepare_step(prepared.plan, self.page_size, _CPU, self.scratch_base),
+                plan=plan,
+                sampling=prepared.sampling,
+            )
+        )  # host tensors already
         keys = tuple((s.request.handle, s.request.params.seed) for s in plan.batch.seqs if s.samples)
         msg = StepMessage(host, tuple(params), keys, self.generators.take_dropped())
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -91,7 +98,7 @@ class TPModelRunner(ModelRunner):
             step = self.num_steps
             try:
                 self.group.broadcast_bytes(payload)
-                result = self._execute(view, params, gens)   # the same view as every other rank
+                result = self._execute(view, params, gens)  # the same view as every other rank
                 if self.check_consistency:
                     check_consistent(self.group, result, self.drafter, step)
             except BaseException as exc:
@@ -101,6 +108,7 @@ class TPModelRunner(ModelRunner):
                 raise
             self.num_steps += 1
             return result
+
         return run
 
     def shutdown(self) -> None:
@@ -114,7 +122,7 @@ class TPModelRunner(ModelRunner):
                     self._executor.submit(partial(self._send_stop, stop)).result()
                 else:
                     self._send_stop(stop)
-            except RuntimeError:          # a rank is gone or stalled: its launcher ends it
+            except RuntimeError:  # a rank is gone or stalled: its launcher ends it
                 logger.warning("could not send Stop to the tensor-parallel ranks", exc_info=True)
         super().shutdown()
 

@@ -23,6 +23,7 @@ sharded once. ``shard_module`` does the same for any module tree, e.g. the MTP h
 ``model.cache_spec()`` afterwards describes this rank's pool shard: it reads the narrowed
 dims of the stateful modules.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -57,13 +58,14 @@ _SHARDED = "_tp_sharded"
 def _all_reduce_hook(comm: Comm) -> Callable[..., torch.Tensor]:
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce(output.contiguous())
+
     return hook
 
 
 def _shard_one(module: nn.Module, comm: Comm) -> bool:
     rank, world = comm.rank, comm.world_size
     custom = getattr(module, "tp_shard", None)
-    mixer = SHARDERS.get(type(module))       # exact classes: some subclass the shared kinds
+    mixer = SHARDERS.get(type(module))  # exact classes: some subclass the shared kinds
     if custom is not None:
         custom(rank, world, comm)
     elif mixer is not None:
@@ -131,8 +133,7 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
         elif mixer is not None:
             checks += mixer(m)
         elif isinstance(m, Attention):
-            checks += [(m.dims.num_heads, "num_attention_heads"),
-                       (m.dims.num_kv_heads, "num_key_value_heads")]
+            checks += [(m.dims.num_heads, "num_attention_heads"), (m.dims.num_kv_heads, "num_key_value_heads")]
         elif isinstance(m, GatedDeltaNet):
             checks.append((m.dims.num_k_heads, "linear_num_key_heads"))
         elif isinstance(m, Mamba2Mixer):
@@ -158,8 +159,11 @@ def tp_errors(root: nn.Module, world: int) -> list[str]:
 
 
 def _describe(errors: list[str], world: int) -> str:
-    return (f"tensor_parallel_size={world} does not divide the model's " + ", ".join(errors)
-            + "; choose a size that divides every head count and intermediate size")
+    return (
+        f"tensor_parallel_size={world} does not divide the model's "
+        + ", ".join(errors)
+        + "; choose a size that divides every head count and intermediate size"
+    )
 
 
 def validate_tp(hf_config: Any, world: int) -> None:

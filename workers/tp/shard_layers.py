@@ -8,6 +8,7 @@ parameters and the layer's ``dims``; the caller adds the all-reduce after the la
 Head ranges are contiguous: rank r owns heads ``[r * H / world, (r + 1) * H / world)``.
 Every function raises ValueError naming the count that ``world`` does not divide.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -73,14 +74,14 @@ def shard_attention(attn: Attention, rank: int, world: int) -> None:
     d = attn.dims
     heads = part(d.num_heads, rank, world, "attention heads (num_attention_heads)")
     kv = part(d.num_kv_heads, rank, world, "attention KV heads (num_key_value_heads)")
-    q_width = d.head_dim * (2 if d.output_gate else 1)      # per head: [query | gate]
+    q_width = d.head_dim * (2 if d.output_gate else 1)  # per head: [query | gate]
     ranges = ([heads.scaled(q_width)], [kv.scaled(d.head_dim)], [kv.scaled(d.head_dim)])
     for proj, rows in zip((attn.q_proj, attn.k_proj, attn.v_proj), ranges):
         column(proj, rows)
-    for adapters, rows in zip(attn.adapters, ranges):      # LoRA adds to q / k / v: same rows
+    for adapters, rows in zip(attn.adapters, ranges):  # LoRA adds to q / k / v: same rows
         for up in adapters.parts(0):
             column(up, rows)
-    if attn.g_proj is not None:                              # one gate row per head
+    if attn.g_proj is not None:  # one gate row per head
         column(attn.g_proj, [heads])
     row(attn.o_proj, [heads.scaled(d.head_dim)], rank)
     attn.dims = replace(d, num_heads=heads.size, num_kv_heads=kv.size)
@@ -94,14 +95,14 @@ def shard_gdn(gdn: GatedDeltaNet, rank: int, world: int) -> None:
     vh = Part(kh.start * r, kh.stop * r)
     key_dim = d.num_k_heads * dk
     channels = [kh.scaled(dk), kh.scaled(dk, key_dim), vh.scaled(dv, 2 * key_dim)]  # conv: q, k, v
-    if isinstance(gdn, SplitGatedDeltaNet):      # Qwen3.5: flat [q | k | v], z, b, a
+    if isinstance(gdn, SplitGatedDeltaNet):  # Qwen3.5: flat [q | k | v], z, b, a
         column(gdn.in_proj_qkv, channels)
         column(gdn.in_proj_z, [vh.scaled(dv)])
         column(gdn.in_proj_b, [vh])
         column(gdn.in_proj_a, [vh])
     else:
-        column(gdn.in_proj_qkvz, [kh.scaled(2 * dk + 2 * r * dv)])   # [q_g|k_g|v_g|z_g] per group
-        column(gdn.in_proj_ba, [kh.scaled(2 * r)])                   # [b_g|a_g] per group
+        column(gdn.in_proj_qkvz, [kh.scaled(2 * dk + 2 * r * dv)])  # [q_g|k_g|v_g|z_g] per group
+        column(gdn.in_proj_ba, [kh.scaled(2 * r)])  # [b_g|a_g] per group
     _set(gdn.conv1d, "weight", _take(gdn.conv1d.weight, 0, channels))
     if gdn.conv1d.bias is not None:
         _set(gdn.conv1d, "bias", _take(gdn.conv1d.bias, 0, channels))
@@ -123,8 +124,7 @@ def mamba_groups(num_groups: int, rank: int, world: int) -> tuple[Part, bool]:
     if world % num_groups == 0:
         g = rank // (world // num_groups)
         return Part(g, g + 1), True
-    raise ValueError(f"mamba_n_groups={num_groups} and tensor_parallel_size={world}: one must "
-                     f"divide the other")
+    raise ValueError(f"mamba_n_groups={num_groups} and tensor_parallel_size={world}: one must divide the other")
 
 
 def shard_mamba2(m: Mamba2Mixer, rank: int, world: int, comm: Comm) -> None:
@@ -142,15 +142,16 @@ def shard_mamba2(m: Mamba2Mixer, rank: int, world: int, comm: Comm) -> None:
         _set(m.conv1d, "bias", _take(m.conv1d.bias, 0, xbc))
     for name in ("dt_bias", "A_log", "D"):
         _set(m, name, _take(getattr(m, name), 0, [h]))
-    if m.norm is not None:          # (no norm: y * silu(z) is per channel, nothing to share)
+    if m.norm is not None:  # (no norm: y * silu(z) is per channel, nothing to share)
         norm_weight = _take(m.norm.weight, 0, [h.scaled(p)])
         if split_norm:
-            m.norm = SplitGatedRMSNorm(norm_weight, m.norm.eps, di // d.num_groups,
-                                       m.norm.norm_before_gate, g.start, d.num_groups, comm)
+            m.norm = SplitGatedRMSNorm(
+                norm_weight, m.norm.eps, di // d.num_groups, m.norm.norm_before_gate, g.start, d.num_groups, comm
+            )
         else:
             _set(m.norm, "weight", norm_weight)
     row(m.out_proj, [h.scaled(p)], rank)
-    m.dims = replace(d, num_heads=h.size, num_groups=g.size)   # the proj multipliers follow
+    m.dims = replace(d, num_heads=h.size, num_groups=g.size)  # the proj multipliers follow
 
 
 def shard_mamba1(m: Mamba1Mixer, rank: int, world: int, comm: Comm) -> None:
@@ -159,7 +160,7 @@ def shard_mamba1(m: Mamba1Mixer, rank: int, world: int, comm: Comm) -> None:
     only: its partial ``[dt | B | C]`` is summed over ranks by a hook before the norms."""
     d = m.dims
     h = part(d.d_inner, rank, world, "Mamba1 channels (mamba_expand * hidden_size)")
-    column(m.in_proj, [h.scaled(1), h.scaled(1, d.d_inner)])       # [x | z]
+    column(m.in_proj, [h.scaled(1), h.scaled(1, d.d_inner)])  # [x | z]
     _set(m.conv1d, "weight", _take(m.conv1d.weight, 0, [h]))
     if m.conv1d.bias is not None:
         _set(m.conv1d, "bias", _take(m.conv1d.bias, 0, [h]))
@@ -192,8 +193,16 @@ class SplitGatedRMSNorm(nn.Module):
     group), then each rank normalises its own channels (fp32, as the reference).
     """
 
-    def __init__(self, weight: torch.Tensor, eps: float, group_size: int, norm_before_gate: bool,
-                 group: int, num_groups: int, comm: Comm) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        eps: float,
+        group_size: int,
+        norm_before_gate: bool,
+        group: int,
+        num_groups: int,
+        comm: Comm,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
@@ -217,7 +226,7 @@ def shard_mlp(mlp: DenseMLP, rank: int, world: int, what: str = "intermediate_si
     if mlp.gate_proj is not None:
         column(mlp.gate_proj, [i])
     column(mlp.up_proj, [i])
-    if mlp.gate_up_proj_adapter_list is not None:           # LoRA on [gate | up]: same rows
+    if mlp.gate_up_proj_adapter_list is not None:  # LoRA on [gate | up]: same rows
         for index in (0, 1):
             for up in mlp.gate_up_proj_adapter_list.parts(index):
                 column(up, [i])
@@ -234,5 +243,4 @@ def shard_moe(moe: SparseMoE, rank: int, world: int) -> None:
     _set(moe, "w_down", _take(moe.w_down, 2, [i]))
     if moe.shared_expert is not None:
         shard_mlp(moe.shared_expert, rank, world, "shared expert intermediate size")
-    moe.dims = replace(d, intermediate_size=i.size,
-                       shared_intermediate_size=d.shared_intermediate_size // world)
+    moe.dims = replace(d, intermediate_size=i.size, shared_intermediate_size=d.shared_intermediate_size // world)

@@ -16,6 +16,7 @@ projections, the caller's all-reduce after the layer).
 ``SHARDERS`` / ``CHECKS`` map each of these classes (exactly: some subclass a shared kind)
 to its shard function and to the counts a split must divide (config names).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -59,8 +60,7 @@ def shard_kda(m: KimiDeltaAttention, rank: int, world: int, comm: Comm) -> None:
     per_head = [h.scaled(d.head_dim)]
     for proj in (m.q_proj, m.k_proj, m.v_proj):
         column(proj, per_head)
-    _set(m.conv1d, "weight", _take(m.conv1d.weight, 0, [h.scaled(d.head_dim, i * d.qkv_dim)
-                                                         for i in range(3)]))
+    _set(m.conv1d, "weight", _take(m.conv1d.weight, 0, [h.scaled(d.head_dim, i * d.qkv_dim) for i in range(3)]))
     column(m.f_b_proj if d.gate == "kimi" else m.f_proj, per_head)
     column(m.g_b_proj if d.gate == "kimi" else m.g_proj, per_head)
     column(m.b_proj, [h])
@@ -87,7 +87,7 @@ def shard_lightning(m: LightningAttention, rank: int, world: int, comm: Comm) ->
     column(m.qkv_proj, [h.scaled(3 * d.head_dim)])
     column(m.output_gate, [h.scaled(d.head_dim)])
     row(m.out_proj, [h.scaled(d.head_dim)], rank)
-    m.slope = m.slope[h.start:h.stop].contiguous()
+    m.slope = m.slope[h.start : h.stop].contiguous()
     m.norm = split_norm(m.norm, Part(*h.scaled(d.head_dim)), comm)
     m.dims = replace(d, num_heads=h.size)
 
@@ -103,13 +103,14 @@ def shard_olmo_attention(m: OlmoAttention, rank: int, world: int, comm: Comm) ->
 
 Sharder = Callable[[Any, int, int, Comm], None]
 SHARDERS: dict[type, Sharder] = {
-    KimiDeltaAttention: shard_kda, LatentAttention: shard_mla, LightningAttention: shard_lightning,
+    KimiDeltaAttention: shard_kda,
+    LatentAttention: shard_mla,
+    LightningAttention: shard_lightning,
     OlmoAttention: shard_olmo_attention,
 }
 CHECKS: dict[type, Callable[[Any], list[tuple[int, str]]]] = {
     KimiDeltaAttention: lambda m: [(m.dims.num_heads, "linear_num_heads")],
     LatentAttention: lambda m: [(m.dims.num_heads, "num_attention_heads")],
     LightningAttention: lambda m: [(m.dims.num_heads, "num_attention_heads")],
-    OlmoAttention: lambda m: [(m.dims.num_heads, "num_attention_heads"),
-                              (m.dims.num_kv_heads, "num_key_value_heads")],
+    OlmoAttention: lambda m: [(m.dims.num_heads, "num_attention_heads"), (m.dims.num_kv_heads, "num_key_value_heads")],
 }

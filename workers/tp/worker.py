@@ -9,6 +9,7 @@ builds its pools and MTP drafter with those sizes, then ``run()`` executes every
 Waiting for rank 0's next message (the layout, each step, ``Stop``) is the one wait
 without the group's bound (``idle``, see ``workers.tp.comm``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,10 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 class TPWorker:
-    def __init__(self, config: HybridServeConfig, rank: int, rendezvous: Rendezvous,
-                 num_threads: int | None = None) -> None:
+    def __init__(
+        self, config: HybridServeConfig, rank: int, rendezvous: Rendezvous, num_threads: int | None = None
+    ) -> None:
         if num_threads:
-            torch.set_num_threads(num_threads)        # as rank 0: CPU results depend on it
+            torch.set_num_threads(num_threads)  # as rank 0: CPU results depend on it
         self.device = resolve_device(config.device)
         self.group = TPGroup(rendezvous, rank, self.device)
         try:
@@ -50,23 +52,31 @@ class TPWorker:
         torch.manual_seed(config.seed)
         model = load_model(config.model_dir(), resolve_dtype(config.dtype, self.device), self.device).model
         shard_model(model, self.group)
-        layout: PoolLayout = self.group.broadcast_object(idle=True)   # rank 0 builds meanwhile
-        spec = model.cache_spec().with_layers(ATTENTION, layout.num_kv_layers)   # + the MTP head's
-        pools = build_pools(spec, layout.num_pages, layout.page_size, layout.num_mamba_slots,
-                            getattr(torch, layout.dtype), self.device)
+        layout: PoolLayout = self.group.broadcast_object(idle=True)  # rank 0 builds meanwhile
+        spec = model.cache_spec().with_layers(ATTENTION, layout.num_kv_layers)  # + the MTP head's
+        pools = build_pools(
+            spec, layout.num_pages, layout.page_size, layout.num_mamba_slots, getattr(torch, layout.dtype), self.device
+        )
         drafter = None
         if layout.mtp_kv_index is not None:
-            drafter = build_drafter(config, model, pools, layout.mtp_kv_index, layout.max_model_len,
-                                    self.device)
+            drafter = build_drafter(config, model, pools, layout.mtp_kv_index, layout.max_model_len, self.device)
             assert drafter is not None
             shard_module(drafter.mtp, self.group)
         self.generators = GeneratorBank(config.seed, self.device)
         model_dir = config.model_dir()
         # Each rank compiles the grammars its matchers need (on first use, cached).
         grammars = GrammarCompiler(lambda: load_tokenizer(model_dir), int(model.config.vocab_size))
-        self.runner = ModelRunner(model, pools, layout.page_size, self.device, self.generators,
-                                  overlap=False, scratch_base=layout.scratch_base, drafter=drafter,
-                                  grammar_compiler=grammars)
+        self.runner = ModelRunner(
+            model,
+            pools,
+            layout.page_size,
+            self.device,
+            self.generators,
+            overlap=False,
+            scratch_base=layout.scratch_base,
+            drafter=drafter,
+            grammar_compiler=grammars,
+        )
         self.check_consistency = config.debug.check_invariants
         self.num_steps = 0
 

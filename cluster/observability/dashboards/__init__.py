@@ -1,6 +1,7 @@
 """hybridserve's Grafana dashboards as code (``model``: the tiny dashboard model;
 ``engine``, ``cluster``: the two dashboards; ``writer``: renders them into
 ``deploy/grafana/dashboards/``). Regenerate with ``python -m cluster.observability.dashboards``."""
+
 from __future__ import annotations
 
 from cluster.observability.dashboards.cluster import CLUSTER

@@ -7,6 +7,7 @@ Grafana 10/11). Layout is computed: rows are full-width, panels flow left to rig
 each row by ``width`` (24 columns), ``HEIGHT`` units high. Panel ids follow the order of
 the panels, so they are stable as long as the panel list is.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,9 +34,9 @@ class Panel:
     description: str
     targets: tuple[Target, ...]
     unit: str = "short"
-    kind: str = "timeseries"              # timeseries | stat
+    kind: str = "timeseries"  # timeseries | stat
     max: float | None = None
-    alarm_at: float | None = None         # red at or above this value (a threshold line)
+    alarm_at: float | None = None  # red at or above this value (a threshold line)
     width: int = 12
 
     def __post_init__(self) -> None:
@@ -57,15 +58,27 @@ class Variable:
 
     name: str
     label: str
-    query: str                            # label_values(metric{...}, label)
+    query: str  # label_values(metric{...}, label)
 
     def to_grafana(self) -> dict[str, Any]:
-        return {"name": self.name, "label": self.label, "type": "query", "datasource": DATASOURCE,
-                "definition": self.query,
-                "query": {"query": self.query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
-                "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
-                "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                "sort": 1, "hide": 0, "options": [], "regex": "", "skipUrlSync": False}
+        return {
+            "name": self.name,
+            "label": self.label,
+            "type": "query",
+            "datasource": DATASOURCE,
+            "definition": self.query,
+            "query": {"query": self.query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "refresh": 2,
+            "includeAll": True,
+            "multi": True,
+            "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "sort": 1,
+            "hide": 0,
+            "options": [],
+            "regex": "",
+            "skipUrlSync": False,
+        }
 
 
 @dataclass(frozen=True)
@@ -93,12 +106,23 @@ class Dashboard:
 
     def to_grafana(self) -> dict[str, Any]:
         return {
-            "uid": self.uid, "title": self.title, "description": self.description,
-            "tags": list(self.tags), "editable": True, "graphTooltip": 1, "timezone": "",
-            "schemaVersion": 39, "version": 1, "refresh": self.refresh,
-            "time": {"from": self.time_from, "to": "now"}, "timepicker": {},
-            "annotations": {"list": []}, "links": [], "fiscalYearStartMonth": 0,
-            "liveNow": False, "weekStart": "",
+            "uid": self.uid,
+            "title": self.title,
+            "description": self.description,
+            "tags": list(self.tags),
+            "editable": True,
+            "graphTooltip": 1,
+            "timezone": "",
+            "schemaVersion": 39,
+            "version": 1,
+            "refresh": self.refresh,
+            "time": {"from": self.time_from, "to": "now"},
+            "timepicker": {},
+            "annotations": {"list": []},
+            "links": [],
+            "fiscalYearStartMonth": 0,
+            "liveNow": False,
+            "weekStart": "",
             "templating": {"list": [_datasource_variable()] + [v.to_grafana() for v in self.variables]},
             "panels": _layout(self.rows),
         }
@@ -119,17 +143,36 @@ def substitute(expr: str, values: Mapping[str, str]) -> str:
 
 
 def _datasource_variable() -> dict[str, Any]:
-    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-            "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [],
-            "refresh": 1, "regex": "", "skipUrlSync": False}
+    return {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "includeAll": False,
+        "multi": False,
+        "options": [],
+        "refresh": 1,
+        "regex": "",
+        "skipUrlSync": False,
+    }
 
 
 def _layout(rows: tuple[Row, ...]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     y, next_id = 0, 1
     for row in rows:
-        out.append({"id": next_id, "type": "row", "title": row.title, "collapsed": False,
-                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        out.append(
+            {
+                "id": next_id,
+                "type": "row",
+                "title": row.title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
         next_id, y, x = next_id + 1, y + 1, 0
         for panel in row.panels:
             if x + panel.width > 24:
@@ -144,28 +187,52 @@ def _panel(panel: Panel, panel_id: int, grid: dict[str, int]) -> dict[str, Any]:
     steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
     if panel.alarm_at is not None:
         steps.append({"color": "red", "value": panel.alarm_at})
-    defaults: dict[str, Any] = {"unit": panel.unit, "min": 0,
-                                "thresholds": {"mode": "absolute", "steps": steps}}
+    defaults: dict[str, Any] = {"unit": panel.unit, "min": 0, "thresholds": {"mode": "absolute", "steps": steps}}
     if panel.max is not None:
         defaults["max"] = panel.max
     if panel.kind == "timeseries":
-        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never",
-                              "spanNulls": False,
-                              "thresholdsStyle": {"mode": "line" if panel.alarm_at is not None else "off"}}
+        defaults["custom"] = {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10,
+            "showPoints": "never",
+            "spanNulls": False,
+            "thresholdsStyle": {"mode": "line" if panel.alarm_at is not None else "off"},
+        }
         defaults["color"] = {"mode": "palette-classic"}
-        options: dict[str, Any] = {"legend": {"displayMode": "list", "placement": "bottom",
-                                              "showLegend": True},
-                                   "tooltip": {"mode": "multi", "sort": "desc"}}
+        options: dict[str, Any] = {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        }
     else:
         defaults["color"] = {"mode": "thresholds"}
-        options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                   "colorMode": "background", "graphMode": "none", "justifyMode": "auto",
-                   "orientation": "auto", "textMode": "auto"}
+        options = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "background",
+            "graphMode": "none",
+            "justifyMode": "auto",
+            "orientation": "auto",
+            "textMode": "auto",
+        }
     return {
-        "id": panel_id, "type": panel.kind, "title": panel.title, "description": panel.description,
-        "datasource": DATASOURCE, "gridPos": grid,
-        "fieldConfig": {"defaults": defaults, "overrides": []}, "options": options,
-        "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": t.expr,
-                     "legendFormat": t.legend, "range": True, "instant": False, "editorMode": "code"}
-                    for i, t in enumerate(panel.targets)],
+        "id": panel_id,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": DATASOURCE,
+        "gridPos": grid,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": options,
+        "targets": [
+            {
+                "refId": chr(ord("A") + i),
+                "datasource": DATASOURCE,
+                "expr": t.expr,
+                "legendFormat": t.legend,
+                "range": True,
+                "instant": False,
+                "editorMode": "code",
+            }
+            for i, t in enumerate(panel.targets)
+        ],
     }

@@ -3,6 +3,7 @@
 Windows use Grafana's ``$__rate_interval`` (at least four scrape intervals), so a panel
 works at any scrape interval; ``sum by (...)`` keeps only the labels a panel shows.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -25,8 +26,7 @@ def gauge(metric: str, selector: str, by: Sequence[str] = ()) -> str:
 
 def quantile(q: float, histogram: str, selector: str, by: Sequence[str] = ()) -> str:
     """The ``q`` quantile of a histogram over the window (``histogram`` without ``_bucket``)."""
-    return (f"histogram_quantile({q}, {_by(['le', *by])}"
-            f"(rate({histogram}_bucket{{{selector}}}[{RATE_WINDOW}])))")
+    return f"histogram_quantile({q}, {_by(['le', *by])}(rate({histogram}_bucket{{{selector}}}[{RATE_WINDOW}])))"
 
 
 def ratio(numerator: str, denominator: str) -> str:

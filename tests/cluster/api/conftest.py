@@ -4,6 +4,7 @@ An ``App`` is the FastAPI app of ``http_api`` over an ``OpenAIServer`` and a
 ``LocalEngineClient`` (one ``ReplicaCore`` in this process, its own event loop); ``call``
 sends one request through httpx's ASGI transport. Apps live for the test module.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,7 @@ from cluster.serving.engine_client import LocalEngineClient
 from cluster.serving.replica_core import ReplicaCore
 from configs.schema import load_config
 
-SMALL = {"device": "cpu", "dtype": "float32", "cache": {"page_size": 4, "max_kv_tokens": 2048,
-                                                        "max_mamba_slots": 32}}
+SMALL = {"device": "cpu", "dtype": "float32", "cache": {"page_size": 4, "max_kv_tokens": 2048, "max_mamba_slots": 32}}
 
 
 @dataclass
@@ -33,21 +33,20 @@ class App:
     server: OpenAIServer
     headers: dict[str, str]
 
-    def call(self, method: str, path: str, headers: dict[str, str] | None = None,
-             **kwargs: Any) -> httpx.Response:
+    def call(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> httpx.Response:
         async def go() -> httpx.Response:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.api),
-                                         base_url="http://t") as c:
-                return await c.request(method, path, headers=self.headers if headers is None else headers,
-                                       **kwargs)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.api), base_url="http://t") as c:
+                return await c.request(method, path, headers=self.headers if headers is None else headers, **kwargs)
+
         return self.loop.run_until_complete(go())
 
     def with_settings(self, **changes: Any) -> App:
         """The same engine behind a second server with other settings."""
         import dataclasses
 
-        server = OpenAIServer(self.server.client, self.server.tokenizer,
-                              dataclasses.replace(self.server.settings, **changes))
+        server = OpenAIServer(
+            self.server.client, self.server.tokenizer, dataclasses.replace(self.server.settings, **changes)
+        )
         return App(self.loop, make_api(server), self.core, server, self.headers)
 
 
@@ -63,16 +62,16 @@ def local_app() -> Iterator[Callable[..., App]]:
     (``stream_interval_s``: the replica's stream batching, ``ReplicaCore``)."""
     made: list[App] = []
 
-    def make(model_dir: Any, name: str = "tiny", api_key: str | None = None, stream_interval_s: float = 0.0,
-             **overrides: Any) -> App:
+    def make(
+        model_dir: Any, name: str = "tiny", api_key: str | None = None, stream_interval_s: float = 0.0, **overrides: Any
+    ) -> App:
         loop = asyncio.new_event_loop()
-        config = load_config(overrides={**SMALL, "model": str(model_dir), "server": {"api_key": api_key},
-                                        **overrides})
+        config = load_config(overrides={**SMALL, "model": str(model_dir), "server": {"api_key": api_key}, **overrides})
         core = loop.run_until_complete(ReplicaCore.create(config, stream_interval_s))
-        server = OpenAIServer(LocalEngineClient(core, name), core.loop.engine.tokenizer,
-                              ServerSettings.from_config(config, name))
-        app = App(loop, make_api(server), core, server, {"Authorization": f"Bearer {api_key}"} if api_key
-                  else {})
+        server = OpenAIServer(
+            LocalEngineClient(core, name), core.loop.engine.tokenizer, ServerSettings.from_config(config, name)
+        )
+        app = App(loop, make_api(server), core, server, {"Authorization": f"Bearer {api_key}"} if api_key else {})
         made.append(app)
         return app
 

@@ -17,6 +17,7 @@ Two checkpoints, as the two Qwen3 tool-call formats come:
 - ``xml`` (Qwen3.5-style: ``<function=...><parameter=...>``; the generation prompt opens
   the think block itself): reasoning then one XML tool call.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,26 +29,56 @@ from tools.tiny_text import EOS_TOKEN, SPECIAL_TOKENS
 
 NO_THINK = "<think>\n\n</think>\n\n"
 CONTINUE = "Let me check"
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather forecast for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city"]}}}
-TIME_TOOL = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 
 HERMES_SCRIPTS: dict[str, list[str]] = {
-    "assistant\n": ["<think>", "\nThe user wants the weather and the time.", "\n</think>", "\n\n",
-                    "<tool_call>", '\n{"name": "get_weather", "arguments": ', '{"city": "Paris", "days": 3}',
-                    "}\n</tool_call>", "\n<tool_call>", '\n{"name": "get_time", "arguments": ',
-                    '{"zone": "CET"}', "}\n</tool_call>\n"],
+    "assistant\n": [
+        "<think>",
+        "\nThe user wants the weather and the time.",
+        "\n</think>",
+        "\n\n",
+        "<tool_call>",
+        '\n{"name": "get_weather", "arguments": ',
+        '{"city": "Paris", "days": 3}',
+        "}\n</tool_call>",
+        "\n<tool_call>",
+        '\n{"name": "get_time", "arguments": ',
+        '{"zone": "CET"}',
+        "}\n</tool_call>\n",
+    ],
     NO_THINK: ["The weather in Paris", " is sunny."],
     CONTINUE: [" the forecast", " for you."],
 }
 XML_SCRIPTS: dict[str, list[str]] = {
-    "assistant\n<think>\n": ["I will look it up.", "\n</think>\n\n", "<tool_call>",
-                             "\n<function=get_weather>", "\n<parameter=city>", "\nParis", "\n</parameter>",
-                             "\n<parameter=days>", "\n3", "\n</parameter>\n</function>", "\n</tool_call>"],
+    "assistant\n<think>\n": [
+        "I will look it up.",
+        "\n</think>\n\n",
+        "<tool_call>",
+        "\n<function=get_weather>",
+        "\n<parameter=city>",
+        "\nParis",
+        "\n</parameter>",
+        "\n<parameter=days>",
+        "\n3",
+        "\n</parameter>\n</function>",
+        "\n</tool_call>",
+    ]
 }
 # what the scripts produce, as the API should return them
 HERMES_REASONING = "The user wants the weather and the time.\n"
@@ -56,36 +87,56 @@ HERMES_ANSWER = "The weather in Paris is sunny."
 XML_REASONING = "I will look it up.\n"
 XML_CALLS = [("get_weather", '{"city": "Paris", "days": 3}')]
 
-_SYSTEM = ("{%- if messages[0].role == 'system' %}{{ '<|im_start|>system\\n' + messages[0].content }}"
-           "{%- if tools %}{{ '\\n\\n' }}{%- endif %}"
-           "{%- elif tools %}{{ '<|im_start|>system\\n' }}{%- endif %}")
-_TOOLS = ("{%- if tools %}{{ '# Tools\\n<tools>' }}{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}"
-          "{%- endfor %}{{ '\\n</tools>\\n' + CALL_HELP }}{%- endif %}"
-          "{%- if tools or messages[0].role == 'system' %}{{ '<|im_end|>\\n' }}{%- endif %}")
-_TURNS = ("{%- for m in messages %}{%- if m.role == 'system' and loop.first %}"
-          "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content "
-          "+ '\\n</tool_response><|im_end|>\\n' }}"
-          "{%- elif m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + m.content }}"
-          "{%- for tc in m.tool_calls or [] %}CALL{%- endfor %}{{ '<|im_end|>\\n' }}"
-          "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-          "{%- endfor %}")
+_SYSTEM = (
+    "{%- if messages[0].role == 'system' %}{{ '<|im_start|>system\\n' + messages[0].content }}"
+    "{%- if tools %}{{ '\\n\\n' }}{%- endif %}"
+    "{%- elif tools %}{{ '<|im_start|>system\\n' }}{%- endif %}"
+)
+_TOOLS = (
+    "{%- if tools %}{{ '# Tools\\n<tools>' }}{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}"
+    "{%- endfor %}{{ '\\n</tools>\\n' + CALL_HELP }}{%- endif %}"
+    "{%- if tools or messages[0].role == 'system' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+)
+_TURNS = (
+    "{%- for m in messages %}{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content "
+    "+ '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + m.content }}"
+    "{%- for tc in m.tool_calls or [] %}CALL{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+)
 HERMES_TEMPLATE = (
-    (_SYSTEM + _TOOLS).replace("CALL_HELP", "'Call a tool as <tool_call>\\n{\"name\": <name>, "
-                                            "\"arguments\": <args-json-object>}\\n</tool_call>\\n'")
-    + _TURNS.replace("CALL", "{{ '\\n<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' "
-                             "+ (tc.function.arguments | tojson) + '}\\n</tool_call>' }}")
+    (_SYSTEM + _TOOLS).replace(
+        "CALL_HELP",
+        '\'Call a tool as <tool_call>\\n{"name": <name>, "arguments": <args-json-object>}\\n</tool_call>\\n\'',
+    )
+    + _TURNS.replace(
+        "CALL",
+        '{{ \'\\n<tool_call>\\n{"name": "\' + tc.function.name + \'", "arguments": \' '
+        "+ (tc.function.arguments | tojson) + '}\\n</tool_call>' }}",
+    )
     + "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-      "{%- if enable_thinking is defined and enable_thinking is false %}{{ '" + NO_THINK.replace("\n", "\\n")
-    + "' }}{%- endif %}{%- endif %}")
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '"
+    + NO_THINK.replace("\n", "\\n")
+    + "' }}{%- endif %}{%- endif %}"
+)
 XML_TEMPLATE = (
-    (_SYSTEM + _TOOLS).replace("CALL_HELP", "'Call a tool as <tool_call>\\n<function=NAME>\\n<parameter=KEY>"
-                                            "\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>\\n'")
-    + _TURNS.replace("CALL", "{{ '\\n<tool_call>\\n<function=' + tc.function.name + '>' }}"
-                             "{%- for k, v in tc.function.arguments | items %}"
-                             "{{ '\\n<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>' }}"
-                             "{%- endfor %}"
-                             "{{ '\\n</function>\\n</tool_call>' }}")
-    + "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    (_SYSTEM + _TOOLS).replace(
+        "CALL_HELP",
+        "'Call a tool as <tool_call>\\n<function=NAME>\\n<parameter=KEY>"
+        "\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>\\n'",
+    )
+    + _TURNS.replace(
+        "CALL",
+        "{{ '\\n<tool_call>\\n<function=' + tc.function.name + '>' }}"
+        "{%- for k, v in tc.function.arguments | items %}"
+        "{{ '\\n<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>' }}"
+        "{%- endfor %}"
+        "{{ '\\n</function>\\n</tool_call>' }}",
+    )
+    + "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
 
 
 def _add_tokens(out: Path, texts: list[str]) -> None:
@@ -107,8 +158,7 @@ def _set_template(out: Path, template: str) -> None:
 
 def make_scripted_checkpoint(kind: str, out_dir: str | Path) -> Path:
     """``kind``: ``hermes`` or ``xml`` (see the module docstring)."""
-    scripts, template = {"hermes": (HERMES_SCRIPTS, HERMES_TEMPLATE),
-                         "xml": (XML_SCRIPTS, XML_TEMPLATE)}[kind]
+    scripts, template = {"hermes": (HERMES_SCRIPTS, HERMES_TEMPLATE), "xml": (XML_SCRIPTS, XML_TEMPLATE)}[kind]
     out = Path(out_dir)
     build_tiny_tokenizer(out)
     chain = [t for entry, pieces in scripts.items() for t in (entry, *pieces)]
@@ -146,7 +196,7 @@ def _wire(model: torch.nn.Module, successors: dict[int, int], chain_ids: list[in
     for name, p in model.named_parameters():
         if any(k in name for k in ("o_proj", "out_proj", "down_proj")):
             p.zero_()
-    model.model.norm.weight.zero_()                 # zero-centered RMSNorm: scale 1
+    model.model.norm.weight.zero_()  # zero-centered RMSNorm: scale 1
     emb, head = model.model.embed_tokens.weight, model.lm_head.weight
     head.zero_()
     for k, tid in enumerate(chain_ids):

@@ -1,4 +1,5 @@
 """The tokenizer and service endpoints, and the issue-15 bug list, over HTTP in process (no Ray)."""
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,7 @@ def test_tokenize_and_detokenize_round_trip(app):
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
     assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
     assert app.call("POST", "/tokenize", json={"prompt": "x"}).json()["token_strs"] is None
-    assert app.call("POST", "/detokenize",
-                    json={"tokens": body["tokens"]}).json() == {"prompt": "the cat sat"}
+    assert app.call("POST", "/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "the cat sat"}
     r = app.call("POST", "/detokenize", json={"tokens": [10**7]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = app.call("POST", "/tokenize", json={"prompt": "x", "model": "other"})
@@ -42,12 +42,12 @@ def test_tokenize_and_detokenize_round_trip(app):
 
 def test_tokenize_messages_is_the_chat_prompt(app):
     ids = app.call("POST", "/tokenize", json={"messages": USER}).json()["tokens"]
-    chat = app.call("POST", "/v1/chat/completions", json={"messages": USER, "max_tokens": 1,
-                                                          "return_token_ids": True}).json()
+    chat = app.call(
+        "POST", "/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "return_token_ids": True}
+    ).json()
     assert chat["prompt_token_ids"] == ids
-    bare = app.call("POST", "/tokenize",
-                    json={"messages": USER, "add_generation_prompt": False}).json()["tokens"]
-    assert ids[:len(bare)] == bare and len(ids) > len(bare)
+    bare = app.call("POST", "/tokenize", json={"messages": USER, "add_generation_prompt": False}).json()["tokens"]
+    assert ids[: len(bare)] == bare and len(ids) > len(bare)
 
 
 def test_tokenizer_info_version_ping_and_model_card(app):
@@ -56,14 +56,14 @@ def test_tokenizer_info_version_ping_and_model_card(app):
     assert info["eos_token"] == "<|endoftext|>"
     assert app.call("GET", "/version").json()["version"]
     for method in ("GET", "POST"):
-        assert app.call(method, "/ping", headers={}).status_code == 200          # no key, as /health
+        assert app.call(method, "/ping", headers={}).status_code == 200  # no key, as /health
     card = app.call("GET", "/v1/models/tiny").json()
     assert card["id"] == "tiny" and card["object"] == "model"
-    assert abs(card["created"] - time.time()) < 3600                            # a real timestamp
+    assert abs(card["created"] - time.time()) < 3600  # a real timestamp
     assert app.call("GET", "/v1/models").json()["data"][0] == card
     r = app.call("GET", "/v1/models/other")
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
-    assert app.call("GET", "/version", headers={}).status_code == 401           # the key guards the rest
+    assert app.call("GET", "/version", headers={}).status_code == 401  # the key guards the rest
 
 
 def test_metrics_on_the_api_port(app):
@@ -79,46 +79,65 @@ def test_completions_default_to_the_rest_of_the_context():
         def encode(self, text, add_special_tokens=True):
             return [1, 2, 3]
 
-    prepared = prepare_completion(validate_completion({"prompt": "abc"}), Tok(), max_model_len=100,
-                                  vocab_size=10)
+    prepared = prepare_completion(validate_completion({"prompt": "abc"}), Tok(), max_model_len=100, vocab_size=10)
     assert prepared.params[0].max_tokens == 97
     with_max = prepare_completion(validate_completion({"prompt": "abc", "max_tokens": 5}), Tok(), 100, 10)
     assert with_max.params[0].max_tokens == 5
 
 
 def test_logprobs_zero_gives_the_chosen_token_alone(app):
-    body = app.call("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 0,
-                                                     "temperature": 0, "ignore_eos": True}).json()
+    body = app.call(
+        "POST",
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 3, "logprobs": 0, "temperature": 0, "ignore_eos": True},
+    ).json()
     lps = body["choices"][0]["logprobs"]
     assert [list(top) for top in lps["top_logprobs"]] == [[t] for t in lps["tokens"]]
     assert [top[t] for top, t in zip(lps["top_logprobs"], lps["tokens"])] == lps["token_logprobs"]
-    two = app.call("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 2,
-                                                    "temperature": 0, "ignore_eos": True}).json()
+    two = app.call(
+        "POST",
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 3, "logprobs": 2, "temperature": 0, "ignore_eos": True},
+    ).json()
     tops = two["choices"][0]["logprobs"]["top_logprobs"]
     # the chosen + the 2 best (fewer when the chosen is among them, or two decode alike: "\ufffd")
-    assert all(1 <= len(top) <= 3 and tok in top
-               for top, tok in zip(tops, two["choices"][0]["logprobs"]["tokens"]))
+    assert all(1 <= len(top) <= 3 and tok in top for top, tok in zip(tops, two["choices"][0]["logprobs"]["tokens"]))
     assert max(len(top) for top in tops) >= 2
-    chat = app.call("POST", "/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "logprobs": True,
-                                                          "top_logprobs": 0, "ignore_eos": True}).json()
+    chat = app.call(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 0, "ignore_eos": True},
+    ).json()
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == 3 and all(e["top_logprobs"] == [] and e["logprob"] <= 0 for e in content)
 
 
 def test_logprob_tokens_as_ids(app):
-    body = app.call("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 1,
-                                                     "return_tokens_as_token_ids": True, "ignore_eos": True,
-                                                     "return_token_ids": True}).json()
+    body = app.call(
+        "POST",
+        "/v1/completions",
+        json={
+            "prompt": "hi",
+            "max_tokens": 2,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    ).json()
     choice = body["choices"][0]
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
 
 
-@pytest.mark.parametrize("raw,param", [
-    (b'{"prompt": "ok \\udcff"}', "prompt"),
-    (b'{"prompt": ["fine", "\\ud800"]}', "prompt.1"),
-    (b'{"prompt": "x", "stop": ["\\udfff"]}', "stop.0"),
-    (b'{"prompt": "x", "\\udcff": 1}', "\\udcff"),        # a key: named escaped
-])
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (b'{"prompt": "ok \\udcff"}', "prompt"),
+        (b'{"prompt": ["fine", "\\ud800"]}', "prompt.1"),
+        (b'{"prompt": "x", "stop": ["\\udfff"]}', "stop.0"),
+        (b'{"prompt": "x", "\\udcff": 1}', "\\udcff"),  # a key: named escaped
+    ],
+)
 def test_lone_surrogates_are_a_400(app, raw, param):
     r = app.call("POST", "/v1/completions", content=raw, headers={**app.headers, **JSON})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
@@ -140,40 +159,69 @@ def test_lone_surrogates_in_chat_and_invalid_utf8_are_a_400(app):
 def test_suffix_is_refused(app):
     r = app.call("POST", "/v1/completions", json={"prompt": "def f(", "suffix": "):\n    pass"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
-    assert app.call("POST", "/v1/completions",
-                    json={"prompt": "x", "suffix": None, "max_tokens": 1}).status_code == 200
+    assert app.call("POST", "/v1/completions", json={"prompt": "x", "suffix": None, "max_tokens": 1}).status_code == 200
 
 
 def test_continuous_usage_stats_put_usage_on_every_chunk(app):
-    body = {"prompt": "hi", "max_tokens": 4, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "prompt": "hi",
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     objs = sse_objects(app.call("POST", "/v1/completions", json=body).text)[:-1]
     counts = [o["usage"]["completion_tokens"] for o in objs]
     assert counts == sorted(counts) and counts[-1] == 4 and objs[-1]["choices"] == []
     assert all(o["usage"]["prompt_tokens"] == objs[-1]["usage"]["prompt_tokens"] for o in objs)
-    plain = sse_objects(app.call("POST", "/v1/completions", json={
-        **body, "stream_options": {"include_usage": True}}).text)[:-1]
+    plain = sse_objects(
+        app.call("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}).text
+    )[:-1]
     assert all(o["usage"] is None for o in plain[:-1])
 
 
 def test_stop_string_before_min_tokens_stays_in_the_text(scripted):
     """The no-thinking answer is ``The weather in Paris`` + `` is sunny.`` + EOS."""
+
     def ask(**kw):
-        return scripted.call("POST", "/v1/chat/completions", json={
-            "messages": USER, "chat_template_kwargs": {"enable_thinking": False}, "stop": ["Paris"],
-            "logprobs": True, **kw}).json()["choices"][0], None
+        return scripted.call(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "messages": USER,
+                "chat_template_kwargs": {"enable_thinking": False},
+                "stop": ["Paris"],
+                "logprobs": True,
+                **kw,
+            },
+        ).json()["choices"][0], None
 
     cut, _ = ask()
     assert cut["message"]["content"] == "The weather in " and cut["finish_reason"] == "stop"
-    full = scripted.call("POST", "/v1/chat/completions", json={
-        "messages": USER, "chat_template_kwargs": {"enable_thinking": False}, "stop": ["Paris"],
-        "min_tokens": 2, "logprobs": True}).json()
+    full = scripted.call(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": USER,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "stop": ["Paris"],
+            "min_tokens": 2,
+            "logprobs": True,
+        },
+    ).json()
     choice = full["choices"][0]
     assert choice["message"]["content"] == HERMES_ANSWER and choice["finish_reason"] == "stop"
-    assert full["usage"]["completion_tokens"] == len(choice["logprobs"]["content"]) == 3   # EOS counted
-    offsets = scripted.call("POST", "/v1/completions", json={
-        "prompt": [scripted.server.tokenizer.convert_tokens_to_ids("<think>\n\n</think>\n\n")],
-        "stop": ["Paris"], "min_tokens": 2, "logprobs": 0}).json()["choices"][0]
+    assert full["usage"]["completion_tokens"] == len(choice["logprobs"]["content"]) == 3  # EOS counted
+    offsets = scripted.call(
+        "POST",
+        "/v1/completions",
+        json={
+            "prompt": [scripted.server.tokenizer.convert_tokens_to_ids("<think>\n\n</think>\n\n")],
+            "stop": ["Paris"],
+            "min_tokens": 2,
+            "logprobs": 0,
+        },
+    ).json()["choices"][0]
     assert offsets["text"] == HERMES_ANSWER
     assert offsets["logprobs"]["text_offset"] == [0, len("The weather in Paris"), len(HERMES_ANSWER)]
 
@@ -195,12 +243,34 @@ class FakeTokenizer:
 
 
 def test_sampling_fields_reach_the_engine_params():
-    body = {"prompt": "abcd", "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3,
-            "stop": ["x"], "stop_token_ids": [4], "ignore_eos": True, "min_tokens": 2, "n": 2, "logprobs": 3}
+    body = {
+        "prompt": "abcd",
+        "max_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "seed": 3,
+        "stop": ["x"],
+        "stop_token_ids": [4],
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "n": 2,
+        "logprobs": 3,
+    }
     prepared = prepare_completion(validate_completion(body), FakeTokenizer(), 100, 10)
     p = prepared.params[1]
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.stop_token_ids, p.ignore_eos,
-            p.min_tokens, p.logprobs) == (7, 0.7, 0.9, 5, 4, ("x",), (4,), True, 2, 3)   # choice j: seed + j
+    assert (
+        p.max_tokens,
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        p.seed,
+        p.stop,
+        p.stop_token_ids,
+        p.ignore_eos,
+        p.min_tokens,
+        p.logprobs,
+    ) == (7, 0.7, 0.9, 5, 4, ("x",), (4,), True, 2, 3)  # choice j: seed + j
     assert len(prepared.params) == 2 and prepared.n == 2
 
 
@@ -210,19 +280,22 @@ def test_add_special_tokens_and_truncate_prompt_tokens():
 
     tok = FakeTokenizer()
     on = prepare_completion(validate_completion({"prompt": "abc"}), tok, 100, 10)
-    off = prepare_completion(validate_completion({"prompt": "abc", "add_special_tokens": False}), tok, 100,
-                             10)
+    off = prepare_completion(validate_completion({"prompt": "abc", "add_special_tokens": False}), tok, 100, 10)
     assert tok.flags == [True, False] and on.prompt_ids[0] == [1, 1, 1, 0] and off.prompt_ids[0] == [1, 1, 1]
     chat = prepare_chat(validate_chat({"messages": [{"role": "user", "content": "abcd"}]}), tok, 100, 10)
-    assert tok.flags[-1] is False and chat.prompt_ids[0] == [1] * 4          # chat: the template's own
-    cut = prepare_completion(validate_completion({"prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 2}),
-                             tok, 100, 10)
-    assert cut.prompt_ids == [[4, 5]]                                          # the last tokens are kept
+    assert tok.flags[-1] is False and chat.prompt_ids[0] == [1] * 4  # chat: the template's own
+    cut = prepare_completion(
+        validate_completion({"prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 2}), tok, 100, 10
+    )
+    assert cut.prompt_ids == [[4, 5]]  # the last tokens are kept
 
 
 def test_max_completion_tokens_bounds_chat(app):
-    body = app.call("POST", "/v1/chat/completions", json={"messages": USER, "max_completion_tokens": 3,
-                                                          "max_tokens": 9, "ignore_eos": True}).json()
+    body = app.call(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": USER, "max_completion_tokens": 3, "max_tokens": 9, "ignore_eos": True},
+    ).json()
     assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
 
 

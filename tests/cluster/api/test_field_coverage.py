@@ -6,6 +6,7 @@ The field lists are vLLM's ``CompletionRequest`` / ``ChatCompletionRequest``
 extra params, ``structured_outputs`` and the ``guided_*`` names) and the OpenAI chat fields
 vLLM does not model. A field added to our schemas must be classified here too.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,23 +19,86 @@ from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, valid
 from cluster.api.unsupported import CHAT, COMMON, COMPLETION
 
 VLLM_COMMON = [
-    "model", "best_of", "frequency_penalty", "logit_bias", "max_tokens", "n", "presence_penalty", "seed",
-    "stop", "stream", "stream_options", "temperature", "top_p", "user", "use_beam_search", "top_k", "min_p",
-    "repetition_penalty", "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-    "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
-    "allowed_token_ids", "prompt_logprobs", "bad_words", "add_special_tokens", "response_format",
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag", "priority", "request_id",
-    "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "kv_transfer_params",
-    "vllm_xargs", "logprobs", "echo", "mm_processor_kwargs"]
+    "model",
+    "best_of",
+    "frequency_penalty",
+    "logit_bias",
+    "max_tokens",
+    "n",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "user",
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "length_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "allowed_token_ids",
+    "prompt_logprobs",
+    "bad_words",
+    "add_special_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structural_tag",
+    "priority",
+    "request_id",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "cache_salt",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "logprobs",
+    "echo",
+    "mm_processor_kwargs",
+]
 VLLM_COMPLETION = VLLM_COMMON + ["prompt", "prompt_embeds", "suffix"]
 VLLM_CHAT = VLLM_COMMON + [
-    "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "reasoning_effort",
-    "include_reasoning", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
-    "documents", "chat_template", "chat_template_kwargs",
+    "messages",
+    "top_logprobs",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "reasoning_effort",
+    "include_reasoning",
+    "parallel_tool_calls",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
     # OpenAI's, beyond vLLM's model
-    "audio", "function_call", "functions", "metadata", "modalities", "prediction", "service_tier", "store",
-    "web_search_options", "prompt_cache_key", "safety_identifier", "verbosity"]
+    "audio",
+    "function_call",
+    "functions",
+    "metadata",
+    "modalities",
+    "prediction",
+    "service_tier",
+    "store",
+    "web_search_options",
+    "prompt_cache_key",
+    "safety_identifier",
+    "verbosity",
+]
 
 A = "tests/cluster/api/"
 HTTP, END, TOOLS = A + "test_http_api.py::", A + "test_endpoints.py::", A + "test_tools_reasoning.py::"
@@ -94,19 +158,42 @@ HONOURED = {
     "guided_decoding_backend": SAMPLING + "test_bad_values_are_400s_naming_the_field",
 }
 # carry no meaning for the output: accepted, not used
-IGNORED = {"user": "an end-user id", "request_id": "our ids are our own", "metadata": "stored nowhere",
-           "store": "nothing is stored", "service_tier": "one tier", "prompt_cache_key": "routing hint",
-           "safety_identifier": "an end-user id"}
+IGNORED = {
+    "user": "an end-user id",
+    "request_id": "our ids are our own",
+    "metadata": "stored nowhere",
+    "store": "nothing is stored",
+    "service_tier": "one tier",
+    "prompt_cache_key": "routing hint",
+    "safety_identifier": "an end-user id",
+}
 # refused by the schema itself (only the neutral value validates)
 SCHEMA_REFUSED: dict[str, Any] = {}
 # a value that asks for something, per refused field
 SAMPLES: dict[str, Any] = {
-    "structural_tag": "{}", "guided_whitespace_pattern": " ", "spaces_between_special_tokens": False,
-    "allowed_token_ids": [1], "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["m.P"],
-    "prompt_embeds": "AAAA", "cache_salt": "salt", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
-    "priority": 1, "mm_processor_kwargs": {"a": 1}, "suffix": "tail", "echo": True,
-    "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},
-    "modalities": ["text", "audio"], "prediction": {"a": 1}, "web_search_options": {}, "verbosity": "low"}
+    "structural_tag": "{}",
+    "guided_whitespace_pattern": " ",
+    "spaces_between_special_tokens": False,
+    "allowed_token_ids": [1],
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "logits_processors": ["m.P"],
+    "prompt_embeds": "AAAA",
+    "cache_salt": "salt",
+    "kv_transfer_params": {"a": 1},
+    "vllm_xargs": {"a": 1},
+    "priority": 1,
+    "mm_processor_kwargs": {"a": 1},
+    "suffix": "tail",
+    "echo": True,
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "audio": {"voice": "x"},
+    "modalities": ["text", "audio"],
+    "prediction": {"a": 1},
+    "web_search_options": {},
+    "verbosity": "low",
+}
 BASE = {"completion": {"prompt": "hi"}, "chat": {"messages": [{"role": "user", "content": "hi"}]}}
 VALIDATE = {"completion": validate_completion, "chat": validate_chat}
 TABLES = {"completion": {**COMMON, **COMPLETION}, "chat": {**COMMON, **CHAT}}
@@ -138,18 +225,18 @@ def test_honoured_fields_name_a_test_that_exists(name):
     assert callable(getattr(module, func, None)), HONOURED[name]
 
 
-@pytest.mark.parametrize("kind,name", [(k, n) for k in ("completion", "chat") for n in LISTS[k]
-                                       if n in TABLES[k] or n in SCHEMA_REFUSED])
+@pytest.mark.parametrize(
+    "kind,name", [(k, n) for k in ("completion", "chat") for n in LISTS[k] if n in TABLES[k] or n in SCHEMA_REFUSED]
+)
 def test_refused_fields_are_a_400_naming_them(kind, name):
     value = SCHEMA_REFUSED.get(name, SAMPLES.get(name))
     with pytest.raises(OpenAIError) as err:
         VALIDATE[kind]({**BASE[kind], name: value})
     assert err.value.status == 400 and err.value.param == name, err.value.message
     for neutral in TABLES[kind][name].neutral if name in TABLES[kind] else ():
-        VALIDATE[kind]({**BASE[kind], name: neutral})          # asking for nothing is served
+        VALIDATE[kind]({**BASE[kind], name: neutral})  # asking for nothing is served
 
 
-@pytest.mark.parametrize("kind,name", [(k, n) for k in ("completion", "chat") for n in LISTS[k]
-                                       if n in IGNORED])
+@pytest.mark.parametrize("kind,name", [(k, n) for k in ("completion", "chat") for n in LISTS[k] if n in IGNORED])
 def test_ignored_fields_are_accepted(kind, name):
     VALIDATE[kind]({**BASE[kind], name: "x"})

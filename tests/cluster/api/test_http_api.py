@@ -1,4 +1,5 @@
 """The OpenAI HTTP app over an in-process replica (no Ray): semantics and error contract."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,12 +21,19 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def env(tiny_qwen_dir):
     loop = asyncio.new_event_loop()
-    config = load_config(overrides={"model": str(tiny_qwen_dir), "device": "cpu", "dtype": "float32",
-                                    "cache": {"page_size": 4, "max_kv_tokens": 2048, "max_mamba_slots": 32},
-                                    "server": {"api_key": KEY}})
+    config = load_config(
+        overrides={
+            "model": str(tiny_qwen_dir),
+            "device": "cpu",
+            "dtype": "float32",
+            "cache": {"page_size": 4, "max_kv_tokens": 2048, "max_mamba_slots": 32},
+            "server": {"api_key": KEY},
+        }
+    )
     core = loop.run_until_complete(ReplicaCore.create(config))
-    server = OpenAIServer(LocalEngineClient(core), core.loop.engine.tokenizer,
-                          ServerSettings("tiny", str(tiny_qwen_dir), KEY))
+    server = OpenAIServer(
+        LocalEngineClient(core), core.loop.engine.tokenizer, ServerSettings("tiny", str(tiny_qwen_dir), KEY)
+    )
     yield loop, make_api(server), core
     loop.run_until_complete(core.shutdown())
     loop.close()
@@ -37,6 +45,7 @@ def call(env, method: str, path: str, headers=AUTH, **kwargs) -> httpx.Response:
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return await c.request(method, path, headers=headers, **kwargs)
+
     return loop.run_until_complete(go())
 
 
@@ -59,14 +68,18 @@ def test_api_key_is_required_except_for_health(env, headers):
 
 
 def test_stream_equals_non_stream_and_cached_tokens_on_repeat(env):
-    body = {"model": "tiny", "prompt": "the cat sat on the mat and looked", "max_tokens": 12,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": "the cat sat on the mat and looked",
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     first = call(env, "POST", "/v1/completions", json=body).json()
     again = call(env, "POST", "/v1/completions", json=body).json()
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    r = call(env, "POST", "/v1/completions", json={**body, "stream": True,
-                                                     "stream_options": {"include_usage": True}})
+    r = call(env, "POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
     assert r.headers["content-type"].startswith("text/event-stream")
     objs = sse_objects(r.text)
     assert objs[-1] == "[DONE]" and objs[-2]["choices"] == []
@@ -76,8 +89,15 @@ def test_stream_equals_non_stream_and_cached_tokens_on_repeat(env):
 
 
 def test_chat_uses_the_template_and_streams_roles_first(env):
-    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2}
+    body = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     full = call(env, "POST", "/v1/chat/completions", json=body).json()
     choice = full["choices"][0]
     assert choice["message"]["role"] == "assistant" and len(choice["token_ids"]) == 6
@@ -90,20 +110,33 @@ def test_chat_uses_the_template_and_streams_roles_first(env):
 
 
 def test_n_seed_stop_and_token_ids(env):
-    body = {"prompt": [7, 8, 9, 10], "max_tokens": 8, "n": 2, "seed": 11, "temperature": 1.0,
-            "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
+    body = {
+        "prompt": [7, 8, 9, 10],
+        "max_tokens": 8,
+        "n": 2,
+        "seed": 11,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": 1,
+    }
     a = call(env, "POST", "/v1/completions", json=body).json()
     b = call(env, "POST", "/v1/completions", json=body).json()
     assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
     assert a["prompt_token_ids"] == [7, 8, 9, 10] and len(a["choices"]) == 2
     assert len(a["choices"][0]["logprobs"]["token_logprobs"]) == 8
-    greedy = call(env, "POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 16,
-                                                        "temperature": 0, "ignore_eos": True}).json()
+    greedy = call(
+        env, "POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    ).json()
     text = greedy["choices"][0]["text"]
-    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2])
-    cut = call(env, "POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 16, "temperature": 0,
-                                                     "ignore_eos": True, "stop": [stop]}).json()
-    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    cut = call(
+        env,
+        "POST",
+        "/v1/completions",
+        json={"prompt": "abc", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop]},
+    ).json()
+    assert cut["choices"][0]["text"] == text[: text.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
 
 
@@ -119,8 +152,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
-     400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, None),
 ]
 
 
@@ -141,8 +173,9 @@ def test_bad_requests_get_an_openai_error_before_any_stream(env, path, body, sta
 def test_request_id_is_echoed_on_success_streams_and_errors(env):
     rid = {"x-request-id": "abc-123"}
     assert call(env, "GET", "/v1/models", headers={**AUTH, **rid}).headers["x-request-id"] == "abc-123"
-    r = call(env, "POST", "/v1/completions", headers={**AUTH, **rid},
-             json={"prompt": "x", "max_tokens": 2, "stream": True})
+    r = call(
+        env, "POST", "/v1/completions", headers={**AUTH, **rid}, json={"prompt": "x", "max_tokens": 2, "stream": True}
+    )
     assert r.headers["x-request-id"] == "abc-123"
     assert call(env, "GET", "/v1/models", headers=rid).headers["x-request-id"] == "abc-123"  # 401
 
@@ -166,8 +199,9 @@ def test_leaving_a_stream_early_frees_the_pools(env):
         started = await server.start_completion(json.dumps(body).encode())
         events = server.events(started)
         got = [await events.__anext__() for _ in range(3)]
-        await events.aclose()                     # what Starlette does when the client goes
+        await events.aclose()  # what Starlette does when the client goes
         return got
+
     got = loop.run_until_complete(read_some_then_leave())
     assert len(got) == 3
     for _ in range(200):

@@ -1,4 +1,5 @@
 """SSE chunk rendering and response accumulation (pure; a fake tokenizer)."""
+
 from __future__ import annotations
 
 import json
@@ -15,23 +16,33 @@ class FakeTokenizer:
         return "".join(f"<{i}>" for i in ids)
 
 
-def prepared(kind: str, n: int = 1, prompts: int = 1, logprobs: int | None = None,
-             token_ids: bool = False) -> PreparedRequest:
+def prepared(
+    kind: str, n: int = 1, prompts: int = 1, logprobs: int | None = None, token_ids: bool = False
+) -> PreparedRequest:
     prompt_ids = [[1, 2, 3]] * prompts
     return PreparedRequest(kind, prompt_ids, [SamplingParams()] * (n * prompts), n, token_ids, logprobs)
 
 
-def chunk(index: int, ids: list[int], text: str, finished: bool = False, lps: bool = False,
-          cached: int = 0) -> GenerateChunk:
-    return GenerateChunk(index, ids, text, [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in ids] if lps else None,
-                         finished, "length" if finished else None, None, cached)
+def chunk(
+    index: int, ids: list[int], text: str, finished: bool = False, lps: bool = False, cached: int = 0
+) -> GenerateChunk:
+    return GenerateChunk(
+        index,
+        ids,
+        text,
+        [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in ids] if lps else None,
+        finished,
+        "length" if finished else None,
+        None,
+        cached,
+    )
 
 
 def decode(events: list[str]) -> list[object]:
     out = []
     for e in events:
         assert e.startswith("data: ") and e.endswith("\n\n")
-        body = e[len("data: "):-2]
+        body = e[len("data: ") : -2]
         out.append(body if body == "[DONE]" else json.loads(body))
     return out
 
@@ -51,11 +62,19 @@ def test_chat_stream_role_first_then_content_finish_usage_and_done():
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert c1["choices"][0]["delta"] == {"content": "he"} and c1["usage"] is None
     # two chunks of one batch merge into one event; finish_reason rides on the last content
-    assert c2["choices"][0] == {"index": 0, "delta": {"content": "llo!"}, "logprobs": None,
-                                "finish_reason": "length", "stop_reason": None}
+    assert c2["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "llo!"},
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
     assert usage["choices"] == [] and usage["usage"] == {
-        "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
-        "prompt_tokens_details": {"cached_tokens": 2}}
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
 
 
 def test_completion_stream_logprobs_offsets_token_ids_and_no_usage():
@@ -90,8 +109,7 @@ def test_empty_deltas_are_skipped_and_errors_render_in_band():
     p = prepared("chat")
     state = ResponseState(p)
     r = SSERenderer(p, "m", "id", FakeTokenizer(), include_usage=False)
-    assert r.delta_events(state.absorb(0, [chunk(0, [5], "")])) == []   # held-back text
+    assert r.delta_events(state.absorb(0, [chunk(0, [5], "")])) == []  # held-back text
     err = decode(r.error_events(OpenAIError("boom", status=503, type="service_unavailable")))
-    assert err[0] == {"error": {"message": "boom", "type": "service_unavailable", "param": None,
-                                "code": None}}
+    assert err[0] == {"error": {"message": "boom", "type": "service_unavailable", "param": None, "code": None}}
     assert err[1] == "[DONE]"

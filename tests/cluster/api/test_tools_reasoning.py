@@ -3,6 +3,7 @@
 The scripted checkpoints (``scripted_model.py``) emit a known text, so the whole path
 -- template, engine, detokenizer, parsers, stream rendering -- is checked on real output.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,9 +87,10 @@ def test_tool_calls_stream_as_openai_deltas(hermes):
     objs = stream(hermes, tools=TOOLS, stream_options={"include_usage": True})
     reasoning, content, calls, finish = assemble(objs)
     assert (reasoning, content, calls, finish) == (HERMES_REASONING, "", HERMES_CALLS, "tool_calls")
-    fragments = [c for o in objs[:-1] for ch in o["choices"] for c in ch["delta"].get("tool_calls", [])
-                 if "id" not in c]
-    assert len(fragments) >= 2                           # arguments arrive after the name
+    fragments = [
+        c for o in objs[:-1] for ch in o["choices"] for c in ch["delta"].get("tool_calls", []) if "id" not in c
+    ]
+    assert len(fragments) >= 2  # arguments arrive after the name
     assert objs[-2]["usage"]["completion_tokens"] == chat(hermes, tools=TOOLS)["usage"]["completion_tokens"]
 
 
@@ -101,10 +103,9 @@ def test_parallel_tool_calls_false_keeps_the_first(hermes):
 def test_tool_choice_none_leaves_the_text_alone(hermes):
     message = chat(hermes, tools=TOOLS, tool_choice="none")["choices"][0]["message"]
     assert "tool_calls" not in message
-    assert message["content"].startswith("<tool_call>\n{\"name\": \"get_weather\"")
+    assert message["content"].startswith('<tool_call>\n{"name": "get_weather"')
     assert message["reasoning_content"] == HERMES_REASONING
-    assert chat(hermes, tools=TOOLS,
-                include_reasoning=False)["choices"][0]["message"]["reasoning_content"] is None
+    assert chat(hermes, tools=TOOLS, include_reasoning=False)["choices"][0]["message"]["reasoning_content"] is None
 
 
 def test_chat_template_kwargs_turn_thinking_off(hermes):
@@ -112,8 +113,7 @@ def test_chat_template_kwargs_turn_thinking_off(hermes):
     message = body["choices"][0]["message"]
     assert message == {"role": "assistant", "content": HERMES_ANSWER, "reasoning_content": None}
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert assemble(stream(hermes,
-                           chat_template_kwargs={"enable_thinking": False}))[:2] == ("", HERMES_ANSWER)
+    assert assemble(stream(hermes, chat_template_kwargs={"enable_thinking": False}))[:2] == ("", HERMES_ANSWER)
 
 
 def test_continue_final_message_continues_it(hermes):
@@ -134,19 +134,35 @@ def test_xml_tool_calls_typed_by_the_schema_and_reasoning_opened_by_the_template
 
 def test_tool_turns_reach_the_template(hermes, xml):
     history = USER + [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     hermes_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    for app, shown in ((hermes, hermes_call),
-                       (xml, "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>")):
+    for app, shown in (
+        (hermes, hermes_call),
+        (xml, "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>"),
+    ):
         ids = app.call("POST", "/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
         text = app.call("POST", "/detokenize", json={"tokens": ids}).json()["prompt"]
         assert shown in text and "<tool_response>\nsunny\n</tool_response>" in text
-        assert '"name": "get_time"' in text                          # the tools, in the system turn
-    bad = [*history[:1], {**history[1], "tool_calls": [{**history[1]["tool_calls"][0],
-                                                        "function": {"name": "f", "arguments": "{oops"}}]}]
+        assert '"name": "get_time"' in text  # the tools, in the system turn
+    bad = [
+        *history[:1],
+        {
+            **history[1],
+            "tool_calls": [{**history[1]["tool_calls"][0], "function": {"name": "f", "arguments": "{oops"}}],
+        },
+    ]
     r = hermes.call("POST", CHAT, json={"messages": bad})
     assert r.json()["error"]["param"] == "messages.1.tool_calls.0.function.arguments"
 
@@ -156,18 +172,29 @@ def test_per_request_chat_template_needs_the_server_to_trust_it(hermes):
     r = hermes.call("POST", CHAT, json={"messages": USER, "chat_template": template})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     trusting = hermes.with_settings(trust_request_chat_template=True)
-    ids = trusting.call("POST", "/tokenize",
-                        json={"messages": USER, "chat_template": template}).json()["tokens"]
-    assert trusting.call("POST", "/detokenize",
-                         json={"tokens": ids}).json()["prompt"] == f"Q: {USER[0]['content']} A:"
-    body = trusting.call("POST", CHAT, json={"messages": USER, "chat_template": template, "max_tokens": 2,
-                                             "return_token_ids": True}).json()
+    ids = trusting.call("POST", "/tokenize", json={"messages": USER, "chat_template": template}).json()["tokens"]
+    assert trusting.call("POST", "/detokenize", json={"tokens": ids}).json()["prompt"] == f"Q: {USER[0]['content']} A:"
+    body = trusting.call(
+        "POST", CHAT, json={"messages": USER, "chat_template": template, "max_tokens": 2, "return_token_ids": True}
+    ).json()
     assert body["prompt_token_ids"] == ids
 
 
-UNITS = [{"type": "function", "function": {"name": name, "parameters": {
-    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
-    "additionalProperties": False}}} for name in ("set_unit", "show_unit")]
+UNITS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {"unit": {"enum": ["c", "f"]}},
+                "required": ["unit"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    for name in ("set_unit", "show_unit")
+]
 
 
 def test_a_named_function_is_enforced(hermes):
@@ -178,42 +205,61 @@ def test_a_named_function_is_enforced(hermes):
     assert name == "show_unit" and json.loads(args) in ({"unit": "c"}, {"unit": "f"})
     # forced: no choice made
     assert message["content"] is None and body["choices"][0]["finish_reason"] == "stop"
-    assert assemble(stream(hermes, tools=UNITS,
-                           tool_choice=choice, temperature=0)) == ("", "", [(name, args)], "stop")
+    assert assemble(stream(hermes, tools=UNITS, tool_choice=choice, temperature=0)) == ("", "", [(name, args)], "stop")
 
 
 def test_tool_choice_required_is_enforced(hermes):
     for parallel in (True, False):
-        body = chat(hermes, tools=UNITS, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120,
-                    temperature=0)
+        body = chat(
+            hermes, tools=UNITS, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120, temperature=0
+        )
         found = calls_of(body["choices"][0]["message"])
-        assert found and all(n in ("set_unit", "show_unit")
-                             and json.loads(a) in ({"unit": "c"}, {"unit": "f"})
-                             for n, a in found)
+        assert found and all(
+            n in ("set_unit", "show_unit") and json.loads(a) in ({"unit": "c"}, {"unit": "f"}) for n, a in found
+        )
         finish = body["choices"][0]["finish_reason"]
         # one call closes the array; parallel calls may run on to max_tokens (the complete ones count)
-        assert ((len(found), finish) == (1, "tool_calls") if not parallel
-                else finish in ("tool_calls", "length"))
-        streamed = assemble(stream(hermes, tools=UNITS, tool_choice="required", parallel_tool_calls=parallel,
-                                   max_tokens=120, temperature=0))
+        assert (len(found), finish) == (1, "tool_calls") if not parallel else finish in ("tool_calls", "length")
+        streamed = assemble(
+            stream(
+                hermes, tools=UNITS, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120, temperature=0
+            )
+        )
         assert streamed == ("", "", found, finish)
-    r = hermes.call("POST", CHAT, json={"messages": USER, "tools": UNITS, "tool_choice": "required",
-                                        "guided_regex": "a+"})
+    r = hermes.call(
+        "POST", CHAT, json={"messages": USER, "tools": UNITS, "tool_choice": "required", "guided_regex": "a+"}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"reasoning_effort": "low"}, "reasoning_effort"),
-    ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
-    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
-                                                {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
-     "messages.0.content.1"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
-     "messages.0.content.0.type"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"documents": [{"title": "a", "text": "b"}]}, "documents"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "look"},
+                            {"type": "image_url", "image_url": {"url": "http://x/a.png"}},
+                        ],
+                    }
+                ]
+            },
+            "messages.0.content.1",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            "messages.0.content.0.type",
+        ),
+    ],
+)
 def test_what_is_not_served_is_a_400_naming_it(hermes, body, param):
     for streamed in (False, True):
         r = hermes.call("POST", CHAT, json={"messages": USER, **body, "stream": streamed})
@@ -222,8 +268,15 @@ def test_what_is_not_served_is_a_400_naming_it(hermes, body, param):
 
 
 def test_images_say_they_are_not_served_yet(hermes):
-    r = hermes.call("POST", CHAT, json={"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    r = hermes.call(
+        "POST",
+        CHAT,
+        json={
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+            ]
+        },
+    )
     assert "images are not served yet" in r.json()["error"]["message"]
 
 
@@ -231,20 +284,29 @@ def test_tools_on_a_model_without_a_tool_format_are_refused(local_app, tiny_qwen
     plain = local_app(tiny_qwen_dir)
     r = plain.call("POST", CHAT, json={"messages": USER, "tools": TOOLS})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    assert plain.call("POST", CHAT, json={"messages": USER, "tools": TOOLS, "tool_choice": "none",
-                                          "max_tokens": 2}).status_code == 200
-    forced = plain.with_settings(tool_call_parser="hermes")          # config server.tool_call_parser
-    assert forced.call("POST", CHAT,
-                       json={"messages": USER, "tools": TOOLS, "max_tokens": 2}).status_code == 200
+    assert (
+        plain.call(
+            "POST", CHAT, json={"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2}
+        ).status_code
+        == 200
+    )
+    forced = plain.with_settings(tool_call_parser="hermes")  # config server.tool_call_parser
+    assert forced.call("POST", CHAT, json={"messages": USER, "tools": TOOLS, "max_tokens": 2}).status_code == 200
 
 
 def test_documents_and_reasoning_effort_reach_a_template_that_reads_them(hermes):
     trusting = hermes.with_settings(trust_request_chat_template=True)
-    template = ("{{ 'effort=' + reasoning_effort + ' doc=' + documents[0].text"
-                " + ' q=' + messages[-1].content }}")
-    ids = trusting.call("POST", "/tokenize", json={
-        "messages": USER, "chat_template": template, "reasoning_effort": "high",
-        "documents": [{"title": "t", "text": "the manual"}]}).json()["tokens"]
+    template = "{{ 'effort=' + reasoning_effort + ' doc=' + documents[0].text + ' q=' + messages[-1].content }}"
+    ids = trusting.call(
+        "POST",
+        "/tokenize",
+        json={
+            "messages": USER,
+            "chat_template": template,
+            "reasoning_effort": "high",
+            "documents": [{"title": "t", "text": "the manual"}],
+        },
+    ).json()["tokens"]
     text = trusting.call("POST", "/detokenize", json={"tokens": ids}).json()["prompt"]
     assert text == f"effort=high doc=the manual q={USER[0]['content']}"
 
@@ -252,8 +314,21 @@ def test_documents_and_reasoning_effort_reach_a_template_that_reads_them(hermes)
 def test_images_on_a_vision_checkpoint_say_its_tower_is_not_loaded(local_app, tiny_checkpoint):
     vl = local_app(tiny_checkpoint("qwen3_5_vl"), "vl")
     assert vl.server.chat_setup.unserved_vision
-    r = vl.call("POST", CHAT, json={"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]})
+    r = vl.call(
+        "POST",
+        CHAT,
+        json={
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:,"}},
+                    ],
+                }
+            ]
+        },
+    )
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "messages.0.content.1"
     assert "images are not served yet" in err["message"] and "vision tower" in err["message"]

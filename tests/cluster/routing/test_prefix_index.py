@@ -1,4 +1,5 @@
 """PrefixIndex: exact answers on small cases, and a randomized comparison with brute force."""
+
 from __future__ import annotations
 
 import random
@@ -33,14 +34,14 @@ def test_evict_and_forget_prune_the_tree():
     idx.insert("a", [1, 2, 3, 4])
     idx.insert("a", [1, 2, 3, 4, 5, 6])
     idx.insert("b", [1, 2, 7, 7])
-    assert idx.summary().num_nodes == 5           # root, [1,2] branch, [3,4], [5,6], [7,7]
+    assert idx.summary().num_nodes == 5  # root, [1,2] branch, [3,4], [5,6], [7,7]
     idx.evict("a", [1, 2, 3, 4])
     assert idx.match([1, 2, 3, 4, 5, 6, 0]) == {"a": 6}
-    assert idx.summary().num_nodes == 4           # [3,4] merged into [5,6]
-    idx.evict("a", [1, 2, 3, 4])                  # unknown: no-op
+    assert idx.summary().num_nodes == 4  # [3,4] merged into [5,6]
+    idx.evict("a", [1, 2, 3, 4])  # unknown: no-op
     idx.forget("a")
     assert idx.match([1, 2, 3, 4, 5, 6, 0]) == {}
-    assert idx.summary().num_nodes == 2           # root and b's path, merged back into one edge
+    assert idx.summary().num_nodes == 2  # root and b's path, merged back into one edge
     assert idx.match([1, 2, 7, 7, 1]) == {"b": 4}
     idx.forget("b")
     assert idx.summary() == (1, {})
@@ -49,8 +50,15 @@ def test_evict_and_forget_prune_the_tree():
 def test_apply_reads_engine_events_in_order():
     idx = PrefixIndex()
     ids = (5, 6, 7, 8)
-    n = idx.apply("r", [CheckpointInserted(4, b"h", ids), CheckpointEvicted(4, b"h", ids),
-                        CheckpointInserted(4, b"h", ids), "not an event"])
+    n = idx.apply(
+        "r",
+        [
+            CheckpointInserted(4, b"h", ids),
+            CheckpointEvicted(4, b"h", ids),
+            CheckpointInserted(4, b"h", ids),
+            "not an event",
+        ],
+    )
     assert n == 3
     assert idx.match([5, 6, 7, 8, 9]) == {"r": 4}
     idx.clear("r")
@@ -61,7 +69,7 @@ def test_per_replica_cap_drops_the_oldest():
     idx = PrefixIndex(max_checkpoints_per_replica=2)
     idx.insert("r", [1, 1])
     idx.insert("r", [2, 2])
-    idx.insert("r", [1, 1])                       # refreshed: now the newest
+    idx.insert("r", [1, 1])  # refreshed: now the newest
     idx.insert("r", [3, 3])
     assert idx.num_checkpoints("r") == 2
     assert idx.match([2, 2, 0]) == {} and idx.match([1, 1, 0]) == {"r": 2}
@@ -70,7 +78,7 @@ def test_per_replica_cap_drops_the_oldest():
 def _brute(held: dict[str, set[tuple[int, ...]]], prompt: list[int], limit: int) -> dict[str, int]:
     out = {}
     for replica, paths in held.items():
-        depths = [len(p) for p in paths if len(p) <= limit and tuple(prompt[:len(p)]) == p]
+        depths = [len(p) for p in paths if len(p) <= limit and tuple(prompt[: len(p)]) == p]
         if depths:
             out[replica] = max(depths)
     return out

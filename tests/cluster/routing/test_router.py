@@ -1,4 +1,5 @@
 """HybridPrefixRouter.choose_replicas with fake replicas, index and loads (no Ray cluster)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,13 @@ class FakeMethod:
 
 class FakeIndex:
     def __init__(self, depths: dict[str, int] | Exception) -> None:
-        self.match = FakeMethod(lambda tokens, ids, max_depth: depths if isinstance(depths, Exception)
-                                else MatchReport({i: depths.get(i, 0) for i in ids}, dict.fromkeys(ids, 0)))
+        self.match = FakeMethod(
+            lambda tokens, ids, max_depth: (
+                depths
+                if isinstance(depths, Exception)
+                else MatchReport({i: depths.get(i, 0) for i in ids}, dict.fromkeys(ids, 0))
+            )
+        )
         self.forget = FakeMethod(lambda ids: None)
 
 
@@ -66,8 +72,9 @@ class FakeMetrics:
         self.push_router = FakeMethod(lambda model, deltas: self.pushed.update(deltas))
 
 
-def make_router(replicas: list[FakeReplica], index: FakeIndex, policy: str = "hybrid_prefix",
-                loads: dict[str, int] | None = None) -> tuple[HybridPrefixRouter, FakeMetrics]:
+def make_router(
+    replicas: list[FakeReplica], index: FakeIndex, policy: str = "hybrid_prefix", loads: dict[str, int] | None = None
+) -> tuple[HybridPrefixRouter, FakeMetrics]:
     router = HybridPrefixRouter(deployment_id=DEP, handle_source=DeploymentHandleSource.UNKNOWN)
     metrics = FakeMetrics()
     router_section = {"policy": policy, "min_match_tokens": 4, "push_interval_s": 0.01}
@@ -83,8 +90,7 @@ def make_router(replicas: list[FakeReplica], index: FakeIndex, policy: str = "hy
 
 def pending(tokens: list[int] | None, **kwargs) -> PendingRequest:
     args = [] if tokens is None else [GenerateRequest("r", tokens, [SamplingParams()])]
-    meta = RequestMetadata(request_id="r", internal_request_id="i",
-                           call_method="generate" if tokens else "stats")
+    meta = RequestMetadata(request_id="r", internal_request_id="i", call_method="generate" if tokens else "stats")
     return PendingRequest(args=args, kwargs=kwargs, metadata=meta)
 
 
@@ -103,10 +109,11 @@ def test_prefix_hit_goes_to_the_replica_holding_the_checkpoint():
 
     async def go():
         ranks = await router.choose_replicas([a, b], pending(list(range(20))))
-        await asyncio.sleep(0.05)                 # let the decision counter be pushed
+        await asyncio.sleep(0.05)  # let the decision counter be pushed
         return ranks
+
     assert names(run(go())) == [[b.name], [a.name]]
-    assert index.match.calls[0][2] == 19          # the last prompt token must be computed
+    assert index.match.calls[0][2] == 19  # the last prompt token must be computed
     assert metrics.pushed == {"prefix": 1}
 
 
@@ -118,6 +125,7 @@ def test_index_failure_falls_back_to_power_of_two():
         ranks = await router.choose_replicas([a, b], pending(list(range(20))))
         await asyncio.sleep(0.05)
         return ranks
+
     ranks = names(run(go()))
     assert len(ranks) == 1 and sorted(ranks[0]) == sorted([a.name, b.name])
     assert metrics.pushed == {"fallback": 1}
@@ -129,6 +137,7 @@ def test_load_beats_a_short_prefix():
 
     async def go():
         return await router.choose_replicas([a, b], pending(list(range(20))))
+
     assert names(run(go()))[0] == [a.name]
 
 
@@ -142,6 +151,7 @@ def test_targeted_and_tokenless_calls_skip_the_index():
         tokenless = await router.choose_replicas([a, b], pending(None))
         assert prompt_token_ids(pending(None)) is None and prompt_token_ids(pending([1, 2])) == [1, 2]
         return names(targeted), names(tokenless)
+
     targeted, tokenless = run(go())
     assert targeted == [[b.name]]
     assert sorted(tokenless[0]) == sorted([a.name, b.name])
@@ -156,12 +166,13 @@ def test_baseline_policies_ignore_the_index(policy):
 
     async def go():
         return [names(await router.choose_replicas(reps, pending(list(range(20))))) for _ in range(6)]
+
     picks = run(go())
     assert index.match.calls == []
     if policy == "round_robin":
         firsts = [p[0][0] for p in picks]
         assert firsts[:3] == firsts[3:] and len(set(firsts[:3])) == 3
-        assert all(len(p) == 3 for p in picks)    # the others follow, one rank each
+        assert all(len(p) == 3 for p in picks)  # the others follow, one rank each
 
 
 def test_replicas_that_leave_are_forgotten_in_the_index():
@@ -170,8 +181,9 @@ def test_replicas_that_leave_are_forgotten_in_the_index():
     router, _ = make_router([a, b], index)
 
     async def go():
-        router.update_replicas([a])               # b is gone
+        router.update_replicas([a])  # b is gone
         router.on_replica_actor_died(a.replica_id)
+
     run(go())
     assert index.forget.calls == [([b.name],), ([a.name],)]
 
@@ -186,6 +198,7 @@ def test_a_lone_replica_is_chosen_without_asking_the_index():
         ranks = await router.choose_replicas([a], pending(list(range(20))))
         await asyncio.sleep(0.05)
         return ranks
+
     assert names(run(go())) == [[a.name]]
     assert index.match.calls == []
     assert metrics.pushed == {"single": 1}

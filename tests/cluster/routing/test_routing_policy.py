@@ -1,4 +1,5 @@
 """The routing decision and the router actor's state, with fake replica stats (no Ray)."""
+
 from __future__ import annotations
 
 import random
@@ -48,13 +49,13 @@ def test_imbalance_gate_is_per_request_against_the_preferred_replica():
     # c is as hot, but it is not the preferred replica of this request: no gate
     calm = [ReplicaView("a", 512, 3), ReplicaView("b", 0, 2), ReplicaView("c", 0, 30)]
     assert decide(calm, cheap).reason == "prefix"
-    assert is_imbalanced(20, 2, cheap) and not is_imbalanced(10, 2, cheap)   # abs: 8 < 8 fails
-    assert not is_imbalanced(40, 30, cheap)       # abs ok, rel 40 < 45 fails
+    assert is_imbalanced(20, 2, cheap) and not is_imbalanced(10, 2, cheap)  # abs: 8 < 8 fails
+    assert not is_imbalanced(40, 30, cheap)  # abs ok, rel 40 < 45 fails
 
 
 def test_cold_prompts_go_to_the_least_loaded_then_the_least_cached():
     views = [ReplicaView("a", 8, 1, 10), ReplicaView("b", 0, 0, 50), ReplicaView("c", 0, 0, 5)]
-    d = decide(views, S)                          # 8 < min_match_tokens: cold
+    d = decide(views, S)  # 8 < min_match_tokens: cold
     assert d.reason == "cold" and d.ranks == [["c"], ["b", "a"]]
 
 
@@ -68,10 +69,10 @@ def test_a_burst_of_cold_prompts_spreads_before_loads_and_the_index_catch_up():
         views = views_from(["a", "b", "c", "d"], {}, {}, {}, recent.counts(now=10.0))
         placed.append(state.decide(views, 64, 10.0, rng).ranks[0][0])
     assert Counter(placed) == {"a": 2, "b": 2, "c": 2, "d": 2}
-    assert recent.counts(now=12.5) == {}                          # out of the window: forgotten
+    assert recent.counts(now=12.5) == {}  # out of the window: forgotten
     views = views_from(["a", "b"], {"a": 40}, {}, {}, {"a": 5})
     assert state.decide(views, 64, 13.0, rng).reason == "prefix"
-    assert recent.counts(now=13.0) == {}                          # only cold placements count
+    assert recent.counts(now=13.0) == {}  # only cold placements count
 
 
 def test_ties_are_broken_at_random():
@@ -108,13 +109,13 @@ def test_router_state_matches_and_forgets_silent_replicas():
     state = RouterIndexState(forget_after_s=10, clock=clock)
     tokens = tuple(range(1, 9))
     state.apply("r1", [CheckpointInserted(8, b"h", tokens)])
-    state.apply("r2", [])                         # heartbeat only
+    state.apply("r2", [])  # heartbeat only
     report = state.match(list(tokens) + [99], ["r1", "r2", "r3"], max_depth=8)
     assert report.depths == {"r1": 8, "r2": 0, "r3": 0}
     assert report.sizes == {"r1": 1, "r2": 0, "r3": 0}
     clock.now = 8
     state.apply("r2", [])
-    clock.now = 15                                # r1 silent for 15 s: forgotten
+    clock.now = 15  # r1 silent for 15 s: forgotten
     assert state.replicas() == ["r2"]
     assert state.match(list(tokens) + [99], ["r1"], 8).depths == {"r1": 0}
     state.forget(["r2"])
@@ -123,13 +124,13 @@ def test_router_state_matches_and_forgets_silent_replicas():
 
 def test_the_load_penalty_learns_the_prefill_routed_requests_compute():
     learnt = LoadPenalty(RouterSettings(load_penalty_tokens=16), alpha=0.5)
-    assert learnt.tokens == 16                                    # nothing seen: the floor
-    learnt.observe(400, 100)                                      # computes 300
+    assert learnt.tokens == 16  # nothing seen: the floor
+    learnt.observe(400, 100)  # computes 300
     assert learnt.tokens == 300
-    learnt.observe(400, 300)                                      # computes 100: mean 200
+    learnt.observe(400, 300)  # computes 100: mean 200
     assert learnt.tokens == 200
     for _ in range(20):
-        learnt.observe(400, 399)                                  # all cached: down to the floor
+        learnt.observe(400, 399)  # all cached: down to the floor
     assert learnt.tokens == 16
     fixed = LoadPenalty(RouterSettings(load_penalty_tokens=16, load_penalty_auto=False), alpha=0.5)
     fixed.observe(400, 100)
@@ -155,8 +156,8 @@ def test_below_its_capacity_a_replica_costs_a_decode_row_per_request_beyond_it_a
     tokens a request); at 3 and beyond each request is a wait for a slot (the learnt 300)."""
     s = RouterSettings(load_penalty_tokens=16, replica_capacity=3)
     assert [load_cost(n, s, 300.0) for n in range(5)] == [0, 16, 32, 332, 632]
-    assert load_cost(4, RouterSettings(load_penalty_tokens=16), 300.0) == 1200   # capacity unknown
+    assert load_cost(4, RouterSettings(load_penalty_tokens=16), 300.0) == 1200  # capacity unknown
     views = [ReplicaView("a", 0, 0), ReplicaView("b", 192, 2)]
-    assert decide(views, s, random.Random(0), penalty=300.0).ranks[0] == ["b"]   # room: the prefix wins
+    assert decide(views, s, random.Random(0), penalty=300.0).ranks[0] == ["b"]  # room: the prefix wins
     views = [ReplicaView("a", 0, 0), ReplicaView("b", 192, 3)]
-    assert decide(views, s, random.Random(0), penalty=300.0).ranks[0] == ["a"]   # full: the idle one
+    assert decide(views, s, random.Random(0), penalty=300.0).ranks[0] == ["a"]  # full: the idle one

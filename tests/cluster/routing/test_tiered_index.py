@@ -1,6 +1,7 @@
 """Routing over tiers: the index keeps device, host and store checkpoints apart, and the
 policy scores the expected recompute saved (device depth, host depth x host value, store
 depth x store value) minus load."""
+
 from __future__ import annotations
 
 import random
@@ -22,14 +23,14 @@ def ins(depth: int, tier: str) -> CheckpointInserted:
 def test_events_land_in_their_tier_and_the_store_outlives_replicas():
     state = RouterIndexState(forget_after_s=1e9)
     state.apply("a", [ins(8, "device"), ins(24, "host")])
-    state.apply("b", [ins(32, "store")])                     # committed through replica b
+    state.apply("b", [ins(32, "store")])  # committed through replica b
     report = state.match(list(TOKENS), ["a", "b"], 39)
     assert report.depths == {"a": 8, "b": 0} and report.host_depths == {"a": 24, "b": 0}
     assert report.store_depth == 32
-    state.forget(["a", "b"])                                  # both replicas gone: the store stays
+    state.forget(["a", "b"])  # both replicas gone: the store stays
     report = state.match(list(TOKENS), ["c"], 39)
     assert report.depths == {"c": 0} and report.host_depths == {"c": 0} and report.store_depth == 32
-    state.apply("c", [CheckpointEvicted(32, b"", TOKENS[:32], "store")])   # found lost, dropped
+    state.apply("c", [CheckpointEvicted(32, b"", TOKENS[:32], "store")])  # found lost, dropped
     assert state.match(list(TOKENS), ["c"], 39).store_depth == 0
     state.apply("c", [ins(16, "store")])
     state.clear_store()
@@ -50,12 +51,12 @@ def test_the_store_counts_only_where_the_replica_would_fetch():
     that deeper than what the replica holds would be recomputed, so it earns nothing --
     crediting it sent first turns to idle replicas that then computed their whole prompt."""
     s = RouterSettings(store_min_gain_tokens=200)
-    assert expected_saved(ReplicaView("idle", 0, 0, store_depth=192), s) == 0           # refused: 192 < 200
-    assert expected_saved(ReplicaView("idle", 0, 0, store_depth=256), s) == 128         # fetched
+    assert expected_saved(ReplicaView("idle", 0, 0, store_depth=192), s) == 0  # refused: 192 < 200
+    assert expected_saved(ReplicaView("idle", 0, 0, store_depth=256), s) == 128  # fetched
     assert expected_saved(ReplicaView("a", 192, 0, store_depth=384), RouterSettings()) == 192
     assert expected_saved(ReplicaView("a", 0, 0, host_depth=100, store_depth=250), s) == 90
     views = views_from(["busy", "idle"], {"busy": 192}, {"busy": 6, "idle": 0}, store_depth=192)
-    assert decide(views, RouterSettings(), random.Random(0)).ranks[0] == ["idle"]   # 96 - 0 ties 192 - 96
+    assert decide(views, RouterSettings(), random.Random(0)).ranks[0] == ["idle"]  # 96 - 0 ties 192 - 96
     assert decide(views, s, random.Random(0)).ranks[0] == ["busy"]
     with pytest.raises(ValueError, match=r"router.store_min_gain_tokens.*-1"):
         load_config(overrides={"router.store_min_gain_tokens": -1})
@@ -70,7 +71,7 @@ def test_a_host_checkpoint_attracts_and_the_store_lets_load_win():
     # a holds it on its device but is busy; the store has it too, so idle c can fetch it.
     views = views_from(["a", "c"], {"a": 200}, {"a": 8, "c": 0}, store_depth=200)
     d = decide(views, s, rng)
-    assert d.ranks[0] == ["c"] and d.depth == 100           # 200 x 0.5 - 0 beats 200 - 16 x 8
+    assert d.ranks[0] == ["c"] and d.depth == 100  # 200 x 0.5 - 0 beats 200 - 16 x 8
     # Without the store the same load keeps it on a.
     views = views_from(["a", "c"], {"a": 200}, {"a": 8, "c": 0})
     assert decide(views, s, rng).ranks[0] == ["a"]

@@ -1,4 +1,5 @@
 """EngineLoop and ReplicaCore over a fake engine: one thread, fan-out, abort, failure."""
+
 from __future__ import annotations
 
 import asyncio
@@ -106,6 +107,7 @@ def test_concurrent_requests_stream_to_completion_on_one_thread():
         results = await asyncio.gather(*(collect(core, r) for r in reqs))
         await loop.shutdown()
         return engine, results
+
     engine, results = run(go())
     assert len(engine.threads) == 1 and next(iter(engine.threads)).startswith("engine")
     for i, items in enumerate(results):
@@ -119,6 +121,7 @@ def test_concurrent_requests_stream_to_completion_on_one_thread():
 
 def paced_stream(pacing: StreamPacing | float, max_tokens: int) -> tuple[list[float], list]:
     """One request's stream items, each with the event loop's time it arrived (5 ms steps)."""
+
     async def go():
         loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
         core = ReplicaCore(loop, load_config(), pacing)
@@ -128,6 +131,7 @@ def paced_stream(pacing: StreamPacing | float, max_tokens: int) -> tuple[list[fl
             items.append(item)
         await loop.shutdown()
         return stamps, items
+
     return run(go())
 
 
@@ -138,9 +142,9 @@ def test_stream_interval_coalesces_steps_but_never_delays_the_first_or_last(inte
     assert [t for c in chunks for t in c.new_token_ids] == list(range(40)) and chunks[-1].finished
     sizes = [len(batch) for batch in items[1:]]
     if interval_s == 0:
-        assert max(sizes) <= 2                    # about one step per item
+        assert max(sizes) <= 2  # about one step per item
     else:
-        assert sizes[0] == 1                       # the first token is not held back
+        assert sizes[0] == 1  # the first token is not held back
         # at most one item per interval (however slow a loaded machine makes the steps)
         assert len(sizes) <= (stamps[-1] - stamps[1]) / interval_s + 2 and max(sizes) >= 2
         gaps = [b - a for a, b in zip(stamps[2:], stamps[3:-1])]
@@ -153,8 +157,8 @@ def test_a_request_that_ends_while_its_stream_is_held_back_is_sent_at_once():
     stamps, items = paced_stream(StreamPacing(interval_s=2.0), 12)
     chunks = [c for batch in items[1:] for c in batch]
     assert [t for c in chunks for t in c.new_token_ids] == list(range(12)) and chunks[-1].finished
-    assert len(items) == 3                        # Accepted, the first token, the other eleven together
-    assert stamps[-1] - stamps[1] < 1.0, stamps   # ~55 ms of steps; held back: 2 s
+    assert len(items) == 3  # Accepted, the first token, the other eleven together
+    assert stamps[-1] - stamps[1] < 1.0, stamps  # ~55 ms of steps; held back: 2 s
 
 
 def test_refused_input_is_an_error_item_and_queues_nothing():
@@ -164,6 +168,7 @@ def test_refused_input_is_an_error_item_and_queues_nothing():
         items = await collect(core, GenerateRequest("bad", [1, -3], [SamplingParams()] * 2))
         await core.shutdown()
         return engine, items
+
     engine, items = run(go())
     assert len(items) == 1 and isinstance(items[0], GenerateError) and "-3" in items[0].message
     assert engine.live == {}
@@ -177,7 +182,7 @@ def test_closing_a_stream_early_aborts_its_unfinished_choices():
         gen = core.generate(GenerateRequest("long", [1], [SamplingParams(max_tokens=10_000)] * 2))
         assert isinstance(await gen.__anext__(), Accepted)
         await gen.__anext__()
-        await gen.aclose()                        # the client went away
+        await gen.aclose()  # the client went away
         for _ in range(100):
             if not engine.live:
                 break
@@ -185,6 +190,7 @@ def test_closing_a_stream_early_aborts_its_unfinished_choices():
         streams = loop.num_streams
         await loop.shutdown()
         return engine, streams
+
     engine, streams = run(go())
     assert sorted(engine.aborted) == ["long-0", "long-1"] and engine.live == {} and streams == 0
 
@@ -199,6 +205,7 @@ def test_a_failing_step_fails_open_streams_and_the_health_check():
         with pytest.raises(EngineLoopError):
             await collect(core, GenerateRequest("r2", [1], [SamplingParams(max_tokens=5)]))
         await core.shutdown()
+
     run(go())
 
 
@@ -214,29 +221,30 @@ def test_indivisible_tensor_parallel_is_refused_with_a_clear_error():
 def test_the_engine_steps_while_the_event_loop_is_busy():
     """The engine thread never waits for the event loop between steps: a busy replica loop
     must not leave the engine idle."""
+
     async def go():
         engine = FakeEngine(step_s=0.005)
         loop = await EngineLoop.create(lambda: engine)
-        gen = ReplicaCore(loop, load_config()).generate(GenerateRequest("r", [1],
-                                                                        [SamplingParams(max_tokens=10_000)]))
+        gen = ReplicaCore(loop, load_config()).generate(GenerateRequest("r", [1], [SamplingParams(max_tokens=10_000)]))
         assert isinstance(await gen.__anext__(), Accepted)
         await gen.__anext__()
         before = engine.steps
-        time.sleep(0.3)                           # the event loop is blocked (a busy replica)
+        time.sleep(0.3)  # the event loop is blocked (a busy replica)
         during = engine.steps - before
         await gen.aclose()
         await loop.shutdown()
         return during, loop.times
+
     during, times = run(go())
-    assert during >= 10, during                   # ~60 at 5 ms a step; at most 1 if it waited
+    assert during >= 10, during  # ~60 at 5 ms a step; at most 1 if it waited
     assert times.num_steps >= during and times.step_wall_s >= 0.005 * during
 
 
 def test_stream_pacing_spreads_a_replica_budget_over_its_streams():
     pacing = StreamPacing(interval_s=0.05, items_per_s=100, max_interval_s=0.25)
     assert [pacing.gap(n) for n in (1, 5, 8, 20, 1000)] == [0.05, 0.05, 0.08, 0.2, 0.25]
-    assert StreamPacing(0.05).gap(1000) == 0.05                      # no budget: the interval alone
-    assert StreamPacing(0.3, 100, 0.25).gap(1000) == 0.3             # the interval is a floor
+    assert StreamPacing(0.05).gap(1000) == 0.05  # no budget: the interval alone
+    assert StreamPacing(0.3, 100, 0.25).gap(1000) == 0.3  # the interval is a floor
     with pytest.raises(ValueError, match="items_per_s must be >= 0, got -1"):
         StreamPacing(0.05, -1)
 
@@ -244,6 +252,7 @@ def test_stream_pacing_spreads_a_replica_budget_over_its_streams():
 def test_a_stream_budget_spaces_each_streams_items_by_the_open_streams():
     """4 streams at 20 items/s together: each stream's items 0.2 s apart (the first and the
     last never held back), where the interval alone would send every 10 ms."""
+
     async def go():
         loop = await EngineLoop.create(lambda: FakeEngine(step_s=0.005))
         core = ReplicaCore(loop, load_config(), StreamPacing(0.01, 20.0, 1.0))
@@ -255,19 +264,22 @@ def test_a_stream_budget_spaces_each_streams_items_by_the_open_streams():
                 stamps.append(clock.time())
                 items.append(item)
             return stamps, items
+
         results = await asyncio.gather(*(one(i) for i in range(4)))
         await loop.shutdown()
         return results
+
     for stamps, items in run(go()):
         chunks = [c for batch in items[1:] for c in batch]
         assert [t for c in chunks for t in c.new_token_ids] == list(range(200)) and chunks[-1].finished
         gaps = [b - a for a, b in zip(stamps[2:], stamps[3:-1])]
-        assert gaps and all(g >= 0.2 * 0.9 for g in gaps), gaps    # 4 streams / 20 per s
+        assert gaps and all(g >= 0.2 * 0.9 for g in gaps), gaps  # 4 streams / 20 per s
 
 
 def test_an_engine_waiting_on_other_threads_is_polled_not_spun():
     """Work left but nothing to step (a grammar compiling elsewhere): steps without output
     are spaced by ``IDLE_POLL_S`` instead of spinning the engine thread."""
+
     class Compiling(FakeEngine):
         def __init__(self) -> None:
             super().__init__()
@@ -286,8 +298,9 @@ def test_an_engine_waiting_on_other_threads_is_polled_not_spun():
         await asyncio.sleep(0.3)
         await loop.shutdown()
         return engine.steps
+
     steps = run(go())
-    assert 2 <= steps <= 0.2 / IDLE_POLL_S + 50, steps          # a spin makes ~10^5
+    assert 2 <= steps <= 0.2 / IDLE_POLL_S + 50, steps  # a spin makes ~10^5
 
 
 class RecordingFetcher:
@@ -302,6 +315,7 @@ class RecordingFetcher:
 def test_the_store_is_not_asked_for_prompts_that_read_no_cache():
     """A choice that wants prompt_logprobs computes every prompt position: a fetch for a
     request of only such choices would move a checkpoint nobody reads."""
+
     async def go():
         fetcher = RecordingFetcher()
         loop = await EngineLoop.create(lambda: FakeEngine())
@@ -312,6 +326,7 @@ def test_the_store_is_not_asked_for_prompts_that_read_no_cache():
         await collect(core, GenerateRequest("c", [5, 6], [SamplingParams(max_tokens=1)]))
         await loop.shutdown()
         return fetcher.prompts
+
     assert run(go()) == [[3, 4], [5, 6]]
 
 
@@ -338,15 +353,15 @@ def test_a_failed_step_fails_its_requests_and_the_replica_goes_on():
     async def go():
         engine = FailingOnceEngine("bad", fail_at=3)
         core = ReplicaCore(await EngineLoop.create(lambda: engine), load_config())
-        good = asyncio.create_task(collect(core, GenerateRequest("good", [1],
-                                                                 [SamplingParams(max_tokens=8)])))
+        good = asyncio.create_task(collect(core, GenerateRequest("good", [1], [SamplingParams(max_tokens=8)])))
         with pytest.raises(EngineLoopError, match="kernel exploded"):
             await collect(core, GenerateRequest("bad", [1], [SamplingParams(max_tokens=8)]))
         items = await good
-        core.check_health()                              # healthy: one failed step is not fatal
+        core.check_health()  # healthy: one failed step is not fatal
         after = await collect(core, GenerateRequest("after", [1], [SamplingParams(max_tokens=2)]))
         await core.shutdown()
         return items, after
+
     items, after = run(go())
     chunks = [c for batch in items[1:] for c in batch]
     assert chunks[-1].finished and chunks[-1].finish_reason == "length"
@@ -365,12 +380,14 @@ def test_failed_steps_in_a_row_are_fatal():
         with pytest.raises(RuntimeError, match="kernel exploded"):
             core.check_health()
         await core.shutdown()
+
     run(go())
 
 
 def test_a_stop_string_found_off_the_engine_thread_ends_the_request_in_the_engine():
     """Text is made on the event loop's thread; a stop string met there cuts the choice at
     its token and ends the request in the engine by a queued call (one other choice runs on)."""
+
     async def go():
         engine = FakeEngine(step_s=0.002)
         core = ReplicaCore(await EngineLoop.create(lambda: engine), load_config())
@@ -378,6 +395,7 @@ def test_a_stop_string_found_off_the_engine_thread_ends_the_request_in_the_engin
         items = await collect(core, GenerateRequest("r", [1], params))
         await core.shutdown()
         return engine, items
+
     engine, items = run(go())
     chunks = [c for batch in items[1:] for c in batch]
     stopped = [c for c in chunks if c.index == 0]

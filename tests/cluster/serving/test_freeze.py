@@ -1,4 +1,5 @@
 """A replica freezes what it built at start-up: a full collection never walks the engine."""
+
 from __future__ import annotations
 
 import gc
@@ -7,7 +8,7 @@ from cluster.serving.replica import freeze_startup_objects
 
 
 def test_startup_objects_leave_the_collected_generations():
-    built = [[i] for i in range(1000)]          # stands in for the engine's objects
+    built = [[i] for i in range(1000)]  # stands in for the engine's objects
     try:
         frozen = freeze_startup_objects()
         # <=: another thread of the test process (a forward thread winding down) may free
@@ -15,7 +16,7 @@ def test_startup_objects_leave_the_collected_generations():
         assert frozen >= len(built) and len(built) <= gc.get_freeze_count() <= frozen
         collected = {id(o) for o in gc.get_objects()}
         assert not any(id(o) in collected for o in built)
-        later = [[0]]                           # made after start-up: collected as usual
+        later = [[0]]  # made after start-up: collected as usual
         assert id(later) in {id(o) for o in gc.get_objects()}
     finally:
         gc.unfreeze()

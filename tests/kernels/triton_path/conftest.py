@@ -13,6 +13,7 @@ brings a fresh, interpreted ``triton`` with them. Modules that kept references t
 Shapes stay tiny (T <= 64, a few heads, K, V <= 16): the interpreter runs every program
 instance in Python, so the whole folder takes about a minute on two cores.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,9 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
     stale = [n for n in sys.modules if n.startswith("kernels.") and ".triton_" in n]
     if "triton" in sys.modules and not _interpreted_triton_loaded():
-        stale += [n for n in sys.modules
-                  if (n == "triton" or n.startswith("triton.")) and not n.startswith("triton._C")]
+        stale += [
+            n for n in sys.modules if (n == "triton" or n.startswith("triton.")) and not n.startswith("triton._C")
+        ]
     for _name in stale:
         del sys.modules[_name]
 

@@ -6,6 +6,7 @@ sequences (no new tokens), over shuffled pages of 1, 4 and 16 tokens; GQA ratios
 and 6; head dims from 32 to 256, powers of two or not. Every case also checks that the pools
 received exactly the new tokens' K/V.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,6 +25,7 @@ MIXED = [(0, 70), (5, 1), (12, 1), (9, 4), (3, 0), (0, 1), (80, 3), (40, 17)]
 
 def triton_attention(**kwargs) -> torch.Tensor:
     from kernels.attention.triton_paged import paged_attention_triton
+
     return paged_attention_triton(**kwargs)
 
 
@@ -39,7 +41,7 @@ def check(case, device, atol: float, scale: float = SCALE, window: int | None = 
 
 @pytest.fixture(scope="module")
 def atol(device) -> float:
-    return 1e-5 if device.type == "cpu" else 1e-4      # fp32 dots run in IEEE precision
+    return 1e-5 if device.type == "cpu" else 1e-4  # fp32 dots run in IEEE precision
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -59,7 +61,7 @@ def test_sliding_window(window, device, atol):
 def test_head_dims(head_dim, device, atol):
     """Non-powers of two run padded to the next power of two, masked."""
     case = build_case([(0, 5), (6, 1), (3, 0), (2, 3)], 4, 4, 2, seed=head_dim, head_dim=head_dim)
-    check(case, device, atol, scale=head_dim ** -0.5)
+    check(case, device, atol, scale=head_dim**-0.5)
 
 
 def test_decode_only_long_context(device, atol):
@@ -88,9 +90,12 @@ def test_bf16(device):
 
 
 @settings(max_examples=30, deadline=None, phases=NO_SHRINK)
-@given(seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=6),
-       page_size=st.sampled_from([1, 4, 16]),
-       heads=st.sampled_from([(2, 2), (4, 2), (6, 3), (8, 2), (6, 1)]),
-       head_dim=st.sampled_from([32, 48, 80]), seed=st.integers(0, 2**16))
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=6),
+    page_size=st.sampled_from([1, 4, 16]),
+    heads=st.sampled_from([(2, 2), (4, 2), (6, 3), (8, 2), (6, 1)]),
+    head_dim=st.sampled_from([32, 48, 80]),
+    seed=st.integers(0, 2**16),
+)
 def test_random_batches(seqs, page_size, heads, head_dim, seed, device, atol):
     check(build_case(seqs, page_size, *heads, seed=seed, head_dim=head_dim), device, atol)

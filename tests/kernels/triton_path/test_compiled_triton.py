@@ -9,6 +9,7 @@ greedy tokens, the compiled steps having run. The graphs are compiled with the
 pool writes and the ops' fakes -- the parts a GPU compile shares -- without inductor's
 code generation (slow on two cores; the CPU steps' inductor path is tests/workers/compiled's).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,7 @@ def test_compiled_triton_steps_equal_eager(tiny_model_dir, tiny_model, monkeypat
         want = _tokens(make_llm(tiny_model_dir, spec=spec))
         for module in (steps, draft_chain):
             monkeypatch.setattr(module, "compile_kwargs", lambda *_, **__: {"backend": "aot_eager"})
-        llm = make_llm(tiny_model_dir, spec=spec,
-                       compile={"enabled": True, "batch_sizes": (3,), "pack_weights": False})
+        llm = make_llm(tiny_model_dir, spec=spec, compile={"enabled": True, "batch_sizes": (3,), "pack_weights": False})
         got = _tokens(llm)
     assert got == want
     assert sum(llm.engine.runner.compiled.num_calls.values()) > 0

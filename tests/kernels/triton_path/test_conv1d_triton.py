@@ -1,4 +1,5 @@
 """Triton causal conv1d (varlen + update) against the torch reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,9 +18,12 @@ def make_inputs(num_tokens: int, num_slots: int, seed: int) -> dict[str, torch.T
     gen = torch.Generator().manual_seed(seed)
     # x is a column slice of a wider projection, as in the mixers (row stride != D)
     wide = torch.randn(num_tokens, D + 8, generator=gen)
-    return dict(x=wide[:, 3:3 + D], weight=torch.randn(D, W, generator=gen),
-                bias=torch.randn(D, generator=gen),
-                states=torch.randn(num_slots, D, W - 1, generator=gen))
+    return dict(
+        x=wide[:, 3 : 3 + D],
+        weight=torch.randn(D, W, generator=gen),
+        bias=torch.randn(D, generator=gen),
+        states=torch.randn(num_slots, D, W - 1, generator=gen),
+    )
 
 
 def run_both(inp, case, device, activation="silu", use_bias=True):
@@ -29,13 +33,17 @@ def run_both(inp, case, device, activation="silu", use_bias=True):
     dst = case.state_dst_slots
     bias = inp["bias"] if use_bias else None
     ref_pool = inp["states"].clone()
-    ref = causal_conv1d_varlen_torch(inp["x"], inp["weight"], bias, ref_pool, *meta, activation,
-                                     dst)
+    ref = causal_conv1d_varlen_torch(inp["x"], inp["weight"], bias, ref_pool, *meta, activation, dst)
     pool = inp["states"].to(device)
     out = causal_conv1d_varlen_triton(
-        inp["x"].to(device), inp["weight"].to(device),
-        bias.to(device) if bias is not None else None, pool, *(m.to(device) for m in meta),
-        activation, dst.to(device) if dst is not None else None)
+        inp["x"].to(device),
+        inp["weight"].to(device),
+        bias.to(device) if bias is not None else None,
+        pool,
+        *(m.to(device) for m in meta),
+        activation,
+        dst.to(device) if dst is not None else None,
+    )
     return (ref, ref_pool), (out.cpu(), pool.cpu())
 
 
@@ -70,17 +78,20 @@ def test_update_matches_reference(varlen_case, device, tol, max_abs_diff):
     case = varlen_case([1] * 5, seed=3, init_prob=1.0)
     inp = make_inputs(5, case.num_slots, seed=3)
     ref_pool = inp["states"].clone()
-    ref = causal_conv1d_update_torch(inp["x"], inp["weight"], inp["bias"], ref_pool,
-                                     case.slot_ids, "silu")
+    ref = causal_conv1d_update_torch(inp["x"], inp["weight"], inp["bias"], ref_pool, case.slot_ids, "silu")
     pool = inp["states"].to(device)
-    out = causal_conv1d_update_triton(inp["x"].to(device), inp["weight"].to(device),
-                                      inp["bias"].to(device), pool, case.slot_ids.to(device))
+    out = causal_conv1d_update_triton(
+        inp["x"].to(device), inp["weight"].to(device), inp["bias"].to(device), pool, case.slot_ids.to(device)
+    )
     assert_same((out.cpu(), pool.cpu()), (ref, ref_pool), tol, max_abs_diff)
 
 
 @settings(max_examples=8, deadline=None, phases=NO_SHRINK)
-@given(lens=st.lists(st.integers(0, 12), min_size=1, max_size=5), seed=st.integers(0, 2**16),
-       snap=st.sampled_from([0.0, 0.3]))
+@given(
+    lens=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+    seed=st.integers(0, 2**16),
+    snap=st.sampled_from([0.0, 0.3]),
+)
 def test_random_batches(lens, seed, snap, varlen_case, device, tol, max_abs_diff):
     case = varlen_case(lens, seed, snapshot_prob=snap)
     inp = make_inputs(case.num_tokens, case.num_slots, seed)

@@ -3,6 +3,7 @@
 interpreter: every kernel of a dense Qwen3-Next decode step (GDN update, conv update, norms,
 paged attention), from the first step on: a decode's launch plans come from shapes
 (``kernels.chunking.uniform_plan``), so neither a captured graph nor an eager step syncs."""
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ def _decode_step(dims: dict):
 def test_dense_decode_step_has_no_host_reads():
     step = _decode_step(bench_decode.TOY)
     with backend.use_backend("triton"), torch.inference_mode():
-        assert host_reads(step) == []               # the first step too: nothing memoised
+        assert host_reads(step) == []  # the first step too: nothing memoised
 
 
 def test_the_detector_sees_host_reads(monkeypatch):

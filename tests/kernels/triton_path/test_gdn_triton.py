@@ -1,4 +1,5 @@
 """Triton Gated DeltaNet (fused recurrent + chunked) against the torch reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,19 +13,14 @@ from tests.kernels.delta_rule_cases import (
     check_no_l2norm_custom_scale,
     check_verify_writes_every_draft_state,
 )
-from tests.kernels.varlen_cases import (
-    NO_SHRINK,
-    assert_same_result,
-    gdn_inputs,
-    lens_strategy,
-    poison_no_init_slot,
-)
+from tests.kernels.varlen_cases import NO_SHRINK, assert_same_result, gdn_inputs, lens_strategy, poison_no_init_slot
 
-H_K, H_V = 2, 4     # grouped value heads: each key head serves 2 value heads
+H_K, H_V = 2, 4  # grouped value heads: each key head serves 2 value heads
 
 
-def make_inputs(num_tokens: int, num_slots: int, seed: int, k_dim: int = 16,
-                v_dim: int = 16) -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_slots: int, seed: int, k_dim: int = 16, v_dim: int = 16
+) -> dict[str, torch.Tensor]:
     return gdn_inputs(num_tokens, num_slots, seed, H_K, H_V, k_dim, v_dim)
 
 
@@ -34,12 +30,21 @@ def run_both(inp, case, device, **kw):
 
     ref_pool = inp["states"].clone()
     names = ("q", "k", "v", "g", "beta")
-    ref = gated_delta_rule_varlen_torch(*(inp[n] for n in names), ref_pool, case.cu_seqlens, case.slot_ids,
-                                        case.has_initial_state, kw.get("scale"),
-                                        kw.get("use_qk_l2norm", True), 16, case.state_dst_slots)
+    ref = gated_delta_rule_varlen_torch(
+        *(inp[n] for n in names),
+        ref_pool,
+        case.cu_seqlens,
+        case.slot_ids,
+        case.has_initial_state,
+        kw.get("scale"),
+        kw.get("use_qk_l2norm", True),
+        16,
+        case.state_dst_slots,
+    )
     pool = inp["states"].to(device)
-    out = gated_delta_rule_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device),
-                                         chunk_size=16, **kw)
+    out = gated_delta_rule_varlen_triton(
+        *(inp[n].to(device) for n in names), pool, case.seqs(device), chunk_size=16, **kw
+    )
     return (ref, ref_pool), (out.cpu(), pool.cpu())
 
 

@@ -6,6 +6,7 @@ grid and runs nothing; the public launchers are then called with batches past th
 sequence-x-head grid) and tiny feature dims, so no GPU and no kernel run is needed. The
 interpreter tests of the same folder check that the kernels read the grids this way round.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,7 +20,7 @@ from kernels.launch_grid import CUDA_MAX_GRID
 from kernels.recurrent_batch import RecurrentBatch
 
 HEADS = 128
-LENS = [1] * 1024 + [17] * 520          # the short (recurrent) and the long (chunked) paths
+LENS = [1] * 1024 + [17] * 520  # the short (recurrent) and the long (chunked) paths
 
 
 class Recorder:
@@ -36,8 +37,11 @@ def _is_jit(obj) -> bool:
 
 
 def _kernel_modules():
-    names = [m.name for m in pkgutil.walk_packages(kernels.__path__, "kernels.")
-             if m.name.rsplit(".", 1)[-1].startswith("triton_")]
+    names = [
+        m.name
+        for m in pkgutil.walk_packages(kernels.__path__, "kernels.")
+        if m.name.rsplit(".", 1)[-1].startswith("triton_")
+    ]
     return [importlib.import_module(n) for n in names]
 
 
@@ -59,7 +63,7 @@ def _varlen():
     cu[1:] = torch.cumsum(torch.tensor(LENS, dtype=torch.int32), 0)
     slots = torch.arange(1, len(LENS) + 1, dtype=torch.int32)
     dst = torch.zeros(int(cu[-1]), dtype=torch.int32)
-    dst[-1] = len(LENS) + 1                    # one snapshot: the conv snapshot launch too
+    dst[-1] = len(LENS) + 1  # one snapshot: the conv snapshot launch too
     return cu, slots, torch.ones(len(LENS), dtype=torch.bool), dst, len(LENS) + 2
 
 
@@ -75,27 +79,72 @@ def _launch_everything() -> None:
 
     cu, slots, init, dst, num_slots = _varlen()
     t, r, seqs = int(cu[-1]), torch.randn, RecurrentBatch(cu, slots, init, dst)
-    gated_delta_rule_varlen_triton(r(t, 16, 2), r(t, 16, 2), r(t, HEADS, 2), r(t, HEADS),
-                                   r(t, HEADS), r(num_slots, HEADS, 2, 2), seqs)
-    kda_varlen_triton(r(t, HEADS, 2), r(t, HEADS, 2), r(t, HEADS, 2), -r(t, HEADS, 2).abs(),
-                      r(t, HEADS), r(num_slots, HEADS, 2, 2), seqs)
-    ssd_varlen_triton(r(t, HEADS, 2), r(t, HEADS), r(HEADS), r(t, 1, 2), r(t, 1, 2), r(HEADS),
-                      r(HEADS), r(num_slots, HEADS, 2, 2), seqs)
-    causal_conv1d_varlen_triton(r(t, 16), r(16, 4), None, r(num_slots, 16, 3), cu, slots, init,
-                                "silu", dst)
-    channels = 8192                            # Jamba's d_inner: channel blocks on axis 1
-    selective_scan_varlen_triton(r(t, channels), r(t, channels), r(channels, 2), r(t, 2), r(t, 2),
-                                 r(channels), r(channels), r(num_slots, channels, 2), seqs)
+    gated_delta_rule_varlen_triton(
+        r(t, 16, 2), r(t, 16, 2), r(t, HEADS, 2), r(t, HEADS), r(t, HEADS), r(num_slots, HEADS, 2, 2), seqs
+    )
+    kda_varlen_triton(
+        r(t, HEADS, 2),
+        r(t, HEADS, 2),
+        r(t, HEADS, 2),
+        -r(t, HEADS, 2).abs(),
+        r(t, HEADS),
+        r(num_slots, HEADS, 2, 2),
+        seqs,
+    )
+    ssd_varlen_triton(
+        r(t, HEADS, 2),
+        r(t, HEADS),
+        r(HEADS),
+        r(t, 1, 2),
+        r(t, 1, 2),
+        r(HEADS),
+        r(HEADS),
+        r(num_slots, HEADS, 2, 2),
+        seqs,
+    )
+    causal_conv1d_varlen_triton(r(t, 16), r(16, 4), None, r(num_slots, 16, 3), cu, slots, init, "silu", dst)
+    channels = 8192  # Jamba's d_inner: channel blocks on axis 1
+    selective_scan_varlen_triton(
+        r(t, channels),
+        r(t, channels),
+        r(channels, 2),
+        r(t, 2),
+        r(t, 2),
+        r(channels),
+        r(channels),
+        r(num_slots, channels, 2),
+        seqs,
+    )
     causal_conv1d_update_triton(r(len(LENS), 16), r(16, 4), None, r(num_slots, 16, 3), slots)
     rms_norm_triton(r(t * HEADS, 2), r(2), 1e-6)
     gated_rms_norm_triton(r(t, 16), r(t, 16), r(16), 1e-6, 2)
     page_size, ctx = 16, [n + 15 for n in LENS]
     table = torch.arange(1, 2 * len(LENS) + 1, dtype=torch.int32).view(len(LENS), 2)
-    paged_attention_triton(r(t, HEADS, 16), r(t, 8, 16), r(t, 8, 16), r(64, 8, 16),
-                           r(64, 8, 16), torch.zeros(t, dtype=torch.int64), table, cu,
-                           torch.tensor(ctx, dtype=torch.int32), page_size, 0.25)
-    mla_attention_triton(r(t, HEADS, 24), r(t, 24), r(64, 1, 24), torch.zeros(t, dtype=torch.int64),
-                         table, cu, torch.tensor(ctx, dtype=torch.int32), page_size, 0.25, 16)
+    paged_attention_triton(
+        r(t, HEADS, 16),
+        r(t, 8, 16),
+        r(t, 8, 16),
+        r(64, 8, 16),
+        r(64, 8, 16),
+        torch.zeros(t, dtype=torch.int64),
+        table,
+        cu,
+        torch.tensor(ctx, dtype=torch.int32),
+        page_size,
+        0.25,
+    )
+    mla_attention_triton(
+        r(t, HEADS, 24),
+        r(t, 24),
+        r(64, 1, 24),
+        torch.zeros(t, dtype=torch.int64),
+        table,
+        cu,
+        torch.tensor(ctx, dtype=torch.int32),
+        page_size,
+        0.25,
+        16,
+    )
 
 
 def test_every_launch_within_cuda_limits(grids):
@@ -104,11 +153,22 @@ def test_every_launch_within_cuda_limits(grids):
     launched = {name for name, _ in recorded}
     assert launched == names, f"kernels never launched here: {sorted(names - launched)}"
     for name, grid in recorded:
-        assert len(grid) <= 3 and all(0 <= n <= cap for n, cap in zip(grid, CUDA_MAX_GRID)), \
+        assert len(grid) <= 3 and all(0 <= n <= cap for n, cap in zip(grid, CUDA_MAX_GRID)), (
             f"{name}: grid {grid} exceeds {CUDA_MAX_GRID}"
-    seq_head = {name: grid for name, grid in recorded if name in (
-        "gdn_recurrent_kernel", "gdn_chunk_state_kernel", "ssd_recurrent_kernel",
-        "ssd_chunk_state_kernel", "kda_recurrent_kernel", "kda_chunk_state_kernel")}
+        )
+    seq_head = {
+        name: grid
+        for name, grid in recorded
+        if name
+        in (
+            "gdn_recurrent_kernel",
+            "gdn_chunk_state_kernel",
+            "ssd_recurrent_kernel",
+            "ssd_chunk_state_kernel",
+            "kda_recurrent_kernel",
+            "kda_chunk_state_kernel",
+        )
+    }
     assert len(seq_head) == 6
     # the case is big enough to matter: each of these would not fit on axis 1
     assert all(grid[0] > CUDA_MAX_GRID[1] for grid in seq_head.values()), seq_head

@@ -1,4 +1,5 @@
 """Triton KDA (fused recurrent + chunked) against the torch reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,19 +13,14 @@ from tests.kernels.delta_rule_cases import (
     check_no_l2norm_custom_scale,
     check_verify_writes_every_draft_state,
 )
-from tests.kernels.varlen_cases import (
-    NO_SHRINK,
-    assert_same_result,
-    kda_inputs,
-    lens_strategy,
-    poison_no_init_slot,
-)
+from tests.kernels.varlen_cases import NO_SHRINK, assert_same_result, kda_inputs, lens_strategy, poison_no_init_slot
 
 H = 2
 
 
-def make_inputs(num_tokens: int, num_slots: int, seed: int, k_dim: int = 16, v_dim: int = 16,
-                g_min: float = -0.5) -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_slots: int, seed: int, k_dim: int = 16, v_dim: int = 16, g_min: float = -0.5
+) -> dict[str, torch.Tensor]:
     return kda_inputs(num_tokens, num_slots, seed, H, k_dim, v_dim, g_min)
 
 
@@ -34,9 +30,17 @@ def run_both(inp, case, device, **kw):
 
     ref_pool = inp["states"].clone()
     names = ("q", "k", "v", "g", "beta")
-    ref = kda_varlen_torch(*(inp[n] for n in names), ref_pool, case.cu_seqlens, case.slot_ids,
-                           case.has_initial_state, kw.get("scale"), kw.get("use_qk_l2norm", True), 16,
-                           case.state_dst_slots)
+    ref = kda_varlen_torch(
+        *(inp[n] for n in names),
+        ref_pool,
+        case.cu_seqlens,
+        case.slot_ids,
+        case.has_initial_state,
+        kw.get("scale"),
+        kw.get("use_qk_l2norm", True),
+        16,
+        case.state_dst_slots,
+    )
     pool = inp["states"].to(device)
     out = kda_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device), **kw)
     return (ref, ref_pool), (out.cpu(), pool.cpu())

@@ -1,4 +1,5 @@
 """Lightning attention on the Triton path (SSD's kernels) against the torch path."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """The Triton MLA kernel against dense attention on the un-paged latents and the torch path."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,13 @@ SCALE = 0.3
 
 def triton_mla(**kwargs) -> torch.Tensor:
     from kernels.mla.triton_paged import mla_attention_triton
+
     return mla_attention_triton(**kwargs)
 
 
 @pytest.fixture(scope="module")
 def atol(device) -> float:
-    return 1e-5 if device.type == "cpu" else 1e-4      # fp32 dots run in IEEE precision
+    return 1e-5 if device.type == "cpu" else 1e-4  # fp32 dots run in IEEE precision
 
 
 def check(case, device, atol: float) -> None:
@@ -57,8 +59,11 @@ def test_bf16(device):
 
 
 @settings(max_examples=12, deadline=None, phases=NO_SHRINK)
-@given(seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=5),
-       page_size=st.sampled_from([1, 4, 16]), heads=st.sampled_from([1, 2, 5]),
-       seed=st.integers(0, 2**16))
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=5),
+    page_size=st.sampled_from([1, 4, 16]),
+    heads=st.sampled_from([1, 2, 5]),
+    seed=st.integers(0, 2**16),
+)
 def test_random_batches(seqs, page_size, heads, seed, device, atol):
     check(mla_case(seqs, page_size, heads, 16, 8, seed=seed), device, atol)

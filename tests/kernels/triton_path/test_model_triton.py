@@ -5,6 +5,7 @@ the torch references raise. The
 prefix-cache test also makes the Triton kernels write mid-prompt snapshots
 (``state_dst_slots``) that later requests resume from.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,17 +32,27 @@ PROMPTS = [
 # SSD (granitemoehybrid), selective scan (jamba), KDA + MLA (kimi_linear); conv1d, the norms
 # and paged attention in all of them. The other families run these tests in ``slow``.
 KERNEL_FAMILIES = frozenset({"qwen3_next", "granitemoehybrid", "jamba", "kimi_linear"})
-TORCH_REFS = [(kernels.gdn, "gated_delta_rule_torch"), (kernels.ssd, "ssd_torch"),
-              (kernels.conv1d, "causal_conv1d_torch"), (kernels.norm, "rms_norm_torch"),
-              (kernels.norm, "gated_rms_norm_torch"), (kernels.attention, "paged_attention_torch"),
-              (kernels.selective_scan, "mamba_selective_scan_torch"),
-              (kernels.kda, "kda_torch"), (kernels.mla, "mla_attention_torch")]
+TORCH_REFS = [
+    (kernels.gdn, "gated_delta_rule_torch"),
+    (kernels.ssd, "ssd_torch"),
+    (kernels.conv1d, "causal_conv1d_torch"),
+    (kernels.norm, "rms_norm_torch"),
+    (kernels.norm, "gated_rms_norm_torch"),
+    (kernels.attention, "paged_attention_torch"),
+    (kernels.selective_scan, "mamba_selective_scan_torch"),
+    (kernels.kda, "kda_torch"),
+    (kernels.mla, "mla_attention_torch"),
+]
 
 
 def make_llm(model_dir, device, **cache):
-    LLM = pytest.importorskip("workers.llm").LLM     # the engine's deps may be missing (GPU box)
-    return LLM(model=str(model_dir), device=device.type, dtype="float32",
-               cache={"page_size": 4, "max_kv_tokens": 4096, **cache})
+    LLM = pytest.importorskip("workers.llm").LLM  # the engine's deps may be missing (GPU box)
+    return LLM(
+        model=str(model_dir),
+        device=device.type,
+        dtype="float32",
+        cache={"page_size": 4, "max_kv_tokens": 4096, **cache},
+    )
 
 
 def greedy(llm, prompts: list, one_by_one: bool = False):
@@ -74,7 +85,7 @@ def test_greedy_tokens_equal(tiny_model_dir, device, monkeypatch):
     with backend.use_backend("triton"):
         got = greedy_tokens(tiny_model_dir, device)
     assert got == want
-    assert len({t for seq in want for t in seq}) > 4      # not a collapsed, trivial output
+    assert len({t for seq in want for t in seq}) > 4  # not a collapsed, trivial output
 
 
 @pytest.mark.core_families(families=KERNEL_FAMILIES)
@@ -85,11 +96,11 @@ def test_prefix_cache_snapshots_equal(tiny_model_dir, device, monkeypatch):
     cache = dict(mamba_strategy="extra_buffer", mamba_track_interval=4)
     with backend.use_backend("torch"):
         want = greedy(make_llm(tiny_model_dir, device, **cache), prompts, one_by_one=True)
-    assert all(cached > 0 for _, cached in want[1:])          # the later prompts hit the cache
+    assert all(cached > 0 for _, cached in want[1:])  # the later prompts hit the cache
 
     from kernels.conv1d import triton_conv
 
-    snapshots = []                  # snapshot slots the scans' (and the conv's) launches saw
+    snapshots = []  # snapshot slots the scans' (and the conv's) launches saw
     plan, conv = kernels.chunking.launch_plan, triton_conv.causal_conv1d_varlen_triton
 
     def spy(cu_seqlens, state_dst_slots, *args):
@@ -97,7 +108,7 @@ def test_prefix_cache_snapshots_equal(tiny_model_dir, device, monkeypatch):
             snapshots.append(int(torch.count_nonzero(state_dst_slots)))
         return plan(cu_seqlens, state_dst_slots, *args)
 
-    def conv_spy(*args):            # a short-conv family has no scan: its conv writes them
+    def conv_spy(*args):  # a short-conv family has no scan: its conv writes them
         if args[-1] is not None:
             snapshots.append(int(torch.count_nonzero(args[-1])))
         return conv(*args)
@@ -109,4 +120,4 @@ def test_prefix_cache_snapshots_equal(tiny_model_dir, device, monkeypatch):
     with backend.use_backend("triton"):
         got = greedy(make_llm(tiny_model_dir, device, **cache), prompts, one_by_one=True)
     assert got == want
-    assert sum(snapshots) > 0                                  # Triton wrote the checkpoints
+    assert sum(snapshots) > 0  # Triton wrote the checkpoints

@@ -1,4 +1,5 @@
 """Triton RMSNorm (plain, zero-centred, gated either way, grouped) against the torch reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,7 @@ def test_gated_rms_norm(group_size, norm_before_gate, device, tol, max_abs_diff)
 
     x, z, w = rand(7, DIM, seed=3), rand(7, DIM, seed=4), rand(DIM, seed=5)
     ref = gated_rms_norm_torch(x, z, w, EPS, group_size, norm_before_gate)
-    out = gated_rms_norm_triton(x.to(device), z.to(device), w.to(device), EPS, group_size,
-                                norm_before_gate)
+    out = gated_rms_norm_triton(x.to(device), z.to(device), w.to(device), EPS, group_size, norm_before_gate)
     assert max_abs_diff(out.cpu(), ref) <= tol
 
 

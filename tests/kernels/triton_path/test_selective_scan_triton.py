@@ -1,4 +1,5 @@
 """Triton Mamba1 selective scan (per-token + chunked) against the torch reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,9 @@ from tests.kernels.varlen_cases import (
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 
 
-def make_inputs(num_tokens: int, num_slots: int, seed: int, channels: int = 24,
-                n_dim: int = 16) -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_slots: int, seed: int, channels: int = 24, n_dim: int = 16
+) -> dict[str, torch.Tensor]:
     return selective_scan_inputs(num_tokens, num_slots, seed, channels, n_dim)
 
 
@@ -29,8 +31,16 @@ def run_both(inp, case, device, dt_softplus=True, **kw):
     from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
 
     ref_pool = inp["states"].clone()
-    ref = selective_scan_varlen_torch(*(inp[n] for n in NAMES), ref_pool, case.cu_seqlens, case.slot_ids,
-                                      case.has_initial_state, dt_softplus, 16, case.state_dst_slots)
+    ref = selective_scan_varlen_torch(
+        *(inp[n] for n in NAMES),
+        ref_pool,
+        case.cu_seqlens,
+        case.slot_ids,
+        case.has_initial_state,
+        dt_softplus,
+        16,
+        case.state_dst_slots,
+    )
     pool = inp["states"].to(device)
     args = (None if inp[n] is None else inp[n].to(device) for n in NAMES)
     y = selective_scan_varlen_triton(*args, pool, case.seqs(device), dt_softplus, 16, **kw)
@@ -78,7 +88,7 @@ def test_bf16_activations(varlen_case, device):
     inp.update({n: inp[n].bfloat16() for n in ("x", "dt", "B", "C")})
     (ref, ref_pool), (y, pool) = run_both(inp, case, device)
     assert y.dtype == torch.bfloat16 and pool.dtype == torch.float32
-    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)   # 1 bf16 ulp
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)  # 1 bf16 ulp
     torch.testing.assert_close(pool, ref_pool, rtol=0, atol=1e-3)
 
 

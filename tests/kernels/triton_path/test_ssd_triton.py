@@ -1,4 +1,5 @@
 """Triton Mamba2 SSD (selective state update + chunked) against the torch reference."""
+
 from __future__ import annotations
 
 import math
@@ -18,11 +19,12 @@ from tests.kernels.varlen_cases import (
     with_snapshot_every_token,
 )
 
-H, G = 4, 2     # two heads per group
+H, G = 4, 2  # two heads per group
 
 
-def make_inputs(num_tokens: int, num_slots: int, seed: int, p_dim: int = 16,
-                n_dim: int = 16) -> dict[str, torch.Tensor]:
+def make_inputs(
+    num_tokens: int, num_slots: int, seed: int, p_dim: int = 16, n_dim: int = 16
+) -> dict[str, torch.Tensor]:
     return ssd_inputs(num_tokens, num_slots, seed, H, G, p_dim, n_dim)
 
 
@@ -32,11 +34,19 @@ def run_both(inp, case, device, dt_softplus=True, dt_limit=(0.0, math.inf), **kw
 
     names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
     ref_pool = inp["states"].clone()
-    ref = ssd_varlen_torch(*(inp[n] for n in names), ref_pool, case.cu_seqlens, case.slot_ids,
-                           case.has_initial_state, dt_softplus, dt_limit, 16, case.state_dst_slots)
+    ref = ssd_varlen_torch(
+        *(inp[n] for n in names),
+        ref_pool,
+        case.cu_seqlens,
+        case.slot_ids,
+        case.has_initial_state,
+        dt_softplus,
+        dt_limit,
+        16,
+        case.state_dst_slots,
+    )
     pool = inp["states"].to(device)
-    y = ssd_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device), dt_softplus, dt_limit,
-                          16, **kw)
+    y = ssd_varlen_triton(*(inp[n].to(device) for n in names), pool, case.seqs(device), dt_softplus, dt_limit, 16, **kw)
     return (ref, ref_pool), (y.cpu(), pool.cpu())
 
 
@@ -80,7 +90,7 @@ def test_bf16_activations(varlen_case, device):
     inp.update({n: inp[n].bfloat16() for n in ("x", "dt", "B", "C")})
     (ref, ref_pool), (y, pool) = run_both(inp, case, device)
     assert y.dtype == torch.bfloat16 and pool.dtype == torch.float32
-    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)   # 1 bf16 ulp
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)  # 1 bf16 ulp
     torch.testing.assert_close(pool, ref_pool, rtol=0, atol=1e-3)
 
 

@@ -1,6 +1,7 @@
 """Self-distillation of the MTP head (``tools.training.distill_mtp``) on a tiny random
 Qwen3-Next: the unrolled chain is the engine drafter's, the loss falls, the main model's
 weights and file bytes stay, the README section is replaced in place."""
+
 from __future__ import annotations
 
 import shutil
@@ -32,9 +33,20 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def tiny_settings(**kw) -> dm.DistillSettings:
-    base = dict(seq_len=24, min_prompt=4, max_prompt=8, batch_size=2, lr=1e-2, amp=False,
-                steps=20, minutes=2.0, warmup_steps=1, eval_prompts=(4, 8), eval_per_length=2,
-                text_eval_len=32)
+    base = dict(
+        seq_len=24,
+        min_prompt=4,
+        max_prompt=8,
+        batch_size=2,
+        lr=1e-2,
+        amp=False,
+        steps=20,
+        minutes=2.0,
+        warmup_steps=1,
+        eval_prompts=(4, 8),
+        eval_per_length=2,
+        text_eval_len=32,
+    )
     return dm.DistillSettings(**{**base, **kw})
 
 
@@ -55,8 +67,20 @@ def engine_chain(model_dir: Path, prompt: list[int], next_token: int, k: int):
         hidden = model(h.make_batch([(0, prompt)]), h.pools)
         seq = h.seqs[0]
         pages = seq.pages + [h.free_pages.pop() for _ in range(-(-k // h.page_size))]  # chained rows
-        drafter.run([MtpSpan(0, hidden, torch.tensor(prompt[1:] + [next_token]), pages, seq.slot,
-                             "r", SamplingParams(max_tokens=4, temperature=0.0), None)])
+        drafter.run(
+            [
+                MtpSpan(
+                    0,
+                    hidden,
+                    torch.tensor(prompt[1:] + [next_token]),
+                    pages,
+                    seq.slot,
+                    "r",
+                    SamplingParams(max_tokens=4, temperature=0.0),
+                    None,
+                )
+            ]
+        )
     return hidden, drafter.draft_tokens[seq.slot].tolist(), calls
 
 
@@ -68,7 +92,7 @@ def test_unrolled_chain_is_the_engine_drafters(tiny_dir) -> None:
     hidden, drafts, calls = engine_chain(tiny_dir, prompt, nxt, k)
     assert len(calls) == k
     model, mtp = td.load_saved(tiny_dir)
-    tokens = torch.tensor([prompt + [nxt] + drafts[:k - 1]])
+    tokens = torch.tensor([prompt + [nxt] + drafts[: k - 1]])
     with torch.no_grad():
         outs = dm.unroll_chain(model, mtp, hidden[None], tokens, k)
     n = len(prompt)
@@ -82,13 +106,12 @@ def test_chain_mask_rows() -> None:
     m = dm.chain_mask(3, 3)
     assert m.shape == (3, 9)
     seen = (m == 0).int().tolist()
-    assert seen == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0],
-                    [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+    assert seen == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
 
 
 def test_distillation_lowers_the_loss_and_keeps_the_main_model(tiny_dir, tmp_path) -> None:
     torch.manual_seed(0)
-    s = tiny_settings(hard_weight=0.0)              # the loss is then KL(main || draft) alone
+    s = tiny_settings(hard_weight=0.0)  # the loss is then KL(main || draft) alone
     model, mtp = td.load_saved(tiny_dir)
     before = dm.main_state(model)
     stream = torch.arange(600) % 11 + 3
@@ -106,7 +129,7 @@ def test_distillation_lowers_the_loss_and_keeps_the_main_model(tiny_dir, tmp_pat
     assert old.keys() == new.keys()
     assert all(torch.equal(old[k], new[k]) for k in old if not k.startswith("mtp."))
     assert not torch.equal(old["mtp.fc.weight"], new["mtp.fc.weight"])
-    assert (ckpt / "model.safetensors").stat().st_mode & 0o777 == 0o644       # as it was
+    assert (ckpt / "model.safetensors").stat().st_mode & 0o777 == 0o644  # as it was
     with torch.no_grad():
         next(model.parameters()).add_(1e-3)
     with pytest.raises(RuntimeError, match="main-model tensors changed"):
@@ -126,10 +149,16 @@ def test_chain_acceptance_counts(tiny_dir) -> None:
 def test_readme_section_is_replaced_in_place(tmp_path) -> None:
     (tmp_path / "README.md").write_text("# m\n\n## Held-out results\n\nx\n\n## Greedy samples\n\ny\n")
     chain = {"anchors": 10, "conditional": [0.5, 0.4, 0.3], "mean_accepted": 0.9}
-    info = {"command": "c", "settings": {**vars(tiny_settings())}, "total_seconds": 60.0,
-            "train": {"steps": 3, "train_seconds": 30.0}, "engine_before": {1: 0.5},
-            "engine_after": {1: 0.6}, "before": {"chain": chain, "one_step_text": 0.2},
-            "after": {"chain": {**chain, "conditional": [0.9, 0.8, 0.7]}, "one_step_text": 0.3}}
+    info = {
+        "command": "c",
+        "settings": {**vars(tiny_settings())},
+        "total_seconds": 60.0,
+        "train": {"steps": 3, "train_seconds": 30.0},
+        "engine_before": {1: 0.5},
+        "engine_after": {1: 0.6},
+        "before": {"chain": chain, "one_step_text": 0.2},
+        "after": {"chain": {**chain, "conditional": [0.9, 0.8, 0.7]}, "one_step_text": 0.3},
+    }
     write_distill_section(tmp_path, info)
     write_distill_section(tmp_path, info)
     text = (tmp_path / "README.md").read_text()
@@ -145,8 +174,7 @@ def test_run_rewrites_only_the_head_and_the_readme(trained, tmp_path, engine_che
     ckpt = tmp_path / "m"
     shutil.copytree(trained[0], ckpt)
     old = load_file(str(ckpt / "model.safetensors"))
-    info = dm.run(ckpt, tiny_settings(steps=3), "cmd", log=lambda *a: None, max_files=12,
-                  engine_check=engine_check)
+    info = dm.run(ckpt, tiny_settings(steps=3), "cmd", log=lambda *a: None, max_files=12, engine_check=engine_check)
     new = load_file(str(ckpt / "model.safetensors"))
     assert all(torch.equal(old[k], new[k]) for k in old if k.startswith("model."))
     assert info["train"]["steps"] == 3

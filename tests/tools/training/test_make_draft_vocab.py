@@ -1,6 +1,7 @@
 """``python -m tools.training.make_draft_vocab``: the most frequent tokens of a text, most
 frequent first (ties by id), with the share of tokens they cover, in the file the engine
 reads (``workers/spec/draft_vocab.py``)."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ class CharTokenizer:
 
 def test_the_most_frequent_tokens_first_ties_by_id():
     out = make_draft_vocab.build(CharTokenizer(), ["aaabbc", "bd"], ["ab", "zz"], size=3, source="test")
-    assert out["token_ids"] == [ord("a"), ord("b"), ord("c")]        # a 3, b 3 (id order), c 1 = d 1
+    assert out["token_ids"] == [ord("a"), ord("b"), ord("c")]  # a 3, b 3 (id order), c 1 = d 1
     assert out["train_tokens"] == 8 and out["train_coverage"] == round(7 / 8, 4)
     assert out["heldout_coverage"] == 0.5
 

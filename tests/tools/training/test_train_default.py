@@ -1,5 +1,6 @@
 """The default-model training script, end to end on tiny sizes (a few steps, seconds), and
 the MTP head's semantics and checkpoint layout."""
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ def test_split_is_fixed_and_small() -> None:
 
 def test_run_writes_a_dir_the_loader_serves(trained) -> None:
     out, info = trained
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "README.md"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= {
+        p.name for p in out.iterdir()
+    }
     loaded = load_model(out, torch.float32, "cpu")
     cfg = loaded.hf_config
     assert cfg.architectures == ["Qwen3NextForCausalLM"] and cfg.tie_word_embeddings
@@ -34,9 +36,8 @@ def test_run_writes_a_dir_the_loader_serves(trained) -> None:
     tensors = load_file(str(out / "model.safetensors"))
     full = cfg.layer_types.index("full_attention")
     src = f"model.layers.{full}."
-    main_layer = {k[len(src):]: tuple(v.shape) for k, v in tensors.items() if k.startswith(src)}
-    mtp_layer = {k[len("mtp.layers.0."):]: tuple(v.shape) for k, v in mtp.items()
-                 if k.startswith("mtp.layers.0.")}
+    main_layer = {k[len(src) :]: tuple(v.shape) for k, v in tensors.items() if k.startswith(src)}
+    mtp_layer = {k[len("mtp.layers.0.") :]: tuple(v.shape) for k, v in mtp.items() if k.startswith("mtp.layers.0.")}
     assert mtp_layer == main_layer and "mlp.experts.3.gate_proj.weight" in mtp_layer
     h = cfg.hidden_size
     assert tuple(mtp["mtp.fc.weight"].shape) == (h, 2 * h)
@@ -57,8 +58,7 @@ def test_tokenizer_has_the_specials_and_chat_template(trained) -> None:
     assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
     text = "def f(self):\n    return 42  # é"
     assert tok.decode(tok(text)["input_ids"]) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
-                                   add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -83,11 +83,11 @@ def test_mtp_is_causal_and_uses_next_token() -> None:
         base = mtp(hidden, emb, pos)
         later = emb.clone()
         later[:, 6:] += 1.0
-        moved = mtp(hidden, later, pos)                 # positions < 6 unaffected
+        moved = mtp(hidden, later, pos)  # positions < 6 unaffected
         assert torch.allclose(base[:, :6], moved[:, :6], atol=1e-6)
         assert not torch.allclose(base[:, 6:], moved[:, 6:])
         other = emb.clone()
-        other[:, 3] += 1.0                              # e_{t+1} feeds position t
+        other[:, 3] += 1.0  # e_{t+1} feeds position t
         assert not torch.allclose(base[:, 3], mtp(hidden, other, pos)[:, 3])
         # RoPE is relative: trained with row t at position t + 1, served (workers/models/mtp.py,
         # like vLLM) at position t; a uniform shift leaves the output unchanged.
@@ -98,9 +98,8 @@ def test_training_step_lowers_the_loss() -> None:
     torch.manual_seed(0)
     cfg = td.hf_config(td.ModelShape(vocab_size=64, **TINY_SHAPE), eos_id=0)
     model, mtp = td.build_model(cfg, seed=0)
-    stream = torch.arange(400) % 7 + 3                  # a periodic, learnable stream
-    info = td.train(model, mtp, stream, tiny_settings(steps=25, lr=1e-2, amp=False),
-                    log=lambda *a: None)
+    stream = torch.arange(400) % 7 + 3  # a periodic, learnable stream
+    info = td.train(model, mtp, stream, tiny_settings(steps=25, lr=1e-2, amp=False), log=lambda *a: None)
     first, last = info["history"][0], info["history"][-1]
     assert info["steps"] == 25
     assert last[2] < first[2] - 1.0 and last[3] < first[3] - 1.0

@@ -5,16 +5,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from workers.allocators import IdAllocator
-from workers.cache import (
-    CacheEvent,
-    Checkpoint,
-    InsertResult,
-    RadixCache,
-    RequestOwner,
-    SlotLedger,
-    SlotRole,
-    TreeNode,
-)
+from workers.cache import CacheEvent, Checkpoint, InsertResult, RadixCache, RequestOwner, SlotLedger, SlotRole, TreeNode
 
 
 class Harness:
@@ -60,8 +51,10 @@ class Harness:
     def no_leaks(self) -> bool:
         """Every page is free or the tree's; every slot is free or the tree's."""
         usable_pages = self.pages.num_usable
-        return (self.pages.num_free + self.cache.num_cached_pages == usable_pages
-                and self.ledger.num_free + self.cache.num_checkpoints == self.ledger.num_usable)
+        return (
+            self.pages.num_free + self.cache.num_cached_pages == usable_pages
+            and self.ledger.num_free + self.cache.num_checkpoints == self.ledger.num_usable
+        )
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ edges), launch batches that write their slots, finish; the tree is queried, evic
 flushed in between. After every step: zero invariant violations, slot and page
 conservation against the model, locked checkpoints untouched, writers as launched.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,13 +14,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from workers.allocators import IdAllocator
 from workers.cache import (
@@ -80,15 +75,19 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
 
         def _snapshot(self) -> tuple[int, ...]:
             c = self.cache
-            return (c.num_nodes, c.num_cached_pages, c.num_checkpoints, self.pages.num_free,
-                    self.ledger.num_free)
+            return (c.num_nodes, c.num_cached_pages, c.num_checkpoints, self.pages.num_free, self.ledger.num_free)
 
         def _checked_match(self, toks: list[int]) -> MatchResult:
             """match, compared with a brute-force oracle over all node paths."""
             paths = {n.node_id: self.cache.path_tokens(n) for n in self.cache.iter_nodes()}
-            expected = max((n.depth for n in self.cache.iter_nodes()
-                            if n.checkpoint is not None and paths[n.node_id] == tuple(toks[:n.depth])),
-                           default=0)
+            expected = max(
+                (
+                    n.depth
+                    for n in self.cache.iter_nodes()
+                    if n.checkpoint is not None and paths[n.node_id] == tuple(toks[: n.depth])
+                ),
+                default=0,
+            )
             hit = self.cache.match(toks)
             assert hit.depth == expected and hit.depth <= hit.kv_depth <= len(toks) - len(toks) % self.ps
             if hit.depth == 0:
@@ -96,7 +95,7 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             else:  # never a depth without a checkpoint
                 assert hit.checkpoint is not None and hit.checkpoint is hit.node.checkpoint
                 assert hit.checkpoint.depth == hit.depth
-                assert paths[hit.node.node_id] == tuple(toks[:hit.depth])
+                assert paths[hit.node.node_id] == tuple(toks[: hit.depth])
                 assert len(hit.page_ids) == hit.depth // self.ps
             return hit
 
@@ -118,7 +117,7 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
         def _publish(self, req: Req, depth: int) -> None:
             """Donate the keep slot as the checkpoint at ``depth`` (a prefix of the request)."""
             assert req.keep is not None
-            toks, pages = req.tokens[:depth], req.page_ids[:depth // self.ps]
+            toks, pages = req.tokens[:depth], req.page_ids[: depth // self.ps]
             ckpt = Checkpoint.for_tokens(req.keep, toks, self.ps, self._new_id())
             duplicate = self.cache.peek(toks).depth == depth  # the slot would not be taken
             if not self.ledger.may_move(req.keep) and not duplicate:
@@ -156,8 +155,7 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
                 return
             assert hit.node.alive and hit.node.checkpoint is hit.checkpoint
             keep = self.ledger.alloc(RequestOwner(rid, SlotRole.KEEP))
-            self.reqs[rid] = Req(rid, list(toks), hit.page_ids + own, set(own), live, keep, hit.node,
-                                 hit.checkpoint)
+            self.reqs[rid] = Req(rid, list(toks), hit.page_ids + own, set(own), live, keep, hit.node, hit.checkpoint)
 
         @precondition(lambda self: self.reqs)
         @rule(i=INDEX, more=tokens)
@@ -184,7 +182,7 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             if not req.page_ids:
                 return
             depth = (cut % len(req.page_ids) + 1) * self.ps
-            toks, pages = req.tokens[:depth], req.page_ids[:depth // self.ps]
+            toks, pages = req.tokens[:depth], req.page_ids[: depth // self.ps]
             if self.cache.peek(toks).kv_depth < depth:  # would end in a tombstone leaf
                 before = self._snapshot()
                 with pytest.raises(ValueError, match="I6"):
@@ -229,14 +227,13 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
         @rule(toks=tokens)
         def insert_fresh(self, toks: list[int]) -> None:
             """A request that prefilled and finished in one step."""
-            toks = toks[:len(toks) - len(toks) % self.ps]
+            toks = toks[: len(toks) - len(toks) % self.ps]
             pages = self.cache.alloc_pages(len(toks) // self.ps) if toks else None
             slot = self.ledger.alloc(RequestOwner("fresh", SlotRole.KEEP)) if pages is not None else None
             if pages is None or slot is None:
                 self.pages.free(pages or [])
                 return
-            result = self.cache.insert(toks, pages,
-                                       Checkpoint.for_tokens(slot, toks, self.ps, self._new_id()))
+            result = self.cache.insert(toks, pages, Checkpoint.for_tokens(slot, toks, self.ps, self._new_id()))
             self.pages.free(result.duplicate_page_ids)
             if result.duplicate_checkpoint:
                 self.ledger.free(slot)
@@ -284,8 +281,7 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
         def _assert_freed(self, before: tuple[int, ...], pages: int, checkpoints: int) -> None:
             nodes, cached, ckpts, free_pages, free_slots = before
             after = self._snapshot()
-            assert after[1:] == (cached - pages, ckpts - checkpoints, free_pages + pages,
-                                 free_slots + checkpoints)
+            assert after[1:] == (cached - pages, ckpts - checkpoints, free_pages + pages, free_slots + checkpoints)
 
         # ---- after every step ----------------------------------------------------------
         @invariant()
@@ -328,8 +324,12 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
     return CacheMachine
 
 
-SETTINGS = settings(max_examples=100, stateful_step_count=100, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=100,
+    stateful_step_count=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 @pytest.mark.parametrize("page_size, alphabet, max_len", [(1, 3, 8), (2, 2, 10)])

@@ -1,4 +1,5 @@
 """SlotLedger: exclusive ownership (I2) and pending writers (I3)."""
+
 from __future__ import annotations
 
 import pytest

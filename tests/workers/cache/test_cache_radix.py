@@ -1,5 +1,6 @@
 """RadixCache: splits make tombstones, match stops at the deepest checkpoint, duplicate inserts,
 both evictions, conservation and optional-slot exhaustion, pinned exactly."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -185,8 +186,7 @@ def test_lock_rules(h: Harness) -> None:
 def test_insert_with_a_pending_writer_is_refused_and_changes_nothing(h: Harness, target: str) -> None:
     for toks in ([1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 4, 7, 8]):
         h.put(toks)  # [1, 2] is a split tombstone; [1, 2, 3, 4] holds a checkpoint above edge [7, 8]
-    toks = {"new_leaf": [1, 2, 3, 4, 5], "split_below_checkpoint": [1, 2, 3, 4, 7],
-            "tombstone": [1, 2]}[target]
+    toks = {"new_leaf": [1, 2, 3, 4, 5], "split_below_checkpoint": [1, 2, 3, 4, 7], "tombstone": [1, 2]}[target]
     covered = h.cache.peek(toks).kv_depth
     pages = h.cache.peek([1, 2, 3, 4, 7, 8]).page_ids[:covered] + (h.pages.alloc(len(toks) - covered) or [])
     slot = h.keep_slot()
@@ -210,8 +210,21 @@ def test_a_duplicate_is_not_refused_for_a_writer_since_the_slot_stays(h: Harness
     assert result.duplicate_checkpoint and h.ledger.owner_of(slot) == RequestOwner("r", SlotRole.KEEP)
 
 
-@pytest.mark.parametrize("case", ["page_count", "depth", "depth0", "hash", "tree_slot", "free_slot",
-                                  "tree_page", "free_page", "repeat_page", "leaf_without_checkpoint"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "page_count",
+        "depth",
+        "depth0",
+        "hash",
+        "tree_slot",
+        "free_slot",
+        "tree_page",
+        "free_page",
+        "repeat_page",
+        "leaf_without_checkpoint",
+    ],
+)
 def test_insert_rejects_bad_input_before_mutating(h: Harness, case: str) -> None:
     h.put([1, 2])
     tree_ckpt = h.node_at([1, 2]).checkpoint
@@ -248,8 +261,7 @@ def test_insert_without_checkpoint_inside_the_tree_may_split(h: Harness) -> None
     assert h.cache.check_invariants() == []
 
 
-def test_optional_allocation_never_evicts_but_the_mandatory_one_does(
-        make_harness: Callable[..., Harness]) -> None:
+def test_optional_allocation_never_evicts_but_the_mandatory_one_does(make_harness: Callable[..., Harness]) -> None:
     h = make_harness(num_slots=4)
     for toks in ([1], [2], [3]):
         h.put(toks)

@@ -9,6 +9,7 @@ destinations, reader of the host source), every checkpoint's slot holding exactl
 path on both tiers (so a failed copy never leaves a node behind), and slot conservation.
 A full host tier drops a demotion (``host_full``) instead of blocking.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -16,13 +17,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from workers.allocators import IdAllocator
 from workers.cache import Checkpoint, RadixCache, RequestOwner, SlotLedger, SlotRole
@@ -32,8 +27,8 @@ from workers.stats import EngineStats
 from workers.tiers.host_tier import HostTier
 from workers.tiers.promotion import PendingPromotion, Promotions
 
-NUM_PAGES, NUM_SLOTS = 20, 7          # device: 19 pages, 6 slots
-HOST_PAGES, HOST_SLOTS = 10, 3        # host: 9 pages, 2 slots -- full most of the time
+NUM_PAGES, NUM_SLOTS = 20, 7  # device: 19 pages, 6 slots
+HOST_PAGES, HOST_SLOTS = 10, 3  # host: 9 pages, 2 slots -- full most of the time
 POISON = ("poison",)
 INDEX = st.integers(0, 63)
 _counts: Counter = Counter()
@@ -101,11 +96,15 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             self.host.storage = self.storage  # type: ignore[assignment]
             self.fail_next = False
             self.host.fails = lambda: self.fail_next  # type: ignore[method-assign]
-            self.tree = RadixCache(page_size, self.pages, self.ledger,
-                                   on_drop=lambda node: self._demoted(self.host.demote(self.tree, node)))
+            self.tree = RadixCache(
+                page_size,
+                self.pages,
+                self.ledger,
+                on_drop=lambda node: self._demoted(self.host.demote(self.tree, node)),
+            )
             self.promotions = Promotions(self.host, self.ledger)
             self.live: dict[int, tuple[PendingPromotion, FakeJob]] = {}
-            self.locks: dict[int, object] = {}             # the device node each promotion locked
+            self.locks: dict[int, object] = {}  # the device node each promotion locked
             self.next_id = 0
 
         def _demoted(self, outcome: str) -> None:
@@ -116,7 +115,7 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             return self.next_id
 
         def _aligned(self, toks: list[int]) -> tuple[int, ...]:
-            return tuple(toks[:len(toks) - len(toks) % self.ps])
+            return tuple(toks[: len(toks) - len(toks) % self.ps])
 
         # ---- the device tier ---------------------------------------------------------------
         @rule(toks=tokens, fail=st.booleans())
@@ -127,8 +126,7 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             hit = self.tree.match(toks)
             self.tree.lock(hit.node)
             own = self.tree.alloc_pages(len(toks) // self.ps - len(hit.page_ids))
-            slot = None if own is None else self.tree.alloc_slot_evicting(
-                RequestOwner(self._new_id(), SlotRole.KEEP))
+            slot = None if own is None else self.tree.alloc_slot_evicting(RequestOwner(self._new_id(), SlotRole.KEEP))
             self.tree.unlock(hit.node)
             if own is None or slot is None:
                 self.pages.free(own or [])
@@ -154,7 +152,7 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
         def flush_device(self) -> None:
             before = self.host.tree.num_checkpoints
             self.tree.flush()
-            assert self.host.tree.num_checkpoints == before       # a flush demotes nothing
+            assert self.host.tree.num_checkpoints == before  # a flush demotes nothing
 
         @rule()
         def flush_host(self) -> None:
@@ -204,16 +202,19 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
         def _finish(self, rid: int, ok: bool, publish: bool) -> None:
             pending, _ = self.live.pop(rid)
             req, plan = pending.request, pending.plan
-            path = tuple(req.prompt_token_ids[:plan.depth])
+            path = tuple(req.prompt_token_ids[: plan.depth])
             for s in pending.slots:
                 want = path if ok else POISON
                 assert self.storage.device[s] == want
-                assert (self.ledger.content_of(s) is not None) == ok      # content only from a completed copy
+                assert (self.ledger.content_of(s) is not None) == ok  # content only from a completed copy
             _counts["promote:ok" if ok else "promote:failed"] += 1
             node = self.locks.pop(rid)
-            if ok and publish and req.cache.keep_slot is not None:      # back into the device tree
-                result = self.tree.insert(list(path), req.page_ids[:plan.depth // self.ps],
-                                          Checkpoint.for_tokens(req.cache.keep_slot, path, self.ps, 0))
+            if ok and publish and req.cache.keep_slot is not None:  # back into the device tree
+                result = self.tree.insert(
+                    list(path),
+                    req.page_ids[: plan.depth // self.ps],
+                    Checkpoint.for_tokens(req.cache.keep_slot, path, self.ps, 0),
+                )
                 assert set(result.duplicate_page_ids) <= set(plan.page_ids)
                 self.pages.free(result.duplicate_page_ids)
                 if result.checkpoint_inserted:
@@ -245,8 +246,13 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
 
 # Derandomized: the coverage asserts below (every outcome reached, >= 5k steps) hold for
 # most random seeds but not all, so a fixed draw keeps them meaningful.
-SETTINGS = settings(max_examples=100, stateful_step_count=100, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=100,
+    stateful_step_count=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 @pytest.mark.parametrize("page_size, alphabet, max_len", [(1, 3, 8), (2, 2, 10)])

@@ -10,6 +10,7 @@ Its two sizes share one graph, whose batch dims stay symbolic (``steps.mark_batc
 one graph to trace and to load. ``pack_weights`` (off by default) freezes packed weights into
 the graphs, which both caches refuse (``workers/compiled/cache.py``): the suite's
 ``startup`` row counts the refusals."""
+
 from __future__ import annotations
 
 import torch
@@ -24,11 +25,10 @@ P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def test_warm_restart_loads_every_graph(tmp_path, compile_cache_dir, capsys):
-    first, second = (make_tiny_checkpoint("granitemoehybrid", tmp_path / f"m{seed}", seed=seed)
-                     for seed in (1, 2))
+    first, second = (make_tiny_checkpoint("granitemoehybrid", tmp_path / f"m{seed}", seed=seed) for seed in (1, 2))
     settings = {"enabled": True, "batch_sizes": (2, 4), "cache_dir": str(compile_cache_dir)}
     graphs = counters["stats"]["unique_graphs"]
-    make_llm(first, compile=settings)                        # cold or warm: fills the cache
+    make_llm(first, compile=settings)  # cold or warm: fills the cache
     assert counters["stats"]["unique_graphs"] - graphs == 1  # the two sizes share a graph (CPU)
     torch._dynamo.reset()
     before = cache_counters()
@@ -36,15 +36,23 @@ def test_warm_restart_loads_every_graph(tmp_path, compile_cache_dir, capsys):
     llm = make_llm(second, compile=settings)
     after, shown = cache_counters(), capsys.readouterr().err
     new = {key: after[key] - before[key] for key in after}
-    assert new == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0,
-                   "autograd_cache_hit": 1, "autograd_cache_miss": 0, "autograd_cache_bypass": 0}, new
+    assert new == {
+        "fxgraph_cache_hit": 1,
+        "fxgraph_cache_miss": 0,
+        "fxgraph_cache_bypass": 0,
+        "autograd_cache_hit": 1,
+        "autograd_cache_miss": 0,
+        "autograd_cache_bypass": 0,
+    }, new
     assert "1/2 decode step, batch 2: " in shown and "(from the cache)" in shown, shown
     assert "2/2 decode step, batch 4: " in shown and "(an earlier graph serves it)" in shown, shown
     assert "(2 of 2: 1 from the cache; 1 an earlier graph serves it)" in shown, shown
     prompts = random_prompts(llm.engine.vocab_size, [6, 9, 7], seed=4)
-    eager = {p: [o.token_ids for o in make_llm(p, compile={"enabled": False}).generate_ids(prompts, [P] * 3)]
-             for p in (first, second)}
-    assert eager[first] != eager[second]                     # the weights do differ
+    eager = {
+        p: [o.token_ids for o in make_llm(p, compile={"enabled": False}).generate_ids(prompts, [P] * 3)]
+        for p in (first, second)
+    }
+    assert eager[first] != eager[second]  # the weights do differ
     assert [o.token_ids for o in llm.generate_ids(prompts, [P] * 3)] == eager[second]
     assert llm.engine.runner.compiled.num_calls[(4, 1)] > 0  # three sequences, padded to four
 
@@ -71,13 +79,14 @@ def test_verify_steps_and_chain_ask_for_aten_gemms(monkeypatch):
         def record(on_gpu: bool, pack_weights: bool = False, gemm_templates: bool = True):
             asked.append((module, gemm_templates))
             return compile_kwargs(on_gpu, pack_weights, gemm_templates)
+
         return record
+
     monkeypatch.setattr(steps_mod, "compile_kwargs", spy("steps"))
     monkeypatch.setattr(chain_mod, "compile_kwargs", spy("chain"))
     config = CompileConfig(enabled=True, batch_sizes=(1,))
     cpu, model = torch.device("cpu"), torch.nn.Identity()
     steps_mod.CompiledSteps(model, None, config, cpu, max_pages=4, page_size=16)
     steps_mod.CompiledSteps(model, None, config, cpu, max_pages=4, page_size=16, verify_lens=(4,))
-    chain_mod.CompiledChain(model, model, None, config, cpu, num_drafts=3, page_size=16, max_model_len=64,
-                            max_pages=4)
+    chain_mod.CompiledChain(model, model, None, config, cpu, num_drafts=3, page_size=16, max_model_len=64, max_pages=4)
     assert asked == [("steps", True), ("steps", False), ("chain", False)]

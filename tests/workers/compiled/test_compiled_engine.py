@@ -7,6 +7,7 @@ Python; the switch off builds no compiled step.
 
 The reference runs every variant off (compile, speculation, overlap, prefix cache). One
 compiled engine per family is shared by the module (compilation is slow on two cores)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ from workers.compiled import Bucket
 from workers.sampling.params import SamplingParams
 
 BUCKETS = (1, 3)
-BATCHES = (1, 2, 3, 4)            # 2: between the buckets; 4: above them (eager)
+BATCHES = (1, 2, 3, 4)  # 2: between the buckets; 4: above them (eager)
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SPEC = {"qwen3_next": {"method": "mtp", "num_draft_tokens": 2}, "granitemoehybrid": {"method": "none"}}
 
@@ -32,8 +33,7 @@ def family(request, tiny_checkpoint):
 @pytest.fixture(scope="module")
 def reference(family):
     name, path = family
-    llm = make_llm(path, compile={"enabled": False}, cache={"enable_prefix_cache": False},
-                   scheduler={"overlap": False})
+    llm = make_llm(path, compile={"enabled": False}, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
     prompts = random_prompts(llm.engine.vocab_size, [5, 11, 8, 14], seed=16)
     return llm, prompts, {n: [o.token_ids for o in llm.generate_ids(prompts[:n], [P] * n)] for n in BATCHES}
 
@@ -41,8 +41,12 @@ def reference(family):
 @pytest.fixture(scope="module")
 def compiled(family, compile_cache_dir):
     name, path = family
-    return make_llm(path, spec=SPEC[name], scheduler={"overlap": True},
-                    compile={"enabled": True, "batch_sizes": BUCKETS, "cache_dir": str(compile_cache_dir)})
+    return make_llm(
+        path,
+        spec=SPEC[name],
+        scheduler={"overlap": True},
+        compile={"enabled": True, "batch_sizes": BUCKETS, "cache_dir": str(compile_cache_dir)},
+    )
 
 
 def test_compiled_greedy_equals_eager(family, reference, compiled):
@@ -54,7 +58,7 @@ def test_compiled_greedy_equals_eager(family, reference, compiled):
     counted_before = dict(paths)
     for n in BATCHES:
         assert [o.token_ids for o in compiled.generate_ids(prompts[:n], [P] * n)] == expected[n], n
-    assert counters["stats"]["unique_graphs"] == graphs        # every graph compiled at start-up
+    assert counters["stats"]["unique_graphs"] == graphs  # every graph compiled at start-up
     ran = {b: steps.num_calls[b] - calls_before[b] for b in steps.buckets}
     drafter = compiled.engine.drafter
     rows = 1 if drafter is None else drafter.k + 1

@@ -2,6 +2,7 @@
 environment's ``HYBRIDSERVE_COMPILE_DEFAULT`` turns the default off (the test suite's
 conftest does); a config that sets it wins either way, and a bad value is named. A
 tensor-parallel config with compilation on is valid and logs that it runs eager."""
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,7 @@ def test_tensor_parallel_runs_eager_and_says_why(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="configs.schema"):
         config = load_config(overrides={"parallel.tensor_parallel_size": 2})
     assert config.compile.enabled and config.parallel.tensor_parallel_size == 2
-    assert any("tensor_parallel_size=2" in r.getMessage() and "eager" in r.getMessage()
-               for r in caplog.records)
+    assert any("tensor_parallel_size=2" in r.getMessage() and "eager" in r.getMessage() for r in caplog.records)
 
 
 def test_the_test_suite_runs_eager_unless_a_test_compiles():

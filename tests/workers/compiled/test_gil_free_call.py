@@ -4,6 +4,7 @@ reference for the call (``kernels/native_refs.cpp``). Checked twice: the referen
 called function sees (exact), and the calling thread's waits for the GIL while another
 thread runs Python (every GIL acquisition then waits, a voluntary context switch; a matter
 of scheduling, so the most of several calls is compared)."""
+
 from __future__ import annotations
 
 import os
@@ -18,12 +19,14 @@ import torch
 from kernels import native_ops
 from workers.compiled.cache import CallOptions, compile_for_owner, graph_inputs, new_owner
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not native_ops.load(),
-                                reason="per-thread context switches (Linux) and the native ops")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not native_ops.load(),
+    reason="per-thread context switches (Linux) and the native ops",
+)
 
 
 @dataclass(frozen=True)
-class Batch:                            # a ForwardBatch in small: tensor fields and a host field
+class Batch:  # a ForwardBatch in small: tensor fields and a host field
     a: torch.Tensor
     b: torch.Tensor
     c: torch.Tensor
@@ -32,21 +35,20 @@ class Batch:                            # a ForwardBatch in small: tensor fields
     size: int
 
 
-NUM_INPUTS = 5                          # Batch's tensors
+NUM_INPUTS = 5  # Batch's tensors
 
 
 class Chain(torch.nn.Module):
     def step(self, batch: Batch, owner: int) -> torch.Tensor:
         out = batch.a * 2
-        for x in (batch.b, batch.c, batch.d, batch.e):   # each input's last use comes early (the
-            out = torch.tanh(out @ x)                    # graph drops it there), ms apart
+        for x in (batch.b, batch.c, batch.d, batch.e):  # each input's last use comes early (the
+            out = torch.tanh(out @ x)  # graph drops it there), ms apart
         return out
 
 
 def _fresh(size: int = 512) -> Batch:
     gen = torch.Generator().manual_seed(0)
-    return Batch(*(torch.randn(size, size, generator=gen) / size ** 0.5 for _ in range(NUM_INPUTS)),
-                 size=size)
+    return Batch(*(torch.randn(size, size, generator=gen) / size**0.5 for _ in range(NUM_INPUTS)), size=size)
 
 
 def _switches_during(fn) -> int:
@@ -87,8 +89,7 @@ def compiled():
 def test_graph_inputs_are_the_tensors_and_dataclass_tensor_fields():
     batch, plain = _fresh(), torch.zeros(2)
     got = graph_inputs((batch, plain, 3, (plain,)))
-    assert [id(t) for t in got] == [id(batch.a), id(batch.b), id(batch.c), id(batch.d), id(batch.e),
-                                    id(plain)]
+    assert [id(t) for t in got] == [id(batch.a), id(batch.b), id(batch.c), id(batch.d), id(batch.e), id(plain)]
 
 
 def test_a_call_holds_each_tensor_argument_once_more(compiled):
@@ -100,7 +101,7 @@ def test_a_call_holds_each_tensor_argument_once_more(compiled):
         seen.extend(t._use_count() for t in graph_inputs((b, x)))
 
     opts.call(fn, batch, plain, 1)
-    assert seen == [2] * (NUM_INPUTS + 1)           # the Python object's reference and the call's
+    assert seen == [2] * (NUM_INPUTS + 1)  # the Python object's reference and the call's
     assert [t._use_count() for t in graph_inputs((batch, plain))] == [1] * (NUM_INPUTS + 1)
     opts.hold_inputs = False
     seen.clear()
@@ -108,8 +109,11 @@ def test_a_call_holds_each_tensor_argument_once_more(compiled):
     assert seen == [1] * (NUM_INPUTS + 1)
 
 
-@pytest.mark.skipif(os.getloadavg()[0] > 1.5, reason="needs a quiet machine: under load the spinning thread "
-                    "is often off its core when the graph drops an input, so the unheld waits do not show")
+@pytest.mark.skipif(
+    os.getloadavg()[0] > 1.5,
+    reason="needs a quiet machine: under load the spinning thread "
+    "is often off its core when the graph drops an input, so the unheld waits do not show",
+)
 def test_held_inputs_leave_the_graph_without_the_gil(compiled):
     fn, opts, chain = compiled
 

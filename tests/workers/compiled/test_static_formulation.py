@@ -4,6 +4,7 @@ padded batches, the traced attention and MoE, the verify fast path and the one-c
 chain then run exactly as they would be traced, so on both original tiny families greedy
 output equals the eager engine's, and no step reads the host (``tests/gpu/host_reads``:
 what a CUDA graph could not hold)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,11 @@ from workers.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 BUCKETS = (2, 4)
-CASES = [("qwen3_next", {"method": "mtp", "num_draft_tokens": 2}), ("qwen3_next", {"method": "none"}),
-         ("granitemoehybrid", {"method": "none"})]
+CASES = [
+    ("qwen3_next", {"method": "mtp", "num_draft_tokens": 2}),
+    ("qwen3_next", {"method": "none"}),
+    ("granitemoehybrid", {"method": "none"}),
+]
 
 
 class EagerStatic:
@@ -35,21 +39,22 @@ class EagerStatic:
                 self.reads += host_reads(lambda: out.append(fn(*args)))
             self.calls += 1
             return out[0]
+
         return run
 
 
 @pytest.mark.parametrize("name,spec", CASES)
 def test_static_steps_equal_eager_without_host_reads(monkeypatch, tiny_checkpoint, name, spec):
     path = tiny_checkpoint(name)
-    eager = make_llm(path, compile={"enabled": False}, cache={"enable_prefix_cache": False},
-                     scheduler={"overlap": False})
+    eager = make_llm(
+        path, compile={"enabled": False}, cache={"enable_prefix_cache": False}, scheduler={"overlap": False}
+    )
     prompts = random_prompts(eager.engine.vocab_size, [5, 11, 8, 14, 6], seed=21)
     fake = EagerStatic()
     monkeypatch.setattr(torch, "compile", fake)
-    static = make_llm(path, spec=spec, scheduler={"overlap": True},
-                      compile={"enabled": True, "batch_sizes": BUCKETS})
+    static = make_llm(path, spec=spec, scheduler={"overlap": True}, compile={"enabled": True, "batch_sizes": BUCKETS})
     warm_calls = fake.calls
-    for n in (1, 3, 5):                      # 1, 3: padded up; 5: above the buckets (eager)
+    for n in (1, 3, 5):  # 1, 3: padded up; 5: above the buckets (eager)
         expected = [o.token_ids for o in eager.generate_ids(prompts[:n], [P] * n)]
         assert [o.token_ids for o in static.generate_ids(prompts[:n], [P] * n)] == expected, n
     assert fake.calls > warm_calls
@@ -80,8 +85,7 @@ def test_decode_steps_with_a_checkpoint_stay_compiled(monkeypatch, tiny_qwen_dir
     checkpoint slot afterwards, so every one of a request's decode steps is compiled (an
     eager step per checkpoint before) and greedy output equals the cache-off engine's."""
     monkeypatch.setattr(torch, "compile", EagerStatic())
-    llm = make_llm(tiny_qwen_dir, cache={"mamba_track_interval": 8},
-                   compile={"enabled": True, "batch_sizes": (1,)})
+    llm = make_llm(tiny_qwen_dir, cache={"mamba_track_interval": 8}, compile={"enabled": True, "batch_sizes": (1,)})
     ref = make_llm(tiny_qwen_dir, compile={"enabled": False}, cache={"enable_prefix_cache": False})
     prompt = random_prompts(llm.engine.vocab_size, [6], seed=7)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -92,5 +96,5 @@ def test_decode_steps_with_a_checkpoint_stay_compiled(monkeypatch, tiny_qwen_dir
     assert out.token_ids == ref.generate_ids(prompt, [params])[0].token_ids
     turn2 = [prompt[0] + out.token_ids[:12]]
     again = llm.generate_ids(turn2, [params])[0]
-    assert again.cached_tokens >= 16          # a checkpoint written by a compiled decode step
+    assert again.cached_tokens >= 16  # a checkpoint written by a compiled decode step
     assert again.token_ids == ref.generate_ids(turn2, [params])[0].token_ids

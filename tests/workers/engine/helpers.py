@@ -1,4 +1,5 @@
 """Prompt builders and a small LLM factory for engine tests."""
+
 from __future__ import annotations
 
 import random
@@ -20,8 +21,7 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[l
 
 
 def make_llm(model_dir, **overrides) -> LLM:
-    base = {"device": "cpu", "dtype": "float32",
-            "cache": {"page_size": 4, "max_kv_tokens": 4096}}
+    base = {"device": "cpu", "dtype": "float32", "cache": {"page_size": 4, "max_kv_tokens": 4096}}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             base[key] = {**base[key], **value}

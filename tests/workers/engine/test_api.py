@@ -1,4 +1,5 @@
 """The LLM API's contract: stops, limits, seeds, logprobs, bad input, no leaks."""
+
 from __future__ import annotations
 
 import pytest
@@ -65,10 +66,16 @@ def test_logprobs(llm):
         assert lp.top[0][0] == tok and lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
 
 
-@pytest.mark.parametrize("prompt,match", [
-    ([], "at least one token"), ([10**9], "outside the vocabulary"), ([-1], "outside the vocabulary"),
-    ([True, False, True], r"must be a list of ints, got \[True, False, True\]"), ([5, 6.0], "list of ints"),
-])
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ([], "at least one token"),
+        ([10**9], "outside the vocabulary"),
+        ([-1], "outside the vocabulary"),
+        ([True, False, True], r"must be a list of ints, got \[True, False, True\]"),
+        ([5, 6.0], "list of ints"),
+    ],
+)
 def test_bad_prompts_raise_and_leak_nothing(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([[1, 2, 3], prompt], SamplingParams(max_tokens=4))
@@ -100,7 +107,7 @@ def test_abort_frees_everything(llm):
     assert out.finished and out.finish_reason == "abort"
     assert llm.abort("a") is None
     llm.abort("b")
-    while e.has_unfinished():          # an in-flight batch finishes the deferred release
+    while e.has_unfinished():  # an in-flight batch finishes the deferred release
         assert e.step() == []
     assert_no_leaks(llm)
 
@@ -109,6 +116,10 @@ def test_stats_keys(llm):
     stats = llm.stats()
     assert stats["hybridserve_requests_total"].get("length", 0) > 0
     assert stats["hybridserve_time_to_first_token_seconds"]["count"] > 0
-    for key in ("hybridserve_preemptions_total", "hybridserve_num_running_requests",
-                "hybridserve_kv_pool_usage_ratio", "hybridserve_step_gap_seconds"):
+    for key in (
+        "hybridserve_preemptions_total",
+        "hybridserve_num_running_requests",
+        "hybridserve_kv_pool_usage_ratio",
+        "hybridserve_step_gap_seconds",
+    ):
         assert key in stats

@@ -6,6 +6,7 @@ locked checkpoint each) fill 8 slots and a third request never checkpoints its p
 (on ``slot_pressure``, keep allocations fail). A decode checkpoint
 never evicts another for its slot.
 """
+
 from __future__ import annotations
 
 from tests.workers.engine.helpers import make_llm, random_prompts
@@ -15,8 +16,11 @@ P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def llm_for(model_dir, strategy, **cache):
-    llm = make_llm(model_dir, cache={"mamba_strategy": strategy, "page_size": 4, "mamba_track_interval": 256,
-                                     **cache}, debug={"check_invariants": True})
+    llm = make_llm(
+        model_dir,
+        cache={"mamba_strategy": strategy, "page_size": 4, "mamba_track_interval": 256, **cache},
+        debug={"check_invariants": True},
+    )
     llm.engine.raise_on_violation = True
     return llm
 
@@ -30,9 +34,13 @@ def run_watching(llm, prompt):
     while engine.has_unfinished():
         outs += llm.step()
         if req.mamba_slot is not None:
-            roles.append((req.num_computed_tokens,
-                          sorted(r.value for r in engine.cache.ledger.slots_of(req.handle).values()),
-                          req.cache.keep_depth))
+            roles.append(
+                (
+                    req.num_computed_tokens,
+                    sorted(r.value for r in engine.cache.ledger.slots_of(req.handle).values()),
+                    req.cache.keep_depth,
+                )
+            )
     return roles, outs
 
 
@@ -45,7 +53,7 @@ def test_no_idle_keep_slot_after_a_publication(tiny_qwen_dir):
     # Published: the prompt's checkpoint (20) and the end of the output (32).
     assert tree.peek(prompt[:22]).depth == 20
     # Between the two, while decoding, the request held no keep slot with nothing in it.
-    between = [r for d, r, keep in roles if 24 <= d < 31 and keep is None]   # after the overlap lag
+    between = [r for d, r, keep in roles if 24 <= d < 31 and keep is None]  # after the overlap lag
     assert between and all("keep" not in r for r in between), roles
 
 
@@ -61,5 +69,5 @@ def test_a_decode_checkpoint_does_not_evict_for_its_slot(tiny_qwen_dir):
     outs = llm.generate_ids([prompt], [P])
     tree = llm.engine.cache.tree
     assert tree.peek(prompt[:22]).depth == 20
-    assert tree.peek((prompt + outs[0].token_ids)[:32]).depth == 20     # no end-of-output checkpoint
+    assert tree.peek((prompt + outs[0].token_ids)[:32]).depth == 20  # no end-of-output checkpoint
     assert llm.stats()["hybridserve_mamba_checkpoints_evicted_total"] - before == 1

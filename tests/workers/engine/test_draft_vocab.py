@@ -2,6 +2,7 @@
 from the subset, greedy output equals plain decoding (eager and compiled chains, overlap on
 and off), a sampled draft's distribution is zero outside the subset, and bad files are
 refused with what is wrong."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ def with_vocab(model_dir: Path, out: Path, token_ids: list[int]) -> Path:
 @pytest.fixture(scope="module")
 def subset_model(tiny_qwen_dir, tmp_path_factory) -> tuple[Path, list[int]]:
     vocab = json.loads((tiny_qwen_dir / "config.json").read_text())["vocab_size"]
-    subset = list(range(vocab - 1, 0, -3))              # a third of the tokens, not by id order
+    subset = list(range(vocab - 1, 0, -3))  # a third of the tokens, not by id order
     return with_vocab(tiny_qwen_dir, tmp_path_factory.mktemp("draft-vocab") / "m", subset), subset
 
 
@@ -38,10 +39,17 @@ def plain(tiny_qwen_dir):
     return prompts, [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))]
 
 
-@pytest.mark.parametrize("variant", [{"scheduler": {"overlap": False}}, {"scheduler": {"overlap": True}},
-                                     {"compile": {"enabled": True, "batch_sizes": [8]}}])
-def test_drafts_come_from_the_subset_and_greedy_output_is_unchanged(subset_model, plain, variant,
-                                                                   compile_cache_dir, monkeypatch):
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"scheduler": {"overlap": False}},
+        {"scheduler": {"overlap": True}},
+        {"compile": {"enabled": True, "batch_sizes": [8]}},
+    ],
+)
+def test_drafts_come_from_the_subset_and_greedy_output_is_unchanged(
+    subset_model, plain, variant, compile_cache_dir, monkeypatch
+):
     model, subset = subset_model
     prompts, expected = plain
     if "compile" in variant:
@@ -49,18 +57,18 @@ def test_drafts_come_from_the_subset_and_greedy_output_is_unchanged(subset_model
     drafted: set[int] = set()
     tokens = DraftVocab.tokens
 
-    def recorded(vocab, index):                         # eager chains (a compiled one traces it)
+    def recorded(vocab, index):  # eager chains (a compiled one traces it)
         out = tokens(vocab, index)
         drafted.update(out.tolist())
         return out
-    llm = make_llm(model, spec={"method": "mtp", "num_draft_tokens": 3}, debug={"check_invariants": True},
-                   **variant)
+
+    llm = make_llm(model, spec={"method": "mtp", "num_draft_tokens": 3}, debug={"check_invariants": True}, **variant)
     monkeypatch.setattr(DraftVocab, "tokens", recorded)
     drafter = llm.engine.drafter
     assert drafter.vocab.size == len(subset)
     assert [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))] == expected
     assert llm.stats()["hybridserve_spec_draft_tokens_total"] > 0
-    registers = set(drafter.draft_tokens.unique().tolist()) - {0}     # 0: a register never written
+    registers = set(drafter.draft_tokens.unique().tolist()) - {0}  # 0: a register never written
     assert registers and registers <= set(subset)
     if "compile" in variant:
         assert sum(drafter.compiled_chain.num_verify_calls.values()) > 0
@@ -81,8 +89,8 @@ def test_the_subset_scores_its_rows_of_the_lm_head(subset_model, tiny_qwen_dir):
     probs = torch.softmax(vocab.logits(target, hidden), -1)
     spread = vocab.full(probs, full.shape[1])
     assert torch.equal(spread[:, ids], probs) and spread.sum() == spread[:, ids].sum()
-    assert load_draft_vocab(None, model_dir, target).token_ids is None            # null: every token
-    assert load_draft_vocab("auto", tiny_qwen_dir, target).token_ids is None      # no file: every token
+    assert load_draft_vocab(None, model_dir, target).token_ids is None  # null: every token
+    assert load_draft_vocab("auto", tiny_qwen_dir, target).token_ids is None  # no file: every token
 
 
 def test_a_sampled_draft_is_drawn_from_the_subset(subset_model):
@@ -99,11 +107,17 @@ def test_a_sampled_draft_is_drawn_from_the_subset(subset_model):
     assert probs[..., outside].abs().sum() == 0
 
 
-@pytest.mark.parametrize("content,match", [
-    ("not json", "not a JSON object"), ('{"ids": [1]}', "not a JSON object"),
-    ('{"token_ids": []}', "non-empty list"), ('{"token_ids": [1, "2"]}', "non-empty list"),
-    ('{"token_ids": [1, 99999]}', r"token ids \[99999\] outside the vocabulary"),
-    ('{"token_ids": [4, 5, 4]}', "1 repeated token ids")])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("not json", "not a JSON object"),
+        ('{"ids": [1]}', "not a JSON object"),
+        ('{"token_ids": []}', "non-empty list"),
+        ('{"token_ids": [1, "2"]}', "non-empty list"),
+        ('{"token_ids": [1, 99999]}', r"token ids \[99999\] outside the vocabulary"),
+        ('{"token_ids": [4, 5, 4]}', "1 repeated token ids"),
+    ],
+)
 def test_bad_files_are_refused(tiny_qwen_dir, tmp_path, content, match):
     path = tmp_path / "vocab.json"
     path.write_text(content)

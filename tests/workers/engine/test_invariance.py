@@ -1,4 +1,5 @@
 """Greedy output must not depend on how the engine slices the work."""
+
 from __future__ import annotations
 
 import random
@@ -21,8 +22,7 @@ def reference(tiny_model_dir):
 @pytest.mark.parametrize("chunk", [1, 7, 16, 4096])
 def test_chunked_prefill_invariance(tiny_model_dir, reference, chunk):
     prompts, expected = reference
-    llm = make_llm(tiny_model_dir, scheduler={"chunked_prefill_size": chunk,
-                                              "max_batch_tokens": max(chunk, 64)})
+    llm = make_llm(tiny_model_dir, scheduler={"chunked_prefill_size": chunk, "max_batch_tokens": max(chunk, 64)})
     assert greedy_tokens(llm, prompts) == expected
 
 

@@ -8,6 +8,7 @@
   on a normal run, and it catches the aliasing bug when the guard is off
   (``test_spec.py::test_lazy_spec_overlap_guard_off_corrupts``).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -25,9 +26,12 @@ P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def lazy_llm(model_dir, overlap: bool = True, **debug):
-    llm = make_llm(model_dir, cache={"mamba_strategy": "extra_buffer_lazy", "mamba_track_interval": 8,
-                                     "max_mamba_slots": 24},
-                   scheduler={"overlap": overlap}, debug={"check_invariants": True, **debug})
+    llm = make_llm(
+        model_dir,
+        cache={"mamba_strategy": "extra_buffer_lazy", "mamba_track_interval": 8, "max_mamba_slots": 24},
+        scheduler={"overlap": overlap},
+        debug={"check_invariants": True, **debug},
+    )
     llm.engine.raise_on_violation = True
     return llm
 
@@ -76,7 +80,7 @@ def test_runner_writing_another_row_is_reported_and_not_published(tiny_qwen_dir,
         assert [o.token_ids for o in llm.generate_ids(prompts, [P] * 3)] == expected
     stats = llm.stats()
     assert stats["hybridserve_invariant_violations_total"].get("I4", 0) > 0
-    assert stats["hybridserve_state_oracle_mismatches_total"] == 0      # nothing wrong was published
+    assert stats["hybridserve_state_oracle_mismatches_total"] == 0  # nothing wrong was published
 
 
 def test_check_invariants_compares_labels_with_contents(tiny_qwen_dir):

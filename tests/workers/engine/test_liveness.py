@@ -3,6 +3,7 @@
 Each scenario runs the engine step by step with a step bound derived from the work
 (``step_bound``): a livelock fails the bound instead of hanging the test run.
 """
+
 from __future__ import annotations
 
 from tests.workers.engine.helpers import make_llm, random_prompts
@@ -42,10 +43,12 @@ def test_preemption_under_overlap_finishes(tiny_qwen_dir):
     plain = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
     expected = [o.token_ids for o in plain.generate_ids(prompts, [params] * 5)]
     for overlap in (False, True):
-        llm = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False, "max_kv_tokens": 96,
-                                             "page_size": 16},
-                       scheduler={"overlap": overlap, "chunked_prefill_size": 4},
-                       debug={"check_invariants": True})
+        llm = make_llm(
+            tiny_qwen_dir,
+            cache={"enable_prefix_cache": False, "max_kv_tokens": 96, "page_size": 16},
+            scheduler={"overlap": overlap, "chunked_prefill_size": 4},
+            debug={"check_invariants": True},
+        )
         llm.engine.raise_on_violation = True
         assert [o.token_ids for o in run_bounded(llm, prompts, params)] == expected, overlap
         assert llm.stats()["hybridserve_preemptions_total"] > 0
@@ -64,9 +67,12 @@ def test_one_slot_follow_up_turn_is_admitted(tiny_qwen_dir):
     expected = plain.generate_ids([follow], [P])[0].token_ids
     for strategy in ("no_buffer", "extra_buffer_lazy"):
         for overlap in (False, True):
-            llm = make_llm(tiny_qwen_dir, cache={"max_mamba_slots": 1, "mamba_strategy": strategy,
-                                                 "page_size": 1},
-                           scheduler={"overlap": overlap}, debug={"check_invariants": True})
+            llm = make_llm(
+                tiny_qwen_dir,
+                cache={"max_mamba_slots": 1, "mamba_strategy": strategy, "page_size": 1},
+                scheduler={"overlap": overlap},
+                debug={"check_invariants": True},
+            )
             llm.engine.raise_on_violation = True
             assert run_bounded(llm, [prompt])[0].token_ids == first
             assert llm.engine.cache.tree.num_checkpoints == (1 if strategy == "no_buffer" else 0)
@@ -81,15 +87,19 @@ def test_request_id_reused_after_abort(tiny_qwen_dir):
     prompts = random_prompts(512, [11, 14], seed=5)
     plain = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
     expected = plain.generate_ids([prompts[1]], [P])[0].token_ids
-    llm = make_llm(tiny_qwen_dir, scheduler={"overlap": True}, spec={"method": "mtp", "num_draft_tokens": 2},
-                   debug={"check_invariants": True})
+    llm = make_llm(
+        tiny_qwen_dir,
+        scheduler={"overlap": True},
+        spec={"method": "mtp", "num_draft_tokens": 2},
+        debug={"check_invariants": True},
+    )
     llm.engine.raise_on_violation = True
     engine = llm.engine
     llm.add_request("same", prompts[0], P)
     llm.step()
-    llm.step()                                      # a batch holding "same" is in flight
+    llm.step()  # a batch holding "same" is in flight
     assert llm.abort("same") is not None
-    llm.add_request("same", prompts[1], P)          # reused before the old release ran
+    llm.add_request("same", prompts[1], P)  # reused before the old release ran
     done = {}
     for _ in range(200):
         for out in llm.step():

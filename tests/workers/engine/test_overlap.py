@@ -1,4 +1,5 @@
 """The overlap scheduler: a real one-step lag, and greedy output identical to lag zero."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,16 +24,19 @@ def control(tiny_model_dir):
     return prompts, [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))]
 
 
-@pytest.mark.core_families(all_families_for={"strategy": "extra_buffer_lazy"})   # the default
+@pytest.mark.core_families(all_families_for={"strategy": "extra_buffer_lazy"})  # the default
 @pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
 def test_overlap_on_off_identical(tiny_model_dir, control, strategy):
     prompts, expected = control
     for overlap in (False, True):
-        llm = make_llm(tiny_model_dir, scheduler={"overlap": overlap, "chunked_prefill_size": 8},
-                       cache={"mamba_strategy": strategy, "mamba_track_interval": 8,
-                              "max_mamba_slots": 24}, debug={"check_invariants": True})
+        llm = make_llm(
+            tiny_model_dir,
+            scheduler={"overlap": overlap, "chunked_prefill_size": 8},
+            cache={"mamba_strategy": strategy, "mamba_track_interval": 8, "max_mamba_slots": 24},
+            debug={"check_invariants": True},
+        )
         llm.engine.raise_on_violation = True
-        for n in range(2):                      # the second pass is served from the cache
+        for n in range(2):  # the second pass is served from the cache
             outs = llm.generate_ids(prompts, [P] * len(prompts))
             assert [o.token_ids for o in outs] == expected, (overlap, n)
         assert any(o.cached_tokens > 0 for o in outs)

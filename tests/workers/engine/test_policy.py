@@ -1,6 +1,7 @@
 """``scheduler.policy: lpm`` on a real engine: the waiting queue's order changes, the
 tokens of every request do not (against ``fcfs`` and a cache-off control), with the
 host tier on and off, overlap on, invariants checked after every step."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,15 @@ P = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def policy_llm(model_dir, policy, host):
-    cache = {"mamba_strategy": "extra_buffer_lazy", "page_size": 4, "mamba_track_interval": 8,
-             "max_mamba_slots": 10}
+    cache = {"mamba_strategy": "extra_buffer_lazy", "page_size": 4, "mamba_track_interval": 8, "max_mamba_slots": 10}
     if host:
         cache.update(host_mamba_slots=32, host_kv_tokens=2048)
-    llm = make_llm(model_dir, cache=cache, scheduler={"max_running_requests": 2, "policy": policy},
-                   debug={"check_invariants": True})
+    llm = make_llm(
+        model_dir,
+        cache=cache,
+        scheduler={"max_running_requests": 2, "policy": policy},
+        debug={"check_invariants": True},
+    )
     llm.engine.raise_on_violation = True
     return llm
 
@@ -45,19 +49,18 @@ def test_lpm_changes_the_order_not_the_tokens(tiny_qwen_dir, host):
     for policy in ("fcfs", "lpm"):
         llm = policy_llm(tiny_qwen_dir, policy, host)
         outs1 = llm.generate_ids(turn1, [P] * len(turn1))
-        turn2 = [p + o.token_ids + q
-                 for p, o, q in zip(turn1, outs1, random_prompts(vocab, [5] * 4, seed=33))]
-        if host:                        # every checkpoint demoted: the queue sees host depths only
+        turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, random_prompts(vocab, [5] * 4, seed=33))]
+        if host:  # every checkpoint demoted: the queue sees host depths only
             tree = llm.engine.cache.tree
             tree.evict_checkpoints(tree.num_evictable_checkpoints)
             assert all(tree.peek(p[:-1]).depth == 0 for p in turn2)
-        runs[policy] = run_in_order(llm, cold + turn2)      # the cold prompts arrive first
+        runs[policy] = run_in_order(llm, cold + turn2)  # the cold prompts arrive first
         hits[policy] = llm.stats()["hybridserve_prefix_hit_tokens_total"]
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
     expected = {f"q{i}": o.token_ids for i, o in enumerate(off.generate_ids(cold + turn2, [P] * 7))}
     assert runs["fcfs"][0] == runs["lpm"][0] == expected
     assert runs["fcfs"][1] == [f"q{i}" for i in range(7)]
-    assert runs["lpm"][1][:2] != ["q0", "q1"]             # cached second turns admitted first
+    assert runs["lpm"][1][:2] != ["q0", "q1"]  # cached second turns admitted first
     assert set(runs["lpm"][1][:2]) <= {"q3", "q4", "q5", "q6"}
     # lpm resumes all four second turns (>= 20 tokens each) before the cold prompts' own
     # checkpoints can evict theirs (10 slots); fcfs admits the cold ones first.

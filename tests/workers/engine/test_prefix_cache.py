@@ -4,6 +4,7 @@ Every run checks the cache invariants after every step (violations raise), compa
 greedy tokens with a cache-off control, and checks ``cached_tokens`` against what the
 tree held when the request arrived.
 """
+
 from __future__ import annotations
 
 import random
@@ -16,13 +17,17 @@ from workers.cache import CheckpointInserted
 from workers.sampling.params import SamplingParams
 
 STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
-DEFAULT_STRATEGY = CacheConfig().mamba_strategy    # runs for every family; the others on CORE_FAMILIES
+DEFAULT_STRATEGY = CacheConfig().mamba_strategy  # runs for every family; the others on CORE_FAMILIES
 P = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def cached_llm(model_dir, strategy, page_size=4, interval=8, **extra):
-    cache = {"mamba_strategy": strategy, "page_size": page_size, "mamba_track_interval": interval,
-             **extra.pop("cache", {})}
+    cache = {
+        "mamba_strategy": strategy,
+        "page_size": page_size,
+        "mamba_track_interval": interval,
+        **extra.pop("cache", {}),
+    }
     llm = make_llm(model_dir, cache=cache, debug={"check_invariants": True}, **extra)
     llm.engine.raise_on_violation = True
     return llm
@@ -31,8 +36,11 @@ def cached_llm(model_dir, strategy, page_size=4, interval=8, **extra):
 def shared_prefix_workload(vocab: int, num_systems=8, num_questions=8, seed=0) -> list[list[int]]:
     rng = random.Random(seed)
     systems = random_prompts(vocab, [rng.randrange(9, 30) for _ in range(num_systems)], seed=seed)
-    return [s + random_prompts(vocab, [rng.randrange(2, 12)], seed=1000 * i + j)[0]
-            for i, s in enumerate(systems) for j in range(num_questions)]
+    return [
+        s + random_prompts(vocab, [rng.randrange(2, 12)], seed=1000 * i + j)[0]
+        for i, s in enumerate(systems)
+        for j in range(num_questions)
+    ]
 
 
 def expected_hit(llm, prompt: list[int]) -> int:
@@ -73,8 +81,7 @@ def control(tiny_model_dir):
 def test_shared_prefix_differential(tiny_model_dir, control, strategy):
     prompts, expected = control
     # 40 usable slots and 600 KV tokens for 64 prompts: evictions are forced.
-    llm = cached_llm(tiny_model_dir, strategy, interval=64,
-                     cache={"max_mamba_slots": 40, "max_kv_tokens": 600})
+    llm = cached_llm(tiny_model_dir, strategy, interval=64, cache={"max_mamba_slots": 40, "max_kv_tokens": 600})
     llm.engine.record_cache_events()
     first = llm.generate_ids(prompts, [P] * len(prompts))
     assert [o.token_ids for o in first] == expected
@@ -86,7 +93,7 @@ def test_shared_prefix_differential(tiny_model_dir, control, strategy):
     inserted = {e.token_ids for e in llm.engine.drain_cache_events() if isinstance(e, CheckpointInserted)}
     for p, o in zip(prompts, second):
         # A hit is exactly the depth of a checkpoint the first pass published on its path.
-        assert o.cached_tokens == 0 or tuple(p[:o.cached_tokens]) in inserted, (len(p), o.cached_tokens)
+        assert o.cached_tokens == 0 or tuple(p[: o.cached_tokens]) in inserted, (len(p), o.cached_tokens)
     if strategy != "no_buffer":
         # Half the prompts are served, some from their own prefill target (the deepest page
         # boundary below their end), not merely from a shorter shared system prompt (under
@@ -116,8 +123,7 @@ def test_multi_turn_reuses_previous_turn(tiny_model_dir, strategy, pressure):
     from the deepest checkpoint turn 1 left (at least its prompt's) when the pool is large
     enough to keep them all, and from exactly what survived when it is not."""
     page = 1 if strategy == "no_buffer" else 4
-    llm = cached_llm(tiny_model_dir, strategy, page_size=page,
-                     cache={"max_mamba_slots": 24 if pressure else 160})
+    llm = cached_llm(tiny_model_dir, strategy, page_size=page, cache={"max_mamba_slots": 24 if pressure else 160})
     off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
     turn1, outs1, turn2 = two_turns(llm, [3 + i % 5 for i in range(16)], seed=5)
     outs2, offered = run_one_by_one(llm, turn2)
@@ -151,19 +157,20 @@ def test_next_turn_resumes_past_the_answer(tiny_model_dir, strategy):
 
 def test_next_turn_resumes_past_the_answer_with_mtp(tiny_mtp_model_dir):
     """The same when a verify (MTP, 3 drafts) crosses the end-of-output target."""
-    check_resumes_past_the_answer(tiny_mtp_model_dir, "extra_buffer_lazy",
-                                  spec={"method": "mtp", "num_draft_tokens": 3})
+    check_resumes_past_the_answer(
+        tiny_mtp_model_dir, "extra_buffer_lazy", spec={"method": "mtp", "num_draft_tokens": 3}
+    )
 
 
 def test_branch_point_becomes_reusable(tiny_model_dir):
     llm = cached_llm(tiny_model_dir, "extra_buffer_lazy")
     vocab = llm.engine.vocab_size
-    system = random_prompts(vocab, [14], seed=9)[0]        # 3 whole pages + 2 tokens
+    system = random_prompts(vocab, [14], seed=9)[0]  # 3 whole pages + 2 tokens
     a, b, c = (system + q for q in random_prompts(vocab, [7, 5, 9], seed=10))
     assert llm.generate_ids([a], [P])[0].cached_tokens == 0
     # b shares 14 tokens with a: no checkpoint there yet, but the KV path does match.
     assert llm.generate_ids([b], [P])[0].cached_tokens == 0
-    assert llm.generate_ids([c], [P])[0].cached_tokens == 12   # the branch point of b
+    assert llm.generate_ids([c], [P])[0].cached_tokens == 12  # the branch point of b
 
 
 @pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
@@ -248,8 +255,13 @@ def test_boundary_sweep(tiny_qwen_dir, page_size, chunk):
     interval = 32
     grid = 32
     lengths = [grid + d for d in (-3, -1, 1, 3)] + [2 * grid + d for d in (-3, -1, 1, 3)]
-    llm = cached_llm(tiny_qwen_dir, "extra_buffer_lazy", page_size=page_size, interval=interval,
-                     scheduler={"chunked_prefill_size": chunk, "max_batch_tokens": 64})
+    llm = cached_llm(
+        tiny_qwen_dir,
+        "extra_buffer_lazy",
+        page_size=page_size,
+        interval=interval,
+        scheduler={"chunked_prefill_size": chunk, "max_batch_tokens": 64},
+    )
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
     prompts = random_prompts(llm.engine.vocab_size, lengths, seed=page_size + chunk)
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * len(prompts)
@@ -264,8 +276,7 @@ def test_boundary_sweep(tiny_qwen_dir, page_size, chunk):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_exhausted_pool_serves_everything(tiny_model_dir, strategy):
     # Exactly one slot per running request: no room for any checkpoint.
-    llm = cached_llm(tiny_model_dir, strategy, cache={"max_mamba_slots": 4},
-                     scheduler={"max_running_requests": 4})
+    llm = cached_llm(tiny_model_dir, strategy, cache={"max_mamba_slots": 4}, scheduler={"max_running_requests": 4})
     off = make_llm(tiny_model_dir, cache={"enable_prefix_cache": False})
     prompts = shared_prefix_workload(llm.engine.vocab_size, num_systems=3, num_questions=4)
     expected = [o.token_ids for o in off.generate_ids(prompts, [P] * len(prompts))]
@@ -303,4 +314,4 @@ def test_an_engine_nobody_drains_keeps_no_cache_events(tiny_qwen_dir):
     assert llm.engine.cache.events is None and llm.engine.drain_cache_events() == []
     llm.engine.record_cache_events()
     llm.flush_cache()
-    assert llm.engine.drain_cache_events()                  # recording: the flush's evictions
+    assert llm.engine.drain_cache_events()  # recording: the flush's evictions

@@ -1,5 +1,6 @@
 """Prompt logprobs from (chunked) prefill against transformers' log-softmax, and what a
 prefix-cache hit or a preemption does to a request that asks for them."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,9 @@ def check(out, prompt, ref):
 def test_prompt_logprobs_equal_transformers_in_chunks(tiny_model_dir, reference, overlap):
     prompts, ref = reference
     llm = make_llm(tiny_model_dir, scheduler={"chunked_prefill_size": 8, "overlap": overlap})
-    params = [SamplingParams(max_tokens=n, temperature=0.0, prompt_logprobs=K, ignore_eos=True)
-              for n in (0, 1, 3, 0, 2)]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, prompt_logprobs=K, ignore_eos=True) for n in (0, 1, 3, 0, 2)
+    ]
     outs = llm.generate_ids(prompts, params)
     for out, prompt, r, p in zip(outs, prompts, ref, params):
         check(out, prompt, r)
@@ -67,12 +69,18 @@ def test_a_cache_hit_stops_where_the_logits_are_needed(tiny_qwen_dir):
 
 def test_preempted_requests_keep_prompt_logprobs_and_penalties(tiny_model_dir, reference):
     prompts, ref = reference
-    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=K,
-                       repetition_penalty=1.3, frequency_penalty=0.8, logit_bias={17: 4.0, 18: 3.7})
+    p = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        ignore_eos=True,
+        prompt_logprobs=K,
+        repetition_penalty=1.3,
+        frequency_penalty=0.8,
+        logit_bias={17: 4.0, 18: 3.7},
+    )
     roomy = make_llm(tiny_model_dir)
     expected = [o.token_ids for o in roomy.generate_ids(prompts * 2, [p] * 10)]
-    tight = make_llm(tiny_model_dir, cache={"page_size": 4, "max_kv_tokens": 96},
-                     scheduler={"chunked_prefill_size": 8})
+    tight = make_llm(tiny_model_dir, cache={"page_size": 4, "max_kv_tokens": 96}, scheduler={"chunked_prefill_size": 8})
     outs = tight.generate_ids(prompts * 2, [p] * 10)
     assert tight.stats()["hybridserve_preemptions_total"] > 0
     assert [o.token_ids for o in outs] == expected

@@ -5,6 +5,7 @@ A random MTP head rarely drafts the right token, so one test swaps in an oracle 
 through every acceptance length. The first tests run for every registered family with MTP
 weights (``tiny_mtp_model_dir``); the rest exercise the engine on Qwen3-Next.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -43,7 +44,7 @@ def plain(tiny_mtp_model_dir):
 def test_spec_greedy_equals_plain(tiny_mtp_model_dir, plain, overlap):
     prompts, expected = plain
     llm = spec_llm(tiny_mtp_model_dir, scheduler={"overlap": overlap})
-    for _ in range(2):                                  # second pass: prefix hits + MTP
+    for _ in range(2):  # second pass: prefix hits + MTP
         assert [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))] == expected
     stats = llm.stats()
     assert stats["hybridserve_spec_draft_tokens_total"] > 0
@@ -76,15 +77,18 @@ def oracle_drafts(monkeypatch, plain):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_verify_commits_the_accepted_state(tiny_mtp_model_dir, plain, oracle_drafts, overlap):
     prompts, expected = plain
-    llm = spec_llm(tiny_mtp_model_dir, scheduler={"overlap": overlap},
-                   cache={"mamba_track_interval": 8, "mamba_strategy": "extra_buffer_lazy"})
+    llm = spec_llm(
+        tiny_mtp_model_dir,
+        scheduler={"overlap": overlap},
+        cache={"mamba_track_interval": 8, "mamba_strategy": "extra_buffer_lazy"},
+    )
     oracle_drafts.append(llm.engine)
     for _ in range(2):
         assert [o.token_ids for o in llm.generate_ids(prompts, [P] * len(prompts))] == expected
     stats = llm.stats()
     drafted = stats["hybridserve_spec_draft_tokens_total"]
     accepted = stats["hybridserve_spec_accepted_tokens_total"]
-    assert 0.2 * drafted < accepted < drafted           # every acceptance length occurs
+    assert 0.2 * drafted < accepted < drafted  # every acceptance length occurs
     assert stats["hybridserve_mamba_checkpoints_inserted_total"].get("decode", 0) > 0
 
 
@@ -114,12 +118,22 @@ def sglang_engine(model_dir, guard_off: bool = False, **extra):
     """Lazy checkpoints + MTP + overlap, page 1, a 24-slot pool, half the pending-slot
     allocations failing: the verify must write the grid-crossing state in place into the
     keep slot whose prefill checkpoint is about to be donated."""
-    overrides = {"scheduler": {"overlap": True, "max_running_requests": 4},
-                 "spec": {"method": "mtp", "num_draft_tokens": 2},
-                 "cache": {"mamba_strategy": "extra_buffer_lazy", "mamba_track_interval": SGLANG_INTERVAL,
-                           "max_mamba_slots": 24, "page_size": 1},
-                 "debug": {"check_invariants": not guard_off, "fail_pending_alloc_prob": 0.5,
-                           "disable_alias_guard": guard_off, "state_oracle_sample": 1.0}}
+    overrides = {
+        "scheduler": {"overlap": True, "max_running_requests": 4},
+        "spec": {"method": "mtp", "num_draft_tokens": 2},
+        "cache": {
+            "mamba_strategy": "extra_buffer_lazy",
+            "mamba_track_interval": SGLANG_INTERVAL,
+            "max_mamba_slots": 24,
+            "page_size": 1,
+        },
+        "debug": {
+            "check_invariants": not guard_off,
+            "fail_pending_alloc_prob": 0.5,
+            "disable_alias_guard": guard_off,
+            "state_oracle_sample": 1.0,
+        },
+    }
     for key, value in extra.items():
         overrides[key] = {**overrides[key], **value}
     llm = make_llm(model_dir, **overrides)
@@ -141,8 +155,9 @@ def sglang_passes(tiny_qwen_dir):
     news = random_prompts(vocab, [1] * 40, seed=5)
     second = [q for p, g, n in list(zip(first, gen, news))[::-1] for q in (p + g[:2] + n, p)]
     passes = {"warm": warm, "first": first, "second": second}
-    expected = {name: [o.token_ids for o in control.generate_ids(ps, [SGLANG_PARAMS] * len(ps))]
-                for name, ps in passes.items()}
+    expected = {
+        name: [o.token_ids for o in control.generate_ids(ps, [SGLANG_PARAMS] * len(ps))] for name, ps in passes.items()
+    }
     return passes, expected
 
 
@@ -167,8 +182,8 @@ def test_lazy_spec_overlap_under_slot_pressure(tiny_qwen_dir, sglang_passes, var
     assert stats["hybridserve_state_oracle_checks_total"] > 0
     assert stats["hybridserve_state_oracle_mismatches_total"] == 0
     if variant == "full":
-        assert SGLANG_INTERVAL in hits                 # a follow-up resumed from the grid crossing
-        assert SGLANG_INTERVAL - 2 in hits             # a prompt resumed from its prefill target
+        assert SGLANG_INTERVAL in hits  # a follow-up resumed from the grid crossing
+        assert SGLANG_INTERVAL - 2 in hits  # a prompt resumed from its prefill target
         assert stats["hybridserve_mamba_pending_alloc_failures_total"] > 0
         assert sum(stats["hybridserve_mamba_donations_skipped_total"].values()) > 0
 
@@ -179,7 +194,7 @@ def test_lazy_spec_overlap_guard_off_corrupts(tiny_qwen_dir, sglang_passes):
     passes, expected = sglang_passes
     llm = sglang_engine(tiny_qwen_dir, guard_off=True)
     outs = run_sglang(llm, passes)
-    assert [o.token_ids for o in outs["first"]] == expected["first"]      # no hits yet
+    assert [o.token_ids for o in outs["first"]] == expected["first"]  # no hits yet
     assert [o.token_ids for o in outs["second"]] != expected["second"]
     # The state oracle sees the published slots that do not hold their node's state.
     assert llm.stats()["hybridserve_state_oracle_mismatches_total"] > 0
@@ -188,8 +203,7 @@ def test_lazy_spec_overlap_guard_off_corrupts(tiny_qwen_dir, sglang_passes):
 def test_seeded_spec_sampling_is_reproducible(tiny_qwen_dir):
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
     prompts = random_prompts(512, [6, 13], seed=2)
-    runs = [[o.token_ids for o in spec_llm(tiny_qwen_dir).generate_ids(prompts, [params] * 2)]
-            for _ in range(2)]
+    runs = [[o.token_ids for o in spec_llm(tiny_qwen_dir).generate_ids(prompts, [params] * 2)] for _ in range(2)]
     assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
 
 
@@ -197,7 +211,7 @@ def test_spec_needs_an_mtp_head(tiny_granite_dir, tiny_qwen_dir):
     with pytest.raises(ValueError, match="MTP head"):
         make_llm(tiny_granite_dir, spec=SPEC)
     with pytest.raises(ValueError, match="spec.method"):
-        make_llm(tiny_qwen_dir, spec={"method": "draft"})      # a separate draft model: not served
+        make_llm(tiny_qwen_dir, spec={"method": "draft"})  # a separate draft model: not served
 
 
 def test_hundred_mixed_prompts_every_variant(tiny_qwen_dir):
@@ -208,15 +222,13 @@ def test_hundred_mixed_prompts_every_variant(tiny_qwen_dir):
     vocab = 512
     bases = random_prompts(vocab, [rng.randrange(1, 60) for _ in range(70)], seed=50)
     shared = random_prompts(vocab, [24, 40], seed=51)
-    prompts = bases + [shared[i % 2] + b[:rng.randrange(1, 8)] for i, b in enumerate(bases[:30])]
-    params = [SamplingParams(max_tokens=rng.randrange(4, 14), temperature=0.0, ignore_eos=True)
-              for _ in prompts]
+    prompts = bases + [shared[i % 2] + b[: rng.randrange(1, 8)] for i, b in enumerate(bases[:30])]
+    params = [SamplingParams(max_tokens=rng.randrange(4, 14), temperature=0.0, ignore_eos=True) for _ in prompts]
     control = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False})
     expected = [o.token_ids for o in control.generate_ids(prompts, params)]
     for overlap in (False, True):
         for spec in ({"method": "none"}, SPEC):
-            llm = spec_llm(tiny_qwen_dir, spec=spec, scheduler={"overlap": overlap},
-                           cache={"mamba_track_interval": 16})
+            llm = spec_llm(tiny_qwen_dir, spec=spec, scheduler={"overlap": overlap}, cache={"mamba_track_interval": 16})
             got = [o.token_ids for o in llm.generate_ids(prompts, params)]
             assert got == expected, (overlap, spec)
 
@@ -237,8 +249,9 @@ def test_every_request_verifies_every_step_under_overlap(tiny_qwen_dir, monkeypa
     monkeypatch.setattr(engine.scheduler, "on_launch", count)
     prompts = random_prompts(engine.vocab_size, [9] * 8, seed=12)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in make_llm(tiny_qwen_dir, scheduler={"overlap": False})
-                .generate_ids(prompts, [params] * 8)]
+    expected = [
+        o.token_ids for o in make_llm(tiny_qwen_dir, scheduler={"overlap": False}).generate_ids(prompts, [params] * 8)
+    ]
     assert [o.token_ids for o in llm.generate_ids(prompts, [params] * 8)] == expected
     stats = llm.stats()
     # A random head's drafts are rejected: each verify advances one token, ~22 verifies each.

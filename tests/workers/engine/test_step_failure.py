@@ -1,5 +1,6 @@
 """A step that raises ends its batch's requests, returns their slots and pages, and leaves
 the engine usable: the next call's greedy outputs equal a fresh engine's."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,20 +30,26 @@ def where(llm, place: str):
     """The object and method a failure is injected into: the scheduler thread's scheduling,
     the launch (inputs prepared after the plan registered its writers), the forward thread."""
     e = llm.engine
-    return {"schedule": (e.scheduler, "schedule"), "launch": (e.runner, "launch"),
-            "forward": (e.runner, "_execute")}[place]
+    return {"schedule": (e.scheduler, "schedule"), "launch": (e.runner, "launch"), "forward": (e.runner, "_execute")}[
+        place
+    ]
 
 
-@pytest.fixture(scope="module", params=[(True, "none"), (False, "none"), (True, "mtp")],
-                ids=["overlap", "no-overlap", "overlap-mtp"])
+@pytest.fixture(
+    scope="module",
+    params=[(True, "none"), (False, "none"), (True, "mtp")],
+    ids=["overlap", "no-overlap", "overlap-mtp"],
+)
 def setup(request, tiny_qwen_dir):
     overlap, spec = request.param
-    llm = make_llm(tiny_qwen_dir, scheduler={"overlap": overlap}, spec={"method": spec},
-                   debug={"check_invariants": True})
+    llm = make_llm(
+        tiny_qwen_dir, scheduler={"overlap": overlap}, spec={"method": spec}, debug={"check_invariants": True}
+    )
     llm.engine.raise_on_violation = True
     prompts = random_prompts(llm.engine.vocab_size, [9, 17, 5], seed=3)
-    reference = greedy_tokens(make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False},
-                                       scheduler={"overlap": False}), prompts, GREEDY)
+    reference = greedy_tokens(
+        make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False}, scheduler={"overlap": False}), prompts, GREEDY
+    )
     return llm, prompts, reference
 
 
@@ -55,7 +62,7 @@ def test_a_failed_step_ends_its_requests_and_the_next_call_works(setup, monkeypa
             llm.generate_ids(prompts, [GREEDY] * len(prompts))
     assert info.value.outputs and all(o.finished and o.finish_reason == "abort" for o in info.value.outputs)
     assert_no_leaks(llm)
-    assert greedy_tokens(llm, prompts, GREEDY) == reference       # and again, with the cache warm
+    assert greedy_tokens(llm, prompts, GREEDY) == reference  # and again, with the cache warm
     assert greedy_tokens(llm, prompts, GREEDY) == reference
     assert_no_leaks(llm)
 

@@ -6,6 +6,7 @@ and every greedy output is compared with a cache-off control. Evictions are forc
 directly (``tree.evict_checkpoints``: the same path pool pressure takes) where a test needs
 one particular checkpoint on the host and another on the device.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -21,9 +22,12 @@ TIER_FAMILIES = ["qwen3_next", "granitemoehybrid", "mamba2"]
 
 
 def tiered_llm(model_dir, strategy="extra_buffer_lazy", cache=None, **extra):
-    llm = make_llm(model_dir, cache={"mamba_strategy": strategy, "mamba_track_interval": 16, **HOST,
-                                     **(cache or {})},
-                   debug={"check_invariants": True, **extra.pop("debug", {})}, **extra)
+    llm = make_llm(
+        model_dir,
+        cache={"mamba_strategy": strategy, "mamba_track_interval": 16, **HOST, **(cache or {})},
+        debug={"check_invariants": True, **extra.pop("debug", {})},
+        **extra,
+    )
     llm.engine.raise_on_violation = True
     return llm
 
@@ -48,11 +52,11 @@ def host_and_device_split(llm, vocab):
     system, q1, q2 = random_prompts(vocab, [16, 9, 7], seed=3)
     first = system + q1
     llm.generate_ids([first], [P])
-    llm.generate_ids([system + q2], [P])             # a device hit at 16: 16 is now the newer
+    llm.generate_ids([system + q2], [P])  # a device hit at 16: 16 is now the newer
     tree = llm.engine.cache.tree
     deep = first[: len(first) - 1]
     assert tree.peek(deep).depth == 24 and tree.peek(system + q2[:-1]).depth >= 16
-    while tree.peek(deep).depth == 24:                # evict, oldest first, until 24 went down
+    while tree.peek(deep).depth == 24:  # evict, oldest first, until 24 went down
         assert tree.evict_checkpoints(1).num_checkpoints == 1
     assert llm.engine.cache.host.peek(deep).depth == 24
     scribble_free_pages(llm)
@@ -81,13 +85,13 @@ def test_promotion_over_a_device_hit(family_dir, off, strategy, overlap):
     page = {"no_buffer": 1}.get(strategy, 4)
     llm = tiered_llm(family_dir, strategy, cache={"page_size": page}, scheduler={"overlap": overlap})
     vocab = llm.engine.vocab_size
-    if strategy == "no_buffer":                      # no prefill checkpoints: publish them by finishing
+    if strategy == "no_buffer":  # no prefill checkpoints: publish them by finishing
         system, q1 = random_prompts(vocab, [16, 9], seed=3)
         first = system + q1
         out = llm.generate_ids([first], [P])[0]
         tree = llm.engine.cache.tree
         follow = first + out.token_ids + random_prompts(vocab, [3], seed=4)[0]
-        depth = tree.peek(follow[:-1]).depth           # the live state at finish: all but the last token
+        depth = tree.peek(follow[:-1]).depth  # the live state at finish: all but the last token
         assert depth == len(first) + len(out.token_ids) - 1
         tree.evict_checkpoints(tree.num_evictable_checkpoints)
     else:
@@ -99,7 +103,7 @@ def test_promotion_over_a_device_hit(family_dir, off, strategy, overlap):
     assert got.cached_tokens == depth
     assert stat(llm, "hybridserve_tier_promotions_total", "promoted") == 1
     assert stat(llm, "hybridserve_cache_hits_total", "host") == 1
-    if strategy != "no_buffer":                      # the promoted checkpoint is on the device again
+    if strategy != "no_buffer":  # the promoted checkpoint is on the device again
         assert llm.engine.cache.tree.peek(follow[:-1]).depth >= 24
 
 
@@ -117,8 +121,7 @@ def test_promotion_copies_every_kind_of_state(tiny_checkpoint, family):
     scored = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     got, want = llm.generate_ids([follow], [scored])[0], off.generate_ids([follow], [scored])[0]
     assert got.token_ids == want.token_ids
-    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs],
-                                                                abs=1e-4)
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
     assert got.cached_tokens == 24 and stat(llm, "hybridserve_tier_promotions_total", "promoted") == 1
     s = llm.stats()
     assert s["hybridserve_state_oracle_checks_total"] > 0
@@ -129,8 +132,7 @@ def test_promotion_with_mtp_and_the_state_oracle(tiny_qwen_dir):
     """MTP drafts, overlap, and every published checkpoint recomputed by a fresh prefill:
     the promoted ones were copied host -> device, so this checks the copies' data."""
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
-    llm = tiered_llm(tiny_qwen_dir, spec={"method": "mtp", "num_draft_tokens": 2},
-                     debug={"state_oracle_sample": 1.0})
+    llm = tiered_llm(tiny_qwen_dir, spec={"method": "mtp", "num_draft_tokens": 2}, debug={"state_oracle_sample": 1.0})
     system, first = host_and_device_split(llm, llm.engine.vocab_size)
     follows = [first + q for q in random_prompts(llm.engine.vocab_size, [5, 8, 11], seed=8)]
     got = llm.generate_ids(follows, [P] * 3)
@@ -145,11 +147,11 @@ def test_a_failed_promotion_recomputes_from_the_device_hit(tiny_qwen_dir):
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
     llm = tiered_llm(tiny_qwen_dir)
     system, first = host_and_device_split(llm, llm.engine.vocab_size)
-    llm.engine.cache.host.fail_prob = 1.0            # every copy from now on breaks half way
+    llm.engine.cache.host.fail_prob = 1.0  # every copy from now on breaks half way
     follow = first + [7, 8, 9]
     got = llm.generate_ids([follow], [P])[0]
     assert got.token_ids == off.generate_ids([follow], [P])[0].token_ids
-    assert got.cached_tokens == 16                   # the device hit, not the host's 24
+    assert got.cached_tokens == 16  # the device hit, not the host's 24
     assert stat(llm, "hybridserve_tier_promotions_total", "failed") == 1
     assert stat(llm, "hybridserve_cache_hits_total", "device") >= 1
 
@@ -160,8 +162,12 @@ def test_failed_demotions_and_a_full_host_tier_drop_never_block(tiny_qwen_dir):
     deeper one on its path cannot evict it (the demotion reuses its pages): host full."""
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
     for host_slots, fail in ((1, 0.0), (32, 1.0)):
-        llm = tiered_llm(tiny_qwen_dir, cache={"max_mamba_slots": 6, "host_mamba_slots": host_slots},
-                         debug={"fail_transfer_prob": fail}, scheduler={"max_running_requests": 2})
+        llm = tiered_llm(
+            tiny_qwen_dir,
+            cache={"max_mamba_slots": 6, "host_mamba_slots": host_slots},
+            debug={"fail_transfer_prob": fail},
+            scheduler={"max_running_requests": 2},
+        )
         vocab = llm.engine.vocab_size
         system = random_prompts(vocab, [12], seed=10)[0]
         prompts = [system + q for q in random_prompts(vocab, [1 + 3 * i for i in range(8)], seed=11)]
@@ -181,13 +187,13 @@ def test_multi_turn_under_slot_pressure_hits_every_turn_two(tiny_qwen_dir):
     off = make_llm(tiny_qwen_dir, cache={"enable_prefix_cache": False})
     counts = {}
     for host in (False, True):
-        cache = {"max_mamba_slots": 24, "host_mamba_slots": 96 if host else 0,
-                 "host_kv_tokens": 4096 if host else 0}
+        cache = {"max_mamba_slots": 24, "host_mamba_slots": 96 if host else 0, "host_kv_tokens": 4096 if host else 0}
         llm = tiered_llm(tiny_qwen_dir, cache=cache, scheduler={"max_running_requests": 4})
         vocab = llm.engine.vocab_size
         systems = random_prompts(vocab, [24] * 5, seed=21)
-        turn1 = [systems[i % 5] + q
-                 for i, q in enumerate(random_prompts(vocab, [6 + i % 7 for i in range(20)], seed=22))]
+        turn1 = [
+            systems[i % 5] + q for i, q in enumerate(random_prompts(vocab, [6 + i % 7 for i in range(20)], seed=22))
+        ]
         outs1 = llm.generate_ids(turn1, [P] * 20)
         news = random_prompts(vocab, [4] * 20, seed=23)
         turn2 = [p + o.token_ids + q for p, o, q in zip(turn1, outs1, news)]
@@ -206,13 +212,18 @@ def test_flush_empties_the_host_tier_too(tiny_qwen_dir):
     assert llm.engine.check_invariants() == []
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"cache": {"host_mamba_slots": 4}}, "must both be 0"),
-    ({"cache": {"host_mamba_slots": 4, "host_kv_tokens": 64, "enable_prefix_cache": False}},
-     "needs cache.enable_prefix_cache"),
-    ({"cache": {"cluster_store_bytes": 1 << 20}}, "needs the host tier"),
-    ({"cache": {"host_mamba_slots": 4, "host_kv_tokens": 2}}, "one page"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"cache": {"host_mamba_slots": 4}}, "must both be 0"),
+        (
+            {"cache": {"host_mamba_slots": 4, "host_kv_tokens": 64, "enable_prefix_cache": False}},
+            "needs cache.enable_prefix_cache",
+        ),
+        ({"cache": {"cluster_store_bytes": 1 << 20}}, "needs the host tier"),
+        ({"cache": {"host_mamba_slots": 4, "host_kv_tokens": 2}}, "one page"),
+    ],
+)
 def test_bad_tier_configs_are_refused(tiny_qwen_dir, overrides, message):
     with pytest.raises(ValueError, match=message):
         make_llm(tiny_qwen_dir, **overrides)
@@ -228,7 +239,7 @@ def test_an_asynchronous_promotion_holds_the_request_until_the_copy_is_done(tiny
     engine.cache.host.storage.submit = engine.runner.submit
     busy, follow = random_prompts(engine.vocab_size, [40], seed=30)[0], first + [5, 6, 7]
     llm.add_request("busy", busy, P)
-    llm.step()                                        # a batch in flight on the forward thread
+    llm.step()  # a batch in flight on the forward thread
     llm.add_request("follow", follow, P)
     seen_pending = False
     outs = {}

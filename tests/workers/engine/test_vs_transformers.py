@@ -1,4 +1,5 @@
 """The whole engine against transformers on tiny random checkpoints (fp32, CPU)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,9 +16,15 @@ def hf_greedy(model_dir, prompts: list[list[int]], n: int) -> list[list[int]]:
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 

@@ -1,4 +1,5 @@
 """Per-architecture fixtures: our model and the transformers oracle on the same checkpoint."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,4 +18,3 @@ def our_model(tiny_model_dir) -> HybridForCausalLM:
 @pytest.fixture(scope="module")
 def hf_oracle(tiny_model_dir) -> HFOracle:
     return HFOracle(tiny_model_dir)
-

@@ -4,6 +4,7 @@ Pages and slots are handed out in a shuffled (but seeded) order so page tables a
 contiguous and slot ids not sequence ids; the Mamba pool starts as NaN and the KV pool as
 large random garbage, so reading a state that was never written shows up in the logits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,12 +20,13 @@ from workers.models.base import HybridForCausalLM
 class SeqState:
     slot: int
     pages: list[int] = field(default_factory=list)
-    num_tokens: int = 0          # context length so far
+    num_tokens: int = 0  # context length so far
 
 
 class Harness:
-    def __init__(self, model: HybridForCausalLM, max_seqs: int = 8, max_tokens: int = 256,
-                 page_size: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self, model: HybridForCausalLM, max_seqs: int = 8, max_tokens: int = 256, page_size: int = 4, seed: int = 0
+    ) -> None:
         spec = model.cache_spec()
         gen = torch.Generator().manual_seed(seed)
         num_pages = 1 + max_seqs * (-(-max_tokens // page_size))
@@ -80,7 +82,8 @@ class Harness:
             has_initial_state=torch.tensor(has_init, dtype=torch.bool),
             logits_indices=torch.tensor(cu[1:], dtype=torch.int64) - 1,
             page_size=self.page_size,
-            decode_only=is_decode_only([len(t) for _, t in chunks], has_init, None))
+            decode_only=is_decode_only([len(t) for _, t in chunks], has_init, None),
+        )
 
     @torch.inference_mode()
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
@@ -88,7 +91,7 @@ class Harness:
         batch = self.make_batch(chunks)
         logits = self.model.compute_logits(self.model(batch, self.pools))
         cu = batch.cu_seqlens.tolist()
-        return [logits[cu[b]:cu[b + 1]] for b in range(len(chunks))]
+        return [logits[cu[b] : cu[b + 1]] for b in range(len(chunks))]
 
     def prefill(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """(a) All prompts prefilled together from empty state (sequence ids 0..n-1)."""

@@ -1,4 +1,5 @@
 """transformers as the reference: one prompt at a time, positions and cache passed explicitly."""
+
 from __future__ import annotations
 
 import json
@@ -34,13 +35,13 @@ class HFOracle:
     def prefill(self, ids: list[int]) -> tuple[object, torch.Tensor]:
         """Cached prefill -> (cache, logits [L, V]). The model builds its own cache (MiniMax's
         is a class of its own)."""
-        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
-                         use_cache=True)
+        out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None], use_cache=True)
         return out.cache, out.logits[0].float()
 
     @torch.inference_mode()
     def decode(self, cache: object, token: int, position: int) -> torch.Tensor:
         """One cached step at ``position`` -> logits [V]."""
-        out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
-                         cache=cache, use_cache=True)
+        out = self.model(
+            input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=cache, use_cache=True
+        )
         return out.logits[0, -1].float()

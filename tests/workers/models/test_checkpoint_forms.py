@@ -2,6 +2,7 @@
 ``save_pretrained`` writes for the tiny configs: the released q | k | v conv split, MiniMax's
 saved decay tables (absent, or disagreeing with the slope), BailingHybrid's MTP layers.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,15 +47,17 @@ def test_olmo_released_conv_split_loads_the_same(tiny_checkpoint, tmp_path) -> N
         for name in [n for n in tensors if n.endswith("q_conv1d.weight")]:
             module = name[: -len("q_conv1d.weight")]
             parts = [out.pop(module + f"{p}_conv1d.weight") for p in "qkv"]
-            assert [p.shape[0] for p in parts] != list(widths)          # saved in equal thirds
+            assert [p.shape[0] for p in parts] != list(widths)  # saved in equal thirds
             for p, chunk in zip("qkv", torch.cat(parts).split(widths)):
                 out[module + f"{p}_conv1d.weight"] = chunk.clone()
         return out
+
     released = rewrite(src, tmp_path / "released", resplit)
     for a, b in zip(prefill_logits(src), prefill_logits(released)):
         assert torch.equal(a, b)
-    broken = rewrite(src, tmp_path / "broken", lambda t: {n: v for n, v in t.items()
-                                                          if not n.endswith("v_conv1d.weight")})
+    broken = rewrite(
+        src, tmp_path / "broken", lambda t: {n: v for n, v in t.items() if not n.endswith("v_conv1d.weight")}
+    )
     with pytest.raises(ValueError, match="v_conv1d.weight"):
         load_model(broken, torch.float32, "cpu")
 
@@ -62,9 +65,8 @@ def test_olmo_released_conv_split_loads_the_same(tiny_checkpoint, tmp_path) -> N
 def test_minimax_decay_tables_optional_and_checked(tiny_checkpoint, tmp_path) -> None:
     src = tiny_checkpoint("minimax")
     buffers = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
-    bare = rewrite(src, tmp_path / "bare", lambda t: {n: v for n, v in t.items()
-                                                      if not n.endswith(buffers)})
-    for a, b in zip(prefill_logits(src), prefill_logits(bare)):       # the slope from the config
+    bare = rewrite(src, tmp_path / "bare", lambda t: {n: v for n, v in t.items() if not n.endswith(buffers)})
+    for a, b in zip(prefill_logits(src), prefill_logits(bare)):  # the slope from the config
         assert torch.equal(a, b)
 
     def rescale(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -74,7 +76,8 @@ def test_minimax_decay_tables_optional_and_checked(tiny_checkpoint, tmp_path) ->
             out[name] = tensors[name] * 1.5
             out.update({module + k: v for k, v in decay_tables(out[name], 16).items()})
         return out
-    saved = rewrite(src, tmp_path / "saved", rescale)          # a slope of its own: used as saved
+
+    saved = rewrite(src, tmp_path / "saved", rescale)  # a slope of its own: used as saved
     oracle, prompt = HFOracle(saved), random_prompts(512, [5, 23], seed=4)[1]  # prefill_logits'
     assert (prefill_logits(saved)[1] - oracle.logits(prompt)).abs().max() <= 1e-4
     assert not torch.equal(prefill_logits(saved)[1], prefill_logits(src)[1])
@@ -82,6 +85,7 @@ def test_minimax_decay_tables_optional_and_checked(tiny_checkpoint, tmp_path) ->
     def corrupt(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         name = "model.layers.2.self_attn.key_decay"
         return {**tensors, name: tensors[name] * 0.9}
+
     with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.key_decay disagrees"):
         load_model(rewrite(src, tmp_path / "corrupt", corrupt), torch.float32, "cpu")
 
@@ -92,15 +96,16 @@ def test_bailing_mtp_layers_load_but_speculation_is_refused(tmp_path) -> None:
     # an MTP layer after the decoder, shaped like the last (MLA, MoE) layer plus its own norms
     shapes = tensor_shapes(ckpt, f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}.")
     h = 64
-    shapes.update({f"model.layers.{num_layers}.eh_proj.weight": (h, 2 * h),
-                   f"model.layers.{num_layers}.enorm.weight": (h,)})
+    shapes.update(
+        {f"model.layers.{num_layers}.eh_proj.weight": (h, 2 * h), f"model.layers.{num_layers}.enorm.weight": (h,)}
+    )
     append_tensors(ckpt, random_tensors(shapes, seed=9, zero_centered_norms=False))
     model = load_model(ckpt, torch.float32, "cpu").model
     assert len(model.mtp_weights) == len(shapes)
     assert all(n.startswith("mtp.layers.0.") for n in model.mtp_weights)
     with pytest.raises(ValueError, match=r"BailingHybrid \(num_mtp_layers=1.*transformers"):
         make_llm(ckpt, spec={"method": "mtp", "num_draft_tokens": 2})
-    out = make_llm(ckpt).generate_ids([[5, 6, 7]], [GREEDY])              # without spec it serves
+    out = make_llm(ckpt).generate_ids([[5, 6, 7]], [GREEDY])  # without spec it serves
     assert len(out[0].token_ids) == GREEDY.max_tokens
 
 

@@ -6,6 +6,7 @@ pinned oracle, clamped it below at ``time_step_min`` and so cannot judge it); Za
 below at ``time_step_min`` in both. The oracle is the same model whose scans are handed the
 formula's dt, already discretized: logits must not move.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,10 +19,16 @@ from tests.workers.models.harness import Harness, random_prompts
 from tests.workers.models.test_vs_transformers import TOL, max_diff
 
 LIMIT = (0.05, 0.2)
-TIME_STEP_MIN = 0.1          # inside LIMIT: a clamp at it differs from LIMIT's on both sides
+TIME_STEP_MIN = 0.1  # inside LIMIT: a clamp at it differs from LIMIT's on both sides
 # family -> the clamp its transformers class applies with the configs below
-EXPECTED_CLAMP = {"nemotron_h": LIMIT, "granitemoehybrid": LIMIT, "bamba": LIMIT,
-                  "falcon_h1": LIMIT, "mamba2": LIMIT, "zamba2": (TIME_STEP_MIN, math.inf)}
+EXPECTED_CLAMP = {
+    "nemotron_h": LIMIT,
+    "granitemoehybrid": LIMIT,
+    "bamba": LIMIT,
+    "falcon_h1": LIMIT,
+    "mamba2": LIMIT,
+    "zamba2": (TIME_STEP_MIN, math.inf),
+}
 
 
 def formula_scans(monkeypatch: pytest.MonkeyPatch, clamp: tuple[float, float]) -> list[torch.Tensor]:
@@ -36,8 +43,20 @@ def formula_scans(monkeypatch: pytest.MonkeyPatch, clamp: tuple[float, float]) -
             assert dt_softplus
             step = F.softplus(dt.float() + dt_bias.float())
             seen.append(step)
-            return scan(x, step.clamp(*clamp).to(dt.dtype), a, b, c, d, torch.zeros_like(dt_bias),
-                        *args, dt_softplus=False, dt_limit=(0.0, math.inf), **kwargs)
+            return scan(
+                x,
+                step.clamp(*clamp).to(dt.dtype),
+                a,
+                b,
+                c,
+                d,
+                torch.zeros_like(dt_bias),
+                *args,
+                dt_softplus=False,
+                dt_limit=(0.0, math.inf),
+                **kwargs,
+            )
+
         return call
 
     for name in ("ssd_scan",):
@@ -56,7 +75,7 @@ def test_dt_clamp_follows_the_formula(name: str, tmp_path, monkeypatch) -> None:
     from tools.tiny import make_tiny_checkpoint
     from workers.loader import load_model
 
-    limit_field = {} if name == "zamba2" else {"time_step_limit": LIMIT}   # Zamba2 has none
+    limit_field = {} if name == "zamba2" else {"time_step_limit": LIMIT}  # Zamba2 has none
     ckpt = make_tiny_checkpoint(name, tmp_path, seed=2, time_step_min=TIME_STEP_MIN, **limit_field)
     model = load_model(ckpt, torch.float32, "cpu").model
     prompts = random_prompts(model.config.vocab_size, [5, 23], seed=3)

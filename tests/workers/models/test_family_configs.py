@@ -5,6 +5,7 @@ weights (Nemotron-H's MTP head: ``test_nemotron_mtp.py``).
 (Config variants whose math we serve are compared with transformers in
 ``test_vs_transformers.py``; the registry suite covers each family's default tiny config.)
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +34,17 @@ REFUSED = {
     "nemotron_router_groups": ("nemotron_h", {"n_group": 3}, "n_group=3"),
     "mamba2_act": ("mamba2", {"hidden_act": "gelu"}, "hidden_act"),
     "bamba_act": ("bamba", {"hidden_act": "gelu"}, "hidden_act"),
-    "bamba_rope": ("bamba", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
-                                                 "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-                   "rope_type"),
+    "bamba_rope": (
+        "bamba",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        "rope_type",
+    ),
     "falcon_act": ("falcon_h1", {"hidden_act": "gelu"}, "hidden_act"),
-    "falcon_rope": ("falcon_h1", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
-                                                      "rope_theta": 1e4}}, "rope_type"),
+    "falcon_rope": (
+        "falcon_h1",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+        "rope_type",
+    ),
     "falcon_ssm_multipliers": ("falcon_h1", {"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers"),
     "zamba2_adapters_with_gqa": ("zamba2", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
     "zamba2_mlp_act": ("zamba2", {"hidden_act": "quick_gelu"}, "hidden_act"),
@@ -46,45 +52,82 @@ REFUSED = {
     "qwen3_5_layer_scale": ("qwen3_5", {"layer_scale": True}, "layer_scale=True"),
     "qwen3_5_ssm_dtype": ("qwen3_5_vl", {"mamba_ssm_dtype": "bfloat16"}, "mamba_ssm_dtype='bfloat16'"),
     "qwen3_5_act": ("qwen3_5", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    "qwen3_5_rope": ("qwen3_5", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
-                                                     "factor": 2.0}}, "rope_type='yarn'"),
+    "qwen3_5_rope": (
+        "qwen3_5",
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+        "rope_type='yarn'",
+    ),
     "qwen3_5_moe_sparse_step": ("qwen3_5_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
     "qwen3_5_moe_mlp_only": ("qwen3_5_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
     "qwen3_5_moe_topk_norm": ("qwen3_5_moe_vl", {"norm_topk_prob": False}, "norm_topk_prob=False"),
     "qwen_mtp_layers": ("qwen3_5", {"mtp_num_hidden_layers": -1}, "mtp_num_hidden_layers=-1"),
     "jamba_act": ("jamba", {"hidden_act": "gelu"}, "hidden_act"),
     "jamba_sliding_window": ("jamba", {"sliding_window": 64}, "sliding_window"),
-    "lfm2_rope": ("lfm2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
-                                               "rope_theta": 1e4}}, "rope_type"),
-    "lfm2_partial_rope": ("lfm2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                                       "partial_rotary_factor": 0.5}},
-                          "partial_rotary_factor"),
-    "lfm2_sliding_layer": ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv", "conv",
-                                                    "full_attention"]}, "layer_types"),
+    "lfm2_rope": ("lfm2", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+    "lfm2_partial_rope": (
+        "lfm2",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        "partial_rotary_factor",
+    ),
+    "lfm2_sliding_layer": (
+        "lfm2",
+        {"layer_types": ["conv", "sliding_attention", "conv", "conv", "full_attention"]},
+        "layer_types",
+    ),
     "lfm2_moe_dense_layers": ("lfm2_moe", {"num_dense_layers": 9}, "num_dense_layers=9"),
     "lfm3_no_window": ("lfm3", {"sliding_window": None}, "sliding_window"),
-    "lfm3_rope_type": ("lfm3", {"rope_parameters": {
-        "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
-        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "rope_type='linear'"),
-    "lfm3_default_partial": ("lfm3", {"rope_parameters": {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        "full_attention": {"rope_type": "default", "rope_theta": 1e6,
-                           "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
+    "lfm3_rope_type": (
+        "lfm3",
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            }
+        },
+        "rope_type='linear'",
+    ),
+    "lfm3_default_partial": (
+        "lfm3",
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+            }
+        },
+        "partial_rotary_factor",
+    ),
     "kimi_act": ("kimi_linear", {"hidden_act": "gelu"}, "hidden_act"),
     "kimi_mla_kv_heads": ("kimi_linear", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
-    "bailing_yarn": ("bailing_hybrid", {"rope_parameters": {
-        "rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
-        "original_max_position_embeddings": 1024}}, "rope_type"),
+    "bailing_yarn": (
+        "bailing_hybrid",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 1024,
+            }
+        },
+        "rope_type",
+    ),
     "bailing_mla_kv_heads": ("bailing_hybrid", {"num_key_value_heads": 1}, "num_key_value_heads=1"),
-    "bailing_swiglu_limits_per_layer": ("bailing_hybrid", {"expert_swiglu_limit_list": [7.0, 7.0]},
-                                        r"expert_swiglu_limit_list=\[7.0, 7.0\].*num_hidden_layers=5"),
-    "bailing_swiglu_limit_negative": ("bailing_hybrid",
-                                      {"share_expert_swiglu_limit_list": [0, -1.5, 0, 0, 0]},
-                                      r"share_expert_swiglu_limit_list has entries \[-1.5\]"),
+    "bailing_swiglu_limits_per_layer": (
+        "bailing_hybrid",
+        {"expert_swiglu_limit_list": [7.0, 7.0]},
+        r"expert_swiglu_limit_list=\[7.0, 7.0\].*num_hidden_layers=5",
+    ),
+    "bailing_swiglu_limit_negative": (
+        "bailing_hybrid",
+        {"share_expert_swiglu_limit_list": [0, -1.5, 0, 0, 0]},
+        r"share_expert_swiglu_limit_list has entries \[-1.5\]",
+    ),
     "minimax_sliding_window": ("minimax", {"sliding_window": 64}, "sliding_window"),
     "minimax_act": ("minimax", {"hidden_act": "quick_gelu"}, "hidden_act"),
-    "minimax_rope": ("minimax", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
-                                                     "rope_theta": 1e4}}, "rope_type"),
+    "minimax_rope": (
+        "minimax",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+        "rope_type",
+    ),
     "olmo_grouped_linear_heads": ("olmo_hybrid", {"linear_num_key_heads": 2}, "linear_num_key_heads=2"),
     "olmo_act": ("olmo_hybrid", {"hidden_act": "gelu"}, "hidden_act"),
 }
@@ -124,6 +167,7 @@ def test_nemotron_legacy_hybrid_override_pattern(tiny_checkpoint, tmp_path) -> N
 
     def to_pattern(raw: dict) -> None:
         raw["hybrid_override_pattern"] = "".join(symbols[k] for k in raw.pop("layers_block_type"))
+
     legacy = _rewrite(src, tmp_path / "legacy", edit_config=to_pattern)
     assert "hybrid_override_pattern" in json.loads((legacy / "config.json").read_text())
     for a, b in zip(_prefill_logits(src), _prefill_logits(legacy)):
@@ -132,8 +176,7 @@ def test_nemotron_legacy_hybrid_override_pattern(tiny_checkpoint, tmp_path) -> N
 
 def test_mamba2_original_embedding_name(tiny_checkpoint, tmp_path) -> None:
     src = tiny_checkpoint("mamba2")
-    old = _rewrite(src, tmp_path / "old",
-                   rename=lambda n: n.replace("backbone.embeddings.", "backbone.embedding."))
+    old = _rewrite(src, tmp_path / "old", rename=lambda n: n.replace("backbone.embeddings.", "backbone.embedding."))
     for a, b in zip(_prefill_logits(src), _prefill_logits(old)):
         assert torch.equal(a, b)
 
@@ -144,16 +187,18 @@ def test_zamba2_repeated_shared_block_tensors_load(tiny_checkpoint, tmp_path) ->
 
     src = tiny_checkpoint("zamba2")
     hybrid = [i for i, k in enumerate(get_family("zamba2").config["layers_block_type"]) if k == "hybrid"]
-    first, reuse = hybrid[0], hybrid[2]                     # block 0 at invocations 0 and 2
+    first, reuse = hybrid[0], hybrid[2]  # block 0 at invocations 0 and 2
     tensors = load_file(str(src / "model.safetensors"))
     prefix = f"model.layers.{first}.shared_transformer."
-    extra = {n.replace(f"layers.{first}.", f"layers.{reuse}.", 1): t.clone()
-             for n, t in tensors.items() if n.startswith(prefix)}
+    extra = {
+        n.replace(f"layers.{first}.", f"layers.{reuse}.", 1): t.clone()
+        for n, t in tensors.items()
+        if n.startswith(prefix)
+    }
     assert extra
     repeated = _rewrite(src, tmp_path / "repeated", extra=extra)
     for a, b in zip(_prefill_logits(src), _prefill_logits(repeated)):
         assert torch.equal(a, b)
-
 
 
 @pytest.mark.parametrize("family", ["jamba", "lfm2", "lfm2_moe", "lfm3"])
@@ -166,8 +211,7 @@ def test_speculation_is_refused_without_mtp_weights(family, tiny_checkpoint) -> 
 
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
-                "down_proj": "down", "w2": "down"}
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 @pytest.mark.parametrize("family", ["jamba", "lfm2_moe"])
@@ -191,7 +235,8 @@ def test_fused_experts_load_to_the_same_model(family, tiny_checkpoint, tmp_path)
     for prefix, parts in groups.items():
         experts = range(1 + max(e for e, _ in parts))
         out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in experts])
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in experts]
+        )
         out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in experts])
     save_file(out, str(fused / "model.safetensors"), metadata={"format": "pt"})
     for a, b in zip(_prefill_logits(src), _prefill_logits(fused)):

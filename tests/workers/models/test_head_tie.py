@@ -6,6 +6,7 @@ tying class drops ``lm_head.weight`` from a tied checkpoint (the loader must not
 and reads its own ``lm_head.weight`` untied (the loader must use it); Zamba2 also shares its
 attention blocks only when tied. Cheap on purpose: prefill and one decode, no engine.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from tests.conftest import FAMILIES
 from tests.workers.models.hf_oracle import HFOracle
 from tests.workers.models.test_vs_transformers import check_prefill_and_one_decode
 
-PROMPT_LENGTHS = [4, 21]           # one prompt crosses the SSD chunk (16)
+PROMPT_LENGTHS = [4, 21]  # one prompt crosses the SSD chunk (16)
 
 
 def registry_ties(name: str) -> bool:
@@ -48,12 +49,14 @@ def test_untied_zamba2_requires_every_block_copy(tmp_path) -> None:
     from workers.loader import load_model
 
     ckpt = make_tiny_checkpoint("zamba2", tmp_path, seed=3, tie_word_embeddings=False)
-    hybrid = [i for i, k in enumerate(get_family("zamba2").config["layers_block_type"])
-              if k == "hybrid"]
-    reuse = f"model.layers.{hybrid[2]}.shared_transformer."    # block 0's second invocation
+    hybrid = [i for i, k in enumerate(get_family("zamba2").config["layers_block_type"]) if k == "hybrid"]
+    reuse = f"model.layers.{hybrid[2]}.shared_transformer."  # block 0's second invocation
     tensors = load_file(str(ckpt / "model.safetensors"))
-    save_file({n: t for n, t in tensors.items() if not n.startswith(reuse)},
-              str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {n: t for n, t in tensors.items() if not n.startswith(reuse)},
+        str(ckpt / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with pytest.raises(ValueError, match=f"missing .*{reuse}"):
         load_model(ckpt, torch.float32, "cpu")
 
@@ -81,6 +84,7 @@ def test_tied_checkpoint_that_carries_its_head_matches_transformers(form: str, t
         tensors["lm_head.weight"] = tensors[embed].clone()
         if form == "lm_head_only":
             del tensors[embed]
+
     _retie(ckpt, edit)
     model, oracle = load_model(ckpt, torch.float32, "cpu").model, HFOracle(ckpt)
     check_prefill_and_one_decode(model, oracle, PROMPT_LENGTHS, seed=4)
@@ -94,9 +98,12 @@ def test_tied_tensors_that_differ_are_refused(arch: str, tmp_path) -> None:
     from workers.loader import load_model
 
     ckpt = make_tiny_checkpoint(arch, tmp_path, seed=3, tie_word_embeddings=True)
-    if arch == "zamba2":           # block 0 repeated under its second user, one value changed
-        hybrid = [i for i, k in enumerate(json.loads((ckpt / "config.json").read_text())
-                                          ["layers_block_type"]) if k == "hybrid"]
+    if arch == "zamba2":  # block 0 repeated under its second user, one value changed
+        hybrid = [
+            i
+            for i, k in enumerate(json.loads((ckpt / "config.json").read_text())["layers_block_type"])
+            if k == "hybrid"
+        ]
         owner = f"model.layers.{hybrid[0]}.shared_transformer.pre_ff_layernorm.weight"
         alias = owner.replace(f"layers.{hybrid[0]}.", f"layers.{hybrid[2]}.")
     else:
@@ -105,6 +112,7 @@ def test_tied_tensors_that_differ_are_refused(arch: str, tmp_path) -> None:
     def edit(tensors: dict) -> None:
         tensors[alias] = tensors[owner].clone()
         tensors[alias][0] += 1.0
+
     _retie(ckpt, edit)
     with pytest.raises(ValueError, match=f"{owner}.*{alias}.*different values"):
         load_model(ckpt, torch.float32, "cpu")

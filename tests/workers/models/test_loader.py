@@ -1,5 +1,6 @@
 """The loader and the strict weight mapping: sharding, missing / misshapen / unexpected
 tensors, unknown architectures, mtp.* set aside, cheap config checks."""
+
 from __future__ import annotations
 
 import json
@@ -58,10 +59,15 @@ def test_sharded_checkpoint_equals_unsharded(arch: str, tmp_path: Path) -> None:
 def test_mtp_tensors_are_kept_aside(qwen_dir: Path) -> None:
     model = load_model(qwen_dir, torch.float32, "cpu").model
     names = set(model.mtp_weights)
-    for required in ("mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
-                     "mtp.pre_fc_norm_hidden.weight", "mtp.layers.0.self_attn.q_proj.weight",
-                     "mtp.layers.0.mlp.experts.0.gate_proj.weight",
-                     "mtp.layers.0.mlp.shared_expert_gate.weight"):
+    for required in (
+        "mtp.fc.weight",
+        "mtp.norm.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
+        "mtp.layers.0.mlp.experts.0.gate_proj.weight",
+        "mtp.layers.0.mlp.shared_expert_gate.weight",
+    ):
         assert required in names
     h = model.config.hidden_size
     assert model.mtp_weights["mtp.fc.weight"].shape == (h, 2 * h)
@@ -90,6 +96,7 @@ def test_wrong_shape_names_tensor_and_both_shapes(qwen_dir: Path, tmp_path: Path
 
     def shrink(t: dict[str, torch.Tensor]) -> None:
         t[name] = t[name][:-1].clone()
+
     edit_tensors(ckpt, shrink)
     with pytest.raises(ValueError) as err:
         load_model(ckpt, torch.float32, "cpu")
@@ -114,19 +121,24 @@ def test_unknown_architecture_lists_supported(qwen_dir: Path, tmp_path: Path) ->
     assert "LlamaForCausalLM" in str(err.value)
     assert all(name in str(err.value) for name in SUPPORTED_ARCHITECTURES)
     with pytest.raises(ValueError, match="Qwen3NextForCausalLM"):
-        get_model_class("Lfm2VlForConditionalGeneration")   # LFM2's vision-language model
+        get_model_class("Lfm2VlForConditionalGeneration")  # LFM2's vision-language model
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("quantization_config", {"quant_method": "fp8"}, "quantized"),
-    ("auto_map", {"AutoModelForCausalLM": "x.Model"}, "remote code"),
-    ("hidden_act", "gelu", "hidden_act"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                         "partial_rotary_factor": 0.25}, "rope_type"),
-    ("linear_num_value_heads", 3, "linear_num_value_heads"),
-])
-def test_unservable_config_is_rejected(qwen_dir: Path, tmp_path: Path, field: str,
-                                       value: object, needle: str) -> None:
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("quantization_config", {"quant_method": "fp8"}, "quantized"),
+        ("auto_map", {"AutoModelForCausalLM": "x.Model"}, "remote code"),
+        ("hidden_act", "gelu", "hidden_act"),
+        (
+            "rope_parameters",
+            {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "partial_rotary_factor": 0.25},
+            "rope_type",
+        ),
+        ("linear_num_value_heads", 3, "linear_num_value_heads"),
+    ],
+)
+def test_unservable_config_is_rejected(qwen_dir: Path, tmp_path: Path, field: str, value: object, needle: str) -> None:
     ckpt = copy_ckpt(qwen_dir, tmp_path / "c")
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg[field] = value

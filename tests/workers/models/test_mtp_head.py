@@ -1,4 +1,5 @@
 """The MTP head from the model (``build_mtp_head``): layer count, refusals, multi-layer catch-up."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def two_layer_dir(tmp_path_factory):
-    return make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("mtp2"), seed=2, mtp=True,
-                                mtp_num_hidden_layers=2)
+    return make_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("mtp2"), seed=2, mtp=True, mtp_num_hidden_layers=2)
 
 
 def with_config(src, dst, **fields):
@@ -44,12 +44,15 @@ def test_layer_count_comes_from_the_config(tiny_mtp_model_dir, two_layer_dir):
     assert head.num_layers == 2 and [layer.ref.index for layer in head.layers] == [2, 3]
 
 
-@pytest.mark.parametrize("fields,match", [
-    ({"mtp_num_hidden_layers": 1}, r"mtp_num_hidden_layers=1, but .* layers \[0, 1\]"),
-    ({"mtp_num_hidden_layers": 3}, r"mtp_num_hidden_layers=3, but .* layers \[0, 1\]"),
-    ({"mtp_num_hidden_layers": 0}, r"mtp_num_hidden_layers=0: .* at least one layer"),
-    ({"mtp_use_dedicated_embeddings": True}, r"mtp_use_dedicated_embeddings=True"),
-])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"mtp_num_hidden_layers": 1}, r"mtp_num_hidden_layers=1, but .* layers \[0, 1\]"),
+        ({"mtp_num_hidden_layers": 3}, r"mtp_num_hidden_layers=3, but .* layers \[0, 1\]"),
+        ({"mtp_num_hidden_layers": 0}, r"mtp_num_hidden_layers=0: .* at least one layer"),
+        ({"mtp_use_dedicated_embeddings": True}, r"mtp_use_dedicated_embeddings=True"),
+    ],
+)
 def test_head_refuses_what_it_cannot_build(two_layer_dir, tmp_path, fields, match):
     ckpt = with_config(two_layer_dir, tmp_path / "c", **fields)
     model = load_model(ckpt, torch.float32, "cpu").model
@@ -82,13 +85,27 @@ def mtp_harness(model, num_drafts: int = 3) -> tuple[Harness, MtpDrafter]:
     num_kv = spec.num_layers(ATTENTION)
     h = Harness(model, max_seqs=2, max_tokens=64)
     head_kv = model.num_mtp_kv_layers
-    pools = build_pools(spec.with_layers(ATTENTION, num_kv + head_kv), h.pools.kv.num_pages, h.page_size,
-                        h.pools.mamba.num_slots, torch.float32, torch.device("cpu"))
+    pools = build_pools(
+        spec.with_layers(ATTENTION, num_kv + head_kv),
+        h.pools.kv.num_pages,
+        h.page_size,
+        h.pools.mamba.num_slots,
+        torch.float32,
+        torch.device("cpu"),
+    )
     pools.mamba = h.pools.mamba
     h.pools = pools
     h.pools.kv.k.fill_(1e4)
-    drafter = MtpDrafter(model.build_mtp_head(num_kv), model, h.pools, num_drafts, h.page_size,
-                         256, h.pools.mamba.num_slots, torch.device("cpu"))
+    drafter = MtpDrafter(
+        model.build_mtp_head(num_kv),
+        model,
+        h.pools,
+        num_drafts,
+        h.page_size,
+        256,
+        h.pools.mamba.num_slots,
+        torch.device("cpu"),
+    )
     return h, drafter
 
 
@@ -101,12 +118,17 @@ def catch_up(model, prompt: list[int], chunks: list[int], next_token: int):
     start = 0
     with torch.inference_mode():
         for i, n in enumerate(chunks):
-            hidden = model(h.make_batch([(0, prompt[start:start + n])]), h.pools)
+            hidden = model(h.make_batch([(0, prompt[start : start + n])]), h.pools)
             last = i == len(chunks) - 1
-            nxt = prompt[start + 1:start + n] + [next_token if last else prompt[start + n]]
+            nxt = prompt[start + 1 : start + n] + [next_token if last else prompt[start + n]]
             seq = h.seqs[0]
-            drafter.run([MtpSpan(start, hidden, torch.tensor(nxt), list(seq.pages), seq.slot, "r",
-                                 GREEDY if last else None, None)])
+            drafter.run(
+                [
+                    MtpSpan(
+                        start, hidden, torch.tensor(nxt), list(seq.pages), seq.slot, "r", GREEDY if last else None, None
+                    )
+                ]
+            )
             start += n
     locs = [seq.pages[t // h.page_size] * h.page_size + t % h.page_size for t in range(len(prompt))]
     return drafter.draft_tokens[seq.slot].tolist(), h.pools.kv.k[num_kv:, locs]
@@ -119,6 +141,6 @@ def test_two_layer_catch_up_in_chunks_equals_one_pass(two_layer_dir):
     prompt = random_prompts(model.config.vocab_size, [21], seed=4)[0]
     drafts, kv = catch_up(model, prompt, [21], next_token=9)
     chunked_drafts, chunked_kv = catch_up(model, prompt, [8, 6, 7], next_token=9)
-    assert bool((kv.abs() < 1e3).all())                # every position of both layers written
+    assert bool((kv.abs() < 1e3).all())  # every position of both layers written
     torch.testing.assert_close(chunked_kv, kv, atol=1e-5, rtol=0)
     assert chunked_drafts == drafts

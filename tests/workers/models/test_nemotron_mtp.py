@@ -7,6 +7,7 @@ transformers 5.24 drops ``mtp.*``, so the reference is assembled from its pieces
 layer's tensors (``final_layernorm`` as its ``norm_f``), run on the fused input
 ``eh_proj([enorm(embed(x_{s+1})), hnorm(h)])``, with h the transformers backbone's output.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,16 +30,14 @@ from workers.loader import load_model
 from workers.state_spec import ATTENTION
 from workers.tp import shard_model, shard_module
 
-CHAINED = dict(num_nextn_predict_layers=2, mtp_layers_block_type=["moe", "full_attention", "mlp"],
-               moe_latent_size=32)
+CHAINED = dict(num_nextn_predict_layers=2, mtp_layers_block_type=["moe", "full_attention", "mlp"], moe_latent_size=32)
 SPEC = {"method": "mtp", "num_draft_tokens": 3}
 
 
 @pytest.fixture(scope="module")
 def chained_dir(tmp_path_factory) -> Path:
     """Two MTP layers of three blocks (MoE on latent projections, attention, MLP)."""
-    return make_tiny_checkpoint("nemotron_h", tmp_path_factory.mktemp("nemo_mtp2"), seed=5,
-                                mtp=True, **CHAINED)
+    return make_tiny_checkpoint("nemotron_h", tmp_path_factory.mktemp("nemo_mtp2"), seed=5, mtp=True, **CHAINED)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,12 +59,12 @@ def reference_layer(cfg, weights: dict[str, torch.Tensor], m: int) -> torch.nn.M
         for name, t in weights.items():
             if not name.startswith(src):
                 continue
-            rest = name[len(src):]
+            rest = name[len(src) :]
             if rest == "final_layernorm.weight":
                 state["norm_f.weight"] = t
             elif rest.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
                 continue
-            elif ".experts." in rest:                 # experts.{e}.{up,down}_proj.weight -> stacked
+            elif ".experts." in rest:  # experts.{e}.{up,down}_proj.weight -> stacked
                 _, _, e, proj, _ = rest.split(".")
                 experts.setdefault(f"layers.{b}.mixer.experts.{proj}", []).append((int(e), t))
             else:
@@ -88,8 +87,10 @@ def reference_outputs(model_dir: Path, prompt: list[int], nxt: list[int]) -> lis
     for m in range(cfg.num_nextn_predict_layers):
         first = f"mtp.layers.{m * len(cfg.mtp_layers_block_type)}."
         eps = cfg.layer_norm_epsilon
-        fused = torch.cat([_rms(emb, weights[first + "enorm.weight"], eps),
-                           _rms(hidden, weights[first + "hnorm.weight"], eps)], dim=-1)
+        fused = torch.cat(
+            [_rms(emb, weights[first + "enorm.weight"], eps), _rms(hidden, weights[first + "hnorm.weight"], eps)],
+            dim=-1,
+        )
         x = fused @ weights[first + "eh_proj.weight"].T
         out = reference_layer(cfg, weights, m)(inputs_embeds=x[None]).last_hidden_state[0]
         outs.append(out)
@@ -107,8 +108,14 @@ def head_outputs(model_dir: Path, prompts: list[list[int]], nxts: list[list[int]
     spec = model.cache_spec()
     num_kv = spec.num_layers(ATTENTION)
     h = Harness(model, max_seqs=len(prompts), max_tokens=64)
-    pools = build_pools(spec.with_layers(ATTENTION, num_kv + model.num_mtp_kv_layers), h.pools.kv.num_pages,
-                        h.page_size, h.pools.mamba.num_slots, torch.float32, torch.device("cpu"))
+    pools = build_pools(
+        spec.with_layers(ATTENTION, num_kv + model.num_mtp_kv_layers),
+        h.pools.kv.num_pages,
+        h.page_size,
+        h.pools.mamba.num_slots,
+        torch.float32,
+        torch.device("cpu"),
+    )
     pools.mamba = h.pools.mamba
     h.pools = pools
     head = model.build_mtp_head(num_kv)
@@ -121,10 +128,10 @@ def head_outputs(model_dir: Path, prompts: list[list[int]], nxts: list[list[int]
     outs = []
     for m in range(head.num_layers):
         out = head(shifted, hidden, h.pools, layer=m)
-        outs.append([out[cu[b]:cu[b + 1]] for b in range(len(prompts))])
+        outs.append([out[cu[b] : cu[b + 1]] for b in range(len(prompts))])
         hidden = torch.zeros_like(out)
         for b in range(len(prompts)):
-            hidden[cu[b] + 1:cu[b + 1]] = out[cu[b]:cu[b + 1] - 1]
+            hidden[cu[b] + 1 : cu[b + 1]] = out[cu[b] : cu[b + 1] - 1]
     return outs
 
 
@@ -178,25 +185,33 @@ def test_layout_blocks_and_kv_layers(chained_dir):
     assert [hasattr(b, "final_layernorm") for b in head.layers] == [False, False, True] * 2
 
 
-@pytest.mark.parametrize("fields,match", [
-    ({"mtp_layers_block_type": ["full_attention", "linear_attention"]},
-     r"mtp_layers_block_type=\['full_attention', 'linear_attention'\] has a Mamba2 block"),
-    ({"num_nextn_predict_layers": 2}, r"num_nextn_predict_layers=2 .* blocks mtp.layers.0..3, "
-                                      r"but .* hold blocks \[0, 1\]"),
-    ({"mtp_layers_block_type": ["full_attention"]}, r"blocks mtp.layers.0..0, but .* \[0, 1\]"),
-    ({"num_nextn_predict_layers": 0}, r"num_nextn_predict_layers=0: .* at least one MTP layer"),
-    ({"mtp_block_configs": [{"block_type": "moe"}]}, r"mtp_block_configs"),
-    ({"mtp_use_dedicated_embeddings": True}, r"mtp_use_dedicated_embeddings=True"),
-])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (
+            {"mtp_layers_block_type": ["full_attention", "linear_attention"]},
+            r"mtp_layers_block_type=\['full_attention', 'linear_attention'\] has a Mamba2 block",
+        ),
+        (
+            {"num_nextn_predict_layers": 2},
+            r"num_nextn_predict_layers=2 .* blocks mtp.layers.0..3, "
+            r"but .* hold blocks \[0, 1\]",
+        ),
+        ({"mtp_layers_block_type": ["full_attention"]}, r"blocks mtp.layers.0..0, but .* \[0, 1\]"),
+        ({"num_nextn_predict_layers": 0}, r"num_nextn_predict_layers=0: .* at least one MTP layer"),
+        ({"mtp_block_configs": [{"block_type": "moe"}]}, r"mtp_block_configs"),
+        ({"mtp_use_dedicated_embeddings": True}, r"mtp_use_dedicated_embeddings=True"),
+    ],
+)
 def test_head_refuses_what_it_cannot_build(tiny_checkpoint, tmp_path, fields, match):
     ckpt = with_config(tiny_checkpoint("nemotron_h"), tmp_path / "c", **fields)
     model = load_model(ckpt, torch.float32, "cpu").model
     with pytest.raises(ValueError, match=match):
         model.build_mtp_head(kv_index=2)
     if "linear_attention" in fields.get("mtp_layers_block_type", []):
-        with pytest.raises(ValueError, match="Mamba2 block"):         # the engine says the same
+        with pytest.raises(ValueError, match="Mamba2 block"):  # the engine says the same
             make_llm(ckpt, spec=SPEC)
-        out = make_llm(ckpt).generate_ids([[5, 6, 7]], [GREEDY])     # without spec it serves
+        out = make_llm(ckpt).generate_ids([[5, 6, 7]], [GREEDY])  # without spec it serves
         assert len(out[0].token_ids) == GREEDY.max_tokens
 
 
@@ -207,7 +222,7 @@ def test_malformed_layer_count_is_refused_at_load(tiny_checkpoint, tmp_path):
 
 
 def test_checkpoint_without_mtp_tensors(tmp_path):
-    ckpt = make_tiny_checkpoint("nemotron_h", tmp_path, seed=1)     # the config names one layer
+    ckpt = make_tiny_checkpoint("nemotron_h", tmp_path, seed=1)  # the config names one layer
     model = load_model(ckpt, torch.float32, "cpu").model
     assert model.num_mtp_layers == model.num_mtp_kv_layers == 0
     with pytest.raises(ValueError, match=r"mtp\.\* tensors"):
@@ -222,7 +237,7 @@ def _spec_equals_plain(model_dir: Path, **spec_overrides) -> object:
     expected = [o.token_ids for o in control.generate_ids(prompts, params)]
     llm = make_llm(model_dir, spec=SPEC, debug={"check_invariants": True}, **spec_overrides)
     llm.engine.raise_on_violation = True
-    for _ in range(2):                                    # the second pass hits the prefix cache
+    for _ in range(2):  # the second pass hits the prefix cache
         assert [o.token_ids for o in llm.generate_ids(prompts, params)] == expected
     assert llm.stats()["hybridserve_spec_draft_tokens_total"] > 0
     return llm.engine

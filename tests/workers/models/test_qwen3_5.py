@@ -4,6 +4,7 @@ Their equivalence with transformers (config variants included), every engine sui
 speculation run through the registry-driven suite on the ``qwen3_5*`` entries of
 ``tools/tiny_registry.py``; refused config fields are in ``test_family_configs.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,12 +87,12 @@ def test_vl_engine_reads_the_text_config(tiny_checkpoint, tmp_path):
 
 def test_vl_checkpoint_never_drops_a_text_tensor(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("qwen3_5_vl")
-    missing = edit(src, tmp_path / "missing",
-                   tensors=lambda t: t.pop("model.language_model.layers.0.linear_attn.in_proj_z.weight"))
+    missing = edit(
+        src, tmp_path / "missing", tensors=lambda t: t.pop("model.language_model.layers.0.linear_attn.in_proj_z.weight")
+    )
     with pytest.raises(ValueError, match=r"missing 1 tensor.*model\.layers\.0\.linear_attn\.in_proj_z"):
         load_model(missing, torch.float32, "cpu")
-    extra = edit(src, tmp_path / "extra",
-                 tensors=lambda t: t.update({"model.audio.proj.weight": torch.zeros(2, 2)}))
+    extra = edit(src, tmp_path / "extra", tensors=lambda t: t.update({"model.audio.proj.weight": torch.zeros(2, 2)}))
     with pytest.raises(ValueError, match=r"unexpected tensor 'model\.audio\.proj\.weight'"):
         load_model(extra, torch.float32, "cpu")
 
@@ -103,7 +104,7 @@ def test_text_class_reads_the_language_model_prefix(tiny_checkpoint, tmp_path):
 
     def rename(t):
         for n in [n for n in t if n.startswith("model.")]:
-            t["model.language_model." + n[len("model."):]] = t.pop(n)
+            t["model.language_model." + n[len("model.") :]] = t.pop(n)
 
     moved = edit(src, tmp_path / "c", tensors=rename)
     a, b = (load_model(d, torch.float32, "cpu").model for d in (src, moved))
@@ -127,9 +128,16 @@ def test_fused_and_per_expert_layouts_load_the_same(tiny_checkpoint, tmp_path):
 
 def test_released_field_values_are_accepted(tiny_checkpoint, tmp_path):
     """The values Qwen3.5 / 3.6 configs ship with load (and mean the math implemented)."""
-    fields = {"attn_output_gate": True, "layer_scale": False, "mamba_ssm_dtype": "float32",
-              "mtp_use_dedicated_embeddings": False, "mlp_only_layers": [], "norm_topk_prob": True,
-              "decoder_sparse_step": 1, "full_attention_interval": 4}
+    fields = {
+        "attn_output_gate": True,
+        "layer_scale": False,
+        "mamba_ssm_dtype": "float32",
+        "mtp_use_dedicated_embeddings": False,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "full_attention_interval": 4,
+    }
     ckpt = edit(tiny_checkpoint("qwen3_5_moe_vl"), tmp_path / "c", **fields)
     model = load_model(ckpt, torch.float32, "cpu").model
     model.build_mtp_head(kv_index=2)

@@ -7,6 +7,7 @@ ignores both lists, so it cannot be the oracle: the formula is, written out per 
 Every expert path is checked: the eager loop (native on CPU, few and many rows an expert), the
 Python reference loop and the static formulation of compiled and GPU steps.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ from workers.models.deepseek_moe import RoutedSharedMoE
 from workers.models.moe_experts import reference_loop
 
 # the tiny config's mlp_layer_types: dense, sparse, sparse, dense, sparse
-ROUTED = [0.3, 0.0, 0.25, 0.2, 0.15]         # dense layers' entries are ignored
+ROUTED = [0.3, 0.0, 0.25, 0.2, 0.15]  # dense layers' entries are ignored
 SHARED = [0.4, 0.35, 0.0, 0.5, 0.3]
 TOL = 1e-5
 
@@ -49,12 +50,17 @@ def clipped_model(tmp_path_factory):
     from tools.tiny import make_tiny_checkpoint
     from workers.loader import load_model
 
-    ckpt = make_tiny_checkpoint("bailing_hybrid", tmp_path_factory.mktemp("clipped"), seed=2,
-                                expert_swiglu_limit_list=ROUTED, share_expert_swiglu_limit_list=SHARED)
+    ckpt = make_tiny_checkpoint(
+        "bailing_hybrid",
+        tmp_path_factory.mktemp("clipped"),
+        seed=2,
+        expert_swiglu_limit_list=ROUTED,
+        share_expert_swiglu_limit_list=SHARED,
+    )
     return load_model(ckpt, torch.float32, "cpu").model
 
 
-@pytest.mark.parametrize("num_tokens", [3, 96])     # few / many rows an expert (native loop)
+@pytest.mark.parametrize("num_tokens", [3, 96])  # few / many rows an expert (native loop)
 def test_sparse_layers_clip_as_the_formula(clipped_model, num_tokens: int) -> None:
     gen = torch.Generator().manual_seed(num_tokens)
     sparse = [i for i, kind in enumerate(clipped_model.config.mlp_layer_types) if kind == "sparse"]
@@ -62,13 +68,16 @@ def test_sparse_layers_clip_as_the_formula(clipped_model, num_tokens: int) -> No
         moe = clipped_model.model.layers[i].mlp
         x = torch.randn(num_tokens, clipped_model.config.hidden_size, generator=gen)
         want = block_formula(moe, x, ROUTED[i], SHARED[i])
-        if ROUTED[i] or SHARED[i]:           # the clip binds: unclipped differs
+        if ROUTED[i] or SHARED[i]:  # the clip binds: unclipped differs
             assert (want - block_formula(moe, x, 0.0, 0.0)).abs().max() > 1e-3
         r, shared = moe.routed, moe.shared_experts(x)
         weights, ids = r._route(x)
         loops = reference_loop(x, weights, ids, r.w_gate, r.w_up, r.w_down, "silu", r.dims.swiglu_limit)
-        for path, got in (("eager", moe(x)), ("static", r._routed_static(x, weights, ids) + shared),
-                          ("reference", loops + shared)):
+        for path, got in (
+            ("eager", moe(x)),
+            ("static", r._routed_static(x, weights, ids) + shared),
+            ("reference", loops + shared),
+        ):
             assert (got - want).abs().max() <= TOL, f"layer {i}, {path}"
 
 

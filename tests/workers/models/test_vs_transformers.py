@@ -4,6 +4,7 @@ the registry).
 Our side runs varlen batches through the paged KV pool and the slot pool; the oracle runs
 one prompt at a time, uncached for prefill and with its own cache for decode.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -35,13 +36,15 @@ def test_oracle_runs_transformers_torch_paths(tiny_model) -> None:
     for package in ("fla", "mamba_ssm", "causal_conv1d"):
         assert importlib.util.find_spec(package) is None, f"{package} must not be importable"
     modeling = importlib.import_module(tiny_model.family.hf_modeling)
-    wrapped = [fn for fn in vars(modeling).values()
-               if callable(fn) and "is_new_implementation" in getattr(getattr(fn, "__code__", None),
-                                                                      "co_freevars", ())]
+    wrapped = [
+        fn
+        for fn in vars(modeling).values()
+        if callable(fn) and "is_new_implementation" in getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    ]
     names = {fn.__name__ for fn in wrapped}
     convs = {"causal_conv1d_fn", "causal_conv1d_update"} & set(vars(modeling))
-    assert convs <= names, names   # the check sees the conv wrappers (MiniMax has no conv)
-    for fn in wrapped:                        # transformers' hub-kernel wrappers
+    assert convs <= names, names  # the check sees the conv wrappers (MiniMax has no conv)
+    for fn in wrapped:  # transformers' hub-kernel wrappers
         free = fn.__code__.co_freevars
         cell = fn.__closure__[free.index("is_new_implementation")]
         assert cell.cell_contents is False, f"{fn.__name__} bound to a non-torch kernel"
@@ -60,15 +63,15 @@ def test_chunked_prefill_mixed_with_decodes_equals_single_shot(our_model, hf_ora
     single = Harness(our_model).prefill(prompts)
     harness = Harness(our_model, seed=7)
     got: list[list[torch.Tensor]] = [[] for _ in prompts]
-    extra: list[list[int]] = [[] for _ in prompts]    # tokens decoded after the prompt
+    extra: list[list[int]] = [[] for _ in prompts]  # tokens decoded after the prompt
     decode_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     for step in range(max(len(c) for c in CHUNKS)):
         chunks = []
         for i, plan in enumerate(CHUNKS):
             if step < len(plan):
                 start = sum(plan[:step])
-                chunks.append((i, prompts[i][start:start + plan[step]]))
-            else:                                      # prompt done: decode a token
+                chunks.append((i, prompts[i][start : start + plan[step]]))
+            else:  # prompt done: decode a token
                 last = (decode_logits[i] or got[i])[-1][-1]
                 extra[i].append(int(last.argmax()))
                 chunks.append((i, [extra[i][-1]]))
@@ -77,7 +80,7 @@ def test_chunked_prefill_mixed_with_decodes_equals_single_shot(our_model, hf_ora
     for i, prompt in enumerate(prompts):
         assert max_diff(torch.cat(got[i]), single[i]) <= TOL, f"prompt {i} chunked"
         if extra[i]:
-            ref = hf_oracle.logits(prompt + extra[i])[len(prompt):]
+            ref = hf_oracle.logits(prompt + extra[i])[len(prompt) :]
             assert max_diff(torch.cat(decode_logits[i]), ref) <= TOL, f"prompt {i} decodes"
     assert sum(len(e) for e in extra) >= 3
 
@@ -100,89 +103,195 @@ def test_decode_steps_match_transformers_cache(our_model, hf_oracle) -> None:
         for i, t in enumerate(tokens):
             generated[i].append(t)
         ours = harness.decode(tokens)
-        refs = [hf_oracle.decode(caches[i], t, len(prompts[i]) + step)
-                for i, t in enumerate(tokens)]
+        refs = [hf_oracle.decode(caches[i], t, len(prompts[i]) + step) for i, t in enumerate(tokens)]
     # Greedy output must vary, or equal logits would prove little.
     assert len({t for g in generated for t in g}) >= 10
 
 
 VARIANTS = {
     # NoPE attention, no routed experts (shared MLP only)
-    "granite_nope_dense": ("granitemoehybrid", {"position_embedding_type": None,
-                                                "num_local_experts": 0}),
+    "granite_nope_dense": ("granitemoehybrid", {"position_embedding_type": None, "num_local_experts": 0}),
     # tied embeddings, one value head per key head, attention bias, MoE every other layer
-    "qwen_tied_r1": ("qwen3_next", {"tie_word_embeddings": True, "linear_num_value_heads": 2,
-                                    "attention_bias": True, "decoder_sparse_step": 2}),
+    "qwen_tied_r1": (
+        "qwen3_next",
+        {"tie_word_embeddings": True, "linear_num_value_heads": 2, "attention_bias": True, "decoder_sparse_step": 2},
+    ),
     # tied, projection biases, one B/C group, bf16-style residual off, dt clamped above
-    "mamba2_tied_bias_clamp": ("mamba2", {"tie_word_embeddings": True, "use_bias": True, "n_groups": 1,
-                                          "residual_in_fp32": False, "time_step_limit": (0.0, 0.05)}),
+    "mamba2_tied_bias_clamp": (
+        "mamba2",
+        {
+            "tie_word_embeddings": True,
+            "use_bias": True,
+            "n_groups": 1,
+            "residual_in_fp32": False,
+            "time_step_limit": (0.0, 0.05),
+        },
+    ),
     # latent MoE projections, every bias, another layer pattern (the dt clamp: test_dt_limits)
-    "nemotron_latent_bias": ("nemotron_h", {
-        "moe_latent_size": 32, "mlp_bias": True, "use_bias": True, "mamba_proj_bias": True,
-        "tie_word_embeddings": True,               # transformers' Nemotron-H never ties
-        "layers_block_type": ["moe", "linear_attention", "full_attention", "moe",
-                              "linear_attention"]}),
-    "bamba_biases_tied_one_group": ("bamba", {"attention_bias": True, "mlp_bias": True,
-                                              "mamba_proj_bias": True, "mamba_conv_bias": False,
-                                              "tie_word_embeddings": True, "mamba_n_groups": 1}),
+    "nemotron_latent_bias": (
+        "nemotron_h",
+        {
+            "moe_latent_size": 32,
+            "mlp_bias": True,
+            "use_bias": True,
+            "mamba_proj_bias": True,
+            "tie_word_embeddings": True,  # transformers' Nemotron-H never ties
+            "layers_block_type": ["moe", "linear_attention", "full_attention", "moe", "linear_attention"],
+        },
+    ),
+    "bamba_biases_tied_one_group": (
+        "bamba",
+        {
+            "attention_bias": True,
+            "mlp_bias": True,
+            "mamba_proj_bias": True,
+            "mamba_conv_bias": False,
+            "tie_word_embeddings": True,
+            "mamba_n_groups": 1,
+        },
+    ),
     # no mixer norm (y * silu(z)), d_ssm from mamba_expand, every bias, tied
-    "falcon_no_norm_tied": ("falcon_h1", {"mamba_rms_norm": False, "tie_word_embeddings": True,
-                                          "attention_bias": True, "mlp_bias": True,
-                                          "mamba_proj_bias": True, "mamba_d_ssm": None,
-                                          "mamba_n_heads": 8}),
+    "falcon_no_norm_tied": (
+        "falcon_h1",
+        {
+            "mamba_rms_norm": False,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "mamba_proj_bias": True,
+            "mamba_d_ssm": None,
+            "mamba_n_heads": 8,
+        },
+    ),
     "falcon_norm_then_gate": ("falcon_h1", {"mamba_norm_before_gate": True, "projectors_bias": False}),
     # no attention adapters, no RoPE, one shared block, GQA, biases, tanh GELU, dt clamped
     # below at a real time_step_min (prefill and the uncached reference both clamp)
-    "zamba2_plain_clamp": ("zamba2", {"use_shared_attention_adapter": False, "use_mem_rope": False,
-                                      "num_mem_blocks": 1, "num_key_value_heads": 2,
-                                      "add_bias_linear": True, "hidden_act": "gelu_pytorch_tanh",
-                                      "time_step_min": 0.02}),
+    "zamba2_plain_clamp": (
+        "zamba2",
+        {
+            "use_shared_attention_adapter": False,
+            "use_mem_rope": False,
+            "num_mem_blocks": 1,
+            "num_key_value_heads": 2,
+            "add_bias_linear": True,
+            "hidden_act": "gelu_pytorch_tanh",
+            "time_step_min": 0.02,
+        },
+    ),
     # one value head per key head, attention bias, half the head rotated, other mrope sections
-    "qwen3_5_r1_bias_rope": ("qwen3_5", {"linear_num_value_heads": 2, "attention_bias": True,
-                                         "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
-                                                             "partial_rotary_factor": 0.5,
-                                                             "mrope_section": [4, 2, 2],
-                                                             "mrope_interleaved": False}}),
+    "qwen3_5_r1_bias_rope": (
+        "qwen3_5",
+        {
+            "linear_num_value_heads": 2,
+            "attention_bias": True,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5e5,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": False,
+            },
+        },
+    ),
     # tied embeddings at the top level of a VL checkpoint; top-1 routing
-    "qwen3_5_moe_vl_tied_top1": ("qwen3_5_moe_vl", {"tie_word_embeddings": True,
-                                                    "num_experts_per_tok": 1}),
+    "qwen3_5_moe_vl_tied_top1": ("qwen3_5_moe_vl", {"tie_word_embeddings": True, "num_experts_per_tok": 1}),
     # dense MLPs only, tied, in/out projection biases, no conv bias, attention first, N = 8
-    "jamba_dense_tied_bias": ("jamba", {"num_experts": 1, "tie_word_embeddings": True,
-                                        "mamba_proj_bias": True, "mamba_conv_bias": False,
-                                        "attn_layer_offset": 0, "mamba_d_state": 8,
-                                        "mamba_dt_rank": 4}),
+    "jamba_dense_tied_bias": (
+        "jamba",
+        {
+            "num_experts": 1,
+            "tie_word_embeddings": True,
+            "mamba_proj_bias": True,
+            "mamba_conv_bias": False,
+            "attn_layer_offset": 0,
+            "mamba_d_state": 8,
+            "mamba_dt_rank": 4,
+        },
+    ),
     # MLP width as given, biases on the conv block, untied, one KV head per query head
-    "lfm2_unadjusted_bias": ("lfm2", {"block_auto_adjust_ff_dim": False, "conv_bias": True,
-                                      "tie_word_embeddings": False, "num_key_value_heads": 4}),
+    "lfm2_unadjusted_bias": (
+        "lfm2",
+        {"block_auto_adjust_ff_dim": False, "conv_bias": True, "tie_word_embeddings": False, "num_key_value_heads": 4},
+    ),
     # no expert bias, weights not renormalised nor scaled, MoE from layer 0, tied
-    "lfm2_moe_plain_router": ("lfm2_moe", {"use_expert_bias": False, "norm_topk_prob": False,
-                                           "routed_scaling_factor": 1.0, "num_dense_layers": 0,
-                                           "tie_word_embeddings": True}),
+    "lfm2_moe_plain_router": (
+        "lfm2_moe",
+        {
+            "use_expert_bias": False,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0,
+            "num_dense_layers": 0,
+            "tie_word_embeddings": True,
+        },
+    ),
     # no sandwich norms, no head gate, attention biases, a wider window, other RoPE spectra
-    "lfm3_plain_scaled_rope": ("lfm3", {
-        "use_sandwich_norm": False, "use_attention_gate": False, "attention_bias": True,
-        "sliding_window": 13, "tie_word_embeddings": False,
-        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
-                            "full_attention": {"rope_type": "proportional", "rope_theta": 1e5,
-                                               "partial_rotary_factor": 0.25, "factor": 2.0}}}),
+    "lfm3_plain_scaled_rope": (
+        "lfm3",
+        {
+            "use_sandwich_norm": False,
+            "use_attention_gate": False,
+            "attention_bias": True,
+            "sliding_window": 13,
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "rope_theta": 1e5,
+                    "partial_rotary_factor": 0.25,
+                    "factor": 2.0,
+                },
+            },
+        },
+    ),
     # low-rank queries with biases, two shared experts, no renormalisation, a tie the class ignores
-    "kimi_q_lora_bias": ("kimi_linear", {"q_lora_rank": 24, "attention_bias": True,
-                                         "n_shared_experts": 2, "norm_topk_prob": False,
-                                         "tie_word_embeddings": True}),
+    "kimi_q_lora_bias": (
+        "kimi_linear",
+        {
+            "q_lora_rank": 24,
+            "attention_bias": True,
+            "n_shared_experts": 2,
+            "norm_topk_prob": False,
+            "tie_word_embeddings": True,
+        },
+    ),
     # the unbounded (softplus) KDA gate, low-rank queries, biases, another rope theta
-    "bailing_softplus_gate_q_lora": ("bailing_hybrid", {
-        "kda_safe_gate": False, "q_lora_rank": 24, "attention_bias": True,
-        "routed_scaling_factor": 1.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
+    "bailing_softplus_gate_q_lora": (
+        "bailing_hybrid",
+        {
+            "kda_safe_gate": False,
+            "q_lora_rank": 24,
+            "attention_bias": True,
+            "routed_scaling_factor": 1.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
     # tied, MHA, unit residual factors, lightning blocks of 7 (transformers' blocked prefill)
-    "minimax_tied_mha_block7": ("minimax", {
-        "tie_word_embeddings": True, "num_key_value_heads": 4, "block_size": 7,
-        "full_attn_alpha_factor": 1, "full_attn_beta_factor": 1, "linear_attn_alpha_factor": 1,
-        "linear_attn_beta_factor": 1, "mlp_alpha_factor": 1, "mlp_beta_factor": 1}),
+    "minimax_tied_mha_block7": (
+        "minimax",
+        {
+            "tie_word_embeddings": True,
+            "num_key_value_heads": 4,
+            "block_size": 7,
+            "full_attn_alpha_factor": 1,
+            "full_attn_beta_factor": 1,
+            "linear_attn_alpha_factor": 1,
+            "linear_attn_beta_factor": 1,
+            "mlp_alpha_factor": 1,
+            "mlp_beta_factor": 1,
+        },
+    ),
     # NoPE (as the released checkpoints), beta in [0, 1], biases, tied, equal k/v head dims
-    "olmo_nope_tied_bias": ("olmo_hybrid", {
-        "rope_parameters": {"rope_type": "default", "rope_theta": None},
-        "linear_allow_neg_eigval": False, "attention_bias": True, "tie_word_embeddings": True,
-        "linear_value_head_dim": 16}),
+    "olmo_nope_tied_bias": (
+        "olmo_hybrid",
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": None},
+            "linear_allow_neg_eigval": False,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+            "linear_value_head_dim": 16,
+        },
+    ),
 }
 
 
@@ -197,8 +306,7 @@ def test_config_variants_match_transformers(variant: str, tmp_path) -> None:
     check_prefill_and_one_decode(model, oracle, [3, 20, 37], seed=6)
 
 
-def check_prefill_and_one_decode(model: HybridForCausalLM, oracle: HFOracle, lengths: list[int],
-                                 seed: int) -> None:
+def check_prefill_and_one_decode(model: HybridForCausalLM, oracle: HFOracle, lengths: list[int], seed: int) -> None:
     """A batch of random prompts of ``lengths``: prefill logits and one greedy decode step
     within TOL of the oracle's uncached forward."""
     prompts = random_prompts(model.config.vocab_size, lengths, seed=seed)

@@ -1,4 +1,5 @@
 """Bare requests and scheduled sequences for sampling tests (no engine, no model)."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,11 +21,22 @@ EOS = 0
 _handles = itertools.count(1)
 
 
-def request(rid: str, prompt: list[int], outputs: list[int], params: SamplingParams,
-            bad_words_ids: tuple[tuple[int, ...], ...] = ()) -> Request:
+def request(
+    rid: str,
+    prompt: list[int],
+    outputs: list[int],
+    params: SamplingParams,
+    bad_words_ids: tuple[tuple[int, ...], ...] = (),
+) -> Request:
     blocked = tuple(dict.fromkeys([*params.stop_token_ids, *([] if params.ignore_eos else [EOS])]))
-    req = Request(rid, list(prompt), params, handle=next(_handles), eos_token_id=EOS,
-                  sampling=RequestSampling(blocked if params.min_tokens else (), bad_words_ids))
+    req = Request(
+        rid,
+        list(prompt),
+        params,
+        handle=next(_handles),
+        eos_token_id=EOS,
+        sampling=RequestSampling(blocked if params.min_tokens else (), bad_words_ids),
+    )
     req.output_token_ids = list(outputs)
     return req
 

@@ -1,6 +1,7 @@
 """Each logits processor against transformers' processor of the same name, on the same
 logits and histories, through the real host builder and device ops (decode and verify
 rows, whose history includes the drafts before them)."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,13 +41,14 @@ def hf_rows(processor_of, raw, hist):
     rows = []
     for r, (prompt, outputs) in enumerate(hist):
         ids = torch.tensor([prompt + outputs])
-        rows.append(processor_of(prompt, outputs)(ids, raw[r:r + 1].clone()))
+        rows.append(processor_of(prompt, outputs)(ids, raw[r : r + 1].clone()))
     return torch.cat(rows)
 
 
 def batch(params_list, prompts, outputs, drafts, bad_words=()):
-    reqs = [request(f"r{i}", p, o, params, bad_words)
-            for i, (params, p, o) in enumerate(zip(params_list, prompts, outputs))]
+    reqs = [
+        request(f"r{i}", p, o, params, bad_words) for i, (params, p, o) in enumerate(zip(params_list, prompts, outputs))
+    ]
     seqs = [verify(r, len(d)) if d else decode(r) for r, d in zip(reqs, drafts)]
     return reqs, seqs
 
@@ -78,7 +80,7 @@ def test_repetition_penalty_below_one_rewards_repeats():
 def test_frequency_and_presence_follow_openai():
     raw, got, hist = run([SamplingParams(frequency_penalty=0.7, presence_penalty=-1.1)] * 3)
     want = raw.clone()
-    for r, (_, outputs) in enumerate(hist):                 # output tokens only, not the prompt
+    for r, (_, outputs) in enumerate(hist):  # output tokens only, not the prompt
         counts = torch.bincount(torch.tensor(outputs, dtype=torch.int64), minlength=V).float()
         want[r] -= 0.7 * counts + -1.1 * (counts > 0).float()
     torch.testing.assert_close(got, want)
@@ -89,7 +91,7 @@ def test_logit_bias_matches_sequence_bias():
     raw, got, hist = run([SamplingParams(logit_bias=bias)] * 3)
     proc = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])
     torch.testing.assert_close(got, hf_rows(lambda p, o: proc, raw, hist))
-    assert (got.argmax(-1) == 40).all()                     # +100 forces the token
+    assert (got.argmax(-1) == 40).all()  # +100 forces the token
 
 
 def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
@@ -113,11 +115,10 @@ def test_bad_words_match_no_bad_words_processor_over_outputs():
     words = ((20,), (40, 2), (30, 31, 5), (7, 20, 9))
     raw, got, hist = run([SamplingParams()] * 3, bad_words=words)
     # vLLM's rule: a word's prefix is matched against the generated tokens only.
-    want = hf_rows(lambda p, o: NoBadWordsLogitsProcessor([list(w) for w in words]),
-                   raw, [([], o) for _, o in hist])
+    want = hf_rows(lambda p, o: NoBadWordsLogitsProcessor([list(w) for w in words]), raw, [([], o) for _, o in hist])
     torch.testing.assert_close(got, want)
     assert torch.isinf(got[:, 20]).all()
-    assert torch.isinf(got[3, 5])                            # the second verify, after drafts 30 31
+    assert torch.isinf(got[3, 5])  # the second verify, after drafts 30 31
 
 
 def test_all_processors_together_in_transformers_order():
@@ -126,22 +127,33 @@ def test_all_processors_together_in_transformers_order():
     raw, got, hist = run([p] * 3, bad_words=words)
 
     def chain(prompt, outputs):
-        procs = [SequenceBiasLogitsProcessor([[[3], 2.0], [[30], -1.5]]),
-                 MinNewTokensLengthLogitsProcessor(len(prompt), 5, [EOS])]
+        procs = [
+            SequenceBiasLogitsProcessor([[[3], 2.0], [[30], -1.5]]),
+            MinNewTokensLengthLogitsProcessor(len(prompt), 5, [EOS]),
+        ]
+
         def apply(ids, scores):
             scores = procs[0](ids, scores)
             out_ids = torch.tensor([list(outputs)]) if outputs else ids[:, :0]
             scores = NoBadWordsLogitsProcessor([list(w) for w in words])(out_ids, scores)
             scores = procs[1](ids, scores)
             return RepetitionPenaltyLogitsProcessor(1.3)(ids, scores)
+
         return apply
+
     torch.testing.assert_close(got, hf_rows(chain, raw, hist))
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"temperature": 0.7}, {"temperature": 1.3, "top_k": 5}, {"temperature": 0.9, "top_p": 0.6},
-    {"temperature": 1.0, "min_p": 0.2}, {"temperature": 1.5, "top_k": 12, "top_p": 0.8, "min_p": 0.05},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0.7},
+        {"temperature": 1.3, "top_k": 5},
+        {"temperature": 0.9, "top_p": 0.6},
+        {"temperature": 1.0, "min_p": 0.2},
+        {"temperature": 1.5, "top_k": 12, "top_p": 0.8, "min_p": 0.05},
+    ],
+)
 def test_filters_match_transformers_warpers(kwargs):
     p = SamplingParams(**kwargs)
     reqs, seqs = batch([p, SamplingParams(temperature=0.0), p], PROMPTS, OUTPUTS, DRAFTS)
@@ -157,10 +169,10 @@ def test_filters_match_transformers_warpers(kwargs):
         warpers.append(MinPLogitsWarper(p.min_p))
     ids = torch.zeros(1, 1, dtype=torch.int64)
     for r in range(8):
-        if 1 <= r <= 4:                                      # the greedy request's rows: untouched
+        if 1 <= r <= 4:  # the greedy request's rows: untouched
             torch.testing.assert_close(got[r], raw[r])
             continue
-        want = raw[r:r + 1].clone()
+        want = raw[r : r + 1].clone()
         for w in warpers:
             want = w(ids, want)
-        torch.testing.assert_close(got[r:r + 1], want)
+        torch.testing.assert_close(got[r : r + 1], want)

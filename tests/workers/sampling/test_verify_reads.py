@@ -1,6 +1,7 @@
 """A greedy verify reads the host once: its picked tokens and the drafts they are checked
 against come back in one ``.tolist()`` (a GPU syncs once per verify step, not twice), and
 the outputs stay those of speculation off."""
+
 from __future__ import annotations
 
 from tests.gpu.host_reads import host_reads
@@ -17,8 +18,7 @@ def test_greedy_verify_reads_the_host_once(monkeypatch, tiny_qwen_dir):
 
     def recorded(self, si, input_ids, logits, params, gens, verify, draft_q):
         out = []
-        found = host_reads(lambda: out.append(decide(self, si, input_ids, logits, params, gens, verify,
-                                                     draft_q)))
+        found = host_reads(lambda: out.append(decide(self, si, input_ids, logits, params, gens, verify, draft_q)))
         if any(v is not None for v in verify):
             reads.append([r for r in found if r.startswith(("tolist", "item"))])
         return out[0]

@@ -1,5 +1,6 @@
 """Host pools and their copies, on pools of every kind of state -- including kinds no model
 has yet -- so nothing in the tier names a tensor: whatever the spec holds is moved."""
+
 from __future__ import annotations
 
 import torch
@@ -11,12 +12,14 @@ from workers.tiers.payload import CheckpointPayload, payload_problem
 from workers.tiers.storage import TensorTierStorage
 
 PAGE = 4
-SPEC = CacheSpec((
-    StateGroup(attention_kind(2, 8, 6), 3),
-    StateGroup(conv_ssm_kind("gdn", 12, 4, (2, 3, 5)), 2),
-    StateGroup(StateKind("lightning", False, (TensorSpec("kv", (2, 4, 4), "bfloat16"),)), 1),  # no conv
-    StateGroup(StateKind("latent", True, (TensorSpec("c", (7,)),)), 2),  # a new paged kind
-))
+SPEC = CacheSpec(
+    (
+        StateGroup(attention_kind(2, 8, 6), 3),
+        StateGroup(conv_ssm_kind("gdn", 12, 4, (2, 3, 5)), 2),
+        StateGroup(StateKind("lightning", False, (TensorSpec("kv", (2, 4, 4), "bfloat16"),)), 1),  # no conv
+        StateGroup(StateKind("latent", True, (TensorSpec("c", (7,)),)), 2),  # a new paged kind
+    )
+)
 
 
 def pools(seed: int = 0, on: torch.device = torch.device("cpu")):
@@ -60,8 +63,9 @@ def test_a_corrupt_copy_reports_failure_and_writes_garbage_not_the_source():
     device, host = pools()
     storage = TensorTierStorage(device, host)
     assert not storage.copy_out(3, [2], 1, [4], corrupt=True)
-    assert not any(torch.equal(h[:, 1], d[:, 3]) for h, d in zip(host.slots["gdn"].values(),
-                                                                 device.mamba.groups["gdn"].values()))
+    assert not any(
+        torch.equal(h[:, 1], d[:, 3]) for h, d in zip(host.slots["gdn"].values(), device.mamba.groups["gdn"].values())
+    )
     storage.copy_out(3, [2], 1, [4])
     assert not storage.copy_in(1, [4], [2], [6], corrupt=True).result()
     assert not torch.equal(device.mamba.groups["gdn"]["ssm"][:, 2], device.mamba.groups["gdn"]["ssm"][:, 3])
@@ -74,8 +78,7 @@ def test_payload_round_trip_and_its_validation():
     from workers.cache.prefix_hash import prefix_hash
 
     storage.copy_out(3, [2, 5], 1, [4, 6])
-    payload = CheckpointPayload.build(tokens, PAGE, prefix_hash(tokens, PAGE), "fp",
-                                      storage.read_host(1, [4, 6]))
+    payload = CheckpointPayload.build(tokens, PAGE, prefix_hash(tokens, PAGE), "fp", storage.read_host(1, [4, 6]))
     layout = storage.layout()
     assert payload_problem(payload, PAGE, "fp", layout) is None
     assert payload.nbytes == storage.nbytes(1, 2)
@@ -89,8 +92,12 @@ def test_payload_round_trip_and_its_validation():
     problems = {
         "page size": payload_problem(payload, 8, "fp", layout),
         "fingerprint": payload_problem(payload, PAGE, "other", layout),
-        "hash": payload_problem(payload.__class__(tokens[:4] + (9, 9, 9, 9), PAGE, payload.prefix_hash, "fp",
-                                                  payload.data), PAGE, "fp", layout),
+        "hash": payload_problem(
+            payload.__class__(tokens[:4] + (9, 9, 9, 9), PAGE, payload.prefix_hash, "fp", payload.data),
+            PAGE,
+            "fp",
+            layout,
+        ),
         "key": payload_problem(payload, PAGE, "fp", layout, expected_hash=b"x" * 16),
         "layout": payload_problem(payload, PAGE, "fp", {**layout, "slots": {"gdn": layout["slots"]["gdn"]}}),
         "type": payload_problem({"not": "a payload"}, PAGE, "fp", layout),

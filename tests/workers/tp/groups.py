@@ -6,6 +6,7 @@ apart) and returns, in rank order, what each returned or raised -- or ``HUNG`` f
 rank still running ``join_s`` after the start. Daemon threads: a rank that hangs (the
 bug these tests look for) fails its test instead of holding the pytest process.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,7 @@ from workers.tp.comm import TPGroup, open_rendezvous, wait_joined
 HUNG = "still waiting"
 
 
-def run_group(world: int, fn: Callable[[TPGroup], Any], timeout_s: float = 60.0,
-              join_s: float = 60.0) -> list[Any]:
+def run_group(world: int, fn: Callable[[TPGroup], Any], timeout_s: float = 60.0, join_s: float = 60.0) -> list[Any]:
     store, rendezvous = open_rendezvous("127.0.0.1", world, timeout_s)
     outcomes: list[Any] = [HUNG] * world
 
@@ -34,8 +34,7 @@ def run_group(world: int, fn: Callable[[TPGroup], Any], timeout_s: float = 60.0,
         except BaseException as exc:  # noqa: BLE001 - returned to the test
             outcomes[rank] = exc
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"tp-rank{r}")
-               for r in range(world)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"tp-rank{r}") for r in range(world)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + join_s

@@ -1,4 +1,5 @@
 """The TP process group over real gloo sockets, ranks as threads of this process."""
+
 from __future__ import annotations
 
 import pytest

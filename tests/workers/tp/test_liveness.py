@@ -7,6 +7,7 @@ group's bound when it stalls, at once when it fails. The one wait past the bound
 ranks 1..N-1 idling for rank 0's next message. Ranks are threads over real gloo sockets
 (tests/workers/tp/groups.py); a real process stopped or killed: test_local_engine.py.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,9 +22,9 @@ from workers.tp.comm import TPGroup, joined_key, open_rendezvous, wait_joined
 from workers.tp.messages import Stop
 from workers.tp.worker import serve_steps
 
-BOUND_S = 1.5          # the peer bound of the groups here
-SLACK_S = 10.0         # scheduling delay allowed on a loaded machine
-LONG_S = 60.0          # a bound that "at once" stays far below
+BOUND_S = 1.5  # the peer bound of the groups here
+SLACK_S = 10.0  # scheduling delay allowed on a loaded machine
+LONG_S = 60.0  # a bound that "at once" stays far below
 JOIN_S = BOUND_S + 2 * SLACK_S
 TIMED_OUT = r"(?i)timed out"
 CLOSED = r"(?i)connection|closed|peer"
@@ -37,20 +38,21 @@ OPS = {
 
 def test_a_rank_that_never_joins_fails_rank_0_within_the_bound():
     store, rendezvous = open_rendezvous("127.0.0.1", 3, BOUND_S)
-    store.set(joined_key(1), "1")                      # rank 1 joined; rank 2 never does
+    store.set(joined_key(1), "1")  # rank 1 joined; rank 2 never does
     out, seconds = timed(lambda: wait_joined(store, rendezvous), JOIN_S)
     assert isinstance(out, TimeoutError) and "ranks [2] did not join within 1.5s" in str(out), out
     assert BOUND_S <= seconds < BOUND_S + SLACK_S
 
-    def rank_2_died() -> None:                         # what a launcher's health check raises
+    def rank_2_died() -> None:  # what a launcher's health check raises
         raise RuntimeError("tensor-parallel rank 2 exited with code -9")
+
     out, seconds = timed(lambda: wait_joined(store, rendezvous, rank_2_died), JOIN_S)
     assert isinstance(out, RuntimeError) and "rank 2 exited" in str(out) and seconds < SLACK_S
 
 
 def test_a_rank_that_joins_but_never_connects_fails_rank_0_within_the_bound():
     store, rendezvous = open_rendezvous("127.0.0.1", 2, BOUND_S)
-    store.set(joined_key(1), "1")                      # rank 1 joined, then stalled
+    store.set(joined_key(1), "1")  # rank 1 joined, then stalled
     wait_joined(store, rendezvous)
     out, seconds = timed(lambda: TPGroup(rendezvous, 0, torch.device("cpu"), store), JOIN_S)
     assert isinstance(out, RuntimeError), out
@@ -67,10 +69,10 @@ def test_rank_0_waits_at_most_the_bound_for_a_stalled_rank(op):
 
     def fn(group: TPGroup):
         if group.rank:
-            release.wait(LONG_S)                      # stalled while rank 0 waits on it
+            release.wait(LONG_S)  # stalled while rank 0 waits on it
             return timed(lambda: OPS[op](group), JOIN_S)
         out = timed(lambda: OPS[op](group), JOIN_S)
-        group.abort(f"the {op} failed")               # as rank 0's runner does on a failure
+        group.abort(f"the {op} failed")  # as rank 0's runner does on a failure
         release.set()
         return out
 
@@ -89,8 +91,8 @@ def test_rank_0s_abort_frees_the_ranks_that_took_part():
     once -- but gloo closes only that pair, and rank 2 waits for the broadcast (its bound is
     long) until rank 0's abort closes the rest, even while the failed op's traceback lives."""
     rank_1_gone, rank_2_done = threading.Event(), threading.Event()
-    connected = threading.Barrier(3)    # every rank's mesh is up before rank 1 fails: an
-                                        # earlier abort can fail a peer's connect instead
+    connected = threading.Barrier(3)  # every rank's mesh is up before rank 1 fails: an
+    # earlier abort can fail a peer's connect instead
 
     def fn(group: TPGroup):
         connected.wait(LONG_S)
@@ -103,7 +105,7 @@ def test_rank_0s_abort_frees_the_ranks_that_took_part():
             rank_2_done.set()
             return out
         rank_1_gone.wait(LONG_S)
-        time.sleep(0.2)                               # rank 0 has seen rank 1's sockets close
+        time.sleep(0.2)  # rank 0 has seen rank 1's sockets close
         out = timed(lambda: group.broadcast_object("step 1"), JOIN_S)
         group.abort("the broadcast failed")
         rank_2_done.wait(JOIN_S)
@@ -119,17 +121,18 @@ def test_rank_0s_abort_frees_the_ranks_that_took_part():
 def test_an_idle_rank_waits_past_the_bound_for_rank_0s_next_message():
     """Ranks 1..N-1 between steps (``serve_steps``): the engine may idle for days. Any
     other receive keeps the bound."""
+
     def fn(group: TPGroup):
         if group.rank == 0:
-            time.sleep(2 * BOUND_S)                   # the engine idles
+            time.sleep(2 * BOUND_S)  # the engine idles
             group.broadcast_object("step 1")
             group.broadcast_object(Stop())
-            time.sleep(2 * BOUND_S)                   # sends nothing more
+            time.sleep(2 * BOUND_S)  # sends nothing more
             group.abort("done")
             return None
         seen: list[str] = []
         served = serve_steps(group, seen.append)
-        out, seconds = timed(lambda: group.broadcast_object(), JOIN_S)   # not idle
+        out, seconds = timed(lambda: group.broadcast_object(), JOIN_S)  # not idle
         return served, seen, out, seconds
 
     outcomes = run_group(2, fn, BOUND_S, join_s=4 * BOUND_S + 2 * JOIN_S)
@@ -144,10 +147,13 @@ def test_an_idle_rank_waits_past_the_bound_for_rank_0s_next_message():
 def test_a_rank_that_fails_mid_step_fails_rank_0_at_once():
     """Rank 1's step raises: ``serve_steps`` aborts, so rank 0 (in the step's all-reduce)
     fails now rather than at its bound; a closed group then refuses every op, naming why."""
+
     def fn(group: TPGroup):
         if group.rank:
+
             def step(msg: object) -> None:
                 raise ValueError(f"rank 1 cannot run {msg}")
+
             out, _ = timed(lambda: serve_steps(group, step), JOIN_S)
             return type(out).__name__, group.closed_reason
         group.broadcast_object("step 1")
@@ -176,12 +182,15 @@ def test_rank_0_failing_ends_an_idle_rank_at_once(phase):
         if group.rank == 0:
             if phase == "idle":
                 group.broadcast_object("step 1")
-            time.sleep(0.5)                           # rank 1 is waiting by now
+            time.sleep(0.5)  # rank 1 is waiting by now
             group.abort(f"rank 0 failed ({phase})")
             rank_1_done.wait(JOIN_S)
             return group.closed
-        wait = (lambda: group.broadcast_object(idle=True)) if phase == "start" else \
-            (lambda: serve_steps(group, lambda msg: None))
+        wait = (
+            (lambda: group.broadcast_object(idle=True))
+            if phase == "start"
+            else (lambda: serve_steps(group, lambda msg: None))
+        )
         out = timed(wait, JOIN_S)
         rank_1_done.set()
         return out

@@ -11,6 +11,7 @@ instead of hanging. A rank that is stopped instead (alive, holding its sockets) 
 step within the group's bound and shutdown kills it; when rank 0 fails mid-step, rank 1 exits
 at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,14 +30,23 @@ SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, ignor
 UNSEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, ignore_eos=True)
 SPEC = {"method": "mtp", "num_draft_tokens": 2}
 # Processors and a grammar: registers and matchers live on every rank and must agree.
-PENALISED = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
-                           frequency_penalty=0.5, logit_bias={17: 4.0}, bad_words=("ab",))
-CONSTRAINED = SamplingParams(max_tokens=16, temperature=0.0,
-                             structured_output=StructuredOutput.regex(r"[a-z]{3}-[0-9]{2,4}"))
+PENALISED = SamplingParams(
+    max_tokens=16,
+    temperature=0.0,
+    ignore_eos=True,
+    repetition_penalty=1.3,
+    frequency_penalty=0.5,
+    logit_bias={17: 4.0},
+    bad_words=("ab",),
+)
+CONSTRAINED = SamplingParams(
+    max_tokens=16, temperature=0.0, structured_output=StructuredOutput.regex(r"[a-z]{3}-[0-9]{2,4}")
+)
 # Sampled rows are not compared with TP = 1 (the all-reduce changes the last bits of the
 # logits) but the ranks' digests must agree, so every rank's matcher must see the same.
-CONSTRAINED_SAMPLED = SamplingParams(max_tokens=16, temperature=0.8, seed=5,
-                                     structured_output=StructuredOutput.regex(r"[a-z]{3}-[0-9]{2,4}"))
+CONSTRAINED_SAMPLED = SamplingParams(
+    max_tokens=16, temperature=0.8, seed=5, structured_output=StructuredOutput.regex(r"[a-z]{3}-[0-9]{2,4}")
+)
 PROCESSED = [PENALISED, CONSTRAINED, CONSTRAINED_SAMPLED] * 2
 
 
@@ -68,7 +78,7 @@ def test_tp_equals_tp1(tiny_model):
     llm = make_llm(path, parallel={"tensor_parallel_size": family.tp_world}, **options)
     llm.engine.raise_on_violation = True
     try:
-        for _ in range(2):                                   # the second pass hits the cache
+        for _ in range(2):  # the second pass hits the cache
             got = [o.token_ids for o in llm.generate_ids(prompts, [GREEDY] * len(prompts))]
             assert got == expected
         stats = llm.stats()
@@ -105,10 +115,9 @@ def test_tp2_sampling_agrees_and_a_dead_rank_fails_fast(tiny_qwen_dir):
         llm.shutdown()
 
 
-BOUND_S = 1.5           # rank 0's peer bound in the failure tests (set after the start)
-SLACK_S = 15.0          # process and scheduling delays on a loaded machine
-ONE_REQUEST = (random_prompts(512, [6], seed=4)[:1],
-               [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)])
+BOUND_S = 1.5  # rank 0's peer bound in the failure tests (set after the start)
+SLACK_S = 15.0  # process and scheduling delays on a loaded machine
+ONE_REQUEST = (random_prompts(512, [6], seed=4)[:1], [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)])
 
 
 def small_tp2(tiny_checkpoint):
@@ -125,7 +134,7 @@ def test_tp2_a_stalled_rank_fails_the_next_step_within_the_bound(tiny_checkpoint
     kill it, or multiprocessing's exit handler waits for it forever."""
     llm, rank1 = small_tp2(tiny_checkpoint)
     try:
-        assert len(llm.generate_ids(*ONE_REQUEST)[0].token_ids) == 3        # the group works
+        assert len(llm.generate_ids(*ONE_REQUEST)[0].token_ids) == 3  # the group works
         llm.engine.tp.timeout = timedelta(seconds=BOUND_S)
         os.kill(rank1.pid, signal.SIGSTOP)
         start = time.monotonic()
@@ -133,10 +142,10 @@ def test_tp2_a_stalled_rank_fails_the_next_step_within_the_bound(tiny_checkpoint
             llm.generate_ids(*ONE_REQUEST)
         assert time.monotonic() - start < BOUND_S + SLACK_S
         with pytest.raises(RuntimeError, match=r"closed: step \d+ failed on rank 0"):
-            llm.generate_ids(*ONE_REQUEST)                                   # at once
+            llm.generate_ids(*ONE_REQUEST)  # at once
         with pytest.raises(RuntimeError, match=r"group closed: step \d+ failed on rank 0"):
-            llm.engine.check_workers()                   # the replica's health check fails
-        llm.shutdown()                                       # no Stop to send: kill rank 1
+            llm.engine.check_workers()  # the replica's health check fails
+        llm.shutdown()  # no Stop to send: kill rank 1
         assert time.monotonic() - start < BOUND_S + 2 * SLACK_S
         assert not rank1.is_alive()
     finally:
@@ -156,6 +165,7 @@ def test_tp2_rank_0_failing_mid_step_ends_rank_1_at_once(tiny_checkpoint, monkey
 
         def broken(*args, **kwargs):
             raise RuntimeError("rank 0 broke before its forward")
+
         monkeypatch.setattr(llm.engine.runner, "_execute", broken)
         with pytest.raises(RuntimeError, match="rank 0 broke before its forward"):
             llm.generate_ids(*ONE_REQUEST)

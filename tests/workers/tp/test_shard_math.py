@@ -6,6 +6,7 @@ weights over a prefill step and a decode step that continues from the states and
 prefill wrote into each rank's pool shard; the summed result must equal the unsharded
 layer. Whole models likewise, to the logits.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,17 +42,18 @@ def granite(tiny_granite_dir):
 def two_steps(model, spec: CacheSpec | None = None) -> tuple[Harness, list[ForwardBatch]]:
     """A prefill of two prompts (7 and 12 tokens), then one decode token each."""
     h = Harness(model, max_seqs=4, max_tokens=32)
-    if spec is not None:                    # a standalone layer: pools of its own shape
+    if spec is not None:  # a standalone layer: pools of its own shape
         h.pools = shard_pools(spec, h.pools)
     p = random_prompts(64, [7, 12], seed=3)
     return h, [h.make_batch([(0, p[0]), (1, p[1])]), h.make_batch([(0, [5]), (1, [9])])]
 
 
 def shard_pools(spec: CacheSpec, like: DevicePools) -> DevicePools:
-    pools = build_pools(spec, like.kv.num_pages, like.kv.page_size, like.mamba.num_slots,
-                        torch.float32, torch.device("cpu"))
+    pools = build_pools(
+        spec, like.kv.num_pages, like.kv.page_size, like.mamba.num_slots, torch.float32, torch.device("cpu")
+    )
     for t in pools.kv.tensors():
-        t.fill_(1e4)                        # never-written state shows up as garbage
+        t.fill_(1e4)  # never-written state shows up as garbage
     for t in pools.mamba.tensors():
         t.fill_(float("nan"))
     return pools
@@ -62,8 +64,7 @@ def local_spec(layer, full: CacheSpec) -> CacheSpec:
     if not hasattr(layer, "state_kind"):
         return full
     kind = layer.state_kind()
-    return CacheSpec(tuple(StateGroup(kind, g.num_layers) if g.kind.name == kind.name else g
-                           for g in full.groups))
+    return CacheSpec(tuple(StateGroup(kind, g.num_layers) if g.kind.name == kind.name else g for g in full.groups))
 
 
 def run_layer(layer, batches, xs, pools, rotary, ref: StateRef | None) -> list[torch.Tensor]:
@@ -72,7 +73,7 @@ def run_layer(layer, batches, xs, pools, rotary, ref: StateRef | None) -> list[t
         if isinstance(layer, Attention):
             rope = rotary.tables(batch.positions, x.dtype) if rotary is not None else None
             outs.append(layer(x, LayerContext(batch, pools, rope), ref))
-        elif hasattr(layer, "state_kind"):        # a recurrent mixer
+        elif hasattr(layer, "state_kind"):  # a recurrent mixer
             outs.append(layer(x, LayerContext(batch, pools), ref))
         else:
             outs.append(layer(x))
@@ -120,7 +121,7 @@ def test_qwen_layers(qwen, kind):
         mixer, ref = mixer_of(qwen, idx)
         check_layer(mixer, qwen, qwen.cache_spec(), ref)
     else:
-        ffn = qwen.model.layers[1 if kind == "moe" else 0].mlp        # layer 0 is mlp_only
+        ffn = qwen.model.layers[1 if kind == "moe" else 0].mlp  # layer 0 is mlp_only
         assert type(ffn).__name__ == ("SparseMoE" if kind == "moe" else "DenseMLP")
         check_layer(ffn, qwen, qwen.cache_spec())
 
@@ -144,16 +145,27 @@ def test_granite_layers(granite, kind):
         check_layer(mixer, granite, granite.cache_spec(), ref)
     else:
         layer = granite.model.layers[0]
-        check_layer(getattr(layer, "block_sparse_moe" if kind == "moe" else "shared_mlp"),
-                    granite, granite.cache_spec())
+        check_layer(
+            getattr(layer, "block_sparse_moe" if kind == "moe" else "shared_mlp"), granite, granite.cache_spec()
+        )
 
 
 @pytest.mark.parametrize("num_groups,world", [(1, 2), (2, 4), (4, 2)])
 def test_mamba2_groups_sharded_or_replicated(granite, num_groups, world):
     """Granite-4.0-H has one B/C group: each rank keeps it and the gated norm spans ranks."""
-    dims = Mamba2Dims(hidden_size=32, num_heads=8, head_dim=8, state_size=8, num_groups=num_groups,
-                      conv_kernel=4, conv_bias=True, proj_bias=True, chunk_size=4,
-                      dt_limit=(0.0, float("inf")), eps=1e-5)
+    dims = Mamba2Dims(
+        hidden_size=32,
+        num_heads=8,
+        head_dim=8,
+        state_size=8,
+        num_groups=num_groups,
+        conv_kernel=4,
+        conv_bias=True,
+        proj_bias=True,
+        chunk_size=4,
+        dt_limit=(0.0, float("inf")),
+        eps=1e-5,
+    )
     mixer = Mamba2Mixer(dims, torch.float32)
     gen = torch.Generator().manual_seed(num_groups)
     with torch.no_grad():
@@ -163,8 +175,11 @@ def test_mamba2_groups_sharded_or_replicated(granite, num_groups, world):
     check_layer(mixer, granite, spec, StateRef("mamba2", 0), world=world)
 
 
-@pytest.mark.parametrize("family,layer_idx", [("jamba", 0), ("lfm2", 0), ("lfm3", 1)],
-                         ids=["mamba1", "short_conv", "gated_sliding_attention"])
+@pytest.mark.parametrize(
+    "family,layer_idx",
+    [("jamba", 0), ("lfm2", 0), ("lfm3", 1)],
+    ids=["mamba1", "short_conv", "gated_sliding_attention"],
+)
 def test_new_state_kind_layers(tiny_checkpoint, family, layer_idx):
     """Mamba1 (x_proj's partial sum all-reduced), the short conv, Lfm3's head-gated sliding
     attention: each sharded layer, over its own pool shard, equals the whole layer."""
@@ -213,14 +228,15 @@ def test_whole_model_logits(family_model, tiny_model):
 def test_pool_shard_shapes(family_model):
     """A sharded model's ``cache_spec()`` is its rank's shard: heads (conv channels) / 2, an
     MLA latent row whole."""
+
     def specs(model):
         return run_ranks(2, lambda comm: (shard_model(m := copy.deepcopy(model), comm), m.cache_spec())[1])
 
     def shapes(spec: CacheSpec) -> dict[tuple[str, str], tuple[int, ...]]:
         return {(g.kind.name, t.name): t.shape for g in spec.groups for t in g.kind.tensors}
 
-    def halved(shape: tuple[int, ...]) -> tuple[int, ...]:     # heads (or conv channels) / 2
-        if shape[0] == 1:               # one row shared by every head (MLA's latent): replicated
+    def halved(shape: tuple[int, ...]) -> tuple[int, ...]:  # heads (or conv channels) / 2
+        if shape[0] == 1:  # one row shared by every head (MLA's latent): replicated
             return shape
         return (shape[0] // 2, *shape[1:])
 
@@ -232,8 +248,11 @@ def test_pool_shard_shapes(family_model):
 
 def test_sizes_that_do_not_divide_are_refused(tiny_qwen_dir, tiny_granite_dir):
     validate_tp(load_config(tiny_qwen_dir), 2)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 .*num_attention_heads=4.*"
-                                         r"num_key_value_heads=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=3 .*num_attention_heads=4.*"
+        r"num_key_value_heads=2",
+    ):
         validate_tp(load_config(tiny_qwen_dir), 3)
     with pytest.raises(ValueError, match="linear_num_key_heads=2"):
         validate_tp(load_config(tiny_qwen_dir), 4)

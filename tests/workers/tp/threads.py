@@ -4,6 +4,7 @@
 and returns their results in rank order. The all-reduce sums the ranks' tensors in rank
 order, so every rank gets the same bits, as gloo gives them.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,7 +29,7 @@ class ThreadComm:
         board = self._board
         board.slots[self.rank] = tensor.clone()
         board.barrier.wait()
-        total = torch.stack(board.slots).sum(0)       # type: ignore[arg-type]
+        total = torch.stack(board.slots).sum(0)  # type: ignore[arg-type]
         board.barrier.wait()
         tensor.copy_(total)
         self.num_all_reduces += 1
