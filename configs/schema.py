@@ -48,6 +48,11 @@ class CacheConfig(Frozen):
     host_mamba_slots: int = Field(0, ge=0, description="checkpoint slots in host memory; 0: host tier off")
     host_kv_tokens: int = Field(0, ge=0, description="KV tokens in host memory; 0: host tier off")
     cluster_store_bytes: int = Field(0, ge=0, description="bytes of the cluster checkpoint store; 0: off")
+    store_write_policy: Literal["write_back", "write_through", "write_through_selective"] = Field(
+        "write_back",
+        description="when checkpoints reach the store: demoted or hit; also every one published; "
+        "also the prompts' own (prefill) ones",
+    )
 
     @model_validator(mode="after")
     def _check_tiers(self) -> CacheConfig:

@@ -50,6 +50,7 @@ from workers.scheduler_types import ScheduledBatch, StateWrite
 from workers.stats import EngineStats
 from workers.tiers.host_tier import HostTier
 from workers.tiers.promotion import PendingPromotion, PromotionPlan, Promotions
+from workers.tiers.write_policy import WritePolicy
 
 
 class CacheManager:
@@ -67,6 +68,7 @@ class CacheManager:
         self.tree: RadixCache | None = None
         self.host: HostTier | None = None
         self.promotions: Promotions | None = None
+        self.write_policy = WritePolicy(cache.store_write_policy, store_on=cache.cluster_store_bytes > 0)
         if cache.host_tier:
             self.host = HostTier(
                 self.page_size,
@@ -124,9 +126,11 @@ class CacheManager:
         if self.checks:
             self.label_violations.append(Violation(invariant, message))
 
-    def on_publish(self, slot: int, token_ids: list[int]) -> None:
+    def on_publish(self, slot: int, token_ids: list[int], phase: str) -> None:
         if self.record_published:
             self.published.append((slot, token_ids))
+        if self.write_policy.on_publish(phase):
+            self._copy_to_host(token_ids)
 
     def drain_published(self) -> list[tuple[int, list[int]]]:
         out, self.published = self.published, []
@@ -199,11 +203,18 @@ class CacheManager:
     def _write_through(self, match: MatchResult) -> None:
         """With the cluster store, a device checkpoint that is hit (a shared prefix, say) is
         also copied to the host tier, from where it is committed: other replicas can fetch it."""
+        if self.write_policy.on_hit() and self.tree is not None:
+            self._copy_to_host(self.tree.path_tokens(match.node))
+
+    def _copy_to_host(self, token_ids: Sequence[int]) -> None:
+        """Copy the device checkpoint of exactly ``token_ids`` to the host tier (for the store),
+        unless the host already holds it; it stays on the device (``store_write_policy``)."""
         host, tree = self.host, self.tree
         if host is None or host.commits is None or tree is None:
             return
-        if host.peek(tree.path_tokens(match.node)).depth < match.depth:
-            host.demote(tree, match.node, evicting=False)
+        hit = tree.peek(token_ids)
+        if hit.checkpoint is not None and hit.depth == len(token_ids) and host.peek(token_ids).depth < hit.depth:
+            host.demote(tree, hit.node, evicting=False)
 
     def _plan_promotion(self, req: Request, match: MatchResult | None) -> PromotionPlan | None:
         if self.promotions is None or match is None:

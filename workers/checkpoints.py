@@ -63,7 +63,7 @@ class TrackerHost(Protocol):
 
     def report(self, invariant: str, message: str) -> None: ...
 
-    def on_publish(self, slot: int, token_ids: list[int]) -> None: ...
+    def on_publish(self, slot: int, token_ids: list[int], phase: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -404,8 +404,9 @@ class CheckpointTracker:
             stats.inc("hybridserve_mamba_duplicate_inserts_total")
             return
         stats.inc("hybridserve_mamba_donations_total")
-        stats.inc("hybridserve_mamba_checkpoints_inserted_total", label="finish" if finished else c.keep_phase)
-        self.m.on_publish(slot, tokens)
+        phase = "finish" if finished else c.keep_phase
+        stats.inc("hybridserve_mamba_checkpoints_inserted_total", label=phase)
+        self.m.on_publish(slot, tokens, phase)
         if slot == req.mamba_slot:  # the live slot itself was given away
             req.mamba_slot = None
         c.keep_slot = None
