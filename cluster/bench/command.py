@@ -6,6 +6,8 @@
     hybridserve bench suite --out DIR [--config SUITE.yaml] [--set key=value ...]
     hybridserve bench host-overhead [--batch 1 8 32 128 256 512] [--modes default mtp] \
         [--steps 30 --warmup 5 --json --out result.json]
+    hybridserve bench correctness --url URL --reference-url URL [--concurrency 8 --requests 200 \
+        --near-tie --json --out result.json]
 
 ``--set`` overrides fields of the workload (run mode) or of the suite config (suite mode).
 """
@@ -21,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cluster.bench.correctness import add_args as add_correctness_args
 from cluster.bench.host_overhead import add_args as add_host_overhead_args
 from configs.schema import parse_set_items
 
@@ -29,10 +32,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "mode",
         nargs="?",
-        choices=("suite", "host-overhead"),
+        choices=("suite", "host-overhead", "correctness"),
         default=None,
         help="'suite': run the comparison suite (starts its own local cluster); "
-        "'host-overhead': the engine's host CPU per request and step, in process",
+        "'host-overhead': the engine's host CPU per request and step, in process; "
+        "'correctness': every greedy output of --url against --reference-url's",
     )
     p.add_argument("--url", default=None, help="server base URL (with or without /v1)")
     p.add_argument("--workload", default="random", help="a name in configs/workloads or a YAML path")
@@ -70,6 +74,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
             "host-overhead mode (--model: a checkpoint dir instead of the null model; --seed: the prompts')"
         )
     )
+    add_correctness_args(p.add_argument_group("correctness mode (--url: the server under test)"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
         from cluster.bench import host_overhead
 
         return host_overhead.run(args)
+    if args.mode == "correctness":
+        from cluster.bench import correctness
+
+        return correctness.run(args)
     if not args.url:
         raise ValueError("bench needs --url (or the 'suite' or 'host-overhead' mode)")
     return _run_once(args)
