@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow clean-venv prometheus gpu-wheels config-docs
+.PHONY: install serve test test-slow clean-venv prometheus gpu-wheels config-docs bench-correctness
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,28 @@ test-slow: install prometheus
 
 clean-venv:
 	rm -rf $(VENV)
+
+# `hybridserve bench correctness` against two local servers of CORRECTNESS_MODEL: the tested one
+# on port 8000 with everything on (prefix cache, MTP k=3, overlap, tight pools, the host tier),
+# the reference on 8001 with cache, speculation and overlap off. Logs in $TMPDIR; both stop at the end.
+CORRECTNESS_MODEL ?= configs/models/qwen3-next-tiny-py
+CORRECTNESS_INTERVAL ?= 64
+CORRECTNESS_TESTED ?= --set spec.method=mtp --set spec.num_draft_tokens=3 --set scheduler.overlap=true \
+	--set cache.mamba_track_interval=$(CORRECTNESS_INTERVAL) --set cache.max_mamba_slots=48 \
+	--set cache.max_kv_tokens=8192 --set cache.host_mamba_slots=64 --set cache.host_kv_tokens=16384
+CORRECTNESS_REFERENCE ?= --set cache.enable_prefix_cache=false --set spec.method=none --set scheduler.overlap=false
+CORRECTNESS_ARGS ?= --concurrency 64 --requests 5000
+bench-correctness: install
+	@set -e; logs=$${TMPDIR:-/tmp}/hybridserve-correctness; mkdir -p $$logs; \
+	$(VENV)/bin/hybridserve serve $(CORRECTNESS_MODEL) --port 8000 --app-name correctness-tested \
+		--set metrics.port=9465 $(CORRECTNESS_TESTED) >$$logs/tested.log 2>&1 & t=$$!; \
+	$(VENV)/bin/hybridserve serve $(CORRECTNESS_MODEL) --port 8001 --app-name correctness-reference \
+		--set metrics.port=9466 $(CORRECTNESS_REFERENCE) >$$logs/reference.log 2>&1 & r=$$!; \
+	trap 'kill $$t $$r 2>/dev/null; wait' EXIT; \
+	for p in 8000 8001; do until curl -sf http://127.0.0.1:$$p/health >/dev/null; do \
+		kill -0 $$t && kill -0 $$r || { echo "a server exited: see $$logs"; exit 1; }; sleep 2; done; done; \
+	$(VENV)/bin/hybridserve bench correctness --url http://127.0.0.1:8000 --reference-url http://127.0.0.1:8001 \
+		--track-interval $(CORRECTNESS_INTERVAL) $(CORRECTNESS_ARGS)
 
 # docs/configuration.md from configs/schema.py (tests/configs/test_reference.py checks it).
 config-docs: install
