@@ -24,23 +24,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cluster.bench.client import Target
-from cluster.bench.correctness_client import (
-    Capabilities,
-    Endpoint,
-    Outcome,
-    PromptBuilder,
-    detect,
-    model_id,
-    run_sessions,
-    tokenize_texts,
-)
 from cluster.bench.correctness_compare import is_malformed_json, json_parses
 from cluster.bench.correctness_workload import WorkloadSettings, build_workload
-from cluster.bench.workloads import Renderer
 from configs.schema import CacheConfig
+
+if TYPE_CHECKING:  # the HTTP client's modules load when a run starts, not with the CLI
+    from cluster.bench.client import Target
+    from cluster.bench.correctness_client import Capabilities, Outcome
+    from cluster.bench.workloads import Renderer
 
 DEFAULT_TOLERANCE = 0.1  # nats: bf16 logits of a near tie differ by about this much
 
@@ -209,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.near_tie and args.near_tie_tolerance < 0:
         raise ValueError(f"--near-tie-tolerance must be >= 0, got {args.near_tie_tolerance}")
+    from cluster.bench.client import Target
+    from cluster.bench.workloads import Renderer
+
     tested = Target(args.url, args.model, args.api_key)
     reference = Target(args.reference_url, args.reference_model, args.reference_api_key)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
@@ -246,6 +242,9 @@ async def check(
 ) -> CorrectnessResult:
     """Build the workload, find what both servers support, run it; the summary."""
     import httpx
+
+    from cluster.bench.correctness_client import Endpoint, PromptBuilder, detect, model_id, run_sessions, tokenize_texts
+    from cluster.bench.workloads import Renderer
 
     workload = build_workload(settings)
     limits = httpx.Limits(max_connections=2 * concurrency + 2, max_keepalive_connections=2 * concurrency + 2)

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import httpx
+
 from cluster.bench.client import Target
 from cluster.bench.correctness_compare import Comparison, Reply, compare, parse_choice
 from cluster.bench.correctness_workload import Filler, Piece, Session, Step, Text, Workload
@@ -72,8 +74,11 @@ class Outcome:
 async def model_id(client: Any, target: Target) -> str:
     if target.model:
         return target.model
-    r = await client.get(f"{target.v1}/models", headers=target.headers())
-    r.raise_for_status()
+    try:
+        r = await client.get(f"{target.v1}/models", headers=target.headers())
+        r.raise_for_status()
+    except httpx.HTTPError as exc:  # an unreachable or refusing server: a clear error, not a traceback
+        raise ValueError(f"{target.v1}/models: {type(exc).__name__}: {exc}") from exc
     data = r.json().get("data") or []
     if not data:
         raise ValueError(f"{target.v1}/models lists no model")

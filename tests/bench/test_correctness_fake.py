@@ -181,3 +181,14 @@ def test_prompt_format_ids_is_refused_by_a_text_only_server():
     with FakeGreedy(ids=False) as tested, FakeGreedy(ids=False) as reference:
         with pytest.raises(ValueError, match="--prompt-format ids: no /tokenize"):
             run_check(tested, reference, prompt_format="ids")
+
+
+def test_an_unreachable_server_is_a_clear_error(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with FakeGreedy() as reference:
+        code = cli_main(["bench", "correctness", "--url", closed, "--reference-url", reference.url])
+    assert code == 2 and f"{closed}/v1/models: ConnectError" in capsys.readouterr().err
+    assert cli_main(["bench", "correctness", "--url", closed]) == 2
+    assert "--reference-url" in capsys.readouterr().err
