@@ -126,6 +126,12 @@ class IngressConfig(Frozen):
     )
     retry_after_s: int = Field(1, ge=0, description="the Retry-After of that 503")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1, description="larger request bodies get a 413")
+    max_stream_resumes: int = Field(
+        3, ge=0, description="times a request's stream is resumed on another replica after its replica failed"
+    )
+    resume_timeout_s: float = Field(
+        30.0, gt=0, description="how long a resume looks for a replica that accepts it; then an error event"
+    )
     graceful_shutdown_wait_loop_s: float = Field(
         2.0, gt=0, description="how often a draining ingress checks for finished requests"
     )

@@ -15,6 +15,7 @@ import asyncio
 from typing import Any
 
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -22,6 +23,7 @@ from cluster.actors import get_index_actor, get_metrics_actor
 from cluster.api.admission import AdmissionLimit
 from cluster.api.http_api import make_api
 from cluster.api.openai_server import OpenAIServer, ServerSettings
+from cluster.api.resumable import ResumeSettings, StreamCounters
 from cluster.serving.engine_client import GenerateStream
 from cluster.serving.messages import GenerateRequest, ModelInfo
 from configs.schema import HybridServeConfig
@@ -73,6 +75,10 @@ class ServeEngineClient:
         """What the metrics actor serves on ``metrics.port`` (its ``render``)."""
         return await self._metrics.render.remote()
 
+    def push_count(self, model: str, name: str, label: str | None) -> None:
+        """One stream-resume event to the metrics actor (fire and forget)."""
+        self._metrics.push_ingress.remote(model, name, label)
+
     async def health(self) -> None:
         """Raises unless a replica answers; a replica too busy to queue one more call is
         alive (``BackPressureError`` is overload, not failure: ``/health`` stays 200)."""
@@ -80,6 +86,12 @@ class ServeEngineClient:
             await self._handle.model_info.remote()
         except BackPressureError:
             pass
+
+
+def replica_died(exc: BaseException) -> bool:
+    """Whether a handle call failed because its replica's actor is gone (then a retry can
+    reach another); overload (``BackPressureError``) and everything else is answered as is."""
+    return isinstance(exc, (RayActorError, ActorUnavailableError))
 
 
 @serve.ingress()
@@ -91,7 +103,10 @@ class OpenAIIngress:
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())  # data only, no checkpoint code
         app_name = serve.get_replica_context().app_name
         client = ServeEngineClient(engine, app_name, cfg.replica.forget_after_s, cfg.server.host, cfg.metrics.port)
-        self._server = OpenAIServer(client, tokenizer, ServerSettings.from_config(cfg))
+        model = cfg.served_model_name()
+        counters = StreamCounters(lambda name, label: client.push_count(model, name, label))
+        resume = ResumeSettings.from_config(cfg.ingress, replica_died)
+        self._server = OpenAIServer(client, tokenizer, ServerSettings.from_config(cfg), resume, counters)
         self._max_in_flight, self._retry_after_s = cfg.ingress.max_in_flight, cfg.ingress.retry_after_s
 
     def __serve_build_asgi_app__(self) -> Any:

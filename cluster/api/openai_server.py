@@ -35,10 +35,11 @@ from cluster.api.protocol import (
     validate_detokenize,
     validate_tokenize,
 )
+from cluster.api.resumable import ResumableStream, ResumeSettings, StreamCounters
 from cluster.api.streaming import ResponseState, SSERenderer
 from cluster.api.tokenization import detokenize_body, tokenize_body, tokenizer_info_body, version_body
 from cluster.serving.engine_client import EngineClient, GenerateStream
-from cluster.serving.messages import Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo
+from cluster.serving.messages import GenerateChunk, GenerateRequest, ModelInfo
 from configs.schema import HybridServeConfig, ServerConfig
 from configs.serving import IngressConfig
 
@@ -103,10 +104,19 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineClient, tokenizer: Any, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        settings: ServerSettings,
+        resume: ResumeSettings = ResumeSettings(),
+        counters: StreamCounters | None = None,
+    ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.settings = settings
+        self.resume = resume  # a failed replica's streams continue elsewhere (``resumable.py``)
+        self.counters = counters if counters is not None else StreamCounters()
         self.chat_setup = ChatSetup.for_tokenizer(
             tokenizer,
             settings.tool_call_parser,
@@ -216,12 +226,7 @@ class OpenAIServer:
             for i, ids in enumerate(prepared.prompt_ids):
                 text = prepared.prompt_texts[i] if i < len(prepared.prompt_texts) else ""
                 req = GenerateRequest(f"{request_id}-{i}", ids, prepared.params[i * n : (i + 1) * n], text)
-                streams.append(self.client.generate(req))
-                first = await streams[-1].__anext__()
-                if isinstance(first, GenerateError):
-                    raise OpenAIError(first.message, param=first.param)
-                if not isinstance(first, Accepted):
-                    raise RuntimeError(f"unexpected first replica message {first!r}")
+                streams.append(await ResumableStream.open(self.client, req, self.tokenizer, self.resume, self.counters))
         except BaseException as exc:
             _cancel_all(streams)
             if isinstance(exc, Exception) and not isinstance(exc, OpenAIError):
@@ -235,6 +240,8 @@ class OpenAIServer:
         try:
             async for i, chunks in merged:
                 state.absorb(i, chunks)
+        except OpenAIError:  # a stream that could not be resumed
+            raise
         except Exception as exc:  # noqa: BLE001 - a replica failed mid-request
             raise _unavailable(exc) from None
         finally:
@@ -267,7 +274,8 @@ class OpenAIServer:
                         yield event
             except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band
                 logger.warning("stream %s failed: %r", started.request_id, exc)
-                for event in renderer.error_events(_unavailable(exc)):
+                err = exc if isinstance(exc, OpenAIError) else _unavailable(exc)
+                for event in renderer.error_events(err):
                     yield event
                 return
             for event in renderer.final_events(state):

@@ -1,8 +1,9 @@
 """The metrics actor: a ``MetricsRegistry`` served by ``prometheus_client`` (Ray edge).
 
 Replicas push ``(model, replica, snapshot, observations)`` every stats interval; routers
-push decision deltas. The actor serves ``/metrics`` on ``host:port`` from a
-``prometheus_client`` HTTP thread; ``render`` returns the same text for tests.
+push decision deltas; ingresses push stream-resume events one at a time. The actor serves
+``/metrics`` on ``host:port`` from a ``prometheus_client`` HTTP thread; ``render`` returns
+the same text for tests.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class MetricsActor:
 
     def push_router(self, model: str, deltas: Mapping[str, int]) -> None:
         self._registry.add_router_decisions(model, deltas)
+
+    def push_ingress(self, model: str, name: str, label: str | None = None) -> None:
+        self._registry.add_ingress_count(model, name, label)
 
     def forget_replica(self, model: str, replica: str) -> None:
         self._registry.forget_replica(model, replica)

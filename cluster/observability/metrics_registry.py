@@ -46,6 +46,12 @@ BUCKETS = {
     "hybridserve_step_gap_seconds": STEP_BUCKETS,
 }
 ROUTER_DECISIONS = "hybridserve_router_decisions_total"
+# The ingresses' stream resumes (``cluster/api/resumable.py``), summed per model; the
+# failures labelled by ``reason``.
+STREAM_MIGRATIONS = "hybridserve_stream_migrations_total"
+STREAM_RETRIES = "hybridserve_stream_retries_total"
+STREAM_RESUME_FAILURES = "hybridserve_stream_resume_failures_total"
+RESUME_FAILURE_REASONS = ("exhausted", "timeout", "not_resumable", "refused")
 # The engine's fixed label sets (workers/checkpoints.py, workers/cache/records.py,
 # workers/request.py, the tiers' in workers/stats.py); values outside them are still
 # exported when counted.
@@ -100,6 +106,7 @@ class MetricsRegistry:
         self._buckets = dict(BUCKETS if buckets is None else buckets)
         self._replicas: dict[tuple[str, str], _ReplicaSeries] = {}
         self._decisions: dict[tuple[str, str], float] = {}
+        self._ingress: dict[tuple[str, str, str], float] = {}  # (model, name, label or "")
         self._lock = threading.Lock()
 
     def update_replica(
@@ -127,6 +134,11 @@ class MetricsRegistry:
             for reason, n in deltas.items():
                 key = (model, reason)
                 self._decisions[key] = self._decisions.get(key, 0) + n
+
+    def add_ingress_count(self, model: str, name: str, label: str | None = None) -> None:
+        with self._lock:
+            key = (model, name, label or "")
+            self._ingress[key] = self._ingress.get(key, 0) + 1
 
     def forget_replica(self, model: str, replica: str) -> None:
         with self._lock:
@@ -170,7 +182,19 @@ class MetricsRegistry:
             fam = _family(fams, ROUTER_DECISIONS, CounterMetricFamily, ["model", "reason"])
             for (model, reason), n in sorted(decisions.items()):
                 fam.add_metric([model, reason], n)
+        self._ingress_families(fams)
         return list(fams.values())
+
+    def _ingress_families(self, fams: dict[str, Metric]) -> None:
+        """The resume counters of every model seen, at 0 until counted."""
+        models = {m for m, _ in self._replicas} | {m for m, _, _ in self._ingress}
+        counts = {(m, n, ""): 0.0 for m in models for n in (STREAM_MIGRATIONS, STREAM_RETRIES)}
+        counts.update({(m, STREAM_RESUME_FAILURES, r): 0.0 for m in models for r in RESUME_FAILURE_REASONS})
+        counts.update(self._ingress)
+        for (model, name, label), n in sorted(counts.items()):
+            labels = ["model", "reason"] if name == STREAM_RESUME_FAILURES else ["model"]
+            fam = _family(fams, name, CounterMetricFamily, labels)
+            fam.add_metric([model, label] if name == STREAM_RESUME_FAILURES else [model], n)
 
 
 def _absorb(series: _ReplicaSeries, name: str, value: object) -> None:

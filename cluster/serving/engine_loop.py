@@ -192,18 +192,18 @@ class EngineLoop:
         return len({id(s) for s in self._streams.values()})
 
     async def submit(
-        self, request_ids: Sequence[str], prompt_token_ids: list[int], params: Sequence[SamplingParams]
+        self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence[SamplingParams]
     ) -> OutputStream:
-        """Queue every request or none: a ValueError from the engine undoes the others."""
+        """Queue every request (one prompt each) or none: a ValueError from the engine undoes the others."""
         if self.error is not None:
             raise EngineLoopError(f"engine loop failed: {self.error!r}")
         stream = OutputStream(self, request_ids)
         assert self.frontend is not None
-        for rid, p in zip(request_ids, params):
+        for rid, prompt, p in zip(request_ids, prompts, params):
             self._streams[rid] = stream
-            self.frontend.add(rid, prompt_token_ids, p)
+            self.frontend.add(rid, prompt, p)
         try:
-            await self.run(lambda e: _add_all(e, request_ids, prompt_token_ids, params))
+            await self.run(lambda e: _add_all(e, request_ids, prompts, params))
         except BaseException as exc:
             self._unregister(request_ids)
             if isinstance(exc, asyncio.CancelledError):
@@ -364,10 +364,12 @@ def _ends(item: OutputDelta | BaseException) -> bool:
     return isinstance(item, BaseException) or item.finished
 
 
-def _add_all(engine: Engine, request_ids: Sequence[str], prompt: list[int], params: Sequence[SamplingParams]) -> None:
+def _add_all(
+    engine: Engine, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+) -> None:
     added: list[str] = []
     try:
-        for rid, p in zip(request_ids, params):
+        for rid, prompt, p in zip(request_ids, prompts, params):
             engine.add_request(rid, prompt, p)
             added.append(rid)
     except BaseException:

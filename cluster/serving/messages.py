@@ -21,14 +21,30 @@ from workers.sampling.params import SamplingParams
 
 @dataclass(frozen=True)
 class GenerateRequest:
+    """``continuations`` (a stream resumed after its replica failed, ``cluster/api/resume.py``):
+    per choice, the tokens it already generated elsewhere; choice j's engine prompt is
+    ``prompt_token_ids + continuations[j]``, and its chunks carry only what follows them.
+    Empty: every choice starts from the prompt."""
+
     request_id: str  # unique per prompt; choice j runs as f"{id}-{j}"
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # one per choice (n of them)
     prompt: str = ""  # the prompt text when known (for text-based routers)
+    continuations: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.continuations and len(self.continuations) != len(self.params):
+            raise ValueError(f"{len(self.continuations)} continuations for {len(self.params)} choices")
 
     @property
     def num_choices(self) -> int:
         return len(self.params)
+
+    def choice_prompts(self) -> list[list[int]]:
+        """Each choice's engine prompt (the prompt, plus its continuation when resumed)."""
+        if not self.continuations:
+            return [self.prompt_token_ids] * self.num_choices
+        return [self.prompt_token_ids + list(c) for c in self.continuations]
 
 
 @dataclass(frozen=True)

@@ -151,13 +151,14 @@ class ReplicaCore:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         rids = [f"{req.request_id}-{j}" for j in range(req.num_choices)]
+        prompts = req.choice_prompts()
         if self.fetcher is not None and wants_cache(req):
-            try:
-                await self.fetcher.prefetch(self.loop, req.prompt_token_ids)
+            try:  # a resumed choice's prompt reaches into its answer: fetch the deepest
+                await self.fetcher.prefetch(self.loop, max(prompts, key=len))
             except Exception:  # noqa: BLE001 - the store is an optimisation; the request runs anyway
                 logger.warning("prefetch from the checkpoint store failed", exc_info=True)
         try:
-            stream = await self.loop.submit(rids, req.prompt_token_ids, req.params)
+            stream = await self.loop.submit(rids, prompts, req.params)
         except ValueError as exc:
             yield GenerateError(str(exc), param="prompt")
             return
