@@ -61,6 +61,8 @@ class CorrectnessResult:
     json_requests: int
     json_reference_parsed: int
     malformed_json: int
+    tested_prompt_tokens: int  # as the tested server's ``usage`` counts them
+    tested_cached_tokens: int  # of which a cache served (0: the run tested no cache)
     prompt_format: str
     unit: str  # token, char or mixed
     concurrency: int
@@ -90,6 +92,8 @@ def summarize(
     errors: list[str] = []
     units: set[str] = set()
     compared = near_ties = json_requests = json_parsed = malformed = 0
+    prompt_tokens = sum(o.tested.prompt_tokens for o in outcomes)
+    cached_tokens = sum(o.tested.cached_tokens for o in outcomes)
     for o in outcomes:
         c, ref, got = o.comparison, o.reference.reply, o.tested.reply
         if c is None or ref is None or got is None:
@@ -115,6 +119,8 @@ def summarize(
         json_requests=json_requests,
         json_reference_parsed=json_parsed,
         malformed_json=malformed,
+        tested_prompt_tokens=prompt_tokens,
+        tested_cached_tokens=cached_tokens,
         prompt_format=caps.prompt_format,
         unit=units.pop() if len(units) == 1 else ("mixed" if units else "none"),
         concurrency=concurrency,
@@ -136,6 +142,7 @@ def format_report(r: CorrectnessResult) -> str:
         f"  malformed JSON   {r.malformed_json} (of {r.json_requests} JSON requests, "
         f"{r.json_reference_parsed} of which the reference's parse)",
         f"  failed requests  {r.errors}" + (f" (first: {r.first_error})" if r.first_error else ""),
+        f"  cached prompt    {r.tested_cached_tokens} of {r.tested_prompt_tokens} tokens on the tested server",
     ]
     lines += [f"  note: {n}" for n in r.notes]
     for f in r.divergences:

@@ -56,6 +56,8 @@ class Sent:
 
     reply: Reply | None
     error: str | None = None
+    prompt_tokens: int = 0  # from ``usage``: how much of the prompt a cache served
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,13 @@ async def complete(client: Any, ep: Endpoint, prompt: Prompt, max_tokens: int, l
         r = await client.post(f"{ep.target.v1}/completions", json=body, headers=ep.target.headers())
         if r.status_code != 200:
             return Sent(None, f"HTTP {r.status_code}: {r.text[:300]}")
-        choices = r.json().get("choices") or []
+        data = r.json()
+        choices = data.get("choices") or []
         if not choices:
             return Sent(None, "no choices in the response")
-        return Sent(parse_choice(choices[0]))
+        usage = data.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return Sent(parse_choice(choices[0]), None, int(usage.get("prompt_tokens") or 0), int(cached))
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not a crash
         return Sent(None, f"{type(exc).__name__}: {exc}"[:300])
 

@@ -114,6 +114,7 @@ def test_everything_on_matches_everything_off(servers, capsys):
     assert r["prompt_format"] == "ids" and r["unit"] == "token", r
     assert r["divergent"] == 0 and r["malformed_json"] == 0 and r["divergences"] == [], r
     assert r["json_requests"] > 0 and code == 0
+    assert 0 < r["tested_cached_tokens"] < r["tested_prompt_tokens"], r
     # What the tested server did: served prompts from the device and host tiers, drafted
     # with MTP, overlapped steps, and broke no invariant.
     stats = tested.counters()
