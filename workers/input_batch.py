@@ -22,7 +22,7 @@ class InputBatch:
     def __init__(self, max_pages: int, num_rows: int = 64) -> None:
         self.max_pages = max_pages
         self.page_table = np.zeros((num_rows, max_pages), dtype=np.int32)
-        self.num_pages = np.zeros(num_rows, dtype=np.int64)
+        self.num_pages = [0] * num_rows  # a list: read per row, and max() of a few is Python's
         # handle -> [row, page epoch, pages written]
         self._rows: dict[int, list[int]] = {}
         self._free = list(range(num_rows - 1, -1, -1))
@@ -45,9 +45,8 @@ class InputBatch:
 
     def table(self, rows: Sequence[int]) -> np.ndarray:
         """A snapshot of ``rows``' page tables, as wide as the widest ([B, max pages])."""
-        index = np.asarray(rows, dtype=np.int64)
-        width = max(int(self.num_pages[index].max()), 1) if len(rows) else 1
-        return self.page_table[index, :width]
+        width = max(max((self.num_pages[r] for r in rows), default=1), 1)
+        return self.page_table[rows, :width]
 
     def drop(self, handle: int) -> None:
         entry = self._rows.pop(handle, None)
@@ -61,7 +60,7 @@ class InputBatch:
             raise ValueError(f"{n} pages exceed the input batch's {self.max_pages} per request")
         self.page_table[row, done:n] = pages[done:]
         if done == 0:
-            self.page_table[row, n : max(int(self.num_pages[row]), n)] = 0
+            self.page_table[row, n : max(self.num_pages[row], n)] = 0
         entry[2] = n
         self.num_pages[row] = n
 
@@ -69,6 +68,6 @@ class InputBatch:
         if not self._free:
             n = len(self.num_pages)
             self.page_table = np.concatenate([self.page_table, np.zeros_like(self.page_table)])
-            self.num_pages = np.concatenate([self.num_pages, np.zeros_like(self.num_pages)])
+            self.num_pages += [0] * n
             self._free = list(range(2 * n - 1, n - 1, -1))
         return self._free.pop()

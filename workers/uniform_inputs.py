@@ -55,9 +55,11 @@ def uniform_rows(batch: ScheduledBatch) -> int:
 
 
 class _Pack:
-    """Host arrays of one dtype, concatenated and moved to the device at once; read back
-    as views of that one tensor (inference tensors, as a compiled step's guards saw at
-    warm-up: ``workers.compiled.steps.pad_if_needed`` then passes them on uncopied)."""
+    """Host arrays of one dtype, each read back as a tensor of its shape (inference tensors,
+    as a compiled step's guards saw at warm-up: ``workers.compiled.steps.pad_if_needed`` then
+    passes them on uncopied). On a GPU they travel concatenated, one copy for the pack; on a
+    CPU each array is the tensor's memory (``torch.from_numpy``, no copy and no torch op,
+    which would release the GIL to the forward thread)."""
 
     def __init__(self, dtype: type) -> None:
         self.dtype = dtype
@@ -66,17 +68,18 @@ class _Pack:
 
     def add(self, name: str, values: np.ndarray | Sequence[int]) -> None:
         self.names.append(name)
-        self.parts.append(np.ravel(np.asarray(values, dtype=self.dtype)))
+        self.parts.append(np.asarray(values, dtype=self.dtype))
 
     def to(self, device: torch.device, uploads: list[Upload]) -> dict[str, torch.Tensor]:
-        """The views, on ``device``; a GPU copy is appended to ``uploads``."""
+        """The tensors, on ``device``; a GPU copy is appended to ``uploads``."""
         if not self.parts:
             return {}
         with torch.inference_mode():
-            flat = torch.from_numpy(np.concatenate(self.parts))
-            if device.type == "cuda":
-                flat = upload(flat, device, uploads)
-            return dict(zip(self.names, flat.split([p.size for p in self.parts])))
+            if device.type != "cuda":
+                return {name: torch.from_numpy(part) for name, part in zip(self.names, self.parts)}
+            flat = upload(torch.from_numpy(np.concatenate([p.reshape(-1) for p in self.parts])), device, uploads)
+            views = flat.split([p.size for p in self.parts])
+            return {name: v.view(p.shape) for name, v, p in zip(self.names, views, self.parts)}
 
 
 class Upload(NamedTuple):
@@ -126,11 +129,11 @@ class _Shape(NamedTuple):
     draft_index: torch.Tensor | None
 
 
-_SHAPES: dict[tuple[int, int, bool, int, str], _Shape] = {}
+_SHAPES: dict[tuple[int, int, bool, int, torch.device], _Shape] = {}
 
 
 def _shape(n_seq: int, rows: int, verify: bool, scratch_base: int, device: torch.device) -> _Shape:
-    key = (n_seq, rows, verify, scratch_base, str(device))
+    key = (n_seq, rows, verify, scratch_base, device)
     shape = _SHAPES.get(key)
     if shape is None:
         with torch.inference_mode():
@@ -179,7 +182,7 @@ def prepare_uniform(
         _add_chained(i64, chained, slot, rows, shape.offsets)
     uploads: list[Upload] = []
     t64, t32 = i64.to(device, uploads), i32.to(device, uploads)
-    fb = _forward_batch(t64, t32, shape, n_seq, rows if verify else 0, page_size)
+    fb = _forward_batch(t64, t32, shape, rows if verify else 0, page_size)
     return PreparedStep(
         plan,
         fb,
@@ -246,7 +249,7 @@ def _add_rows(
     future = [b for b, t in enumerate(first_ids) if t < 0]
     if len(future) < n_seq:
         ids[:, 0] = np.maximum(first_ids, 0)
-    i64.add("input_ids", ids)
+    i64.add("input_ids", ids.reshape(-1))
     i64.add("positions", positions)
     i64.add("out_loc", out_loc)
     i64.add("sample_slots", slot)
@@ -295,12 +298,7 @@ def _add_chained(i64: _Pack, chained: list[int], slot: np.ndarray, rows: int, of
 
 
 def _forward_batch(
-    t64: dict[str, torch.Tensor],
-    t32: dict[str, torch.Tensor],
-    shape: _Shape,
-    n_seq: int,
-    verify_len: int,
-    page_size: int,
+    t64: dict[str, torch.Tensor], t32: dict[str, torch.Tensor], shape: _Shape, verify_len: int, page_size: int
 ) -> ForwardBatch:
     return ForwardBatch(
         input_ids=t64["input_ids"],
@@ -308,7 +306,7 @@ def _forward_batch(
         cu_seqlens=shape.cu_seqlens,
         seq_lens=t32["seq_lens"],
         out_loc=t64["out_loc"],
-        page_table=t32["table"].view(n_seq, -1),
+        page_table=t32["table"],
         mamba_slot_ids=t32["slots"],
         has_initial_state=shape.has_initial,
         logits_indices=shape.logits_indices,
