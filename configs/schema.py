@@ -204,6 +204,11 @@ class HybridServeConfig(Frozen):
     max_model_len: int | None = Field(
         None, ge=2, description="longest sequence (prompt + output); null: what the model and the KV pool allow"
     )
+    deterministic: bool = Field(
+        False,
+        description="batch-invariant kernels: a request's bits do not depend on its batch (fp32 CPU, eager, TP 1; "
+        "slower prefill)",
+    )
     cache: CacheConfig = Field(CacheConfig(), description="device pools, prefix caching and the tiers")
     scheduler: SchedulerConfig = Field(SchedulerConfig(), description="admission and batching")
     spec: SpecConfig = Field(SpecConfig(), description="speculative decoding")
@@ -239,6 +244,8 @@ class HybridServeConfig(Frozen):
                 f"parallel.tensor_parallel_size=1 (a TP replica is placed by its placement "
                 f"group), got {tp}"
             )
+        if self.deterministic and tp > 1:
+            raise ValueError(f"deterministic needs parallel.tensor_parallel_size=1, got {tp}")
         if self.compile.enabled and tp > 1:  # a default must not make a TP config invalid
             logger.warning(
                 "compile.enabled with parallel.tensor_parallel_size=%d: the engine runs eager "

@@ -108,9 +108,23 @@ void few_rows_gemm(const float* const* x, int64_t rows, const float* w, int64_t 
 }
 
 
-// kernels/dense.py's few-rows product: x [..., K] fp32 of at most SMALL_ROWS rows, weight
-// [N, K] fp32 with contiguous rows, bias [N] fp32 or None -> [..., N] = x @ weight^T (+ bias,
-// added to each finished dot product).
+// More than SMALL_ROWS rows, SMALL_ROWS at a time against column blocks of COLS weight rows
+// (each block read by every row chunk while it is in cache); y [rows, N].
+static void many_rows_gemm(const float* const* x, int64_t rows, const float* w, int64_t ldw, int64_t N, int64_t K,
+                    float* y) {
+  constexpr int64_t COLS = 64;
+  at::parallel_for(0, (N + COLS - 1) / COLS, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = b0 * COLS; c0 < std::min(N, b1 * COLS); c0 += COLS)
+      for (int64_t r0 = 0; r0 < rows; r0 += SMALL_ROWS)
+        few_rows_gemm(x + r0, std::min(SMALL_ROWS, rows - r0), w + c0 * ldw, ldw, std::min(COLS, N - c0), K,
+                      y + r0 * N + c0, N);
+  });
+}
+
+// kernels/dense.py's few-rows product: x [..., K] fp32, weight [N, K] fp32 with contiguous
+// rows, bias [N] fp32 or None -> [..., N] = x @ weight^T (+ bias, added to each finished dot
+// product). More than SMALL_ROWS rows (dense.py's batch-invariant mode) go SMALL_ROWS at a
+// time: every output is still its own row's dot product, so its bits ignore the row count.
 at::Tensor few_rows_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                   rows_contiguous(weight) && x_in.dim() >= 1 && x_in.size(-1) == weight.size(1),
@@ -118,7 +132,6 @@ at::Tensor few_rows_linear(const at::Tensor& x_in, const at::Tensor& weight, con
               x_in.sizes(), " ", x_in.scalar_type(), " and ", weight.sizes(), " ", weight.scalar_type());
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t rows = c10::multiply_integers(x_in.sizes().begin(), x_in.sizes().end() - 1);   // K = 0: zeros
-  TORCH_CHECK(rows <= SMALL_ROWS, "few_rows_linear: ", rows, " rows (at most ", SMALL_ROWS, ")");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N),
               "few_rows_linear: an fp32 bias of ", N, " elements expected");
   const at::Tensor x = x_in.contiguous();
@@ -126,14 +139,20 @@ at::Tensor few_rows_linear(const at::Tensor& x_in, const at::Tensor& weight, con
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());
   if (rows == 0 || N == 0) return y;
-  const float* xr[SMALL_ROWS];
+  const float* few[SMALL_ROWS];
+  std::vector<const float*> many(rows > SMALL_ROWS ? rows : 0);
+  const float** xr = rows <= SMALL_ROWS ? few : many.data();
   for (int64_t r = 0; r < rows; ++r) xr[r] = x.data_ptr<float>() + r * K;
   const float* w = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldw = weight.stride(0);
-  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
-    few_rows_gemm(xr, rows, w + n0 * ldw, ldw, n1 - n0, K, yp + n0, N);
-  });
+  if (rows <= SMALL_ROWS) {
+    at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+      few_rows_gemm(xr, rows, w + n0 * ldw, ldw, n1 - n0, K, yp + n0, N);
+    });
+  } else {
+    many_rows_gemm(xr, rows, w, ldw, N, K, yp);
+  }
   if (bias.has_value()) {
     const at::Tensor b = bias->contiguous();
     const float* bp = b.data_ptr<float>();

@@ -172,9 +172,12 @@ void expert_many_rows_silu(const at::Tensor& x, const int64_t* rows, int64_t n, 
 // stable counting sort), each chosen expert's MLP on its rows, weighted and added per token,
 // experts ascending. An expert with few rows takes expert_few_rows, the others the loop's
 // ATen kernels (oneDNN or at::linear, as cpu_linear.linear), op for op as the Python loop.
+// `invariant` (kernels/dense.py's batch-invariant mode) takes every expert's rows through
+// expert_few_rows, SMALL_ROWS at a time, so a token's bits do not depend on how many other
+// rows chose its experts.
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights, const at::Tensor& ids,
                        const std::optional<at::Tensor>& w_gate, const at::Tensor& w_up,
-                       const at::Tensor& w_down, std::string act, double limit) {
+                       const at::Tensor& w_down, std::string act, double limit, bool invariant) {
   const int64_t k = ids.size(1), num_experts = w_up.size(0), num_rows = ids.numel();
   const at::Tensor x = x_in.contiguous();
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
@@ -194,11 +197,13 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights, const 
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) continue;
-    if (few_rows(n, x, w_gate, w_up, w_down) && flat_weights.scalar_type() == at::kFloat) {
-      expert_few_rows(x, ord + start[e], n, k, flat_weights.data_ptr<float>(), w_gate, w_up, w_down,
-                      e, act, limit, out);
-      continue;
-    }
+    const bool few = flat_weights.scalar_type() == at::kFloat &&
+                     few_rows(invariant ? std::min(n, SMALL_ROWS) : n, x, w_gate, w_up, w_down);
+    TORCH_CHECK(few || !invariant, "moe_experts: the batch-invariant mode needs fp32 experts with contiguous rows");
+    for (int64_t j = 0; few && j < n; j += SMALL_ROWS)
+      expert_few_rows(x, ord + start[e] + j, std::min(SMALL_ROWS, n - j), k, flat_weights.data_ptr<float>(),
+                      w_gate, w_up, w_down, e, act, limit, out);
+    if (few) continue;
     if (many_rows_silu(x, w_gate, act, limit) && flat_weights.scalar_type() == at::kFloat) {
       expert_many_rows_silu(x, ord + start[e], n, k, flat_weights.data_ptr<float>(), w_gate->select(0, e),
                             w_up.select(0, e), w_down.select(0, e), out);
@@ -221,7 +226,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights, const 
 TORCH_LIBRARY(hybridserve_native, m) {
   m.def("scatter_rows(Tensor(a!) dst, Tensor index, Tensor src) -> ()");
   m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor? w_gate, Tensor w_up, "
-        "Tensor w_down, str act, float limit=0.) -> Tensor");
+        "Tensor w_down, str act, float limit=0., bool invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hybridserve_native, CPU, m) {

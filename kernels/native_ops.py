@@ -166,6 +166,7 @@ def _moe_experts_fake(
     w_down: torch.Tensor,
     act: str,
     limit: float = 0.0,
+    invariant: bool = False,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_down.shape[1])
 

@@ -141,6 +141,7 @@ class Engine(StoreEndpoints):
             grammar_compiler=self.grammar_compiler,
             compiled=build_compiled(self.config, self.model, self.pools, self.device, self.max_model_len, self.drafter),
             max_pages=self.max_pages_per_request(),
+            deterministic=self.config.deterministic,
         )
 
     def max_pages_per_request(self) -> int:

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import torch
 
+from kernels import dense
 from workers.checkpoints import StepPlan
 from workers.compiled import Bucket, CompiledSteps
 from workers.device_pools import DevicePools
@@ -73,8 +74,12 @@ class ModelRunner:
         grammar_compiler: GrammarCompiler | None = None,
         compiled: CompiledSteps | None = None,
         max_pages: int = 0,
+        deterministic: bool = False,
     ) -> None:
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, device
+        if deterministic:
+            dense.check_invariant_mode(device, {p.dtype for p in model.parameters() if p.is_floating_point()})
+        self.deterministic = deterministic  # every step in kernels.dense's batch-invariant mode
         self.generators = generators
         self.planner = SamplingPlanner()  # host side (scheduler thread)
         self.sampler = BatchSampler(device, generators, grammar_compiler)  # forward thread
@@ -161,6 +166,10 @@ class ModelRunner:
     # -- the forward thread ------------------------------------------------------------------
     @torch.inference_mode()
     def _execute(self, prepared: PreparedStep, params: list[SamplingParams], gens) -> StepResult:
+        with dense.batch_invariant(self.deterministic):
+            return self._execute_step(prepared, params, gens)
+
+    def _execute_step(self, prepared: PreparedStep, params: list[SamplingParams], gens) -> StepResult:
         start = time.monotonic()
         gap = None if self._last_end is None else start - self._last_end
         await_uploads(prepared.uploads)

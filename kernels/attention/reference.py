@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import dense
 from kernels.memo import TensorMemo
 from kernels.static import scatter_rows_, tracing
 
@@ -93,10 +94,11 @@ def attend_paged(
         return attend_uniform(q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window)
     # The plan depends on the batch metadata (and the window) only: built by the first
     # attention layer of a step, reused by the others (kernels.memo).
+    alone = dense.invariant()
     groups = _plans.get(
         (page_table, cu_seqlens, seq_lens),
-        (page_size, window),
-        lambda: _plan(page_table, cu_seqlens, seq_lens, page_size, window),
+        (page_size, window, alone),
+        lambda: _plan(page_table, cu_seqlens, seq_lens, page_size, window, alone),
     )
     out = q.new_zeros(q.shape[0], q.shape[1], v_pool.shape[-1])
     for group in groups:
@@ -148,15 +150,19 @@ def attend_uniform(
     return o.reshape(q.shape[0], q.shape[1], v_pool.shape[-1])
 
 
-def _plan(page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, page_size: int, window: int | None) -> list[_Group]:
+def _plan(
+    page_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, page_size: int, window: int | None, alone: bool = False
+) -> list[_Group]:
+    """The SDPA calls' groups; ``alone`` (the batch-invariant mode) gives each decode its own
+    call, as a prefill has: padded to the others' context, its sums would run in other blocks."""
     cu, ctx = cu_seqlens.tolist(), seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(len(ctx))]
     bad = [b for b in range(len(ctx)) if ctx[b] < q_lens[b]]
     if bad:
         raise ValueError(f"seq_lens < new tokens for sequences {bad}: {ctx} vs {q_lens}")
     # Decodes share one padded call; each prefill gets its own (no q_len x padding blow-up).
-    decodes = [b for b, n in enumerate(q_lens) if n == 1]
-    groups = [[b] for b, n in enumerate(q_lens) if n > 1]
+    decodes = [] if alone else [b for b, n in enumerate(q_lens) if n == 1]
+    groups = [[b] for b, n in enumerate(q_lens) if n > 1 or (alone and n == 1)]
     if decodes:
         groups.insert(0, decodes)
     return [_group(page_table, cu, ctx, q_lens, seqs, page_size, window) for seqs in groups]

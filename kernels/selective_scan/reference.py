@@ -130,7 +130,8 @@ def scan_step(xdt: Tensor, decay: Tensor, b: Tensor, c: Tensor, s: Tensor) -> Te
     """One token of n rows (without D), updating ``s`` in place: xdt = dt' x [n, H];
     decay = exp(dt' A) [n, H, N]; B, C [n, N]; s [n, H, N] fp32 -> y [n, H]."""
     s.mul_(decay).addcmul_(xdt[:, :, None], b[:, None, :])
-    return torch.bmm(s, c[:, :, None])[:, :, 0]
+    # a product and a last-dim sum, not bmm: bmm's sums change with n, this row's do not
+    return (s * c[:, None, :]).sum(dim=-1)
 
 
 def scan_recurrent(

@@ -31,7 +31,7 @@ def build_compiled(
     drafter, whose ``compiled_chain`` this sets), every bucket compiled before this returns,
     a line per bucket on stderr (``CompileProgress``); None when ``compile.enabled`` is off.
     (A tensor-parallel engine builds its runners without this: its ranks run eager.)"""
-    if not config.compile.enabled:
+    if not config.compile.enabled or config.deterministic:  # the batch-invariant mode runs eager
         return None
     page_size = config.cache.page_size
     max_pages = math.ceil(max_model_len / page_size)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import dense
 from kernels.gdn import gated_delta_rule
 from workers.models.layers import CausalConv1d, GatedRMSNorm, LayerContext, linear, param
 from workers.state_spec import StateKind, StateRef, conv_ssm_kind
@@ -114,8 +115,9 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
         k = k.reshape(num_tokens, d.num_k_heads, d.k_head_dim)
         v = v.reshape(num_tokens, d.num_v_heads, d.v_head_dim)
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        beta = torch.sigmoid(b) if d.beta_scale == 1.0 else torch.sigmoid(b) * d.beta_scale
+        g = -torch.exp(self.A_log.float()) * dense.pointwise(F.softplus, a.float() + self.dt_bias.float())
+        beta = dense.pointwise(torch.sigmoid, b)
+        beta = beta if d.beta_scale == 1.0 else beta * d.beta_scale
         # The kernels take strided column slices of the projection as they are.
         o = gated_delta_rule(q, k, v, g, beta, state["ssm"], batch.recurrent, use_qk_l2norm=True)
         o = self.norm(o.reshape(-1, d.v_head_dim), z.reshape(-1, d.v_head_dim))

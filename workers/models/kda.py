@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import dense
 from kernels.kda import kimi_delta_attention
 from workers.models.layers import CausalConv1d, LayerContext, linear, param
 from workers.models.weights import WeightTarget, whole
@@ -88,8 +89,8 @@ class KimiDeltaAttention(nn.Module):
         raw = (raw.float() + self.dt_bias.float()).view(x.shape[0], d.num_heads, d.head_dim)
         rate = self.A_log.float().exp()[:, None]  # [H, 1]
         if d.gate == "bailing":
-            return d.gate_lower_bound * torch.sigmoid(rate * raw)
-        return -rate * F.softplus(raw)
+            return d.gate_lower_bound * dense.pointwise(torch.sigmoid, rate * raw)
+        return -rate * dense.pointwise(F.softplus, raw)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_b_proj(self.g_a_proj(x)) if self.dims.gate == "kimi" else self.g_proj(x)
@@ -101,11 +102,11 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         mixed = self.conv1d(mixed, state["conv"], batch)
         q, k, v = (t.reshape(shape) for t in mixed.split(d.qkv_dim, dim=-1))
-        g, beta = self.decay(x), torch.sigmoid(self.b_proj(x).float())
+        g, beta = self.decay(x), dense.pointwise(torch.sigmoid, self.b_proj(x).float())
         o = kimi_delta_attention(q, k, v, g, beta, state["ssm"], batch.recurrent)
         o = o.float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + d.eps) * self.o_norm_weight.float()
-        o = o * torch.sigmoid(self.output_gate(x).float().view(shape))
+        o = o * dense.pointwise(torch.sigmoid, self.output_gate(x).float().view(shape))
         return self.o_proj(o.reshape(num_tokens, -1).to(x.dtype))
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:

@@ -246,7 +246,7 @@ class Attention(nn.Module):
         )
         o = o.reshape(num_tokens, d.num_heads * d.head_dim)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = o * dense.pointwise(torch.sigmoid, gate)
         return self.o_proj(o)
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import dense
 from kernels.selective_scan import mamba_selective_scan
 from workers.models.layers import CausalConv1d, LayerContext, RMSNorm, linear, param
 from workers.state_spec import StateKind, StateRef, mamba1_kind
@@ -84,7 +85,7 @@ class Mamba1Mixer(nn.Module):
         if self.dt_layernorm is not None:
             assert self.b_layernorm is not None and self.c_layernorm is not None
             dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
-        dt = F.linear(dt, self.dt_proj.weight)  # dt_proj.bias is the scan's dt_bias
+        dt = dense.plain_linear(dt, self.dt_proj.weight)  # dt_proj.bias is the scan's dt_bias
         a = -torch.exp(self.A_log.float())
         y = mamba_selective_scan(
             x, dt, a, b, c, self.D, self.dt_proj.bias, state["ssm"], batch.recurrent, chunk_size=d.chunk_size

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels import dense
 from kernels.mla import mla_attention
 from workers.models.layers import LayerContext, RMSNorm, RopeTables, linear
 from workers.state_spec import StateKind, StateRef, mla_kind
@@ -112,7 +113,7 @@ class LatentAttention(nn.Module):
             q_rope, k_rope = rotate_interleaved(q_rope, ctx.rope), rotate_interleaved(k_rope, ctx.rope)
         w = self.kv_b_proj.weight.view(d.num_heads, nope + d.v_head_dim, r)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, R], [H, V, R]
-        query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope], dim=-1)
+        query = torch.cat([dense.head_products(q_nope, w_uk.transpose(1, 2)), q_rope], dim=-1)
         latent = torch.cat([c, k_rope[:, 0]], dim=-1)
         pool = ctx.pools.kv.layer(ref)["latent"]
         o = mla_attention(
@@ -127,7 +128,7 @@ class LatentAttention(nn.Module):
             d.scale,
             r,
         )
-        o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, V]
+        o = dense.head_products(o, w_uv)  # [T, H, V]
         if d.head_gate:
-            o = o * torch.sigmoid(self.g_proj(x).float()).to(o.dtype)[..., None]
+            o = o * dense.pointwise(torch.sigmoid, self.g_proj(x).float()).to(o.dtype)[..., None]
         return self.o_proj(o.reshape(num_tokens, d.num_heads * d.v_head_dim))

@@ -41,10 +41,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import native_ops
+from kernels import dense, native_ops
 from kernels.static import tracing
 from workers.models.layers import DenseMLP, activation, linear, param
 from workers.models.moe_experts import expert_loop, expert_loop_op, swiglu
@@ -147,7 +146,7 @@ class SparseMoE(nn.Module):
         k = self.dims.top_k
         if self.dims.style == "sigmoid_grouped":
             return self._route_sigmoid_grouped(x)
-        logits = F.linear(x, self.router_weight)
+        logits = dense.plain_linear(x, self.router_weight)
         if self.dims.style == "granite":
             top_logits, top_ids = logits.float().topk(k, dim=-1)
             return torch.softmax(top_logits, dim=-1).to(x.dtype), top_ids
@@ -159,7 +158,7 @@ class SparseMoE(nn.Module):
 
     def _route_sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
-        scores = F.linear(x.float(), self.router_weight.float()).sigmoid()  # [T, E]
+        scores = dense.pointwise(torch.sigmoid, dense.plain_linear(x.float(), self.router_weight.float()))  # [T, E]
         choice = scores if self.score_bias is None else scores + self.score_bias
         per_group = d.num_experts // d.num_groups
         grouped = choice.view(-1, d.num_groups, per_group)

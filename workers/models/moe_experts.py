@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kernels import cpu_linear, native_ops
+from kernels import cpu_linear, dense, native_ops
 from workers.models.layers import activation
 
 
@@ -50,7 +50,10 @@ def expert_loop(
 ) -> Tensor:
     """The eager routed experts: the native loop on CPU where it builds, else ``reference_loop``."""
     if x.device.type == "cpu" and (native_ops.loaded() or native_ops.load()):  # no lock once loaded
-        return torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, act, limit)
+        on = dense.invariant()
+        return torch.ops.hybridserve_native.moe_experts(x, weights, ids, w_gate, w_up, w_down, act, limit, on)
+    if dense.invariant():
+        raise RuntimeError(f"the batch-invariant mode needs the native expert loop: {native_ops.failure()}")
     return reference_loop(x, weights, ids, w_gate, w_up, w_down, act, limit)
 
 
