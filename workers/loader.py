@@ -14,12 +14,14 @@ Untrusted checkpoints: nothing in the directory is ever imported or unpickled.
   with a ValueError naming them; pickle files beside safetensors are never opened.
 
 Tensors are streamed file by file into the model's ``load_weights``, which checks names
-and shapes strictly.
+and shapes strictly. An FP8 checkpoint (``workers/quantization``) streams its weights
+dequantized to the compute dtype; any other ``quantization_config`` is refused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +29,10 @@ from typing import Any, NamedTuple
 import torch
 
 from workers.models import SUPPORTED_ARCHITECTURES, HybridForCausalLM, get_model_class
+from workers.quantization import QuantScheme, checkpoint_weights, plan_checkpoint, read_scheme, scheme_from_config
+from workers.quantization.stream import read_headers
+
+logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -58,9 +64,7 @@ def check_raw_config(raw: dict[str, Any]) -> str:
             f"config.json must name exactly one architecture, got {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     get_model_class(archs[0])  # ValueError listing the supported ones
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"quantized checkpoints are not supported (quant_method={method!r})")
+    scheme_from_config(raw.get("quantization_config"))  # ValueError naming what is not supported
     if raw.get("auto_map"):
         raise ValueError(
             f"config.json has auto_map {raw['auto_map']!r} (remote code); hybridserve never runs checkpoint code"
@@ -160,14 +164,41 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
+class WeightBytes(NamedTuple):
+    """What loading cost: ``resident`` bytes of parameters in the compute dtype, from
+    ``checkpoint`` bytes of safetensors (FP8 and scales, for a quantized checkpoint)."""
+
+    resident: int
+    checkpoint: int
+
+
+def weight_bytes(model: torch.nn.Module, files: list[Path]) -> WeightBytes:
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}  # tied ones once
+    return WeightBytes(sum(params.values()), sum(f.stat().st_size for f in files))
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
     model_dir = Path(model_dir)
     hf_config = load_config(model_dir)
+    scheme = read_scheme(model_dir, read_raw_config(model_dir))
+    files = safetensors_files(model_dir)
+    plan = plan_checkpoint(scheme, read_headers(files))  # refuses before anything is built
     cls = get_model_class(hf_config.architectures[0])
     model = cls(hf_config, dtype, device)
-    model.load_weights(iter_safetensors(safetensors_files(model_dir)))
+    weights = iter_safetensors(files) if scheme is None else checkpoint_weights(scheme, plan, files, dtype)
+    model.load_weights(weights)
     model.eval()
+    logger.info("%s", describe_weights(model_dir, scheme, dtype, weight_bytes(model, files)))
     return LoadedModel(model, model.config)
+
+
+def describe_weights(model_dir: Path, scheme: QuantScheme | None, dtype: torch.dtype, size: WeightBytes) -> str:
+    """The startup line about the weights: bytes held, bytes read, and how."""
+    how = "plain" if scheme is None else f"{scheme.describe()}, dequantized at load (FP8 GEMMs not implemented)"
+    return (
+        f"weights of {model_dir.name}: {size.resident} bytes resident in {str(dtype).removeprefix('torch.')} "
+        f"from {size.checkpoint} checkpoint bytes ({how})"
+    )
 
 
 class ImageSupport(NamedTuple):
