@@ -138,7 +138,9 @@ class SparseMoE(nn.Module):
         h = x if expert_input is None else expert_input
         out = self._routed(h, *self._route(x))
         if self.shared_expert is not None:
-            out = torch.addcmul(out, torch.sigmoid(self.shared_expert_gate(x)), self.shared_expert(x))
+            # A [T, 1] gate is one flat run: padded, its scalar tail cannot depend on T.
+            gate = dense.pointwise(torch.sigmoid, self.shared_expert_gate(x))
+            out = torch.addcmul(out, gate, self.shared_expert(x))
         return out
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
