@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from workers.cache.prefix_hash import prefix_hash
+from workers.quantization.scheme import MODELOPT_FILE
 
 # side -> kind -> name -> (shape, dtype)
 Layout = dict[str, dict[str, dict[str, tuple[tuple[int, ...], str]]]]
@@ -113,7 +114,8 @@ def payload_problem(
 
 
 def model_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> str:
-    """Names the weights a state was computed with: config.json, the dtype, and per
+    """Names the weights a state was computed with: config.json (its ``quantization_config``
+    included), ModelOpt's ``hf_quant_config.json`` where there is one, the dtype, and per
     safetensors file its size and first and last MiB (distinct random seeds differ there)."""
     root = Path(model_dir)
     h = hashlib.blake2b(digest_size=16)
@@ -121,6 +123,9 @@ def model_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> str:
     config = root / "config.json"
     if config.is_file():
         h.update(config.read_bytes())
+    quant = root / MODELOPT_FILE  # a quantization config beside config.json
+    if quant.is_file():
+        h.update(quant.name.encode() + quant.read_bytes())
     for f in sorted(root.glob("*.safetensors")):
         size = f.stat().st_size
         h.update(f.name.encode() + size.to_bytes(8, "little"))
