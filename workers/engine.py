@@ -19,7 +19,7 @@ import torch
 
 from configs.schema import HybridServeConfig
 from workers.cache import CacheEvent, Violation
-from workers.cache_manager import CacheManager
+from workers.cache.manager import CacheManager
 from workers.compiled import build_compiled
 from workers.device_pools import build_pools
 from workers.engine_outputs import EngineOutputs

@@ -7,9 +7,9 @@ publish. ``pool_counts`` and the gauges read the pools for health checks and met
 
 from __future__ import annotations
 
-from workers.allocators import IdAllocator
+from workers.cache.allocators import IdAllocator
 from workers.cache.ledger import SlotLedger
-from workers.cache_manager import CacheManager
+from workers.cache.manager import CacheManager
 from workers.scheduler import Scheduler
 from workers.stats import EngineStats
 from workers.tiers.payload import CheckpointPayload

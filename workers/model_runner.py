@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from kernels import dense
-from workers.checkpoints import StepPlan
+from workers.cache.checkpoints import StepPlan
 from workers.compiled import Bucket, CompiledSteps
 from workers.device_pools import DevicePools
 from workers.forward_thread import ForwardThread, Signal, StepFuture

@@ -63,7 +63,7 @@ import itertools
 from collections import deque
 
 from configs.schema import SchedulerConfig
-from workers.cache_manager import CacheManager
+from workers.cache.manager import CacheManager
 from workers.request import Request, RequestStatus
 from workers.scheduler_types import ScheduledBatch, ScheduledSeq
 

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from workers.cache_manager import CacheManager
-from workers.checkpoints import StepPlan
+from workers.cache.checkpoints import StepPlan
+from workers.cache.manager import CacheManager
 from workers.engine_outputs import EngineOutputs
 from workers.forward_thread import StepFuture
 from workers.outputs import EngineOutput

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from workers.checkpoints import StepPlan
+from workers.cache.checkpoints import StepPlan
 from workers.forward_batch import ForwardBatch, is_decode_only, uniform_snapshot_len
 from workers.sampling.inputs import SamplingInputs
 from workers.scheduler_types import StateWrite

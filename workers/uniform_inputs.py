@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from workers.checkpoints import StepPlan
+from workers.cache.checkpoints import StepPlan
 from workers.forward_batch import ForwardBatch
 from workers.input_batch import InputBatch
 from workers.sampling.inputs import SamplingInputs

@@ -12,7 +12,7 @@ What is real and what is modelled:
 - Modelled (``SimReplica``): each replica's hybrid cache is an LRU of Mamba checkpoints
   whose paths' KV pages must fit ``cache_tokens`` (a match is the deepest checkpoint at a
   page boundary, at most ``len(prompt) - 1``); checkpoints are written where the engine
-  writes them (``workers/checkpoints.py``): during prefill at ``((L - 1) // page) * page``
+  writes them (``workers/cache/checkpoints.py``): during prefill at ``((L - 1) // page) * page``
   and at the deepest grid point below it, at the branching point of a partial KV match,
   and at every chunk end that falls on the grid ``lcm(track_interval, page)`` (chunks of
   ``chunk_size`` cut at those targets); and at the last grid point a decode crosses.

@@ -73,7 +73,7 @@ class HybridPrefixKvSim(HybridPrefixSim):
     """A PROPOSAL, not the shipped router: ``hybrid_prefix`` that also credits a replica
     with the KV it must hold under its checkpoints. A replica holding a checkpoint of path
     P holds P's pages, so a prompt sharing m tokens with P will, on that replica, get a
-    checkpoint at the branching point (``workers/checkpoints.py``) and hit from the next
+    checkpoint at the branching point (``workers/cache/checkpoints.py``) and hit from the next
     request on. Depth = max(checkpoint depth, page-aligned shared KV depth), same
     ``decide``. Built from the same events; ``PrefixIndex`` would need per-node subtree
     owners to answer it."""

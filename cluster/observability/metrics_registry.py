@@ -52,7 +52,7 @@ STREAM_MIGRATIONS = "hybridserve_stream_migrations_total"
 STREAM_RETRIES = "hybridserve_stream_retries_total"
 STREAM_RESUME_FAILURES = "hybridserve_stream_resume_failures_total"
 RESUME_FAILURE_REASONS = ("exhausted", "timeout", "not_resumable", "refused")
-# The engine's fixed label sets (workers/checkpoints.py, workers/cache/records.py,
+# The engine's fixed label sets (workers/cache/checkpoints.py, workers/cache/records.py,
 # workers/request.py, the tiers' in workers/stats.py); values outside them are still
 # exported when counted.
 LABEL_VALUES: dict[str, tuple[str, ...]] = {

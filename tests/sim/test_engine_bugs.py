@@ -8,7 +8,7 @@ import torch
 
 from tests.sim.harness import Sim
 from tests.workers.engine.helpers import make_llm
-from workers.checkpoints import StepPlan
+from workers.cache.checkpoints import StepPlan
 from workers.request import Request
 from workers.sampling.params import SamplingParams
 from workers.scheduler_types import ScheduledBatch, ScheduledSeq

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from workers.checkpoints import StepPlan
+from workers.cache.checkpoints import StepPlan
 from workers.model_runner import StepResult
 from workers.step_inputs import PreparedStep, prepare_step, resolve_chained
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from configs.schema import CacheConfig, DebugConfig, SchedulerConfig
-from workers.cache_manager import CacheManager
+from workers.cache.manager import CacheManager
 from workers.request import Request, RequestStatus
 from workers.sampling.params import SamplingParams
 from workers.scheduler import Scheduler, pages_needed

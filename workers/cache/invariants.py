@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
-from workers.allocators import IdAllocator
+from workers.cache.allocators import IdAllocator
 from workers.cache.ledger import SlotLedger, TreeOwner
 from workers.cache.lru import CheckpointLru, LeafHeap
 from workers.cache.node import TreeNode

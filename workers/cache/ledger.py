@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
-from workers.allocators import IdAllocator
+from workers.cache.allocators import IdAllocator
 from workers.cache.records import Violation
 
 

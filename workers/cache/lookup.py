@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from workers.allocators import IdAllocator
+from workers.cache.allocators import IdAllocator
 from workers.cache.ledger import OwnershipError, RequestOwner, SlotLedger
 from workers.cache.node import TreeNode
 from workers.cache.prefix_hash import ROOT_PREFIX_HASH, extend_prefix_hash

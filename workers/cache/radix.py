@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from workers.allocators import IdAllocator
+from workers.cache.allocators import IdAllocator
 from workers.cache.invariants import check_cache
 from workers.cache.ledger import Owner, SlotLedger, TreeOwner
 from workers.cache.lookup import find_path, plan_insert

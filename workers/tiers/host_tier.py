@@ -27,7 +27,6 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from workers.allocators import IdAllocator
 from workers.cache import (
     CacheEvent,
     Checkpoint,
@@ -39,6 +38,7 @@ from workers.cache import (
     TreeNode,
     Violation,
 )
+from workers.cache.allocators import IdAllocator
 from workers.stats import EngineStats
 from workers.tiers.payload import CheckpointPayload, payload_problem
 from workers.tiers.storage import TierStorage

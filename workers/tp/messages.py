@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from workers.checkpoints import StepPlan
+from workers.cache.checkpoints import StepPlan
 from workers.sampling.params import SamplingParams
 from workers.scheduler_types import SeqSpan
 from workers.step_inputs import PreparedStep

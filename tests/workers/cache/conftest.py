@@ -4,8 +4,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from workers.allocators import IdAllocator
 from workers.cache import CacheEvent, Checkpoint, InsertResult, RadixCache, RequestOwner, SlotLedger, SlotRole, TreeNode
+from workers.cache.allocators import IdAllocator
 
 
 class Harness:

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from workers.allocators import IdAllocator
 from workers.cache import (
     Checkpoint,
     InsertResult,
@@ -29,6 +28,7 @@ from workers.cache import (
     TreeNode,
     TreeOwner,
 )
+from workers.cache.allocators import IdAllocator
 
 NUM_PAGES = 24  # 23 usable: eviction pressure is constant
 NUM_SLOTS = 9  # 8 usable: 3 requests x (live + keep) leave 2 for the tree

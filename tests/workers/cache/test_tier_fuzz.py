@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from workers.allocators import IdAllocator
 from workers.cache import Checkpoint, RadixCache, RequestOwner, SlotLedger, SlotRole
+from workers.cache.allocators import IdAllocator
 from workers.request import Request
 from workers.sampling.params import SamplingParams
 from workers.stats import EngineStats

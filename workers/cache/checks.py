@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.allocators import IdAllocator
 from workers.cache import RadixCache, SlotLedger, SlotRole, Violation
+from workers.cache.allocators import IdAllocator
 from workers.request import Request
 
 

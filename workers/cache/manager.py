@@ -31,7 +31,6 @@ import random
 from collections.abc import Sequence
 
 from configs.schema import CacheConfig, DebugConfig
-from workers.allocators import IdAllocator
 from workers.cache import (
     CacheEvent,
     CheckpointEvicted,
@@ -43,8 +42,9 @@ from workers.cache import (
     TreeNode,
     Violation,
 )
-from workers.cache_checks import check_pools
-from workers.checkpoints import CheckpointTracker, StepPlan
+from workers.cache.allocators import IdAllocator
+from workers.cache.checkpoints import CheckpointTracker, StepPlan
+from workers.cache.checks import check_pools
 from workers.request import Request, RequestCacheState
 from workers.scheduler_types import ScheduledBatch, StateWrite
 from workers.stats import EngineStats
