@@ -119,9 +119,12 @@ def usable(pool: torch.Tensor, *inputs: torch.Tensor | None) -> bool:
 def hold_refs(tensors: Sequence[torch.Tensor]) -> object | None:
     """One more C++ reference to each of ``tensors`` for as long as the result lives (drop it
     with the GIL held: any Python code does); None when the native ops are not loaded."""
-    if not loaded():
-        return None
-    return torch.classes.hybridserve_native.TensorRefs(list(tensors))
+    refs = _state.get("refs")
+    if refs is None:
+        if not loaded():
+            return None
+        refs = _state["refs"] = torch.classes.hybridserve_native.TensorRefs  # looked up once: per call it costs a walk
+    return refs(list(tensors))
 
 
 def _build() -> bool:
