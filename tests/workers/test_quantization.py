@@ -46,6 +46,8 @@ REFUSED = [
     ({**BLOCK_CFG, "weight_block_size": None}, "weight_block_size=None"),
     ({**BLOCK_CFG, "scale_fmt": "ue8m0"}, "scale_fmt='ue8m0'"),
     ({**BLOCK_CFG, "ignored_layers": []}, "ignored_layers=[]"),
+    ({**BLOCK_CFG, "expert_dtype": "fp4"}, "expert_dtype='fp4'"),
+    ({**BLOCK_CFG, "modules_to_convert": ["embed_tokens"]}, "modules_to_convert=['embed_tokens']"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo='NVFP4'"),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, "kv_cache_quant_algo='FP8'"),
     (ct(weights={"num_bits": 4, "type": "int"}), "config_groups.g.weights.num_bits=4"),
@@ -67,6 +69,8 @@ def test_unsupported_quantization_is_refused_naming_the_field(cfg, field):
 
 def test_supported_configs_parse():
     assert scheme_from_config(BLOCK_CFG).block == (128, 128)
+    saved = {"modules_to_convert": None, "dequantize": False, "scale_fmt": "float", "expert_dtype": "fp8"}
+    assert scheme_from_config({**BLOCK_CFG, **saved}).block == (128, 128)  # as transformers writes it
     assert scheme_from_config(ct(acts=None)).granularity == "channel"  # weight-only W8A16
     nested = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
     assert scheme_from_config(nested).leaves_unquantized("lm_head")

@@ -75,9 +75,13 @@ def _block_fp8(cfg: dict[str, Any], source: str) -> QuantScheme:
     _check_fields(
         cfg,
         {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert", "dequantize"}
-        | {"scale_fmt"},
+        | {"scale_fmt", "expert_dtype", "modules_to_convert"},
         "fp8",
     )
+    if cfg.get("modules_to_convert"):
+        raise _refuse("modules_to_convert", cfg["modules_to_convert"], "FP8 embeddings are not supported")
+    if cfg.get("expert_dtype", "fp8") != "fp8":
+        raise _refuse("expert_dtype", cfg["expert_dtype"], "only FP8 experts are supported")
     if cfg.get("fmt", "e4m3") != "e4m3":
         raise _refuse("fmt", cfg["fmt"], "only FP8 e4m3 weights are supported")
     if cfg.get("scale_fmt", "float") != "float":
