@@ -127,7 +127,7 @@ def test_unknown_architecture_lists_supported(qwen_dir: Path, tmp_path: Path) ->
 @pytest.mark.parametrize(
     "field,value,needle",
     [
-        ("quantization_config", {"quant_method": "fp8"}, "quantized"),
+        ("quantization_config", {"quant_method": "gptq", "bits": 4}, "quant_method=.gptq."),
         ("auto_map", {"AutoModelForCausalLM": "x.Model"}, "remote code"),
         ("hidden_act", "gelu", "hidden_act"),
         (
