@@ -25,6 +25,7 @@ from workers.sampling.inputs import (
     SamplingInputs,
 )
 from workers.sampling.requests import RequestSampling, request_sampling
+from workers.sampling.seeded import SeededSeq
 from workers.scheduler_types import ScheduledSeq
 
 
@@ -85,6 +86,7 @@ class _Rows:
     max_top: int = 0
     grammar: list[GrammarRows] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)
+    seeded: list[SeededSeq] = field(default_factory=list)
 
 
 def sampling_of(req: Request) -> RequestSampling:
@@ -139,18 +141,22 @@ class SamplingPlanner:
             grammar=tuple(rows.grammar),
             grammar_drops=drops,
             prompt=_prompt_inputs(seqs, first_inputs),
+            seeded=tuple(rows.seeded),
         )
 
     def _plain(self, seqs: tuple[ScheduledSeq, ...]) -> SamplingInputs | None:
         """The inputs of a step whose every sampling request is plain (``RequestSampling``):
         per row only its filters, none at all when every one is greedy; None otherwise."""
-        widths, params = [], []
+        widths, params, seeded = [], [], []
         for seq in seqs:
             if not sampling_of(seq.request).plain:  # a chunk may owe prompt logprobs too
                 return None
             if seq.samples:
+                p = seq.request.params
+                if p.seed is not None and not p.is_greedy:
+                    seeded.append(_seeded(len(widths), seq))
                 widths.append(seq.num_new_tokens if seq.is_verify else 1)
-                params.append(seq.request.params)
+                params.append(p)
         drops, self._grammar_drops = tuple(self._grammar_drops), []
         filters = None
         if not all(p.is_greedy for p in params):
@@ -163,7 +169,12 @@ class SamplingPlanner:
                 rows.min_p += [p.min_p] * width
             filters = _filters(rows)
         return SamplingInputs(
-            widths=tuple(widths), filters=filters, logprob_seqs=(), max_top_logprobs=0, grammar_drops=drops
+            widths=tuple(widths),
+            filters=filters,
+            logprob_seqs=(),
+            max_top_logprobs=0,
+            grammar_drops=drops,
+            seeded=tuple(seeded),
         )
 
     def _add_sampling_seq(self, rows: _Rows, seq: ScheduledSeq, first_input: int) -> None:
@@ -171,6 +182,8 @@ class SamplingPlanner:
         info = sampling_of(req)
         n, first_row = len(rows.widths), len(rows.greedy)
         positions = list(range(seq.start, seq.end)) if seq.is_verify else [seq.end - 1]
+        if p.seed is not None and not p.is_greedy:
+            rows.seeded.append(_seeded(n, seq))
         rows.widths.append(len(positions))
         register = self._register(rows, req) if p.uses_penalties else -1
         rows.seq_registers.append(register)
@@ -227,6 +240,13 @@ class SamplingPlanner:
             seq_registers=tuple(rows.seq_registers),
             capacity=self.registers.capacity,
         )
+
+
+def _seeded(n: int, seq: ScheduledSeq) -> SeededSeq:
+    """Sampling sequence ``n``: its first row samples the token after its first sampling row
+    (a verify samples after every row, a decode or a chunk after its last)."""
+    first = seq.start if seq.is_verify else seq.end - 1
+    return SeededSeq(n, first + 1, seq.is_chained)
 
 
 def _filters(rows: _Rows) -> RowFilters:

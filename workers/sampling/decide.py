@@ -5,8 +5,9 @@ each sampling sequence's tokens (one, or a verify's accepted drafts + one), raw
 logprobs where asked, and drafts accepted. Order, all batched over rows: logit_bias,
 bad words, min_tokens blocks, penalties (counts as of each row), the grammar bitmask,
 then greedy argmax or temperature / top-k / top-p / min-p and a draw; a verify accepts
-drafts against the processed rows (greedy match or rejection sampling on the processed
-distributions). Then the penalty registers and grammar matchers take the tokens.
+drafts against the processed rows (greedy match; rejection sampling on the processed
+distributions; for a seeded row, a match with its own draw keyed by position). Then the
+penalty registers and grammar matchers take the tokens.
 
 A row every processor masked (min_tokens or a bad word against a grammar that allows
 only those tokens) falls back to the grammar-masked raw logits: the grammar wins.
@@ -28,6 +29,7 @@ from workers.sampling.params import SamplingParams
 from workers.sampling.penalties import PenaltyState
 from workers.sampling.processors import add_bias, apply_penalties, ban_bad_words, block_tokens, draw, filter_rows
 from workers.sampling.sampler import GeneratorBank
+from workers.sampling.seeded import position_seed
 from workers.spec.acceptance import Accepted, accept_greedy_ids, accept_rejection
 from workers.step_inputs import VerifyRows
 
@@ -48,6 +50,7 @@ class BatchSampler:
         self.generators = generators
         self.penalties = PenaltyState(device)
         self.grammars = GrammarBank(grammar_compiler) if grammar_compiler is not None else None
+        self._accepted: dict[int, int] = {}  # live slot -> drafts its last verify accepted
 
     def begin(self, si: SamplingInputs) -> None:
         """Before the step: drop the matchers of requests finished before its launch."""
@@ -109,10 +112,24 @@ class BatchSampler:
                 x = torch.where(torch.isfinite(x).any(dim=-1, keepdim=True), x, fallback)
         return x
 
-    def _seeded(
-        self, rows: list[int], params: list[SamplingParams], gens: list[torch.Generator], only: list[int]
-    ) -> list[tuple[int, torch.Generator]]:
-        return [(rows[n], gens[n]) for n in only if params[n].seed is not None and not params[n].is_greedy]
+    def _keyed(
+        self,
+        si: SamplingInputs,
+        firsts: list[int],
+        params: list[SamplingParams],
+        gens: list[torch.Generator],
+        verify: list[VerifyRows | None],
+    ) -> list[tuple[int, torch.Generator, int | None]]:
+        """(row, generator, key) for every row of the seeded sequences: each row's noise is
+        keyed by the position of the token it samples (``workers.sampling.seeded``)."""
+        out: list[tuple[int, torch.Generator, int | None]] = []
+        for s in si.seeded:
+            v, seed = verify[s.seq], params[s.seq].seed
+            assert seed is not None
+            # A chained verify starts after the drafts its request's verify before it accepted.
+            at = s.position + (self._accepted.get(v.live_slot, 0) if s.chained and v is not None else 0)
+            out.extend((firsts[s.seq] + r, gens[s.seq], position_seed(seed, at + r)) for r in range(si.widths[s.seq]))
+        return out
 
     def _sample(
         self, si: SamplingInputs, x: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]
@@ -122,7 +139,7 @@ class BatchSampler:
             return best
         probs = torch.softmax(filter_rows(x, si.filters), dim=-1)
         rows = list(range(len(params)))
-        drawn = draw(probs, self.generators.shared, self._seeded(rows, params, gens, rows))
+        drawn = draw(probs, self.generators.shared, self._keyed(si, rows, params, gens, [None] * len(rows)))
         return torch.where(si.filters.greedy, best, drawn)
 
     def _verify(
@@ -141,8 +158,7 @@ class BatchSampler:
         probs = None if si.filters is None else torch.softmax(filter_rows(x, si.filters), dim=-1)
         picked = best
         if probs is not None and si.filters is not None:
-            plain = [n for n, v in enumerate(verify) if v is None]
-            drawn = draw(probs, self.generators.shared, self._seeded(firsts, params, gens, plain))
+            drawn = draw(probs, self.generators.shared, self._keyed(si, firsts, params, gens, verify))
             picked = torch.where(si.filters.greedy, best, drawn)
         if drafts is None:  # one read for the picked tokens and the drafts
             rows = _draft_rows(verify)
@@ -151,6 +167,7 @@ class BatchSampler:
             host, drafts = both[: picked.shape[0]], _split_drafts(both[picked.shape[0] :], verify)
         else:
             host = picked.tolist()
+        keyed = {s.seq for s in si.seeded}
         tokens: list[list[int]] = []
         accepted: list[int | None] = []
         for n, v in enumerate(verify):
@@ -159,10 +176,13 @@ class BatchSampler:
                 tokens.append([host[lo]])
                 accepted.append(None)
                 continue
-            if params[n].is_greedy or probs is None:
+            # Seeded rows picked their own draws: a draft stays while it equals the draw at its
+            # position, so the tokens are those of sampling without drafts.
+            if params[n].is_greedy or probs is None or n in keyed:
                 out: Accepted = accept_greedy_ids(host[lo:hi], drafts[n])
             else:
                 out = accept_rejection(probs[lo:hi], drafts[n], draft_q(v), gens[n])
+            self._accepted[v.live_slot] = out.num_accepted
             tokens.append(out.token_ids)
             accepted.append(out.num_accepted)
         return tokens, accepted

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from workers.sampling.seeded import SeededSeq
 from workers.sampling.structured import StructuredOutput
 
 
@@ -130,6 +131,7 @@ class SamplingInputs:
     grammar: tuple[GrammarRows, ...] = ()
     grammar_drops: tuple[int, ...] = ()  # handles of requests whose matchers go before this step
     prompt: PromptInputs | None = None
+    seeded: tuple[SeededSeq, ...] = ()  # sequences whose draws are keyed by position
 
     @property
     def num_rows(self) -> int:

@@ -96,15 +96,20 @@ def _top_k_top_p(
 
 
 def draw(
-    probs: torch.Tensor, shared: torch.Generator | None, seeded: list[tuple[int, torch.Generator]]
+    probs: torch.Tensor, shared: torch.Generator | None, seeded: list[tuple[int, torch.Generator, int | None]]
 ) -> torch.Tensor:
     """One token per row from ``probs`` (exponential race: argmax p / E, E ~ Exp(1)).
 
-    Unseeded rows draw their noise from ``shared`` in one call; a seeded row refills its
-    own from its generator, so its token does not depend on the rest of the batch.
+    Unseeded rows draw their noise from ``shared`` in one call; a seeded row's entry
+    ``(row, generator, key)`` refills it from its generator, re-seeded with ``key``
+    (``workers.sampling.seeded.position_seed``) or, for None, as the generator stands. Either
+    way its token does not depend on the rest of the batch.
     """
     noise = torch.empty_like(probs)
-    noise.exponential_(generator=shared)
-    for row, gen in seeded:
+    if len(seeded) < probs.shape[0]:  # some row is unseeded
+        noise.exponential_(generator=shared)
+    for row, gen, key in seeded:
+        if key is not None:
+            gen.manual_seed(key)
         noise[row].exponential_(generator=gen)
     return (probs / noise).argmax(dim=-1)

@@ -26,7 +26,9 @@ class SampleResult:
 
 class GeneratorBank:
     """One generator per seeded request, keyed by the request's engine handle (never the
-    caller's id, which may be reused); one shared for the rest."""
+    caller's id, which may be reused); one shared for the rest. The engine re-seeds a
+    request's generator before each draw (``workers.sampling.seeded``); ``sample`` draws
+    from it as it stands."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
@@ -86,7 +88,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         )
         probs = torch.softmax(filter_rows(logits.float(), filters), dim=-1)
         shared = next((g for g, p in zip(generators, params) if p.seed is None), None)
-        seeded = [(i, g) for i, (g, p) in enumerate(zip(generators, params)) if p.seed is not None]
+        seeded = [(i, g, None) for i, (g, p) in enumerate(zip(generators, params)) if p.seed is not None]
         token_ids = torch.where(greedy, best, draw(probs, shared, seeded))
     max_k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     if max_k is None:

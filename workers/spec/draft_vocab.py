@@ -47,6 +47,10 @@ class DraftVocab:
         """Token ids of positions in ``logits``' last dim."""
         return index if self.token_ids is None else self.token_ids[index]
 
+    def subset(self, row: Tensor) -> Tensor:
+        """A [V] row over every token -> [N] over the drafted-from ones."""
+        return row if self.token_ids is None else row[self.token_ids]
+
     def full(self, probs: Tensor, vocab_size: int) -> Tensor:
         """[B, N] probabilities over the subset -> [B, V] (zero outside it)."""
         if self.token_ids is None:

@@ -4,9 +4,10 @@ Per sequence, after the target forward (and, for a verify, acceptance), the head
 rows t = t0 .. t1 - 1 with (h_t, x_{t+1}) so its KV covers every computed position. For
 a sequence that samples, the last row's output drafts d_1, and k - 1 chained rows (each
 fed the previous draft and the head's own output) draft d_2 .. d_k. Drafts (and, for
-sampled drafting, the distribution each was drawn from) go to per-slot registers that
-the next verify of the request reads. Chained rows write speculative KV at positions the
-next catch-up overwrites.
+unseeded sampled drafting, the distribution each was drawn from) go to per-slot registers
+that the next verify of the request reads. A seeded draft is drawn with the noise the
+target will draw its token at that position with (``workers.sampling.seeded``). Chained
+rows write speculative KV at positions the next catch-up overwrites.
 
 A head of N > 1 layers (``workers/models/mtp.py``) catches every layer up over the same
 rows: layer j's row t takes layer j-1's output at t - 1. The output at t1 - 1 of layers
@@ -27,6 +28,7 @@ from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.sampling.params import SamplingParams
 from workers.sampling.sampler import _filter_top_k_top_p
+from workers.sampling.seeded import keyed_noise, position_seed
 from workers.spec.draft_vocab import DraftVocab
 
 
@@ -139,7 +141,7 @@ class MtpDrafter:
             self.draft_tokens[slots] = chain.run(hidden, last_pos, [s.page_ids for s in spans], size)
             return
         for j in range(self.k):
-            tokens = self._draw(self.vocab.logits(self.target, hidden), spans, slots, j)
+            tokens = self._draw(self.vocab.logits(self.target, hidden), spans, slots, j, [p + 2 + j for p in last_pos])
             self.draft_tokens[slots, j] = tokens
             pos = [p + 1 + j for p in last_pos]
             keep = [i for i, p in enumerate(pos) if p < self.max_model_len]
@@ -150,17 +152,25 @@ class MtpDrafter:
             hidden = self.mtp(fb, hidden[keep], self.pools, layer=(j + 1) % self.num_layers)
             spans, slots, last_pos = sub, slots[keep], [last_pos[i] for i in keep]
 
-    def _draw(self, logits: torch.Tensor, spans: list[MtpSpan], slots: torch.Tensor, j: int) -> torch.Tensor:
-        """Drafts from logits over the drafter's vocabulary [B, N] (token ids, [B]); a sampled
-        draft's distribution goes to ``draft_probs`` over the whole vocabulary."""
+    def _draw(
+        self, logits: torch.Tensor, spans: list[MtpSpan], slots: torch.Tensor, j: int, positions: list[int]
+    ) -> torch.Tensor:
+        """Drafts from logits over the drafter's vocabulary [B, N] (token ids, [B]) for the
+        tokens at ``positions``; an unseeded sampled draft's distribution goes to
+        ``draft_probs`` over the whole vocabulary (rejection sampling reads it)."""
         index = logits.argmax(dim=-1)
         for i, span in enumerate(spans):
             p = span.params
             if p is None or p.is_greedy:
                 continue
             probs = torch.softmax(_filter_top_k_top_p(logits[i] / p.temperature, p.effective_top_k, p.top_p), -1)
-            index[i] = torch.multinomial(probs, 1, generator=span.generator)[0]
             vocab_size = int(self.target.lm_head_weight().shape[0])
+            if p.seed is not None:  # the target's own noise at that position: see workers.sampling.seeded
+                assert span.generator is not None
+                noise = keyed_noise(probs.new_empty(vocab_size), span.generator, position_seed(p.seed, positions[i]))
+                index[i] = (probs / self.vocab.subset(noise)).argmax()
+                continue
+            index[i] = torch.multinomial(probs, 1, generator=span.generator)[0]
             if self.draft_probs is None:
                 self.draft_probs = torch.zeros(*self.draft_tokens.shape, vocab_size, device=self.device)
             self.draft_probs[slots[i], j] = self.vocab.full(probs, vocab_size)

@@ -111,6 +111,18 @@ def test_a_stream_resumed_mid_answer_equals_the_undisturbed_one(base, die_after)
     assert all(len(c) > 0 for c in client.requests[2].continuations)
 
 
+@pytest.mark.parametrize("die_after", [2, 5])
+def test_a_seeded_stream_resumed_mid_answer_equals_the_undisturbed_one(base, die_after):
+    seeded = {**FIELDS, "seed": 5, "temperature": 1.0, "top_p": 0.9}  # draws keyed by position
+    want, _ = streamed(base, **seeded)
+    app, client, counters = flaky(base, [die_after, 3])
+    got, errors = streamed(app, **seeded)
+    assert not errors
+    assert joined(got, 2) == joined(want, 2)
+    assert counters.totals[("hybridserve_stream_migrations_total", None)] == 2
+    assert all(len(c) > 0 for c in client.requests[2].continuations)
+
+
 def test_a_collected_answer_is_resumed_too(base):
     want = completion(base, logprobs=0)
     app, _, counters = flaky(base, [3])

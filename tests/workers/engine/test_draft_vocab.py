@@ -96,9 +96,12 @@ def test_the_subset_scores_its_rows_of_the_lm_head(subset_model, tiny_qwen_dir):
 def test_a_sampled_draft_is_drawn_from_the_subset(subset_model):
     model, subset = subset_model
     llm = make_llm(model, spec={"method": "mtp", "num_draft_tokens": 2})
-    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
-    llm.generate_ids(random_prompts(llm.engine.vocab_size, [7, 12], seed=2), [params] * 2)
-    probs = llm.engine.drafter.draft_probs
+    prompts = random_prompts(llm.engine.vocab_size, [7, 12], seed=2)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    llm.generate_ids(prompts, [seeded] * 2)  # drawn with the target's keyed noise, over the subset
+    assert set(llm.engine.drafter.draft_tokens.flatten().tolist()) <= set(subset) | {0}
+    llm.generate_ids(prompts, [SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)] * 2)
+    probs = llm.engine.drafter.draft_probs  # unseeded: q kept for rejection sampling
     assert probs is not None
     used = probs.sum(-1) > 0
     outside = torch.ones(probs.shape[-1], dtype=torch.bool)
