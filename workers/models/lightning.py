@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels import dense
 from kernels.lightning import lightning_attention
 from workers.models.layers import LayerContext, RMSNorm, activation, linear
 from workers.models.weights import WeightTarget, whole
@@ -91,7 +92,7 @@ class LightningAttention(nn.Module):
         states = ctx.pools.mamba.layer(ref)["ssm"]
         o = lightning_attention(q, k, v, self.slope, states, batch.recurrent)
         o = self.norm(o.reshape(num_tokens, -1))
-        return self.out_proj(torch.sigmoid(self.output_gate(x)) * o)
+        return self.out_proj(dense.pointwise(torch.sigmoid, self.output_gate(x)) * o)  # row-invariant gate
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """Parameters under their names; the saved buffers optional (see the module doc)."""
