@@ -32,6 +32,7 @@ graph without taking the GIL (why, in the .cpp; ``workers/compiled/cache.py`` ho
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -71,6 +72,15 @@ def build_flags() -> list[str]:
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, once load() ran; "error": str
+
+
+def source_digest() -> str:
+    """A digest of the native sources and build flags: what a compiled graph calling these ops
+    was built against (a cached graph calling an op whose schema changed would crash)."""
+    digest = hashlib.sha256(" ".join(build_flags()).encode())
+    for name in (*SOURCES, "native_common.h"):
+        digest.update((HERE / name).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def build_dir() -> Path:

@@ -13,8 +13,9 @@ holding an mkldnn tensor ("mkldnn tensors unpickleable"), which is what packing 
 weight that stays an ATen GEMM (MKL's packed layout: at a decode step of at most 8 rows,
 only the MoE routers' ``F.linear``, since the projections take the few-rows kernel). So
 with ``pack_weights`` every start-up lowers every graph again. ``configure_cache(dir)``
-points that directory at ``compile.cache_dir`` (process-wide: the directory is an
-environment variable inductor reads at each lookup) and turns both caches on.
+points that directory at a subdirectory of ``compile.cache_dir`` per build of the native ops
+(process-wide: the directory is an environment variable inductor reads at each lookup) and
+turns both caches on.
 ``cache_counters()`` reads inductor's hit / miss / bypass counters, the evidence that a
 warm restart did not recompile (or why it did).
 """
@@ -36,6 +37,7 @@ import torch
 from kernels import native_ops
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_USER_CACHE_DIR = os.environ.get(CACHE_ENV)  # as the process started, before configure_cache sets it
 # Graphs of one code object: one owner's buckets (compile_for_owner), with room to spare.
 RECOMPILE_LIMIT = 256
 SKIP_REFUSED = "skip_guard_eval_unsafe"  # in dynamo's error for a recompile under the skip
@@ -62,20 +64,21 @@ def check_owner(owner: int) -> None:
 
 
 def configure_cache(cache_dir: str | None) -> str:
-    """Use ``cache_dir`` (created if missing; None: inductor's default) for the persistent
-    caches and turn them on; returns the directory in use."""
+    """Use ``cache_dir`` (None: ``TORCHINDUCTOR_CACHE_DIR`` as the process started, else
+    inductor's default) for the persistent caches and turn them on; returns the directory in
+    use: a subdirectory per build of the native ops (``native_ops.source_digest``), since a
+    cached graph calls them by the schema it was compiled against."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    if cache_dir is not None:
-        path = Path(cache_dir).expanduser().resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        os.environ[CACHE_ENV] = str(path)
+    base = cache_dir if cache_dir is not None else _USER_CACHE_DIR or default_cache_dir()
+    path = Path(base).expanduser().resolve() / f"native-{native_ops.source_digest()}"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_ENV] = str(path)
     inductor_config.fx_graph_cache = True
     functorch_config.enable_autograd_cache = True
-    from torch._inductor.runtime.cache_dir_utils import cache_dir as current
-
-    return current()
+    return str(path)
 
 
 def compile_kwargs(on_gpu: bool, pack_weights: bool = False, gemm_templates: bool = True) -> dict[str, Any]:

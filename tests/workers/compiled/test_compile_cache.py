@@ -13,6 +13,9 @@ the graphs, which both caches refuse (``workers/compiled/cache.py``): the suite'
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 from torch._dynamo.utils import counters
 
@@ -90,3 +93,23 @@ def test_verify_steps_and_chain_ask_for_aten_gemms(monkeypatch):
     steps_mod.CompiledSteps(model, None, config, cpu, max_pages=4, page_size=16, verify_lens=(4,))
     chain_mod.CompiledChain(model, model, None, config, cpu, num_drafts=3, page_size=16, max_model_len=64, max_pages=4)
     assert asked == [("steps", True), ("steps", False), ("chain", False)]
+
+
+def test_the_cache_is_one_directory_per_native_build(tmp_path, monkeypatch):
+    """A cached graph calls the native ops by the schema it was compiled against: a changed
+    native source must not find the graphs built against the old one (it would crash)."""
+    from kernels import native_ops
+    from workers.compiled.cache import CACHE_ENV, configure_cache
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "restored after the test"))
+    first = Path(configure_cache(str(tmp_path)))
+    assert first.parent == tmp_path.resolve() and first.is_dir()
+    assert configure_cache(str(tmp_path)) == str(first)  # the same build: the same directory
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for name in (*native_ops.SOURCES, "native_common.h"):
+        shutil.copy(native_ops.HERE / name, sources / name)
+    (sources / "native_ops.cpp").write_text((sources / "native_ops.cpp").read_text() + "\n// another op\n")
+    monkeypatch.setattr(native_ops, "HERE", sources)
+    second = Path(configure_cache(str(tmp_path)))
+    assert second.parent == tmp_path.resolve() and second != first
