@@ -160,6 +160,9 @@ def app(deployed, tiny_qwen_dir):
         overrides={
             "server": {"api_key": KEY},
             "cache": {"page_size": 4, "max_kv_tokens": MAX_MODEL_LEN, "max_mamba_slots": 16},
+            # a stream that cannot go on ends with an error event: here none is resumed on
+            # another replica (stream migration has its own test, test_stream_migration.py)
+            "ingress": {"max_stream_resumes": 0},
         },
     )
 
