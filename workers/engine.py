@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from workers.sampling.grammar import GrammarCompiler, GrammarWaitlist
 from workers.sampling.params import SamplingParams
 from workers.sampling.requests import request_sampling
 from workers.sampling.sampler import GeneratorBank
-from workers.sampling.validate import check_params
+from workers.sampling.validate import check_output_prefix, check_params
 from workers.scheduler import Scheduler, pages_needed
 from workers.sizing import plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layers
@@ -198,9 +199,19 @@ class Engine(StoreEndpoints):
         )
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_prefix: Sequence[int] = ()
+    ) -> None:
+        """``output_prefix``: output tokens generated elsewhere (a prefill/decode hand-off),
+        the request's first outputs as if it had sampled them: ``max_tokens``, penalties,
+        the grammar and seeded draws count them; only what follows is output."""
         self._validate(request_id, prompt_token_ids)
         check_params(params, self.vocab_size)
+        prefix = list(output_prefix)
+        if prefix:
+            check_output_prefix(
+                len(prompt_token_ids), prefix, params, self.vocab_size, self.max_model_len, self.eos_token_id
+            )
         req = Request(
             request_id,
             list(prompt_token_ids),
@@ -209,6 +220,8 @@ class Engine(StoreEndpoints):
             handle=self._next_handle,
             eos_token_id=self.eos_token_id,
             sampling=request_sampling(params, self.eos_token_id, self.tokenizer),
+            output_token_ids=prefix,
+            num_resumed_outputs=len(prefix),
         )
         self._next_handle += 1
         self.outputs.add(req)

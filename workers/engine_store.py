@@ -43,6 +43,23 @@ class StoreEndpoints:
             return "invalid"
         return host.import_payload(payload, self.fingerprint)
 
+    def export_prompt(self, token_ids: list[int]) -> CheckpointPayload | None:
+        """The deepest checkpoint usable for ``token_ids`` (as ``local_depth`` finds it) with
+        the KV of its path, copied for a prefill/decode hand-off; a device checkpoint is first
+        copied into the host tier. None without a host tier or a checkpoint."""
+        host, tree = self.cache.host, self.cache.tree
+        if host is None:
+            return None
+        usable = token_ids[: len(token_ids) - 1]
+        hit = host.peek(usable)
+        device = tree.peek(usable) if tree is not None else None
+        if device is not None and device.checkpoint is not None and device.depth > hit.depth:
+            if host.demote(tree, device.node, evicting=False) in ("copied", "present"):
+                hit = host.peek(usable)
+        if hit.checkpoint is None:
+            return None
+        return host.export(usable[: hit.depth], self.fingerprint)
+
     def export_store_commits(self) -> list[CheckpointPayload]:
         """Copies of the checkpoints demoted since the last call that the host still holds."""
         host = self.cache.host

@@ -115,10 +115,17 @@ class LLM:
         return results
 
     # -- step by step (vLLM's LLMEngine shape) -------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue one request; ``step`` returns its output once it has finished."""
-        self.engine.add_request(request_id, prompt_token_ids, params)
-        self.frontend.add(request_id, list(prompt_token_ids), params)
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_prefix: Sequence[int] = ()
+    ) -> None:
+        """Queue one request; ``step`` returns its output once it has finished.
+        ``output_prefix``: its first outputs, generated elsewhere (``Engine.add_request``)."""
+        self.engine.add_request(request_id, prompt_token_ids, params, output_prefix)
+        try:
+            self.frontend.add(request_id, list(prompt_token_ids), params, output_prefix)
+        except ValueError:
+            self.engine.abort(request_id)
+            raise
 
     def step(self) -> list[RequestOutput]:
         """One engine step; the whole outputs of the requests that finished in it."""

@@ -11,7 +11,7 @@ dropped here, never shown.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -19,6 +19,8 @@ from workers.detokenizer import Decoder, IncrementalDetokenizer
 from workers.outputs import EngineOutput, OutputDelta, RequestOutput
 from workers.request import TokenLogprob
 from workers.sampling.params import SamplingParams
+
+HANDOFF = "handoff"  # a prefill replica's finish: the decode replica continues the output
 
 
 class Processed(NamedTuple):
@@ -39,6 +41,7 @@ class _Tracked:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     last_ids: list[int] = field(default_factory=list)
+    handoff: bool = False
 
     @property
     def finished(self) -> bool:
@@ -53,16 +56,34 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tracked
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_prefix: Sequence[int] = (),
+        handoff: bool = False,
+    ) -> None:
+        """``output_prefix``: the request's first outputs, generated and sent elsewhere (a
+        prefill/decode hand-off): replayed through the detokenizer, not sent again -- the text
+        it holds back (a possible stop string) comes with what follows, as in one run.
+        ``handoff``: the engine runs this request to its first token only; that finish by
+        length is a hand-off (``finish_reason`` ``handoff``), which sends no held-back text."""
         detok = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
+        for n, token_id in enumerate(output_prefix):
+            if detok.append(token_id, n + 1 >= params.min_tokens) is not None:
+                raise ValueError(f"output prefix token {n} completes a stop string: that output had finished")
+        detok.stream_delta(False)  # sent with the prefix
         self._tracked[request_id] = _Tracked(
             prompt_token_ids,
             params,
             detok,
+            token_ids=list(output_prefix),
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.needs_logprobs else None,
+            handoff=handoff,
         )
 
     def process(self, outputs: Iterable[EngineOutput]) -> Processed:
@@ -124,12 +145,15 @@ class OutputProcessor:
             t.logprobs.extend(shown)
         if not t.finished and out.finished:
             t.finish_reason, t.stop_reason = out.finish_reason, out.stop_reason
-            t.detok.flush()
+            if t.handoff and out.finish_reason == "length" and len(t.token_ids) < p.max_tokens:
+                t.finish_reason = HANDOFF  # the decode side goes on: nothing is flushed
+            else:
+                t.detok.flush()
         t.last_ids = kept
         return OutputDelta(
             out.request_id,
             kept,
-            t.detok.stream_delta(t.finished),
+            t.detok.stream_delta(t.finished and t.finish_reason != HANDOFF),
             shown,
             t.finished,
             t.finish_reason,

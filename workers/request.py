@@ -80,6 +80,8 @@ class Request:
     handle: int = 0
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # the first outputs were generated elsewhere and given at add (a prefill/decode hand-off)
+    num_resumed_outputs: int = 0
     # Per prompt position (entry 0 is None: nothing scores the first token); filled as
     # prefill chunks are processed when params.prompt_logprobs is set, else empty.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)

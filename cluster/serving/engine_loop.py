@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from workers.output_processor import OutputProcessor
@@ -192,18 +193,33 @@ class EngineLoop:
         return len({id(s) for s in self._streams.values()})
 
     async def submit(
-        self, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+        outputs: Sequence[Sequence[int]] = (),
+        handoff: bool = False,
     ) -> OutputStream:
-        """Queue every request (one prompt each) or none: a ValueError from the engine undoes the others."""
+        """Queue every request (one prompt each) or none: a ValueError from the engine undoes the others.
+
+        ``outputs``: per request, output tokens generated elsewhere (``Engine.add_request``'s
+        ``output_prefix``). ``handoff``: run each request to its first token only (a PD
+        prefill); a choice that would go on finishes with ``handoff``."""
         if self.error is not None:
             raise EngineLoopError(f"engine loop failed: {self.error!r}")
         stream = OutputStream(self, request_ids)
         assert self.frontend is not None
-        for rid, prompt, p in zip(request_ids, prompts, params):
-            self._streams[rid] = stream
-            self.frontend.add(rid, prompt, p)
+        prefixes = list(outputs) or [()] * len(request_ids)
         try:
-            await self.run(lambda e: _add_all(e, request_ids, prompts, params))
+            for rid, prompt, p, prefix in zip(request_ids, prompts, params, prefixes):
+                self._streams[rid] = stream
+                self.frontend.add(rid, prompt, p, prefix, handoff)
+        except ValueError:
+            self._unregister(request_ids)
+            raise
+        engine_params = [first_token_only(p) for p in params] if handoff else list(params)
+        try:
+            await self.run(lambda e: _add_all(e, request_ids, prompts, engine_params, prefixes))
         except BaseException as exc:
             self._unregister(request_ids)
             if isinstance(exc, asyncio.CancelledError):
@@ -364,13 +380,25 @@ def _ends(item: OutputDelta | BaseException) -> bool:
     return isinstance(item, BaseException) or item.finished
 
 
+def first_token_only(params: SamplingParams) -> SamplingParams:
+    """``params`` for a PD prefill: its first token drawn exactly as in a whole run (EOS and
+    stop tokens blocked when ``min_tokens`` > 0), then a finish by length."""
+    if params.max_tokens <= 1:
+        return params
+    return replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
 def _add_all(
-    engine: Engine, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+    engine: Engine,
+    request_ids: Sequence[str],
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    prefixes: Sequence[Sequence[int]],
 ) -> None:
     added: list[str] = []
     try:
-        for rid, prompt, p in zip(request_ids, prompts, params):
-            engine.add_request(rid, prompt, p)
+        for rid, prompt, p, prefix in zip(request_ids, prompts, params, prefixes):
+            engine.add_request(rid, prompt, p, prefix)
             added.append(rid)
     except BaseException:
         for rid in added:

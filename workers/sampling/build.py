@@ -208,7 +208,8 @@ class SamplingPlanner:
             rows.max_top = max(rows.max_top, p.logprobs or 0)
         if p.structured_output is not None:
             drafts = tuple(first_input + j for j in range(1, seq.num_new_tokens)) if seq.is_verify else ()
-            rows.grammar.append(GrammarRows(n, req.handle, p.structured_output, first_row, drafts))
+            replay = tuple(req.output_token_ids[: req.num_resumed_outputs])
+            rows.grammar.append(GrammarRows(n, req.handle, p.structured_output, first_row, drafts, replay))
 
     def _register(self, rows: _Rows, req: Request) -> int:
         register, fresh = self.registers.assign(req.handle, req.num_preemptions)

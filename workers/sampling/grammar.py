@@ -92,13 +92,18 @@ class GrammarBank:
         for handle in handles:
             self._matchers.pop(handle, None)
 
-    def matcher(self, handle: int, so: StructuredOutput) -> Any:
+    def matcher(self, handle: int, so: StructuredOutput, replay: tuple[int, ...] = ()) -> Any:
+        """The request's matcher; a new one first accepts ``replay`` (outputs given at add)."""
         m = self._matchers.get(handle)
         if m is None:
             import xgrammar as xgr
 
             m = xgr.GrammarMatcher(self.compiler.get(so))
             self._matchers[handle] = m
+            for t in replay:
+                if m.is_terminated() or not m.accept_token(t):
+                    logger.warning("request handle %d: its grammar refuses resumed output token %d", handle, t)
+                    break
         return m
 
     def bitmask(
@@ -110,7 +115,7 @@ class GrammarBank:
 
         mask = xgr.allocate_token_bitmask(sum(widths), self.compiler.vocab_size)
         for g, ds in zip(groups, drafts):
-            m = self.matcher(g.handle, g.constraint)
+            m = self.matcher(g.handle, g.constraint, g.replay)
             if m.is_terminated():  # only after an ignored EOS: unconstrained
                 continue
             m.fill_next_token_bitmask(mask, g.first_row)
@@ -129,7 +134,7 @@ class GrammarBank:
     def accept(self, groups: tuple[GrammarRows, ...], tokens: list[list[int]]) -> None:
         """Advance each matcher by its sequence's sampled (accepted) tokens."""
         for g in groups:
-            m = self.matcher(g.handle, g.constraint)
+            m = self.matcher(g.handle, g.constraint, g.replay)
             for t in tokens[g.seq]:
                 if m.is_terminated() or not m.accept_token(t):
                     break

@@ -107,6 +107,7 @@ class GrammarRows:
     constraint: StructuredOutput
     first_row: int
     draft_inputs: tuple[int, ...]
+    replay: tuple[int, ...] = ()  # outputs given at add: a new matcher accepts them first
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ class FakeEngine:
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)
 
-    def add_request(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, ids: list[int], params: SamplingParams, output_prefix=()) -> None:
         self._touch()
+        assert not output_prefix
         if any(t < 0 for t in ids):
             raise ValueError(f"token ids {[t for t in ids if t < 0]} are outside the vocabulary")
         self.live[rid], self.budget[rid] = [], params.max_tokens
