@@ -19,7 +19,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from configs.base import Frozen
-from configs.serving import IngressConfig, ReplicaConfig, RouterConfig
+from configs.serving import IngressConfig, PDConfig, ReplicaConfig, RouterConfig
 
 _ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = "configs/models/qwen3-next-tiny-py"
@@ -220,6 +220,7 @@ class HybridServeConfig(Frozen):
     router: RouterConfig = Field(RouterConfig(), description="which engine replica serves a request")
     replica: ReplicaConfig = Field(ReplicaConfig(), description="each engine replica's Serve deployment")
     ingress: IngressConfig = Field(IngressConfig(), description="the HTTP ingress deployment")
+    pd: PDConfig = Field(PDConfig(), description="prefill/decode disaggregation")
     server: ServerConfig = Field(ServerConfig(), description="the OpenAI API")
     metrics: MetricsConfig = Field(MetricsConfig(), description="Prometheus metrics")
     debug: DebugConfig = Field(DebugConfig(), description="checks and fault injection")
@@ -243,6 +244,12 @@ class HybridServeConfig(Frozen):
                 f"replica.resources {self.replica.resources} needs "
                 f"parallel.tensor_parallel_size=1 (a TP replica is placed by its placement "
                 f"group), got {tp}"
+            )
+        if self.pd.enabled and not (self.cache.enable_prefix_cache and self.cache.host_tier):
+            raise ValueError(
+                "pd (prefill/decode disaggregation) needs cache.enable_prefix_cache and the host tier "
+                f"(cache.host_mamba_slots, cache.host_kv_tokens > 0), got {self.cache.enable_prefix_cache}, "
+                f"{self.cache.host_mamba_slots}, {self.cache.host_kv_tokens}"
             )
         if self.deterministic and tp > 1:
             raise ValueError(f"deterministic needs parallel.tensor_parallel_size=1, got {tp}")

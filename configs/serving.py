@@ -147,3 +147,37 @@ class IngressConfig(Frozen):
                 f"ingress.max_ongoing_requests ({self.max_ongoing_requests})"
             )
         return self
+
+
+class PDConfig(Frozen):
+    """Prefill/decode disaggregation (``cluster/pd``): both replica counts 0 = colocated
+    engines (``parallel.num_replicas``); both > 0 = a prefill and a decode deployment behind
+    one ingress. A request goes to a decode replica directly when the best decode replica's
+    cache leaves at most ``max_local_prefill_tokens`` of its prompt to compute (a follow-up
+    turn, a short prompt), else a prefill replica runs its prompt to the first token and the
+    decode replica continues from the prompt's checkpoint, pulled from the prefill replica."""
+
+    prefill_replicas: int = Field(0, ge=0, description="prefill engine replicas; 0 (with decode_replicas 0): colocated")
+    decode_replicas: int = Field(0, ge=0, description="decode engine replicas; 0 (with prefill_replicas 0): colocated")
+    max_local_prefill_tokens: int = Field(
+        64, ge=0, description="uncached prompt tokens a decode replica computes itself instead of a prefill hop"
+    )
+    transfer_timeout_s: float = Field(
+        10.0, gt=0, description="how long a decode replica waits for a hand-off; then it prefills the prompt itself"
+    )
+    handoff_ttl_s: float = Field(
+        30.0, gt=0, description="how long a prefill replica keeps a hand-off no decode replica has taken"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill_replicas > 0 or self.decode_replicas > 0
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> PDConfig:
+        if (self.prefill_replicas > 0) != (self.decode_replicas > 0):
+            raise ValueError(
+                f"pd.prefill_replicas ({self.prefill_replicas}) and pd.decode_replicas ({self.decode_replicas}) "
+                "must both be 0 (colocated) or both > 0"
+            )
+        return self

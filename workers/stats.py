@@ -29,6 +29,7 @@ COUNTERS = (
     "hybridserve_invariant_checks_total",  # debug.check_invariants: steps checked
     "hybridserve_state_oracle_checks_total",  # debug.state_oracle_sample: checkpoints recomputed
     "hybridserve_state_oracle_mismatches_total",  # ... whose slot did not hold that state
+    "hybridserve_pd_transfer_bytes_total",  # PD: checkpoint bytes a decode replica imported
 )
 LABELLED_COUNTERS = {
     "hybridserve_mamba_donations_skipped_total": "path",
@@ -45,6 +46,10 @@ LABELLED_COUNTERS = {
     "hybridserve_tier_bytes_total": "direction",
     "hybridserve_store_fetches_total": "outcome",
     "hybridserve_store_commits_total": "outcome",
+    # Prefill/decode disaggregation (cluster/pd): hand-offs exported (prefill replicas) and
+    # taken (decode replicas; anything but ``imported`` / ``present`` means a local prefill).
+    "hybridserve_pd_handoffs_total": "outcome",
+    "hybridserve_pd_transfers_total": "outcome",
 }
 # Fixed label values of the labelled counters above (exported at 0 until counted).
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
@@ -56,6 +61,8 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "hybridserve_tier_bytes_total": ("device_to_host", "host_to_device", "store_put", "store_get"),
     "hybridserve_store_fetches_total": ("fetched", "recomputed", "present", "lost", "invalid", "host_full", "error"),
     "hybridserve_store_commits_total": ("committed", "duplicate", "error"),
+    "hybridserve_pd_handoffs_total": ("exported", "no_checkpoint", "expired"),
+    "hybridserve_pd_transfers_total": ("imported", "present", "invalid", "host_full", "lost", "timeout", "error"),
 }
 HISTOGRAMS = (
     "hybridserve_time_to_first_token_seconds",
@@ -63,6 +70,7 @@ HISTOGRAMS = (
     "hybridserve_e2e_request_latency_seconds",
     "hybridserve_step_duration_seconds",
     "hybridserve_step_gap_seconds",
+    "hybridserve_pd_transfer_seconds",  # PD: a decode replica's pull of a hand-off
 )
 GAUGES = (
     "hybridserve_num_running_requests",

@@ -44,6 +44,7 @@ BUCKETS = {
     "hybridserve_e2e_request_latency_seconds": LATENCY_BUCKETS + (320.0, 640.0),
     "hybridserve_step_duration_seconds": STEP_BUCKETS,
     "hybridserve_step_gap_seconds": STEP_BUCKETS,
+    "hybridserve_pd_transfer_seconds": STEP_BUCKETS + (5.0, 10.0),
 }
 ROUTER_DECISIONS = "hybridserve_router_decisions_total"
 # The ingresses' stream resumes (``cluster/api/resumable.py``), summed per model; the
@@ -52,6 +53,11 @@ STREAM_MIGRATIONS = "hybridserve_stream_migrations_total"
 STREAM_RETRIES = "hybridserve_stream_retries_total"
 STREAM_RESUME_FAILURES = "hybridserve_stream_resume_failures_total"
 RESUME_FAILURE_REASONS = ("exhausted", "timeout", "not_resumable", "refused")
+# Prefill/decode disaggregation (``cluster/pd``): how the ingress routed each request.
+PD_REQUESTS = "hybridserve_pd_requests_total"
+PD_ROUTES = ("direct", "prefill", "fallback")
+# The label of each labelled ingress counter.
+INGRESS_LABELS = {STREAM_RESUME_FAILURES: "reason", PD_REQUESTS: "route"}
 # The engine's fixed label sets (workers/cache/checkpoints.py, workers/cache/records.py,
 # workers/request.py, the tiers' in workers/stats.py); values outside them are still
 # exported when counted.
@@ -186,15 +192,18 @@ class MetricsRegistry:
         return list(fams.values())
 
     def _ingress_families(self, fams: dict[str, Metric]) -> None:
-        """The resume counters of every model seen, at 0 until counted."""
+        """The ingresses' counters of every model seen, at 0 until counted (the PD routes
+        once a model's ingress has routed one request)."""
         models = {m for m, _ in self._replicas} | {m for m, _, _ in self._ingress}
         counts = {(m, n, ""): 0.0 for m in models for n in (STREAM_MIGRATIONS, STREAM_RETRIES)}
         counts.update({(m, STREAM_RESUME_FAILURES, r): 0.0 for m in models for r in RESUME_FAILURE_REASONS})
+        pd_models = {m for m, n, _ in self._ingress if n == PD_REQUESTS}  # only apps that disaggregate
+        counts.update({(m, PD_REQUESTS, r): 0.0 for m in pd_models for r in PD_ROUTES})
         counts.update(self._ingress)
         for (model, name, label), n in sorted(counts.items()):
-            labels = ["model", "reason"] if name == STREAM_RESUME_FAILURES else ["model"]
-            fam = _family(fams, name, CounterMetricFamily, labels)
-            fam.add_metric([model, label] if name == STREAM_RESUME_FAILURES else [model], n)
+            key = INGRESS_LABELS.get(name)
+            fam = _family(fams, name, CounterMetricFamily, ["model", key] if key else ["model"])
+            fam.add_metric([model, label] if key else [model], n)
 
 
 def _absorb(series: _ReplicaSeries, name: str, value: object) -> None:

@@ -8,12 +8,15 @@ The replica's ``generate`` stream yields, in order:
 1. exactly one of ``Accepted`` (every choice was queued) or a ``GenerateError`` (the
    engine refused the input; nothing was queued, nothing stays allocated);
 2. then lists of ``GenerateChunk`` (per-step deltas, several coalesced when the consumer
-   is slower than the engine) until every choice has sent ``finished=True``.
+   is slower than the engine) until every choice has sent ``finished=True``;
+3. for a ``prefill_only`` request some choice of which finished with ``handoff``: one
+   ``Handoff``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.request import TokenLogprob
 from workers.sampling.params import SamplingParams
@@ -31,10 +34,19 @@ class GenerateRequest:
     params: list[SamplingParams]  # one per choice (n of them)
     prompt: str = ""  # the prompt text when known (for text-based routers)
     continuations: tuple[tuple[int, ...], ...] = ()
+    # Prefill/decode disaggregation (``cluster/pd``). ``output_prefixes``: per choice, output
+    # tokens already sent (``Engine.add_request``'s ``output_prefix``: counted, replayed, not
+    # sent again). ``prefill_only``: run each choice to its first token, then end the stream
+    # with a ``Handoff``. ``handoff``: the ``HandoffTicket`` of the prompt's checkpoint.
+    output_prefixes: tuple[tuple[int, ...], ...] = ()
+    prefill_only: bool = False
+    handoff: Any = None
 
     def __post_init__(self) -> None:
-        if self.continuations and len(self.continuations) != len(self.params):
-            raise ValueError(f"{len(self.continuations)} continuations for {len(self.params)} choices")
+        for name in ("continuations", "output_prefixes"):
+            got = getattr(self, name)
+            if got and len(got) != len(self.params):
+                raise ValueError(f"{len(got)} {name} for {len(self.params)} choices")
 
     @property
     def num_choices(self) -> int:
@@ -68,6 +80,14 @@ class Accepted:
     """First stream item: every choice of the request is queued in the engine."""
 
     num_choices: int
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Last item of a ``prefill_only`` stream whose choices go on: the ticket of the prompt's
+    checkpoint (None when the prefill replica holds none: the decode replica computes it)."""
+
+    ticket: Any
 
 
 @dataclass(frozen=True)

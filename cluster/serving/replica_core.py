@@ -22,19 +22,30 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+from cluster.pd.handoff import HandoffSource, HandoffStash, export_handoff, import_handoff
 from cluster.serving.engine_loop import EngineLoop
-from cluster.serving.messages import Accepted, GenerateChunk, GenerateError, GenerateRequest, ModelInfo, ReplicaStats
+from cluster.serving.messages import (
+    Accepted,
+    GenerateChunk,
+    GenerateError,
+    GenerateRequest,
+    Handoff,
+    ModelInfo,
+    ReplicaStats,
+)
 from configs.schema import HybridServeConfig
 from configs.serving import ReplicaConfig
+from workers.output_processor import HANDOFF
 from workers.outputs import OutputDelta
 
 if TYPE_CHECKING:  # the engine's module loads torch; the type is enough here
     from workers.engine import Engine
+    from workers.tiers.payload import CheckpointPayload
 
-StreamItem = Accepted | GenerateError | list[GenerateChunk]
+StreamItem = Accepted | GenerateError | list[GenerateChunk] | Handoff
 logger = logging.getLogger(__name__)
 
 
@@ -130,20 +141,28 @@ class ReplicaCore:
         config: HybridServeConfig,
         pacing: StreamPacing | float = 0.0,
         fetcher: Fetcher | None = None,
+        pd: PDSide | None = None,
     ) -> None:
         self.loop = loop
         self.config = config
         self.pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))
         self.fetcher = fetcher
+        self.pd = pd or PDSide(config.pd.transfer_timeout_s)
+        if self.pd.stash is None:
+            self.pd = replace(self.pd, stash=HandoffStash(config.pd.handoff_ttl_s))
 
     @classmethod
     async def create(
-        cls, config: HybridServeConfig, pacing: StreamPacing | float = 0.0, fetcher: Fetcher | None = None
+        cls,
+        config: HybridServeConfig,
+        pacing: StreamPacing | float = 0.0,
+        fetcher: Fetcher | None = None,
+        pd: PDSide | None = None,
     ) -> ReplicaCore:
         # refused before the build
         pacing = pacing if isinstance(pacing, StreamPacing) else StreamPacing(float(pacing))
         loop = await EngineLoop.create(lambda: _publishing(build_engine(config)))
-        return cls(loop, config, pacing, fetcher)
+        return cls(loop, config, pacing, fetcher, pd)
 
     def model_info(self) -> ModelInfo:
         engine = self.loop.engine
@@ -152,24 +171,36 @@ class ReplicaCore:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         rids = [f"{req.request_id}-{j}" for j in range(req.num_choices)]
         prompts = req.choice_prompts()
-        if self.fetcher is not None and wants_cache(req):
+        if req.handoff is not None and self.pd.source is not None:
+            await import_handoff(self.loop, self.pd.source, req.handoff, self.pd.timeout_s)
+        elif self.fetcher is not None and wants_cache(req):
             try:  # a resumed choice's prompt reaches into its answer: fetch the deepest
                 await self.fetcher.prefetch(self.loop, max(prompts, key=len))
             except Exception:  # noqa: BLE001 - the store is an optimisation; the request runs anyway
                 logger.warning("prefetch from the checkpoint store failed", exc_info=True)
         try:
-            stream = await self.loop.submit(rids, prompts, req.params)
+            stream = await self.loop.submit(rids, prompts, req.params, req.output_prefixes, req.prefill_only)
         except ValueError as exc:
             yield GenerateError(str(exc), param="prompt")
             return
+        handed_off = False
         try:
             yield Accepted(req.num_choices)
             clock, not_before = asyncio.get_running_loop(), 0.0
             while (batch := await stream.next_batch(not_before)) is not None:
+                handed_off |= any(delta.finish_reason == HANDOFF for _, delta in batch)
                 yield [_chunk(i, delta) for i, delta in batch]
                 not_before = clock.time() + self.pacing.gap(self.loop.num_streams)
         finally:
             stream.close()
+        if handed_off:
+            assert self.pd.stash is not None
+            yield Handoff(await export_handoff(self.loop, self.pd.stash, self.pd.replica_id, req.prompt_token_ids))
+
+    def take_handoff(self, key: str) -> CheckpointPayload | None:
+        """A stashed hand-off, once (the decode replica's pull)."""
+        assert self.pd.stash is not None
+        return self.pd.stash.take(key)
 
     async def flush_cache(self) -> bool:
         """Empty the prefix cache; False when the engine has no prefix cache to flush.
@@ -211,6 +242,17 @@ class ReplicaCore:
 
     async def shutdown(self) -> None:
         await self.loop.shutdown()
+
+
+@dataclass(frozen=True)
+class PDSide:
+    """A replica's part in prefill/decode disaggregation: where it pulls hand-offs from
+    (``source``; decode replicas) and where it keeps those it exports (``stash``)."""
+
+    timeout_s: float
+    source: HandoffSource | None = None
+    stash: HandoffStash | None = None
+    replica_id: str = "local"
 
 
 def _chunk(index: int, delta: OutputDelta) -> GenerateChunk:
