@@ -8,7 +8,9 @@ written out for readability. ``build_app_from_config`` is the same for callers h
 config object (the CLI, tests).
 
 The app: ``OpenAIIngress`` (route prefix of the app) -> ``EngineReplica`` x
-``parallel.num_replicas``, routed by ``HybridPrefixRouter`` with ``router.policy``. Every
+``parallel.num_replicas``, routed by ``HybridPrefixRouter`` with ``router.policy``. With
+``pd.prefill_replicas`` and ``pd.decode_replicas`` (``cluster/pd``): two deployments of
+``EngineReplica``, ``PDPrefill`` and ``PDDecode``, behind the one ingress. Every
 deployment gets the whole config and reads its own section.
 """
 
@@ -23,6 +25,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from cluster.api.ingress import OpenAIIngress
+from cluster.pd.ray_edge import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT
 from cluster.routing.router import HybridPrefixRouter
 from cluster.serving.replica import EngineReplica
 from cluster.serving.replica_core import check_supported
@@ -89,23 +92,39 @@ def build_app_from_config(
         config = with_overrides(config, args.overrides())
     check_supported(config)
     dumped = config.model_dump(mode="json")
+    if not config.pd.enabled:
+        num = config.parallel.num_replicas
+        engine = _engine_deployment(config, dumped, "EngineReplica", num, request_router_config)
+        return _ingress(config).bind(engine.bind(dumped), dumped)
+    pd = config.pd
+    prefill = _engine_deployment(config, dumped, PREFILL_DEPLOYMENT, pd.prefill_replicas, request_router_config)
+    decode = _engine_deployment(config, dumped, DECODE_DEPLOYMENT, pd.decode_replicas, request_router_config)
+    return _ingress(config).bind(decode.bind(dumped, "decode"), dumped, prefill.bind(dumped, "prefill"))
+
+
+def _engine_deployment(
+    config: HybridServeConfig,
+    dumped: dict[str, Any],
+    name: str,
+    num_replicas: int,
+    request_router_config: RequestRouterConfig | None,
+) -> Any:
     replica = config.replica
-    engine = (
-        serve.deployment(EngineReplica, name="EngineReplica")
-        .options(
-            num_replicas=config.parallel.num_replicas,
-            max_ongoing_requests=replica.max_ongoing_requests,
-            max_queued_requests=replica.max_queued_requests,
-            health_check_period_s=replica.health_check_period_s,
-            health_check_timeout_s=replica.health_check_timeout_s,
-            graceful_shutdown_wait_loop_s=replica.graceful_shutdown_wait_loop_s,
-            graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
-            request_router_config=request_router_config
-            or RequestRouterConfig(request_router_class=HybridPrefixRouter, request_router_kwargs={"config": dumped}),
-            **replica_placement(config),
-        )
-        .bind(dumped)
+    return serve.deployment(EngineReplica, name=name).options(
+        num_replicas=num_replicas,
+        max_ongoing_requests=replica.max_ongoing_requests,
+        max_queued_requests=replica.max_queued_requests,
+        health_check_period_s=replica.health_check_period_s,
+        health_check_timeout_s=replica.health_check_timeout_s,
+        graceful_shutdown_wait_loop_s=replica.graceful_shutdown_wait_loop_s,
+        graceful_shutdown_timeout_s=replica.graceful_shutdown_timeout_s,
+        request_router_config=request_router_config
+        or RequestRouterConfig(request_router_class=HybridPrefixRouter, request_router_kwargs={"config": dumped}),
+        **replica_placement(config),
     )
+
+
+def _ingress(config: HybridServeConfig) -> Any:
     opts = config.ingress
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=opts.num_replicas,
@@ -118,4 +137,4 @@ def build_app_from_config(
             **({"resources": dict(opts.resources)} if opts.resources else {}),
         },
     )
-    return ingress.bind(engine, dumped)
+    return ingress

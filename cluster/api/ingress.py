@@ -24,6 +24,9 @@ from cluster.api.admission import AdmissionLimit
 from cluster.api.http_api import make_api
 from cluster.api.openai_server import OpenAIServer, ServerSettings
 from cluster.api.resumable import ResumeSettings, StreamCounters
+from cluster.observability.metrics_registry import PD_REQUESTS
+from cluster.pd.client import PDEngineClient
+from cluster.pd.ray_edge import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, DecodeDepths, in_deployment
 from cluster.serving.engine_client import GenerateStream
 from cluster.serving.messages import GenerateRequest, ModelInfo
 from configs.schema import HybridServeConfig
@@ -33,9 +36,16 @@ class ServeEngineClient:
     """``EngineClient`` over the engine deployment's handle."""
 
     def __init__(
-        self, handle: DeploymentHandle, app_name: str, forget_after_s: float, metrics_host: str, metrics_port: int
+        self,
+        handle: DeploymentHandle,
+        app_name: str,
+        forget_after_s: float,
+        metrics_host: str,
+        metrics_port: int,
+        deployment: str = "",
     ) -> None:
         self._handle = handle
+        self._deployment = deployment  # a PD app's prefill or decode deployment: its replicas only
         # by value: stream items travel on the replicas' gRPC channel, not as Ray objects,
         # which costs this hop less CPU per item (BENCHMARKS.md, the HTTP path)
         self._stream = handle.options(stream=True, _by_reference=False)
@@ -56,6 +66,8 @@ class ServeEngineClient:
         ``OpenAIServer._open_streams``).
         """
         ids = await self._index.replicas.remote()
+        if self._deployment:
+            ids = [r for r in ids if in_deployment(r, self._deployment)]
         call = getattr(self._handle, method)
         if not ids:
             return [await call.remote()]
@@ -96,15 +108,29 @@ def replica_died(exc: BaseException) -> bool:
 
 @serve.ingress()
 class OpenAIIngress:
-    async def __init__(self, engine: DeploymentHandle, config: dict[str, Any]) -> None:
+    async def __init__(
+        self, engine: DeploymentHandle, config: dict[str, Any], prefill: DeploymentHandle | None = None
+    ) -> None:
+        """``engine``: the engine deployment (a PD app's decode deployment, ``prefill`` its
+        prefill deployment: ``cluster/pd``)."""
         from workers.loader import load_tokenizer
 
         cfg = HybridServeConfig.model_validate(config)
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir())  # data only, no checkpoint code
         app_name = serve.get_replica_context().app_name
-        client = ServeEngineClient(engine, app_name, cfg.replica.forget_after_s, cfg.server.host, cfg.metrics.port)
+        where = (app_name, cfg.replica.forget_after_s, cfg.server.host, cfg.metrics.port)
+        engines = ServeEngineClient(engine, *where, deployment=DECODE_DEPLOYMENT if prefill else "")
         model = cfg.served_model_name()
-        counters = StreamCounters(lambda name, label: client.push_count(model, name, label))
+        counters = StreamCounters(lambda name, label: engines.push_count(model, name, label))
+        client: Any = engines
+        if prefill is not None:
+            client = PDEngineClient(
+                ServeEngineClient(prefill, *where, deployment=PREFILL_DEPLOYMENT),
+                engines,
+                DecodeDepths(get_index_actor(app_name, cfg.replica.forget_after_s)),
+                cfg.pd.max_local_prefill_tokens,
+                lambda route: counters.inc(PD_REQUESTS, route),
+            )
         resume = ResumeSettings.from_config(cfg.ingress, replica_died)
         self._server = OpenAIServer(client, tokenizer, ServerSettings.from_config(cfg), resume, counters)
         self._max_in_flight, self._retry_after_s = cfg.ingress.max_in_flight, cfg.ingress.retry_after_s

@@ -12,7 +12,8 @@ With ``cache.cluster_store_bytes`` the replica also talks to the app's checkpoin
 its host tier, and the store-tier events go to the router index with the others.
 
 Methods: ``generate`` (streaming; cancelling the call aborts the request in the engine),
-``model_info``, ``flush_cache``, ``stats``, ``check_health`` (Serve calls it). Calls with
+``model_info``, ``flush_cache``, ``stats``, ``check_health`` (Serve calls it), and in a
+disaggregated app ``take_handoff`` (prefill replicas; ``cluster/pd``). Calls with
 ``target_replica`` are routed to that replica by ``HybridPrefixRouter``.
 """
 
@@ -29,8 +30,9 @@ import ray
 from ray import serve
 
 from cluster.actors import get_index_actor, get_metrics_actor, get_store_actor
+from cluster.pd.ray_edge import PREFILL_DEPLOYMENT, RayHandoffSource
 from cluster.serving.messages import GenerateRequest, ModelInfo
-from cluster.serving.replica_core import ReplicaCore, StreamItem, StreamPacing
+from cluster.serving.replica_core import PDSide, ReplicaCore, StreamItem, StreamPacing
 from cluster.store.actor import RayStoreBackend
 from cluster.store.client import FetchSettings, StoreClient
 from configs.schema import HybridServeConfig
@@ -53,7 +55,8 @@ def freeze_startup_objects() -> int:
 
 
 class EngineReplica:
-    async def __init__(self, config: dict[str, Any]) -> None:
+    async def __init__(self, config: dict[str, Any], pd_role: str = "") -> None:
+        """``pd_role``: ``prefill`` or ``decode`` in a disaggregated app (``cluster/pd``)."""
         self._config = HybridServeConfig.model_validate(config)
         self._opts = self._config.replica
         self._model_name = self._config.served_model_name()
@@ -61,10 +64,17 @@ class EngineReplica:
         self._replica_id = ctx.replica_id.to_full_id_str()
         rank = getattr(ctx, "rank", None)
         self._label = str(rank.rank) if rank is not None else ctx.replica_tag
+        if pd_role:  # two deployments: their ranks would share labels
+            self._label = f"{pd_role}-{self._label}"
         self._index = get_index_actor(ctx.app_name, self._opts.forget_after_s)
         self._metrics = get_metrics_actor(ctx.app_name, self._config.server.host, self._config.metrics.port)
         self._store = self._store_client(ctx.app_name)
-        self._core = await ReplicaCore.create(self._config, StreamPacing.from_config(self._opts), fetcher=self._store)
+        self._core = await ReplicaCore.create(
+            self._config,
+            StreamPacing.from_config(self._opts),
+            fetcher=self._store,
+            pd=self._pd_side(ctx.app_name, pd_role),
+        )
         frozen = freeze_startup_objects()
         self._lock = asyncio.Lock()  # orders event pushes against flush + clear
         self._index.apply.remote(self._replica_id, [])
@@ -87,9 +97,19 @@ class EngineReplica:
             RayStoreBackend(actor, settings.timeout_s), self._config.cache.page_size, self._replica_id, settings
         )
 
+    def _pd_side(self, app_name: str, role: str) -> PDSide:
+        source = None
+        if role == "decode":
+            source = RayHandoffSource(serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name))
+        return PDSide(self._config.pd.transfer_timeout_s, source, replica_id=self._replica_id)
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         async for item in self._core.generate(req):
             yield item
+
+    def take_handoff(self, key: str, target_replica: str | None = None) -> Any:
+        """A prefill replica's stashed hand-off, once (a decode replica pulls it)."""
+        return self._core.take_handoff(key)
 
     def model_info(self) -> ModelInfo:
         return self._core.model_info()
