@@ -3,7 +3,7 @@
 ``build_app(args)`` is what ``deploy/serve.yaml`` names (``cluster.app:build_app``); its
 ``args`` are ``AppArgs``: a hybridserve YAML path plus overrides of the one config
 (``configs/schema.py``): ``set`` by dotted name as on the CLI, and the ``router``,
-``replica`` and ``ingress`` sections and ``model_name`` (``server.served_model_name``)
+``replica``, ``ingress`` and ``pd`` sections and ``model_name`` (``server.served_model_name``)
 written out for readability. ``build_app_from_config`` is the same for callers holding a
 config object (the CLI, tests).
 
@@ -44,10 +44,11 @@ class AppArgs(Frozen):
     router: dict[str, Any] = Field(default_factory=dict)  # the config's router section
     replica: dict[str, Any] = Field(default_factory=dict)
     ingress: dict[str, Any] = Field(default_factory=dict)
+    pd: dict[str, Any] = Field(default_factory=dict)  # prefill/decode disaggregation (deploy/serve-pd.yaml)
 
     def overrides(self) -> dict[str, Any]:
         """One override tree; a key given two values (a section and ``set``) is refused."""
-        sections = {"router": self.router, "replica": self.replica, "ingress": self.ingress}
+        sections = {"router": self.router, "replica": self.replica, "ingress": self.ingress, "pd": self.pd}
         if self.model_name:
             sections["server"] = {"served_model_name": self.model_name}
         return combine_overrides({"args": sections, "args.set": self.set})

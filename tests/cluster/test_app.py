@@ -24,10 +24,23 @@ def test_shipped_serve_yaml_builds_the_app():
     assert type(app).__name__ == "Application"
 
 
-def test_kuberay_manifest_embeds_a_valid_serve_config():
+def test_shipped_pd_yaml_builds_prefill_and_decode_deployments():
+    args = yaml.safe_load((ROOT / "deploy" / "serve-pd.yaml").read_text())["applications"][0]["args"]
+    app = build_app(args)
+    decode, _config, prefill = app._bound_deployment.init_args
+    assert (decode._bound_deployment.name, prefill._bound_deployment.name) == ("PDDecode", "PDPrefill")
+    assert (decode._bound_deployment.init_args[1], prefill._bound_deployment.init_args[1]) == ("decode", "prefill")
+    with pytest.raises(ValueError, match="needs cache.enable_prefix_cache and the host tier"):
+        build_app({"pd": {"prefill_replicas": 1, "decode_replicas": 1}})
+    with pytest.raises(ValueError, match="must both be 0"):
+        build_app({"pd": {"prefill_replicas": 1}})
+
+
+@pytest.mark.parametrize("manifest", ["rayservice.yaml", "rayservice-pd.yaml"])
+def test_kuberay_manifest_embeds_a_valid_serve_config(manifest):
     from ray.serve.schema import ServeDeploySchema
 
-    spec = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())["spec"]
+    spec = yaml.safe_load((ROOT / "deploy" / manifest).read_text())["spec"]
     serve_config = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
     args = serve_config.applications[0].args
     assert serve_config.applications[0].import_path == "cluster.app:build_app"

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.observability.dashboards import CLUSTER, DASHBOARDS, ENGINE
 from cluster.observability.dashboards.model import metric_names, substitute, variables_in
 from cluster.observability.dashboards.writer import OUT_DIR, file_name, render, stale_files
-from cluster.observability.metrics_registry import MetricsRegistry
+from cluster.observability.metrics_registry import PD_REQUESTS, MetricsRegistry
 from cluster.store.checkpoint_store import CheckpointStore
 from workers.stats import STORE_COUNTERS, STORE_GAUGES, EngineStats
 
@@ -34,6 +34,7 @@ HYBRIDSERVE_LABELS = {
     "tier",
     "outcome",
     "direction",
+    "route",  # hybridserve_pd_requests_total: three values
 }
 # What the issue asks each dashboard to show (a title may cover several items).
 REQUIRED_PANELS = {
@@ -86,6 +87,7 @@ def exported_names() -> set[str]:
     assert set(store) == set(STORE_GAUGES + STORE_COUNTERS)  # the store pushes workers/stats names
     reg.update_replica("m", "store", store, {})
     reg.add_router_decisions("m", {"prefix": 1})
+    reg.add_ingress_count("m", PD_REQUESTS, "direct")  # a disaggregated app's ingress
 
     class Collector:
         def collect(self):

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from cluster.observability.dashboards.model import Dashboard, Panel, Row, Target, Variable
 from cluster.observability.dashboards.promql import gauge, quantile, rate, ratio
+from cluster.observability.dashboards.pd import PD
 from cluster.observability.dashboards.tiers import STORE
 
 MODEL = 'model=~"$model"'
 APP = 'application=~"$application"'
-ENGINE_DEPLOYMENT = f'{APP}, deployment="EngineReplica"'
+ENGINE_DEPLOYMENT = f'{APP}, deployment=~"EngineReplica|PDPrefill|PDDecode"'
 
 REPLICAS = Row(
     "Replicas",
@@ -159,7 +160,7 @@ CLUSTER = Dashboard(
     uid="hybridserve-cluster",
     title="hybridserve / Cluster",
     description="Replicas, routing, the cluster checkpoint store and Ray Serve traffic of a hybridserve cluster.",
-    rows=(REPLICAS, ROUTING, STORE, SERVE),
+    rows=(REPLICAS, ROUTING, PD, STORE, SERVE),
     variables=(
         Variable("model", "Model", "label_values(hybridserve_num_running_requests, model)"),
         Variable("application", "Serve application", "label_values(ray_serve_num_http_requests_total, application)"),
