@@ -9,8 +9,8 @@ replicas by Serve replica id, the engine by rank; both are shown as they are.
 from __future__ import annotations
 
 from cluster.observability.dashboards.model import Dashboard, Panel, Row, Target, Variable
-from cluster.observability.dashboards.promql import gauge, quantile, rate, ratio
 from cluster.observability.dashboards.pd import PD
+from cluster.observability.dashboards.promql import gauge, quantile, rate, ratio
 from cluster.observability.dashboards.tiers import STORE
 
 MODEL = 'model=~"$model"'
