@@ -200,3 +200,24 @@ def test_failed_prefill_replica_and_lost_handoff_cost_a_local_prefill(env):
     env.prefill.pd.stash.expire()  # the unclaimed payload: dropped at its ttl in service
     env.prefill.pd.stash._entries.clear()
     env.assert_no_leaks()
+
+
+def test_cancelling_in_either_phase_leaves_nothing_held(env):
+    from cluster.serving.messages import Accepted, GenerateRequest
+    from workers.sampling.params import SamplingParams
+
+    async def cancel_after(n_items: int, rid: str) -> int:
+        params = [SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)]
+        stream = env.pd_client.generate(GenerateRequest(rid, prompt(77, 64), params))
+        seen = 0
+        async for item in stream:
+            seen += 0 if isinstance(item, Accepted) else sum(len(c.new_token_ids) for c in item)
+            if seen >= n_items:
+                break
+        stream.cancel()
+        return seen
+
+    assert env.loop.run_until_complete(cancel_after(0, "cancel-prefill")) == 0  # at Accepted: prefilling
+    assert env.loop.run_until_complete(cancel_after(5, "cancel-decode")) >= 5  # decoding
+    env.prefill.pd.stash._entries.clear()  # a hand-off its decode leg never pulled: dropped at its ttl
+    env.assert_no_leaks()
