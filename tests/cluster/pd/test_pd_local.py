@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -35,6 +36,8 @@ TESTED = {
     "scheduler": {**BASE["scheduler"], "overlap": True},
     "spec": {"method": "mtp", "num_draft_tokens": 3},
     "pd": {"prefill_replicas": 1, "decode_replicas": 1, "max_local_prefill_tokens": MAX_LOCAL},
+    # every step's ledger invariants; every checkpoint published recomputed from its tokens
+    "debug": {"check_invariants": True, "state_oracle_sample": 1.0},
 }
 
 
@@ -106,6 +109,10 @@ class Env:
             assert c["kv_pages_free"] + c["kv_pages_cached"] == c["kv_pages_usable"], c
             assert c["mamba_slots_free"] + c["mamba_slots_cached"] == c["mamba_slots_usable"], c
         assert len(self.prefill.pd.stash) == 0
+        stats = self.decode.loop.engine.stats
+        assert stats.counters["hybridserve_state_oracle_checks_total"] > 0
+        assert stats.counters["hybridserve_state_oracle_mismatches_total"] == 0
+        assert not dict(stats.labelled["hybridserve_invariant_violations_total"])
 
 
 @pytest.fixture(scope="module")
@@ -220,4 +227,22 @@ def test_cancelling_in_either_phase_leaves_nothing_held(env):
     assert env.loop.run_until_complete(cancel_after(0, "cancel-prefill")) == 0  # at Accepted: prefilling
     assert env.loop.run_until_complete(cancel_after(5, "cancel-decode")) >= 5  # decoding
     env.prefill.pd.stash._entries.clear()  # a hand-off its decode leg never pulled: dropped at its ttl
+    env.assert_no_leaks()
+
+
+class SlowSource:
+    async def take(self, ticket):
+        await asyncio.sleep(5)
+
+
+def test_a_late_handoff_costs_a_local_prefill(env):
+    body = {"model": "tiny", "max_tokens": 10, "temperature": 0, "prompt": prompt(41, 36)}
+    pd = env.decode.pd
+    env.decode.pd = replace(pd, source=SlowSource(), timeout_s=0.2)
+    try:
+        assert texts(env.post(env.pd_api, body)) == texts(env.post(env.ref_api, body))
+    finally:
+        env.decode.pd = pd
+    assert env.counters(env.decode, "hybridserve_pd_transfers_total")["timeout"] == 1
+    env.prefill.pd.stash._entries.clear()  # never pulled: dropped at its ttl in service
     env.assert_no_leaks()
