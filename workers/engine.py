@@ -35,7 +35,7 @@ from workers.sampling.grammar import GrammarCompiler, GrammarWaitlist
 from workers.sampling.params import SamplingParams
 from workers.sampling.requests import request_sampling
 from workers.sampling.sampler import GeneratorBank
-from workers.sampling.validate import check_output_prefix, check_params
+from workers.sampling.validate import check_output_prefix, check_params, check_prompt
 from workers.scheduler import Scheduler, pages_needed
 from workers.sizing import plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layers
@@ -251,19 +251,7 @@ class Engine(StoreEndpoints):
     def _validate(self, request_id: str, prompt: list[int]) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens; the maximum context length is "
-                f"{self.max_model_len}, leaving no room to generate"
-            )
-        wrong = [t for t in prompt if type(t) is not int]
-        if wrong:
-            raise ValueError(f"prompt token ids must be ints, got {wrong[:5]!r}")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        check_prompt(prompt, self.vocab_size, self.max_model_len)
 
     def abort(self, request_id: str) -> EngineOutput | None:
         return self._end(request_id, FinishReason.ABORT)

@@ -1,8 +1,25 @@
-"""Checks of SamplingParams that need the model (its vocabulary)."""
+"""Checks of a request's inputs that need the model (its vocabulary, its context length)."""
 
 from __future__ import annotations
 
 from workers.sampling.params import SamplingParams
+
+
+def check_prompt(prompt: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError naming what is wrong with a prompt's token ids."""
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(prompt)} tokens; the maximum context length is "
+            f"{max_model_len}, leaving no room to generate"
+        )
+    wrong = [t for t in prompt if type(t) is not int]
+    if wrong:
+        raise ValueError(f"prompt token ids must be ints, got {wrong[:5]!r}")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:
