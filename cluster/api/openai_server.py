@@ -226,7 +226,7 @@ class OpenAIServer:
             for i, ids in enumerate(prepared.prompt_ids):
                 text = prepared.prompt_texts[i] if i < len(prepared.prompt_texts) else ""
                 req = GenerateRequest(f"{request_id}-{i}", ids, prepared.params[i * n : (i + 1) * n], text)
-                streams.append(await ResumableStream.open(self.client, req, self.tokenizer, self.resume, self.counters))
+                streams.append(await ResumableStream.open(self.client, req, self.resume, self.counters))
         except BaseException as exc:
             _cancel_all(streams)
             if isinstance(exc, Exception) and not isinstance(exc, OpenAIError):

@@ -8,7 +8,7 @@ one stream of chunks. A replica that fails before accepting is retried the same 
 ``ResumeSettings.retry_open`` says the error means it died.
 
 Nothing is given up silently: a stream that cannot be resumed -- ``max_resumes`` used,
-no replica accepted within ``timeout_s``, a choice whose sampling cannot be replayed --
+no replica accepted within ``timeout_s``, the new replica refused the resumed request --
 raises an ``OpenAIError`` the server renders as an error event (or a 503 before a
 response started). Outcomes are counted in ``StreamCounters`` (pushed to the metrics actor
 by the Ray ingress): ``hybridserve_stream_migrations_total``,
@@ -22,10 +22,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from cluster.api.errors import OpenAIError
-from cluster.api.resume import NotResumable, StreamBook
+from cluster.api.resume import StreamBook
 from cluster.observability.metrics_registry import STREAM_MIGRATIONS as MIGRATIONS
 from cluster.observability.metrics_registry import STREAM_RESUME_FAILURES as RESUME_FAILURES
 from cluster.observability.metrics_registry import STREAM_RETRIES as RETRIES
@@ -87,16 +86,11 @@ class ResumableStream:
 
     @classmethod
     async def open(
-        cls,
-        client: EngineClient,
-        req: GenerateRequest,
-        tokenizer: Any,
-        settings: ResumeSettings,
-        counters: StreamCounters,
+        cls, client: EngineClient, req: GenerateRequest, settings: ResumeSettings, counters: StreamCounters
     ) -> ResumableStream:
         """The accepted stream (``GenerateError`` -> ``OpenAIError``; a replica that died
         before accepting is retried while ``settings.retry_open`` says so)."""
-        self = cls(client, StreamBook(req, tokenizer), settings, counters)
+        self = cls(client, StreamBook(req), settings, counters)
         if await self._accept(req, settings.retry_open, time.monotonic() + settings.timeout_s):
             counters.inc(RETRIES)
         return self
@@ -151,10 +145,7 @@ class ResumableStream:
         rid = self.book.request.request_id
         if self.book.num_resumes >= self.settings.max_resumes:
             raise self._failure("exhausted", f"its replica failed ({_name(exc)}) after {self.book.num_resumes} resumes")
-        try:
-            plan = self.book.plan()
-        except NotResumable as nr:
-            raise self._failure("not_resumable", f"its replica failed ({_name(exc)}) and {nr}", 500) from None
+        plan = self.book.plan()
         logger.warning(
             "stream %s: replica failed (%s); resuming as %s (%s)", rid, _name(exc), plan.request.request_id, plan.kind
         )

@@ -52,7 +52,7 @@ ROUTER_DECISIONS = "hybridserve_router_decisions_total"
 STREAM_MIGRATIONS = "hybridserve_stream_migrations_total"
 STREAM_RETRIES = "hybridserve_stream_retries_total"
 STREAM_RESUME_FAILURES = "hybridserve_stream_resume_failures_total"
-RESUME_FAILURE_REASONS = ("exhausted", "timeout", "not_resumable", "refused")
+RESUME_FAILURE_REASONS = ("exhausted", "timeout", "refused")
 # Prefill/decode disaggregation (``cluster/pd``): how the ingress routed each request.
 PD_REQUESTS = "hybridserve_pd_requests_total"
 PD_ROUTES = ("direct", "prefill", "fallback")

@@ -43,7 +43,9 @@ class PDEngineClient:
 
     async def route(self, req: GenerateRequest) -> bool:
         """True: straight to the decode deployment (its cache leaves little to compute)."""
-        prompt = max(req.choice_prompts(), key=len)
+        if req.output_prefixes:  # a stream resumed after its replica failed: no new prefill
+            return True
+        prompt = req.prompt_token_ids
         if len(prompt) - 1 <= self.max_local:  # the last prompt token is always computed
             return True
         try:

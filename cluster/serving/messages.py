@@ -24,39 +24,32 @@ from workers.sampling.params import SamplingParams
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """``continuations`` (a stream resumed after its replica failed, ``cluster/api/resume.py``):
-    per choice, the tokens it already generated elsewhere; choice j's engine prompt is
-    ``prompt_token_ids + continuations[j]``, and its chunks carry only what follows them.
-    Empty: every choice starts from the prompt."""
+    """``output_prefixes``: per choice, output tokens already sent to the client (a stream
+    resumed on another replica, ``cluster/api/resume.py``; a prefill/decode hand-off,
+    ``cluster/pd``): ``Engine.add_request``'s ``output_prefix`` -- counted as the choice's
+    first outputs, replayed through its detokenizer, not sent again. ``prefill_only``: run
+    each choice to its first token, then end the stream with a ``Handoff``. ``handoff``:
+    the ``HandoffTicket`` of the prompt's checkpoint, pulled before the choices are queued."""
 
     request_id: str  # unique per prompt; choice j runs as f"{id}-{j}"
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # one per choice (n of them)
     prompt: str = ""  # the prompt text when known (for text-based routers)
-    continuations: tuple[tuple[int, ...], ...] = ()
-    # Prefill/decode disaggregation (``cluster/pd``). ``output_prefixes``: per choice, output
-    # tokens already sent (``Engine.add_request``'s ``output_prefix``: counted, replayed, not
-    # sent again). ``prefill_only``: run each choice to its first token, then end the stream
-    # with a ``Handoff``. ``handoff``: the ``HandoffTicket`` of the prompt's checkpoint.
     output_prefixes: tuple[tuple[int, ...], ...] = ()
     prefill_only: bool = False
     handoff: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("continuations", "output_prefixes"):
-            got = getattr(self, name)
-            if got and len(got) != len(self.params):
-                raise ValueError(f"{len(got)} {name} for {len(self.params)} choices")
+        if self.output_prefixes and len(self.output_prefixes) != len(self.params):
+            raise ValueError(f"{len(self.output_prefixes)} output_prefixes for {len(self.params)} choices")
 
     @property
     def num_choices(self) -> int:
         return len(self.params)
 
-    def choice_prompts(self) -> list[list[int]]:
-        """Each choice's engine prompt (the prompt, plus its continuation when resumed)."""
-        if not self.continuations:
-            return [self.prompt_token_ids] * self.num_choices
-        return [self.prompt_token_ids + list(c) for c in self.continuations]
+    def longest_sequence(self) -> list[int]:
+        """The prompt and the longest output prefix: how far a cached state can serve it."""
+        return self.prompt_token_ids + list(max(self.output_prefixes, key=len, default=()))
 
 
 @dataclass(frozen=True)

@@ -170,12 +170,12 @@ class ReplicaCore:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
         rids = [f"{req.request_id}-{j}" for j in range(req.num_choices)]
-        prompts = req.choice_prompts()
+        prompts = [req.prompt_token_ids] * req.num_choices
         if req.handoff is not None and self.pd.source is not None:
             await import_handoff(self.loop, self.pd.source, req.handoff, self.pd.timeout_s)
         elif self.fetcher is not None and wants_cache(req):
-            try:  # a resumed choice's prompt reaches into its answer: fetch the deepest
-                await self.fetcher.prefetch(self.loop, max(prompts, key=len))
+            try:  # a resumed choice's sequence reaches into its answer: fetch the deepest
+                await self.fetcher.prefetch(self.loop, req.longest_sequence())
             except Exception:  # noqa: BLE001 - the store is an optimisation; the request runs anyway
                 logger.warning("prefetch from the checkpoint store failed", exc_info=True)
         try:

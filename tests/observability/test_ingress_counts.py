@@ -15,4 +15,4 @@ def test_resume_counts_are_summed_per_model_with_zeros_first():
     assert 'hybridserve_stream_migrations_total{model="m"} 2.0' in text
     assert 'hybridserve_stream_retries_total{model="m"} 0.0' in text
     assert 'hybridserve_stream_resume_failures_total{model="m",reason="timeout"} 1.0' in text
-    assert 'hybridserve_stream_resume_failures_total{model="m",reason="not_resumable"} 0.0' in text
+    assert 'hybridserve_stream_resume_failures_total{model="m",reason="refused"} 0.0' in text

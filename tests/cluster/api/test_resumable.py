@@ -1,7 +1,8 @@
 """``ResumableStream`` over a real tiny engine, no Ray: a client whose replica streams die
 on cue (``FlakyClient``). The resumed answer equals the undisturbed one (stream and not,
 n > 1, logprobs, usage); a replica dying before it accepts, or before the first token, is
-retried; what cannot be resumed ends with an OpenAI error, never silently."""
+retried; a grammar, penalties and stop strings resume exactly; what cannot be resumed ends
+with an OpenAI error, never silently."""
 
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def test_a_stream_resumed_mid_answer_equals_the_undisturbed_one(base, die_after)
     lps = [c["logprobs"]["token_logprobs"] for e in got for c in e["choices"] if c["logprobs"]]
     assert len([x for chunk in lps for x in chunk]) == 24
     assert counters.totals[("hybridserve_stream_migrations_total", None)] == 2
-    assert [len(r.continuations) for r in client.requests] == [0, 2, 2]
-    assert all(len(c) > 0 for c in client.requests[2].continuations)
+    assert [len(r.output_prefixes) for r in client.requests] == [0, 2, 2]
+    assert all(len(c) > 0 for c in client.requests[2].output_prefixes)
 
 
 @pytest.mark.parametrize("die_after", [2, 5])
@@ -120,7 +121,7 @@ def test_a_seeded_stream_resumed_mid_answer_equals_the_undisturbed_one(base, die
     assert not errors
     assert joined(got, 2) == joined(want, 2)
     assert counters.totals[("hybridserve_stream_migrations_total", None)] == 2
-    assert all(len(c) > 0 for c in client.requests[2].continuations)
+    assert all(len(c) > 0 for c in client.requests[2].output_prefixes)
 
 
 def test_a_collected_answer_is_resumed_too(base):
@@ -140,7 +141,7 @@ def test_a_replica_dying_before_the_first_token_is_retried(base, plan):
     got = completion(app, seed=3, temperature=1.0)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert counters.totals == {("hybridserve_stream_retries_total", None): 1}
-    assert all(not r.continuations for r in client.requests)
+    assert all(not r.output_prefixes for r in client.requests)
 
 
 def test_no_replica_accepting_the_resume_ends_the_stream_with_an_error(base):
@@ -159,11 +160,22 @@ def test_resumes_are_bounded(base):
     assert base.core.loop.num_streams == 0  # every replica stream was closed
 
 
-def test_a_grammar_stream_is_not_resumed_silently(base):
-    app, _, counters = flaky(base, [3])
-    _, errors = streamed(app, structured_outputs={"regex": "[a-z]{10,}"}, max_tokens=16)
-    assert errors[0]["code"] == "stream_not_resumable" and "grammar" in errors[0]["message"]
-    assert counters.totals == {("hybridserve_stream_resume_failures_total", "not_resumable"): 1}
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"structured_outputs": {"regex": "[a-z]{10,}"}, "max_tokens": 16, "seed": 2, "temperature": 1.0},
+        {"presence_penalty": -1.5, "frequency_penalty": 0.5, "stop": ["e"], "min_tokens": 4},
+    ],
+)
+def test_output_dependent_sampling_resumes_exactly(base, fields):
+    """A grammar, penalties over output tokens and stop strings resume from the tokens sent:
+    the new replica's engine and detokenizer replay them (``output_prefixes``)."""
+    want, _ = streamed(base, return_token_ids=True, **fields)
+    app, client, counters = flaky(base, [3])
+    got, errors = streamed(app, return_token_ids=True, **fields)
+    assert not errors and joined(got) == joined(want)
+    assert counters.totals == {("hybridserve_stream_migrations_total", None): 1}
+    assert len(client.requests[1].output_prefixes[0]) > 0
 
 
 def test_an_unretryable_open_error_is_a_503_at_once(base):

@@ -1,5 +1,6 @@
 """Resume bookkeeping (``cluster/api/resume.py``), pure: a byte tokenizer, the replica's own
-``OutputProcessor`` producing the chunks, a failure after every possible token count.
+``OutputProcessor`` producing the chunks (the resumed replica's given the tokens sent as its
+output prefix), a failure after every possible token count.
 
 Whatever the point of failure, the client's tokens, text, finish reason and stop reason
 equal the undisturbed run's -- a character split over the boundary, text held back as a
@@ -10,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.api.resume import ChoiceProgress, NotResumable, StreamBook, not_resumable, resumed_params
+from cluster.api.resume import StreamBook
 from cluster.serving.messages import GenerateRequest
 from cluster.serving.replica_core import _chunk
 from workers.output_processor import OutputProcessor
 from workers.outputs import EngineOutput
 from workers.request import TokenLogprob
 from workers.sampling.params import SamplingParams
-from workers.sampling.structured import StructuredOutput
 
 # "a", half of "é", its other half, "b", then "S", "T", "O", "P", "c", "d"
 BYTES = {1: b"a", 3: b"\xc3", 4: b"\xa9", 2: b"b", 5: b"S", 6: b"T", 7: b"O", 8: b"P", 9: b"c", 10: b"d"}
@@ -31,17 +31,23 @@ class ByteTokenizer:
 
 
 def replica_chunks(
-    params: SamplingParams, tokens: list[int], rid: str = "r", index: int = 0, lp: float = -0.5, per_step: int = 1
+    params: SamplingParams,
+    tokens: list[int],
+    rid: str = "r",
+    index: int = 0,
+    lp: float = -0.5,
+    per_step: int = 1,
+    prefix: list[int] = (),
 ):
     """What a replica streams for an engine producing ``tokens`` (``per_step`` a step, as a
-    verify accepting drafts does) under ``params``."""
+    verify accepting drafts does) under ``params``, after the output ``prefix`` it was given."""
     proc = OutputProcessor(ByteTokenizer())
-    proc.add(rid, PROMPT, params)
+    proc.add(rid, PROMPT, params, prefix)
     out = []
-    tokens = tokens[: params.max_tokens]
+    tokens = tokens[: params.max_tokens - len(prefix)]
     for n in range(0, len(tokens), per_step):
         step = tokens[n : n + per_step]
-        done = n + len(step) == params.max_tokens
+        done = len(prefix) + n + len(step) == params.max_tokens
         lps = [TokenLogprob(t, lp, [(t, lp)]) for t in step] if params.needs_logprobs else None
         eo = EngineOutput(rid, step, lps, done, "length" if done else None, None, 3)
         delta = proc.process([eo]).deltas[0]
@@ -75,20 +81,18 @@ def summary(chunks) -> tuple:
     ],
 )
 def test_a_stream_resumed_after_any_token_equals_the_undisturbed_one(params):
-    undisturbed = summary(
-        collect(StreamBook(GenerateRequest("x", PROMPT, [params]), ByteTokenizer()), replica_chunks(params, ANSWER))
-    )
+    undisturbed = summary(collect(StreamBook(GenerateRequest("x", PROMPT, [params])), replica_chunks(params, ANSWER)))
     full = replica_chunks(params, ANSWER)
     for k in range(len(full)):  # fail after k chunks
-        book = StreamBook(GenerateRequest("x", PROMPT, [params]), ByteTokenizer())
+        book = StreamBook(GenerateRequest("x", PROMPT, [params]))
         got = collect(book, full[:k])
         plan = book.plan()
         sent = book.choices[0].token_ids
         assert plan.kind == ("migration" if sent else "retry")
-        assert plan.request.continuations == ((tuple(sent),) if sent else ())
+        assert plan.request.output_prefixes == ((tuple(sent),) if sent else ())
         resumed = plan.request.params[0]
-        assert resumed.max_tokens == params.max_tokens - len(sent)
-        got += collect(book, replica_chunks(resumed, ANSWER[len(sent) :], lp=-0.25, per_step=3))
+        assert resumed.max_tokens == params.max_tokens and resumed.stop == params.stop
+        got += collect(book, replica_chunks(resumed, ANSWER[len(sent) :], lp=-0.25, per_step=3, prefix=sent))
         assert summary(got) == undisturbed, k
         assert book.finished
         if params.logprobs is not None:
@@ -96,44 +100,25 @@ def test_a_stream_resumed_after_any_token_equals_the_undisturbed_one(params):
 
 
 def test_choices_are_mapped_back_and_finished_ones_are_not_resumed():
-    p = SamplingParams(max_tokens=6, logprobs=0)
-    book = StreamBook(GenerateRequest("x", PROMPT, [p, p, p]), ByteTokenizer())
+    p = SamplingParams(max_tokens=6, logprobs=0, prompt_logprobs=1)
+    book = StreamBook(GenerateRequest("x", PROMPT, [p, p, p]))
     streams = [replica_chunks(p, ANSWER[j:], index=j) for j in range(3)]
     book.absorb(streams[0][0] + streams[1][0])  # choice 0 and 1: one token each
-    book.absorb(streams[2][-1][:0] + [c for item in streams[2] for c in item])  # choice 2 complete
+    book.absorb([c for item in streams[2] for c in item])  # choice 2 complete
     assert book.choices[2].finished
     plan = book.plan()
     assert book.index_map == [0, 1] and plan.request.request_id == "x-r1"
-    assert plan.request.continuations == ((ANSWER[0],), (ANSWER[1],))
-    rest = replica_chunks(plan.request.params[0], ANSWER[1:], index=1)  # choice 1 of the new stream is choice 1
+    assert plan.request.output_prefixes == ((ANSWER[0],), (ANSWER[1],))
+    assert all(q.prompt_logprobs is None for q in plan.request.params)  # they came with the first chunk
+    rest = replica_chunks(plan.request.params[1], ANSWER[2:], index=1, prefix=[ANSWER[1]])
     out = book.absorb(rest[0])
-    assert [c.index for c in out] == [1]
+    assert [c.index for c in out] == [1] and out[0].cached_tokens == 3
     assert out[0].cumulative_logprob == pytest.approx(-1.0)  # the first replica's -0.5 + this one's -0.5
 
 
-def test_what_is_kept_and_what_is_refused():
-    started = ChoiceProgress(token_ids=[1, 2], started=True)
-    p = SamplingParams(max_tokens=8, min_tokens=5, prompt_logprobs=2, stop=("x",), seed=7)
-    r = resumed_params(p, started)
-    assert (r.max_tokens, r.min_tokens, r.prompt_logprobs, r.stop, r.seed) == (6, 3, None, (), 7)
-    assert resumed_params(p, ChoiceProgress()) is p  # a retry: exactly as asked
-    assert resumed_params(p, ChoiceProgress(started=True)).prompt_logprobs is None  # they came already
-    for bad in (
-        SamplingParams(structured_output=StructuredOutput("regex", "a+")),
-        SamplingParams(frequency_penalty=0.5),
-        SamplingParams(presence_penalty=-1.0),
-        SamplingParams(bad_words=("no",)),
-    ):
-        assert not_resumable(bad)
-        with pytest.raises(NotResumable):
-            resumed_params(bad, started)
-        assert resumed_params(bad, ChoiceProgress()) is bad  # before its first token: retried as is
-    assert not_resumable(SamplingParams(repetition_penalty=1.2, logit_bias={3: 1.0})) is None
-
-
 def test_bad_chunks_are_errors():
-    book = StreamBook(GenerateRequest("x", PROMPT, [SamplingParams()]), ByteTokenizer())
+    book = StreamBook(GenerateRequest("x", PROMPT, [SamplingParams()]))
     with pytest.raises(RuntimeError, match="choice 1 of 1"):
         book.absorb(replica_chunks(SamplingParams(), ANSWER, index=1)[0])
-    with pytest.raises(ValueError, match="continuations"):
-        GenerateRequest("x", PROMPT, [SamplingParams()], continuations=((1,), (2,)))
+    with pytest.raises(ValueError, match="output_prefixes"):
+        GenerateRequest("x", PROMPT, [SamplingParams()], output_prefixes=((1,), (2,)))
