@@ -311,7 +311,7 @@ class ModelRunner:
             or not all(p.is_greedy for p in params)
         ):
             return False
-        size = chain.pick(fb.num_seqs, greedy=True)
+        size = chain.pick(fb.num_seqs, greedy=True, width=int(fb.page_table.shape[1]))
         if size is None:
             return False
         drafts = chain.run_verified(hidden, tokens, list(prepared.starts), fb.page_table, size)

@@ -36,7 +36,7 @@ from workers.compiled.cache import (
     new_owner,
 )
 from workers.compiled.progress import CompileProgress, timed
-from workers.compiled.steps import MIN_PAGES, pad_if_needed
+from workers.compiled.steps import CPU_MAX_PAGES, MIN_PAGES, max_symbolic_pages, pad_if_needed
 from workers.device_pools import DevicePools
 from workers.forward_batch import ForwardBatch
 from workers.spec.draft_vocab import DraftVocab
@@ -172,9 +172,10 @@ class CompiledChain:
     def num_recompiles(self) -> int:
         return self._call.num_recompiles
 
-    def pick(self, num_seqs: int, greedy: bool) -> int | None:
-        """The bucket a chain of ``num_seqs`` sequences runs in, or None (eager)."""
-        if not greedy:
+    def pick(self, num_seqs: int, greedy: bool, width: int) -> int | None:
+        """The bucket a chain of ``num_seqs`` sequences whose widest page table has ``width``
+        pages runs in, or None (eager)."""
+        if not greedy or (not self.on_gpu and width > CPU_MAX_PAGES):
             return None
         return next((size for size in self.sizes if size >= num_seqs), None)
 
@@ -194,7 +195,7 @@ class CompiledChain:
                 device=self.device,
             )
         if not self.on_gpu:
-            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
+            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=max_symbolic_pages(self.max_pages))
         return table
 
     def run(self, hidden: Tensor, last_pos: list[int], page_ids: list[list[int]], size: int) -> Tensor:

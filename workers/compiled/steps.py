@@ -52,6 +52,14 @@ from workers.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 MIN_PAGES = 2  # dynamo specialises sizes 0 and 1: a symbolic width starts at 2
+# CPU: inductor's C++ reductions guard a dynamic length below 4,096 (``need_use_acc_helper``),
+# so the symbolic page-table width stops there; a batch with a wider table runs eager.
+CPU_MAX_PAGES = 4095
+
+
+def max_symbolic_pages(max_pages: int) -> int:
+    """The upper bound a CPU graph's page-table width is marked dynamic with."""
+    return min(max_pages + 1, CPU_MAX_PAGES)
 
 
 class Bucket(NamedTuple):
@@ -118,6 +126,8 @@ class CompiledSteps:
         """The bucket a batch runs in, or None: eager (another kind of batch, or too large)."""
         # a verify of 1-token rows (every row snapshotted) is no decode step: eager
         rows = 1 if fb.decode_only else (fb.verify_len if fb.verify_len > 1 else 0)
+        if not self.on_gpu and fb.page_table.shape[1] > CPU_MAX_PAGES:
+            return None
         return next((b for b in self.buckets if b.rows == rows and b.size >= fb.num_seqs), None)
 
     def run(
@@ -179,7 +189,7 @@ class CompiledSteps:
         pages = self.max_pages if self.on_gpu else max(width, MIN_PAGES)
         table = pad_if_needed(fb.page_table, (0, pages - width, 0, extra))
         if not self.on_gpu:
-            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=self.max_pages + 1)
+            torch._dynamo.mark_dynamic(table, 1, min=MIN_PAGES, max=max_symbolic_pages(self.max_pages))
         cu, has_initial, logits_indices = self._constants(bucket)
         by_row, by_seq = (0, extra * rows), (0, extra)
         dst = None if fb.state_dst_slots is None or rows == 1 else pad_if_needed(fb.state_dst_slots, by_row)

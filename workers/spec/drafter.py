@@ -135,7 +135,8 @@ class MtpDrafter:
         slots = torch.tensor([s.live_slot for s in spans], device=self.device)
         chain = self.compiled_chain
         greedy = all(s.params is None or s.params.is_greedy for s in spans)
-        size = chain.pick(len(spans), greedy) if chain is not None else None
+        width = max(len(s.page_ids) for s in spans)
+        size = chain.pick(len(spans), greedy, width) if chain is not None else None
         if size is not None:  # the whole chain in one compiled call
             assert chain is not None
             self.draft_tokens[slots] = chain.run(hidden, last_pos, [s.page_ids for s in spans], size)
