@@ -3,7 +3,9 @@ kernels for every op (recurrent ops, norms, paged attention), and FlashInfer for
 CUDA where it is installed and built for the head dim.
 
 Every op is a package (``gdn``, ``kda``, ``ssd``, ``lightning`` (SSD with lightning
-attention's arguments), ``selective_scan``, ``conv1d``, ``norm``, ``attention``, ``mla``)
+attention's arguments), ``selective_scan``, ``rglru``, ``conv1d``, ``norm``, ``attention``, ``mla``,
+``indexer`` (the block-sparse selection and attention of Qwen4-Exp / GLM-5.3's indexed attention;
+no model serves it yet))
 whose ``__init__`` holds the public function and asks ``kernels.backend`` which implementation to
 run: ``reference`` (torch), ``triton_*`` (imported lazily, on first use) or
 ``flashinfer_backend``. ``HYBRIDSERVE_KERNEL_BACKEND=auto|torch|triton`` (``auto``: the GPU
@@ -11,7 +13,7 @@ kernels on CUDA tensors, torch otherwise) and ``backend.use_backend(...)`` in te
 grids come from ``kernels.launch_grid`` (pure functions, checked against CUDA's axis limits).
 
 Every op over a slot pool (``gdn``, ``kda``, ``ssd``, ``lightning``, ``selective_scan``,
-``conv1d``) is one function ``op(inputs..., states, seqs, options...)``: ``seqs`` is the
+``rglru``, ``conv1d``) is one function ``op(inputs..., states, seqs, options...)``: ``seqs`` is the
 step's ``kernels.recurrent_batch.RecurrentBatch`` (``ForwardBatch.recurrent``), and the
 backend runs the decode, verify or varlen form that ``seqs.path`` allows.
 

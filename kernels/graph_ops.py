@@ -84,7 +84,7 @@ def _recurrent(name: str, launcher: str, inputs: str, options: str, out_like: in
         f"hybridserve::{name}_triton",
         flat,
         mutates_args=("states",),
-        schema=f"({inputs}, {_SEQS_SCHEMA}, {options}) -> Tensor",
+        schema=f"({inputs}, {_SEQS_SCHEMA}{', ' + options if options else ''}) -> Tensor",
     )
     op.register_fake(lambda *args: _like(args[out_like]))
 
@@ -125,6 +125,13 @@ selective_scan = _recurrent(
     "kernels.selective_scan.triton_varlen:selective_scan_varlen_triton",
     _SCAN_INPUTS,
     "bool dt_softplus, int chunk_size",
+    out_like=0,
+)
+rglru = _recurrent(
+    "rglru",
+    "kernels.rglru.triton_scan:rglru_triton",
+    "Tensor x, Tensor gx, Tensor ga, Tensor log_a_scale, Tensor reset, Tensor(a!) states",
+    "",
     out_like=0,
 )
 

@@ -32,10 +32,23 @@ MTP_FAMILIES = sorted(name for name, f in TINY_FAMILIES.items() if f.has_mtp)
 # One family per kind of recurrent state and per engine path it takes: GDN with MTP
 # (qwen3_next; qwen3_5, the layout people serve), Mamba2 / SSD (granitemoehybrid; nemotron_h,
 # with MTP), Mamba1 (jamba), KDA + MLA (kimi_linear), lightning attention (minimax), short
-# convolutions (lfm2). A test marked ``core_families`` runs the other families only in
+# convolutions (lfm2), RG-LRU (recurrent_gemma), CCA (zaya), several conv windows beside
+# KV (inkling). A test marked ``core_families`` runs the other families only in
 # ``make test-slow`` (every family still loads and matches transformers in ``make test``).
 CORE_FAMILIES = frozenset(
-    {"qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h", "jamba", "kimi_linear", "minimax", "lfm2"}
+    {
+        "qwen3_next",
+        "qwen3_5",
+        "granitemoehybrid",
+        "nemotron_h",
+        "jamba",
+        "kimi_linear",
+        "minimax",
+        "lfm2",
+        "recurrent_gemma",
+        "zaya",
+        "inkling",
+    }
 )
 assert CORE_FAMILIES <= set(FAMILIES), CORE_FAMILIES - set(FAMILIES)
 
@@ -136,15 +149,25 @@ def serve_session() -> Iterator[ServeSession]:
     ray.shutdown()
 
 
+# Multimodal wrappers (a ``text_config_key``) run their text family's code, which that family's
+# items test: in ``make test`` a wrapper checks only its equality with transformers.
+WRAPPER_FAMILIES = frozenset(name for name, f in TINY_FAMILIES.items() if f.text_config_key)
+WRAPPER_FAST_MODULE = "tests.workers.models.test_vs_transformers"
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.core_families(all_families_for={"strategy": "x"}, families=...)``: the
     test's items of a family outside ``families`` (default ``CORE_FAMILIES``) become ``slow``,
-    except those whose parameters match ``all_families_for`` (those run for every family)."""
+    except those whose parameters match ``all_families_for`` (those run for every family).
+    A wrapper family's items outside ``WRAPPER_FAST_MODULE`` are ``slow`` too."""
     for item in items:
         mark = item.get_closest_marker("core_families")
         params = getattr(getattr(item, "callspec", None), "params", {})
         family = params.get("tiny_model")
+        if family in WRAPPER_FAMILIES and item.module.__name__ != WRAPPER_FAST_MODULE:
+            item.add_marker(pytest.mark.slow)
+            continue
         if mark is None or family is None or family in mark.kwargs.get("families", CORE_FAMILIES):
             continue
         keep = mark.kwargs.get("all_families_for")

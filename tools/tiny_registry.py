@@ -28,13 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from tools import tiny_qwen3_5 as q35
+from tools import tiny_wrappers as tw
 from tools.tiny_weights import (
     RedrawRule,
     add_nemotron_mtp,
     add_qwen_mtp,
     keep_lightning_buffers,
     redraw_decay_logs,
+    redraw_global_scales,
     redraw_mamba1,
+    redraw_rglru,
+    redraw_zaya,
 )
 
 MtpWriter = Callable[[Path, Any, int], None]      # (checkpoint dir, hf config, seed)
@@ -261,10 +265,131 @@ _OLMO_HYBRID = TinyFamily(
     notes=("Gated DeltaNet as Qwen3-Next's (beta up to 2) + post-norm attention with "
            "whole-width q/k norms",))
 
+_MAMBA = TinyFamily(
+    "mamba", "MambaForCausalLM", "MambaConfig",
+    dict(hidden_size=64, num_hidden_layers=4, state_size=16, expand=2, conv_kernel=4,
+         time_step_rank=8, use_bias=True, use_conv_bias=True, residual_in_fp32=True,
+         tie_word_embeddings=False),
+    redraw=redraw_mamba1, hf_modeling="transformers.models.mamba.modeling_mamba",
+    notes=("pure Mamba1: no attention, so no KV tensors (page bookkeeping only)",))
+
+_FALCON_MAMBA = TinyFamily(
+    "falcon_mamba", "FalconMambaForCausalLM", "FalconMambaConfig",
+    dict(hidden_size=64, num_hidden_layers=4, state_size=16, expand=2, conv_kernel=4,
+         time_step_rank="auto", use_bias=False, use_conv_bias=False, residual_in_fp32=True,
+         mixer_rms_eps=1e-5, tie_word_embeddings=True),
+    redraw=redraw_mamba1, hf_modeling="transformers.models.falcon_mamba.modeling_falcon_mamba",
+    notes=("Mamba1 with weightless RMSNorms on dt, B and C; dt rank auto = 4",))
+
+# Multimodal wrappers served for their text part (``tools/tiny_wrappers.py``): the text config is
+# the family's own tiny one, the towers are tiny and skipped by name on load.
+_LFM2_VL = TinyFamily(
+    "lfm2_vl", "Lfm2VlForConditionalGeneration", "Lfm2VlConfig", tw.lfm2_vl(_LFM2.config),
+    hf_modeling=_LFM2.hf_modeling, text_config_key="text_config",
+    notes=("LFM2-VL: SigLIP2 tower and projector skipped; tied at the top level",))
+_LFM3_VL = TinyFamily(
+    "lfm3_vl", "Lfm3VlForConditionalGeneration", "Lfm3VlConfig", tw.lfm3_vl(_LFM3.config),
+    hf_modeling=_LFM3.hf_modeling, text_config_key="text_config")
+_NEMOTRON_H_OMNI = TinyFamily(
+    "nemotron_h_omni", "NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config",
+    tw.nemotron_h_omni(_NEMOTRON_H.config),
+    hf_modeling=_NEMOTRON_H.hf_modeling, text_config_key="text_config",
+    notes=("RADIO vision tower, Parakeet sound encoder and projectors skipped (saved under "
+           "their released names); the language model is a NemotronHForCausalLM",))
+_NEMOTRON3_5_TRANSCRIBE = TinyFamily(
+    "nemotron3_5_transcribe", "Nemotron3_5TranscribeForConditionalGeneration", "Nemotron3_5TranscribeConfig",
+    tw.nemotron_transcribe(_NEMOTRON_H.config), hf_modeling=_NEMOTRON_H.hf_modeling,
+    text_config_key="text_config", layout_writer=tw.fuse_nemo_experts,
+    notes=("saved in NVIDIA's NeMo layout (llm.*, perception.*), routed experts fused as released",))
+_MINICPM = dict(zero_centered_norms=True, hf_modeling=_Q35, text_config_key="text_config")
+_MINICPMV4_6 = TinyFamily("minicpmv4_6", "MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_6Config",
+                          tw.minicpm(), **_MINICPM)
+_MINICPMV4_7 = TinyFamily("minicpmv4_7", "MiniCPMV4_7ForConditionalGeneration", "MiniCPMV4_7Config",
+                          tw.minicpm(), **_MINICPM)
+_MINICPM_OCR = TinyFamily("minicpm_ocr", "MiniCPMOcrForConditionalGeneration", "MiniCPMOcrConfig",
+                          tw.minicpm(tie=True), **_MINICPM, notes=("tied at the top level, as released",))
+_WRAPPERS = (_LFM2_VL, _LFM3_VL, _NEMOTRON_H_OMNI, _NEMOTRON3_5_TRANSCRIBE, _MINICPMV4_6, _MINICPMV4_7,
+             _MINICPM_OCR)
+
+_INKLING = TinyFamily(
+    "inkling", "InklingForCausalLM", "InklingTextConfig",
+    dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+         head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=8,
+         sliding_window_size=8, d_rel=8, rel_extent=24, log_scaling_n_floor=8,
+         log_scaling_alpha=0.3, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+         mlp_layer_types=["dense", "sparse", "sparse", "dense"], conv_kernel_size=4,
+         intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+         num_experts_per_tok=2, n_shared_experts=2, route_scale=2.0,
+         logits_mup_width_multiplier=2.0, max_position_embeddings=4096, tie_word_embeddings=False),
+    redraw=redraw_global_scales, hf_modeling="transformers.models.inkling.modeling_inkling",
+    notes=("sliding layers (window 8) with other head shapes than the full ones; the relative "
+           "bias reaches 24 tokens back and the log scaling starts at position 8, so the test "
+           "prompts cross all three",))
+
+_LARA_MINI = TinyFamily(
+    "lara_mini", "LaraMiniForCausalLM", "LaraMiniConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         head_dim=16, max_position_embeddings=4096, sliding_window=8,
+         layer_types=["linear_attention", "sliding_attention", "linear_attention",
+                      "full_attention", "sliding_attention"],
+         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+         tie_word_embeddings=False),
+    hf_modeling="transformers.models.lara_mini.modeling_lara_mini",
+    notes=("saved as released: GDN projections fused into in_proj, out_norm, fused experts; "
+           "sliding_window 8 (RoPE) and one NoPE full-attention layer",))
+
+_RECURRENT_GEMMA = TinyFamily(
+    "recurrent_gemma", "RecurrentGemmaForCausalLM", "RecurrentGemmaConfig",
+    dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+         lru_width=64, intermediate_size=192, attention_window_size=8, conv1d_width=4,
+         logits_soft_cap=30.0, block_types=["recurrent", "recurrent", "attention"],
+         tie_word_embeddings=False),
+    zero_centered_norms=True, redraw=redraw_rglru,
+    hf_modeling="transformers.models.recurrent_gemma.modeling_recurrent_gemma",
+    notes=("RG-LRU layers 0, 1, 3, 4 and local attention (window 8) 2; lru_width = hidden_size "
+           "as released (transformers' cached one-token prefill needs it); untied, since a tied "
+           "tiny head repeats the input token (test_head_tie checks the tie)",))
+
+_ZAMBA = TinyFamily(
+    "zamba", "ZambaForCausalLM", "ZambaConfig",
+    dict(hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+         layers_block_type=["linear_attention", "hybrid", "linear_attention", "linear_attention",
+                            "hybrid"],
+         num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, hidden_act="gelu",
+         n_mamba_heads=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+         mamba_conv_bias=True, mamba_proj_bias=True, tie_word_embeddings=True),
+    redraw=redraw_mamba1, hf_modeling="transformers.models.zamba.modeling_zamba",
+    notes=("two Mamba heads with their own dt / B / C; one shared GQA block (head dim 32) "
+           "invoked twice, each invocation with its own KV",))
+
+_ZAYA = TinyFamily(
+    "zaya", "ZayaForCausalLM", "ZayaConfig",
+    dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+         head_dim=16, max_position_embeddings=4096, moe_intermediate_size=32, num_experts=4,
+         num_experts_per_tok=1, router_hidden_size=16, cca_time0=2, cca_time1=2,
+         sliding_window=8, layer_types=["hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+         tie_word_embeddings=False),
+    redraw=redraw_zaya, hf_modeling="transformers.models.zaya.modeling_zaya",
+    notes=("CCA attention (conv state on q/k, delayed v, KV) in every layer, sliding window 8 "
+           "on the odd ones; top-1 MoE of 4 experts + the skip expert",))
+
+_INKLING_MM = TinyFamily(
+    "inkling_mm", "InklingForConditionalGeneration", "InklingConfig",
+    dict(text_config=dict(_INKLING.config), tie_word_embeddings=False,
+         vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=4),
+         audio_config=dict(n_mel_bins=4, mel_vocab_size=8)),
+    redraw=redraw_global_scales, hf_modeling=_INKLING.hf_modeling, text_config_key="text_config",
+    notes=("saved in the released layout (model.llm.*, gate / up interleaved); vision and audio "
+           "towers skipped",))
+
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
+    *_WRAPPERS,
     _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2,
     _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL, _JAMBA, _LFM2, _LFM2_MOE, _LFM3,
-    _KIMI_LINEAR, _BAILING_HYBRID, _MINIMAX, _OLMO_HYBRID)}
+    _KIMI_LINEAR, _BAILING_HYBRID, _MINIMAX, _OLMO_HYBRID, _MAMBA, _FALCON_MAMBA, _ZAMBA,
+    _INKLING, _INKLING_MM, _LARA_MINI, _RECURRENT_GEMMA, _ZAYA)}
 
 
 def get_family(name: str) -> TinyFamily:

@@ -51,13 +51,17 @@ def redraw_(name: str, p: torch.Tensor, gen: torch.Generator, zero_centered_norm
 
 
 def redraw_mamba1(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
-    """Mamba1 (Jamba): ``A_log`` is [d_inner, N] (the generic rule would draw it as a matrix)
-    and ``dt_proj.bias`` is the dt bias; both drawn as the Mamba2 ones are."""
+    """Mamba1 (Jamba, Mamba, Zamba): ``A_log`` is [d_inner, N] (the generic rule would draw it
+    as a matrix) and ``dt_proj.bias`` is the dt bias; both drawn as the Mamba2 ones are. Zamba's
+    per-head ``dt_proj_bias`` [heads, P] and ``D`` [heads, P] are drawn as the 1-D ones."""
     if name.endswith("A_log"):
         p.copy_(torch.log(1.0 + 15.0 * torch.rand(p.shape, generator=gen, device=p.device)))
         return True
-    if name.endswith("dt_proj.bias"):
-        redraw_(name.replace("dt_proj.bias", "dt_bias"), p, gen, zero_centered_norms=False)
+    if name.endswith(("dt_proj.bias", "dt_proj_bias")):
+        redraw_(name.replace("dt_proj.bias", "dt_bias").replace("dt_proj_bias", "dt_bias"), p.view(-1), gen, False)
+        return True
+    if name.endswith(".D") and p.dim() > 1:
+        redraw_(name, p.view(-1), gen, zero_centered_norms=False)
         return True
     return False
 
@@ -80,6 +84,41 @@ def redraw_decay_logs(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
     if not name.endswith("A_log"):
         return False
     p.copy_(torch.log(1.0 + 15.0 * torch.rand(p.shape, generator=gen, device=p.device)))
+    return True
+
+
+def redraw_global_scales(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """Learned scalar output scales (Inkling's ``global_scale``) near 1, as trained ones are."""
+    if not name.endswith("global_scale"):
+        return False
+    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device))
+    return True
+
+
+def redraw_rglru(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """RecurrentGemma's ``recurrent_param`` as transformers initialises it: softplus of it
+    = -log(u) / 2 with u uniform in [0.81, 0.998] (a decay a^8 in [0.9, 0.999] at a closed gate)."""
+    if not name.endswith("rg_lru.recurrent_param"):
+        return False
+    u = 0.81 + (0.998 - 0.81) * torch.rand(p.shape, generator=gen, device=p.device)
+    p.copy_(torch.log(torch.expm1(-0.5 * torch.log(u))))
+    return True
+
+
+def redraw_zaya(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """ZAYA's learned multiplicative scales (residual, input, router-state) near 1, as trained
+    ones are (the generic rule would draw them near 0); the residual stream's biases small (16
+    of them at 0.1 would swamp the 1/sqrt(H) embeddings); the key scale ``qk_norm.temp`` (the
+    logits' temperature: q and k are L2-normed) near 4, so attention is sharp enough that 32
+    greedy tokens do not fall into short loops (near 1 they do)."""
+    if name.endswith("qk_norm.temp"):
+        p.copy_(4.0 + 1.0 * torch.randn(p.shape, generator=gen, device=p.device))
+    elif name.endswith("_scale"):
+        p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, device=p.device))
+    elif name.endswith(("hidden_states_bias", "residual_bias")):
+        p.copy_(0.01 * torch.randn(p.shape, generator=gen, device=p.device))
+    else:
+        return False
     return True
 
 

@@ -19,9 +19,22 @@ The kinds served today (constructors below):
 - ``mamba2`` (slot): ``conv`` [conv_dim, W-1], ``ssm`` [H, P, N] (fp32 unless the
   checkpoint asks for another cache dtype).
 - ``mamba1`` (slot, ``mamba1_kind``): ``conv`` [d_inner, W-1], ``ssm`` [d_inner, N] fp32
-  (Jamba's selective scan, ``kernels.selective_scan``).
+  (the selective scan of Jamba, Mamba, FalconMamba and Zamba, ``kernels.selective_scan``).
 - ``short_conv`` (slot, ``short_conv_kind``): ``conv`` [dim, W-1] only, no scan state
   (LFM2 / Lfm3's gated short convolution, ``kernels.conv1d``).
+- ``rglru`` (slot, ``rglru_kind``): ``conv`` [lru_width, W-1], ``ssm`` [lru_width] fp32
+  (RecurrentGemma's RG-LRU, ``kernels.rglru``: one value per channel, so TP splits it with
+  the channels).
+- ``conv_windows`` (slot, ``conv_windows_kind``): several named conv windows of one layer,
+  each [dim_i, W-1] (the last W-1 inputs of one depthwise causal conv, ``kernels.conv1d``),
+  no scan state; beside the layer's paged KV (Inkling: its k and v convs, shaped by the KV
+  heads, and the attention- and MLP-output convs over the hidden size), fp32 by default.
+- ``cca`` (slot, ``cca_kind``): ZAYA's compressed convolutional attention, beside the layer's
+  paged KV: ``conv`` [qk_dim, T0-1] (the last inputs of the depthwise conv over q | k),
+  ``mix{i}`` [qk_dim, 1] for i < T1-1 (the grouped conv's partial sums carried to the next
+  token) and ``delayed_v`` [v_dim, 1] (the previous token's delayed value projection, before
+  its bias; ``replicated``: whole on every TP rank), all in the model dtype and all advanced
+  by ``kernels.conv1d``.
 
 A new kind of state (lightning attention's [H, V, K] without conv, MLA's latent rows, ...)
 is one more constructor beside its kernel: the pools, checkpoint copies, speculation
@@ -46,6 +59,9 @@ import torch
 ATTENTION = "attention"
 MAMBA1 = "mamba1"
 SHORT_CONV = "short_conv"
+CCA = "cca"
+RGLRU = "rglru"
+CONV_WINDOWS = "conv_windows"
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str | None = None  # a torch dtype name; None = the model's dtype
+    replicated: bool = False  # under TP every rank keeps it whole (not split with the heads)
 
     def torch_dtype(self, default: torch.dtype) -> torch.dtype:
         return default if self.dtype is None else getattr(torch, self.dtype)
@@ -96,6 +113,37 @@ def mamba1_kind(d_inner: int, conv_width: int, state_size: int, ssm_dtype: str =
 def short_conv_kind(dim: int, conv_width: int) -> StateKind:
     """A gated short convolution keeps only its conv window: the last W-1 inputs [dim, W-1]."""
     return StateKind(SHORT_CONV, False, (TensorSpec("conv", (dim, conv_width - 1)),))
+
+
+def conv_windows_kind(
+    windows: tuple[tuple[str, int], ...],
+    conv_width: int,
+    name: str = CONV_WINDOWS,
+    dtype: str | None = "float32",
+    replicated: tuple[str, ...] = (),
+) -> StateKind:
+    """Several conv windows of one layer: ``(tensor name, channels)`` each, [channels, W-1];
+    those named in ``replicated`` are whole on every TP rank (a conv over the hidden size)."""
+    if not windows or len({w for w, _ in windows}) != len(windows):
+        raise ValueError(f"conv windows need distinct names, got {windows}")
+    return StateKind(
+        name, False, tuple(TensorSpec(w, (dim, conv_width - 1), dtype, w in replicated) for w, dim in windows)
+    )
+
+
+def cca_kind(qk_dim: int, depthwise_width: int, grouped_width: int, v_dim: int, name: str = CCA) -> StateKind:
+    """Compressed convolutional attention (ZAYA): the depthwise conv's window over q | k,
+    the grouped conv's carried partial sums and the delayed value (see the module docstring)."""
+    if depthwise_width < 2 or grouped_width < 1:
+        raise ValueError(f"CCA conv widths must be >= 2 and >= 1, got {depthwise_width} and {grouped_width}")
+    mix = tuple(TensorSpec(f"mix{i}", (qk_dim, 1)) for i in range(grouped_width - 1))
+    conv = TensorSpec("conv", (qk_dim, depthwise_width - 1))
+    return StateKind(name, False, (conv, *mix, TensorSpec("delayed_v", (v_dim, 1), replicated=True)))
+
+
+def rglru_kind(width: int, conv_width: int) -> StateKind:
+    """RG-LRU (RecurrentGemma): the conv window of the x branch and one fp32 value per channel."""
+    return conv_ssm_kind(RGLRU, width, conv_width, (width,))
 
 
 def mla_kind(latent_dim: int, rope_dim: int, name: str = "mla") -> StateKind:
@@ -219,6 +267,9 @@ __all__ = [
     "ATTENTION",
     "MAMBA1",
     "SHORT_CONV",
+    "RGLRU",
+    "CONV_WINDOWS",
+    "CCA",
     "CacheSpec",
     "HasState",
     "StateGroup",
@@ -227,10 +278,13 @@ __all__ = [
     "StateSites",
     "TensorSpec",
     "attention_kind",
+    "cca_kind",
     "conv_ssm_kind",
+    "conv_windows_kind",
     "kda_kind",
     "lightning_kind",
     "mamba1_kind",
     "mla_kind",
+    "rglru_kind",
     "short_conv_kind",
 ]

@@ -1,6 +1,7 @@
 """Mamba1 selective scan (Jamba) over a flat varlen batch with a state pool.
 
-H channels (d_inner), state S [H, N] per slot, B and C [N] per token shared by every channel:
+H channels (d_inner), state S [H, N] per slot, B and C [N] per token shared by every channel
+(or [G, N]: G groups of H / G channels, each group its own row; Zamba's Mamba heads):
 
     dt'_t = softplus(dt_t + dt_bias)                  (softplus only if dt_softplus)
     S_t   = exp(dt'_t[:, None] * A) * S_{t-1} + (dt'_t * x_t)[:, None] * B_t[None, :]
@@ -41,7 +42,7 @@ def mamba_selective_scan(
     dt_softplus: bool = True,
     chunk_size: int = 64,
 ) -> Tensor:
-    """x, dt [T, H] (dt raw); A [H, N]; B, C [T, N]; D, dt_bias [H] or None;
+    """x, dt [T, H] (dt raw); A [H, N]; B, C [T, N] or [T, G, N]; D, dt_bias [H] or None;
     states [S, H, N] -> y [T, H] in x.dtype. Updates ``states`` in place (live and snapshot
     slots). ``chunk_size`` picks the chunk of the chunked path (the result does not depend
     on it beyond rounding)."""

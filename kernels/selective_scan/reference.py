@@ -1,7 +1,9 @@
 """Mamba1 selective scan (Jamba), torch reference: the ground truth and the CPU path.
 
 H channels (Mamba1's d_inner; each channel is its own SSM, an SSD head with P = 1), state
-S [H, N] per slot, B and C [N] per token shared by every channel:
+S [H, N] per slot, B and C [N] per token shared by every channel, or [G, N] per token where
+the channels form G groups of H / G (Zamba's independent Mamba heads: group g's B and C feed
+channels g H / G .. (g + 1) H / G - 1):
 
     dt'_t = softplus(dt_t + dt_bias)                  (softplus only if dt_softplus)
     S_t   = exp(dt'_t[:, None] * A) * S_{t-1} + (dt'_t * x_t)[:, None] * B_t[None, :]
@@ -33,13 +35,26 @@ def discretize_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool) -> Tens
     return F.softplus(dt) if dt_softplus else dt
 
 
+def num_groups(B: Tensor) -> int:
+    """B or C [T, N] (one group) or [T, G, N]."""
+    return 1 if B.dim() == 2 else B.shape[1]
+
+
+def grouped(t: Tensor) -> Tensor:
+    """B or C as [T, G, N] (a view)."""
+    return t.unsqueeze(1) if t.dim() == 2 else t
+
+
 def check_shapes(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, states: Tensor) -> None:
     num_tokens, num_channels = x.shape
     state_dim = A.shape[-1]
+    groups = num_groups(B)
     ok = (
         dt.shape == x.shape
         and A.shape == (num_channels, state_dim)
-        and B.shape == (num_tokens, state_dim)
+        and B.dim() in (2, 3)
+        and num_channels % groups == 0
+        and grouped(B).shape == (num_tokens, groups, state_dim)
         and C.shape == B.shape
         and states.shape[1:] == (num_channels, state_dim)
     )
@@ -47,7 +62,7 @@ def check_shapes(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, states:
         raise ValueError(
             f"shapes disagree: x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
             f"A {tuple(A.shape)}, B {tuple(B.shape)}, C {tuple(C.shape)}, "
-            f"states {tuple(states.shape)} (expected [S, H, N])"
+            f"states {tuple(states.shape)} (expected [S, H, N]; B, C [T, N] or [T, G, N], G dividing H)"
         )
 
 
@@ -112,7 +127,7 @@ def selective_scan_varlen_torch(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     a = A.float()
     scan_varlen(
-        (xf, step, B.float(), C.float()),
+        (xf, step, grouped(B).float(), grouped(C).float()),
         out,
         states,
         cu_seqlens,
@@ -128,10 +143,13 @@ def selective_scan_varlen_torch(
 
 def scan_step(xdt: Tensor, decay: Tensor, b: Tensor, c: Tensor, s: Tensor) -> Tensor:
     """One token of n rows (without D), updating ``s`` in place: xdt = dt' x [n, H];
-    decay = exp(dt' A) [n, H, N]; B, C [n, N]; s [n, H, N] fp32 -> y [n, H]."""
-    s.mul_(decay).addcmul_(xdt[:, :, None], b[:, None, :])
+    decay = exp(dt' A) [n, H, N]; B, C [n, G, N]; s [n, H, N] fp32 (contiguous) -> y [n, H]."""
+    n, h, d = s.shape
+    g = b.shape[1]
+    sg = s.view(n, g, h // g, d)
+    sg.mul_(decay.reshape(sg.shape)).addcmul_(xdt.reshape(n, g, h // g, 1), b[:, :, None, :])
     # a product and a last-dim sum, not bmm: bmm's sums change with n, this row's do not
-    return (s * c[:, None, :]).sum(dim=-1)
+    return (sg * c[:, :, None, :]).sum(dim=-1).view(n, h)
 
 
 def scan_recurrent(
@@ -139,7 +157,7 @@ def scan_recurrent(
 ) -> tuple[Tensor, Tensor]:
     """Per-token recurrence on padded rows (without the D skip); updates ``s`` in place.
 
-    inputs: x, dt' [n, L, H]; B, C [n, L, N]. valid [n, L]: padded steps get dt' = 0, which
+    inputs: x, dt' [n, L, H]; B, C [n, L, G, N]. valid [n, L]: padded steps get dt' = 0, which
     leaves S exactly unchanged (decay 1, input 0). s [n, H, N] fp32 -> (y [n, L, H], S).
     """
     x, step, b, c = inputs
@@ -155,7 +173,7 @@ def scan_recurrent(
 
 
 def scan_chunked(inputs: tuple[Tensor, ...], s: Tensor, *, A: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """Chunked form of one segment (without D): x, dt' [L, H]; B, C [L, N]; s [H, N]."""
+    """Chunked form of one segment (without D): x, dt' [L, H]; B, C [L, G, N]; s [H, N]."""
     x, step, b, c = inputs
     outs = []
     for c0 in range(0, x.shape[0], chunk_size):
@@ -166,15 +184,17 @@ def scan_chunked(inputs: tuple[Tensor, ...], s: Tensor, *, A: Tensor, chunk_size
 
 
 def _scan_chunk(x: Tensor, step: Tensor, b: Tensor, c: Tensor, A: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """One chunk of n tokens from state s [H, N] -> (y [n, H], state after the chunk).
+    """One chunk of n tokens from state s [H, N] (B, C [n, G, N]) -> (y [n, H], state after it).
 
     S_i = a_i S_{i-1} + u_i with a_i = exp(dt'_i A), u_i = dt'_i x_i B_i^T, all [H, N]. The
     pairs compose associatively, (a, u) then (a', u') = (a a', a' u + u'), so an inclusive
     scan (log2(n) doubling steps) gives every S_i = acc_a_i S_0 + acc_u_i at once; products
     of decays stay in (0, 1], so the form is as stable as the recurrence.
     """
+    n, h = x.shape
+    g = b.shape[1]
     acc_a = (step[:, :, None] * A).exp()  # [n, H, N]
-    acc_u = (x * step)[:, :, None] * b[:, None, :]  # [n, H, N]
+    acc_u = ((x * step).view(n, g, h // g, 1) * b[:, :, None, :]).view(n, h, -1)  # [n, H, N]
     offset = 1
     while offset < x.shape[0]:
         prev_a, prev_u = acc_a[:-offset], acc_u[:-offset]
@@ -182,7 +202,7 @@ def _scan_chunk(x: Tensor, step: Tensor, b: Tensor, c: Tensor, A: Tensor, s: Ten
         acc_a = torch.cat([acc_a[:offset], acc_a[offset:] * prev_a])
         offset *= 2
     states = acc_a * s + acc_u  # S_i: [n, H, N]
-    y = torch.einsum("thn,tn->th", states, c)
+    y = torch.einsum("tgpn,tgn->tgp", states.view(n, g, h // g, -1), c).reshape(n, h)
     return y, states[-1]
 
 
@@ -205,6 +225,6 @@ def selective_scan_update_torch(
     step = discretize_dt(dt, dt_bias, dt_softplus)  # [B, H]
     slots = slot_ids.long()
     s = states[slots].float()  # a copy [B, H, N]
-    y = scan_step(xf * step, (step[..., None] * A.float()).exp(), B.float(), C.float(), s)
+    y = scan_step(xf * step, (step[..., None] * A.float()).exp(), grouped(B).float(), grouped(C).float(), s)
     states[slots] = s.to(states.dtype)
     return _skip(y, xf, D).to(x.dtype)

@@ -25,10 +25,25 @@ def _compose(a_left, u_left, a_right, u_right):
 
 
 @triton.jit
+def group_rows(ptr, rows, m_t, o_h, o_n, m_h, m_n, H: tl.constexpr, N: tl.constexpr, G: tl.constexpr):
+    """B or C of a chunk's rows as an fp32 tile: [BT, 1, BN] when every channel shares it
+    (G = 1), else [BT, BH, BN] holding each channel's group row."""
+    if G == 1:
+        tile = tl.load(ptr + rows[:, None] * N + o_n[None, :], mask=m_t[:, None] & m_n[None, :], other=0.0)
+        tile = tile[:, None, :]
+    else:
+        grp = o_h // (H // G)
+        offs = rows[:, None, None] * (G * N) + grp[None, :, None] * N + o_n[None, None, :]
+        mask = m_t[:, None, None] & m_h[None, :, None] & m_n[None, None, :]
+        tile = tl.load(ptr + offs, mask=mask, other=0.0)
+    return tile.to(tl.float32)
+
+
+@triton.jit
 def selective_scan_chunk_kernel(
-    x, dt, A, B, C, D, dt_bias, y, states,  # x, dt, y [T, H]; A [H, N]; B, C [T, N]; D, dt_bias [H]
+    x, dt, A, B, C, D, dt_bias, y, states,  # x, dt, y [T, H]; A [H, N]; B, C [T, G, N]; D, dt_bias [H]
     slot_ids, has_init, seq_ids, seq_chunk_offsets, chunk_starts, chunk_lens, chunk_dst,
-    H: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    H: tl.constexpr, N: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
 ):
     i_n = tl.program_id(0)
@@ -50,17 +65,16 @@ def selective_scan_chunk_kernel(
     for c in range(c_begin, c_end):
         start, length, m_t, rows = chunk_rows(chunk_starts, chunk_lens, c, o_t)
         m_th = m_t[:, None] & m_h[None, :]
-        m_tn = m_t[:, None] & m_n[None, :]
         b_x = tl.load(x + rows[:, None] * H + o_h[None, :], mask=m_th, other=0.0).to(tl.float32)
         b_dt = tl.load(dt + rows[:, None] * H + o_h[None, :], mask=m_th, other=0.0).to(tl.float32)
         b_dt = tl.where(m_th, softplus_dt(b_dt, b_bias[None, :], DT_SOFTPLUS), 0.0)
-        b_b = tl.load(B + rows[:, None] * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
-        b_c = tl.load(C + rows[:, None] * N + o_n[None, :], mask=m_tn, other=0.0).to(tl.float32)
+        b_b = group_rows(B, rows, m_t, o_h, o_n, m_h, m_n, H, N, G)      # [BT, 1 or BH, BN]
+        b_c = group_rows(C, rows, m_t, o_h, o_n, m_h, m_n, H, N, G)
         decay = tl.exp(b_dt[:, :, None] * b_a[None, :, :])       # [BT, BH, BN]; 1 on padding
-        update = (b_x * b_dt)[:, :, None] * b_b[:, None, :]              # 0 on padding
+        update = (b_x * b_dt)[:, :, None] * b_b                          # 0 on padding
         acc_a, acc_u = tl.associative_scan((decay, update), 0, _compose)
         s_all = acc_a * s[None, :, :] + acc_u                            # S_i for every row
-        b_y = tl.sum(s_all * b_c[:, None, :], axis=2) + b_d[None, :] * b_x
+        b_y = tl.sum(s_all * b_c, axis=2) + b_d[None, :] * b_x
         tl.store(y + rows[:, None] * H + o_h[None, :], b_y.to(y.dtype.element_ty), mask=m_th)
         s = tl.sum(tl.where((o_t == length - 1)[:, None, None], s_all, 0.0), axis=0)
         store_snapshot(states, chunk_dst, c, s_off, s, m_hn, H * N)

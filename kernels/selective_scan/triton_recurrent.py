@@ -6,6 +6,7 @@ the state tile S[h-block, :] ([BH, BN] fp32) in registers: read from the pool by
 ``state_dst_slots[t] != 0``, after token t into that slot.
 
 Per token: dt' = softplus(dt + dt_bias); S <- exp(dt' A) S + dt' x B^T; y = S C + D x.
+B and C are one row per token (G = 1) or G rows, row g feeding channels g H / G onwards.
 """
 from __future__ import annotations
 
@@ -25,10 +26,23 @@ def softplus_dt(dt, dt_bias, DT_SOFTPLUS: tl.constexpr):
 
 
 @triton.jit
+def group_tile(ptr, t, o_h, o_n, m_h, m_n, H: tl.constexpr, N: tl.constexpr, G: tl.constexpr):
+    """B or C of token t as an fp32 tile: [1, BN] when every channel shares it (G = 1), else
+    [BH, BN] holding each channel's group row."""
+    if G == 1:
+        tile = tl.load(ptr + t * N + o_n, mask=m_n, other=0.0)[None, :]
+    else:
+        grp = o_h // (H // G)
+        offs = t * (G * N) + grp[:, None] * N + o_n[None, :]
+        tile = tl.load(ptr + offs, mask=m_h[:, None] & m_n[None, :], other=0.0)
+    return tile.to(tl.float32)
+
+
+@triton.jit
 def selective_scan_recurrent_kernel(
-    x, dt, A, B, C, D, dt_bias, y, states,  # x, dt, y [T, H]; A [H, N]; B, C [T, N]; D, dt_bias [H]
+    x, dt, A, B, C, D, dt_bias, y, states,  # x, dt, y [T, H]; A [H, N]; B, C [T, G, N]; D, dt_bias [H]
     cu_seqlens, slot_ids, has_init, seq_ids, dst_slots,
-    H: tl.constexpr, N: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    H: tl.constexpr, N: tl.constexpr, G: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_DST: tl.constexpr,
 ):
     seq = tl.load(seq_ids + tl.program_id(0))
@@ -49,10 +63,10 @@ def selective_scan_recurrent_kernel(
         b_x = tl.load(x + t * H + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_dt = softplus_dt(tl.load(dt + t * H + o_h, mask=m_h, other=0.0).to(tl.float32),
                            b_bias, DT_SOFTPLUS)
-        b_b = tl.load(B + t * N + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_c = tl.load(C + t * N + o_n, mask=m_n, other=0.0).to(tl.float32)
-        s = s * tl.exp(b_dt[:, None] * b_a) + (b_x * b_dt)[:, None] * b_b[None, :]
-        b_y = tl.sum(s * b_c[None, :], axis=1) + b_d * b_x
+        b_b = group_tile(B, t, o_h, o_n, m_h, m_n, H, N, G)
+        b_c = group_tile(C, t, o_h, o_n, m_h, m_n, H, N, G)
+        s = s * tl.exp(b_dt[:, None] * b_a) + (b_x * b_dt)[:, None] * b_b
+        b_y = tl.sum(s * b_c, axis=1) + b_d * b_x
         tl.store(y + t * H + o_h, b_y.to(y.dtype.element_ty), mask=m_h)
         if HAS_DST:
             store_snapshot(states, dst_slots, t, s_off, s, m_hn, H * N)

@@ -13,7 +13,7 @@ from torch import Tensor
 from kernels.chunking import block_size, varlen_launch
 from kernels.launch_grid import cdiv, checked
 from kernels.recurrent_batch import RecurrentBatch
-from kernels.selective_scan.reference import check_shapes
+from kernels.selective_scan.reference import check_shapes, num_groups
 from kernels.selective_scan.triton_chunk import selective_scan_chunk_kernel
 from kernels.selective_scan.triton_recurrent import selective_scan_recurrent_kernel
 
@@ -45,7 +45,7 @@ def selective_scan_varlen_triton(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C:
                   for t in (D, dt_bias))
     y = torch.empty_like(x)
     block_n = block_size(state_dim, lo=1)
-    meta = dict(H=num_channels, N=state_dim, BN=block_n, DT_SOFTPLUS=bool(dt_softplus))
+    meta = dict(H=num_channels, N=state_dim, G=num_groups(B), BN=block_n, DT_SOFTPLUS=bool(dt_softplus))
     if run.plan.short_ids is not None:
         block_h = channel_block(block_n, 1)
         grid = checked((run.plan.short_ids.shape[0], cdiv(num_channels, block_h)),

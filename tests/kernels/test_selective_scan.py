@@ -20,20 +20,25 @@ TOL = 1e-4
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 
 
-def make_inputs(num_tokens: int, num_slots: int, seed: int) -> dict[str, torch.Tensor]:
-    return selective_scan_inputs(num_tokens, num_slots, seed, H, N)
+def make_inputs(num_tokens: int, num_slots: int, seed: int, groups: int | None = None) -> dict[str, torch.Tensor]:
+    return selective_scan_inputs(num_tokens, num_slots, seed, H, N, groups)
 
 
 def naive_scan(inp: dict[str, torch.Tensor], case, dt_softplus: bool = True):
-    """Token by token, channel by channel; returns (y [T, H], final pool)."""
+    """Token by token, channel by channel (B, C [T, N] or grouped [T, G, N]); returns
+    (y [T, H], final pool)."""
     out = torch.zeros(inp["x"].shape)
+    groups = 1 if inp["B"].dim() == 2 else inp["B"].shape[1]
+
+    def row(name: str, t: int, h: int) -> torch.Tensor:
+        return inp[name][t] if inp[name].dim() == 2 else inp[name][t, h // (H // groups)]
 
     def token(t: int, s: torch.Tensor) -> None:
         for h in range(H):
             step = inp["dt"][t, h] + inp["dt_bias"][h]
             step = F.softplus(step) if dt_softplus else step
-            s[h] = torch.exp(step * inp["A"][h]) * s[h] + step * inp["x"][t, h] * inp["B"][t]
-            out[t, h] = s[h] @ inp["C"][t] + inp["D"][h] * inp["x"][t, h]
+            s[h] = torch.exp(step * inp["A"][h]) * s[h] + step * inp["x"][t, h] * row("B", t, h)
+            out[t, h] = s[h] @ row("C", t, h) + inp["D"][h] * inp["x"][t, h]
 
     pool = naive_varlen(inp["states"], case, token)
     return out, pool
@@ -76,11 +81,31 @@ def test_fixed_mixed_batch_without_softplus_or_skip(varlen_case, max_abs_diff):
         assert max_abs_diff(pool, ref_pool) <= TOL
 
 
+@pytest.mark.parametrize("groups", [2, 3])
+def test_grouped_b_c_match_naive(groups, varlen_case, max_abs_diff):
+    """B and C per group of H / G channels (Zamba's Mamba heads), on every path."""
+    case = varlen_case([0, 1, 5, 37, 1, 20], seed=5, snapshot_prob=0.2)
+    inp = make_inputs(case.num_tokens, case.num_slots, seed=5, groups=groups)
+    ref_y, ref_pool = naive_scan(inp, case)
+    for recurrent_max_len in (0, 16, 10**6):
+        with mock.patch.object(scan, "RECURRENT_MAX_LEN", recurrent_max_len):
+            y, pool = run_op(inp, case)
+        assert max_abs_diff(y, ref_y) <= TOL
+        assert max_abs_diff(pool, ref_pool) <= TOL
+    dec_case = varlen_case([1] * 4, seed=2, init_prob=1.0)
+    dec = make_inputs(4, dec_case.num_slots, seed=2, groups=groups)
+    want_y, want_pool = naive_scan(dec, dec_case)
+    pool = dec["states"].clone()
+    y = mamba_selective_scan(*(dec[n] for n in NAMES), pool, dec_case.seqs(uniform_len=1))
+    assert max_abs_diff(y, want_y) <= TOL
+    assert max_abs_diff(pool, want_pool) <= TOL
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
 def test_chunked_equals_recurrent(chunk_size, max_abs_diff):
     inp = make_inputs(50, 1, seed=9)
     step = scan.discretize_dt(inp["dt"], inp["dt_bias"], True)
-    seq = (inp["x"], step, inp["B"], inp["C"])
+    seq = (inp["x"], step, scan.grouped(inp["B"]), scan.grouped(inp["C"]))
     s0 = inp["states"][0]
     y_c, s_c = scan.scan_chunked(seq, s0, A=inp["A"], chunk_size=chunk_size)
     y_r, s_r = scan.scan_recurrent(

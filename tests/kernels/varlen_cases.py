@@ -78,16 +78,19 @@ def ssd_inputs(num_tokens: int, num_slots: int, seed: int, heads: int, groups: i
     )
 
 
-def selective_scan_inputs(num_tokens: int, num_slots: int, seed: int, channels: int, n_dim: int) -> Inputs:
-    """x, dt [T, H]; A [H, N] (< 0, one rate per channel and state); B, C [T, N];
-    D, dt_bias [H]; states [S, H, N] (Mamba1, ``kernels.selective_scan``)."""
+def selective_scan_inputs(
+    num_tokens: int, num_slots: int, seed: int, channels: int, n_dim: int, groups: int | None = None
+) -> Inputs:
+    """x, dt [T, H]; A [H, N] (< 0, one rate per channel and state); B, C [T, N] (or
+    [T, G, N] with ``groups``); D, dt_bias [H]; states [S, H, N] (Mamba1, ``kernels.selective_scan``)."""
     gen = torch.Generator().manual_seed(seed)
+    bc = (num_tokens, n_dim) if groups is None else (num_tokens, groups, n_dim)
     return dict(
         x=torch.randn(num_tokens, channels, generator=gen),
         dt=torch.randn(num_tokens, channels, generator=gen) - 1.0,
         A=-torch.rand(channels, n_dim, generator=gen) * 2 - 0.1,
-        B=torch.randn(num_tokens, n_dim, generator=gen),
-        C=torch.randn(num_tokens, n_dim, generator=gen),
+        B=torch.randn(*bc, generator=gen),
+        C=torch.randn(*bc, generator=gen),
         D=torch.randn(channels, generator=gen),
         dt_bias=torch.randn(channels, generator=gen) * 0.5,
         states=torch.randn(num_slots, channels, n_dim, generator=gen),

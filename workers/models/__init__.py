@@ -12,10 +12,14 @@ from workers.models.bamba import BambaForCausalLM
 from workers.models.base import HybridForCausalLM
 from workers.models.falcon_h1 import FalconH1ForCausalLM
 from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from workers.models.inkling import InklingForCausalLM
+from workers.models.inkling_mm import InklingForConditionalGeneration
 from workers.models.jamba import JambaForCausalLM
 from workers.models.kimi_linear import KimiLinearForCausalLM
+from workers.models.lara_mini import LaraMiniForCausalLM
 from workers.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from workers.models.lfm3 import Lfm3ForCausalLM
+from workers.models.mamba1_lm import FalconMambaForCausalLM, MambaForCausalLM
 from workers.models.mamba2_lm import Mamba2ForCausalLM
 from workers.models.minimax import MiniMaxForCausalLM
 from workers.models.nemotron_h import NemotronHForCausalLM
@@ -27,7 +31,19 @@ from workers.models.qwen3_5 import (
     Qwen3_5MoeForConditionalGeneration,
 )
 from workers.models.qwen3_next import Qwen3NextForCausalLM
+from workers.models.recurrent_gemma import RecurrentGemmaForCausalLM
+from workers.models.wrapped_text import (
+    Lfm2VlForConditionalGeneration,
+    Lfm3VlForConditionalGeneration,
+    MiniCPMOcrForConditionalGeneration,
+    MiniCPMV4_6ForConditionalGeneration,
+    MiniCPMV4_7ForConditionalGeneration,
+    Nemotron3_5TranscribeForConditionalGeneration,
+    NemotronHOmniForConditionalGeneration,
+)
+from workers.models.zamba import ZambaForCausalLM
 from workers.models.zamba2 import Zamba2ForCausalLM
+from workers.models.zaya import ZayaForCausalLM
 
 SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
@@ -50,6 +66,22 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "BailingHybridForCausalLM": BailingHybridForCausalLM,
     "MiniMaxForCausalLM": MiniMaxForCausalLM,
     "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
+    "LaraMiniForCausalLM": LaraMiniForCausalLM,
+    "RecurrentGemmaForCausalLM": RecurrentGemmaForCausalLM,
+    "InklingForCausalLM": InklingForCausalLM,
+    "InklingForConditionalGeneration": InklingForConditionalGeneration,  # the text part
+    # multimodal wrappers: the text part served, towers skipped (workers/models/wrapped_text.py)
+    "Lfm2VlForConditionalGeneration": Lfm2VlForConditionalGeneration,
+    "Lfm3VlForConditionalGeneration": Lfm3VlForConditionalGeneration,
+    "NemotronH_Omni_Reasoning_V3": NemotronHOmniForConditionalGeneration,
+    "Nemotron3_5TranscribeForConditionalGeneration": Nemotron3_5TranscribeForConditionalGeneration,
+    "MiniCPMV4_6ForConditionalGeneration": MiniCPMV4_6ForConditionalGeneration,
+    "MiniCPMV4_7ForConditionalGeneration": MiniCPMV4_7ForConditionalGeneration,
+    "MiniCPMOcrForConditionalGeneration": MiniCPMOcrForConditionalGeneration,
+    "MambaForCausalLM": MambaForCausalLM,
+    "FalconMambaForCausalLM": FalconMambaForCausalLM,
+    "ZambaForCausalLM": ZambaForCausalLM,
+    "ZayaForCausalLM": ZayaForCausalLM,
 }
 
 

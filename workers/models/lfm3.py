@@ -20,7 +20,7 @@ Config fields read: ``layer_types``, ``sliding_window``, ``rope_parameters`` (pe
 Refused: other rope types, and ``partial_rotary_factor`` / ``factor`` on a ``default`` entry
 (transformers' Lfm3 ignores them there). Not math: ``attention_dropout``,
 ``max_position_embeddings``, init fields. The vision-language ``Lfm3VlForConditionalGeneration``
-is not served.
+is served for its text part (``workers/models/wrapped_text.py``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""The Mamba1 (selective scan) mixer of Jamba.
+"""The Mamba1 (selective scan) mixer of Jamba, Mamba and FalconMamba.
 
 Per token: ``in_proj`` splits as ``[x (d_inner) | z (d_inner)]``; x goes through the causal
 conv + SiLU; ``x_proj`` (no bias) gives ``[dt (dt_rank) | B (N) | C (N)]``, each through its
 own RMSNorm in Jamba (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``: ``inner_norm_eps``;
-none in plain Mamba1); ``dt_proj``'s weight lifts dt to d_inner channels and its bias is the
-scan's ``dt_bias`` (added before the softplus, as transformers does); the selective scan
-(``kernels.selective_scan``: A = -exp(A_log) [d_inner, N], state [d_inner, N] per slot, fp32)
-adds ``D * x``; the result is gated by ``silu(z)`` and goes through ``out_proj``.
+weightless in FalconMamba, ``inner_norm_weighted=False``; none in plain Mamba); ``dt_proj``'s
+weight lifts dt to d_inner channels and its bias is the scan's ``dt_bias`` (added before the
+softplus, as transformers does); the selective scan (``kernels.selective_scan``:
+A = -exp(A_log) [d_inner, N], state [d_inner, N] per slot, fp32) adds ``D * x``; the result
+is gated by ``silu(z)`` and goes through ``out_proj``.
 
 The mixer holds the HF parameter names: ``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
 ``A_log``, ``D``, the three norms, ``out_proj``. Under TP (``workers/tp/shard_layers.py``)
@@ -37,7 +38,8 @@ class Mamba1Dims:
     conv_kernel: int  # W
     conv_bias: bool
     proj_bias: bool  # in_proj / out_proj (x_proj has none, dt_proj always one)
-    inner_norm_eps: float | None  # RMSNorms on dt, B, C (Jamba); None: no norms
+    inner_norm_eps: float | None  # RMSNorms on dt, B, C (Jamba, FalconMamba); None: no norms
+    inner_norm_weighted: bool = True  # False: the norms have no weight (FalconMamba)
     chunk_size: int = 64  # the torch path's chunk (results do not depend on it)
     ssm_dtype: str = "float32"  # the scan state's dtype in the pool
 
@@ -50,6 +52,25 @@ class Mamba1Dims:
         ):
             if value < 1:
                 raise ValueError(f"{name}={value} must be positive")
+
+
+class WeightlessRMSNorm(nn.Module):
+    """``x / rms(x)`` in fp32, back in x's dtype (FalconMamba's dt / B / C norms)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def inner_norm(dim: int, dims: Mamba1Dims, dtype: torch.dtype) -> nn.Module:
+    assert dims.inner_norm_eps is not None
+    if dims.inner_norm_weighted:
+        return RMSNorm(dim, dims.inner_norm_eps, dtype)
+    return WeightlessRMSNorm(dims.inner_norm_eps)
 
 
 class Mamba1Mixer(nn.Module):
@@ -67,10 +88,9 @@ class Mamba1Mixer(nn.Module):
         self.out_proj = linear(di, dims.hidden_size, dims.proj_bias, dtype)
         self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
         if dims.inner_norm_eps is not None:
-            eps = dims.inner_norm_eps
-            self.dt_layernorm = RMSNorm(r, eps, dtype)
-            self.b_layernorm = RMSNorm(n, eps, dtype)
-            self.c_layernorm = RMSNorm(n, eps, dtype)
+            self.dt_layernorm = inner_norm(r, dims, dtype)
+            self.b_layernorm = inner_norm(n, dims, dtype)
+            self.c_layernorm = inner_norm(n, dims, dtype)
 
     def state_kind(self) -> StateKind:
         d = self.dims

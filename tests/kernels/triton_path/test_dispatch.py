@@ -12,6 +12,7 @@ import kernels.attention
 import kernels.conv1d
 import kernels.gdn
 import kernels.norm
+import kernels.rglru
 import kernels.selective_scan
 import kernels.ssd
 from kernels import backend, fused_cpu
@@ -157,6 +158,13 @@ def _calls():
             kernels.conv1d,
             "causal_conv1d_torch",
             lambda: kernels.conv1d.causal_conv1d(r(1, 16), r(16, 4), None, r(2, 16, 3), RecurrentBatch.decode(slot)),
+        ),
+        (
+            kernels.rglru,
+            "rglru_torch",
+            lambda: kernels.rglru.rg_lru(
+                r(3, 16), r(3, 16), r(3, 16), -r(16).abs(), torch.tensor([True, False, False]), r(2, 16), seqs
+            ),
         ),
         (kernels.norm, "rms_norm_torch", lambda: kernels.norm.rms_norm(r(3, 16), r(16), 1e-6)),
         (kernels.norm, "gated_rms_norm_torch", lambda: kernels.norm.gated_rms_norm(r(3, 16), r(3, 16), r(16), 1e-6)),

@@ -71,9 +71,12 @@ def _launch_everything() -> None:
     from kernels.attention.triton_paged import paged_attention_triton
     from kernels.conv1d.triton_conv import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from kernels.gdn.triton_varlen import gated_delta_rule_varlen_triton
+    from kernels.indexer.triton_select import select_positions_triton
+    from kernels.indexer.triton_sparse import sparse_attention_triton
     from kernels.kda.triton_varlen import kda_varlen_triton
     from kernels.mla.triton_paged import mla_attention_triton
     from kernels.norm.triton_norm import gated_rms_norm_triton, rms_norm_triton
+    from kernels.rglru.triton_scan import rglru_triton
     from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
     from kernels.ssd.triton_varlen import ssd_varlen_triton
 
@@ -116,6 +119,8 @@ def _launch_everything() -> None:
         seqs,
     )
     causal_conv1d_update_triton(r(len(LENS), 16), r(16, 4), None, r(num_slots, 16, 3), slots)
+    lru = 2560  # recurrentgemma-2b's lru_width: channel blocks on axis 1
+    rglru_triton(r(t, lru), r(t, lru), r(t, lru), r(lru), torch.zeros(t, dtype=torch.bool), r(num_slots, lru), seqs)
     rms_norm_triton(r(t * HEADS, 2), r(2), 1e-6)
     gated_rms_norm_triton(r(t, 16), r(t, 16), r(16), 1e-6, 2)
     page_size, ctx = 16, [n + 15 for n in LENS]
@@ -145,6 +150,9 @@ def _launch_everything() -> None:
         0.25,
         16,
     )
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    picked = select_positions_triton(r(t, HEADS, 16), None, r(len(LENS), 2, 16), cu, lens, 4, 2)
+    sparse_attention_triton(r(t, HEADS, 16), r(64, 8, 16), r(64, 8, 16), picked, table, cu, lens, page_size, 0.25)
 
 
 def test_every_launch_within_cuda_limits(grids):

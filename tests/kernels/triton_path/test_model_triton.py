@@ -18,6 +18,7 @@ import kernels.gdn
 import kernels.kda
 import kernels.mla
 import kernels.norm
+import kernels.rglru
 import kernels.selective_scan
 import kernels.ssd
 from kernels import backend
@@ -29,9 +30,10 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat by the door",
 ]
 # The families that between them run every Triton kernel of TORCH_REFS: GDN (qwen3_next),
-# SSD (granitemoehybrid), selective scan (jamba), KDA + MLA (kimi_linear); conv1d, the norms
-# and paged attention in all of them. The other families run these tests in ``slow``.
-KERNEL_FAMILIES = frozenset({"qwen3_next", "granitemoehybrid", "jamba", "kimi_linear"})
+# SSD (granitemoehybrid), selective scan (jamba), KDA + MLA (kimi_linear), RG-LRU
+# (recurrent_gemma); conv1d, the norms and paged attention in all of them. The other
+# families run these tests in ``slow``.
+KERNEL_FAMILIES = frozenset({"qwen3_next", "granitemoehybrid", "jamba", "kimi_linear", "recurrent_gemma"})
 TORCH_REFS = [
     (kernels.gdn, "gated_delta_rule_torch"),
     (kernels.ssd, "ssd_torch"),
@@ -42,6 +44,7 @@ TORCH_REFS = [
     (kernels.selective_scan, "mamba_selective_scan_torch"),
     (kernels.kda, "kda_torch"),
     (kernels.mla, "mla_attention_torch"),
+    (kernels.rglru, "rglru_torch"),
 ]
 
 

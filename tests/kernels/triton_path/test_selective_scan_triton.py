@@ -21,9 +21,9 @@ NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 
 
 def make_inputs(
-    num_tokens: int, num_slots: int, seed: int, channels: int = 24, n_dim: int = 16
+    num_tokens: int, num_slots: int, seed: int, channels: int = 24, n_dim: int = 16, groups: int | None = None
 ) -> dict[str, torch.Tensor]:
-    return selective_scan_inputs(num_tokens, num_slots, seed, channels, n_dim)
+    return selective_scan_inputs(num_tokens, num_slots, seed, channels, n_dim, groups)
 
 
 def run_both(inp, case, device, dt_softplus=True, **kw):
@@ -64,6 +64,17 @@ def test_every_sequence_on_one_path(recurrent_max_len, varlen_case, device, tol,
     inp = make_inputs(case.num_tokens, case.num_slots, seed=6, channels=37, n_dim=5)
     want, got = run_both(inp, case, device, recurrent_max_len=recurrent_max_len)
     assert_same_result(got, want, tol, max_abs_diff)
+
+
+@pytest.mark.parametrize("recurrent_max_len", [0, 1000])
+def test_grouped_b_c(recurrent_max_len, varlen_case, device, tol, max_abs_diff):
+    """B and C per group of channels (Zamba's Mamba heads); groups of 12 and 13 channels
+    cross the channel blocks, and 5 states pad the state tile."""
+    for channels, groups in ((24, 2), (39, 3)):
+        case = varlen_case([1, 3, 40, 1], seed=7, snapshot_prob=0.15)
+        inp = make_inputs(case.num_tokens, case.num_slots, seed=7, channels=channels, n_dim=5, groups=groups)
+        want, got = run_both(inp, case, device, recurrent_max_len=recurrent_max_len)
+        assert_same_result(got, want, tol, max_abs_diff)
 
 
 def test_verify_writes_every_draft_state(varlen_case, device, tol, max_abs_diff):

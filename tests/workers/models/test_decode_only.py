@@ -16,7 +16,9 @@ import workers.models.kda as kda_layer
 import workers.models.layers as layers
 import workers.models.lightning as lightning_layer
 import workers.models.mamba1 as mamba1_layer
+import workers.models.mamba1_heads as mamba1_heads_layer
 import workers.models.mamba2 as mamba2_layer
+import workers.models.rglru as rglru_layer
 import workers.step_inputs as step_inputs
 from kernels.recurrent_batch import Path, RecurrentBatch
 from tests.workers.engine.helpers import GREEDY, greedy_tokens, make_llm
@@ -31,22 +33,28 @@ SCANS = [
     (kda_layer, "kimi_delta_attention"),
     (lightning_layer, "lightning_attention"),
     (mamba1_layer, "mamba_selective_scan"),
+    (mamba1_heads_layer, "mamba_selective_scan"),
+    (rglru_layer, "rg_lru"),
 ]
 OPS = [(layers, CONV), *SCANS]
 
 
 @contextmanager
-def count_calls(ops: list[tuple[object, str]] = OPS) -> Iterator[dict[str, mock.MagicMock]]:
-    """Spies (the real op still runs) on the names the layers call the kernels by."""
+def count_calls(ops: list[tuple[object, str]] = OPS) -> Iterator[dict[tuple[object, str], mock.MagicMock]]:
+    """Spies (the real op still runs) on the names the layers call the kernels by, keyed by
+    (module, name): two layer modules may call one op."""
     with ExitStack() as stack:
-        yield {name: stack.enter_context(mock.patch.object(mod, name, wraps=getattr(mod, name))) for mod, name in ops}
+        yield {
+            (mod, name): stack.enter_context(mock.patch.object(mod, name, wraps=getattr(mod, name)))
+            for mod, name in ops
+        }
 
 
-def paths(spies: dict[str, mock.MagicMock], path: Path, names: object = None) -> int:
+def paths(spies: dict[tuple[object, str], mock.MagicMock], path: Path, names: object = None) -> int:
     """Calls given a batch whose path is ``path`` (of the ops ``names``, or all)."""
     return sum(
         next(a for a in call.args if isinstance(a, RecurrentBatch)).path is path
-        for name, spy in spies.items()
+        for (_, name), spy in spies.items()
         if names is None or name in names
         for call in spy.call_args_list
     )

@@ -121,7 +121,7 @@ def test_unknown_architecture_lists_supported(qwen_dir: Path, tmp_path: Path) ->
     assert "LlamaForCausalLM" in str(err.value)
     assert all(name in str(err.value) for name in SUPPORTED_ARCHITECTURES)
     with pytest.raises(ValueError, match="Qwen3NextForCausalLM"):
-        get_model_class("Lfm2VlForConditionalGeneration")  # LFM2's vision-language model
+        get_model_class("JevForDecision")  # a decision head over Qwen3.5, no language-model head
 
 
 @pytest.mark.parametrize(

@@ -208,6 +208,41 @@ VARIANTS = {
             "mamba_dt_rank": 4,
         },
     ),
+    # Mamba: tied, no biases, bf16-style residual off, dt rank auto, N = 8
+    "mamba_tied_plain": (
+        "mamba",
+        {
+            "tie_word_embeddings": True,
+            "use_bias": False,
+            "use_conv_bias": False,
+            "residual_in_fp32": False,
+            "time_step_rank": "auto",
+            "state_size": 8,
+        },
+    ),
+    # FalconMamba: biases, untied, another mixer norm eps
+    "falcon_mamba_bias_eps": (
+        "falcon_mamba",
+        {"use_bias": True, "use_conv_bias": True, "mixer_rms_eps": 1e-3, "tie_word_embeddings": False},
+    ),
+    # Zamba: untied (each hybrid layer its own block), MHA, 4 Mamba heads, no Mamba biases,
+    # SiLU MLP, heads narrower than 2H / heads, the default layer pattern
+    "zamba_untied_mha_4heads": (
+        "zamba",
+        {
+            "tie_word_embeddings": False,
+            "num_key_value_heads": 4,
+            "n_mamba_heads": 4,
+            "mamba_proj_bias": False,
+            "mamba_conv_bias": False,
+            "hidden_act": "silu",
+            "attention_head_dim": 16,
+            "num_hidden_layers": 7,
+            "layers_block_type": None,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+        },
+    ),
     # MLP width as given, biases on the conv block, untied, one KV head per query head
     "lfm2_unadjusted_bias": (
         "lfm2",
@@ -290,6 +325,46 @@ VARIANTS = {
             "attention_bias": True,
             "tie_word_embeddings": True,
             "linear_value_head_dim": 16,
+        },
+    ),
+    # lru_width != hidden_size, sqrt(80) rounded to bf16 (8.9375), tied, q/k/v biases, MQA,
+    # attention first, a soft cap that bites
+    "recurrent_gemma_wide_tied_mqa_cap": (
+        "recurrent_gemma",
+        {
+            "hidden_size": 80,
+            "lru_width": 96,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "num_key_value_heads": 1,
+            "block_types": ["attention", "recurrent"],
+            "conv1d_width": 2,
+            "logits_soft_cap": 2.0,
+        },
+    ),
+    # tied, one value head per key head, attention bias, top-k not renormalised, window 4
+    "lara_tied_r1_bias_raw_topk": (
+        "lara_mini",
+        {
+            "tie_word_embeddings": True,
+            "linear_num_value_heads": 2,
+            "attention_bias": True,
+            "norm_topk_prob": False,
+            "sliding_window": 4,
+        },
+    ),
+    # three-tap CCA convs (two carried partial sums), biases, MQA (one KV head, the value
+    # half current half delayed inside it), tied, no sliding layers, other RoPE spectra
+    "zaya_cca3_bias_mqa_tied": (
+        "zaya",
+        {
+            "cca_time0": 3,
+            "cca_time1": 3,
+            "attention_bias": True,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "layer_types": ["hybrid"] * 4,
+            "rope_parameters": {"hybrid": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
         },
     ),
 }

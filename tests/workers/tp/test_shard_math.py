@@ -227,7 +227,7 @@ def test_whole_model_logits(family_model, tiny_model):
 
 def test_pool_shard_shapes(family_model):
     """A sharded model's ``cache_spec()`` is its rank's shard: heads (conv channels) / 2, an
-    MLA latent row whole."""
+    MLA latent row and a tensor marked ``replicated`` (a conv over the hidden size) whole."""
 
     def specs(model):
         return run_ranks(2, lambda comm: (shard_model(m := copy.deepcopy(model), comm), m.cache_spec())[1])
@@ -235,14 +235,18 @@ def test_pool_shard_shapes(family_model):
     def shapes(spec: CacheSpec) -> dict[tuple[str, str], tuple[int, ...]]:
         return {(g.kind.name, t.name): t.shape for g in spec.groups for t in g.kind.tensors}
 
-    def halved(shape: tuple[int, ...]) -> tuple[int, ...]:  # heads (or conv channels) / 2
-        if shape[0] == 1:  # one row shared by every head (MLA's latent): replicated
+    replicated = {
+        (g.kind.name, t.name) for g in family_model.cache_spec().groups for t in g.kind.tensors if t.replicated
+    }
+
+    def halved(key: tuple[str, str], shape: tuple[int, ...]) -> tuple[int, ...]:  # heads (or conv channels) / 2
+        if shape[0] == 1 or key in replicated:  # one row shared by every head (MLA's latent), or whole
             return shape
         return (shape[0] // 2, *shape[1:])
 
     full = shapes(family_model.cache_spec())
     for s in specs(family_model):
-        assert shapes(s) == {key: halved(shape) for key, shape in full.items()}
+        assert shapes(s) == {key: halved(key, shape) for key, shape in full.items()}
         assert [g.num_layers for g in s.groups] == [g.num_layers for g in family_model.cache_spec().groups]
 
 
