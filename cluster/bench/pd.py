@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation against colocated replicas, same engines, same load.
 
-    python -m cluster.bench.pd [--streams 6] [--stream-tokens 160] [--long-prompts 6]
-        [--long-len 1536] [--long-every-s 1.5] [--sessions 8] [--turns 3] [--eager] [--json]
+    python -m cluster.bench.pd [--streams 6] [--stream-tokens 600] [--long-prompts 8]
+        [--long-len 1536] [--long-every-s 0.75] [--sessions 8] [--turns 3] [--eager] [--json]
 
 Deploys on a local Ray cluster (``serving.LocalCluster``) the default configuration twice,
 one app after the other: ``colocated`` (``parallel.num_replicas`` 2) and ``pd`` (one
@@ -13,7 +13,8 @@ the default has them. Per app:
   run, ``--long-prompts`` completions of ``--long-len`` new tokens (``max_tokens`` 8), one
   every ``--long-every-s``. ITL is what the streams' clients see: each event's gap to the
   previous one, shared by the tokens it carries (vLLM's definition); p50 / p99 over every
-  stream token. Throughput: every output token of both kinds / the wall time.
+  stream token (the streams outlast the arrivals). Throughput: every output token of both
+  kinds / the time from the first request to the last answer.
 - **Multi-turn**: ``--sessions`` chats of ``--turns`` turns (a 600-token first prompt;
   each later turn appends the answer and 24 new tokens): the share of follow-up turns the
   PD app sent straight to the decode replica (``hybridserve_pd_requests_total``).
@@ -70,6 +71,12 @@ async def complete(http: httpx.AsyncClient, model: str, prompt: list[int], max_t
     return r.json()["choices"][0]["token_ids"]
 
 
+async def timed(call) -> tuple[float, Any]:
+    """(the time the call returned, its result)."""
+    result = await call
+    return time.perf_counter(), result
+
+
 def itls(stamps: list[tuple[float, int]]) -> list[float]:
     out = []
     for (t0, _), (t1, n) in zip(stamps, stamps[1:]):
@@ -87,14 +94,16 @@ async def decode_heavy(base: str, model: str, args: argparse.Namespace) -> dict[
         ]
         await asyncio.sleep(1.0)
         longs = []
-        for _ in range(args.long_prompts):
-            longs.append(asyncio.create_task(complete(http, model, ids(rng, args.long_len), 8)))
-            await asyncio.sleep(args.long_every_s)
+        for k in range(args.long_prompts):
+            if k:
+                await asyncio.sleep(args.long_every_s)
+            longs.append(asyncio.create_task(timed(complete(http, model, ids(rng, args.long_len), 8))))
         done = await asyncio.gather(*streams)
         long_out = await asyncio.gather(*longs)
-        wall = time.perf_counter() - start
+    ends = [s[-1][0] for s in done if s] + [end for end, _ in long_out]
+    wall = max(ends) - start
     gaps = [g for s in done for g in itls(s)]
-    tokens = sum(n for s in done for _, n in s) + sum(len(o) for o in long_out)
+    tokens = sum(n for s in done for _, n in s) + sum(len(o) for _, o in long_out)
     q = statistics.quantiles(gaps, n=100)
     return {"itl_p50_ms": 1e3 * q[49], "itl_p99_ms": 1e3 * q[98], "output_tok_s": tokens / wall, "wall_s": wall}
 
@@ -140,10 +149,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=6)
-    p.add_argument("--stream-tokens", type=int, default=160)
-    p.add_argument("--long-prompts", type=int, default=6)
+    p.add_argument("--stream-tokens", type=int, default=600)
+    p.add_argument("--long-prompts", type=int, default=8)
     p.add_argument("--long-len", type=int, default=1536)
-    p.add_argument("--long-every-s", type=float, default=1.5)
+    p.add_argument("--long-every-s", type=float, default=0.75)
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
