@@ -1,4 +1,4 @@
-"""``hybridserve bench``: arguments and the three modes.
+"""``hybridserve bench``: arguments and the modes.
 
     hybridserve bench --url http://127.0.0.1:8000 --workload shared_prefix \
         [--rate 4 --burstiness 1 --max-concurrency 8 --num-prompts 64 --seed 0 \
@@ -8,6 +8,7 @@
         [--steps 30 --warmup 5 --json --out result.json]
     hybridserve bench correctness --url URL --reference-url URL [--concurrency 8 --requests 200 \
         --near-tie --json --out result.json]
+    hybridserve bench pd [--streams 6 --stream-tokens 600 --long-prompts 8 --eager --json]
 
 ``--set`` overrides fields of the workload (run mode) or of the suite config (suite mode).
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 from cluster.bench.correctness import add_args as add_correctness_args
 from cluster.bench.host_overhead import add_args as add_host_overhead_args
+from cluster.bench.pd import add_args as add_pd_args
 from configs.schema import parse_set_items
 
 
@@ -32,11 +34,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "mode",
         nargs="?",
-        choices=("suite", "host-overhead", "correctness"),
+        choices=("suite", "host-overhead", "correctness", "pd"),
         default=None,
         help="'suite': run the comparison suite (starts its own local cluster); "
         "'host-overhead': the engine's host CPU per request and step, in process; "
-        "'correctness': every greedy output of --url against --reference-url's",
+        "'correctness': every greedy output of --url against --reference-url's; "
+        "'pd': prefill/decode disaggregation against colocated replicas (starts its own local cluster)",
     )
     p.add_argument("--url", default=None, help="server base URL (with or without /v1)")
     p.add_argument("--workload", default="random", help="a name in configs/workloads or a YAML path")
@@ -75,6 +78,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         )
     )
     add_correctness_args(p.add_argument_group("correctness mode (--url: the server under test)"))
+    add_pd_args(p.add_argument_group("pd mode"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         from cluster.bench import correctness
 
         return correctness.run(args)
+    if args.mode == "pd":
+        from cluster.bench import pd
+
+        return pd.run_command(args)
     if not args.url:
         raise ValueError("bench needs --url (or the 'suite' or 'host-overhead' mode)")
     return _run_once(args)

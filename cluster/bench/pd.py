@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation against colocated replicas, same engines, same load.
 
-    python -m cluster.bench.pd [--streams 6] [--stream-tokens 600] [--long-prompts 8]
-        [--long-len 1536] [--long-every-s 0.75] [--sessions 8] [--turns 3] [--eager] [--json]
+    hybridserve bench pd [--streams 6] [--stream-tokens 600] [--long-prompts 8] [--long-len 1536]
+        [--long-every-s 0.75] [--sessions 8] [--turns 3] [--eager] [--seed 0] [--json]
 
 Deploys on a local Ray cluster (``serving.LocalCluster``) the default configuration twice,
 one app after the other: ``colocated`` (``parallel.num_replicas`` 2) and ``pd`` (one
@@ -33,11 +33,10 @@ import random
 import re
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from cluster.bench.serving import LocalCluster
+if TYPE_CHECKING:  # loaded when a run starts, not with the CLI
+    import httpx
 
 ENGINE = {"cache": {"host_mamba_slots": 64, "host_kv_tokens": 16384}, "scheduler": {"max_running_requests": 32}}
 MODES = {
@@ -85,6 +84,8 @@ def itls(stamps: list[tuple[float, int]]) -> list[float]:
 
 
 async def decode_heavy(base: str, model: str, args: argparse.Namespace) -> dict[str, float]:
+    import httpx
+
     rng = random.Random(args.seed)
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
         await complete(http, model, ids(rng, 32), 4)  # warm
@@ -109,6 +110,8 @@ async def decode_heavy(base: str, model: str, args: argparse.Namespace) -> dict[
 
 
 async def multi_turn(base: str, model: str, args: argparse.Namespace) -> None:
+    import httpx
+
     rng = random.Random(args.seed + 1)
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
 
@@ -121,11 +124,15 @@ async def multi_turn(base: str, model: str, args: argparse.Namespace) -> None:
 
 
 def counter(metrics_url: str, name: str, label: str) -> float:
+    import httpx
+
     text = httpx.get(metrics_url, timeout=10).text
     return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*{label}[^}}]*}} ([0-9.e+]+)$", text, re.M))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from cluster.bench.serving import LocalCluster
+
     if args.eager:
         os.environ["HYBRIDSERVE_COMPILE_DEFAULT"] = "0"
     out: dict[str, Any] = {"load_before": os.getloadavg()}
@@ -146,22 +153,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def add_args(p: argparse.ArgumentParser | Any) -> None:
+    """The options (``hybridserve bench pd`` adds them as a group; ``--seed`` and ``--json``
+    are the bench command's own)."""
+    p.add_argument("--streams", type=int, default=6, help="pd: decode-heavy streams")
+    p.add_argument("--stream-tokens", type=int, default=600, help="pd: tokens per stream")
+    p.add_argument("--long-prompts", type=int, default=8, help="pd: long prompts arriving while they run")
+    p.add_argument("--long-len", type=int, default=1536, help="pd: new tokens per long prompt")
+    p.add_argument("--long-every-s", type=float, default=0.75, help="pd: seconds between long prompts")
+    p.add_argument("--sessions", type=int, default=8, help="pd: multi-turn chats")
+    p.add_argument("--turns", type=int, default=3, help="pd: turns per chat")
+    p.add_argument("--eager", action="store_true", help="pd: engines without compiled steps")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Shared by ``main`` and ``hybridserve bench pd``."""
+    if args.seed is None:
+        args.seed = 0
+    print(json.dumps(run(args), indent=None if args.json else 2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--streams", type=int, default=6)
-    p.add_argument("--stream-tokens", type=int, default=600)
-    p.add_argument("--long-prompts", type=int, default=8)
-    p.add_argument("--long-len", type=int, default=1536)
-    p.add_argument("--long-every-s", type=float, default=0.75)
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=3)
+    add_args(p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eager", action="store_true", help="engines without compiled steps")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    result = run(args)
-    print(json.dumps(result, indent=None if args.json else 2))
+    p.add_argument("--json", action="store_true", help="the result on one line")
+    return run_command(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
