@@ -149,10 +149,11 @@ def serve_session() -> Iterator[ServeSession]:
     ray.shutdown()
 
 
-# Multimodal wrappers (a ``text_config_key``) run their text family's code, which that family's
-# items test: in ``make test`` a wrapper checks only its equality with transformers.
-WRAPPER_FAMILIES = frozenset(name for name, f in TINY_FAMILIES.items() if f.text_config_key)
-WRAPPER_FAST_MODULE = "tests.workers.models.test_vs_transformers"
+# Families whose layers and states another family has (``TinyFamily.light``; a multimodal
+# wrapper, with a ``text_config_key``, runs its text family's code): in ``make test`` they
+# check only their equality with transformers (model and engine), the rest is ``slow``.
+LIGHT_FAMILIES = frozenset(name for name, f in TINY_FAMILIES.items() if f.light or f.text_config_key)
+LIGHT_FAST_MODULES = ("tests.workers.models.test_vs_transformers", "tests.workers.engine.test_vs_transformers")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
@@ -160,12 +161,12 @@ def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.core_families(all_families_for={"strategy": "x"}, families=...)``: the
     test's items of a family outside ``families`` (default ``CORE_FAMILIES``) become ``slow``,
     except those whose parameters match ``all_families_for`` (those run for every family).
-    A wrapper family's items outside ``WRAPPER_FAST_MODULE`` are ``slow`` too."""
+    A light family's items outside ``LIGHT_FAST_MODULES`` are ``slow`` too."""
     for item in items:
         mark = item.get_closest_marker("core_families")
         params = getattr(getattr(item, "callspec", None), "params", {})
         family = params.get("tiny_model")
-        if family in WRAPPER_FAMILIES and item.module.__name__ != WRAPPER_FAST_MODULE:
+        if family in LIGHT_FAMILIES and item.module.__name__ not in LIGHT_FAST_MODULES:
             item.add_marker(pytest.mark.slow)
             continue
         if mark is None or family is None or family in mark.kwargs.get("families", CORE_FAMILIES):

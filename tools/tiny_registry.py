@@ -61,6 +61,9 @@ class TinyFamily:
     # vocab / eos ids and the overrides (``tie_word_embeddings`` also goes to the top level)
     text_config_key: str | None = None
     layout_writer: LayoutWriter | None = None    # e.g. experts fused as a released checkpoint
+    # its layers and states are another family's (a multimodal wrapper always is): ``make test``
+    # checks only its equality with transformers, the engine suite runs with ``slow``
+    light: bool = False
 
     @property
     def has_mtp(self) -> bool:
@@ -270,7 +273,7 @@ _MAMBA = TinyFamily(
     dict(hidden_size=64, num_hidden_layers=4, state_size=16, expand=2, conv_kernel=4,
          time_step_rank=8, use_bias=True, use_conv_bias=True, residual_in_fp32=True,
          tie_word_embeddings=False),
-    redraw=redraw_mamba1, hf_modeling="transformers.models.mamba.modeling_mamba",
+    redraw=redraw_mamba1, hf_modeling="transformers.models.mamba.modeling_mamba", light=True,
     notes=("pure Mamba1: no attention, so no KV tensors (page bookkeeping only)",))
 
 _FALCON_MAMBA = TinyFamily(
@@ -278,7 +281,7 @@ _FALCON_MAMBA = TinyFamily(
     dict(hidden_size=64, num_hidden_layers=4, state_size=16, expand=2, conv_kernel=4,
          time_step_rank="auto", use_bias=False, use_conv_bias=False, residual_in_fp32=True,
          mixer_rms_eps=1e-5, tie_word_embeddings=True),
-    redraw=redraw_mamba1, hf_modeling="transformers.models.falcon_mamba.modeling_falcon_mamba",
+    redraw=redraw_mamba1, hf_modeling="transformers.models.falcon_mamba.modeling_falcon_mamba", light=True,
     notes=("Mamba1 with weightless RMSNorms on dt, B and C; dt rank auto = 4",))
 
 # Multimodal wrappers served for their text part (``tools/tiny_wrappers.py``): the text config is
@@ -336,7 +339,7 @@ _LARA_MINI = TinyFamily(
          linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
          num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
          tie_word_embeddings=False),
-    hf_modeling="transformers.models.lara_mini.modeling_lara_mini",
+    hf_modeling="transformers.models.lara_mini.modeling_lara_mini", light=True,
     notes=("saved as released: GDN projections fused into in_proj, out_norm, fused experts; "
            "sliding_window 8 (RoPE) and one NoPE full-attention layer",))
 
