@@ -83,6 +83,23 @@ def kth_key(sc_row, nb, kk, BJ: tl.constexpr):
 
 
 @triton.jit
+def score_blocks(key_base, sc_row, b_q, b_w, nb, pre_scale, post_scale,
+                 D: tl.constexpr, BD: tl.constexpr, BJ: tl.constexpr, F32_DOTS: tl.constexpr):
+    """Each block's score post * sum_h w_h relu(pre q_h . K_j) into ``sc_row`` [nb] (-0 as 0)."""
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    for j0 in range(0, nb, BJ):
+        o_j = j0 + tl.arange(0, BJ)
+        m_j = o_j < nb
+        b_k = tl.load(key_base + o_j[:, None] * D + o_d[None, :], mask=m_j[:, None] & m_d[None, :],
+                      other=0.0).to(b_q.dtype)
+        b_s = tl.maximum(dot(b_k, tl.trans(b_q), F32_DOTS) * pre_scale, 0.0)     # [BJ, BH]
+        b_sc = tl.sum(b_s * b_w[None, :], axis=1) * post_scale
+        b_sc = tl.where(b_sc == 0.0, 0.0, b_sc)
+        tl.store(sc_row + o_j, b_sc, mask=m_j)
+
+
+@triton.jit
 def select_kernel(
     q, w, keys, scratch, out,              # q [T, H, D]; w [T, H]; keys [B, N, D]; scratch [T, N] f32; out [T, W]
     cu_seqlens, seq_lens,                  # int32 [B + 1] / [B]
@@ -114,15 +131,7 @@ def select_kernel(
             b_q = b_q.to(tl.float32)
         key_base = keys + seq.to(tl.int64) * num_blocks * D
         sc_row = scratch + row * num_blocks
-        for j0 in range(0, nb, BJ):
-            o_j = j0 + tl.arange(0, BJ)
-            m_j = o_j < nb
-            b_k = tl.load(key_base + o_j[:, None] * D + o_d[None, :], mask=m_j[:, None] & m_d[None, :],
-                          other=0.0).to(b_q.dtype)
-            b_s = tl.maximum(dot(b_k, tl.trans(b_q), F32_DOTS) * pre_scale, 0.0)     # [BJ, BH]
-            b_sc = tl.sum(b_s * b_w[None, :], axis=1) * post_scale
-            b_sc = tl.where(b_sc == 0.0, 0.0, b_sc)
-            tl.store(sc_row + o_j, b_sc, mask=m_j)
+        score_blocks(key_base, sc_row, b_q, b_w, nb, pre_scale, post_scale, D, BD, BJ, F32_DOTS)
         tl.debug_barrier()
         thr = (nb * 0).to(tl.int64)                    # kk == nb: every block is kept
         if kk < nb:
