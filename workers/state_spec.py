@@ -35,6 +35,10 @@ The kinds served today (constructors below):
   token) and ``delayed_v`` [v_dim, 1] (the previous token's delayed value projection, before
   its bias; ``replicated``: whole on every TP rank), all in the model dtype and all advanced
   by ``kernels.conv1d``.
+- ``indexer`` (paged, ``indexer_kind``): ``keys`` [1, W] per token: the per-token rows an
+  indexed attention layer compresses into block keys (``kernels.indexer.pooling``; Qwen4-Exp
+  W = D raw keys, GLM-5.3-Flash W = 2 D ``[k | gate]``), shared by every head (``replicated``),
+  beside the layer's paged KV or MLA latent.
 
 A new kind of state (lightning attention's [H, V, K] without conv, MLA's latent rows, ...)
 is one more constructor beside its kernel: the pools, checkpoint copies, speculation
@@ -62,6 +66,7 @@ SHORT_CONV = "short_conv"
 CCA = "cca"
 RGLRU = "rglru"
 CONV_WINDOWS = "conv_windows"
+INDEXER = "indexer"
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,11 @@ def rglru_kind(width: int, conv_width: int) -> StateKind:
 def mla_kind(latent_dim: int, rope_dim: int, name: str = "mla") -> StateKind:
     """MLA's cache: one row [c (latent_dim) | k_rope (rope_dim)] per token, shared by all heads."""
     return StateKind(name, True, (TensorSpec("latent", (1, latent_dim + rope_dim)),))
+
+
+def indexer_kind(row_width: int, name: str = INDEXER) -> StateKind:
+    """An indexed attention layer's per-token indexer rows, whole on every TP rank."""
+    return StateKind(name, True, (TensorSpec("keys", (1, row_width), replicated=True),))
 
 
 def kda_kind(num_heads: int, k_head_dim: int, v_head_dim: int, conv_width: int, name: str = "kda") -> StateKind:
@@ -269,6 +279,7 @@ __all__ = [
     "SHORT_CONV",
     "RGLRU",
     "CONV_WINDOWS",
+    "INDEXER",
     "CCA",
     "CacheSpec",
     "HasState",
@@ -281,6 +292,7 @@ __all__ = [
     "cca_kind",
     "conv_ssm_kind",
     "conv_windows_kind",
+    "indexer_kind",
     "kda_kind",
     "lightning_kind",
     "mamba1_kind",
