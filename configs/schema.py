@@ -43,7 +43,22 @@ class CacheConfig(Frozen):
         None, ge=1, description="usable recurrent-state slots (slot 0 is extra); null: sized from the scheduler"
     )
     max_kv_tokens: int | None = Field(
-        None, ge=1, description="usable KV tokens (page 0 is extra); null: the default budget"
+        None, ge=1, description="usable KV tokens (page 0 is extra); null: from the memory budget below"
+    )
+    # Pools sized from memory when max_kv_tokens is null (vLLM's kv_cache_memory_bytes and
+    # SGLang's mem_fraction_static): the slots first, the KV pool takes the rest.
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="bytes of the device pools (KV, recurrent slots, speculation scratch) when "
+        "max_kv_tokens is null; null: memory_fraction on CUDA, 32768 KV tokens elsewhere",
+    )
+    memory_fraction: float = Field(
+        0.85,
+        gt=0.0,
+        le=1.0,
+        description="CUDA, when max_kv_tokens and kv_cache_memory_bytes are null: the pools get this "
+        "fraction of the device's memory less what is in use after loading (weights included)",
     )
     host_mamba_slots: int = Field(0, ge=0, description="checkpoint slots in host memory; 0: host tier off")
     host_kv_tokens: int = Field(0, ge=0, description="KV tokens in host memory; 0: host tier off")
@@ -67,6 +82,11 @@ class CacheConfig(Frozen):
         if host[1] and host[1] < self.page_size:
             raise ValueError(
                 f"cache.host_kv_tokens ({host[1]}) must hold one page of cache.page_size={self.page_size} tokens"
+            )
+        if self.max_kv_tokens is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError(
+                f"cache.max_kv_tokens ({self.max_kv_tokens}) and cache.kv_cache_memory_bytes "
+                f"({self.kv_cache_memory_bytes}) both size the KV pool: set one"
             )
         if self.cluster_store_bytes and not host[0]:
             raise ValueError(

@@ -37,7 +37,7 @@ from workers.sampling.requests import request_sampling
 from workers.sampling.sampler import GeneratorBank
 from workers.sampling.validate import check_output_prefix, check_params, check_prompt
 from workers.scheduler import Scheduler, pages_needed
-from workers.sizing import plan_pools
+from workers.sizing import describe_pools, device_budget, plan_pools
 from workers.spec.setup import build_drafter, num_draft_tokens, num_mtp_kv_layers
 from workers.state_oracle import StateOracle
 from workers.state_spec import ATTENTION
@@ -175,9 +175,6 @@ class Engine(StoreEndpoints):
         spec = self.model.cache_spec()
         k = num_draft_tokens(self.config.spec)
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 1 << 20))
-        sizes = plan_pools(self.config, spec, max_pos, self.dtype)
-        self.pool_sizes = sizes
-        self.max_model_len = sizes.max_model_len
         page_size = self.config.cache.page_size
         # Speculation: a KV layer per attention block of the MTP head and k + 1 scratch slots per
         # running request for the per-draft states of a verify (never in the ledger).
@@ -185,6 +182,11 @@ class Engine(StoreEndpoints):
         num_target_kv = spec.num_layers(ATTENTION)
         mtp_layers = num_mtp_kv_layers(self.config.spec, self.model)
         pool_spec = spec.with_layers(ATTENTION, num_target_kv + mtp_layers) if num_target_kv else spec
+        budget = device_budget(self.config.cache, self.device)
+        sizes = plan_pools(self.config, pool_spec, max_pos, self.dtype, budget, num_scratch)
+        logger.info("%s", describe_pools(sizes, page_size, num_scratch, budget))
+        self.pool_sizes = sizes
+        self.max_model_len = sizes.max_model_len
         self.pools = build_pools(
             pool_spec, sizes.num_pages, page_size, sizes.num_slots + num_scratch, self.dtype, self.device
         )
