@@ -67,6 +67,19 @@ def module_targets(module: nn.Module, prefix: str = "") -> dict[str, WeightTarge
     return targets
 
 
+def shared_child_targets(module: nn.Module, prefix: str, shared: str, first_use: bool) -> dict[str, WeightTarget]:
+    """Targets of a layer whose child ``shared`` is a block other layers hold too (Zamba's and
+    Zamba2's shared transformer): its names are required under its first user only; under
+    the others (tied copies) they are accepted when present, not needed."""
+    targets = {prefix + name: whole(p) for name, p in module.named_parameters(recurse=False)}
+    for name, child in module.named_children():
+        sub = module_targets(child, f"{prefix}{name}.")
+        if name == shared and not first_use:
+            sub = {key: t._replace(required=False) for key, t in sub.items()}
+        targets.update(sub)
+    return targets
+
+
 def _copy_into(name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
     if tuple(tensor.shape) != target.shape:
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {target.shape}")

@@ -41,7 +41,7 @@ from torch import nn
 from workers.models.base import LINEAR_ATTENTION, HybridForCausalLM
 from workers.models.layers import Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm, RotaryEmbedding, linear
 from workers.models.mamba1_heads import Mamba1HeadsDims, Mamba1HeadsMixer, deinterleave_in_proj
-from workers.models.weights import WeightTarget, module_targets
+from workers.models.weights import WeightTarget, shared_child_targets
 from workers.state_spec import StateRef, StateSites
 
 HYBRID = "hybrid"
@@ -122,13 +122,7 @@ class ZambaHybridLayer(nn.Module):
         return self.mamba_decoder(hidden, ctx, extra=self.linear(t))
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
-        targets = module_targets(self.linear, f"{prefix}linear.")
-        targets.update(module_targets(self.mamba_decoder, f"{prefix}mamba_decoder."))
-        shared = module_targets(self.shared_transf, f"{prefix}shared_transf.")
-        if not self.first_use:  # a tied copy: accepted when present, not needed
-            shared = {name: t._replace(required=False) for name, t in shared.items()}
-        targets.update(shared)
-        return targets
+        return shared_child_targets(self, prefix, "shared_transf", self.first_use)
 
 
 class ZambaForCausalLM(HybridForCausalLM):

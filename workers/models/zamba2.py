@@ -33,7 +33,7 @@ from workers.models.base import LINEAR_ATTENTION, HybridForCausalLM, default_rop
 from workers.models.layers import Attention, AttentionDims, DenseMLP, LayerContext, RMSNorm, RotaryEmbedding, linear
 from workers.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from workers.models.mamba2_config import check_mamba_dims
-from workers.models.weights import WeightTarget, module_targets
+from workers.models.weights import WeightTarget, shared_child_targets
 from workers.state_spec import StateRef, StateSites
 
 HYBRID = "hybrid"
@@ -138,13 +138,7 @@ class Zamba2HybridLayer(nn.Module):
         return self.mamba_decoder(hidden, ctx, extra=self.linear(t))
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
-        targets = module_targets(self.linear, f"{prefix}linear.")
-        targets.update(module_targets(self.mamba_decoder, f"{prefix}mamba_decoder."))
-        shared = module_targets(self.shared_transformer, f"{prefix}shared_transformer.")
-        if not self.first_use:  # a tied copy: accepted when present, not needed
-            shared = {name: t._replace(required=False) for name, t in shared.items()}
-        targets.update(shared)
-        return targets
+        return shared_child_targets(self, prefix, "shared_transformer", self.first_use)
 
 
 class Zamba2ForCausalLM(HybridForCausalLM):
