@@ -258,3 +258,55 @@ def _mla(
 
 paged_attention = _opaque("paged_attention", _attention, ("k_pool", "v_pool"), lambda q, *_: _like(q))
 mla_attention = _opaque("mla_attention", _mla, ("pool",), lambda q, *args: _like(q, q.shape[0], q.shape[1], args[-1]))
+
+
+# -- indexed attention (``kernels.indexer``): the selection, then attention over it -----------
+def _indexer_select(
+    q: Tensor,
+    weights: Optional[Tensor],
+    block_keys: Tensor,
+    cu_seqlens: Tensor,
+    seq_lens: Tensor,
+    block_size: int,
+    top_blocks: int,
+    pre_scale: float = 1.0,
+    post_scale: float = 1.0,
+    tail: bool = True,
+) -> Tensor:
+    from kernels.indexer.triton_select import select_positions_triton
+
+    return select_positions_triton(
+        q, weights, block_keys, cu_seqlens, seq_lens, block_size, top_blocks, pre_scale, post_scale, tail
+    )
+
+
+def _indexer_sparse(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    positions: Tensor,
+    page_table: Tensor,
+    cu_seqlens: Tensor,
+    seq_lens: Tensor,
+    page_size: int,
+    scale: float,
+) -> Tensor:
+    from kernels.indexer.triton_sparse import sparse_attention_triton
+
+    return sparse_attention_triton(q, k_pool, v_pool, positions, page_table, cu_seqlens, seq_lens, page_size, scale)
+
+
+def _selection_like(q: Tensor, weights: Optional[Tensor], block_keys: Tensor, *args: object) -> Tensor:
+    """int32 [T, W]: W as ``kernels.indexer.reference.out_width`` (args: .., C, top_blocks, .., tail)."""
+    block_size, top_blocks = int(args[2]), int(args[3])  # type: ignore[call-overload]
+    tail = bool(args[6]) if len(args) > 6 else True
+    width = top_blocks * block_size + (block_size - 1 if tail else 0)
+    return q.new_empty((q.shape[0], width), dtype=torch.int32)
+
+
+def _sparse_like(q: Tensor, k_pool: Tensor, v_pool: Tensor, *_: object) -> Tensor:
+    return _like(q, q.shape[0], q.shape[1], v_pool.shape[-1])
+
+
+indexer_select = _opaque("indexer_select", _indexer_select, (), _selection_like)
+indexer_sparse = _opaque("indexer_sparse", _indexer_sparse, (), _sparse_like)

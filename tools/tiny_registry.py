@@ -387,12 +387,32 @@ _INKLING_MM = TinyFamily(
     notes=("saved in the released layout (model.llm.*, gate / up interleaved); vision and audio "
            "towers skipped",))
 
+_QWEN4_EXP = TinyFamily(
+    "qwen4_exp", "Qwen4ExpForCausalLM", "Qwen4ExpTextConfig",
+    dict(q35.MOE, layer_types=["linear_attention", "indexed_attention", "linear_attention",
+                               "linear_attention", "indexed_attention"],
+         hc_count=3, hc_lowrank=16, ple_layer_ids=[1, 4], ple_embed_dim=32, ngram_size=3,
+         heads_per_ngram=2, ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8,
+         split_ngram_parts=2, ple_conv_kernel_size=4, indexer_n_heads=16, indexer_kv_heads=1,
+         indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
+    zero_centered_norms=True, hf_modeling="transformers.models.qwen4_exp.modeling_qwen4_exp",
+    notes=("indexer blocks of 4 tokens, 2 kept per query (budget 8) plus the partial block: "
+           "prompts past 11 tokens attend to a subset; PLE on GDN layers 0 and 3 (3-grams, a "
+           "dilated conv reaching 9 tokens back); 3 hyper-connection streams",))
+
+_QWEN4_EXP_VL = TinyFamily(
+    "qwen4_exp_vl", "Qwen4ExpForConditionalGeneration", "Qwen4ExpConfig", q35.vl_config(_QWEN4_EXP.config),
+    zero_centered_norms=True, hf_modeling=_QWEN4_EXP.hf_modeling, text_config_key="text_config",
+    layout_writer=q35.fuse_experts, light=True,
+    notes=("the vision-language layout: model.language_model.*, experts fused, the vision "
+           "tower skipped",))
+
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
     *_WRAPPERS,
     _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2,
     _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL, _JAMBA, _LFM2, _LFM2_MOE, _LFM3,
     _KIMI_LINEAR, _BAILING_HYBRID, _MINIMAX, _OLMO_HYBRID, _MAMBA, _FALCON_MAMBA, _ZAMBA,
-    _INKLING, _INKLING_MM, _LARA_MINI, _RECURRENT_GEMMA, _ZAYA)}
+    _INKLING, _INKLING_MM, _LARA_MINI, _RECURRENT_GEMMA, _ZAYA, _QWEN4_EXP, _QWEN4_EXP_VL)}
 
 
 def get_family(name: str) -> TinyFamily:

@@ -31,14 +31,14 @@ it completes is left for later. The Triton selection keeps a [T, N] fp32 score s
 Files: ``pooling`` (block keys from the per-token paged indexer pool, per model, torch),
 ``reference`` (selection and sparse attention in torch: the CPU path and the oracle),
 ``triton_select`` (scoring + top-k: radix threshold search, no host sync) and ``triton_sparse``
-(the sparse attention). Both Triton entries launch directly (no ``graph_ops`` custom op yet).
+(the sparse attention). Both Triton entries are ``graph_ops`` custom ops while dynamo traces.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from kernels import backend
+from kernels import backend, graph_ops
 from kernels.indexer.pooling import gather_block_rows, glm5_block_keys, qwen4_block_keys
 from kernels.indexer.reference import out_width, select_positions_torch, sparse_attention_torch
 
@@ -70,9 +70,7 @@ def select_positions(
     args = (q, weights, block_keys, cu_seqlens, seq_lens, block_size, top_blocks, pre_scale, post_scale, tail)
     if backend.attention_impl(q) is backend.AttentionImpl.TORCH:
         return select_positions_torch(*args)
-    from kernels.indexer.triton_select import select_positions_triton
-
-    return select_positions_triton(*args)
+    return graph_ops.indexer_select(*args)
 
 
 def sparse_attention(
@@ -91,6 +89,4 @@ def sparse_attention(
     args = (q, k_pool, v_pool, positions, page_table, cu_seqlens, seq_lens, page_size, scale)
     if backend.attention_impl(q) is backend.AttentionImpl.TORCH:
         return sparse_attention_torch(*args)
-    from kernels.indexer.triton_sparse import sparse_attention_triton
-
-    return sparse_attention_triton(*args)
+    return graph_ops.indexer_sparse(*args)

@@ -31,6 +31,7 @@ from workers.models.qwen3_5 import (
     Qwen3_5MoeForConditionalGeneration,
 )
 from workers.models.qwen3_next import Qwen3NextForCausalLM
+from workers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
 from workers.models.recurrent_gemma import RecurrentGemmaForCausalLM
 from workers.models.wrapped_text import (
     Lfm2VlForConditionalGeneration,
@@ -70,6 +71,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "RecurrentGemmaForCausalLM": RecurrentGemmaForCausalLM,
     "InklingForCausalLM": InklingForCausalLM,
     "InklingForConditionalGeneration": InklingForConditionalGeneration,  # the text part
+    "Qwen4ExpForCausalLM": Qwen4ExpForCausalLM,
+    "Qwen4ExpForConditionalGeneration": Qwen4ExpForConditionalGeneration,  # the text part
     # multimodal wrappers: the text part served, towers skipped (workers/models/wrapped_text.py)
     "Lfm2VlForConditionalGeneration": Lfm2VlForConditionalGeneration,
     "Lfm3VlForConditionalGeneration": Lfm3VlForConditionalGeneration,

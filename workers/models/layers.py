@@ -213,9 +213,32 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """From the flat projections q [T, q_width], k, v [T, H_kv * D] to ``o_proj``'s output;
         ``gate`` [T, H * D]: sigmoid gate logits on the attention output (Lfm3's g_proj)."""
+        q, k, v, gate = self.heads(q, k, v, ctx, gate)
+        batch = ctx.batch
+        kv = ctx.pools.kv.layer(ref)
+        o = paged_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            kv["k"],
+            kv["v"],
+            batch.out_loc,
+            batch.page_table,
+            batch.cu_seqlens,
+            batch.seq_lens,
+            batch.page_size,
+            self.dims.scale,
+            self.dims.sliding_window,
+        )
+        return self.output(o, gate)
+
+    def heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: LayerContext, gate: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The flat projections -> q [T, H, D], k, v [T, H_kv, D] (normed, roped) and the output
+        gate logits [T, H * D] (``output_gate``'s half of q_proj, or ``gate`` as given)."""
         d = self.dims
         num_tokens = q.shape[0]
-        batch = ctx.batch
         if d.output_gate:
             # per head: [query (head_dim) | gate (head_dim)]
             q, gate = q.view(num_tokens, d.num_heads, 2 * d.head_dim).chunk(2, dim=-1)
@@ -229,22 +252,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.rope is not None:
             q, k = apply_rotary(q, ctx.rope).to(q.dtype), apply_rotary(k, ctx.rope).to(k.dtype)
-        kv = ctx.pools.kv.layer(ref)
-        o = paged_attention(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            kv["k"],
-            kv["v"],
-            batch.out_loc,
-            batch.page_table,
-            batch.cu_seqlens,
-            batch.seq_lens,
-            batch.page_size,
-            d.scale,
-            d.sliding_window,
-        )
-        o = o.reshape(num_tokens, d.num_heads * d.head_dim)
+        return q, k, v, gate
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [T, H, D] -> ``o_proj(o * sigmoid(gate))`` (no gate: ``o_proj(o)``)."""
+        o = o.reshape(o.shape[0], self.dims.num_heads * self.dims.head_dim)
         if gate is not None:
             o = o * dense.pointwise(torch.sigmoid, gate)
         return self.o_proj(o)
