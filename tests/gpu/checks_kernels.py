@@ -2,13 +2,16 @@
 
 Real sizes on the GPU (Qwen3-Next GDN and attention, Mamba2 SSD, Jamba's Mamba1 selective
 scan, Lfm3's sliding-window attention; KDA, MLA and lightning attention in
-``checks_new_kernels``), toy sizes for ``--dry-run``
-on CPU (the interpreter). One mixed varlen batch per recurrent op: decodes, speculative
-verifies (a snapshot after every draft token) and long prefills with prefix-cache snapshots
-mid-sequence; fp32 recurrent pools; bf16 and fp32 activations. Three rows launch grids past
-CUDA's old axis-1 limit (sequences x heads > 65,535). fp32 ``tl.dot`` in the chunked GDN/SSD
-kernels runs in tf32 on the GPU, hence their fp32 tolerances; the attention kernel's fp32
-dots are IEEE. Each row: max |triton - reference|, pass at the tolerance, the kernel's time.
+``checks_new_kernels``; RecurrentGemma's RG-LRU, Zamba's grouped Mamba1 heads and the
+Qwen4-Exp / GLM-5.3 indexer's selection and sparse attention in ``checks_2026_kernels``),
+toy sizes for ``--dry-run`` on CPU (the interpreter). One mixed varlen batch per recurrent
+op: decodes, speculative verifies (a snapshot after every draft token) and long prefills
+with prefix-cache snapshots mid-sequence; fp32 recurrent pools; bf16 and fp32 activations.
+Three rows launch grids past CUDA's old axis-1 limit (sequences x heads > 65,535). fp32
+``tl.dot`` in the chunked GDN/SSD kernels runs in tf32 on the GPU, hence their fp32
+tolerances; the attention kernel's fp32 dots are IEEE. Each row: max |triton - reference|,
+pass at the tolerance, the kernel's time (the indexer's selection rows compare positions:
+``checks_2026_kernels`` says how).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from kernels import backend
 from kernels.recurrent_batch import RecurrentBatch
+from tests.gpu.checks_2026_kernels import FULL_2026, SELECT_TOL_LABEL, TOY_2026, checks_2026
 from tests.gpu.checks_new_kernels import FULL_NEW, TOY_NEW, new_checks
 from tests.gpu.common import (
     Compared,
@@ -167,8 +171,11 @@ def ssd_case(batch, heads: tuple[int, int, int], groups: int, dtype: torch.dtype
     return res, cuda_ms(call)
 
 
-def mamba1_case(batch, dims: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Result:
-    """Jamba's selective scan: per-token and chunked (associative scan) kernels."""
+def mamba1_case(
+    batch, dims: tuple[int, int], dtype: torch.dtype, device: torch.device, groups: int | None = None
+) -> Result:
+    """Jamba's selective scan (B, C [T, N] shared by every channel) or, with ``groups``,
+    Zamba's Mamba heads (B, C [T, G, N]): per-token and chunked (associative scan) kernels."""
     from kernels.selective_scan.reference import selective_scan_varlen_torch
     from kernels.selective_scan.triton_varlen import selective_scan_varlen_triton
 
@@ -176,7 +183,8 @@ def mamba1_case(batch, dims: tuple[int, int], dtype: torch.dtype, device: torch.
     (channels, state), num_tokens = dims, sum(lens)
     x, dt = (_randn(num_tokens, channels, dtype=dtype, device=device) for _ in range(2))
     A = -torch.rand(channels, state, device=device) * 8 - 1.0
-    B, C = (_randn(num_tokens, state, dtype=dtype, device=device) for _ in range(2))
+    bc = (num_tokens, state) if groups is None else (num_tokens, groups, state)
+    B, C = (_randn(*bc, dtype=dtype, device=device) for _ in range(2))
     D = _randn(channels, dtype=dtype, device=device)
     dt_bias = torch.randn(channels, device=device) - 3.0
     pool = torch.randn(num_slots, channels, state, device=device) * 0.1
@@ -368,6 +376,9 @@ def checks(sz: KernelSizes, device: torch.device) -> list[Check]:
         TOL,
         POOL_TOL,
     )
+    out += checks_2026(
+        FULL_2026 if sz is FULL else TOY_2026, lambda seed: _mixed(sz, seed, device), mamba1_case, device, TOL, POOL_TOL
+    )
     out.append(
         (
             "attention triton decode, CUDA graph replay = eager",
@@ -409,13 +420,15 @@ def run(sz: KernelSizes, device: torch.device, report: Report, deadline: Deadlin
 
 
 def _tol_label(name: str, dtype: torch.dtype) -> str:
+    if name.startswith("indexer select"):
+        return SELECT_TOL_LABEL
     kind = (
         "gdn"
         if name.startswith(("gdn", "kda"))
         else "ssd"
         if name.startswith(("ssd", "lightning"))
         else "mamba1"
-        if name.startswith("mamba1")
+        if name.startswith(("mamba1", "rglru"))
         else "exact"
     )
     rtol, atol = TOL[kind][dtype]
