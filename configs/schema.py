@@ -220,6 +220,11 @@ class HybridServeConfig(Frozen):
     model: str = Field(DEFAULT_MODEL_DIR, description="the model directory (relative: to cwd, else the repository)")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="weights and activations")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    fp8_weights: bool = Field(
+        False,
+        description="an FP8 checkpoint's projections stay FP8 and multiply in FP8 (kernels/fp8); "
+        "false: dequantized at load. Not yet with tensor parallelism",
+    )
     seed: int = Field(0, description="sampling seed of requests without their own")
     max_model_len: int | None = Field(
         None, ge=2, description="longest sequence (prompt + output); null: what the model and the KV pool allow"
@@ -273,6 +278,11 @@ class HybridServeConfig(Frozen):
             )
         if self.deterministic and tp > 1:
             raise ValueError(f"deterministic needs parallel.tensor_parallel_size=1, got {tp}")
+        if self.fp8_weights and (tp > 1 or self.deterministic):
+            raise ValueError(
+                f"fp8_weights needs parallel.tensor_parallel_size=1 and deterministic off, got {tp} and "
+                f"{self.deterministic} (FP8 scales are not sharded yet; FP8 products are not batch invariant)"
+            )
         if self.compile.enabled and tp > 1:  # a default must not make a TP config invalid
             logger.warning(
                 "compile.enabled with parallel.tensor_parallel_size=%d: the engine runs eager "

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import backend, cpu_linear, native_ops
+from kernels import backend, cpu_linear, fp8, native_ops
 
 FEW_ROWS = 8
 ROW_ALIGN = 64  # floats: a padded row's every element takes ATen's vector formula
@@ -107,9 +107,15 @@ def few_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 class Linear(torch.nn.Linear):
-    """``nn.Linear`` (same parameters, same checkpoint names) whose forward is ``linear``."""
+    """``nn.Linear`` (same parameters, same checkpoint names) whose forward is ``linear``; with
+    an e4m3 weight (an FP8 checkpoint kept FP8, ``workers/quantization/keep.py``) and its
+    ``weight_scale``, ``kernels.fp8.fp8_linear``."""
+
+    fp8_block: tuple[int, int] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.weight.dtype == fp8.FP8:
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8_block)
         return linear(x, self.weight, self.bias)
 
 

@@ -126,7 +126,7 @@ class Engine(StoreEndpoints):
 
     def _load_model(self, model_dir: Path) -> LoadedModel:
         """Hook: load the checkpoint (a TP engine shards it here, before the pools)."""
-        return load_model(model_dir, self.dtype, self.device)
+        return load_model(model_dir, self.dtype, self.device, self.config.fp8_weights)
 
     def _build_runner(self) -> ModelRunner:
         """Hook: the model runner (a TP engine's also ships each step to the other ranks)."""

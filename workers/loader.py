@@ -30,7 +30,8 @@ import torch
 
 from workers.models import SUPPORTED_ARCHITECTURES, HybridForCausalLM, get_model_class
 from workers.quantization import QuantScheme, checkpoint_weights, plan_checkpoint, read_scheme, scheme_from_config
-from workers.quantization.stream import read_headers
+from workers.quantization.keep import fp8_projections, make_fp8, set_scales
+from workers.quantization.stream import CheckpointPlan, read_headers, read_scales
 
 logger = logging.getLogger(__name__)
 
@@ -177,24 +178,49 @@ def weight_bytes(model: torch.nn.Module, files: list[Path]) -> WeightBytes:
     return WeightBytes(sum(params.values()), sum(f.stat().st_size for f in files))
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, fp8_weights: bool = False
+) -> LoadedModel:
+    """``fp8_weights``: an FP8 checkpoint's projections stay FP8 (``workers/quantization/keep.py``)."""
     model_dir = Path(model_dir)
     hf_config = load_config(model_dir)
     scheme = read_scheme(model_dir, read_raw_config(model_dir))
+    if fp8_weights and scheme is None:
+        raise ValueError(f"fp8_weights: true needs an FP8 checkpoint; {model_dir.name} has no quantization_config")
     files = safetensors_files(model_dir)
     plan = plan_checkpoint(scheme, read_headers(files))  # refuses before anything is built
     cls = get_model_class(hf_config.architectures[0])
     model = cls(hf_config, dtype, device)
-    weights = iter_safetensors(files) if scheme is None else checkpoint_weights(scheme, plan, files, dtype)
-    model.load_weights(weights)
+    if scheme is None:
+        model.load_weights(iter_safetensors(files))
+    else:
+        _load_quantized(model, scheme, plan, files, dtype, fp8_weights)
     model.eval()
-    logger.info("%s", describe_weights(model_dir, scheme, dtype, weight_bytes(model, files)))
+    logger.info("%s", describe_weights(model_dir, scheme, dtype, weight_bytes(model, files), fp8_weights))
     return LoadedModel(model, model.config)
 
 
-def describe_weights(model_dir: Path, scheme: QuantScheme | None, dtype: torch.dtype, size: WeightBytes) -> str:
+def _load_quantized(
+    model: torch.nn.Module, scheme: QuantScheme, plan: CheckpointPlan, files: list[Path], dtype: torch.dtype, keep: bool
+) -> None:
+    scales = read_scales(plan)
+    kept = fp8_projections(model, plan) if keep else {}
+    for name, module in kept.items():
+        make_fp8(module, tuple(plan.headers[plan.scales[name]].shape), scheme)
+    model.load_weights(checkpoint_weights(scheme, plan, files, dtype, frozenset(kept), scales))  # type: ignore[operator]
+    set_scales(kept, plan, scales)
+
+
+def describe_weights(
+    model_dir: Path, scheme: QuantScheme | None, dtype: torch.dtype, size: WeightBytes, fp8_weights: bool = False
+) -> str:
     """The startup line about the weights: bytes held, bytes read, and how."""
-    how = "plain" if scheme is None else f"{scheme.describe()}, dequantized at load (FP8 GEMMs not implemented)"
+    if scheme is None:
+        how = "plain"
+    elif fp8_weights:
+        how = f"{scheme.describe()}, projections kept FP8 (kernels/fp8), the rest dequantized at load"
+    else:
+        how = f"{scheme.describe()}, dequantized at load (fp8_weights: false)"
     return (
         f"weights of {model_dir.name}: {size.resident} bytes resident in {str(dtype).removeprefix('torch.')} "
         f"from {size.checkpoint} checkpoint bytes ({how})"

@@ -10,9 +10,8 @@ activation quantization they prescribe are in ``reference``'s docstring. Paths:
   ``kernels.backend``'s ``triton`` with the interpreter), else the torch reference.
 
 The torch reference dequantizes both operands to fp32: the oracle of the other two (tested
-in ``tests/kernels/test_fp8_linear.py``) and the path wherever neither runs. Not yet wired
-into the models: today's loader dequantizes FP8 checkpoints at load
-(``workers/quantization``); keeping them FP8 is the quantized-checkpoint issue's next step.
+in ``tests/kernels/test_fp8_linear.py``) and the path wherever neither runs. Called by
+``kernels.dense.Linear`` when its weight is e4m3 (``fp8_weights``, ``workers/quantization/keep.py``).
 """
 
 from __future__ import annotations

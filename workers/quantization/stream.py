@@ -148,19 +148,29 @@ def _read(headers: dict[str, Header], names: set[str]) -> dict[str, torch.Tensor
     return out
 
 
+def read_scales(plan: CheckpointPlan) -> dict[str, torch.Tensor]:
+    return _read(plan.headers, set(plan.scales.values()))
+
+
 def checkpoint_weights(
-    scheme: QuantScheme, plan: CheckpointPlan, files: list[Path], dtype: torch.dtype
+    scheme: QuantScheme,
+    plan: CheckpointPlan,
+    files: list[Path],
+    dtype: torch.dtype,
+    keep: frozenset[str] = frozenset(),
+    scales: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` file by file: FP8 tensors dequantized to ``dtype``, scales left out."""
+    """``(name, tensor)`` file by file: FP8 tensors dequantized to ``dtype`` (those in ``keep``
+    as stored, e4m3), scales left out."""
     from safetensors import safe_open
 
-    scales = _read(plan.headers, set(plan.scales.values()))
+    scales = read_scales(plan) if scales is None else scales
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name in plan.skipped:
                     continue
                 tensor = f.get_tensor(name)
-                if name in plan.scales:
+                if name in plan.scales and name not in keep:
                     tensor = dequantize(scheme, tensor, scales[plan.scales[name]]).to(dtype)
                 yield name, tensor
