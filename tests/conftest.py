@@ -33,7 +33,8 @@ MTP_FAMILIES = sorted(name for name, f in TINY_FAMILIES.items() if f.has_mtp)
 # (qwen3_next; qwen3_5, the layout people serve), Mamba2 / SSD (granitemoehybrid; nemotron_h,
 # with MTP), Mamba1 (jamba), KDA + MLA (kimi_linear), lightning attention (minimax), short
 # convolutions (lfm2), RG-LRU (recurrent_gemma), CCA (zaya), several conv windows beside
-# KV (inkling). A test marked ``core_families`` runs the other families only in
+# KV (inkling), the indexer's paged rows and indexed attention (qwen4_exp). A test marked
+# ``core_families`` runs the other families only in
 # ``make test-slow`` (every family still loads and matches transformers in ``make test``).
 CORE_FAMILIES = frozenset(
     {
@@ -48,6 +49,7 @@ CORE_FAMILIES = frozenset(
         "recurrent_gemma",
         "zaya",
         "inkling",
+        "qwen4_exp",
     }
 )
 assert CORE_FAMILIES <= set(FAMILIES), CORE_FAMILIES - set(FAMILIES)

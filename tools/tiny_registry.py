@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools import tiny_inkling2 as ink2
 from tools import tiny_qwen3_5 as q35
 from tools import tiny_wrappers as tw
 from tools.tiny_weights import (
@@ -35,7 +36,9 @@ from tools.tiny_weights import (
     add_qwen_mtp,
     keep_lightning_buffers,
     redraw_decay_logs,
+    redraw_glm5_next,
     redraw_global_scales,
+    redraw_inkling2,
     redraw_mamba1,
     redraw_rglru,
     redraw_zaya,
@@ -378,15 +381,6 @@ _ZAYA = TinyFamily(
     notes=("CCA attention (conv state on q/k, delayed v, KV) in every layer, sliding window 8 "
            "on the odd ones; top-1 MoE of 4 experts + the skip expert",))
 
-_INKLING_MM = TinyFamily(
-    "inkling_mm", "InklingForConditionalGeneration", "InklingConfig",
-    dict(text_config=dict(_INKLING.config), tie_word_embeddings=False,
-         vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=4),
-         audio_config=dict(n_mel_bins=4, mel_vocab_size=8)),
-    redraw=redraw_global_scales, hf_modeling=_INKLING.hf_modeling, text_config_key="text_config",
-    notes=("saved in the released layout (model.llm.*, gate / up interleaved); vision and audio "
-           "towers skipped",))
-
 _QWEN4_EXP = TinyFamily(
     "qwen4_exp", "Qwen4ExpForCausalLM", "Qwen4ExpTextConfig",
     dict(q35.MOE, layer_types=["linear_attention", "indexed_attention", "linear_attention",
@@ -407,12 +401,36 @@ _QWEN4_EXP_VL = TinyFamily(
     notes=("the vision-language layout: model.language_model.*, experts fused, the vision "
            "tower skipped",))
 
+_GLM5_NEXT = TinyFamily(
+    "glm5_next", "Glm5NextForConditionalGeneration", "Glm5NextConfig", tw.glm5_next(),
+    redraw=redraw_glm5_next, text_config_key="text_config",
+    hf_modeling="transformers.models.glm5_next.modeling_glm5_next",
+    notes=("KDA + MLA over a DSA k-pool indexer's selection, 3 mHC streams, clipped SwiGLUs "
+           "(tiny_wrappers.GLM5_NEXT_TEXT); the vision tower is tiny and skipped",))
+
+_INKLING_MM = TinyFamily(
+    "inkling_mm", "InklingForConditionalGeneration", "InklingConfig",
+    dict(text_config=dict(_INKLING.config), tie_word_embeddings=False,
+         vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=4),
+         audio_config=dict(n_mel_bins=4, mel_vocab_size=8)),
+    redraw=redraw_global_scales, hf_modeling=_INKLING.hf_modeling, text_config_key="text_config",
+    notes=("saved in the released layout (model.llm.*, gate / up interleaved); vision and audio "
+           "towers skipped",))
+
+_INKLING2 = TinyFamily(
+    "inkling2", "Inkling2ForCausalLM", "Inkling2TextConfig", ink2.INKLING2, redraw=redraw_inkling2,
+    hf_modeling="transformers.models.inkling2.modeling_inkling2", notes=("see tools/tiny_inkling2.py",))
+_INKLING2_LOOP = TinyFamily(
+    "inkling2_loop", "Inkling2LoopForCausalLM", "Inkling2LoopTextConfig", ink2.LOOP, redraw=redraw_inkling2,
+    hf_modeling="transformers.models.inkling2_loop.modeling_inkling2_loop", notes=("see tools/tiny_inkling2.py",))
+
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
     *_WRAPPERS,
     _QWEN3_NEXT, _GRANITE, _MAMBA2, _NEMOTRON_H, _BAMBA, _FALCON_H1, _ZAMBA2,
     _QWEN3_5, _QWEN3_5_MOE, _QWEN3_5_VL, _QWEN3_5_MOE_VL, _JAMBA, _LFM2, _LFM2_MOE, _LFM3,
     _KIMI_LINEAR, _BAILING_HYBRID, _MINIMAX, _OLMO_HYBRID, _MAMBA, _FALCON_MAMBA, _ZAMBA,
-    _INKLING, _INKLING_MM, _LARA_MINI, _RECURRENT_GEMMA, _ZAYA, _QWEN4_EXP, _QWEN4_EXP_VL)}
+    _INKLING, _INKLING_MM, _INKLING2, _INKLING2_LOOP, _LARA_MINI, _RECURRENT_GEMMA, _ZAYA,
+    _GLM5_NEXT, _QWEN4_EXP, _QWEN4_EXP_VL)}
 
 
 def get_family(name: str) -> TinyFamily:

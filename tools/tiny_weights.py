@@ -95,6 +95,16 @@ def redraw_global_scales(name: str, p: torch.Tensor, gen: torch.Generator) -> bo
     return True
 
 
+def redraw_inkling2(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """Inkling2's learned per-head scales before its L2 clips near 1, as trained ones are (its
+    depth-attention queries keep the generic small draw: larger ones make the 15 layer
+    invocations of the tiny loop model amplify fp32 rounding past the 1e-4 logits tolerance)."""
+    if not name.endswith("norm.scale"):
+        return False
+    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=p.device))
+    return True
+
+
 def redraw_rglru(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
     """RecurrentGemma's ``recurrent_param`` as transformers initialises it: softplus of it
     = -log(u) / 2 with u uniform in [0.81, 0.998] (a decay a^8 in [0.9, 0.999] at a closed gate)."""
@@ -119,6 +129,15 @@ def redraw_zaya(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
         p.copy_(0.01 * torch.randn(p.shape, generator=gen, device=p.device))
     else:
         return False
+    return True
+
+
+def redraw_glm5_next(name: str, p: torch.Tensor, gen: torch.Generator) -> bool:
+    """GLM-5.3-Flash's mHC scales (``attn_hc.scale`` / ``ffn_hc.scale``) near 1, as initialised
+    (the generic rule would draw them near 0, leaving the stream weights almost constant)."""
+    if not name.endswith("_hc.scale"):
+        return False
+    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, device=p.device))
     return True
 
 

@@ -129,6 +129,29 @@ def minicpm(text: dict[str, Any] = q35.DENSE, tie: bool = False) -> dict[str, An
     )
 
 
+# GLM-5.3-Flash (text ``glm5_next_text``): indexer blocks of 4 with 2 kept, so prompts past 11
+# tokens attend to a subset; layer 2 shares layer 1's selection; SwiGLUs clipped at 2 (it binds).
+GLM5_NEXT_TEXT = dict(
+    hidden_size=64, num_hidden_layers=5, max_position_embeddings=4096,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    indexer_types=["full", "full", "shared", "full", "full"],
+    mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=0, v_head_dim=24, index_n_heads=8, index_head_dim=16, index_topk=8, index_kpool=4,
+    linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=96,
+    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+    n_shared_experts=1, hc_mult=3, swiglu_limit=2.0,
+)  # fmt: skip
+GLM5_NEXT_VISION = dict(
+    depth=1, hidden_size=32, num_heads=2, out_hidden_size=64, intermediate_size=32,
+    projection_intermediate_size=32, patch_size=4, image_size=16,
+)  # fmt: skip
+
+
+def glm5_next() -> dict[str, Any]:
+    return dict(text_config=dict(GLM5_NEXT_TEXT), vision_config=GLM5_NEXT_VISION, tie_word_embeddings=False)
+
+
 def fuse_nemo_experts(out_dir: Path) -> None:
     """Per-expert ``llm.model.layers.{i}.mixer.experts.{e}.{up,down}_proj.weight`` -> NeMo's
     fused ``experts.gate_and_up_projs`` [E, H, I] / ``experts.down_projs`` [E, I, H] (one file)."""

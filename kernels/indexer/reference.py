@@ -63,6 +63,9 @@ def positions_from_blocks(chosen: Tensor, q_pos: Tensor, block_size: int, top_bl
     """chosen [T, N] blocks (at most ``top_blocks`` a row); q_pos [T] -> int32 [T, width]: the
     blocks' positions in ascending order, then (``tail``) the row's partial block up to q_pos,
     then -1."""
+    # top_blocks never-chosen columns more: the kept blocks are always top_blocks columns wide,
+    # whatever N (a traced step's N is dynamic: min(N, top_blocks) would specialise it)
+    chosen = torch.cat([chosen, chosen.new_zeros(chosen.shape[0], top_blocks)], dim=1)
     n_blocks = chosen.shape[1]
     width = out_width(block_size, top_blocks, tail)
     cols = torch.arange(n_blocks, device=chosen.device)
@@ -98,8 +101,12 @@ def select_positions_torch(
     check_select(q, weights, block_keys, block_size, top_blocks)
     seq, q_pos = row_layout(cu_seqlens, seq_lens, q.shape[0])
     num_visible = torch.clamp((q_pos + 1) // block_size, max=block_keys.shape[1])
-    # Rows are independent: score them in chunks that keep the [rows, N, H, D] product small.
-    step = max(1, ROW_CHUNK_ELEMENTS // max(1, block_keys.shape[1] * q.shape[1] * q.shape[2]))
+    # Rows are independent: score them in chunks that keep the [rows, N, H, D] product small;
+    # a traced step (a compiled decode of a few rows) takes one chunk, so no guard on N.
+    if torch.compiler.is_compiling():
+        step = max(1, q.shape[0])
+    else:
+        step = max(1, ROW_CHUNK_ELEMENTS // max(1, block_keys.shape[1] * q.shape[1] * q.shape[2]))
     parts = []
     for r in range(0, q.shape[0], step):
         rows = slice(r, r + step)

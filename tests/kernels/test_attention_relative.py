@@ -1,5 +1,6 @@
 """The relative-bias paged attention (``kernels/attention/relative.py``, Inkling's layers):
-the planned eager form and the traced uniform form against a dense per-sequence formula."""
+the planned eager form and the traced uniform form against a dense per-sequence formula, with
+and without Inkling2's per-token attention sinks."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from kernels.attention import relative
 PAGE = 4
 
 
-def _dense(q, k, v, rel, proj, scale, window):
-    """One sequence: q [Q, H, D] at the last Q of L positions, k / v [L, Hkv, D]."""
+def _dense(q, k, v, rel, proj, scale, window, sinks=None):
+    """One sequence: q [Q, H, D] at the last Q of L positions, k / v [L, Hkv, D]; sinks [Q, H]:
+    one more logit per query and head, of value zero."""
     num_q, heads = q.shape[:2]
     length = k.shape[0]
     group = heads // k.shape[1]
@@ -27,6 +29,8 @@ def _dense(q, k, v, rel, proj, scale, window):
     if window is not None:
         mask &= dist < window
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    if sinks is not None:
+        return torch.einsum("qhl,lhd->qhd", torch.cat([scores, sinks[..., None]], -1).softmax(-1)[..., :-1], v)
     return torch.einsum("qhl,lhd->qhd", scores.softmax(-1), v)
 
 
@@ -59,10 +63,20 @@ def _batch(q_lens, ctx_lens, heads=4, kv_heads=2, dim=8, d_rel=3, extent=6, seed
     return args, ks, vs, rel, proj
 
 
-def _expected(args, ks, vs, rel, proj, scale, window):
+def _expected(args, ks, vs, rel, proj, scale, window, sinks=None):
     q, cu = args[0], args[7].tolist()
     outs = [
-        _dense(q[cu[b] : cu[b + 1]], ks[b], vs[b], rel[cu[b] : cu[b + 1]], proj, scale, window) for b in range(len(ks))
+        _dense(
+            q[cu[b] : cu[b + 1]],
+            ks[b],
+            vs[b],
+            rel[cu[b] : cu[b + 1]],
+            proj,
+            scale,
+            window,
+            None if sinks is None else sinks[cu[b] : cu[b + 1]],
+        )
+        for b in range(len(ks))
     ]
     return torch.cat(outs)
 
@@ -82,3 +96,21 @@ def test_uniform_form_equals_dense(window):
     relative.write_kv(k, v, k_pool, v_pool, out_loc)
     got = relative._attend_uniform(q, k_pool, v_pool, table, seq_lens, PAGE, 0.3, rel, proj, window)
     torch.testing.assert_close(got, _expected(args, ks, vs, rel, proj, 0.3, window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_in_both_forms(window):
+    """Sinks (3 above the scores' scale, so they take a visible share) in the planned and
+    the uniform forms; without them the output differs (the test can fail)."""
+    args, ks, vs, rel, proj = _batch([1, 7, 1, 12], [9, 7, 3, 20], seed=2)
+    sinks = 3.0 * torch.randn(args[0].shape[:2], generator=torch.Generator().manual_seed(3))
+    want = _expected(args, ks, vs, rel, proj, 0.3, window, sinks)
+    got = relative.paged_attention_relative(*args, PAGE, 0.3, rel, proj, window, sinks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (got - _expected(args, ks, vs, rel, proj, 0.3, window)).abs().max() > 1e-2
+    args, ks, vs, rel, proj = _batch([2, 2, 2], [11, 2, 17], seed=4)
+    q, k, v, k_pool, v_pool, out_loc, table, cu, seq_lens = args
+    sinks = 3.0 * torch.randn(q.shape[:2], generator=torch.Generator().manual_seed(5))
+    relative.write_kv(k, v, k_pool, v_pool, out_loc)
+    got = relative._attend_uniform(q, k_pool, v_pool, table, seq_lens, PAGE, 0.3, rel, proj, window, sinks)
+    torch.testing.assert_close(got, _expected(args, ks, vs, rel, proj, 0.3, window, sinks), atol=1e-5, rtol=0)

@@ -251,3 +251,16 @@ def test_row_chunks_and_empty_batches(monkeypatch):
     positions = select_positions_torch(**ic.select_args(empty, 4, 3, True, True))
     assert positions.shape == (0, 15)
     assert sparse_attention_torch(**ic.attention_args(empty, positions, SCALE)).shape == (0, ic.HQ, ic.D)
+
+
+def test_traced_selection_keeps_the_block_count_dynamic():
+    """A compiled step traces the torch selection with a dynamic block count N (page-table
+    width): it must not specialise N (a guard on it broke GLM-5.3-Flash's compiled CPU steps)
+    and selects what the eager call does, here at N = 9 and N = 2 (fewer than top_blocks)."""
+    compiled = torch.compile(select_positions_torch, fullgraph=True, dynamic=False)
+    args = ic.select_args(ic.mixed_case(4, seed=5), 4, 3, True, True)
+    for n_blocks in (9, 2):
+        keys = args["block_keys"][:, :n_blocks].contiguous()
+        torch._dynamo.mark_dynamic(keys, 1)
+        want = select_positions_torch(**{**args, "block_keys": keys})
+        assert torch.equal(compiled(**{**args, "block_keys": keys}), want)

@@ -11,8 +11,11 @@ from workers.models.bailing_hybrid import BailingHybridForCausalLM
 from workers.models.bamba import BambaForCausalLM
 from workers.models.base import HybridForCausalLM
 from workers.models.falcon_h1 import FalconH1ForCausalLM
+from workers.models.glm5_next import Glm5NextForConditionalGeneration
 from workers.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from workers.models.inkling import InklingForCausalLM
+from workers.models.inkling2 import Inkling2ForCausalLM
+from workers.models.inkling2_loop import Inkling2LoopForCausalLM
 from workers.models.inkling_mm import InklingForConditionalGeneration
 from workers.models.jamba import JambaForCausalLM
 from workers.models.kimi_linear import KimiLinearForCausalLM
@@ -71,6 +74,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "RecurrentGemmaForCausalLM": RecurrentGemmaForCausalLM,
     "InklingForCausalLM": InklingForCausalLM,
     "InklingForConditionalGeneration": InklingForConditionalGeneration,  # the text part
+    "Inkling2ForCausalLM": Inkling2ForCausalLM,
+    "Inkling2LoopForCausalLM": Inkling2LoopForCausalLM,
     "Qwen4ExpForCausalLM": Qwen4ExpForCausalLM,
     "Qwen4ExpForConditionalGeneration": Qwen4ExpForConditionalGeneration,  # the text part
     # multimodal wrappers: the text part served, towers skipped (workers/models/wrapped_text.py)
@@ -85,6 +90,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "ZambaForCausalLM": ZambaForCausalLM,
     "ZayaForCausalLM": ZayaForCausalLM,
+    "Glm5NextForConditionalGeneration": Glm5NextForConditionalGeneration,  # the text part
 }
 
 

@@ -40,12 +40,21 @@ class SwigluLimits(NamedTuple):
 class ClippedMLP(DenseMLP):
     """A SwiGLU MLP whose inner activation is clipped at ``limit`` (``moe_experts.swiglu``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *, act: str, limit: float) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        *,
+        act: str,
+        limit: float,
+        clip_input: bool = False,
+    ) -> None:
         super().__init__(hidden_size, intermediate_size, dtype, act=act)
-        self.limit = limit
+        self.limit, self.clip_input = limit, clip_input
 
     def _inner(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return swiglu(self.act, g, u, self.limit)
+        return swiglu(self.act, g, u, self.limit, self.clip_input)
 
 
 class RoutedSharedMoE(nn.Module):
@@ -57,7 +66,14 @@ class RoutedSharedMoE(nn.Module):
         super().__init__()
         self.routed = SparseMoE(dims, dtype)
         self.shared_experts = (
-            ClippedMLP(dims.hidden_size, shared_intermediate_size, dtype, act=dims.act, limit=shared_limit)
+            ClippedMLP(
+                dims.hidden_size,
+                shared_intermediate_size,
+                dtype,
+                act=dims.act,
+                limit=shared_limit,
+                clip_input=dims.swiglu_clip_input,
+            )
             if shared_limit > 0
             else DenseMLP(dims.hidden_size, shared_intermediate_size, dtype, act=dims.act)
         )

@@ -8,7 +8,9 @@ self_attn(input_layernorm(h)))``; ``h += mlp_sconv(mlp(post_attention_layernorm(
 MLP a scaled SwiGLU (``mlp_layer_types[i] == "dense"``) or the MoE with shared experts
 (``workers/models/inkling_layers.py`` has the math). The embedding is RMS-normed
 (``embed_tokens.embed_norm``); the final hidden states are divided by
-``logits_mup_width_multiplier`` before ``lm_head`` (never tied).
+``logits_mup_width_multiplier`` before ``lm_head`` (never tied); an ``unpadded_vocab_size``
+below ``vocab_size`` keeps that many logits (the first rows of the padded head), as
+transformers slices them.
 
 State per layer: the attention's KV (paged; kind ``attention``, or ``attention_sliding`` for
 the sliding layers, whose head shapes may differ) and four conv windows in one slot kind
@@ -20,8 +22,8 @@ it), ``mlp_layer_types``, the head counts and dims of both layer types, ``slidin
 ``d_rel``, ``rel_extent``, ``log_scaling_n_floor`` / ``log_scaling_alpha``,
 ``conv_kernel_size``, ``rms_norm_eps``, ``intermediate_size``, ``moe_intermediate_size``,
 ``n_routed_experts``, ``num_experts_per_tok``, ``n_shared_experts``, ``route_scale``,
-``logits_mup_width_multiplier``. Refused: ``hidden_act`` other than silu,
-``unpadded_vocab_size`` below ``vocab_size`` (the sliced head), ``shared_expert_sink: false``
+``logits_mup_width_multiplier``, ``unpadded_vocab_size``. Refused: ``hidden_act`` other than
+silu, ``unpadded_vocab_size`` above ``vocab_size``, ``shared_expert_sink: false``
 (transformers 5.24 ignores it and always sinks), ``n_shared_experts`` < 1 with sparse
 layers. Not math here: ``rms_norm_eps_moe_gate`` (unused by transformers 5.24),
 ``attention_dropout``, ``max_position_embeddings``, init fields. MTP layers (``model.mtp.*``)
@@ -78,7 +80,22 @@ def moe_dims(cfg: Any) -> MoeDims:
     )
 
 
-class InklingDecoderLayer(nn.Module):
+class ConvWindowsLayer(nn.Module):
+    """A layer whose ``conv_windows`` slot state is its attention's k / v windows (KV heads,
+    maybe TP-narrowed) and its ``attn_sconv`` / ``mlp_sconv`` windows over the hidden size."""
+
+    self_attn: nn.Module
+    attn_sconv: ResidualConv
+    conv_kind_name: str
+
+    def state_kind(self) -> StateKind:
+        kv, hidden = self.self_attn.kv_width, self.attn_sconv.conv1d.weight.shape[0]
+        windows = (("k", kv), ("v", kv), ("attn", hidden), ("mlp", hidden))
+        width = self.attn_sconv.conv1d.weight.shape[-1]
+        return conv_windows_kind(windows, width, self.conv_kind_name, replicated=("attn", "mlp"))
+
+
+class InklingDecoderLayer(ConvWindowsLayer):
     def __init__(self, cfg: Any, layer_type: str, mlp_type: str, dtype: torch.dtype, sites: StateSites) -> None:
         super().__init__()
         h, eps, width = cfg.hidden_size, cfg.rms_norm_eps, cfg.conv_kernel_size
@@ -95,13 +112,6 @@ class InklingDecoderLayer(nn.Module):
         self.conv_kind_name = CONV_WINDOWS + ("_sliding" if layer_type == HYBRID_SLIDING else "")
         self.kv_ref = sites.add(self.self_attn)
         self.conv_ref = sites.add(self)
-
-    def state_kind(self) -> StateKind:
-        """The four conv windows (k and v follow the attention's, maybe TP-narrowed, KV heads)."""
-        kv, hidden = self.self_attn.kv_width, self.attn_sconv.conv1d.weight.shape[0]
-        windows = (("k", kv), ("v", kv), ("attn", hidden), ("mlp", hidden))
-        width = self.attn_sconv.conv1d.weight.shape[-1]
-        return conv_windows_kind(windows, width, self.conv_kind_name, replicated=("attn", "mlp"))
 
     def forward(self, hidden: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         convs = ctx.pools.mamba.layer(self.conv_ref)
@@ -132,13 +142,32 @@ def _check_types(cfg: Any, field: str, allowed: tuple[str, ...]) -> list[str]:
     return kinds
 
 
+def check_attention_kinds(cfg: Any, kinds: list[str]) -> None:
+    """Conv width and each layer type's heads and relative-bias sizes (Inkling and Inkling2)."""
+    if cfg.conv_kernel_size < 2:
+        raise ValueError(f"conv_kernel_size={cfg.conv_kernel_size} must be at least 2")
+    for kind in sorted(set(kinds)):
+        d = attention_dims(cfg, kind)
+        if d.num_heads % d.num_kv_heads:
+            raise ValueError(f"{d.heads_field}={d.num_heads} is not a multiple of its key/value heads")
+        if d.rel_extent < 1 or d.d_rel < 1 or (d.window is not None and d.window < 1):
+            raise ValueError(f"rel_extent / d_rel / sliding_window_size must be positive ({kind})")
+
+
+def check_unpadded_vocab(cfg: Any) -> None:
+    unpadded = getattr(cfg, "unpadded_vocab_size", None)
+    if unpadded is not None and not 0 < unpadded <= cfg.vocab_size:
+        raise ValueError(f"unpadded_vocab_size={unpadded} must be in 1..vocab_size={cfg.vocab_size}")
+
+
 class InklingForCausalLM(HybridForCausalLM):
     ties_embeddings = False  # transformers never ties Inkling's embed and unembed
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__(hf_config, dtype, device)
         cfg = self.config
-        self.logits_scaling = float(cfg.logits_mup_width_multiplier)
+        self.logits_scaling = float(getattr(cfg, "logits_mup_width_multiplier", 1.0))  # Inkling2 has none
+        self.head_rows = getattr(cfg, "unpadded_vocab_size", None) or cfg.vocab_size
         with torch.device("meta"):
             embedding = NormedEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.model.embed_tokens = embedding.to_empty(device=torch.device(device)).requires_grad_(False)
@@ -149,21 +178,16 @@ class InklingForCausalLM(HybridForCausalLM):
         mlps = _check_types(cfg, "mlp_layer_types", (DENSE, SPARSE))
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
-        unpadded = getattr(cfg, "unpadded_vocab_size", None)
-        if unpadded is not None and unpadded < cfg.vocab_size:
-            raise ValueError(f"unpadded_vocab_size={unpadded} (< vocab_size={cfg.vocab_size}) is not supported")
+        check_unpadded_vocab(cfg)
         if SPARSE in mlps and not getattr(cfg, "shared_expert_sink", True):
             raise ValueError("shared_expert_sink=False is not supported (transformers 5.24 always sinks)")
         if SPARSE in mlps and cfg.n_shared_experts < 1:
             raise ValueError(f"n_shared_experts={cfg.n_shared_experts}: the router needs at least one shared expert")
-        if cfg.conv_kernel_size < 2:
-            raise ValueError(f"conv_kernel_size={cfg.conv_kernel_size} must be at least 2")
-        for kind in sorted(set(kinds)):
-            d = attention_dims(cfg, kind)
-            if d.num_heads % d.num_kv_heads:
-                raise ValueError(f"{d.heads_field}={d.num_heads} is not a multiple of its key/value heads")
-            if d.rel_extent < 1 or d.d_rel < 1 or (d.window is not None and d.window < 1):
-                raise ValueError(f"rel_extent / d_rel / sliding_window_size must be positive ({kind})")
+        check_attention_kinds(cfg, kinds)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The head's first ``unpadded_vocab_size`` rows (all of them without one)."""
+        return super().lm_head_weight()[: self.head_rows]
 
     def _build_layers(self, cfg: Any, dtype: torch.dtype, sites: StateSites) -> tuple[list[nn.Module], RMSNorm]:
         layers: list[nn.Module] = [

@@ -23,6 +23,7 @@ hidden-size convs are replicated (they run after the all-reduce).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +38,29 @@ from workers.models.moe import MoeDims, SparseMoE
 from workers.models.weights import WeightTarget, whole
 from workers.state_spec import ATTENTION, StateKind, StateRef, attention_kind
 
+if TYPE_CHECKING:
+    from workers.tp.shard_layers import Part
+
 
 class ResidualConv(nn.Module):
-    """``x + conv(x)`` in fp32 (``conv1d.weight`` [D, 1, W] fp32); state [S, D, W-1] fp32."""
+    """``(x + conv(x)) * scale`` in fp32 (``conv1d.weight`` [D, 1, W] fp32; Inkling2 scales by
+    1 / sqrt(W + 1)); state [S, D, W-1] fp32."""
 
-    def __init__(self, dim: int, width: int) -> None:
+    def __init__(self, dim: int, width: int, scale: float = 1.0) -> None:
         super().__init__()
         self.conv1d = CausalConv1d(dim, width, False, torch.float32, activation=None)
+        self.scale = scale
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         xf = x.float()
-        return (self.conv1d(xf, state, batch) + xf).to(x.dtype)
+        out = self.conv1d(xf, state, batch) + xf
+        return (out if self.scale == 1.0 else out * self.scale).to(x.dtype)
+
+
+def log_scale(positions: torch.Tensor, n_floor: int, alpha: float) -> torch.Tensor:
+    """The full layers' ``1 + alpha * log(max((pos + 1) / n_floor, 1))`` -> [T, 1, 1] fp32."""
+    pos = positions.float() + 1.0
+    return (1.0 + alpha * dense.pointwise(torch.log, (pos / n_floor).clamp(min=1.0)))[:, None, None]
 
 
 class RelativeLogits(nn.Module):
@@ -71,6 +84,52 @@ class InklingAttentionDims:
     log_alpha: float
     kind: str = ATTENTION  # the KV's state kind name (sliding layers keep their own)
     heads_field: str = "num_attention_heads"
+
+
+def relative_attention(
+    ctx: LayerContext,
+    ref: StateRef,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    rel: torch.Tensor,
+    proj: torch.Tensor,
+    window: int | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``kernels.attention.relative`` over the layer's KV ``ref`` for the step's batch."""
+    batch, kv = ctx.batch, ctx.pools.kv.layer(ref)
+    q, k, v = (t.contiguous() for t in qkv)
+    return paged_attention_relative(
+        q,
+        k,
+        v,
+        kv["k"],
+        kv["v"],
+        batch.out_loc,
+        batch.page_table,
+        batch.cu_seqlens,
+        batch.seq_lens,
+        batch.page_size,
+        scale,
+        rel,
+        proj,
+        window,
+        sinks,
+    )
+
+
+def head_checks(d: InklingAttentionDims) -> list[tuple[int, str]]:
+    """The head counts a TP split must divide, by their config names (full or ``swa_*``)."""
+    kv_field = d.heads_field.replace("num_attention_heads", "num_key_value_heads")
+    return [(d.num_heads, d.heads_field), (d.num_kv_heads, kv_field)]
+
+
+def head_parts(d: InklingAttentionDims, rank: int, world: int) -> tuple[Part, Part]:
+    """This rank's (query heads, KV heads)."""
+    from workers.tp.shard_layers import part
+
+    (heads, heads_field), (kv, kv_field) = head_checks(d)
+    return part(heads, rank, world, heads_field), part(kv, rank, world, kv_field)
 
 
 class InklingAttention(nn.Module):
@@ -103,38 +162,19 @@ class InklingAttention(nn.Module):
         v = self.v_sconv(self.v_proj(x), convs["v"], batch).view(n, d.num_kv_heads, d.head_dim)
         r = self.r_proj(x).view(n, d.num_heads, d.d_rel)
         if d.window is None and d.log_floor is not None:
-            pos = batch.positions.float() + 1.0
-            tau = (1.0 + d.log_alpha * dense.pointwise(torch.log, (pos / d.log_floor).clamp(min=1.0)))[:, None, None]
+            tau = log_scale(batch.positions, d.log_floor, d.log_alpha)
             q, r = (q.float() * tau).to(q.dtype), r.float() * tau
-        kv = ctx.pools.kv.layer(ref)
-        o = paged_attention_relative(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            kv["k"],
-            kv["v"],
-            batch.out_loc,
-            batch.page_table,
-            batch.cu_seqlens,
-            batch.seq_lens,
-            batch.page_size,
-            1.0 / d.head_dim,
-            r,
-            self.rel_logits_proj.proj,
-            d.window,
-        )
+        o = relative_attention(ctx, ref, (q, k, v), 1.0 / d.head_dim, r, self.rel_logits_proj.proj, d.window)
         return self.o_proj(o.reshape(n, d.num_heads * d.head_dim))
 
     def tp_checks(self) -> list[tuple[int, str]]:
-        kv_field = self.dims.heads_field.replace("num_attention_heads", "num_key_value_heads")
-        return [(self.dims.num_heads, self.dims.heads_field), (self.dims.num_kv_heads, kv_field)]
+        return head_checks(self.dims)
 
     def tp_shard(self, rank: int, world: int, comm: object) -> None:
-        from workers.tp.shard_layers import _set, _take, column, part, row
+        from workers.tp.shard_layers import _set, _take, column, row
 
         d = self.dims
-        heads = part(d.num_heads, rank, world, d.heads_field)
-        kv = part(d.num_kv_heads, rank, world, self.tp_checks()[1][1])
+        heads, kv = head_parts(d, rank, world)
         column(self.q_proj, [heads.scaled(d.head_dim)])
         column(self.r_proj, [heads.scaled(d.d_rel)])
         for proj, conv in ((self.k_proj, self.k_sconv), (self.v_proj, self.v_sconv)):

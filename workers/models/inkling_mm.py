@@ -48,6 +48,7 @@ _LAYER_RENAMES = tuple(
         (r"\.mlp\.gate\.bias$", ".mlp.gate.e_score_correction_bias"),
         (r"\.mlp\.experts\.w2_weight$", ".mlp.experts.down_proj"),
         (r"\.mlp\.shared_experts\.shared_w2_weight$", ".mlp.shared_experts.down_proj"),
+        (r"(\.layers\.\d+)\.attn\.", r"\1.self_attn."),  # the rest of attn.* (Inkling2's)
     )
 )
 

@@ -16,6 +16,8 @@ The two families differ only in the gates (``KdaDims.gate``):
 - ``bailing`` (``kda_safe_gate``): ``g = lower_bound * sigmoid(exp(A_log_h) * (f_proj(x) +
   dt_bias))``; ``bailing_softplus``: ``-exp(A_log_h) * softplus(f_proj(x) + dt_bias)``;
   gate ``g_proj(x)``; ``A_log`` [H].
+- ``glm`` (GLM-5.3-Flash, ``linear_lower_bound`` set): Kimi's low-rank projections with the
+  lower-bounded sigmoid decay; ``glm_softplus`` (no bound): Kimi's decay; ``A_log`` [H].
 
 ``dt_bias`` [H D] and ``A_log`` are kept in fp32 (as transformers keeps them).
 """
@@ -34,7 +36,9 @@ from workers.models.layers import CausalConv1d, LayerContext, linear, param
 from workers.models.weights import WeightTarget, whole
 from workers.state_spec import StateKind, StateRef, kda_kind
 
-GATES = ("kimi", "bailing", "bailing_softplus")
+GATES = ("kimi", "bailing", "bailing_softplus", "glm", "glm_softplus")
+LOW_RANK_GATES = ("kimi", "glm", "glm_softplus")  # f_a / f_b and g_a / g_b projections
+BOUNDED_GATES = ("bailing", "glm")  # lower_bound * sigmoid(...)
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class KdaDims:
     conv_kernel: int  # W
     eps: float  # the output norm's
     gate: str  # one of GATES
-    gate_lower_bound: float = -5.0  # bailing: kda_lower_bound
+    gate_lower_bound: float = -5.0  # bailing: kda_lower_bound; glm: linear_lower_bound
 
     @property
     def qkv_dim(self) -> int:
@@ -69,7 +73,7 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = linear(hidden, h, False, dtype)
         self.dt_bias = param(h * d, dtype=torch.float32)
         self.A_log = param(h, dtype=torch.float32)
-        if dims.gate == "kimi":
+        if dims.gate in LOW_RANK_GATES:
             self.f_a_proj, self.f_b_proj = linear(hidden, d, False, dtype), linear(d, h * d, False, dtype)
             self.g_a_proj, self.g_b_proj = linear(hidden, d, False, dtype), linear(d, h * d, False, dtype)
         else:
@@ -85,15 +89,15 @@ class KimiDeltaAttention(nn.Module):
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """The per-channel log decay g [T, H, D] fp32 (see the module docstring)."""
         d = self.dims
-        raw = self.f_b_proj(self.f_a_proj(x)) if d.gate == "kimi" else self.f_proj(x)
+        raw = self.f_b_proj(self.f_a_proj(x)) if d.gate in LOW_RANK_GATES else self.f_proj(x)
         raw = (raw.float() + self.dt_bias.float()).view(x.shape[0], d.num_heads, d.head_dim)
         rate = self.A_log.float().exp()[:, None]  # [H, 1]
-        if d.gate == "bailing":
+        if d.gate in BOUNDED_GATES:
             return d.gate_lower_bound * dense.pointwise(torch.sigmoid, rate * raw)
         return -rate * dense.pointwise(F.softplus, raw)
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return self.g_b_proj(self.g_a_proj(x)) if self.dims.gate == "kimi" else self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x)) if self.dims.gate in LOW_RANK_GATES else self.g_proj(x)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
         d = self.dims

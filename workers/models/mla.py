@@ -48,6 +48,7 @@ class MlaDims:
     bias: bool  # attention_bias: q_a_proj, kv_a_proj_with_mqa, o_proj
     rope: str  # one of ROPE_MODES
     head_gate: bool = False  # BailingHybrid's g_proj
+    norm_eps: float = LATENT_NORM_EPS  # q_a / kv_a norms (GLM-5.3-Flash: rms_norm_eps)
 
     @property
     def qk_head_dim(self) -> int:
@@ -86,10 +87,10 @@ class LatentAttention(nn.Module):
             self.q_proj = linear(hidden, h * dims.qk_head_dim, False, dtype)
         else:
             self.q_a_proj = linear(hidden, dims.q_lora_rank, dims.bias, dtype)
-            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, dims.norm_eps, dtype)
             self.q_b_proj = linear(dims.q_lora_rank, h * dims.qk_head_dim, False, dtype)
         self.kv_a_proj_with_mqa = linear(hidden, r + dims.qk_rope_head_dim, dims.bias, dtype)
-        self.kv_a_layernorm = RMSNorm(r, LATENT_NORM_EPS, dtype)
+        self.kv_a_layernorm = RMSNorm(r, dims.norm_eps, dtype)
         self.kv_b_proj = linear(r, h * (dims.qk_nope_head_dim + dims.v_head_dim), False, dtype)
         self.o_proj = linear(h * dims.v_head_dim, hidden, dims.bias, dtype)
         if dims.head_gate:
@@ -98,26 +99,48 @@ class LatentAttention(nn.Module):
     def state_kind(self) -> StateKind:
         return mla_kind(self.dims.kv_lora_rank, self.dims.qk_rope_head_dim)
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x) if self.dims.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    def q_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """``q_a_layernorm(q_a_proj(x))`` [T, q_lora_rank] (GLM's indexer reads it too)."""
+        return self.q_a_layernorm(self.q_a_proj(x))
+
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dims.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_residual(x) if q_resid is None else q_resid)
         return q.view(x.shape[0], self.dims.num_heads, self.dims.qk_head_dim)
 
-    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
-        d, batch = self.dims, ctx.batch
-        num_tokens, r, nope = x.shape[0], d.kv_lora_rank, d.qk_nope_head_dim
-        q_nope, q_rope = self.queries(x).split([nope, d.qk_rope_head_dim], dim=-1)
+    def absorbed(
+        self, x: torch.Tensor, ctx: LayerContext, q_resid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the absorbed query [T, H, R + P], the new tokens' latent rows [T, R + P])."""
+        d = self.dims
+        r, nope = d.kv_lora_rank, d.qk_nope_head_dim
+        q_nope, q_rope = self.queries(x, q_resid).split([nope, d.qk_rope_head_dim], dim=-1)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([r, d.qk_rope_head_dim], dim=-1)
         c, k_rope = self.kv_a_layernorm(c), k_rope[:, None, :]
         if d.rope == "interleaved":
             assert ctx.rope is not None, "interleaved RoPE needs the model's rotary tables"
             q_rope, k_rope = rotate_interleaved(q_rope, ctx.rope), rotate_interleaved(k_rope, ctx.rope)
-        w = self.kv_b_proj.weight.view(d.num_heads, nope + d.v_head_dim, r)
-        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, nope, R], [H, V, R]
+        w_uk = self.kv_b_proj.weight.view(d.num_heads, nope + d.v_head_dim, r)[:, :nope]  # [H, nope, R]
         query = torch.cat([dense.head_products(q_nope, w_uk.transpose(1, 2)), q_rope], dim=-1)
-        latent = torch.cat([c, k_rope[:, 0]], dim=-1)
+        return query.contiguous(), torch.cat([c, k_rope[:, 0]], dim=-1)
+
+    def project_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The latent output o [T, H, R] -> [T, hidden]: W_uv, the head gate, ``o_proj``."""
+        d = self.dims
+        w_uv = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, -1)[:, d.qk_nope_head_dim :]
+        o = dense.head_products(o, w_uv)  # [T, H, V]
+        if d.head_gate:
+            o = o * dense.pointwise(torch.sigmoid, self.g_proj(x).float()).to(o.dtype)[..., None]
+        return self.o_proj(o.reshape(x.shape[0], d.num_heads * d.v_head_dim))
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext, ref: StateRef) -> torch.Tensor:
+        batch = ctx.batch
+        query, latent = self.absorbed(x, ctx)
         pool = ctx.pools.kv.layer(ref)["latent"]
         o = mla_attention(
-            query.contiguous(),
+            query,
             latent,
             pool,
             batch.out_loc,
@@ -125,10 +148,7 @@ class LatentAttention(nn.Module):
             batch.cu_seqlens,
             batch.seq_lens,
             batch.page_size,
-            d.scale,
-            r,
+            self.dims.scale,
+            self.dims.kv_lora_rank,
         )
-        o = dense.head_products(o, w_uv)  # [T, H, V]
-        if d.head_gate:
-            o = o * dense.pointwise(torch.sigmoid, self.g_proj(x).float()).to(o.dtype)[..., None]
-        return self.o_proj(o.reshape(num_tokens, d.num_heads * d.v_head_dim))
+        return self.project_out(o, x)

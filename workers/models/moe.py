@@ -46,7 +46,7 @@ from torch import nn
 from kernels import dense, native_ops
 from kernels.static import tracing
 from workers.models.layers import DenseMLP, activation, linear, param
-from workers.models.moe_experts import expert_loop, expert_loop_op, swiglu
+from workers.models.moe_experts import expert_loop, expert_loop_op, reference_loop, swiglu
 from workers.models.weights import WeightTarget, module_targets, split, whole
 
 STYLES = ("qwen", "granite", "sigmoid_grouped")
@@ -70,6 +70,7 @@ class MoeDims:
     score_bias: bool = True  # sigmoid_grouped: the choice adds a correction bias
     norm_eps: float = 1e-20  # sigmoid_grouped: renormalisation sum + eps (LFM2-MoE 1e-6)
     swiglu_limit: float = 0.0  # > 0: Ling's clipped SwiGLU (``moe_experts.swiglu``)
+    swiglu_clip_input: bool = False  # GLM-5.3-Flash: the limit clips the gate before act
 
     def validate(self) -> None:
         if self.style not in STYLES:
@@ -176,6 +177,12 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         d = self.dims
+        if d.swiglu_clip_input:  # the native loop clips Ling's way only
+            if dense.invariant():
+                raise RuntimeError("the batch-invariant mode needs the native expert loop, which has no input clip")
+            if tracing():
+                return self._routed_static(x, weights, ids)
+            return reference_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act, d.swiglu_limit, True)
         if not tracing():
             return expert_loop(x, weights, ids, self.w_gate, self.w_up, self.w_down, d.act, d.swiglu_limit)
         if x.device.type == "cpu" and torch.compiler.is_compiling() and loop_op_is_cheaper(x, d):
@@ -196,7 +203,8 @@ class SparseMoE(nn.Module):
         if gate_w is None:
             inner = self.act(up)
         else:
-            inner = swiglu(self.act, torch.einsum(spec_in, h, gate_w), up, self.dims.swiglu_limit)
+            d = self.dims
+            inner = swiglu(self.act, torch.einsum(spec_in, h, gate_w), up, d.swiglu_limit, d.swiglu_clip_input)
         return torch.einsum(spec_out, inner, down_w)
 
     def _routed_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

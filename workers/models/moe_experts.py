@@ -11,6 +11,8 @@ another order), so eager and compiled steps keep computing the same bits.
 
 Every form takes ``limit`` (Ling's clipped SwiGLU, 0 = off): a gated expert's inner
 activation is then ``min(act(gate), limit) * clamp(up, -limit, limit)`` (``swiglu``).
+``reference_loop`` also takes ``clip_input``: GLM-5.3-Flash clips the gate before the
+activation, ``act(min(gate, limit)) * clamp(up, -limit, limit)`` (no native twin).
 
 ``hybridserve::moe_experts`` is the same loop as one opaque op for a compiled CPU step of a
 batch too large for the static formulation to be the cheaper (``moe.static_is_cheaper``):
@@ -31,10 +33,13 @@ from kernels import cpu_linear, dense, native_ops
 from workers.models.layers import activation
 
 
-def swiglu(fn: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor, limit: float) -> Tensor:
-    """``fn(gate) * up``; with ``limit`` > 0 clipped: ``min(fn(gate), limit) * clamp(up, -limit, limit)``."""
+def swiglu(fn: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor, limit: float, clip_input: bool = False) -> Tensor:
+    """``fn(gate) * up``; with ``limit`` > 0 clipped: ``min(fn(gate), limit) * clamp(up, -limit, limit)``
+    (``clip_input``: ``fn(min(gate, limit)) * clamp(up, -limit, limit)``)."""
     if limit <= 0:
         return fn(gate) * up
+    if clip_input:
+        return fn(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     return fn(gate).clamp(max=limit) * up.clamp(-limit, limit)
 
 
@@ -66,9 +71,10 @@ def reference_loop(
     w_down: Tensor,
     act: str,
     limit: float = 0.0,
+    clip_input: bool = False,
 ) -> Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H]; experts are
-    ``down(swiglu(act, gate(x), up(x), limit))``, or ``down(act(up(x)))`` without a gate."""
+    ``down(swiglu(act, gate(x), up(x), limit, clip_input))``, or ``down(act(up(x)))`` without a gate."""
     fn = activation(act)
     k = ids.shape[1]
     flat_ids = ids.reshape(-1)  # [T*k], row r = token r // k
@@ -85,7 +91,7 @@ def reference_loop(
         tokens = rows // k
         h = x[tokens]
         up = cpu_linear.linear(h, w_up[e])
-        inner = fn(up) if w_gate is None else swiglu(fn, cpu_linear.linear(h, w_gate[e]), up, limit)
+        inner = fn(up) if w_gate is None else swiglu(fn, cpu_linear.linear(h, w_gate[e]), up, limit, clip_input)
         y = cpu_linear.linear(inner, w_down[e])
         # a token picks an expert at most once, so ``tokens`` has no repeats; index_add_
         # would be equal but is very slow on CPU for small inputs (torch 2.13)

@@ -7,7 +7,8 @@ projections, the caller's all-reduce after the layer).
   per-head output norm are replicated.
 - MLA: by heads (``q_proj`` / ``q_b_proj``, ``kv_b_proj``, ``g_proj``; ``o_proj`` row); the
   latent path (``q_a``, ``kv_a_proj_with_mqa``, their norms) is replicated, so each rank's
-  pool holds the whole latent of every token (as MLA under TP does).
+  pool holds the whole latent of every token (as MLA under TP does). GLM-5.3-Flash's indexed
+  MLA the same, its indexer replicated.
 - Lightning attention: by heads (``qkv_proj`` per head [q|k|v], ``output_gate``, the slopes;
   ``out_proj`` row); its norm spans all heads, so it becomes a ``CrossRankRMSNorm``.
 - OLMo's attention: as attention, with its whole-width q/k norms made ``CrossRankRMSNorm``s
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.models.kda import KimiDeltaAttention
+from workers.models.dsa import IndexedLatentAttention
+from workers.models.kda import LOW_RANK_GATES, KimiDeltaAttention
 from workers.models.lightning import LightningAttention
 from workers.models.mla import LatentAttention
 from workers.models.olmo_hybrid import OlmoAttention
@@ -61,8 +63,9 @@ def shard_kda(m: KimiDeltaAttention, rank: int, world: int, comm: Comm) -> None:
     for proj in (m.q_proj, m.k_proj, m.v_proj):
         column(proj, per_head)
     _set(m.conv1d, "weight", _take(m.conv1d.weight, 0, [h.scaled(d.head_dim, i * d.qkv_dim) for i in range(3)]))
-    column(m.f_b_proj if d.gate == "kimi" else m.f_proj, per_head)
-    column(m.g_b_proj if d.gate == "kimi" else m.g_proj, per_head)
+    low_rank = d.gate in LOW_RANK_GATES
+    column(m.f_b_proj if low_rank else m.f_proj, per_head)
+    column(m.g_b_proj if low_rank else m.g_proj, per_head)
     column(m.b_proj, [h])
     _set(m, "dt_bias", _take(m.dt_bias, 0, per_head))
     _set(m, "A_log", _take(m.A_log, 0, [h]))
@@ -105,12 +108,14 @@ Sharder = Callable[[Any, int, int, Comm], None]
 SHARDERS: dict[type, Sharder] = {
     KimiDeltaAttention: shard_kda,
     LatentAttention: shard_mla,
+    IndexedLatentAttention: shard_mla,  # its indexer stays whole: every rank selects alike
     LightningAttention: shard_lightning,
     OlmoAttention: shard_olmo_attention,
 }
 CHECKS: dict[type, Callable[[Any], list[tuple[int, str]]]] = {
     KimiDeltaAttention: lambda m: [(m.dims.num_heads, "linear_num_heads")],
     LatentAttention: lambda m: [(m.dims.num_heads, "num_attention_heads")],
+    IndexedLatentAttention: lambda m: [(m.dims.num_heads, "num_attention_heads")],
     LightningAttention: lambda m: [(m.dims.num_heads, "num_attention_heads")],
     OlmoAttention: lambda m: [(m.dims.num_heads, "num_attention_heads"), (m.dims.num_kv_heads, "num_key_value_heads")],
 }

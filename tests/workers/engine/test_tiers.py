@@ -107,12 +107,13 @@ def test_promotion_over_a_device_hit(family_dir, off, strategy, overlap):
         assert llm.engine.cache.tree.peek(follow[:-1]).depth >= 24
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "minimax"])
+@pytest.mark.parametrize("family", ["kimi_linear", "minimax", "glm5_next"])
 def test_promotion_copies_every_kind_of_state(tiny_checkpoint, family):
     """Kinds no model above has: KDA and MLA's latent pool (Kimi-Linear), lightning
-    attention's conv-less state (MiniMax). The host pools mirror whatever the device pools
-    hold, so a promotion resumes these exactly too: the state oracle checks the promoted
-    state, the logprobs (against cache-off's, to float noise) the promoted KV / latents."""
+    attention's conv-less state (MiniMax), the indexer's rows (GLM-5.3-Flash). The host pools
+    mirror whatever the device pools hold, so a promotion resumes these exactly too: the state
+    oracle checks the promoted state, the logprobs (against cache-off's, to float noise) the
+    promoted KV / latents / indexer rows."""
     model_dir = tiny_checkpoint(family)
     off = make_llm(model_dir, cache={"enable_prefix_cache": False})
     llm = tiered_llm(model_dir, scheduler={"overlap": True}, debug={"state_oracle_sample": 1.0})

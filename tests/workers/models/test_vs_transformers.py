@@ -367,6 +367,50 @@ VARIANTS = {
             "rope_parameters": {"hybrid": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
         },
     ),
+    # KDA's softplus decay (no lower bound), MLA biases, tied, 4 mHC streams and 3 Sinkhorn
+    # rounds, blocks of 3 with 4 kept, every indexed layer its own indexer, one expert group,
+    # raw top-k weights scaled
+    "glm5_softplus_bias_tied_blocks3": (
+        "glm5_next",
+        {
+            "linear_lower_bound": None,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 3,
+            "index_kpool": 3,
+            "index_topk": 12,
+            "indexer_types": ["full"] * 5,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.5,
+        },
+    ),
+    # Inkling's head padded past unpadded_vocab_size: transformers slices the logits (both classes)
+    "inkling_unpadded_head": ("inkling", {"unpadded_vocab_size": 500}),
+    "inkling_mm_unpadded_head": ("inkling_mm", {"unpadded_vocab_size": 480}),
+    # blocks of 3, two-tap convs, top-1 routing, an unpadded head, a logit cap that barely bites
+    "inkling2_blocks3_w2_top1": (
+        "inkling2",
+        {
+            "n_layers_per_attn_res_block": 3,
+            "conv_kernel_size": 2,
+            "num_experts_per_tok": 1,
+            "unpadded_vocab_size": 480,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    # two passes over three one-layer blocks (the loop from layer 1 to 4)
+    "inkling2_loop_2passes_blocks1": (
+        "inkling2_loop",
+        {
+            "n_layers_per_attn_res_block": 1,
+            "loop_layer_index_start": 1,
+            "loop_layer_index_end": 4,
+            "loop_num_passes": 2,
+        },
+    ),
 }
 
 

@@ -32,6 +32,7 @@ WRAPPERS = {
     "minicpm_ocr": (True, ("model.vision_tower.", "model.merger.")),
     "nemotron_h_omni": (True, ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection.", "vision_projector.")),
     "nemotron3_5_transcribe": (False, ("perception.", "ctc_timestamp.")),
+    "glm5_next": (True, ("model.visual.",)),
 }
 
 
