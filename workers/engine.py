@@ -89,7 +89,8 @@ class Engine(StoreEndpoints):
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         self.eos_token_id = self._find_eos()
-        self.vocab_size = int(self.hf_config.vocab_size)
+        # The logits' width: token ids past it (a padded head's spare rows) are refused.
+        self.vocab_size = int(self.model.lm_head_weight().shape[0])
         self.stats = EngineStats()
         self._build_pools()
         self.generators = GeneratorBank(config.seed, self.device)

@@ -65,7 +65,7 @@ class TPWorker:
         self.generators = GeneratorBank(config.seed, self.device)
         model_dir = config.model_dir()
         # Each rank compiles the grammars its matchers need (on first use, cached).
-        grammars = GrammarCompiler(lambda: load_tokenizer(model_dir), int(model.config.vocab_size))
+        grammars = GrammarCompiler(lambda: load_tokenizer(model_dir), int(model.lm_head_weight().shape[0]))
         self.runner = ModelRunner(
             model,
             pools,
