@@ -78,6 +78,9 @@ class ModelRunner:
     ) -> None:
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, device
         if deterministic:
+            if not model.batch_invariant:
+                name = type(model).__name__
+                raise ValueError(f"deterministic is not supported for {name} (no batch-invariant kernels)")
             dense.check_invariant_mode(device, {p.dtype for p in model.parameters() if p.is_floating_point()})
         self.deterministic = deterministic  # every step in kernels.dense's batch-invariant mode
         self.generators = generators

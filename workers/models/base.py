@@ -152,6 +152,7 @@ class HybridForCausalLM(nn.Module):
     is_vl_checkpoint: bool = False  # a vision tower sits beside the language model
     serves_images: bool = False  # no family serves image inputs yet
     ties_embeddings: bool = True  # False: lm_head is its own weight whatever the config says
+    batch_invariant: bool = True  # False: no batch-invariant kernels (``deterministic`` is refused)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()

@@ -179,6 +179,8 @@ class Glm5DecoderLayer(nn.Module):
 class Glm5NextTextModel(HybridForCausalLM):
     """GLM-5.3-Flash's language model over ``text_config`` (see the module docstring)."""
 
+    batch_invariant = False  # the native expert loop has no pre-activation clip
+
     @classmethod
     def validate_config(cls, cfg: Any) -> None:
         check_layers(cfg)

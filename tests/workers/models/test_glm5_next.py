@@ -57,6 +57,11 @@ def test_speculation_is_refused(tiny_checkpoint) -> None:
         make_llm(tiny_checkpoint(FAMILY), spec={"method": "mtp", "num_draft_tokens": 2})
 
 
+def test_the_batch_invariant_mode_is_refused_at_start_up(tiny_checkpoint) -> None:
+    with pytest.raises(ValueError, match="deterministic is not supported for Glm5NextForConditionalGeneration"):
+        make_llm(tiny_checkpoint(FAMILY), deterministic=True)
+
+
 def _prefill_logits(model_dir: Path) -> list[torch.Tensor]:
     model = load_model(model_dir, torch.float32, "cpu").model
     return Harness(model).prefill(random_prompts(model.config.vocab_size, [5, 23], seed=4))
