@@ -70,6 +70,7 @@ def _varlen():
 def _launch_everything() -> None:
     from kernels.attention.triton_paged import paged_attention_triton
     from kernels.conv1d.triton_conv import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from kernels.fp8.triton_block import block_fp8_matmul
     from kernels.gdn.triton_varlen import gated_delta_rule_varlen_triton
     from kernels.indexer.triton_select import select_positions_triton
     from kernels.indexer.triton_sparse import sparse_attention_triton
@@ -153,6 +154,15 @@ def _launch_everything() -> None:
     lens = torch.tensor(ctx, dtype=torch.int32)
     picked = select_positions_triton(r(t, HEADS, 16), None, r(len(LENS), 2, 16), cu, lens, 4, 2)
     sparse_attention_triton(r(t, HEADS, 16), r(64, 8, 16), r(64, 8, 16), picked, table, cu, lens, page_size, 0.25)
+    rows, cols, fp8 = 4096, 8192, torch.float8_e4m3fn  # rows of tokens on axis 0, output columns on axis 1
+    block_fp8_matmul(
+        torch.empty(rows, 128, dtype=fp8),
+        r(rows, 1),
+        torch.empty(cols, 128, dtype=fp8),
+        r(64, 1),
+        (128, 128),
+        torch.bfloat16,
+    )
 
 
 def test_every_launch_within_cuda_limits(grids):
